@@ -1,0 +1,28 @@
+"""gpuload: Parquet to training batches without starving the GPU.
+
+Parquet is decoded and converted once, the converted columns are cached on local
+disk, and every later epoch is fed from that cache by background threads, shuffled
+deterministically and sharded evenly across ranks.
+"""
+
+from .batch import Ragged
+from .dataset import CacheSummary, ParquetDataset, build_cache
+from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
+                     SourceError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ParquetDataset",
+    "build_cache",
+    "CacheSummary",
+    "Ragged",
+    "GpuloadError",
+    "ConfigError",
+    "SourceError",
+    "SchemaError",
+    "NullValuesError",
+    "CacheError",
+    "CorruptCacheError",
+    "__version__",
+]

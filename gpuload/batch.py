@@ -1,0 +1,161 @@
+"""Batch: shuffle windows of chunks and slice them into batches.
+
+A *column set* is ``{output name: array or Ragged}`` holding the same number of rows in
+every output. The functions here work on NumPy arrays and, unchanged, on CuPy arrays
+(the array module is taken from the arrays themselves), so the CPU and GPU paths share
+one batching implementation and therefore one order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = ["Ragged", "nrows", "take", "rows", "concat", "Batcher", "nbytes"]
+
+
+class Ragged(NamedTuple):
+    """A variable-length list column of a batch.
+
+    ``values`` holds every list's elements back to back; ``offsets`` (int64, length
+    rows + 1, ``offsets[0] == 0``) marks where row ``i`` starts and ends:
+    ``values[offsets[i]:offsets[i + 1]]``. Both are torch tensors in a batch (NumPy or
+    CuPy arrays inside the pipeline).
+    """
+
+    values: object
+    offsets: object
+
+
+def _xp(a):
+    """The array module (numpy or cupy) of ``a``."""
+    mod = type(a).__module__
+    if mod.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def nrows(cols: dict) -> int:
+    """Number of rows of a column set."""
+    for v in cols.values():
+        return len(v.offsets) - 1 if isinstance(v, Ragged) else len(v)
+    return 0
+
+
+def nbytes(cols: dict) -> int:
+    """Bytes held by a column set."""
+    total = 0
+    for v in cols.values():
+        total += v.values.nbytes + v.offsets.nbytes if isinstance(v, Ragged) else v.nbytes
+    return total
+
+
+def rows(cols: dict, start: int, stop: int) -> dict:
+    """Rows ``start:stop`` of a column set; views for dense outputs, no data copy."""
+    out = {}
+    for k, v in cols.items():
+        if isinstance(v, Ragged):
+            off = v.offsets[start:stop + 1]
+            out[k] = Ragged(v.values[int(off[0]):int(off[-1])], off - off[0])
+        else:
+            out[k] = v[start:stop]
+    return out
+
+
+def take(cols: dict, idx) -> dict:
+    """Rows ``idx`` (an integer index array) of a column set, gathered into new arrays."""
+    out = {}
+    for k, v in cols.items():
+        if isinstance(v, Ragged):
+            xp = _xp(v.values)
+            starts = v.offsets[idx]
+            lengths = v.offsets[idx + 1] - starts
+            off = xp.zeros(len(idx) + 1, dtype=xp.int64)
+            xp.cumsum(lengths, out=off[1:])
+            total = int(off[-1])
+            # position of each output value inside the source values
+            src = xp.repeat(starts - off[:-1], lengths) + xp.arange(total, dtype=xp.int64)
+            out[k] = Ragged(v.values[src], off)
+        else:
+            out[k] = _xp(v).take(v, idx, axis=0)
+    return out
+
+
+def concat(parts: Sequence[dict]) -> dict:
+    """Rows of several column sets one after another, in new arrays."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for k, v in parts[0].items():
+        xp = _xp(v.values if isinstance(v, Ragged) else v)
+        if isinstance(v, Ragged):
+            shifts = np.cumsum([0] + [int(p[k].offsets[-1]) for p in parts[:-1]])
+            off = xp.concatenate([parts[0][k].offsets[:1]] +
+                                 [p[k].offsets[1:] + int(s) for p, s in zip(parts, shifts)])
+            out[k] = Ragged(xp.concatenate([p[k].values for p in parts]), off)
+        else:
+            out[k] = xp.concatenate([p[k] for p in parts])
+    return out
+
+
+class _Piece:
+    """Rows waiting to be batched: a column set, optionally read through a permutation."""
+
+    __slots__ = ("cols", "perm", "pos", "n")
+
+    def __init__(self, cols: dict, perm):
+        self.cols, self.perm, self.pos, self.n = cols, perm, 0, nrows(cols)
+
+    def take(self, k: int) -> dict:
+        a, self.pos = self.pos, self.pos + k
+        if self.perm is None:
+            return rows(self.cols, a, a + k)
+        return take(self.cols, self.perm[a:a + k])
+
+
+class Batcher:
+    """Cuts a stream of windows into batches of the planned sizes.
+
+    Rows not used by one window's batches carry over into the next window's first
+    batch, so batch boundaries ignore window and chunk boundaries. Without a
+    permutation a batch that lies inside one chunk is a view of it (no copy).
+
+    Parameters
+    ----------
+    sizes : the batch sizes this rank yields this epoch (from :func:`gpuload.plan.batch_sizes`).
+    """
+
+    def __init__(self, sizes: Sequence[int]):
+        self._sizes = deque(sizes)
+        self._pieces: deque[_Piece] = deque()
+        self._available = 0
+
+    def add(self, cols: dict, perm=None) -> Iterator[dict]:
+        """Add a window (rows in ``perm`` order if given) and yield every batch now complete."""
+        piece = _Piece(cols, perm)
+        if piece.n:
+            self._pieces.append(piece)
+            self._available += piece.n
+        while self._sizes and self._available >= self._sizes[0]:
+            yield self._cut(self._sizes.popleft())
+
+    def _cut(self, size: int) -> dict:
+        parts = []
+        while size:
+            p = self._pieces[0]
+            k = min(size, p.n - p.pos)
+            parts.append(p.take(k))
+            size -= k
+            self._available -= k
+            if p.pos == p.n:
+                self._pieces.popleft()
+        return concat(parts)
+
+    @property
+    def done(self) -> bool:
+        """True once every planned batch has been cut."""
+        return not self._sizes

@@ -1,0 +1,337 @@
+"""Cache: converted chunks on local disk, one file per chunk.
+
+File format (version 1), little-endian::
+
+    offset 0   8 bytes   magic b"GPULOAD\\0"
+    offset 8   u32       format version (1)
+    offset 12  u32       header length H in bytes
+    offset 16  u64       xxh3-64 of the header bytes
+    offset 24  H bytes   header: UTF-8 JSON (the chunk's manifest, below)
+    ...        zeros     up to the next multiple of 4096
+    regions    each starts at a multiple of 4096; the file ends on one too
+
+The header holds ``rows``, the ``source`` (path, size, mtime_ns, row groups) and a list
+of ``regions``: ``{"output", "part" ("data", "values" or "offsets"), "dtype", "shape",
+"offset", "nbytes", "xxh3"}``. Every region is a C-contiguous array, so a reader (mmap,
+pread or KvikIO into device memory) takes one read of the file and makes views by
+offset. No pickle anywhere.
+
+Layout of a cache directory::
+
+    <cache_dir>/v1/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+
+The name covers every input that changes the bytes: the source path, its size and
+mtime (the file version), the columns, groups, dtypes and fill values (the spec), the
+row groups, and the format version. A changed source file changes only its own names;
+its stale chunks are deleted when its new chunks are written.
+
+Writes go to a temporary name in the same folder, are fsynced and renamed into place:
+a reader sees a complete file or none. Each chunk has a lock file (``fcntl`` locks,
+released by the OS when a process dies) so concurrent builders build it once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import xxhash
+from filelock import FileLock
+
+from .batch import Ragged, nbytes
+from .errors import CacheError, CorruptCacheError
+
+__all__ = ["ChunkKey", "ChunkCache", "write_chunk", "read_chunk", "read_header", "default_cache_dir"]
+
+MAGIC = b"GPULOAD\0"
+FORMAT_VERSION = 1
+ALIGN = 4096
+_PREFIX = struct.Struct("<8sIIQ")
+SUFFIX = ".glc"
+_LAYOUT = f"v{FORMAT_VERSION}"
+
+
+def default_cache_dir() -> Path:
+    """``$GPULOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
+    env = os.environ.get("GPULOAD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gpuload"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Identity of one cached chunk; :meth:`relpath` is its file name in the cache."""
+
+    path: str  # absolute source path
+    version: str  # source file version (size + mtime)
+    spec: str  # hash of the output spec
+    rg_start: int
+    rg_stop: int
+
+    @property
+    def folder(self) -> str:
+        return xxhash.xxh64_hexdigest(self.path.encode())
+
+    def relpath(self) -> str:
+        return f"{_LAYOUT}/{self.folder}/{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
+
+
+def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
+    out = []
+    for name, v in cols.items():
+        if isinstance(v, Ragged):
+            out += [(name, "values", np.asarray(v.values)), (name, "offsets", np.asarray(v.offsets))]
+        else:
+            out.append((name, "data", np.asarray(v)))
+    return out
+
+
+def write_chunk(path: Path, cols: dict, source: dict) -> int:
+    """Write ``cols`` atomically as a cache file at ``path``; returns the file size.
+
+    The data goes to a temporary file beside ``path``, is fsynced, then renamed.
+    """
+    regions, offset = [], 0
+    arrays = []
+    for name, part, arr in _regions(cols):
+        arr = np.ascontiguousarray(arr)
+        regions.append({"output": name, "part": part, "dtype": arr.dtype.str, "shape": list(arr.shape),
+                        "offset": 0, "nbytes": arr.nbytes, "xxh3": xxhash.xxh3_64_hexdigest(arr)})
+        arrays.append(arr)
+    rows = next((len(v.offsets) - 1 if isinstance(v, Ragged) else len(v) for v in cols.values()), 0)
+    header = {"format": FORMAT_VERSION, "rows": rows, "source": source, "regions": regions}
+    # region offsets depend on the header length, which depends on the offsets' digits:
+    # lay out with generous room, then fix the numbers.
+    for _ in range(3):
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        offset = _align(_PREFIX.size + len(blob))
+        for r in regions:
+            r["offset"], offset = offset, _align(offset + r["nbytes"])
+        if json.dumps(header, separators=(",", ":")).encode() == blob:
+            break
+    total = max(offset, _align(_PREFIX.size + len(blob)))
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob), xxhash.xxh3_64_intdigest(blob)))
+            f.write(blob)
+            for r, arr in zip(regions, arrays):
+                f.seek(r["offset"])
+                f.write(memoryview(arr).cast("B") if arr.nbytes else b"")
+            f.truncate(total)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return total
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_header(f, path) -> tuple[dict, int]:
+    """Read and check the prefix and header of an open cache file.
+
+    Returns (header dict, offset of the first region). Raises :class:`CorruptCacheError`.
+    """
+    prefix = f.read(_PREFIX.size)
+    if len(prefix) != _PREFIX.size:
+        raise CorruptCacheError(f"{path}: truncated cache file (no header)")
+    magic, version, hlen, hsum = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise CorruptCacheError(f"{path}: not a gpuload cache file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptCacheError(f"{path}: cache format {version}, this gpuload reads {FORMAT_VERSION}")
+    blob = f.read(hlen)
+    if len(blob) != hlen or xxhash.xxh3_64_intdigest(blob) != hsum:
+        raise CorruptCacheError(f"{path}: header checksum mismatch")
+    header = json.loads(blob)
+    return header, _align(_PREFIX.size + hlen)
+
+
+def read_chunk(path: Path, verify: bool = True) -> tuple[dict, dict]:
+    """Read a cache file with one sequential read into a fresh host buffer.
+
+    Returns (header, column set of views into that buffer). With ``verify`` every
+    region's checksum is compared. Raises ``FileNotFoundError`` when absent and
+    :class:`CorruptCacheError` when the file fails a check.
+    """
+    with open(path, "rb", buffering=0) as f:
+        header, start = read_header(f, path)
+        end = max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
+        buf = np.empty(end - start, dtype=np.uint8)
+        f.seek(start)
+        got = f.readinto(memoryview(buf)) if len(buf) else 0
+    if got != len(buf):
+        raise CorruptCacheError(f"{path}: truncated cache file ({start + got} of {end} bytes)")
+    return header, columns_from_buffer(buf, header, start, path, verify)
+
+
+def columns_from_buffer(buf, header: dict, start: int, path, verify: bool) -> dict:
+    """Views of each region of a chunk read into ``buf`` (which holds bytes from ``start``)."""
+    cols: dict = {}
+    for r in header["regions"]:
+        raw = buf[r["offset"] - start: r["offset"] - start + r["nbytes"]]
+        if verify and xxhash.xxh3_64_hexdigest(raw) != r["xxh3"]:
+            raise CorruptCacheError(f"{path}: checksum mismatch in {r['output']}/{r['part']}")
+        arr = raw.view(np.dtype(r["dtype"])).reshape(r["shape"])
+        if r["part"] == "data":
+            cols[r["output"]] = arr
+        else:
+            cols.setdefault(r["output"], {})[r["part"]] = arr
+    return {k: Ragged(v["values"], v["offsets"]) if isinstance(v, dict) else v for k, v in cols.items()}
+
+
+class ChunkCache:
+    """A cache directory: get-or-build chunks, with locking, a size budget and checks.
+
+    Parameters
+    ----------
+    root : the cache directory (created if missing).
+    max_bytes : budget for chunk files in bytes; None means unbounded. When a new
+        chunk would exceed it, the chunk is not written (it is streamed from Parquet
+        every epoch instead) and nothing already cached is evicted.
+    verify : compare checksums on every read (default True; xxh3 runs at many GB/s).
+    """
+
+    def __init__(self, root, max_bytes: int | None = None, verify: bool = True):
+        self.root = Path(root).expanduser()
+        self.max_bytes = max_bytes
+        self.verify = verify
+        try:
+            (self.root / _LAYOUT).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CacheError(f"cache_dir {self.root}: cannot create it ({e}); pass another cache_dir "
+                             "or set GPULOAD_CACHE_DIR") from None
+        self.full = False  # set once the budget refused a chunk
+
+    def path(self, key: ChunkKey) -> Path:
+        return self.root / key.relpath()
+
+    def _lock(self, key: ChunkKey) -> FileLock:
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(p) + ".lock")
+
+    def load(self, key: ChunkKey, build: Callable[[], tuple[dict, dict]]) -> tuple[dict, bool]:
+        """The chunk's column set, and whether it came from the cache.
+
+        Reads the cached file if present and valid. Otherwise, holding the chunk's
+        lock, calls ``build()`` -> (column set, source info) and writes the result if
+        the budget allows. A corrupt file is rebuilt, never served.
+        """
+        p = self.path(key)
+        try:
+            return read_chunk(p, self.verify)[1], True
+        except FileNotFoundError:
+            pass
+        except CorruptCacheError:
+            pass  # rebuilt below, under the lock
+        with self._lock(key):
+            try:
+                return read_chunk(p, self.verify)[1], True  # another process built it meanwhile
+            except FileNotFoundError:
+                pass
+            except CorruptCacheError:
+                p.unlink(missing_ok=True)
+            for stale in p.parent.glob(p.name + ".tmp.*"):  # left by a killed writer
+                stale.unlink(missing_ok=True)
+            cols, source = build()
+            self._drop_stale(key)
+            if self.max_bytes is None:
+                write_chunk(p, cols, source)
+            else:
+                with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
+                    if not self.full:
+                        used = sum(e.stat().st_size for e in self.entries())
+                        self.full = used + nbytes(cols) + ALIGN * (len(cols) + 1) > self.max_bytes
+                    if not self.full:
+                        write_chunk(p, cols, source)
+            return cols, False
+
+    def _drop_stale(self, key: ChunkKey) -> None:
+        """Delete chunks of older versions of ``key``'s source file (same spec)."""
+        folder = self.root / _LAYOUT / key.folder
+        for p in folder.glob(f"{key.spec}-*{SUFFIX}"):
+            if p.name.split("-")[1] != key.version:
+                p.unlink(missing_ok=True)
+
+    def entries(self) -> Iterator[Path]:
+        """Every complete chunk file in the cache."""
+        yield from (self.root / _LAYOUT).glob(f"*/*{SUFFIX}")
+
+    def temporaries(self) -> Iterator[Path]:
+        """Temporary files left by writers that were killed."""
+        yield from (self.root / _LAYOUT).glob(f"*/*{SUFFIX}.tmp.*")
+
+    def summary(self) -> dict:
+        """Counts and bytes of the chunk files, per source file, plus leftover temporaries."""
+        sources: dict[str, dict] = {}
+        total = 0
+        for p in self.entries():
+            size = p.stat().st_size
+            total += size
+            try:
+                with open(p, "rb") as f:
+                    src = read_header(f, p)[0]["source"]["path"]
+            except (OSError, ValueError, KeyError, CorruptCacheError):
+                src = "(unreadable header)"
+            e = sources.setdefault(src, {"chunks": 0, "bytes": 0})
+            e["chunks"] += 1
+            e["bytes"] += size
+        return {"root": str(self.root), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
+                "sources": sources, "temporaries": len(list(self.temporaries()))}
+
+    def verify_all(self, progress=None) -> list[tuple[Path, str]]:
+        """Read every chunk file with checksums; returns (path, problem) for each bad one."""
+        bad = []
+        for p in sorted(self.entries()):
+            try:
+                read_chunk(p, verify=True)
+            except (CorruptCacheError, ValueError, KeyError) as e:
+                bad.append((p, str(e)))
+            if progress is not None:
+                progress(p)
+        return bad
+
+    def clear(self) -> int:
+        """Delete every chunk, temporary and lock file; returns bytes freed."""
+        freed = 0
+        layout = self.root / _LAYOUT
+        for p in list(layout.glob("*/*")) + list(layout.glob(".*.lock")):
+            try:
+                freed += p.stat().st_size if p.name.endswith(SUFFIX) else 0
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        for d in layout.glob("*"):
+            if d.is_dir():
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+        return freed

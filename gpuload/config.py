@@ -1,0 +1,57 @@
+"""Configuration: every loader setting in one typed, validated place.
+
+Defaults come from the arguments' defaults, then environment variables where noted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cache import default_cache_dir
+from .errors import ConfigError
+
+__all__ = ["Options", "MiB"]
+
+MiB = 1 << 20
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Options:
+    """Settings of a :class:`gpuload.ParquetDataset` (see its docstring for each)."""
+
+    batch_size: int = 65536
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    cache_dir: Path | None = None
+    device: str = "auto"
+    chunk_bytes: int = 64 * MiB
+    shuffle_window: int = 4
+    prefetch: int = 2
+    num_threads: int = 2
+    max_cache_bytes: int | None = None
+    verify_checksums: bool = True
+
+    def __post_init__(self):
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("shuffle_window", self.shuffle_window)
+        _positive_int("prefetch", self.prefetch, 0)
+        _positive_int("num_threads", self.num_threads)
+        _positive_int("chunk_bytes", self.chunk_bytes, 4096)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.max_cache_bytes is not None:
+            _positive_int("max_cache_bytes", self.max_cache_bytes, 0)
+        cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
+        object.__setattr__(self, "cache_dir", Path(os.fspath(cache)).expanduser())
+        if not isinstance(self.device, str):
+            object.__setattr__(self, "device", str(self.device))

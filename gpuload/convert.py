@@ -1,0 +1,127 @@
+"""Convert: an Arrow table of one chunk -> contiguous NumPy arrays per output.
+
+This is the CPU conversion stage (the GPU path has its own behind the same contract).
+Nulls, dictionaries, temporal types, fixed-size and variable-length lists are resolved
+here and only here; every later stage sees plain arrays of the output dtype.
+
+The result of a chunk is a *column set*: ``{output name: ndarray or Ragged}`` where a
+scalar output is 1-D ``[rows]``, a stacked group or fixed-size list is C-contiguous
+``[rows, width]``, and a list column is ``Ragged(values[nvalues], offsets[rows + 1])``
+with int64 offsets starting at 0.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .batch import Ragged
+from .errors import NullValuesError
+from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
+
+__all__ = ["table_to_columns", "needed_columns"]
+
+_DAY_MS = 86_400_000
+
+
+def needed_columns(specs: Sequence[OutputSpec]) -> list[str]:
+    """Source columns to read for ``specs``, in first-use order."""
+    return list(dict.fromkeys(c for s in specs for c in s.columns))
+
+
+def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:
+    """Values of a flat (non-list) Arrow array as NumPy, nulls filled, temporals as int64."""
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    if vt.temporal == "date32":
+        arr = arr.cast(pa.int32()).cast(pa.int64())
+    elif vt.temporal == "date64":
+        arr = pc.divide(arr.cast(pa.int64()), _DAY_MS)
+    elif vt.temporal:
+        arr = arr.cast(pa.int64())
+    if arr.null_count:
+        if fill is None:
+            raise NullValuesError(
+                f"column {column!r} has {arr.null_count} null values in {where}; pass "
+                f"fill_nulls={{{column!r}: value}} (or a scalar for all columns) to replace them")
+        arr = pc.fill_null(arr, pa.scalar(fill, type=arr.type))
+    out = arr.to_numpy(zero_copy_only=False)
+    return out.astype(vt.dtype, copy=False)
+
+
+def _list_parts(arr: pa.Array, spec: OutputSpec, where: str) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """(child values, int64 offsets from 0, validity mask or None) of a list array."""
+    col = spec.columns[0]
+    if pa.types.is_fixed_size_list(arr.type):
+        k = arr.type.list_size
+        off = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
+    else:
+        off = np.asarray(arr.offsets, dtype=np.int64)
+    values = arr.values.slice(off[0], off[-1] - off[0])
+    off = off - off[0]
+    if arr.null_count == 0:
+        return values, off, None
+    if spec.fills[0] is None:
+        raise NullValuesError(
+            f"column {col!r} has {arr.null_count} null lists in {where}; pass "
+            f"fill_nulls={{{col!r}: value}} to turn them into empty lists (fixed-size lists: "
+            "rows of the fill value)")
+    valid = np.asarray(arr.is_valid())
+    return values, off, valid
+
+
+def _ragged(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
+    values, off, valid = _list_parts(arr, spec, where)
+    vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
+    if valid is not None:  # null lists become empty lists
+        lengths = np.diff(off)
+        vals = vals[np.repeat(valid, lengths)]
+        lengths[~valid] = 0
+        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return Ragged(np.ascontiguousarray(vals, dtype=spec.dtype), off)
+
+
+def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
+    values, _, valid = _list_parts(arr, spec, where)
+    vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
+    out = np.ascontiguousarray(vals, dtype=spec.dtype).reshape(len(arr), spec.width)
+    if valid is not None:  # null rows become rows of the fill value
+        out = out.copy()
+        out[~valid] = spec.fills[0]
+    return out
+
+
+def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = "") -> dict:
+    """Convert ``table`` (one chunk) into a column set following ``specs``.
+
+    Parameters
+    ----------
+    table : Arrow table holding at least every source column of ``specs``.
+    specs : the outputs to build, from :func:`gpuload.schema.resolve_outputs`.
+    where : the file and row groups, named in null-value errors.
+    """
+    n = table.num_rows
+    cols = {}
+    arrays = {}
+    for c in needed_columns(specs):
+        col = table.column(c)
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        arrays[c] = col.combine_chunks()
+    for s in specs:
+        if s.kind == RAGGED:
+            cols[s.name] = _ragged(arrays[s.columns[0]], s, where)
+        elif s.kind == FIXED:
+            cols[s.name] = _fixed(arrays[s.columns[0]], s, where)
+        elif s.kind == GROUP:
+            out = np.empty((n, s.width), dtype=s.dtype)
+            for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
+                out[:, j] = _scalar_values(arrays[c], vt, fill, c, where)
+            cols[s.name] = out
+        else:
+            v = _scalar_values(arrays[s.columns[0]], s.sources[0], s.fills[0], s.columns[0], where)
+            cols[s.name] = np.ascontiguousarray(v, dtype=s.dtype)
+    return cols

@@ -1,0 +1,215 @@
+"""ParquetDataset: the public loader, and build_cache to fill the cache ahead of time."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from . import plan
+from .config import Options
+from .errors import ConfigError
+from .handoff import make_handoff, resolve_device
+from .pipeline import Background, epoch_batches
+from .reader import ChunkReader
+
+__all__ = ["ParquetDataset", "build_cache", "CacheSummary"]
+
+
+def _dist_defaults(rank, world_size) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    for name, v in (("rank", rank), ("world_size", world_size)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{name}={v!r} must be an integer")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"rank={rank} and world_size={world_size}: need 0 <= rank < world_size")
+    return rank, world_size
+
+
+class ParquetDataset(torch.utils.data.IterableDataset):
+    """Batches of converted Parquet columns as torch tensors, from a local cache.
+
+    The first epoch decodes each chunk of row groups once, converts it to the output
+    dtypes and writes it to the cache; later epochs read the cache only. Iterate it
+    directly (or through a ``DataLoader`` with ``batch_size=None, num_workers=0``):
+    gpuload runs its own background threads.
+
+    Parameters
+    ----------
+    source : a Parquet file, a directory (``*.parquet`` below it), a glob, or a list of these.
+    columns : None (every column of a supported type; others are skipped with one log
+        line), a list of names, or a dict ``{output: column}`` / ``{output: [columns]}``;
+        a list of same-kind scalar columns is stacked into one ``[rows, k]`` tensor.
+    batch_size : rows per batch (default 65536).
+    shuffle : permute chunk order and rows within a window of chunks, differently each
+        epoch (default True). Without it rows come in file order.
+    seed : shuffle seed (default 0); with the epoch it fixes the order completely.
+    drop_last : drop the tail that does not fill a batch on every rank (default False:
+        every row once, see :mod:`gpuload.plan` for how the tail is balanced).
+    cache_dir : cache folder; None: ``$GPULOAD_CACHE_DIR``, else ``~/.cache/gpuload``.
+    device : ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    rank, world_size : this process's shard; default from ``torch.distributed`` when
+        initialised, else 0 and 1.
+    fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
+        Null lists become empty lists; null fixed-size lists rows of the value.
+    dtypes : ``{output: dtype}`` to cast outputs (default: the column's own dtype; a
+        stacked group: the common dtype of its columns).
+    chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
+    shuffle_window : chunks whose rows are shuffled together (default 4).
+    prefetch : chunks loaded ahead of the one being batched (default 2).
+    num_threads : threads that read and decode chunks (default 2).
+    max_cache_bytes : cache budget in bytes (default None: unbounded). When the data
+        does not fit, chunks are cached until full and the rest is read from Parquet
+        every epoch; nothing is evicted.
+    verify_checksums : check every region's xxh3 checksum on read (default True).
+
+    Yields
+    ------
+    dict mapping output name to a ``torch.Tensor`` (``[rows]`` or ``[rows, k]``) or a
+    :class:`gpuload.Ragged` of tensors for list columns.
+    """
+
+    def __init__(self, source, columns=None, *, batch_size: int = 65536, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, cache_dir=None, device="auto", rank: int | None = None,
+                 world_size: int | None = None, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
+                 shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
+                 max_cache_bytes: int | None = None, verify_checksums: bool = True):
+        super().__init__()
+        self.options = Options(batch_size=batch_size, shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last),
+                               cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,
+                               shuffle_window=shuffle_window, prefetch=prefetch, num_threads=num_threads,
+                               max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums)
+        self.rank, self.world_size = _dist_defaults(rank, world_size)
+        self.device = resolve_device(device)
+        self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes)
+        plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
+        self.epoch = 0
+
+    # -- public -------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """Rows in the whole dataset (all ranks)."""
+        return self.reader.num_rows
+
+    @property
+    def outputs(self) -> list[str]:
+        """Names of the tensors in each batch."""
+        return [s.name for s in self.reader.specs]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows (call before each epoch)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (the same on every rank)."""
+        o = self.options
+        return plan.num_batches(self.num_rows, self.world_size, o.batch_size, o.drop_last)
+
+    def __iter__(self) -> Iterator[dict]:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 0:
+            raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
+                              "batch_size=None), or iterate it directly")
+        handoff = make_handoff(self.device)
+        producer = Background(lambda stop: self._batches(self.epoch, handoff, stop), depth=self.options.prefetch + 2)
+        try:
+            for item in producer:
+                yield handoff.receive(item)
+        finally:
+            producer.close()
+
+    def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
+        """This rank's windows of chunk segments and batch sizes for ``epoch`` (pure)."""
+        o, r = self.options, self.reader
+        epoch = self.epoch if epoch is None else epoch
+        order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
+                                 shuffle=o.shuffle)
+        start, stop = plan.rank_range(r.num_rows, self.world_size, self.rank, o.batch_size, o.drop_last)
+        segments = plan.rank_segments([c.rows for c in r.chunks], order, start, stop)
+        sizes = plan.batch_sizes(r.num_rows, self.world_size, self.rank, o.batch_size, o.drop_last)
+        return plan.windows(segments, o.shuffle_window), sizes
+
+    # -- internals ----------------------------------------------------------------------
+    def _batches(self, epoch: int, handoff: Callable, stop) -> Iterator:
+        o, r = self.options, self.reader
+        windows, sizes = self.plan_epoch(epoch)
+        permutation = None
+        if o.shuffle:
+            def permutation(w: int, n: int):
+                return plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
+                                               rank=self.rank, window=w)
+        yield from epoch_batches(windows, sizes, r.load, permutation, handoff,
+                                 threads=o.num_threads, prefetch=o.prefetch, stop=stop)
+
+    def __repr__(self) -> str:
+        return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
+                f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
+                f"rank={self.rank}/{self.world_size}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What :func:`build_cache` did. Sizes in bytes, time in seconds."""
+
+    cache_dir: str
+    files: int
+    rows: int
+    chunks: int
+    built: int
+    already_cached: int
+    not_cached: int
+    cached_bytes: int
+    seconds: float
+    outputs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        gib = self.cached_bytes / 2**30
+        text = (f"{self.chunks} chunks of {self.rows:,} rows from {self.files} files: {self.built} built, "
+                f"{self.already_cached} already cached; {gib:.2f} GiB in {self.cache_dir} ({self.seconds:.1f} s)")
+        if self.not_cached:
+            text += f"; {self.not_cached} chunks did not fit max_cache_bytes and will be read from Parquet"
+        return text
+
+
+def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
+                num_threads: int = 2, max_cache_bytes: int | None = None,
+                progress: Callable[[int], None] | None = None) -> CacheSummary:
+    """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
+
+    Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
+    :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
+    cached). ``progress(n)`` is called with each finished chunk's row count. Safe to
+    run from several processes at once: each chunk is built once.
+    """
+    opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
+                   max_cache_bytes=max_cache_bytes)
+    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes)
+    t0 = time.perf_counter()
+    already = sum(reader.is_cached(i) for i in range(len(reader.chunks)))
+
+    def one(i: int) -> None:
+        reader.load(i)
+        if progress is not None:
+            progress(reader.chunks[i].rows)
+
+    with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
+        for f in [pool.submit(one, i) for i in range(len(reader.chunks))]:
+            f.result()
+    cached = [reader.cache.path(reader.key(i)) for i in range(len(reader.chunks))]
+    present = [p for p in cached if p.exists()]
+    return CacheSummary(
+        cache_dir=str(opts.cache_dir), files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
+        built=reader.counters.decoded - (len(reader.chunks) - len(present)), already_cached=already,
+        not_cached=len(reader.chunks) - len(present), cached_bytes=sum(p.stat().st_size for p in present),
+        seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))

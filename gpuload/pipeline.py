@@ -1,0 +1,154 @@
+"""Pipeline: background threads that load chunks ahead and assemble batches.
+
+The training thread only takes finished batches from a bounded queue. Behind it, one
+producer thread walks the epoch's windows in plan order, a thread pool loads chunks
+(cache reads or decodes) up to ``prefetch`` chunks ahead, and the
+producer permutes, slices and hands off each batch. Futures are consumed in plan
+order, so thread count and prefetch depth never change the order (invariant 1).
+Memory is bounded by the window, the chunks in flight and the batch queue.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Sequence
+
+from .batch import Batcher, concat, nrows, rows
+from .plan import Segment
+
+__all__ = ["Background", "epoch_batches"]
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class Background:
+    """Runs ``make()`` (an iterator factory) on a daemon thread; iterate to get its items.
+
+    At most ``depth`` items wait in the queue. An exception in the thread is raised
+    in the consumer at the point it happened. :meth:`close` stops the thread early.
+    """
+
+    def __init__(self, make: Callable[[threading.Event], Iterator], depth: int, name: str = "gpuload-producer"):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self.stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(make,), name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self.stop.is_set():
+            try:
+                self._q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self, make) -> None:
+        try:
+            for item in make(self.stop):
+                if not self._put(item):
+                    return
+            self._put(_END)
+        except BaseException as e:  # handed to the consumer
+            self._put(_Failure(e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._q.get()
+        if item is _END:
+            self._q.put(_END)
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._q.put(item)
+            raise item.exc
+        return item
+
+    def close(self) -> None:
+        """Stop the producer and drop what it queued."""
+        self.stop.set()
+        while True:
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=30)
+
+
+class _Lookahead:
+    """Loads segments' chunks on a pool, ``ahead`` segments beyond the one being taken."""
+
+    def __init__(self, pool: ThreadPoolExecutor, segments: Sequence[Segment], load: Callable[[int], dict],
+                 ahead: int):
+        self._pool, self._segments, self._load, self._ahead = pool, segments, load, ahead
+        self._futures: deque[Future] = deque()
+        self._next = 0
+
+    def _fill(self, upto: int) -> None:
+        while self._next < min(upto, len(self._segments)):
+            self._futures.append(self._pool.submit(self._load, self._segments[self._next].chunk))
+            self._next += 1
+
+    def take(self, index: int) -> dict:
+        """Column set of segment ``index`` (segments must be taken in order)."""
+        self._fill(index + 1 + self._ahead)
+        cols = self._futures.popleft().result()
+        s = self._segments[index]
+        return cols if s.lo == 0 and s.hi == nrows(cols) else rows(cols, s.lo, s.hi)
+
+    def cancel(self) -> None:
+        for f in self._futures:
+            f.cancel()
+
+
+def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], load: Callable[[int], dict],
+                  permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
+                  *, threads: int, prefetch: int, stop: threading.Event) -> Iterator:
+    """Yield this rank's batches for one epoch, handed off, in plan order.
+
+    Parameters
+    ----------
+    windows : the rank's segments grouped into shuffle windows.
+    sizes : planned batch sizes.
+    load : chunk index -> column set.
+    permutation : (window index, rows) -> row permutation, or None for no shuffling.
+    handoff : column set -> what the consumer receives (tensors on the target device).
+    threads, prefetch : loader threads; chunks loaded beyond the current window.
+    stop : set when the consumer has gone away.
+    """
+    segments = [s for w in windows for s in w]
+    ahead = prefetch
+    batcher = Batcher(sizes)
+    pos = 0
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool:
+        look = _Lookahead(pool, segments, load, ahead)
+        try:
+            for w, window in enumerate(windows):
+                parts = []
+                for _ in window:
+                    parts.append(look.take(pos))
+                    pos += 1
+                    if stop.is_set():
+                        return
+                if permutation is None:
+                    for p in parts:
+                        for b in batcher.add(p):
+                            yield handoff(b)
+                else:
+                    cols = concat(parts)
+                    del parts
+                    for b in batcher.add(cols, permutation(w, nrows(cols))):
+                        yield handoff(b)
+        finally:
+            look.cancel()
+    if not batcher.done:
+        raise RuntimeError("gpuload internal error: the epoch ended before every planned batch was cut")

@@ -1,0 +1,175 @@
+"""Plan: chunks, epoch order, shards and batch sizes, as pure functions.
+
+Nothing here does I/O. The order of rows a rank sees is a function of
+``(dataset fingerprint, seed, epoch, world_size, rank)`` and of nothing else: not of
+the cache state, the device, thread counts or prefetch depth.
+
+How an epoch is laid out
+------------------------
+1. The dataset is cut into *chunks*: runs of consecutive row groups of one file, of at
+   most ``chunk_bytes`` converted bytes (a larger row group is a chunk of its own).
+2. With ``shuffle=True`` the chunk order is a permutation drawn from
+   ``(fingerprint, seed, epoch)``; it is the same on every rank.
+3. The rows of the chunks, in that order, form one stream of ``N`` rows. Rank ``r``
+   takes the contiguous range ``[start_r, stop_r)`` of it, so shard membership changes
+   with the seed and the epoch, and each rank reads only about ``N / world_size`` rows.
+4. A rank groups its chunk pieces into windows of ``shuffle_window`` chunks and
+   permutes the rows of each window (seeded by the above plus ``rank`` and the
+   window's index). Batches are cut across window boundaries.
+
+How the tail is balanced
+------------------------
+``drop_last=False``: ranks get ``N // W`` or ``N // W + 1`` rows (every row exactly
+once) and every rank yields ``K = ceil(ceil(N / W) / batch_size)`` batches. Batches are
+full except the last; a rank whose rows would leave its last batch empty splits its
+last full batch into two halves instead. This needs every rank to have at least ``K``
+rows; only ``N < W`` or ``batch_size == 1`` with ``N % W != 0`` fail that, and are
+refused with a :class:`~gpuload.ConfigError`.
+
+``drop_last=True``: every rank yields ``K = N // (W * batch_size)`` full batches; the
+last ``N - K * W * batch_size`` rows of the epoch's stream are not delivered (with
+shuffling, different rows each epoch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = [
+    "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
+    "num_batches", "batch_sizes", "windows", "window_permutation",
+]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of row groups ``[rg_start, rg_stop)`` of file number ``file``."""
+
+    file: int
+    rg_start: int
+    rg_stop: int
+    rows: int
+    nbytes: int  # estimated converted bytes
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[lo, hi)`` of chunk number ``chunk``."""
+
+    chunk: int
+    lo: int
+    hi: int
+
+
+def make_chunks(row_groups: Sequence[Sequence[tuple[int, int]]], chunk_bytes: int) -> list[Chunk]:
+    """Cut files into chunks.
+
+    Parameters
+    ----------
+    row_groups : per file, per row group, ``(rows, estimated converted bytes)``.
+    chunk_bytes : upper bound of a chunk's converted bytes (a single larger row group
+        still forms one chunk).
+    """
+    chunks = []
+    for f, groups in enumerate(row_groups):
+        start, rows, size = 0, 0, 0
+        for g, (n, b) in enumerate(groups):
+            if g > start and size + b > chunk_bytes:
+                chunks.append(Chunk(f, start, g, rows, size))
+                start, rows, size = g, 0, 0
+            rows, size = rows + n, size + b
+        if len(groups) > start and rows:
+            chunks.append(Chunk(f, start, len(groups), rows, size))
+    return chunks
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) & (2**63 - 1) for k in key])))
+
+
+def chunk_order(n_chunks: int, *, fingerprint: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The epoch's chunk order (identical on every rank)."""
+    if not shuffle:
+        return np.arange(n_chunks)
+    return _rng(fingerprint, seed, epoch, 0).permutation(n_chunks)
+
+
+def rank_range(total: int, world: int, rank: int, batch_size: int, drop_last: bool) -> tuple[int, int]:
+    """Rank ``rank``'s ``[start, stop)`` rows of the epoch's stream of ``total`` rows."""
+    if drop_last:
+        per = (total // (world * batch_size)) * batch_size
+        return rank * per, (rank + 1) * per
+    q, r = divmod(total, world)
+    start = rank * q + min(rank, r)
+    return start, start + q + (rank < r)
+
+
+def num_batches(total: int, world: int, batch_size: int, drop_last: bool) -> int:
+    """Batches every rank yields per epoch (``len(dataset)``)."""
+    if drop_last:
+        return total // (world * batch_size)
+    return _ceil_div(_ceil_div(total, world), batch_size)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> None:
+    """Raise :class:`ConfigError` when ranks cannot get equal, non-empty batch counts."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be at least 1")
+    if world < 1:
+        raise ConfigError(f"world_size={world} must be at least 1")
+    if drop_last:
+        return
+    k = num_batches(total, world, batch_size, drop_last)
+    if total // world < k:
+        raise ConfigError(
+            f"{total} rows cannot give {world} ranks {k} non-empty batches each with "
+            f"batch_size={batch_size}; use drop_last=True, a larger batch_size or fewer ranks")
+
+
+def batch_sizes(total: int, world: int, rank: int, batch_size: int, drop_last: bool) -> list[int]:
+    """Sizes of the batches rank ``rank`` yields; same count on every rank (see module doc)."""
+    check_balance(total, world, batch_size, drop_last)
+    k = num_batches(total, world, batch_size, drop_last)
+    start, stop = rank_range(total, world, rank, batch_size, drop_last)
+    n = stop - start
+    if k == 0:
+        return []
+    sizes = [batch_size] * (k - 1) + [n - (k - 1) * batch_size]
+    if sizes[-1] == 0:  # one row short of the other ranks: halve the last full batch
+        sizes[-2:] = [batch_size - batch_size // 2, batch_size // 2]
+    return sizes
+
+
+def rank_segments(chunk_rows: Sequence[int], order: Sequence[int], start: int, stop: int) -> list[Segment]:
+    """The pieces of chunks (in ``order``) that cover stream rows ``[start, stop)``."""
+    segs, pos = [], 0
+    for c in order:
+        n = int(chunk_rows[c])
+        lo, hi = max(start - pos, 0), min(stop - pos, n)
+        if lo < hi:
+            segs.append(Segment(int(c), lo, hi))
+        pos += n
+        if pos >= stop:
+            break
+    return segs
+
+
+def windows(segments: Sequence[Segment], size: int) -> list[list[Segment]]:
+    """Consecutive groups of ``size`` segments (the last may be shorter)."""
+    if size < 1:
+        raise ConfigError(f"shuffle_window={size} must be at least 1 chunk")
+    return [list(segments[i:i + size]) for i in range(0, len(segments), size)]
+
+
+def window_permutation(n: int, *, fingerprint: int, seed: int, epoch: int, rank: int, window: int) -> np.ndarray:
+    """Row permutation of window number ``window`` of ``rank`` (int64, length ``n``)."""
+    return _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64)

@@ -1,0 +1,96 @@
+"""Reader: an opened dataset's chunks, each loaded from the cache or decoded once.
+
+:class:`ChunkReader` is what the pipeline calls to get a chunk's column set. It holds
+the listed files, the resolved outputs, the chunk plan and the cache, and routes every
+chunk load through the cache: read it if cached, else decode, convert and write it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import xxhash
+
+from .cache import ChunkCache, ChunkKey
+from .config import Options
+from .decode import ArrowDecoder
+from .plan import Chunk, make_chunks
+from .schema import OutputSpec, resolve_outputs, spec_token
+from .source import (SourceFile, check_consistent, check_null_stats, fingerprint, list_files, open_files,
+                     row_group_sizes)
+
+__all__ = ["ChunkReader", "LoadCounters"]
+
+
+@dataclass
+class LoadCounters:
+    """How chunks were obtained since the counters were last reset (thread-safe)."""
+
+    from_cache: int = 0
+    decoded: int = 0
+    bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, cached: bool, nbytes: int) -> None:
+        with self._lock:
+            if cached:
+                self.from_cache += 1
+                self.bytes_read += nbytes
+            else:
+                self.decoded += 1
+
+
+class ChunkReader:
+    """The chunks of ``source`` under ``opts``, and how to load each one.
+
+    Opening lists the files, reads their footers and checks the column selection; no
+    column data is read. Raises the :class:`~gpuload.GpuloadError` subclasses of
+    :mod:`gpuload.source` and :mod:`gpuload.schema` for bad input.
+    """
+
+    def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
+                 decoder: Callable | None = None):
+        self.opts = opts
+        self.files: list[SourceFile] = open_files(list_files(source))
+        first = self.files[0]
+        self.specs: list[OutputSpec] = resolve_outputs(first.schema, columns, fill_nulls, dtypes, file=first.path)
+        check_consistent(self.files, self.specs)
+        check_null_stats(self.files, self.specs)
+        self.spec_hash = xxhash.xxh64_hexdigest(spec_token(self.specs).encode())
+        self.chunks: list[Chunk] = make_chunks([row_group_sizes(f, self.specs) for f in self.files],
+                                               opts.chunk_bytes)
+        self.num_rows = sum(c.rows for c in self.chunks)
+        self.fingerprint = fingerprint(self.files)
+        self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums)
+        self.decode = decoder or ArrowDecoder()
+        self.counters = LoadCounters()
+
+    def key(self, i: int) -> ChunkKey:
+        """Cache key of chunk ``i``."""
+        c = self.chunks[i]
+        f = self.files[c.file]
+        return ChunkKey(f.path, f.version, self.spec_hash, c.rg_start, c.rg_stop)
+
+    def load(self, i: int) -> dict:
+        """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows)."""
+        c = self.chunks[i]
+        f = self.files[c.file]
+
+        def build():
+            cols = self.decode(f, c, self.specs)
+            return cols, {"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
+                          "row_groups": [c.rg_start, c.rg_stop], "built": time.time()}
+
+        cols, cached = self.cache.load(self.key(i), build)
+        self.counters.add(cached, sum(getattr(v, "nbytes", 0) for v in cols.values()))
+        return cols
+
+    def is_cached(self, i: int) -> bool:
+        """Whether chunk ``i`` has a file in the cache (not verified)."""
+        return self.cache.path(self.key(i)).exists()
+
+    def output_names(self) -> Sequence[str]:
+        return [s.name for s in self.specs]

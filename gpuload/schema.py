@@ -1,0 +1,243 @@
+"""Column selection: which Parquet columns become which output tensors, and how.
+
+This module turns the user's ``columns=`` / ``fill_nulls=`` / ``dtypes=`` arguments and
+an Arrow schema into a list of :class:`OutputSpec`, one per tensor in a batch. It is
+the only place that decides whether a type is supported, so every unsupported column
+is rejected here, before any data is read.
+
+Supported Arrow types and what they become:
+
+==============================  ==========================================================
+Arrow type                      output
+==============================  ==========================================================
+bool                            ``torch.bool``
+int8..int64, uint8..uint64      the same integer dtype
+float16, float32, float64       the same float dtype
+date32, date64                  int64, days since 1970-01-01
+timestamp[unit, tz]             int64, ``unit`` since 1970-01-01 UTC (tz dropped)
+duration[unit], time32/64[unit] int64 in ``unit``
+dictionary<numeric>             decoded to the value type
+fixed_size_list<numeric, k>     2-D tensor ``[rows, k]``
+list / large_list<numeric>      :class:`gpuload.Ragged` (values, int64 offsets)
+==============================  ==========================================================
+
+Strings, binary, decimals, structs, maps and lists of lists raise :class:`SchemaError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from .errors import ConfigError, SchemaError
+
+__all__ = ["OutputSpec", "ValueType", "value_type", "resolve_outputs", "spec_token"]
+
+log = logging.getLogger("gpuload")
+
+SCALAR, GROUP, FIXED, RAGGED = "scalar", "group", "fixed", "ragged"
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """How one Arrow value type is stored: numpy dtype plus the temporal conversion."""
+
+    dtype: str  # numpy dtype string of the converted values, e.g. "<i8"
+    temporal: str = ""  # "", "date32", "date64" or "int64" (timestamp/duration/time)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One output tensor of a batch.
+
+    Attributes
+    ----------
+    name : output name (key of the batch dict).
+    columns : source Parquet columns; several only for a stacked group.
+    kind : ``"scalar"`` (1-D), ``"group"`` (stacked 2-D ``[rows, len(columns)]``),
+        ``"fixed"`` (fixed-size list, 2-D ``[rows, width]``) or ``"ragged"``.
+    dtype : numpy dtype string of the output values (of the values for ragged).
+    width : columns per row for group/fixed, 1 otherwise.
+    sources : per source column, its :class:`ValueType` (how to convert it).
+    fills : per source column, the value that replaces nulls, or None (nulls are an error).
+    """
+
+    name: str
+    columns: tuple[str, ...]
+    kind: str
+    dtype: str
+    width: int
+    sources: tuple[ValueType, ...]
+    fills: tuple[Any, ...]
+
+    @property
+    def ndim(self) -> int:
+        return 2 if self.kind in (GROUP, FIXED) else 1
+
+
+def value_type(t: pa.DataType) -> ValueType | None:
+    """The :class:`ValueType` of a scalar Arrow type, or None if it is not numeric."""
+    if pa.types.is_dictionary(t):
+        return value_type(t.value_type)
+    if pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_floating(t):
+        return ValueType(np.dtype(t.to_pandas_dtype()).str)
+    if pa.types.is_date32(t):
+        return ValueType("<i8", "date32")
+    if pa.types.is_date64(t):
+        return ValueType("<i8", "date64")
+    if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time(t):
+        return ValueType("<i8", "int64")
+    return None
+
+
+def _list_value(t: pa.DataType) -> pa.DataType | None:
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return t.value_type
+    return None
+
+
+def _classify(name: str, t: pa.DataType) -> tuple[str, ValueType, int]:
+    """Kind, value type and width of column ``name``; SchemaError when unsupported."""
+    vt = value_type(t)
+    if vt is not None:
+        return SCALAR, vt, 1
+    inner = _list_value(t)
+    if inner is not None:
+        ivt = value_type(inner)
+        if ivt is None:
+            what = "a list of lists" if _list_value(inner) is not None else f"a list of {inner}"
+            raise SchemaError(
+                f"column {name!r} is {what} ({t}); gpuload supports lists of numbers only. "
+                "Leave it out of columns= or convert it to numbers before writing the Parquet.")
+        if pa.types.is_fixed_size_list(t):
+            return FIXED, ivt, t.list_size
+        return RAGGED, ivt, 1
+    raise SchemaError(
+        f"column {name!r} has type {t}, which gpuload cannot turn into a tensor "
+        "(supported: bool, integers, floats, dates, timestamps, durations, dictionary-encoded "
+        "numbers, lists of numbers). Leave it out of columns= or encode it as numbers first.")
+
+
+def _supported(t: pa.DataType) -> bool:
+    try:
+        _classify("", t)
+        return True
+    except SchemaError:
+        return False
+
+
+def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
+    """Validate a fill value for a column of ``dtype``; returns it as a Python scalar."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value) if dtype.kind == "b" else int(value)
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"fill_nulls for column {column!r} must be a number, got {value!r}")
+    if dtype.kind in "iu":
+        if not float(value).is_integer():
+            raise ConfigError(f"fill_nulls={value!r} for integer column {column!r} is not an integer")
+        info = np.iinfo(dtype)
+        if not info.min <= int(value) <= info.max:
+            raise ConfigError(f"fill_nulls={value!r} does not fit column {column!r} ({dtype})")
+        return int(value)
+    if dtype.kind == "b":
+        if value not in (0, 1):
+            raise ConfigError(f"fill_nulls={value!r} for bool column {column!r} must be 0/1/True/False")
+        return bool(value)
+    return float(value)
+
+
+def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(output name, source columns, is_group) for each requested output."""
+    if columns is None:
+        skipped = [f"{f.name} ({f.type})" for f in schema if not _supported(f.type)]
+        if skipped:
+            log.warning("gpuload: skipping columns of unsupported type: %s", ", ".join(skipped))
+        return [(f.name, (f.name,), False) for f in schema if _supported(f.type)]
+    if isinstance(columns, str):
+        columns = [columns]
+    if isinstance(columns, Mapping):
+        out = []
+        for name, cols in columns.items():
+            if isinstance(cols, str):
+                out.append((str(name), (cols,), False))
+            elif isinstance(cols, Sequence) and cols and all(isinstance(c, str) for c in cols):
+                out.append((str(name), tuple(cols), True))
+            else:
+                raise ConfigError(
+                    f"columns[{name!r}] must be a column name or a non-empty list of names, got {cols!r}")
+        return out
+    if isinstance(columns, Sequence) and all(isinstance(c, str) for c in columns):
+        dup = sorted({c for c in columns if list(columns).count(c) > 1})
+        if dup:
+            raise ConfigError(f"columns= names {dup} more than once")
+        return [(c, (c,), False) for c in columns]
+    raise ConfigError(f"columns= must be None, a list of names or a dict, got {type(columns).__name__}")
+
+
+def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=None,
+                    *, file: str = "") -> list[OutputSpec]:
+    """Resolve the user's column selection against ``schema`` (of ``file``).
+
+    Parameters
+    ----------
+    schema : Arrow schema of the first source file.
+    columns : None (every supported column), a list of names, or a dict
+        ``{output: column}`` / ``{output: [columns]}`` (a list stacks into ``[rows, k]``).
+    fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
+    dtypes : optional ``{output: dtype}`` casts; a stacked group defaults to the
+        numpy result type of its members.
+    file : the file the schema came from, named in errors.
+    """
+    requested = _normalise_request(columns, schema)
+    if not requested:
+        raise SchemaError(f"no column of a supported type to load in {file}")
+    names = set(schema.names)
+    used = {c for _, cols, _ in requested for c in cols}
+    if isinstance(fill_nulls, Mapping):
+        unknown = sorted(set(fill_nulls) - used)
+        if unknown:
+            raise ConfigError(f"fill_nulls names columns that are not loaded: {unknown}")
+    dtypes = dict(dtypes or {})
+    unknown = sorted(set(dtypes) - {n for n, _, _ in requested})
+    if unknown:
+        raise ConfigError(f"dtypes names outputs that do not exist: {unknown}")
+
+    specs = []
+    for name, cols, is_group in requested:
+        kinds, vts, widths = [], [], []
+        for c in cols:
+            if c not in names:
+                raise SchemaError(f"column {c!r} is not in {file} (columns there: {', '.join(schema.names)})")
+            k, vt, w = _classify(c, schema.field(c).type)
+            kinds.append(k), vts.append(vt), widths.append(w)
+        if is_group:
+            if any(k != SCALAR for k in kinds):
+                bad = [c for c, k in zip(cols, kinds) if k != SCALAR]
+                raise SchemaError(f"output {name!r} stacks list columns {bad}; only scalar columns can be stacked")
+            kind, width = GROUP, len(cols)
+            dtype = np.result_type(*[np.dtype(v.dtype) for v in vts])
+        else:
+            kind, width, dtype = kinds[0], widths[0], np.dtype(vts[0].dtype)
+        if name in dtypes:
+            try:
+                dtype = np.dtype(dtypes[name])
+            except TypeError as e:
+                raise ConfigError(f"dtypes[{name!r}]={dtypes[name]!r} is not a dtype: {e}") from None
+            if dtype.kind not in "biuf":
+                raise ConfigError(f"dtypes[{name!r}]={dtype} is not a numeric dtype")
+        fills = []
+        for c, vt in zip(cols, vts):
+            fv = fill_nulls.get(c) if isinstance(fill_nulls, Mapping) else fill_nulls
+            fills.append(None if fv is None else _check_fill(fv, np.dtype(vt.dtype), c))
+        specs.append(OutputSpec(name, tuple(cols), kind, np.dtype(dtype).str, width, tuple(vts), tuple(fills)))
+    return specs
+
+
+def spec_token(specs: Sequence[OutputSpec]) -> str:
+    """A stable text form of ``specs``; part of the cache key."""
+    return repr([(s.name, s.columns, s.kind, s.dtype, s.width,
+                  [(v.dtype, v.temporal) for v in s.sources], s.fills) for s in specs])
