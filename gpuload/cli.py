@@ -1,0 +1,204 @@
+"""The ``gpuload`` command: demo and cache management.
+
+User mistakes print one line ``gpuload: error: ...`` on stderr and exit with status 2;
+a cache that fails verification exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import __version__
+from .cache import ChunkCache, default_cache_dir
+from .errors import ConfigError, GpuloadError
+
+__all__ = ["main"]
+
+
+def _columns(text: str | None):
+    """``a,b,c`` -> list; a JSON object -> dict (groups); None -> None."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--columns is not valid JSON: {e}") from None
+        return value
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise ConfigError("--columns is empty: give names separated by commas, or a JSON object")
+    return names
+
+
+def _fill(text: str | None):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--fill-nulls {text!r}: give a number or a JSON object like '{{\"col\": 0}}'") from None
+
+
+def _bar(desc: str, total: int, unit: str):
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, leave=False, file=sys.stderr,
+                disable=None, dynamic_ncols=True)
+
+
+def cmd_demo(args) -> int:
+    from .demo import report, run_demo
+
+    if args.rows < 1000:
+        raise ConfigError(f"--rows {args.rows}: the demo needs at least 1000 rows")
+    owned = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="gpuload-demo-")) if owned else Path(args.workdir)
+    bars = []
+
+    def progress(name, total):
+        bar = _bar(name, total, "row")
+        bars.append(bar)
+        return bar.update
+
+    try:
+        results = run_demo(workdir, rows=args.rows, files=args.files, batch_size=args.batch_size,
+                           step_ms=args.step_ms, model=args.model, device=args.device, progress=progress)
+    finally:
+        for b in bars:
+            b.close()
+        if owned and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms:g} ms step"
+    print(f"\nEach loader fed {step} with batches of {args.batch_size:,} rows:\n")
+    print(report(results))
+    cold, warm, naive = results
+    print(f"\nFrom the cache gpuload delivered {warm.rows_per_s / naive.rows_per_s:.1f}x the rows/s of the naive "
+          f"loop; the training step waited for data {warm.wait_fraction:.1%} of the time "
+          f"(naive: {naive.wait_fraction:.1%}).")
+    if owned and args.keep:
+        print(f"data and cache kept in {workdir}")
+    return 0
+
+
+def cmd_build(args) -> int:
+    from .dataset import build_cache
+
+    bar = _bar("building cache", 0, "row")
+
+    def progress(n):
+        bar.update(n)
+
+    try:
+        summary = build_cache(args.source, cache_dir=args.cache_dir, columns=_columns(args.columns),
+                              fill_nulls=_fill(args.fill_nulls), chunk_bytes=int(args.chunk_mib * 2**20),
+                              num_threads=args.threads,
+                              max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
+                              progress=progress)
+    finally:
+        bar.close()
+    print(summary)
+    return 0
+
+
+def _cache(args) -> ChunkCache:
+    return ChunkCache(args.cache_dir or default_cache_dir())
+
+
+def cmd_info(args) -> int:
+    s = _cache(args).summary()
+    print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB")
+    for src, e in sorted(s["sources"].items()):
+        print(f"  {src}: {e['chunks']} chunks, {e['bytes'] / 2**20:,.1f} MiB")
+    if s["temporaries"]:
+        print(f"  {s['temporaries']} unfinished temporary files from interrupted writers "
+              "(never read; `gpuload cache clear` removes them)")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    cache = _cache(args)
+    files = list(cache.entries())
+    bar = _bar("verifying", len(files), "file")
+    try:
+        bad = cache.verify_all(progress=lambda p: bar.update(1))
+    finally:
+        bar.close()
+    for path, problem in bad:
+        print(f"CORRUPT {problem}")
+        if args.delete:
+            path.unlink(missing_ok=True)
+    print(f"{len(files) - len(bad)} of {len(files)} cache files verified in {cache.root}"
+          + (f"; {len(bad)} corrupt" + (" (deleted: they are rebuilt on next use)" if args.delete else "")
+             if bad else ""))
+    return 1 if bad else 0
+
+
+def cmd_clear(args) -> int:
+    cache = _cache(args)
+    freed = cache.clear()
+    print(f"cleared {cache.root} ({freed / 2**20:,.1f} MiB freed)")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpuload", description="Parquet to training batches, cached and converted.")
+    p.add_argument("--version", action="version", version=f"gpuload {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what gpuload does")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="compare gpuload with a naive loop on generated data")
+    d.add_argument("--rows", type=int, default=2_000_000, help="rows to generate (default 2,000,000)")
+    d.add_argument("--files", type=int, default=8, help="Parquet files to write (default 8)")
+    d.add_argument("--batch-size", type=int, default=16384, help="rows per batch (default 16384)")
+    d.add_argument("--step-ms", type=float, default=5.0, help="simulated training step in ms (default 5)")
+    d.add_argument("--model", choices=["sim", "mlp"], default="sim", help="simulated step or a small real MLP")
+    d.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    d.add_argument("--workdir", help="folder for data and cache (default: a temporary folder, removed after)")
+    d.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    d.set_defaults(fn=cmd_demo)
+
+    c = sub.add_parser("cache", help="build, inspect, verify or clear the cache")
+    csub = c.add_subparsers(dest="action", required=True)
+    b = csub.add_parser("build", help="convert a Parquet source into the cache ahead of training")
+    b.add_argument("source", nargs="+", help="Parquet files, directories or globs")
+    b.add_argument("--columns", help="a,b,c or a JSON object {\"output\": [\"col\", ...]} (default: all)")
+    b.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
+    b.add_argument("--chunk-mib", type=float, default=64, help="chunk size bound in MiB (default 64)")
+    b.add_argument("--threads", type=int, default=2, help="decode threads (default 2)")
+    b.add_argument("--max-gib", type=float, help="cache budget in GiB (default unbounded)")
+    b.set_defaults(fn=cmd_build)
+    for name, fn, text in (("info", cmd_info, "what the cache holds"),
+                           ("verify", cmd_verify, "check every cache file; exit 1 if any is corrupt"),
+                           ("clear", cmd_clear, "delete everything in the cache")):
+        a = csub.add_parser(name, help=text)
+        a.set_defaults(fn=fn)
+        if name == "verify":
+            a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")
+    for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear")]:
+        a.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return args.fn(args)
+    except GpuloadError as e:
+        print(f"gpuload: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("gpuload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
