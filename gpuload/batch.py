@@ -66,39 +66,65 @@ def rows(cols: dict, start: int, stop: int) -> dict:
     return out
 
 
+def _take_ragged(v: Ragged, idx):
+    """Values and offsets of rows ``idx`` of a ragged column."""
+    xp = _xp(v.values)
+    starts = v.offsets[idx]
+    lengths = v.offsets[idx + 1] - starts
+    off = xp.zeros(len(idx) + 1, dtype=xp.int64)
+    xp.cumsum(lengths, out=off[1:])
+    total = int(off[-1])
+    if total == 0:
+        return v.values[:0].copy(), off
+    # source position of every output value: consecutive inside a row, so store the
+    # steps (1 inside a row, a jump at each non-empty row's start) and cumsum them
+    nonempty = lengths > 0
+    s, n = starts[nonempty], lengths[nonempty]
+    src = xp.ones(total, dtype=xp.int64)
+    jumps = s.copy()
+    jumps[1:] -= s[:-1] + n[:-1] - 1
+    src[off[:-1][nonempty]] = jumps
+    xp.cumsum(src, out=src)
+    return xp.take(v.values, src), off
+
+
 def take(cols: dict, idx) -> dict:
     """Rows ``idx`` (an integer index array) of a column set, gathered into new arrays."""
     out = {}
     for k, v in cols.items():
         if isinstance(v, Ragged):
-            xp = _xp(v.values)
-            starts = v.offsets[idx]
-            lengths = v.offsets[idx + 1] - starts
-            off = xp.zeros(len(idx) + 1, dtype=xp.int64)
-            xp.cumsum(lengths, out=off[1:])
-            total = int(off[-1])
-            # position of each output value inside the source values
-            src = xp.repeat(starts - off[:-1], lengths) + xp.arange(total, dtype=xp.int64)
-            out[k] = Ragged(v.values[src], off)
+            out[k] = Ragged(*_take_ragged(v, idx))
         else:
             out[k] = _xp(v).take(v, idx, axis=0)
     return out
 
 
-def concat(parts: Sequence[dict]) -> dict:
-    """Rows of several column sets one after another, in new arrays."""
+def _join(arrays: list, alloc):
+    """Concatenate along axis 0, into ``alloc(shape, dtype)`` when given (NumPy only)."""
+    xp = _xp(arrays[0])
+    if alloc is None or xp is not np:
+        return xp.concatenate(arrays)
+    out = alloc((sum(len(a) for a in arrays),) + arrays[0].shape[1:], arrays[0].dtype)
+    return np.concatenate(arrays, out=out)
+
+
+def concat(parts: Sequence[dict], alloc=None) -> dict:
+    """Rows of several column sets one after another, in new arrays.
+
+    ``alloc(shape, dtype)``, if given, provides the output arrays (e.g. a
+    :class:`gpuload.memory.HostPool`'s ``array``).
+    """
     if len(parts) == 1:
         return parts[0]
     out = {}
     for k, v in parts[0].items():
-        xp = _xp(v.values if isinstance(v, Ragged) else v)
         if isinstance(v, Ragged):
             shifts = np.cumsum([0] + [int(p[k].offsets[-1]) for p in parts[:-1]])
-            off = xp.concatenate([parts[0][k].offsets[:1]] +
-                                 [p[k].offsets[1:] + int(s) for p, s in zip(parts, shifts)])
-            out[k] = Ragged(xp.concatenate([p[k].values for p in parts]), off)
+            off = _join([parts[0][k].offsets[:1]] + [p[k].offsets[1:] + int(s) for p, s in zip(parts, shifts)],
+                        alloc)
+            out[k] = Ragged(_join([p[k].values for p in parts], alloc), off)
         else:
-            out[k] = xp.concatenate([p[k] for p in parts])
+            out[k] = _join([p[k] for p in parts], alloc)
     return out
 
 

@@ -173,8 +173,10 @@ def read_header(f, path) -> tuple[dict, int]:
     return header, _align(_PREFIX.size + hlen)
 
 
-def read_chunk(path: Path, verify: bool = True) -> tuple[dict, dict]:
-    """Read a cache file with one sequential read into a fresh host buffer.
+def read_chunk(path: Path, verify: bool = True, alloc: Callable[[int], np.ndarray] | None = None
+               ) -> tuple[dict, dict]:
+    """Read a cache file with one sequential read into a host buffer from ``alloc(nbytes)``
+    (default: a new buffer).
 
     Returns (header, column set of views into that buffer). With ``verify`` every
     region's checksum is compared. Raises ``FileNotFoundError`` when absent and
@@ -183,7 +185,7 @@ def read_chunk(path: Path, verify: bool = True) -> tuple[dict, dict]:
     with open(path, "rb", buffering=0) as f:
         header, start = read_header(f, path)
         end = max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
-        buf = np.empty(end - start, dtype=np.uint8)
+        buf = alloc(end - start) if alloc else np.empty(end - start, dtype=np.uint8)
         f.seek(start)
         got = f.readinto(memoryview(buf)) if len(buf) else 0
     if got != len(buf):
@@ -216,9 +218,12 @@ class ChunkCache:
         chunk would exceed it, the chunk is not written (it is streamed from Parquet
         every epoch instead) and nothing already cached is evicted.
     verify : compare checksums on every read (default True; xxh3 runs at many GB/s).
+    alloc : where read buffers come from, ``alloc(nbytes) -> uint8 array`` (default: new ones).
     """
 
-    def __init__(self, root, max_bytes: int | None = None, verify: bool = True):
+    def __init__(self, root, max_bytes: int | None = None, verify: bool = True,
+                 alloc: Callable[[int], np.ndarray] | None = None):
+        self.alloc = alloc
         self.root = Path(root).expanduser()
         self.max_bytes = max_bytes
         self.verify = verify
@@ -246,14 +251,14 @@ class ChunkCache:
         """
         p = self.path(key)
         try:
-            return read_chunk(p, self.verify)[1], True
+            return read_chunk(p, self.verify, self.alloc)[1], True
         except FileNotFoundError:
             pass
         except CorruptCacheError:
             pass  # rebuilt below, under the lock
         with self._lock(key):
             try:
-                return read_chunk(p, self.verify)[1], True  # another process built it meanwhile
+                return read_chunk(p, self.verify, self.alloc)[1], True  # another process built it meanwhile
             except FileNotFoundError:
                 pass
             except CorruptCacheError:

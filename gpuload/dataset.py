@@ -150,7 +150,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 return plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
                                                rank=self.rank, window=w)
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff,
-                                 threads=o.num_threads, prefetch=o.prefetch, stop=stop)
+                                 threads=o.num_threads, prefetch=o.prefetch, stop=stop, alloc=r.pool.array)
 
     def __repr__(self) -> str:
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "

@@ -112,7 +112,7 @@ class _Lookahead:
 
 def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], load: Callable[[int], dict],
                   permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
-                  *, threads: int, prefetch: int, stop: threading.Event) -> Iterator:
+                  *, threads: int, prefetch: int, stop: threading.Event, alloc=None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -124,6 +124,7 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     handoff : column set -> what the consumer receives (tensors on the target device).
     threads, prefetch : loader threads; chunks loaded beyond the current window.
     stop : set when the consumer has gone away.
+    alloc : ``alloc(shape, dtype)`` for window buffers (default: new arrays).
     """
     segments = [s for w in windows for s in w]
     ahead = prefetch
@@ -144,7 +145,7 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
                         for b in batcher.add(p):
                             yield handoff(b)
                 else:
-                    cols = concat(parts)
+                    cols = concat(parts, alloc)
                     del parts
                     for b in batcher.add(cols, permutation(w, nrows(cols))):
                         yield handoff(b)

@@ -14,9 +14,11 @@ from typing import Callable, Sequence
 
 import xxhash
 
+from .batch import nbytes
 from .cache import ChunkCache, ChunkKey
 from .config import Options
 from .decode import ArrowDecoder
+from .memory import HostPool
 from .plan import Chunk, make_chunks
 from .schema import OutputSpec, resolve_outputs, spec_token
 from .source import (SourceFile, check_consistent, check_null_stats, fingerprint, list_files, open_files,
@@ -64,7 +66,8 @@ class ChunkReader:
                                                opts.chunk_bytes)
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
-        self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums)
+        self.pool = HostPool(max_buffers=2 * (opts.shuffle_window + opts.prefetch + opts.num_threads))
+        self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, self.pool.get)
         self.decode = decoder or ArrowDecoder()
         self.counters = LoadCounters()
 
@@ -85,7 +88,7 @@ class ChunkReader:
                           "row_groups": [c.rg_start, c.rg_stop], "built": time.time()}
 
         cols, cached = self.cache.load(self.key(i), build)
-        self.counters.add(cached, sum(getattr(v, "nbytes", 0) for v in cols.values()))
+        self.counters.add(cached, nbytes(cols))
         return cols
 
     def is_cached(self, i: int) -> bool:
