@@ -33,9 +33,12 @@ released by the OS when a process dies) so concurrent builders build it once.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 import struct
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,11 +52,14 @@ from .errors import CacheError, CorruptCacheError
 
 __all__ = ["ChunkKey", "ChunkCache", "write_chunk", "read_chunk", "read_header", "default_cache_dir"]
 
+log = logging.getLogger("gpuload")
+
 MAGIC = b"GPULOAD\0"
 FORMAT_VERSION = 1
 ALIGN = 4096
 _PREFIX = struct.Struct("<8sIIQ")
 SUFFIX = ".glc"
+_PENDING_WRITES = 2
 _LAYOUT = f"v{FORMAT_VERSION}"
 
 
@@ -224,6 +230,8 @@ class ChunkCache:
     def __init__(self, root, max_bytes: int | None = None, verify: bool = True,
                  alloc: Callable[[int], np.ndarray] | None = None):
         self.alloc = alloc
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
+        self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
         self.root = Path(root).expanduser()
         self.max_bytes = max_bytes
         self.verify = verify
@@ -240,7 +248,8 @@ class ChunkCache:
     def _lock(self, key: ChunkKey) -> FileLock:
         p = self.path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(p) + ".lock")
+        # not thread-local: a background writer releases the lock its loader took
+        return FileLock(str(p) + ".lock", thread_local=False)
 
     def load(self, key: ChunkKey, build: Callable[[], tuple[dict, dict]]) -> tuple[dict, bool]:
         """The chunk's column set, and whether it came from the cache.
@@ -248,15 +257,22 @@ class ChunkCache:
         Reads the cached file if present and valid. Otherwise, holding the chunk's
         lock, calls ``build()`` -> (column set, source info) and writes the result if
         the budget allows. A corrupt file is rebuilt, never served.
+
+        Without a budget the write (and its fsync) happens on a background writer
+        thread that keeps the chunk's lock until the file is in place, so decoding
+        goes on meanwhile; other readers of the chunk wait for the lock and then read
+        the file. :meth:`flush` waits for pending writes.
         """
         p = self.path(key)
         try:
             return read_chunk(p, self.verify, self.alloc)[1], True
         except FileNotFoundError:
             pass
-        except CorruptCacheError:
-            pass  # rebuilt below, under the lock
-        with self._lock(key):
+        except CorruptCacheError as e:
+            log.warning("gpuload: %s; rebuilding it from its source", e)
+        lock = self._lock(key)
+        lock.acquire()
+        try:
             try:
                 return read_chunk(p, self.verify, self.alloc)[1], True  # another process built it meanwhile
             except FileNotFoundError:
@@ -268,7 +284,13 @@ class ChunkCache:
             cols, source = build()
             self._drop_stale(key)
             if self.max_bytes is None:
-                write_chunk(p, cols, source)
+                self._slots.acquire()
+                # the writer gets its own copy: the caller may hand views of ``cols`` to
+                # a training loop that changes them in place before the write happens
+                snapshot = {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+                            for k, v in cols.items()}
+                self._writer.submit(self._write_and_release, p, snapshot, source, lock)
+                lock = None  # the writer releases it
             else:
                 with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
                     if not self.full:
@@ -277,6 +299,25 @@ class ChunkCache:
                     if not self.full:
                         write_chunk(p, cols, source)
             return cols, False
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _write_and_release(self, path: Path, cols: dict, source: dict, lock: FileLock) -> None:
+        try:
+            write_chunk(path, cols, source)
+        except OSError as e:  # e.g. disk full: the data was served; the chunk is rebuilt next time
+            log.warning("gpuload: could not write cache file %s (%s); it will be read from Parquet again", path, e)
+        finally:
+            lock.release()
+            self._slots.release()
+
+    def flush(self) -> None:
+        """Wait until every background write has finished."""
+        for _ in range(_PENDING_WRITES):
+            self._slots.acquire()
+        for _ in range(_PENDING_WRITES):
+            self._slots.release()
 
     def _drop_stale(self, key: ChunkKey) -> None:
         """Delete chunks of older versions of ``key``'s source file (same spec)."""

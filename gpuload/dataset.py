@@ -206,6 +206,7 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
         for f in [pool.submit(one, i) for i in range(len(reader.chunks))]:
             f.result()
+    reader.cache.flush()
     cached = [reader.cache.path(reader.key(i)) for i in range(len(reader.chunks))]
     present = [p for p in cached if p.exists()]
     return CacheSummary(
