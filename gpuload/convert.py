@@ -36,12 +36,10 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     """Values of a flat (non-list) Arrow array as NumPy, nulls filled, temporals as int64."""
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
-    if vt.temporal == "date32":
-        arr = arr.cast(pa.int32()).cast(pa.int64())
-    elif vt.temporal == "date64":
-        arr = pc.divide(arr.cast(pa.int64()), _DAY_MS)
-    elif vt.temporal:
-        arr = arr.cast(pa.int64())
+    if vt.temporal:  # reinterpret the stored integers, widened to int64
+        arr = arr.view(pa.int32() if arr.type.bit_width == 32 else pa.int64()).cast(pa.int64())
+        if vt.temporal == "date64":
+            arr = pc.divide(arr, _DAY_MS)
     if arr.null_count:
         if fill is None:
             raise NullValuesError(

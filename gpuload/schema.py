@@ -47,7 +47,7 @@ class ValueType:
     """How one Arrow value type is stored: numpy dtype plus the temporal conversion."""
 
     dtype: str  # numpy dtype string of the converted values, e.g. "<i8"
-    temporal: str = ""  # "", "date32", "date64" or "int64" (timestamp/duration/time)
+    temporal: str = ""  # "" (plain), "date64" (ms -> days) or "int" (other temporals: raw integer)
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,10 @@ def value_type(t: pa.DataType) -> ValueType | None:
         return value_type(t.value_type)
     if pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_floating(t):
         return ValueType(np.dtype(t.to_pandas_dtype()).str)
-    if pa.types.is_date32(t):
-        return ValueType("<i8", "date32")
     if pa.types.is_date64(t):
         return ValueType("<i8", "date64")
-    if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time(t):
-        return ValueType("<i8", "int64")
+    if pa.types.is_temporal(t):  # date32 (days), timestamp, duration, time32/64 (their unit)
+        return ValueType("<i8", "int")
     return None
 
 
