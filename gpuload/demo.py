@@ -118,7 +118,7 @@ class MlpStep:
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
-        self.loss = float(loss)
+        self.loss = loss.detach().item()
 
 
 def run_demo(workdir, *, rows: int = 2_000_000, files: int = 8, batch_size: int = 16384, step_ms: float = 5.0,
@@ -137,8 +137,10 @@ def run_demo(workdir, *, rows: int = 2_000_000, files: int = 8, batch_size: int 
     say : where status lines go.
     """
     from .dataset import ParquetDataset
+    from .handoff import resolve_device
     from .synth import write_clicklog
 
+    resolve_device(device)  # a bad device fails before any data is generated
     t0 = time.perf_counter()
     paths = write_clicklog(workdir / "data", rows=rows, files=files, row_group_rows=65536)
     say(f"generated {rows:,} rows in {files} Parquet files ({sum(p.stat().st_size for p in paths) / 2**20:.0f} MiB) "
