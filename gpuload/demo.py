@@ -99,17 +99,23 @@ def simulated_step(ms: float) -> Callable[[dict], None]:
 class MlpStep:
     """A small real model: embeddings of the ids and history, an MLP over everything, SGD."""
 
-    def __init__(self, dense: int = 13, sparse: int = 8, ids: int = 100_000, dim: int = 16, seed: int = 0):
+    def __init__(self, dense: int = 13, sparse: int = 8, ids: int = 100_000, dim: int = 16, seed: int = 0,
+                 device="cpu"):
         torch.manual_seed(seed)
+        self.device = torch.device(device)
         self.emb = torch.nn.EmbeddingBag(ids, dim, mode="sum")
         self.cat = torch.nn.Embedding(ids, dim)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(dense + dim * (sparse + 1), 64), torch.nn.ReLU(),
                                        torch.nn.Linear(64, 1))
+        for m in (self.emb, self.cat, self.mlp):
+            m.to(self.device)
         params = list(self.emb.parameters()) + list(self.cat.parameters()) + list(self.mlp.parameters())
         self.opt = torch.optim.SGD(params, lr=0.01)
         self.loss = None
 
     def __call__(self, batch: dict) -> None:
+        batch = {k: Ragged(*(t.to(self.device) for t in v)) if isinstance(v, Ragged) else v.to(self.device)
+                 for k, v in batch.items()}  # no-op for batches already there
         hist = batch["history"]
         h = self.emb(hist.values, hist.offsets[:-1])
         c = self.cat(batch["sparse"]).flatten(1)
@@ -140,14 +146,14 @@ def run_demo(workdir, *, rows: int = 2_000_000, files: int = 8, batch_size: int 
     from .handoff import resolve_device
     from .synth import write_clicklog
 
-    resolve_device(device)  # a bad device fails before any data is generated
+    dev = resolve_device(device)  # a bad device fails before any data is generated
     t0 = time.perf_counter()
     paths = write_clicklog(workdir / "data", rows=rows, files=files, row_group_rows=65536)
     say(f"generated {rows:,} rows in {files} Parquet files ({sum(p.stat().st_size for p in paths) / 2**20:.0f} MiB) "
         f"in {time.perf_counter() - t0:.1f} s: {workdir / 'data'}")
     ds = ParquetDataset(workdir / "data", columns=clicklog_columns(), batch_size=batch_size,
                         cache_dir=workdir / "cache", device=device)
-    step = MlpStep() if model == "mlp" else simulated_step(step_ms)
+    step = MlpStep(device=dev) if model == "mlp" else simulated_step(step_ms)
     bar = progress or (lambda name, total: None)
     results = []
     for epoch, name in ((0, "gpuload, epoch 1 (decode + build cache)"), (1, "gpuload, epoch 2 (from cache)")):
