@@ -47,7 +47,7 @@ import numpy as np
 import xxhash
 from filelock import FileLock
 
-from .batch import Ragged, nbytes
+from .batch import Ragged
 from .errors import CacheError, CorruptCacheError
 
 __all__ = ["ChunkKey", "ChunkCache", "write_chunk", "read_chunk", "read_header", "default_cache_dir"]
@@ -104,13 +104,9 @@ def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
     return out
 
 
-def write_chunk(path: Path, cols: dict, source: dict) -> int:
-    """Write ``cols`` atomically as a cache file at ``path``; returns the file size.
-
-    The data goes to a temporary file beside ``path``, is fsynced, then renamed.
-    """
-    regions, offset = [], 0
-    arrays = []
+def _layout(cols: dict, source: dict) -> tuple[bytes, list[dict], list[np.ndarray], int]:
+    """Header bytes, region entries, arrays and total file size of a chunk file."""
+    regions, arrays = [], []
     for name, part, arr in _regions(cols):
         arr = np.ascontiguousarray(arr)
         regions.append({"output": name, "part": part, "dtype": arr.dtype.str, "shape": list(arr.shape),
@@ -118,16 +114,30 @@ def write_chunk(path: Path, cols: dict, source: dict) -> int:
         arrays.append(arr)
     rows = next((len(v.offsets) - 1 if isinstance(v, Ragged) else len(v) for v in cols.values()), 0)
     header = {"format": FORMAT_VERSION, "rows": rows, "source": source, "regions": regions}
-    # region offsets depend on the header length, which depends on the offsets' digits:
-    # lay out with generous room, then fix the numbers.
-    for _ in range(3):
-        blob = json.dumps(header, separators=(",", ":")).encode()
+    # region offsets depend on the header's length, which depends on the offsets'
+    # digits: repeat until they agree (offsets only grow, so this ends quickly)
+    blob = b""
+    while True:
         offset = _align(_PREFIX.size + len(blob))
         for r in regions:
             r["offset"], offset = offset, _align(offset + r["nbytes"])
-        if json.dumps(header, separators=(",", ":")).encode() == blob:
-            break
-    total = max(offset, _align(_PREFIX.size + len(blob)))
+        again = json.dumps(header, separators=(",", ":")).encode()
+        if again == blob:
+            return blob, regions, arrays, max(offset, _align(_PREFIX.size + len(blob)))
+        blob = again
+
+
+def chunk_file_size(cols: dict, source: dict) -> int:
+    """Bytes the cache file of ``cols`` takes on disk."""
+    return _layout(cols, source)[3]
+
+
+def write_chunk(path: Path, cols: dict, source: dict) -> int:
+    """Write ``cols`` atomically as a cache file at ``path``; returns the file size.
+
+    The data goes to a temporary file beside ``path``, is fsynced, then renamed.
+    """
+    blob, regions, arrays, total = _layout(cols, source)
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -295,7 +305,7 @@ class ChunkCache:
                 with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
                     if not self.full:
                         used = sum(e.stat().st_size for e in self.entries())
-                        self.full = used + nbytes(cols) + ALIGN * (len(cols) + 1) > self.max_bytes
+                        self.full = used + chunk_file_size(cols, source) > self.max_bytes
                     if not self.full:
                         write_chunk(p, cols, source)
             return cols, False
