@@ -1,0 +1,288 @@
+"""CPU benchmark: gpuload against the ideal cache, the naive loop and pyarrow read_table.
+
+All loaders run in one process, on one generated click log, and feed the same
+consumer (a sum over every tensor, so views are not free). Every number is the best
+of ``--repeat`` passes; warm passes interleave the loaders so that drift and neighbours
+hit them alike; each cold pass starts from an empty cache folder, and read_table runs
+back to back (its best case: the strictest baseline). Parquet and cache files are
+in the page cache for every loader (only the cold epoch writes, with fsync).
+
+    python benchmarks/bench_cpu.py                       # 4M rows, prints the table
+    python benchmarks/bench_cpu.py --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+import gpuload
+from gpuload.batch import Ragged, take
+from gpuload.demo import naive_batches
+from gpuload.synth import clicklog_columns, write_clicklog
+
+# the ideal cache hands torch read-only mmap views on purpose (zero copy)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def consume(batch: dict) -> int:
+    """The training step stand-in: touch every tensor; returns the batch's rows."""
+    for v in batch.values():
+        if isinstance(v, Ragged):
+            v.values.sum()
+            int(v.offsets[-1])
+        else:
+            v.sum()
+    return len(batch["label"])
+
+
+def run_loop(batches) -> tuple[int, float]:
+    """(rows, seconds) of feeding every batch to :func:`consume`."""
+    t0, rows = time.perf_counter(), 0
+    for b in batches:
+        rows += consume(b)
+    return rows, time.perf_counter() - t0
+
+
+# -- the ideal cache: .npy files per output, memory-mapped --------------------------------------
+def write_npy(files, columns: dict, folder: pathlib.Path) -> None:
+    """Convert the dataset once into one .npy per output (history: values + offsets)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    table = pq.read_table(files, columns=source_columns(columns))
+    for name, cols in columns.items():
+        if isinstance(cols, list):  # stacked group -> [N, k] C-contiguous
+            arr = np.empty((table.num_rows, len(cols)), dtype=table.schema.field(cols[0]).type.to_pandas_dtype())
+            for j, c in enumerate(cols):
+                arr[:, j] = table.column(c).to_numpy()
+            np.save(folder / f"{name}.npy", arr)
+        elif pa.types.is_list(table.schema.field(cols).type):
+            lists = table.column(cols).combine_chunks()
+            off = np.asarray(lists.offsets, dtype=np.int64)
+            np.save(folder / f"{name}.values.npy", lists.values.to_numpy()[off[0]:off[-1]])
+            np.save(folder / f"{name}.offsets.npy", off - off[0])
+        else:
+            np.save(folder / f"{name}.npy", table.column(cols).to_numpy())
+
+
+def open_npy(folder: pathlib.Path, columns: dict) -> dict:
+    """Memory-map every output (opened afresh each epoch, as a training script would per run)."""
+    def load(p):
+        return np.asarray(np.load(folder / p, mmap_mode="r"))
+    return {n: Ragged(load(f"{n}.values.npy"), load(f"{n}.offsets.npy")) if (folder / f"{n}.values.npy").exists()
+            else load(f"{n}.npy") for n in columns}
+
+
+def to_torch(cols: dict) -> dict:
+    return {k: Ragged(torch.from_numpy(v.values), torch.from_numpy(v.offsets)) if isinstance(v, Ragged)
+            else torch.from_numpy(v) for k, v in cols.items()}
+
+
+def ideal_sequential(folder: pathlib.Path, columns: dict, bs: int):
+    """Consecutive batches as views of the mmap'd arrays (offsets rebased: a small copy)."""
+    arrs = open_npy(folder, columns)
+    n = len(arrs["label"])
+    for a in range(0, n, bs):
+        b = min(a + bs, n)
+        out = {}
+        for k, v in arrs.items():
+            if isinstance(v, Ragged):
+                off = v.offsets[a:b + 1]
+                out[k] = Ragged(v.values[off[0]:off[-1]], off - off[0])
+            else:
+                out[k] = v[a:b]
+        yield to_torch(out)
+
+
+def ideal_shuffled(folder: pathlib.Path, columns: dict, bs: int, window: int, seed: int):
+    """Rows permuted within consecutive windows of ``window`` rows, gathered straight from the mmap."""
+    arrs = open_npy(folder, columns)
+    n = len(arrs["label"])
+    rng = np.random.default_rng(seed)
+    for w in range(0, n, window):
+        perm = rng.permutation(min(window, n - w)).astype(np.int64) + w
+        for a in range(0, len(perm), bs):
+            yield to_torch(take(arrs, perm[a:a + bs]))
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def source_columns(columns: dict) -> list[str]:
+    return [c for v in columns.values() for c in ([v] if isinstance(v, str) else v)]
+
+
+def mib(paths) -> float:
+    return sum(p.stat().st_size for p in paths) / 2**20
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor() or "unknown CPU")
+    mem = next((int(line.split()[1]) / 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0)
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM; {platform.system()} {platform.release()}; "
+            f"Python {platform.python_version()}, numpy {np.__version__}, pyarrow {pa.__version__}, "
+            f"torch {torch.__version__}, gpuload {gpuload.__version__}")
+
+
+def cold_epoch(files, cols: dict, cache: pathlib.Path, bs: int, shuffle: bool) -> tuple[float, float]:
+    """(seconds, of which waiting for the last cache writes) of epoch 0 into an empty cache folder."""
+    shutil.rmtree(cache, ignore_errors=True)
+    ds = gpuload.ParquetDataset(files, cols, batch_size=bs, shuffle=shuffle, cache_dir=cache, device="cpu")
+    t0 = time.perf_counter()
+    n, _ = run_loop(ds)
+    t1 = time.perf_counter()
+    ds.reader.cache.flush()  # the last background cache writes count toward the cold epoch
+    assert n == ds.num_rows, n
+    return time.perf_counter() - t0, time.perf_counter() - t1
+
+
+def cold_passes(files, cols: dict, work: pathlib.Path, bs: int, R: int) -> dict:
+    """Seconds of: read_table (R + 1 calls back to back: its best case, the strictest baseline), then R
+    times a cold epoch with and without shuffling and build_cache, each into an empty cache folder."""
+    names = source_columns(cols)
+    t = {"read": [timed(lambda: pq.read_table(files, columns=names)) for _ in range(R + 1)],
+         "cold": [], "flush": [], "cold_seq": [], "build": []}
+    for r in range(R):
+        say(f"cold pass {r + 1}/{R} ...")
+        for key, shuffle, folder in (("cold", True, "cache"), ("cold_seq", False, "cache2")):
+            secs, flush = cold_epoch(files, cols, work / folder, bs, shuffle)
+            t[key].append(secs)
+            if shuffle:
+                t["flush"].append(flush)
+        shutil.rmtree(work / "cache2")
+        t["build"].append(gpuload.build_cache(files, work / "cache2", cols).seconds)
+        shutil.rmtree(work / "cache2")
+    return t
+
+
+def warm_passes(files, cols: dict, work: pathlib.Path, bs: int, R: int) -> tuple[dict, int]:
+    """Best rows/s of each warm loader over R passes, loaders interleaved so drift hits them alike."""
+    seq, shuf = (gpuload.ParquetDataset(files, cols, batch_size=bs, shuffle=sh, cache_dir=work / "cache",
+                                        device="cpu") for sh in (False, True))
+    window = shuf.options.shuffle_window * round(shuf.num_rows / len(shuf.reader.chunks))  # rows, about
+    best = {k: 0.0 for k in ("g_seq", "i_seq", "g_shuf", "i_shuf", "naive")}
+    for r in range(R):
+        say(f"warm pass {r + 1}/{R} ...")
+        shuf.set_epoch(1 + r)
+        for key, batches in (("g_seq", seq), ("i_seq", ideal_sequential(work / "npy", cols, bs)),
+                             ("g_shuf", shuf), ("i_shuf", ideal_shuffled(work / "npy", cols, bs, window, 1 + r)),
+                             ("naive", naive_batches(files, bs, cols))):
+            n, s = run_loop(batches)
+            assert n == shuf.num_rows, (key, n)
+            best[key] = max(best[key], n / s)
+    return best, window
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=4_000_000)
+    ap.add_argument("--files", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=65536)
+    ap.add_argument("--repeat", type=int, default=5, help="passes per measurement; the best is kept (default 5)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads of the consumer (default 1: an OpenMP team spinning on a "
+                         "small machine measures scheduling, not the loaders)")
+    ap.add_argument("--workdir", type=pathlib.Path, help="default: a temporary folder, removed at the end")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--out", type=pathlib.Path, help="markdown file whose '## CPU' section gets the results")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="gpuload-bench-"))
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    if load0 > 0.5:
+        say(f"warning: load average {load0:.2f} before starting; other processes will add noise")
+    try:
+        cols, bs, R = clicklog_columns(), args.batch_size, args.repeat
+        say(f"generating {args.rows:,} rows in {args.files} files under {work} ...")
+        files = write_clicklog(work / "data", rows=args.rows, files=args.files, row_group_rows=65536)
+        write_npy(files, cols, work / "npy")
+        t = cold_passes(files, cols, work, bs, R)
+        best, window = warm_passes(files, cols, work, bs, R)
+        i = min(range(R), key=t["cold"].__getitem__)
+        naive, read = "naive pyarrow->pandas->torch loop", "pq.read_table of the same columns"
+        table = markdown_table([
+            ("warm epoch, shuffle=False: rows/s", best["g_seq"], best["i_seq"], "ideal: mmap .npy, sliced", ">=", 0.9),
+            ("warm epoch, shuffle=True: rows/s", best["g_shuf"], best["i_shuf"],
+             f"ideal: mmap .npy, gathered in windows of {window:,} rows", ">=", 0.9),
+            ("warm epoch, shuffle=True: rows/s", best["g_shuf"], best["naive"], naive, ">=", 10),
+            ("warm epoch, shuffle=False: rows/s", best["g_seq"], best["naive"], naive, ">=", 10),
+            ("cold epoch, shuffle=True: s", t["cold"][i], min(t["read"]), read, "<=", 1.3),
+            ("cold epoch, shuffle=False: s", min(t["cold_seq"]), min(t["read"]), read, "", None),
+            ("gpuload.build_cache: s", min(t["build"]), min(t["read"]), read, "", None)])
+        glc = list((work / "cache").rglob("*.glc"))
+        info = {
+            "machine": machine(),
+            "dataset": (f"{args.rows:,} rows, {args.files} Parquet files (snappy, 65,536-row row groups), "
+                        f"{mib(files):.0f} MiB; gpuload cache {len(glc)} chunks, {mib(glc):.0f} MiB; .npy ideal cache "
+                        f"{mib(list((work / 'npy').glob('*.npy'))):.0f} MiB; batch_size {bs:,}; outputs dense [N,13] "
+                        "float32, sparse [N,8] int64, label int8, history list<int64> (Ragged)"),
+            "consumer": f"sum of every tensor (history: values.sum() and offsets[-1]), "
+                        f"torch.set_num_threads({args.torch_threads})",
+            "cold passes": (f"best epoch {t['cold'][i]:.2f} s, of which {t['flush'][i]:.2f} s waiting for the last "
+                            f"cache writes; epochs {seconds(t['cold'])}; shuffle=False epochs "
+                            f"{seconds(t['cold_seq'])}; build_cache {seconds(t['build'])}; "
+                            f"read_table (back to back) {seconds(t['read'])}"),
+            "date": datetime.date.today().isoformat(),
+            "command": "python benchmarks/bench_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "runtime": f"{time.perf_counter() - t_start:.0f} s; load average {load0:.2f} at start, "
+                       f"{os.getloadavg()[0]:.2f} at end",
+        }
+        print(table)
+        print("\n".join(f"{k}: {v}" for k, v in info.items()))
+        if args.out:
+            write_section(args.out, table, info, R)
+    finally:
+        if args.workdir is None and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def say(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def seconds(xs) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs) + " s"
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def markdown_table(rows) -> str:
+    lines = ["| measurement | gpuload | baseline | ratio | target | met |", "|---|---:|---:|---:|---:|:---:|"]
+    for what, g, b, base, op, target in rows:
+        fmt = (lambda x: f"{x:.2f} s") if what.endswith(": s") else (lambda x: f"{x / 1e6:.2f} M")
+        ratio = g / b
+        met = "" if target is None else ("yes" if (ratio >= target if op == ">=" else ratio <= target) else "no")
+        tgt = "" if target is None else f"{op} {target}x"
+        lines.append(f"| {what} | {fmt(g)} | {fmt(b)} ({base}) | {ratio:.2f}x | {tgt} | {met} |")
+    return "\n".join(lines)
+
+
+def write_section(path: pathlib.Path, table: str, info: dict, repeat: int) -> None:
+    """Replace the '## CPU' section of ``path`` (created with a GPU placeholder if missing)."""
+    section = (f"## CPU\n\n{table}\n\n"
+               f"Rows/s in millions (M), or seconds (s). Every number is the best of {repeat} passes; ratio is "
+               "gpuload / baseline (rows/s: higher is better; seconds: lower is better).\n\n"
+               + "".join(f"* **{k}**: {v}\n" for k, v in info.items()) + "\n")
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n## CPU\n\n## GPU\n\nNo GPU measurement yet.\n"
+    head, sep, rest = text.partition("## CPU\n")
+    tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+    path.write_text((head if sep else text + "\n") + section + tail.lstrip("\n"))
+
+
+if __name__ == "__main__":
+    main()
