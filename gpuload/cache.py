@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import threading
 import struct
@@ -189,24 +190,35 @@ def read_header(f, path) -> tuple[dict, int]:
     return header, _align(_PREFIX.size + hlen)
 
 
-def read_chunk(path: Path, verify: bool = True, alloc: Callable[[int], np.ndarray] | None = None
-               ) -> tuple[dict, dict]:
-    """Read a cache file with one sequential read into a host buffer from ``alloc(nbytes)``
-    (default: a new buffer).
+def read_chunk(path: Path, verify: bool = True) -> tuple[dict, dict]:
+    """Map a cache file into memory and return (header, column set of views into it).
 
-    Returns (header, column set of views into that buffer). With ``verify`` every
-    region's checksum is compared. Raises ``FileNotFoundError`` when absent and
+    The mapping is private (copy-on-write): a batch changed in place never changes the
+    file. Its pages are populated here, on the calling (loader) thread, so the
+    training thread never page-faults into the file. With ``verify`` every region's
+    checksum is compared. Raises ``FileNotFoundError`` when absent and
     :class:`CorruptCacheError` when the file fails a check.
     """
     with open(path, "rb", buffering=0) as f:
         header, start = read_header(f, path)
         end = max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
-        buf = alloc(end - start) if alloc else np.empty(end - start, dtype=np.uint8)
-        f.seek(start)
-        got = f.readinto(memoryview(buf)) if len(buf) else 0
-    if got != len(buf):
-        raise CorruptCacheError(f"{path}: truncated cache file ({start + got} of {end} bytes)")
-    return header, columns_from_buffer(buf, header, start, path, verify)
+        size = os.fstat(f.fileno()).st_size
+        if size < end:  # checked before mapping: reading past the end would be SIGBUS
+            raise CorruptCacheError(f"{path}: truncated cache file ({size} of {end} bytes)")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    _populate(mm)
+    return header, columns_from_buffer(np.frombuffer(mm, np.uint8), header, 0, path, verify)
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Fault every page of ``mm`` in now (one madvise, else one read per page)."""
+    try:
+        mm.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError, AttributeError):
+        np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max(initial=0)
 
 
 def columns_from_buffer(buf, header: dict, start: int, path, verify: bool) -> dict:
@@ -233,13 +245,13 @@ class ChunkCache:
     max_bytes : budget for chunk files in bytes; None means unbounded. When a new
         chunk would exceed it, the chunk is not written (it is streamed from Parquet
         every epoch instead) and nothing already cached is evicted.
-    verify : compare checksums on every read (default True; xxh3 runs at many GB/s).
-    alloc : where read buffers come from, ``alloc(nbytes) -> uint8 array`` (default: new ones).
+    verify : ``True`` (default): compare a file's checksums the first time this
+        process reads it (again whenever the file changes); ``"always"``: on every
+        read; ``False``: never (the header is still checked).
     """
 
-    def __init__(self, root, max_bytes: int | None = None, verify: bool = True,
-                 alloc: Callable[[int], np.ndarray] | None = None):
-        self.alloc = alloc
+    def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True):
+        self._verified: set[tuple] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
         self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
         self.root = Path(root).expanduser()
@@ -275,7 +287,7 @@ class ChunkCache:
         """
         p = self.path(key)
         try:
-            return read_chunk(p, self.verify, self.alloc)[1], True
+            return self._read(p), True
         except FileNotFoundError:
             pass
         except CorruptCacheError as e:
@@ -284,7 +296,7 @@ class ChunkCache:
         lock.acquire()
         try:
             try:
-                return read_chunk(p, self.verify, self.alloc)[1], True  # another process built it meanwhile
+                return self._read(p), True  # another process built it meanwhile
             except FileNotFoundError:
                 pass
             except CorruptCacheError:
@@ -312,6 +324,15 @@ class ChunkCache:
         finally:
             if lock is not None:
                 lock.release()
+
+    def _read(self, p: Path) -> dict:
+        st = os.stat(p)
+        ident = (str(p), st.st_ino, st.st_size, st.st_mtime_ns)
+        verify = self.verify == "always" or (bool(self.verify) and ident not in self._verified)
+        cols = read_chunk(p, verify)[1]
+        if verify:
+            self._verified.add(ident)
+        return cols
 
     def _write_and_release(self, path: Path, cols: dict, source: dict, lock: FileLock) -> None:
         try:

@@ -39,7 +39,7 @@ class Options:
     prefetch: int = 2
     num_threads: int = 2
     max_cache_bytes: int | None = None
-    verify_checksums: bool = True
+    verify_checksums: bool | str = True
 
     def __post_init__(self):
         _positive_int("batch_size", self.batch_size)
@@ -49,6 +49,8 @@ class Options:
         _positive_int("chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if self.verify_checksums not in (True, False, "always"):
+            raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")
         if self.max_cache_bytes is not None:
             _positive_int("max_cache_bytes", self.max_cache_bytes, 0)
         cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()

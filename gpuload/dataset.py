@@ -70,7 +70,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     max_cache_bytes : cache budget in bytes (default None: unbounded). When the data
         does not fit, chunks are cached until full and the rest is read from Parquet
         every epoch; nothing is evicted.
-    verify_checksums : check every region's xxh3 checksum on read (default True).
+    verify_checksums : check each cache file's xxh3 checksums the first time this process
+        reads it (default True), on every read (``"always"``), or never (False).
 
     Yields
     ------
@@ -82,7 +83,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  drop_last: bool = False, cache_dir=None, device="auto", rank: int | None = None,
                  world_size: int | None = None, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                  shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
-                 max_cache_bytes: int | None = None, verify_checksums: bool = True):
+                 max_cache_bytes: int | None = None, verify_checksums: bool | str = True):
         super().__init__()
         self.options = Options(batch_size=batch_size, shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last),
                                cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,

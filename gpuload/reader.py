@@ -66,8 +66,8 @@ class ChunkReader:
                                                opts.chunk_bytes)
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
-        self.pool = HostPool(max_buffers=2 * (opts.shuffle_window + opts.prefetch + opts.num_threads))
-        self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, self.pool.get)
+        self.pool = HostPool(max_buffers=4 * len(self.specs) + 4)  # shuffle windows: 2 per output
+        self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums)
         self.decode = decoder or ArrowDecoder()
         self.counters = LoadCounters()
 
