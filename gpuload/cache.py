@@ -273,7 +273,8 @@ class ChunkCache:
         # not thread-local: a background writer releases the lock its loader took
         return FileLock(str(p) + ".lock", thread_local=False)
 
-    def load(self, key: ChunkKey, build: Callable[[], tuple[dict, dict]]) -> tuple[dict, bool]:
+    def load(self, key: ChunkKey, build: Callable[[], tuple[dict, dict]], shared: bool = True
+             ) -> tuple[dict, bool]:
         """The chunk's column set, and whether it came from the cache.
 
         Reads the cached file if present and valid. Otherwise, holding the chunk's
@@ -283,7 +284,9 @@ class ChunkCache:
         Without a budget the write (and its fsync) happens on a background writer
         thread that keeps the chunk's lock until the file is in place, so decoding
         goes on meanwhile; other readers of the chunk wait for the lock and then read
-        the file. :meth:`flush` waits for pending writes.
+        the file. :meth:`flush` waits for pending writes. ``shared=True`` (default)
+        says the caller may hand views of the columns to code that changes them in
+        place, so the writer works on its own copy.
         """
         p = self.path(key)
         try:
@@ -309,8 +312,9 @@ class ChunkCache:
                 self._slots.acquire()
                 # the writer gets its own copy: the caller may hand views of ``cols`` to
                 # a training loop that changes them in place before the write happens
-                snapshot = {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
-                            for k, v in cols.items()}
+                snapshot = cols if not shared else {
+                    k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+                    for k, v in cols.items()}
                 self._writer.submit(self._write_and_release, p, snapshot, source, lock)
                 lock = None  # the writer releases it
             else:

@@ -87,7 +87,8 @@ class ChunkReader:
             return cols, {"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                           "row_groups": [c.rg_start, c.rg_stop], "built": time.time()}
 
-        cols, cached = self.cache.load(self.key(i), build)
+        # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
+        cols, cached = self.cache.load(self.key(i), build, shared=not self.opts.shuffle)
         self.counters.add(cached, nbytes(cols))
         return cols
 
