@@ -27,16 +27,10 @@ import pytest
 import gpuload
 from gpuload.batch import Ragged
 from gpuload.cache import read_chunk, write_chunk
-from gpuload.synth import write_clicklog
+from gpuload.synth import clicklog_columns, write_clicklog
 
 DENSE, SPARSE = 4, 3
-COLUMNS = {
-    "dense": [f"dense_{i}" for i in range(DENSE)],
-    "sparse": [f"cat_{i}" for i in range(SPARSE)],
-    "label": "label",
-    "history": "history",
-    "row_id": "row_id",
-}
+COLUMNS = {**clicklog_columns(DENSE, SPARSE), "row_id": "row_id"}
 CHUNK_BYTES = 64 << 10
 PREFIX = struct.Struct("<8sIIQ")  # magic, format version, header length, header checksum
 ALIGN = 4096

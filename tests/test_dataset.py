@@ -23,16 +23,10 @@ import torch
 import gpuload
 import gpuload.decode
 from gpuload.batch import Ragged
-from gpuload.synth import write_clicklog
+from gpuload.synth import clicklog_columns, write_clicklog
 
 DENSE, SPARSE = 4, 3
-CLICK_COLUMNS = {
-    "dense": [f"dense_{i}" for i in range(DENSE)],
-    "sparse": [f"cat_{i}" for i in range(SPARSE)],
-    "label": "label",
-    "history": "history",
-    "row_id": "row_id",
-}
+CLICK_COLUMNS = {**clicklog_columns(DENSE, SPARSE), "row_id": "row_id"}
 MIXED_COLUMNS = {"row_id": "row_id", "x": "x", "g": ["g1", "g2"], "h": "h"}
 CHUNK_BYTES = 64 << 10
 
