@@ -32,6 +32,7 @@ released by the OS when a process dies) so concurrent builders build it once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
@@ -292,18 +293,17 @@ class ChunkCache:
         try:
             return self._read(p), True
         except FileNotFoundError:
-            pass
+            log.debug("gpuload: %s is not cached yet", p)
         except CorruptCacheError as e:
             log.warning("gpuload: %s; rebuilding it from its source", e)
         lock = self._lock(key)
         lock.acquire()
         try:
-            try:
-                return self._read(p), True  # another process built it meanwhile
-            except FileNotFoundError:
-                pass
-            except CorruptCacheError:
-                p.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    return self._read(p), True  # another process built it meanwhile
+                except CorruptCacheError:
+                    p.unlink(missing_ok=True)
             for stale in p.parent.glob(p.name + ".tmp.*"):  # left by a killed writer
                 stale.unlink(missing_ok=True)
             cols, source = build()
@@ -404,15 +404,11 @@ class ChunkCache:
         freed = 0
         layout = self.root / _LAYOUT
         for p in list(layout.glob("*/*")) + list(layout.glob(".*.lock")):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 freed += p.stat().st_size if p.name.endswith(SUFFIX) else 0
                 p.unlink()
-            except FileNotFoundError:
-                pass
         for d in layout.glob("*"):
             if d.is_dir():
-                try:
+                with contextlib.suppress(OSError):  # not empty: another process is writing
                     d.rmdir()
-                except OSError:
-                    pass
         return freed
