@@ -191,24 +191,33 @@ def read_header(f, path) -> tuple[dict, int]:
     return header, _align(_PREFIX.size + hlen)
 
 
-def read_chunk(path: Path, verify: bool = True) -> tuple[dict, dict]:
+def read_chunk(path: Path, verify: bool = True, verified: set | None = None) -> tuple[dict, dict]:
     """Map a cache file into memory and return (header, column set of views into it).
 
     The mapping is private (copy-on-write): a batch changed in place never changes the
     file. Its pages are populated here, on the calling (loader) thread, so the
     training thread never page-faults into the file. With ``verify`` every region's
-    checksum is compared. Raises ``FileNotFoundError`` when absent and
-    :class:`CorruptCacheError` when the file fails a check.
+    checksum is compared, except for files in ``verified`` (identities of files
+    already checked; a verified file's identity is added to it). Raises
+    ``FileNotFoundError`` when absent and :class:`CorruptCacheError` when the file
+    fails a check.
     """
     with open(path, "rb", buffering=0) as f:
         header, start = read_header(f, path)
         end = max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if verified is not None and ident in verified:
+            verify = False
         if size < end:  # checked before mapping: reading past the end would be SIGBUS
             raise CorruptCacheError(f"{path}: truncated cache file ({size} of {end} bytes)")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     _populate(mm)
-    return header, columns_from_buffer(np.frombuffer(mm, np.uint8), header, 0, path, verify)
+    cols = columns_from_buffer(np.frombuffer(mm, np.uint8), header, 0, path, verify)
+    if verify and verified is not None:
+        verified.add(ident)
+    return header, cols
 
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
@@ -315,7 +324,11 @@ class ChunkCache:
                 snapshot = cols if not shared else {
                     k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
                     for k, v in cols.items()}
-                self._writer.submit(self._write_and_release, p, snapshot, source, lock)
+                try:
+                    self._writer.submit(self._write_and_release, p, snapshot, source, lock)
+                except BaseException:  # e.g. at interpreter shutdown: give the slot back
+                    self._slots.release()
+                    raise
                 lock = None  # the writer releases it
             else:
                 with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
@@ -323,26 +336,27 @@ class ChunkCache:
                         used = sum(e.stat().st_size for e in self.entries())
                         self.full = used + chunk_file_size(cols, source) > self.max_bytes
                     if not self.full:
-                        write_chunk(p, cols, source)
+                        self._write(p, cols, source)
             return cols, False
         finally:
             if lock is not None:
                 lock.release()
 
     def _read(self, p: Path) -> dict:
-        st = os.stat(p)
-        ident = (str(p), st.st_ino, st.st_size, st.st_mtime_ns)
-        verify = self.verify == "always" or (bool(self.verify) and ident not in self._verified)
-        cols = read_chunk(p, verify)[1]
-        if verify:
-            self._verified.add(ident)
-        return cols
+        if self.verify == "always" or not self.verify:
+            return read_chunk(p, bool(self.verify))[1]
+        return read_chunk(p, True, self._verified)[1]
+
+    @staticmethod
+    def _write(path: Path, cols: dict, source: dict) -> None:
+        try:
+            write_chunk(path, cols, source)
+        except OSError as e:  # e.g. disk full, or a `cache clear` meanwhile: the data is still served
+            log.warning("gpuload: could not write cache file %s (%s); it will be read from Parquet again", path, e)
 
     def _write_and_release(self, path: Path, cols: dict, source: dict, lock: FileLock) -> None:
         try:
-            write_chunk(path, cols, source)
-        except OSError as e:  # e.g. disk full: the data was served; the chunk is rebuilt next time
-            log.warning("gpuload: could not write cache file %s (%s); it will be read from Parquet again", path, e)
+            self._write(path, cols, source)
         finally:
             lock.release()
             self._slots.release()

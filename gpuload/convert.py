@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged
-from .errors import NullValuesError
+from .errors import ConfigError, NullValuesError
 from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
 
 __all__ = ["table_to_columns", "needed_columns"]
@@ -48,6 +48,24 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
         arr = pc.fill_null(arr, pa.scalar(fill, type=arr.type))
     out = arr.to_numpy(zero_copy_only=False)
     return out.astype(vt.dtype, copy=False)
+
+
+def _cast(values: np.ndarray, dtype: str, column: str, where: str) -> np.ndarray:
+    """``values`` as ``dtype``. Casts to floats may round; casts to integers or bool must
+    keep every value exactly, else :class:`ConfigError` names the column and the value."""
+    dst = np.dtype(dtype)
+    if values.dtype == dst:
+        return values
+    with np.errstate(invalid="ignore", over="ignore"):  # checked below for integers; floats may round
+        out = values.astype(dst)
+    if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
+        with np.errstate(invalid="ignore"):
+            bad = out.astype(values.dtype) != values
+        if bad.any():
+            v = values[np.argmax(bad)]
+            raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
+                              f"choose a wider dtype in dtypes= (or none)")
+    return out
 
 
 def _list_parts(arr: pa.Array, spec: OutputSpec, where: str) -> tuple[pa.Array, np.ndarray, np.ndarray]:
@@ -79,13 +97,13 @@ def _ragged(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
         vals = vals[np.repeat(valid, lengths)]
         lengths[~valid] = 0
         off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return Ragged(np.ascontiguousarray(vals, dtype=spec.dtype), off)
+    return Ragged(np.ascontiguousarray(_cast(vals, spec.dtype, spec.columns[0], where)), off)
 
 
 def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
     values, _, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
-    out = np.ascontiguousarray(vals, dtype=spec.dtype).reshape(len(arr), spec.width)
+    out = np.ascontiguousarray(_cast(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
     if valid is not None:  # null rows become rows of the fill value
         out = out.copy()
         out[~valid] = spec.fills[0]
@@ -117,9 +135,9 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
         elif s.kind == GROUP:
             out = np.empty((n, s.width), dtype=s.dtype)
             for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
-                out[:, j] = _scalar_values(arrays[c], vt, fill, c, where)
+                out[:, j] = _cast(_scalar_values(arrays[c], vt, fill, c, where), s.dtype, c, where)
             cols[s.name] = out
         else:
             v = _scalar_values(arrays[s.columns[0]], s.sources[0], s.fills[0], s.columns[0], where)
-            cols[s.name] = np.ascontiguousarray(v, dtype=s.dtype)
+            cols[s.name] = np.ascontiguousarray(_cast(v, s.dtype, s.columns[0], where))
     return cols

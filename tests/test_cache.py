@@ -476,7 +476,7 @@ KEY_VARIANTS = {
     "group_order": (dict(columns={"x": ["a", "b"], "row_id": "row_id"}),
                     dict(columns={"x": ["b", "a"], "row_id": "row_id"})),
     "dtype": (dict(columns={"x": "a", "row_id": "row_id"}, dtypes={"x": "float64"}),
-              dict(columns={"x": "a", "row_id": "row_id"}, dtypes={"x": "int32"})),
+              dict(columns={"x": "a", "row_id": "row_id"}, dtypes={"x": "float16"})),
     "fill": (dict(columns={"x": "c", "row_id": "row_id"}, fill_nulls={"c": 0}),
              dict(columns={"x": "c", "row_id": "row_id"}, fill_nulls={"c": -1})),
     "list_fill": (dict(columns={"x": "l", "row_id": "row_id"}, fill_nulls={"l": 0}),

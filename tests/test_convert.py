@@ -125,3 +125,17 @@ def test_parquet_round_trip(tmp_path):
     out = convert(pq.read_table(tmp_path / "t.parquet"))
     assert out["i"].tolist() == [1, 2, 3] and out["d"].tolist() == [1, 2, 1] and out["ts"].tolist() == [1, 2, 3]
     assert out["h"].offsets.tolist() == [0, 1, 1, 3] and out["h"].values.tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("values,dtype", [([1, 2**40], "int32"), ([1.0, 1.5], "int8"), ([0, 2], "bool"),
+                                          ([1.0, float("nan")], "int64")])
+def test_lossy_integer_cast_is_refused(values, dtype):
+    with pytest.raises(gpuload.ConfigError, match="'x' holds"):
+        convert(pa.table({"x": pa.array(values)}), {"y": "x"}, dtypes={"y": dtype})
+
+
+def test_exact_narrowing_and_float_rounding_are_allowed():
+    out = convert(pa.table({"x": pa.array([1, -5, 127]), "f": pa.array([0.1, 1e300, -2.5])}),
+                  {"x": "x", "f": "f"}, dtypes={"x": "int8", "f": "float32"})
+    assert out["x"].dtype == np.int8 and out["x"].tolist() == [1, -5, 127]
+    assert out["f"].dtype == np.float32  # floats round (1e300 -> inf), as asked
