@@ -62,7 +62,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
         Null lists become empty lists; null fixed-size lists rows of the value.
     dtypes : ``{output: dtype}`` to cast outputs (default: the column's own dtype; a
-        stacked group: the common dtype of its columns).
+        stacked group: NumPy's common dtype of its columns, e.g. int64 + float32 ->
+        float64). Casts to floats may round; casts to integers or bool must keep every
+        value exactly, else a :class:`~gpuload.ConfigError` names the column and value.
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
