@@ -24,7 +24,9 @@ once) and every rank yields ``K = ceil(ceil(N / W) / batch_size)`` batches. Batc
 full except the last; a rank whose rows would leave its last batch empty splits its
 last full batch into two halves instead. This needs every rank to have at least ``K``
 rows; only ``N < W`` or ``batch_size == 1`` with ``N % W != 0`` fail that, and are
-refused with a :class:`~gpuload.ConfigError`.
+refused with a :class:`~gpuload.ConfigError`. An epoch that would yield no batch at
+all (no rows, or ``drop_last=True`` with fewer than ``W * batch_size`` rows) is
+refused too, rather than training on nothing.
 
 ``drop_last=True``: every rank yields ``K = N // (W * batch_size)`` full batches; the
 last ``N - K * W * batch_size`` rows of the epoch's stream are not delivered (with
@@ -80,7 +82,8 @@ def make_chunks(row_groups: Sequence[Sequence[tuple[int, int]]], chunk_bytes: in
         start, rows, size = 0, 0, 0
         for g, (n, b) in enumerate(groups):
             if g > start and size + b > chunk_bytes:
-                chunks.append(Chunk(f, start, g, rows, size))
+                if rows:  # row groups with no rows make no chunk
+                    chunks.append(Chunk(f, start, g, rows, size))
                 start, rows, size = g, 0, 0
             rows, size = rows + n, size + b
         if len(groups) > start and rows:
@@ -126,9 +129,13 @@ def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> N
         raise ConfigError(f"batch_size={batch_size} must be at least 1")
     if world < 1:
         raise ConfigError(f"world_size={world} must be at least 1")
+    k = num_batches(total, world, batch_size, drop_last)
+    if k == 0:
+        raise ConfigError(
+            f"{total} rows give no batch to {world} ranks with batch_size={batch_size} and "
+            f"drop_last={drop_last}; check the source, or use a smaller batch_size or drop_last=False")
     if drop_last:
         return
-    k = num_batches(total, world, batch_size, drop_last)
     if total // world < k:
         raise ConfigError(
             f"{total} rows cannot give {world} ranks {k} non-empty batches each with "

@@ -337,6 +337,51 @@ def test_dataset_rebuilds_corrupt_chunk(click, tmp_path, how):
     assert ds2.reader.counters.decoded == 0
 
 
+def _flip_keeping_stat(path) -> None:
+    """Flip a data byte in place, keeping the file's size and mtime (like bit rot)."""
+    st = os.stat(path)
+    header, _ = _header(path)
+    r = next(r for r in header["regions"] if r["nbytes"] > 0)
+    with open(path, "r+b") as f:
+        f.seek(r["offset"] + r["nbytes"] // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x5A]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_silent_corruption_after_verified_read(click, tmp_path):
+    """A chunk corrupted without any change of size or mtime after it was verified:
+    ``verify_checksums="always"`` catches it on the same dataset, and the default
+    catches it on a newly opened dataset."""
+    data, files, ref = click
+    cache = tmp_path / "cache"
+    ds = _dataset(data, cache, verify_checksums="always")
+    _check_epoch(ds, ref)
+    ds.reader.cache.flush()
+    ds.set_epoch(1)
+    _check_epoch(ds, ref)  # every file read (and verified) once
+    victim = ds.reader.cache.path(ds.reader.key(3))
+    _flip_keeping_stat(victim)
+    before = ds.reader.counters.decoded
+    ds.set_epoch(2)
+    _check_epoch(ds, ref)
+    ds.reader.cache.flush()
+    assert ds.reader.counters.decoded - before == 1
+    read_chunk(victim, verify=True)  # rebuilt
+
+    # default verification: a new dataset object checks each file on its first read
+    warm = _dataset(data, cache)
+    _check_epoch(warm, ref)
+    _flip_keeping_stat(victim)
+    fresh = _dataset(data, cache, seed=3)
+    _check_epoch(fresh, ref)
+    fresh.reader.cache.flush()
+    assert fresh.reader.counters.decoded == 1
+    read_chunk(victim, verify=True)
+
+
 def test_corrupt_chunk_with_source_gone_raises(tmp_path):
     data = tmp_path / "data"
     files = _clicklog(data)

@@ -549,10 +549,10 @@ def test_fewer_rows_than_ranks(tmp_path):
     p = _write(tmp_path / "tiny.parquet", pa.table({"row_id": np.arange(5)}))
     with pytest.raises(gpuload.ConfigError, match="5 rows"):
         gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=7, rank=0, batch_size=1)
-    # drop_last=True is allowed and yields nothing on every rank
-    ds = gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=7, rank=3, batch_size=1,
-                                drop_last=True)
-    assert len(ds) == 0 and list(ds) == []
+    # drop_last=True would yield no batch on any rank: refused rather than training on nothing
+    with pytest.raises(gpuload.ConfigError, match="no batch"):
+        gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=7, rank=3, batch_size=1,
+                               drop_last=True)
 
 
 # ---------------------------------------------------------------------------------------
