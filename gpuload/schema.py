@@ -145,6 +145,8 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
         if value not in (0, 1):
             raise ConfigError(f"fill_nulls={value!r} for bool column {column!r} must be 0/1/True/False")
         return bool(value)
+    if np.isfinite(value) and abs(float(value)) > float(np.finfo(dtype).max):
+        raise ConfigError(f"fill_nulls={value!r} does not fit column {column!r} ({dtype})")
     return float(value)
 
 

@@ -1,76 +1,212 @@
-"""Batch cutting and gathering against plain-Python references."""
+"""Batch: take / rows / concat on column sets with Ragged columns, and the Batcher."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gpuload.batch import Batcher, Ragged, concat, nrows, rows, take
+from gpuload import plan
+from gpuload.batch import Batcher, Ragged, concat, nbytes, nrows, rows, take
 
-
-def _cols(ids, rng):
-    """A column set keyed by row id: dense [n], group [n, 3], ragged lists of id-derived values."""
-    lengths = rng.integers(0, 5, len(ids))
-    lists = [[int(i) * 10 + j for j in range(n)] for i, n in zip(ids, lengths)]
-    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    values = np.array([v for lst in lists for v in lst], dtype=np.int64)
-    return ({"id": np.asarray(ids, np.int64), "g": np.stack([ids, ids * 2, ids * 3], 1).astype(np.float32),
-             "r": Ragged(values, off)}, lists)
+SETTINGS = settings(max_examples=120, deadline=None)
 
 
-def _lists(r: Ragged):
-    assert r.offsets.dtype == np.int64 and r.offsets[0] == 0 and r.offsets[-1] == len(r.values)
+# -- a column set whose every value says which row it came from ----------------------------
+def _lists(ids) -> list[list[int]]:
+    return [[int(i) * 10 + j for j in range(int(i) % 4)] for i in ids]  # lengths 0..3, empties included
+
+
+def ragged_of(lists: list[list[int]], dtype=np.int64) -> Ragged:
+    off = np.zeros(len(lists) + 1, np.int64)
+    np.cumsum([len(x) for x in lists], out=off[1:])
+    return Ragged(np.array([v for x in lists for v in x], dtype=dtype), off)
+
+
+def to_lists(r: Ragged) -> list[list]:
+    check_offsets(r)
     return [r.values[r.offsets[i]:r.offsets[i + 1]].tolist() for i in range(len(r.offsets) - 1)]
 
 
-def _check(batch, ref_lists, ids):
-    assert batch["id"].tolist() == list(ids)
-    assert np.array_equal(batch["g"][:, 1], np.asarray(ids, np.float32) * 2)
-    assert _lists(batch["r"]) == [ref_lists[i] for i in ids]
-    assert len(batch["r"].offsets) == len(ids) + 1
+def check_offsets(r: Ragged) -> None:
+    assert r.offsets.dtype == np.int64
+    assert r.offsets[0] == 0 and r.offsets[-1] == len(r.values)
+    assert np.all(np.diff(r.offsets) >= 0)
 
 
-def test_take_rows_concat_match_reference():
-    rng = np.random.default_rng(0)
-    cols, lists = _cols(np.arange(50), rng)
-    idx = rng.permutation(50)[:17].astype(np.int64)
-    _check(take(cols, idx), lists, idx)
-    _check(rows(cols, 5, 20), lists, range(5, 20))
-    _check(concat([rows(cols, 0, 7), take(cols, idx), rows(cols, 40, 50)]), lists,
-           list(range(7)) + list(idx) + list(range(40, 50)))
+def cols_of(ids) -> dict:
+    ids = np.asarray(ids, np.int64)
+    return {"x": ids.copy(), "f": np.stack([ids, 2 * ids, -ids], axis=1).astype(np.float32),
+            "r": ragged_of(_lists(ids))}
 
 
-def test_take_of_rows_that_are_all_empty_lists():
-    cols = {"r": Ragged(np.array([5, 6], np.int64), np.array([0, 0, 2, 2], np.int64))}
-    out = take(cols, np.array([2, 0], np.int64))["r"]
-    assert out.offsets.tolist() == [0, 0, 0] and len(out.values) == 0
+def assert_cols_are(cols: dict, ids) -> None:
+    """``cols`` holds exactly rows ``ids`` of the reference, in that order."""
+    ids = np.asarray(ids, np.int64)
+    assert nrows(cols) == len(ids)
+    np.testing.assert_array_equal(cols["x"], ids)
+    np.testing.assert_array_equal(cols["f"], cols_of(ids)["f"])
+    assert cols["f"].shape == (len(ids), 3)
+    assert len(cols["r"].offsets) == len(ids) + 1
+    assert to_lists(cols["r"]) == _lists(ids)
 
 
-def test_rows_without_permutation_are_views():
-    cols, _ = _cols(np.arange(100), np.random.default_rng(1))
-    part = rows(cols, 10, 30)
-    assert np.shares_memory(part["g"], cols["g"]) and np.shares_memory(part["r"].values, cols["r"].values)
+# -- take / rows / concat -----------------------------------------------------------------
+@SETTINGS
+@given(st.integers(0, 40), st.data())
+def test_take_gathers_rows_in_index_order(n, data):
+    cols = cols_of(np.arange(n) + 5)
+    idx = np.array(data.draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=50 if n else 0)), np.int64)
+    assert_cols_are(take(cols, idx), idx + 5)  # repeats and any order
+
+
+def test_take_where_every_row_is_empty_and_empty_index():
+    r = ragged_of([[], [1, 2], [], []])
+    out = take({"r": r}, np.array([0, 2, 3, 0]))["r"]
+    assert to_lists(out) == [[], [], [], []] and out.values.dtype == r.values.dtype
+    out = take({"r": r}, np.array([], np.int64))["r"]
+    assert to_lists(out) == [] and out.offsets.tolist() == [0]
+
+
+def test_take_ragged_float_values_and_long_rows():
+    lists = [[float(j) + i / 100 for j in range(i * 7 % 13)] for i in range(30)]
+    idx = np.random.default_rng(0).permutation(30)
+    out = take({"r": ragged_of(lists, np.float32)}, idx)["r"]
+    assert out.values.dtype == np.float32
+    np.testing.assert_allclose(np.concatenate([np.float32(lists[i]) for i in idx] + [[]]), out.values)
+    assert np.diff(out.offsets).tolist() == [len(lists[i]) for i in idx]
+
+
+@SETTINGS
+@given(st.integers(0, 40), st.data())
+def test_rows_slices_and_rebases_offsets(n, data):
+    base = np.arange(n) * 3
+    cols = cols_of(base)
+    a = data.draw(st.integers(0, n))
+    b = data.draw(st.integers(a, n))
+    out = rows(cols, a, b)
+    assert_cols_are(out, base[a:b])
+    if b > a:  # dense outputs and ragged values are views, not copies
+        assert np.shares_memory(out["x"], cols["x"]) and np.shares_memory(out["f"], cols["f"])
+        if len(out["r"].values):
+            assert np.shares_memory(out["r"].values, cols["r"].values)
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=6))
+def test_concat_joins_rows_in_order(lengths):
+    starts = np.cumsum([0] + lengths)
+    parts = [cols_of(np.arange(s, s + n) * 7) for s, n in zip(starts, lengths)]
+    out = concat(parts)
+    assert_cols_are(out, np.arange(starts[-1]) * 7)
+    if len(parts) > 1:  # new arrays: the parts' buffers may be reused afterwards
+        for k in ("x", "f"):
+            assert not any(np.shares_memory(out[k], p[k]) for p in parts)
+
+
+def test_concat_one_part_is_returned_as_is_and_alloc_is_used():
+    part = cols_of(np.arange(4))
+    assert concat([part]) is part
+    made = []
+
+    def alloc(shape, dtype):
+        made.append(np.empty(shape, dtype))
+        return made[-1]
+
+    out = concat([cols_of(np.arange(4)), cols_of(np.arange(4, 9))], alloc=alloc)
+    assert_cols_are(out, np.arange(9))
+    n_values = sum(i % 4 for i in range(9))
+    assert sorted((a.shape, a.dtype.str) for a in made) == sorted(
+        [((9,), "<i8"), ((9, 3), "<f4"), ((10,), "<i8"), ((n_values,), "<i8")])
+    assert any(out["x"] is a for a in made) and any(out["r"].offsets is a for a in made)
+
+
+def test_nbytes_counts_values_and_offsets():
+    cols = cols_of(np.arange(10))
+    r = cols["r"]
+    assert nbytes(cols) == 10 * 8 + 10 * 3 * 4 + r.values.nbytes + 11 * 8
+    assert nrows({}) == 0 and nrows({"r": r}) == 10
+
+
+# -- Batcher ------------------------------------------------------------------------------
+@st.composite
+def epochs(draw):
+    windows = draw(st.lists(st.integers(0, 40), min_size=1, max_size=6))
+    total, sizes = sum(windows), []
+    while True:
+        s = draw(st.integers(1, 30))
+        if sum(sizes) + s > total or len(sizes) > 40:
+            break
+        sizes.append(s)
+    return windows, sizes, draw(st.booleans())
+
+
+@SETTINGS
+@given(epochs())
+def test_batcher_cuts_planned_sizes_in_window_order(epoch):
+    window_rows, sizes, shuffle = epoch
+    rng = np.random.default_rng(len(sizes))
+    batcher, batches, expected, added = Batcher(sizes), [], [], 0
+    for w, n in enumerate(window_rows):
+        ids = np.arange(added, added + n)
+        perm = rng.permutation(n).astype(np.int64) if shuffle else None
+        expected.append(ids if perm is None else ids[perm])
+        new = list(batcher.add(cols_of(ids), perm))
+        batches += new
+        added += n
+        # every batch complete once this window arrived was yielded right away
+        assert len(batches) == int(np.searchsorted(np.cumsum(sizes), added, side="right"))
+    assert batcher.done  # sum(sizes) <= rows added
+    assert [nrows(b) for b in batches] == sizes
+    want = np.concatenate(expected)[:sum(sizes)]
+    got = np.concatenate([b["x"] for b in batches] + [np.array([], np.int64)])
+    np.testing.assert_array_equal(got, want)
+    pos = 0
+    for b, s in zip(batches, sizes):
+        assert_cols_are(b, want[pos:pos + s])
+        pos += s
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
-@pytest.mark.parametrize("sizes", [[7] * 14 + [2], [16] * 6 + [4], [1] * 100, [50, 50]])
-def test_batcher_cuts_planned_sizes_across_windows(shuffle, sizes):
-    rng = np.random.default_rng(2)
-    cols, lists = _cols(np.arange(100), rng)
-    windows = [(0, 23), (23, 60), (60, 61), (61, 100)]
-    b = Batcher(sizes)
-    expected, got = [], []
-    for w, (lo, hi) in enumerate(windows):
-        piece = rows(cols, lo, hi)
-        perm = np.random.default_rng(w).permutation(hi - lo).astype(np.int64) if shuffle else None
-        expected += list(lo + perm) if shuffle else list(range(lo, hi))
-        got += list(b.add(piece, perm))
-    assert b.done
-    assert [nrows(x) for x in got] == sizes
-    _check(concat(got), lists, expected)
+def test_batcher_with_planned_sizes_and_straddling_windows(shuffle):
+    n, world, bs = 1003, 3, 64
+    for rank in range(world):
+        start, stop = plan.rank_range(n, world, rank, bs, False)
+        sizes = plan.batch_sizes(n, world, rank, bs, False)
+        ids = np.arange(start, stop)
+        cuts = [0, 50, 51, 180, 333, len(ids)]  # windows of 50, 1, 129, 153, 1 or 2 rows
+        batcher, out, want = Batcher(sizes), [], []
+        for w, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            perm = plan.window_permutation(b - a, fingerprint=1, seed=2, epoch=0, rank=rank, window=w) \
+                if shuffle else None
+            want.append(ids[a:b] if perm is None else ids[a:b][perm])
+            out += list(batcher.add(cols_of(ids[a:b]), perm))
+        assert batcher.done and [nrows(b) for b in out] == sizes
+        want = np.concatenate(want)
+        assert_cols_are(concat(out), want)
+        if shuffle:
+            assert not np.array_equal(want, ids)
 
 
-def test_batch_inside_one_piece_is_a_view():
-    cols, _ = _cols(np.arange(40), np.random.default_rng(3))
-    (first, second) = list(Batcher([20, 20]).add(cols))
-    assert np.shares_memory(first["g"], cols["g"]) and np.shares_memory(second["id"], cols["id"])
+def test_batcher_holds_rows_back_until_a_batch_is_full():
+    b = Batcher([5, 5])
+    assert list(b.add(cols_of(np.arange(3)))) == []
+    (first,) = b.add(cols_of(np.arange(3, 6)))
+    assert_cols_are(first, np.arange(5)) and not b.done
+    (second,) = b.add(cols_of(np.arange(6, 12)))
+    assert_cols_are(second, np.arange(5, 10)) and b.done
+    assert list(b.add(cols_of(np.arange(12, 20)))) == []  # planned batches only; the rest is dropped
+
+
+def test_unpermuted_batch_inside_one_window_is_a_view():
+    window = cols_of(np.arange(100))
+    b = Batcher([30, 30, 40])
+    first, second, third = b.add(window)
+    for batch, lo in ((first, 0), (second, 30), (third, 60)):
+        assert np.shares_memory(batch["x"], window["x"]) and np.shares_memory(batch["f"], window["f"])
+        assert batch["x"][0] == lo
+    # a permuted batch is a gather into new memory
+    (p,) = Batcher([10]).add(window, np.arange(100)[::-1].copy())
+    assert not np.shares_memory(p["x"], window["x"])
+    assert_cols_are(p, np.arange(99, 89, -1))

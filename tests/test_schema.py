@@ -1,69 +1,152 @@
-"""Unsupported types and bad settings are refused before any work, naming what is wrong."""
+"""Schema: which columns are accepted, and the errors for everything else."""
 
 from __future__ import annotations
 
 import logging
+import re
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 import gpuload
-from gpuload.schema import resolve_outputs
+from gpuload.schema import resolve_outputs, spec_token
 
 BAD = {
-    "s": pa.string(), "bin": pa.binary(), "dec": pa.decimal128(10, 2),
-    "st": pa.struct([("a", pa.int32())]), "m": pa.map_(pa.string(), pa.int32()),
-    "ll": pa.list_(pa.list_(pa.int32())), "ls": pa.list_(pa.string()),
+    "s": pa.string(),
+    "ls": pa.large_string(),
+    "bin": pa.binary(),
+    "dec": pa.decimal128(10, 2),
+    "st": pa.struct([("a", pa.int32())]),
+    "m": pa.map_(pa.int32(), pa.float32()),
+    "lol": pa.list_(pa.list_(pa.int32())),
+    "lstr": pa.list_(pa.string()),
+    "fslstr": pa.list_(pa.string(), 2),
+    "dstr": pa.dictionary(pa.int32(), pa.string()),
 }
-SCHEMA = pa.schema([("ok", pa.int32()), ("h", pa.list_(pa.int64()))] + list(BAD.items()))
+GOOD = {"i": pa.int32(), "f": pa.float32(), "u": pa.uint8(), "b": pa.bool_(), "t": pa.timestamp("ms"),
+        "r": pa.list_(pa.int64()), "fx": pa.list_(pa.float32(), 4)}
+SCHEMA = pa.schema([(k, t) for k, t in GOOD.items()] + list(BAD.items()))
 
 
-@pytest.mark.parametrize("name", BAD)
-def test_unsupported_type_named_when_selected(name):
-    with pytest.raises(gpuload.SchemaError, match=f"column '{name}'") as e:
-        resolve_outputs(SCHEMA, [name], file="f.parquet")
-    assert str(SCHEMA.field(name).type) in str(e.value)
+def resolve(columns=None, fill_nulls=None, dtypes=None, schema=SCHEMA):
+    return resolve_outputs(schema, columns, fill_nulls, dtypes, file="data/part-0.parquet")
 
 
-def test_columns_none_skips_unsupported_with_one_log_line(caplog):
-    with caplog.at_level(logging.WARNING, logger="gpuload"):
-        specs = resolve_outputs(SCHEMA, None, file="f.parquet")
-    assert [s.name for s in specs] == ["ok", "h"]
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and all(f"{n} (" in lines[0] for n in BAD)
+@pytest.mark.parametrize("name", list(BAD))
+def test_unsupported_type_selected_explicitly_names_column_and_type(name):
+    typ = BAD[name]
+    for columns in ([name], ["i", name], {"out": name}):
+        with pytest.raises(gpuload.SchemaError) as e:
+            resolve(columns)
+        msg = str(e.value)
+        assert f"'{name}'" in msg and str(typ) in msg, msg
+        assert "columns=" in msg  # says what to do
 
 
-def test_missing_column_names_file_and_column():
-    with pytest.raises(gpuload.SchemaError, match=r"'nope' is not in f\.parquet"):
-        resolve_outputs(SCHEMA, ["ok", "nope"], file="f.parquet")
+def test_columns_none_skips_unsupported_and_logs_them_once(caplog):
+    with caplog.at_level(logging.INFO, logger="gpuload"):
+        specs = resolve()
+    assert [s.name for s in specs] == list(GOOD)
+    records = [r for r in caplog.records if r.name == "gpuload"]
+    assert len(records) == 1 and records[0].levelno >= logging.WARNING
+    for name, typ in BAD.items():
+        assert f"{name} ({typ})" in records[0].getMessage()
+    assert not any(re.search(rf"(: |, ){g} \(", records[0].getMessage()) for g in GOOD)
 
 
-def test_group_with_list_column_refused():
-    with pytest.raises(gpuload.SchemaError, match="'g' stacks list columns"):
-        resolve_outputs(SCHEMA, {"g": ["ok", "h"]})
+def test_columns_none_all_supported_logs_nothing(caplog):
+    with caplog.at_level(logging.DEBUG, logger="gpuload"):
+        resolve(schema=pa.schema([("a", pa.int8())]))
+    assert not [r for r in caplog.records if r.name == "gpuload"]
 
 
-@pytest.mark.parametrize("schema,fill", [
-    (pa.schema([("u", pa.uint8())]), -1), (pa.schema([("u", pa.int32())]), 0.5),
-    (pa.schema([("u", pa.int32())]), "zero"), (pa.schema([("u", pa.int8())]), 1000),
+def test_no_supported_column_at_all():
+    with pytest.raises(gpuload.SchemaError, match="data/part-0.parquet"):
+        resolve(schema=pa.schema([("s", pa.string())]))
+
+
+@pytest.mark.parametrize("columns", [["i", "nope"], {"x": "nope"}, {"g": ["i", "nope"]}, "nope"])
+def test_missing_column_is_named(columns):
+    with pytest.raises(gpuload.SchemaError, match=r"'nope' is not in data/part-0\.parquet"):
+        resolve(columns)
+
+
+@pytest.mark.parametrize("member", ["r", "fx"])
+def test_group_containing_a_list_column_is_refused(member):
+    with pytest.raises(gpuload.SchemaError, match=rf"'g'.*'{member}'"):
+        resolve({"g": ["i", member]})
+
+
+def test_kinds_dtypes_and_widths():
+    specs = {s.name: s for s in resolve({"i": "i", "r": "r", "fx": "fx", "g": ["u", "i", "b"], "t": "t"})}
+    assert (specs["i"].kind, specs["i"].dtype, specs["i"].width) == ("scalar", "<i4", 1)
+    assert (specs["r"].kind, specs["r"].dtype) == ("ragged", "<i8")
+    assert (specs["fx"].kind, specs["fx"].dtype, specs["fx"].width, specs["fx"].ndim) == ("fixed", "<f4", 4, 2)
+    assert (specs["g"].kind, specs["g"].dtype, specs["g"].width, specs["g"].columns) == ("group", "<i4", 3,
+                                                                                          ("u", "i", "b"))
+    assert (specs["t"].dtype, specs["t"].sources[0].temporal) == ("<i8", "int")
+
+
+# -- fill values ------------------------------------------------------------------------------
+@pytest.mark.parametrize("column,fill", [
+    ("u", -1), ("u", 256), ("i", 0.5), ("i", 2**31), ("i", float("nan")), ("i", "0"), ("f", "nan"),
+    ("b", 2), ("b", 0.5), ("r", "x"), ("fx", [0.0]), ("i", b"1"),
 ])
-def test_bad_fill_value_names_column(schema, fill):
-    with pytest.raises(gpuload.ConfigError, match="'u'"):
-        resolve_outputs(schema, None, fill_nulls={"u": fill})
+def test_bad_fill_value_names_the_column(column, fill):
+    with pytest.raises(gpuload.ConfigError, match=f"'{column}'"):
+        resolve([column], fill_nulls={column: fill})
+    with pytest.raises(gpuload.ConfigError, match=f"'{column}'"):
+        resolve([column], fill_nulls=fill)  # as a scalar for every column
 
 
+@pytest.mark.parametrize("column,fill,want", [
+    ("u", 255, 255), ("u", 3.0, 3), ("i", -2**31, -2**31), ("i", True, 1), ("f", 1, 1.0),
+    ("f", float("-inf"), float("-inf")), ("b", 1, True), ("b", False, False), ("r", np.int64(4), 4),
+    ("fx", np.float32(0.25), 0.25), ("t", -1, -1),
+])
+def test_good_fill_values_are_normalised(column, fill, want):
+    (spec,) = resolve([column], fill_nulls={column: fill})
+    assert spec.fills == (want,) and type(spec.fills[0]) is type(want)
+
+
+def test_fill_is_per_member_of_a_group():
+    (spec,) = resolve({"g": ["i", "f", "u"]}, fill_nulls={"f": 0.5, "u": 9})
+    assert spec.fills == (None, 0.5, 9)
+
+
+# -- other settings ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,match", [
-    ({"fill_nulls": {"zz": 0}}, "zz"), ({"dtypes": {"zz": "float32"}}, "zz"),
-    ({"columns": ["ok", "ok"]}, "more than once"), ({"columns": 5}, "columns="),
-    ({"dtypes": {"ok": "U4"}}, "numeric"), ({"columns": {"g": []}}, "non-empty"),
+    (dict(columns=["i"], fill_nulls={"f": 0}), r"fill_nulls.*\['f'\]"),          # not loaded
+    (dict(columns=["i"], fill_nulls={"zz": 0, "i": 0}), r"fill_nulls.*\['zz'\]"),
+    (dict(columns={"x": "i"}, dtypes={"i": "float32"}), r"dtypes.*\['i'\]"),      # outputs, not columns
+    (dict(columns=["i"], dtypes={"q": "int8"}), r"dtypes.*\['q'\]"),
+    (dict(columns=["i", "f", "i"]), r"columns=.*\['i'\]"),                        # duplicate names
+    (dict(columns=["i"], dtypes={"i": "not-a-dtype"}), r"dtypes\['i'\]"),
+    (dict(columns=["i"], dtypes={"i": "U3"}), r"dtypes\['i'\]"),
+    (dict(columns=["i"], dtypes={"i": "datetime64[ns]"}), r"dtypes\['i'\]"),
+    (dict(columns={"g": []}), r"columns\['g'\]"),
+    (dict(columns={"g": ["i", 3]}), r"columns\['g'\]"),
+    (dict(columns=42), r"columns="),
+    (dict(columns=["i", 3]), r"columns="),
 ])
-def test_bad_settings(kwargs, match):
-    kwargs.setdefault("columns", ["ok"])
+def test_bad_settings_raise_config_error_naming_them(kwargs, match):
     with pytest.raises(gpuload.ConfigError, match=match):
-        resolve_outputs(SCHEMA, **kwargs)
+        resolve(**kwargs)
 
 
-def test_renamed_and_grouped_outputs():
-    specs = resolve_outputs(pa.schema([("a", pa.int32()), ("b", pa.int64())]), {"x": "a", "g": ["a", "b"]})
-    assert [(s.name, s.columns, s.kind, s.width) for s in specs] == [
-        ("x", ("a",), "scalar", 1), ("g", ("a", "b"), "group", 2)]
+def test_spec_token_separates_every_option():
+    base = spec_token(resolve(["i", "r"]))
+    variants = [resolve(["r", "i"]), resolve(["i"]), resolve({"j": "i", "r": "r"}),
+                resolve(["i", "r"], fill_nulls=0), resolve(["i", "r"], fill_nulls={"r": 1}),
+                resolve(["i", "r"], dtypes={"i": "int64"}), resolve(["i", "r"], dtypes={"r": "float32"})]
+    tokens = [spec_token(v) for v in variants]
+    assert base == spec_token(resolve(["i", "r"])) and base not in tokens and len(set(tokens)) == len(tokens)
+
+
+@pytest.mark.parametrize("dtype,fill", [(pa.float16(), 1e10), (pa.float32(), 1e300)])
+def test_float_fill_out_of_range_is_refused(dtype, fill):
+    with pytest.raises(gpuload.ConfigError, match="'f'"):
+        resolve_outputs(pa.schema([("f", dtype)]), None, fill_nulls={"f": fill})
+    assert resolve_outputs(pa.schema([("f", dtype)]), None, fill_nulls={"f": float("nan")})[0].fills == (
+        pytest.approx(float("nan"), nan_ok=True),)
