@@ -20,7 +20,9 @@ def kernel_env(tmp_path, monkeypatch):
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python 3", "language": "python"}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    # ipykernel picks its inline backend only when MPLBACKEND is unset; an inherited
+    # MPLBACKEND=Agg would silently drop every figure.
+    monkeypatch.delenv("MPLBACKEND", raising=False)
     return tmp_path
 
 
@@ -41,6 +43,7 @@ def test_committed_without_outputs(path):
 def test_notebook_runs(path, kernel_env):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(kernel_env)}})
