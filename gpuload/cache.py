@@ -214,7 +214,7 @@ def read_chunk(path: Path, verify: bool = True, verified: set | None = None) -> 
             raise CorruptCacheError(f"{path}: truncated cache file ({size} of {end} bytes)")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     _populate(mm)
-    cols = columns_from_buffer(np.frombuffer(mm, np.uint8), header, 0, path, verify)
+    cols = columns_from_buffer(np.frombuffer(mm, np.uint8), header, path, verify)
     if verify and verified is not None:
         verified.add(ident)
     return header, cols
@@ -231,11 +231,11 @@ def _populate(mm: mmap.mmap) -> None:
         np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max(initial=0)
 
 
-def columns_from_buffer(buf, header: dict, start: int, path, verify: bool) -> dict:
-    """Views of each region of a chunk read into ``buf`` (which holds bytes from ``start``)."""
+def columns_from_buffer(buf, header: dict, path, verify: bool) -> dict:
+    """Views of each region of a chunk whose whole file is in ``buf`` (from byte 0)."""
     cols: dict = {}
     for r in header["regions"]:
-        raw = buf[r["offset"] - start: r["offset"] - start + r["nbytes"]]
+        raw = buf[r["offset"]: r["offset"] + r["nbytes"]]
         if verify and xxhash.xxh3_64_hexdigest(raw) != r["xxh3"]:
             raise CorruptCacheError(f"{path}: checksum mismatch in {r['output']}/{r['part']}")
         arr = raw.view(np.dtype(r["dtype"])).reshape(r["shape"])

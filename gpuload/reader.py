@@ -10,11 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import xxhash
 
-from .batch import nbytes
 from .cache import ChunkCache, ChunkKey
 from .config import Options
 from .decode import ArrowDecoder
@@ -33,14 +32,12 @@ class LoadCounters:
 
     from_cache: int = 0
     decoded: int = 0
-    bytes_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, cached: bool, nbytes: int) -> None:
+    def add(self, cached: bool) -> None:
         with self._lock:
             if cached:
                 self.from_cache += 1
-                self.bytes_read += nbytes
             else:
                 self.decoded += 1
 
@@ -89,12 +86,9 @@ class ChunkReader:
 
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
         cols, cached = self.cache.load(self.key(i), build, shared=not self.opts.shuffle)
-        self.counters.add(cached, nbytes(cols))
+        self.counters.add(cached)
         return cols
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""
         return self.cache.path(self.key(i)).exists()
-
-    def output_names(self) -> Sequence[str]:
-        return [s.name for s in self.specs]
