@@ -204,10 +204,10 @@ def read_chunk(path: Path, verify: bool = True, verified: set | None = None) -> 
     """
     with open(path, "rb", buffering=0) as f:
         header, start = read_header(f, path)
-        end = max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
+        end = region_span(header, start)
         st = os.fstat(f.fileno())
         size = st.st_size
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        ident = file_identity(st)
         if verified is not None and ident in verified:
             verify = False
         if size < end:  # checked before mapping: reading past the end would be SIGBUS
@@ -231,11 +231,24 @@ def _populate(mm: mmap.mmap) -> None:
         np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max(initial=0)
 
 
-def columns_from_buffer(buf, header: dict, path, verify: bool) -> dict:
-    """Views of each region of a chunk whose whole file is in ``buf`` (from byte 0)."""
+def region_span(header: dict, start: int) -> int:
+    """End offset of the last region of a chunk file whose regions begin at ``start``."""
+    return max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
+
+
+def file_identity(st: os.stat_result) -> tuple:
+    """What identifies one version of a file (for verify-once)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) -> dict:
+    """Views of each region of a chunk whose file, from byte ``base`` on, is in ``buf``.
+
+    ``buf`` is a uint8 NumPy or CuPy array; ``verify`` (NumPy only) compares checksums.
+    """
     cols: dict = {}
     for r in header["regions"]:
-        raw = buf[r["offset"]: r["offset"] + r["nbytes"]]
+        raw = buf[r["offset"] - base: r["offset"] - base + r["nbytes"]]
         if verify and xxhash.xxh3_64_hexdigest(raw) != r["xxh3"]:
             raise CorruptCacheError(f"{path}: checksum mismatch in {r['output']}/{r['part']}")
         arr = raw.view(np.dtype(r["dtype"])).reshape(r["shape"])
@@ -258,9 +271,20 @@ class ChunkCache:
     verify : ``True`` (default): compare a file's checksums the first time this
         process reads it (again whenever the file changes); ``"always"``: on every
         read; ``False``: never (the header is still checked).
+    read : ``read(path, verify, verified) -> column set`` (default: :func:`read_chunk`
+        into host memory; the GPU path passes a KvikIO reader into device memory).
+    to_host : ``to_host(column set) -> host column set`` the writer may keep (default:
+        a copy when ``shared``, else the columns themselves).
+    trust_writes : count files this process wrote as checked (default False). The GPU
+        path sets it, so that its cached epochs read straight into device memory
+        without a host pass over data that just came from its own memory.
     """
 
-    def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True):
+    def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
+                 read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False):
+        self._read_fn = read or (lambda p, v, s: read_chunk(p, v, s)[1])
+        self._to_host = to_host
+        self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
         self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
@@ -321,9 +345,12 @@ class ChunkCache:
                 self._slots.acquire()
                 # the writer gets its own copy: the caller may hand views of ``cols`` to
                 # a training loop that changes them in place before the write happens
-                snapshot = cols if not shared else {
-                    k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
-                    for k, v in cols.items()}
+                if self._to_host is not None:
+                    snapshot = self._to_host(cols)
+                else:
+                    snapshot = cols if not shared else {
+                        k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+                        for k, v in cols.items()}
                 try:
                     self._writer.submit(self._write_and_release, p, snapshot, source, lock)
                 except BaseException:  # e.g. at interpreter shutdown: give the slot back
@@ -332,11 +359,12 @@ class ChunkCache:
                 lock = None  # the writer releases it
             else:
                 with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
+                    host = cols if self._to_host is None else self._to_host(cols)
                     if not self.full:
                         used = sum(e.stat().st_size for e in self.entries())
-                        self.full = used + chunk_file_size(cols, source) > self.max_bytes
+                        self.full = used + chunk_file_size(host, source) > self.max_bytes
                     if not self.full:
-                        self._write(p, cols, source)
+                        self._write(p, host, source)
             return cols, False
         finally:
             if lock is not None:
@@ -344,13 +372,14 @@ class ChunkCache:
 
     def _read(self, p: Path) -> dict:
         if self.verify == "always" or not self.verify:
-            return read_chunk(p, bool(self.verify))[1]
-        return read_chunk(p, True, self._verified)[1]
+            return self._read_fn(p, bool(self.verify), None)
+        return self._read_fn(p, True, self._verified)
 
-    @staticmethod
-    def _write(path: Path, cols: dict, source: dict) -> None:
+    def _write(self, path: Path, cols: dict, source: dict) -> None:
         try:
             write_chunk(path, cols, source)
+            if self._trust_writes:
+                self._verified.add(file_identity(path.stat()))
         except OSError as e:  # e.g. disk full, or a `cache clear` meanwhile: the data is still served
             log.warning("gpuload: could not write cache file %s (%s); it will be read from Parquet again", path, e)
 

@@ -22,7 +22,7 @@ from .batch import Ragged
 from .errors import ConfigError, NullValuesError
 from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
 
-__all__ = ["table_to_columns", "needed_columns"]
+__all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error"]
 
 _DAY_MS = 86_400_000
 
@@ -42,17 +42,26 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
             arr = pc.divide(arr, _DAY_MS)
     if arr.null_count:
         if fill is None:
-            raise NullValuesError(
-                f"column {column!r} has {arr.null_count} null values in {where}; pass "
-                f"fill_nulls={{{column!r}: value}} (or a scalar for all columns) to replace them")
+            raise null_error(column, arr.null_count, where)
         arr = pc.fill_null(arr, pa.scalar(fill, type=arr.type))
     out = arr.to_numpy(zero_copy_only=False)
     return out.astype(vt.dtype, copy=False)
 
 
-def _cast(values: np.ndarray, dtype: str, column: str, where: str) -> np.ndarray:
-    """``values`` as ``dtype``. Casts to floats may round; casts to integers or bool must
-    keep every value exactly, else :class:`ConfigError` names the column and the value."""
+def null_error(column: str, count: int, where: str, lists: bool = False) -> NullValuesError:
+    """The error for ``count`` nulls in ``column`` with no fill value."""
+    if lists:
+        return NullValuesError(
+            f"column {column!r} has {count} null lists in {where}; pass "
+            f"fill_nulls={{{column!r}: value}} to turn them into empty lists (fixed-size lists: "
+            "rows of the fill value)")
+    return NullValuesError(f"column {column!r} has {count} null values in {where}; pass "
+                           f"fill_nulls={{{column!r}: value}} (or a scalar for all columns) to replace them")
+
+
+def cast_values(values, dtype: str, column: str, where: str):
+    """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round; casts to integers
+    or bool must keep every value exactly, else :class:`ConfigError` names the column and the value."""
     dst = np.dtype(dtype)
     if values.dtype == dst:
         return values
@@ -61,8 +70,8 @@ def _cast(values: np.ndarray, dtype: str, column: str, where: str) -> np.ndarray
     if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
         with np.errstate(invalid="ignore"):
             bad = out.astype(values.dtype) != values
-        if bad.any():
-            v = values[np.argmax(bad)]
+        if bool(bad.any()):
+            v = values[int(bad.argmax())]
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
                               f"choose a wider dtype in dtypes= (or none)")
     return out
@@ -81,10 +90,7 @@ def _list_parts(arr: pa.Array, spec: OutputSpec, where: str) -> tuple[pa.Array, 
     if arr.null_count == 0:
         return values, off, None
     if spec.fills[0] is None:
-        raise NullValuesError(
-            f"column {col!r} has {arr.null_count} null lists in {where}; pass "
-            f"fill_nulls={{{col!r}: value}} to turn them into empty lists (fixed-size lists: "
-            "rows of the fill value)")
+        raise null_error(col, arr.null_count, where, lists=True)
     valid = np.asarray(arr.is_valid())
     return values, off, valid
 
@@ -97,13 +103,13 @@ def _ragged(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
         vals = vals[np.repeat(valid, lengths)]
         lengths[~valid] = 0
         off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return Ragged(np.ascontiguousarray(_cast(vals, spec.dtype, spec.columns[0], where)), off)
+    return Ragged(np.ascontiguousarray(cast_values(vals, spec.dtype, spec.columns[0], where)), off)
 
 
 def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
     values, _, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
-    out = np.ascontiguousarray(_cast(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
+    out = np.ascontiguousarray(cast_values(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
     if valid is not None:  # null rows become rows of the fill value
         out = out.copy()
         out[~valid] = spec.fills[0]
@@ -135,9 +141,9 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
         elif s.kind == GROUP:
             out = np.empty((n, s.width), dtype=s.dtype)
             for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
-                out[:, j] = _cast(_scalar_values(arrays[c], vt, fill, c, where), s.dtype, c, where)
+                out[:, j] = cast_values(_scalar_values(arrays[c], vt, fill, c, where), s.dtype, c, where)
             cols[s.name] = out
         else:
             v = _scalar_values(arrays[s.columns[0]], s.sources[0], s.fills[0], s.columns[0], where)
-            cols[s.name] = np.ascontiguousarray(_cast(v, s.dtype, s.columns[0], where))
+            cols[s.name] = np.ascontiguousarray(cast_values(v, s.dtype, s.columns[0], where))
     return cols
