@@ -40,6 +40,10 @@ class Options:
     num_threads: int = 2
     max_cache_bytes: int | None = None
     verify_checksums: bool | str = True
+    decode: str = "auto"
+    max_device_bytes: int | None = None
+    kvikio_threads: int = 4
+    kvikio_compat: str = "auto"
 
     def __post_init__(self):
         _positive_int("batch_size", self.batch_size)
@@ -53,6 +57,13 @@ class Options:
             raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")
         if self.max_cache_bytes is not None:
             _positive_int("max_cache_bytes", self.max_cache_bytes, 0)
+        if self.max_device_bytes is not None:
+            _positive_int("max_device_bytes", self.max_device_bytes)
+        _positive_int("kvikio_threads", self.kvikio_threads)
+        if self.decode not in ("auto", "gpu", "cpu"):
+            raise ConfigError(f"decode={self.decode!r} must be 'auto', 'gpu' or 'cpu'")
+        if self.kvikio_compat not in ("auto", "on", "off"):
+            raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
         cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
         object.__setattr__(self, "cache_dir", Path(os.fspath(cache)).expanduser())
         if not isinstance(self.device, str):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 from . import plan
 from .config import Options
 from .errors import ConfigError
-from .handoff import make_handoff, resolve_device
+from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .pipeline import Background, epoch_batches
 from .reader import ChunkReader
 
@@ -73,7 +74,18 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         does not fit, chunks are cached until full and the rest is read from Parquet
         every epoch; nothing is evicted.
     verify_checksums : check each cache file's xxh3 checksums the first time this process
-        reads it (default True), on every read (``"always"``), or never (False).
+        reads it (default True), on every read (``"always"``), or never (False). On the
+        GPU, files this process wrote count as checked, and a first check reads the
+        file through pinned host memory once.
+    decode : where the first epoch decodes Parquet on a GPU device: ``"auto"`` (cuDF
+        when it imports, else the CPU), ``"gpu"`` (cuDF, an error without it) or
+        ``"cpu"`` (pyarrow, then pinned memory and non-blocking copies on the loader's
+        stream). Ignored on the CPU.
+    max_device_bytes : refuse settings whose device memory bound
+        (:attr:`device_bytes_bound`) exceeds this many bytes (default None: no limit).
+    kvikio_threads, kvikio_compat : KvikIO's thread pool size (default 4) and compat
+        mode (``"auto"``, the default: GPUDirect Storage where available, else POSIX;
+        ``"on"``; ``"off"``), set for the whole process when a GPU dataset opens.
 
     Yields
     ------
@@ -85,16 +97,28 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  drop_last: bool = False, cache_dir=None, device="auto", rank: int | None = None,
                  world_size: int | None = None, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                  shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
-                 max_cache_bytes: int | None = None, verify_checksums: bool | str = True):
+                 max_cache_bytes: int | None = None, verify_checksums: bool | str = True, decode: str = "auto",
+                 max_device_bytes: int | None = None, kvikio_threads: int = 4, kvikio_compat: str = "auto"):
         super().__init__()
         self.options = Options(batch_size=batch_size, shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last),
                                cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,
                                shuffle_window=shuffle_window, prefetch=prefetch, num_threads=num_threads,
-                               max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums)
+                               max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums, decode=decode,
+                               max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
+                               kvikio_compat=kvikio_compat)
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.device = resolve_device(device)
-        self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes)
+        self._ctx, gpu_decode = _device_context(self.device, self.options)
+        self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes, ctx=self._ctx,
+                                  gpu_decode=gpu_decode)
         plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
+        o = self.options
+        if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
+            raise ConfigError(
+                f"max_device_bytes={o.max_device_bytes}: these settings may hold up to {self.device_bytes_bound} "
+                f"bytes of device memory ((2 x shuffle_window + prefetch + 1) chunks of up to "
+                f"{self.reader.max_chunk_bytes()} bytes, plus queued batches); lower chunk_bytes, shuffle_window "
+                "or prefetch")
         self.epoch = 0
 
     # -- public -------------------------------------------------------------------------
@@ -107,6 +131,19 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def outputs(self) -> list[str]:
         """Names of the tensors in each batch."""
         return [s.name for s in self.reader.specs]
+
+    @property
+    def device_bytes_bound(self) -> int:
+        """Upper bound of the device memory the loader holds at once, in bytes (GPU path).
+
+        A window's chunks and its concatenation (2 x ``shuffle_window`` chunks), the
+        chunks loaded ahead (``prefetch``) and one being decoded, plus the batches
+        queued for the consumer (``prefetch + 3``). Independent of the dataset's size.
+        """
+        o, r = self.options, self.reader
+        chunk = r.max_chunk_bytes()
+        row = chunk / max(1, max((c.rows for c in r.chunks), default=1))
+        return int((2 * o.shuffle_window + o.prefetch + 1) * chunk + (o.prefetch + 3) * o.batch_size * row)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (call before each epoch)."""
@@ -124,7 +161,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if info is not None and info.num_workers > 0:
             raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
                               "batch_size=None), or iterate it directly")
-        handoff = make_handoff(self.device)
+        if self._ctx is not None:  # batches are guarded for the stream current now, on the training thread
+            self._ctx.consumer = torch.cuda.current_stream(self.device)
+            handoff = DlpackHandoff(self._ctx)
+        else:
+            handoff = HostHandoff()
         producer = Background(lambda stop: self._batches(self.epoch, handoff, stop), depth=self.options.prefetch + 2)
         try:
             for item in producer:
@@ -147,18 +188,32 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def _batches(self, epoch: int, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
         windows, sizes = self.plan_epoch(epoch)
+        ctx = self._ctx
         permutation = None
         if o.shuffle:
             def permutation(w: int, n: int):
-                return plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
+                perm = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
                                                rank=self.rank, window=w)
-        yield from epoch_batches(windows, sizes, r.load, permutation, handoff,
-                                 threads=o.num_threads, prefetch=o.prefetch, stop=stop, alloc=r.pool.array)
+                return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
+        yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
+                                 prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
+                                 enter=None if ctx is None else ctx.active)
 
     def __repr__(self) -> str:
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
                 f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
                 f"rank={self.rank}/{self.world_size}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
+
+
+def _device_context(device: torch.device, o: Options):
+    """(DeviceContext, decode on the GPU) for a CUDA device; (None, False) on the CPU."""
+    if device.type != "cuda":
+        return None, False
+    from .gpu import DeviceContext, configure_kvikio, require_gpu
+
+    gpu_decode = require_gpu(str(device), o.decode)
+    configure_kvikio(o.kvikio_threads, o.kvikio_compat)
+    return DeviceContext(device), gpu_decode
 
 
 @dataclass(frozen=True)
@@ -187,22 +242,27 @@ class CacheSummary:
 
 def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                 num_threads: int = 2, max_cache_bytes: int | None = None,
-                progress: Callable[[int], None] | None = None) -> CacheSummary:
+                progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto") -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
     Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
     :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
     cached). ``progress(n)`` is called with each finished chunk's row count. Safe to
-    run from several processes at once: each chunk is built once.
+    run from several processes at once: each chunk is built once. ``device`` (default
+    ``"cpu"``; ``"cuda"`` or ``"auto"`` to decode with cuDF) and ``decode`` mean what
+    they mean for :class:`ParquetDataset`; the files are the same either way.
     """
     opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
-                   max_cache_bytes=max_cache_bytes)
-    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes)
+                   max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
+    ctx, gpu_decode = _device_context(resolve_device(device), opts)
+    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode)
+    enter = contextlib.nullcontext if ctx is None else ctx.active
     t0 = time.perf_counter()
     already = sum(reader.is_cached(i) for i in range(len(reader.chunks)))
 
     def one(i: int) -> None:
-        reader.load(i)
+        with enter():
+            reader.load(i)
         if progress is not None:
             progress(reader.chunks[i].rows)
 

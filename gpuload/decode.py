@@ -7,6 +7,7 @@ decoder (cuDF) returns the same column set in device memory, behind the same cal
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import pyarrow as pa
@@ -18,7 +19,17 @@ from .plan import Chunk
 from .schema import OutputSpec
 from .source import SourceFile
 
-__all__ = ["ArrowDecoder"]
+__all__ = ["ArrowDecoder", "GpuDecoder"]
+
+log = logging.getLogger("gpuload")
+
+
+def _where(f: SourceFile, chunk: Chunk) -> str:
+    """The chunk's name in messages; also refuses a file that changed since it was opened."""
+    if not f.stat_matches():
+        raise SourceError(f"{f.path} changed or disappeared after the dataset was opened; "
+                          "open the dataset again to pick up the new file")
+    return f"{f.path} (row groups {chunk.rg_start}-{chunk.rg_stop - 1})"
 
 
 class ArrowDecoder:
@@ -31,10 +42,7 @@ class ArrowDecoder:
     name = "cpu"
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
-        where = f"{f.path} (row groups {chunk.rg_start}-{chunk.rg_stop - 1})"
-        if not f.stat_matches():
-            raise SourceError(f"{f.path} changed or disappeared after the dataset was opened; "
-                              "open the dataset again to pick up the new file")
+        where = _where(f, chunk)
         try:
             pf = pq.ParquetFile(f.path, metadata=f.metadata)
             table = pf.read_row_groups(range(chunk.rg_start, chunk.rg_stop),
@@ -44,3 +52,59 @@ class ArrowDecoder:
         if table.num_rows != chunk.rows:
             raise SourceError(f"{where}: read {table.num_rows} rows where the footer promises {chunk.rows}")
         return table_to_columns(table, specs, where)
+
+
+class GpuDecoder:
+    """GPU decoder: libcudf reads the row groups, :mod:`gpuload.convert_gpu` converts.
+
+    Returns a CuPy column set in the loader's memory of ``ctx`` (a
+    :class:`gpuload.gpu.DeviceContext`; call it inside ``ctx.active()``). libcudf and
+    the conversion kernels run on the legacy default stream after the loader stream
+    is idle, and are waited for before returning, so the result is ready for the
+    loader stream. A chunk that cuDF would not convert exactly as the CPU does (see
+    :class:`gpuload.convert_gpu.Unsupported`) is decoded by ``fallback`` on the CPU
+    and uploaded through pinned memory.
+    """
+
+    name = "gpu"
+
+    def __init__(self, ctx, fallback: ArrowDecoder | None = None):
+        self.ctx = ctx
+        self.fallback = fallback or ArrowDecoder()
+        self._warned: set[str] = set()
+
+    def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
+        import cupy
+
+        from .convert_gpu import Unsupported, columns_to_set, read_row_groups
+
+        where = _where(f, chunk)
+        try:
+            with cupy.cuda.Stream.null:  # libcudf decodes on the legacy default stream, into RMM memory
+                try:
+                    raw = read_row_groups(f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
+                except (OSError, RuntimeError, MemoryError, ValueError) as e:
+                    raise SourceError(f"{where}: cannot be read on the GPU ({type(e).__name__}: {e}); the file "
+                                      "may be truncated or corrupt, or pass decode='cpu'") from None
+                done = cupy.cuda.Event(disable_timing=True)
+                done.record(cupy.cuda.Stream.null)  # ordered after every blocking stream's work, cuDF's included
+                done.synchronize()
+            # convert on the loader stream, into the loader's memory; cuDF's buffers go back to
+            # RMM only once the loader stream has finished reading them
+            out = _own(columns_to_set(raw, specs, f.schema, chunk.rows, where))
+            self.ctx.stream.synchronize()
+            del raw
+            return out
+        except Unsupported as e:
+            if str(e) not in self._warned:
+                self._warned.add(str(e))
+                log.info("gpuload: %s; decoding such chunks on the CPU so the bytes match the CPU path", e)
+            return self.ctx.upload(self.fallback(f, chunk, specs))
+
+
+def _own(cols: dict) -> dict:
+    """Fresh copies (in the current allocator's memory) of every array of a CuPy column set."""
+    from .batch import Ragged
+
+    return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+            for k, v in cols.items()}

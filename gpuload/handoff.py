@@ -1,9 +1,11 @@
 """Hand-off: column sets become torch tensors on the training device.
 
-CPU: ``torch.from_numpy`` shares the batch's memory (no copy). CUDA with host-side
-batches: the batch is copied into pinned memory and sent with ``non_blocking=True`` on
-the loader's own CUDA stream; the consumer's stream waits on an event recorded after
-the copies, so a batch is never used before it has arrived.
+CPU: ``torch.from_numpy`` shares the batch's memory (no copy). GPU: the batch is a set
+of CuPy arrays in the loader's device memory (see :mod:`gpuload.gpu`);
+``torch.from_dlpack`` wraps them without a copy, on the loader thread, and an event
+recorded on the loader stream after the kernels that made the batch travels with it.
+On the training thread :meth:`DlpackHandoff.receive` makes the current stream wait on
+that event, so the batch is never visible before it is complete.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from .batch import Ragged
 from .errors import ConfigError, GpuloadError
 
-__all__ = ["resolve_device", "HostHandoff", "CudaHandoff", "make_handoff"]
+__all__ = ["resolve_device", "HostHandoff", "DlpackHandoff"]
 
 log = logging.getLogger("gpuload")
 
@@ -24,14 +26,20 @@ log = logging.getLogger("gpuload")
 def resolve_device(device) -> torch.device:
     """Turn ``"auto" | "cpu" | "cuda" | "cuda:N"`` (or a torch.device) into a torch.device.
 
-    ``"auto"`` picks CUDA when torch sees a GPU, else the CPU (with one log line).
-    An explicit CUDA device without a usable GPU raises :class:`GpuloadError`.
+    ``"auto"`` picks the GPU when the GPU path can run (a driver, CuPy with
+    ``cupy.cuda.is_available()``, and KvikIO: :func:`gpuload.gpu.gpu_usable`), else the
+    CPU with one log line saying why. An explicit CUDA device without them raises
+    :class:`GpuloadError` naming the missing piece (driver, cupy, kvikio).
     """
+    from .gpu import gpu_status, gpu_usable, require_gpu
+
     text = str(device)
     if text == "auto":
-        if torch.cuda.is_available():
+        if gpu_usable():
             return torch.device("cuda", torch.cuda.current_device())
-        log.info("gpuload: no CUDA device visible to torch; loading on the CPU")
+        missing = {k: v for k, v in gpu_status().items() if v is not None and k != "cudf"}
+        log.info("gpuload: loading on the CPU (GPU path unavailable: %s)",
+                 "; ".join(f"{k}: {v}" for k, v in missing.items()))
         return torch.device("cpu")
     try:
         dev = torch.device(text)
@@ -41,10 +49,7 @@ def resolve_device(device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise ConfigError(f"device={device!r}: gpuload loads to 'cpu' or 'cuda' devices only")
-    if not torch.cuda.is_available():
-        reason = ("this torch build has no CUDA support (install a CUDA build of torch)"
-                  if torch.version.cuda is None else "no NVIDIA driver or GPU is visible (check nvidia-smi)")
-        raise GpuloadError(f"device={device!r} needs a GPU but {reason}; use device='cpu' or 'auto'")
+    require_gpu(text, "cpu")  # names the first missing piece
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
         raise GpuloadError(f"device={device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
@@ -72,39 +77,23 @@ class HostHandoff:
         return batch
 
 
-class CudaHandoff:
-    """Host column set -> CUDA tensors, copied on a dedicated stream (runs on the loader thread)."""
+class DlpackHandoff:
+    """Device column set (CuPy) -> CUDA tensors through DLPack, with a ready event.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
+    Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`).
+    """
+
+    def __init__(self, ctx):
+        self.ctx = ctx
 
     def __call__(self, cols: dict):
-        with torch.cuda.stream(self.stream):
-            out = _map(cols, lambda a: _tensor(a).pin_memory().to(self.device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(self.stream)
+        out = _map(cols, torch.from_dlpack)  # CuPy's current stream is the loader's: no extra ordering
+        event = torch.cuda.Event()
+        event.record(self.ctx.stream)
         return out, event
 
     def receive(self, item) -> dict:
-        """On the training thread: make the current stream wait for the copies."""
+        """On the training thread: make the current stream wait until the batch is complete."""
         batch, event = item
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        for t in _flat(batch):
-            t.record_stream(current)  # memory stays reserved until the consumer's work on it is done
+        torch.cuda.current_stream(self.ctx.device).wait_event(event)
         return batch
-
-
-def _flat(batch: dict):
-    for v in batch.values():
-        if isinstance(v, Ragged):
-            yield v.values
-            yield v.offsets
-        else:
-            yield v
-
-
-def make_handoff(device: torch.device):
-    """The hand-off for ``device``."""
-    return HostHandoff() if device.type == "cpu" else CudaHandoff(device)

@@ -10,6 +10,7 @@ Memory is bounded by the window, the chunks in flight and the batch queue.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import deque
@@ -112,7 +113,8 @@ class _Lookahead:
 
 def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], load: Callable[[int], dict],
                   permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
-                  *, threads: int, prefetch: int, stop: threading.Event, alloc=None) -> Iterator:
+                  *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
+                  enter: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -125,13 +127,25 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     threads, prefetch : loader threads; chunks loaded beyond the current window.
     stop : set when the consumer has gone away.
     alloc : ``alloc(shape, dtype)`` for window buffers (default: new arrays).
+    enter : a context every loader thread runs inside (the GPU path's device, stream
+        and allocator: :meth:`gpuload.gpu.DeviceContext.active`).
     """
+    enter = enter or contextlib.nullcontext
+    with enter():
+        yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter)
+
+
+def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter) -> Iterator:
+    def load_in(i: int) -> dict:
+        with enter():
+            return load(i)
+
     segments = [s for w in windows for s in w]
     ahead = prefetch
     batcher = Batcher(sizes)
     pos = 0
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool:
-        look = _Lookahead(pool, segments, load, ahead)
+        look = _Lookahead(pool, segments, load_in, ahead)
         try:
             for w, window in enumerate(windows):
                 parts = []

@@ -51,7 +51,7 @@ class ChunkReader:
     """
 
     def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
-                 decoder: Callable | None = None):
+                 decoder: Callable | None = None, ctx=None, gpu_decode: bool = False):
         self.opts = opts
         self.files: list[SourceFile] = open_files(list_files(source))
         first = self.files[0]
@@ -64,8 +64,19 @@ class ChunkReader:
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         self.pool = HostPool(max_buffers=4 * len(self.specs) + 4)  # shuffle windows: 2 per output
-        self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums)
-        self.decode = decoder or ArrowDecoder()
+        self.ctx = ctx
+        if ctx is None:
+            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums)
+            self.decode = decoder or ArrowDecoder()
+        else:  # GPU path: chunks live in device memory (see gpuload.gpu)
+            from .cache_gpu import read_chunk_device
+            from .decode import GpuDecoder
+
+            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
+                                    read=lambda p, verify, seen: read_chunk_device(p, ctx, verify, seen),
+                                    to_host=ctx.to_host, trust_writes=True)
+            cpu = decoder or ArrowDecoder()
+            self.decode = GpuDecoder(ctx, cpu) if gpu_decode else (lambda f, c, s: ctx.upload(cpu(f, c, s)))
         self.counters = LoadCounters()
 
     def key(self, i: int) -> ChunkKey:
@@ -74,8 +85,15 @@ class ChunkReader:
         f = self.files[c.file]
         return ChunkKey(f.path, f.version, self.spec_hash, c.rg_start, c.rg_stop)
 
+    def max_chunk_bytes(self) -> int:
+        """Estimated converted bytes of the largest chunk."""
+        return max((c.nbytes for c in self.chunks), default=0)
+
     def load(self, i: int) -> dict:
-        """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows)."""
+        """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows).
+
+        On the GPU path, call it inside ``ctx.active()``; the columns are then CuPy arrays.
+        """
         c = self.chunks[i]
         f = self.files[c.file]
 

@@ -1,6 +1,7 @@
 """Shared test set-up.
 
-* the ``gpu`` marker skips cleanly where no GPU is usable;
+* the ``gpu`` marker skips cleanly where the GPU path cannot run (no driver, CuPy or KvikIO);
+* ``device``: runs a test once with ``"cpu"`` and once with ``"cuda"`` (marked ``gpu``);
 * ``tmp_cache``: a fresh, empty cache directory under ``tmp_path`` (also set as
   ``$GPULOAD_CACHE_DIR``, so a dataset opened without ``cache_dir=`` never touches
   ``~/.cache``);
@@ -18,13 +19,10 @@ import pytest
 
 
 def _gpu_reason() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    return None
+    from gpuload.gpu import gpu_status
+
+    missing = {k: v for k, v in gpu_status().items() if v is not None and k != "cudf"}
+    return None if not missing else "; ".join(f"{k}: {v}" for k, v in missing.items())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -51,6 +49,12 @@ def write_parquet(path, table, row_group_size: int | None = None, **kwargs) -> P
 @pytest.fixture(name="write_parquet")
 def _write_parquet_fixture():
     return write_parquet
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """Runs a test body on the CPU and, where the GPU path can run, on the GPU."""
+    return request.param
 
 
 @pytest.fixture

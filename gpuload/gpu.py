@@ -1,0 +1,267 @@
+"""GPU runtime: what the node has, and the device-side memory and streams of the loader.
+
+Nothing here runs at import time: CuPy, KvikIO and cuDF are imported on first use, so
+the package imports (and the CPU path runs) on machines without them.
+
+Memory and stream rules of the GPU path (invariant 7 of the design):
+
+* every device array that a batch may view is allocated from **torch's caching
+  allocator** on the loader's own stream and marked with ``record_stream`` for the
+  consumer's stream (the one current when iteration began). When the last reference
+  to it goes, torch reuses the block only after the consumer's work queued by then has
+  finished, so a batch is never overwritten under the training step;
+* CuPy runs gpuload's kernels (gather, concatenate, cumsum) on views of that memory,
+  on the loader stream, through DLPack; batches reach torch with ``torch.from_dlpack``
+  (no copy) and an event recorded on the loader stream, which the consumer's stream
+  waits on before it can see the batch;
+* agents that do not run on the loader stream (KvikIO reads, cuDF decode on the legacy
+  default stream) only write memory after the loader stream is idle, and are waited
+  for on the host before their output is used.
+
+With :func:`share_rmm_pool` torch allocates from RMM, whose torch allocator ignores
+``record_stream``; the loader stream then waits for the consumer's stream before it
+writes a new buffer, which keeps the same guarantee at the cost of some overlap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+
+import numpy as np
+import torch
+
+from .batch import Ragged
+from .errors import ConfigError, GpuloadError
+
+__all__ = ["gpu_status", "require_gpu", "gpu_usable", "configure_kvikio", "share_rmm_pool", "DeviceContext"]
+
+log = logging.getLogger("gpuload")
+
+_COMPAT = {"auto": "AUTO", "on": "ON", "off": "OFF"}
+_state = {"rmm": False}
+
+
+def _importable(name: str) -> str | None:
+    """None if ``name`` imports, else a one-line reason."""
+    try:
+        importlib.import_module(name)
+        return None
+    except Exception as e:  # ImportError, or a broken install raising anything else
+        return f"{type(e).__name__}: {e}"
+
+
+def gpu_status() -> dict:
+    """What this process can use for the GPU path: ``{piece: None (usable) or reason}``.
+
+    Pieces: ``driver`` (torch sees a CUDA device), ``cupy`` (imports and
+    ``cupy.cuda.is_available()``), ``kvikio``, ``cudf``.
+    """
+    status = {}
+    if torch.version.cuda is None:
+        status["driver"] = "this torch build has no CUDA support (install a CUDA build of torch)"
+    elif not torch.cuda.is_available():
+        status["driver"] = "no NVIDIA driver or GPU is visible to torch (check nvidia-smi)"
+    else:
+        status["driver"] = None
+    status["cupy"] = _importable("cupy")
+    if status["cupy"] is None:
+        import cupy
+
+        if not cupy.cuda.is_available():
+            status["cupy"] = "cupy imports but cupy.cuda.is_available() is False (driver or CUDA runtime mismatch)"
+    status["kvikio"] = _importable("kvikio")
+    status["cudf"] = _importable("cudf")
+    return status
+
+
+_EXTRA = "install the gpu extra (pip install 'gpuload[gpu]') or use device='cpu'"
+
+
+def gpu_usable() -> bool:
+    """True when the GPU path can run here (driver, CuPy and KvikIO; cuDF is optional)."""
+    if torch.version.cuda is None or not torch.cuda.is_available() or _importable("cupy") is not None:
+        return False
+    import cupy
+
+    return bool(cupy.cuda.is_available()) and _importable("kvikio") is None
+
+
+def require_gpu(device: str, decode: str) -> bool:
+    """Check the pieces ``device`` needs; returns whether cuDF decodes on the GPU.
+
+    Raises :class:`GpuloadError` naming the first missing piece (driver, cupy, kvikio,
+    or cudf when ``decode="gpu"``). With ``decode="auto"`` and no cuDF, chunks are
+    decoded on the CPU (one log line) and copied to the GPU through pinned memory.
+    """
+    s = gpu_status()
+    for piece in ("driver", "cupy", "kvikio"):
+        if s[piece] is not None:
+            raise GpuloadError(f"device={device!r} needs {piece}: {s[piece]}; {_EXTRA}")
+    if decode == "cpu":
+        return False
+    if s["cudf"] is not None:
+        if decode == "gpu":
+            raise GpuloadError(f"decode='gpu' needs cudf: {s['cudf']}; {_EXTRA}, or pass decode='cpu'")
+        log.info("gpuload: cudf is not importable (%s); decoding Parquet on the CPU and copying to the GPU", s["cudf"])
+        return False
+    return True
+
+
+def configure_kvikio(threads: int, compat: str) -> None:
+    """Set KvikIO's thread pool size and compat mode for this process.
+
+    Set through the environment first, so that libcudf's first Parquet read (which
+    otherwise switches compat mode on and picks 4 threads when these are unset) keeps
+    them, then through ``kvikio.defaults.set`` for KvikIO's already-loaded defaults.
+    """
+    if compat not in _COMPAT:
+        raise ConfigError(f"kvikio_compat={compat!r} must be 'auto', 'on' or 'off'")
+    os.environ["KVIKIO_COMPAT_MODE"] = _COMPAT[compat]
+    os.environ["KVIKIO_NTHREADS"] = str(threads)
+    import kvikio
+    import kvikio.defaults
+
+    kvikio.defaults.set({"compat_mode": getattr(kvikio.CompatMode, _COMPAT[compat]), "num_threads": threads})
+
+
+def share_rmm_pool(initial_pool_bytes: int | None = None) -> None:
+    """Make torch, CuPy and cuDF allocate from one RMM pool (opt-in).
+
+    Call it once per process, **before anything allocates CUDA memory through torch**:
+    first thing in the training script, after ``import torch`` and before building the
+    model, moving anything ``.to("cuda")`` or creating a :class:`~gpuload.ParquetDataset`.
+    torch cannot change its allocator once it has allocated, so a late call raises
+    :class:`GpuloadError`. Without it, torch and RAPIDS keep separate pools (both
+    bounded; gpuload's own buffers always come from torch's).
+    """
+    if _state["rmm"]:
+        return
+    try:
+        import rmm
+        from rmm.allocators.cupy import rmm_cupy_allocator
+        from rmm.allocators.torch import rmm_torch_allocator
+    except Exception as e:
+        raise GpuloadError(f"share_rmm_pool needs rmm: {type(e).__name__}: {e}; {_EXTRA}") from None
+    if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
+        raise GpuloadError("share_rmm_pool() came after torch allocated CUDA memory; call it at the start of the "
+                           "script, before any model or tensor is moved to the GPU")
+    rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_bytes)
+    try:
+        torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+    except RuntimeError as e:
+        raise GpuloadError(f"share_rmm_pool(): torch refused the RMM allocator ({e}); call it before torch's first "
+                           "CUDA allocation") from None
+    import cupy
+
+    cupy.cuda.set_allocator(rmm_cupy_allocator)
+    _state["rmm"] = True
+
+
+class DeviceContext:
+    """The loader's CUDA device, stream and memory (one per iteration of a dataset).
+
+    Parameters
+    ----------
+    device : the CUDA ``torch.device``.
+    consumer : the stream batches are used on (default: the current stream of the
+        calling thread, which should be the training thread).
+    """
+
+    def __init__(self, device: torch.device, consumer: torch.cuda.Stream | None = None):
+        import cupy
+
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.consumer = consumer or torch.cuda.current_stream(self.index)
+        self.stream = torch.cuda.Stream(self.index)
+        self._cp_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, self.index)
+        self._rmm = _state["rmm"]
+        self._local = threading.local()
+
+    # -- memory -------------------------------------------------------------------------
+    def _alloc(self, size: int):
+        """CuPy allocator hook: torch memory on the loader stream, guarded for the consumer."""
+        import cupy
+
+        t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
+        if self._rmm:  # RMM's torch allocator ignores record_stream: wait for the consumer instead
+            self.stream.wait_stream(self.consumer)
+        else:
+            t.record_stream(self.consumer)
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, t, self.index), 0)
+
+    @contextlib.contextmanager
+    def active(self):
+        """Run the block on the loader stream, with CuPy allocating through :meth:`_alloc`.
+
+        Re-entrant; safe to enter from any loader thread.
+        """
+        depth = getattr(self._local, "depth", 0)
+        if depth:
+            self._local.depth = depth + 1
+            try:
+                yield self
+            finally:
+                self._local.depth -= 1
+            return
+        import cupy
+
+        self._local.depth = 1
+        try:
+            with torch.cuda.device(self.index), torch.cuda.stream(self.stream), cupy.cuda.Device(self.index), \
+                    self._cp_stream, cupy.cuda.using_allocator(self._alloc):
+                yield self
+        finally:
+            self._local.depth = 0
+
+    def empty_bytes(self, nbytes: int):
+        """An uninitialised CuPy uint8 array of ``nbytes`` on the loader's memory (call inside :meth:`active`)."""
+        import cupy
+
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+
+    def before_external_write(self) -> None:
+        """Wait until no loader-stream work can still touch memory handed out for reuse.
+
+        Call before an agent that ignores streams (KvikIO) writes into a new buffer.
+        """
+        if self._rmm:
+            self.stream.wait_stream(self.consumer)
+        self.stream.synchronize()
+
+    # -- host <-> device ----------------------------------------------------------------
+    def upload(self, cols: dict) -> dict:
+        """Host column set -> device column set (inside :meth:`active`).
+
+        Each array is staged in pinned memory from torch's host allocator and copied
+        with ``non_blocking=True`` on the loader stream; torch keeps the pinned block
+        until its copy is done. The returned arrays are ordered on the loader stream.
+        """
+        def one(a: np.ndarray):
+            a = np.ascontiguousarray(a)
+            dst = self.empty_bytes(a.nbytes)
+            if a.nbytes:
+                src = torch.from_numpy(a.reshape(-1).view(np.uint8)).pin_memory()
+                torch.from_dlpack(dst).copy_(src, non_blocking=True)
+            return dst.view(a.dtype).reshape(a.shape)
+
+        return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v) for k, v in cols.items()}
+
+    def to_host(self, cols: dict) -> dict:
+        """Device column set -> new NumPy arrays (waits for the copies)."""
+        import cupy
+
+        def one(a):
+            return cupy.asnumpy(a, stream=self._cp_stream, blocking=True) if isinstance(a, cupy.ndarray) else a
+
+        return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v) for k, v in cols.items()}
+
+    def upload_index(self, idx: np.ndarray):
+        """A host index array (e.g. a window permutation) on the device, on the loader stream."""
+        import cupy
+
+        return cupy.asarray(idx)

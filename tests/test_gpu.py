@@ -1,0 +1,342 @@
+"""The GPU path: device selection everywhere; decode, cache reads, batching and hand-off on a GPU.
+
+Tests marked ``gpu`` run where a driver, CuPy and KvikIO are usable (cuDF for the GPU
+decode tests) and skip cleanly elsewhere. The others check, on any machine, what a
+user without a GPU meets: the error that names the missing piece, the CPU fallback,
+and the shared pieces the GPU path is built from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import gpuload
+from gpuload import gpu
+from gpuload.batch import Ragged
+from gpuload.cache import ChunkCache, ChunkKey, columns_from_buffer, read_chunk
+from gpuload.handoff import resolve_device
+
+from conftest import write_parquet
+
+
+# -- any machine -------------------------------------------------------------------------
+def _status(**missing):
+    base = {"driver": None, "cupy": None, "kvikio": None, "cudf": None}
+    base.update(missing)
+    return lambda: base
+
+
+@pytest.mark.parametrize("piece", ["driver", "cupy", "kvikio"])
+def test_cuda_without_a_piece_names_it(monkeypatch, piece):
+    monkeypatch.setattr(gpu, "gpu_status", _status(**{piece: "not here"}))
+    with pytest.raises(gpuload.GpuloadError, match=f"device='cuda' needs {piece}: not here"):
+        gpu.require_gpu("cuda", "auto")
+
+
+def test_missing_cudf_decodes_on_the_cpu_unless_gpu_decode_is_asked(monkeypatch, caplog):
+    monkeypatch.setattr(gpu, "gpu_status", _status(cudf="ImportError: no cudf"))
+    with caplog.at_level(logging.INFO, logger="gpuload"):
+        assert gpu.require_gpu("cuda", "auto") is False
+    assert [r for r in caplog.records if "cudf is not importable" in r.getMessage()]
+    with pytest.raises(gpuload.GpuloadError, match="decode='gpu' needs cudf"):
+        gpu.require_gpu("cuda", "gpu")
+    assert gpu.require_gpu("cuda", "cpu") is False
+    monkeypatch.setattr(gpu, "gpu_status", _status())
+    assert gpu.require_gpu("cuda", "auto") is True
+
+
+def test_auto_without_gpu_path_is_cpu_with_one_info_line(monkeypatch, caplog):
+    monkeypatch.setattr(gpu, "gpu_usable", lambda: False)
+    monkeypatch.setattr(gpu, "gpu_status", _status(driver="no driver"))
+    with caplog.at_level(logging.INFO, logger="gpuload"):
+        assert resolve_device("auto") == torch.device("cpu")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "loading on the CPU" in lines[0] and "driver: no driver" in lines[0]
+
+
+def test_this_machine_reports_why_cuda_is_unusable():
+    if gpu.gpu_usable():
+        pytest.skip("the GPU path can run here")
+    with pytest.raises(gpuload.GpuloadError, match="needs (driver|cupy|kvikio)"):
+        gpuload.ParquetDataset([], device="cuda")
+
+
+@pytest.mark.parametrize("kwargs, name", [({"decode": "fpga"}, "decode"), ({"kvikio_compat": "yes"}, "kvikio_compat"),
+                                          ({"kvikio_threads": 0}, "kvikio_threads"),
+                                          ({"max_device_bytes": 0}, "max_device_bytes")])
+def test_gpu_settings_are_validated(tmp_path, kwargs, name):
+    path = write_parquet(tmp_path / "a.parquet", {"x": np.arange(10)})
+    with pytest.raises(gpuload.ConfigError, match=name):
+        gpuload.ParquetDataset(path, device="cpu", cache_dir=tmp_path / "c", **kwargs)
+
+
+def test_regions_are_found_from_any_base_offset(tmp_path):
+    cols = {"a": np.arange(1000, dtype=np.float32),
+            "r": Ragged(np.arange(7, dtype=np.int64), np.array([0, 3, 3, 7], np.int64))}
+    cols["a"] = cols["a"][:3]
+    path = tmp_path / "c.glc"
+    gpuload.cache.write_chunk(path, cols, {})
+    header, full = read_chunk(path)
+    raw = np.fromfile(path, np.uint8)
+    start = min(r["offset"] for r in header["regions"])  # what the device reader fetches
+    got = columns_from_buffer(raw[start:], header, path, True, base=start)
+    assert got["a"].tolist() == [0.0, 1.0, 2.0]
+    assert got["r"].values.tolist() == list(range(7)) and got["r"].offsets.tolist() == [0, 3, 3, 7]
+
+
+def test_cache_uses_the_read_and_to_host_hooks(tmp_path):
+    calls = []
+
+    def read(p, verify, seen):
+        calls.append(("read", verify, seen is not None))
+        return read_chunk(p, verify, seen)[1]
+
+    def to_host(cols):
+        calls.append(("to_host",))
+        return {k: np.array(v) for k, v in cols.items()}
+
+    cache = ChunkCache(tmp_path, read=read, to_host=to_host, trust_writes=True)
+    key = ChunkKey("/data/x.parquet", "1-2", "spec", 0, 1)
+    cols, cached = cache.load(key, lambda: ({"a": np.arange(5)}, {"path": "x"}))
+    assert not cached
+    cache.flush()
+    cols, cached = cache.load(key, lambda: pytest.fail("rebuilt a cached chunk"))
+    assert cached and cols["a"].tolist() == [0, 1, 2, 3, 4]
+    assert ("to_host",) in calls
+    # the file this cache wrote counts as checked: the read was told not to verify it again
+    assert [c for c in calls if c[0] == "read"][-1][1] is True
+    assert len(cache._verified) == 1
+
+
+# -- on a GPU ------------------------------------------------------------------------------
+def _rich_table(n: int, seed: int = 0) -> pa.Table:
+    """Every supported kind: scalars, nulls to fill, bool, uint, dictionary, temporals, lists."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 6, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    hist = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 1000, offsets[-1])),
+                                    mask=pa.array(rng.random(n) < 0.05))
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(n * 4).astype(np.float32)), 4)
+    f = rng.standard_normal(n)
+    return pa.table({
+        "row_id": pa.array(np.arange(n, dtype=np.int64)),
+        "f64": pa.array(f, mask=rng.random(n) < 0.1),
+        "f32": pa.array(rng.standard_normal(n).astype(np.float32)),
+        "flag": pa.array(rng.random(n) < 0.5),
+        "u16": pa.array(rng.integers(0, 60000, n).astype(np.uint16)),
+        "i8": pa.array(rng.integers(-100, 100, n).astype(np.int8)),
+        "cat": pa.array(rng.integers(0, 50, n)).dictionary_encode(),
+        "day": pa.array(rng.integers(0, 20000, n).astype(np.int32), type=pa.date32()),
+        "ts": pa.array(rng.integers(0, 2**40, n), type=pa.timestamp("us", tz="UTC")),
+        "hist": hist,
+        "emb": emb,
+    })
+
+
+def _write_rich(tmp_path, n=60_000, files=3):
+    paths = []
+    for i in range(files):
+        paths.append(write_parquet(tmp_path / "data" / f"p{i}.parquet", _rich_table(n // files, seed=i),
+                                   row_group_size=5_000))
+    return tmp_path / "data"
+
+
+_COLUMNS = {"row_id": "row_id", "f64": "f64", "f32": "f32", "flag": "flag", "u16": "u16", "i8": "i8", "cat": "cat",
+            "day": "day", "ts": "ts", "hist": "hist", "emb": "emb", "dense": ["f32", "i8"]}
+_FILL = {"f64": -1.0, "hist": 0}
+
+
+def _epoch(ds, epoch=0) -> list[dict]:
+    ds.set_epoch(epoch)
+    out = []
+    for b in ds:
+        out.append({k: (Ragged(v.values.cpu().numpy(), v.offsets.cpu().numpy()) if isinstance(v, Ragged)
+                        else v.cpu().numpy()) for k, v in b.items()})
+    return out
+
+
+def _assert_same(a: list[dict], b: list[dict]):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], Ragged):
+                assert np.array_equal(x[k].offsets, y[k].offsets), k
+                assert x[k].values.dtype == y[k].values.dtype and x[k].values.tobytes() == y[k].values.tobytes(), k
+            else:
+                assert x[k].dtype == y[k].dtype and x[k].shape == y[k].shape, k
+                assert x[k].tobytes() == y[k].tobytes(), k  # bit-identical, NaNs included
+
+
+def _ds(data, cache, device, **kw):
+    kw.setdefault("batch_size", 4096)
+    kw.setdefault("chunk_bytes", 1 << 20)
+    return gpuload.ParquetDataset(data, _COLUMNS, fill_nulls=_FILL, cache_dir=cache, device=device, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["auto", "cpu"])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_gpu_batches_are_bit_identical_to_cpu(tmp_path, shuffle, decode):
+    data = _write_rich(tmp_path)
+    for world in (1, 3):
+        for rank in range(world):
+            cpu = _ds(data, tmp_path / "c-cpu", "cpu", shuffle=shuffle, rank=rank, world_size=world, seed=7)
+            gpu_ = _ds(data, tmp_path / f"c-gpu-{decode}", "cuda", shuffle=shuffle, rank=rank, world_size=world,
+                       seed=7, decode=decode)
+            assert len(cpu) == len(gpu_)
+            for epoch in (0, 1):  # epoch 0 decodes (cold), epoch 1 reads the cache
+                _assert_same(_epoch(cpu, epoch), _epoch(gpu_, epoch))
+
+
+@pytest.mark.gpu
+def test_caches_are_shared_between_cpu_and_gpu(tmp_path):
+    data = _write_rich(tmp_path)
+    ref = _epoch(_ds(data, tmp_path / "ref", "cpu"))
+    # written by the CPU, read by the GPU
+    gpuload.build_cache(data, tmp_path / "a", _COLUMNS, fill_nulls=_FILL, chunk_bytes=1 << 20, device="cpu")
+    g = _ds(data, tmp_path / "a", "cuda")
+    _assert_same(ref, _epoch(g))
+    assert g.reader.counters.decoded == 0
+    # written by the GPU, read by the CPU (and byte-identical files)
+    gpuload.build_cache(data, tmp_path / "b", _COLUMNS, fill_nulls=_FILL, chunk_bytes=1 << 20, device="cuda")
+    c = _ds(data, tmp_path / "b", "cpu")
+    _assert_same(ref, _epoch(c))
+    assert c.reader.counters.decoded == 0
+    a_files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.glc"))
+    b_files = sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*.glc"))
+    assert a_files == b_files
+    for p in a_files:  # same regions, same checksums (the header's build time differs)
+        ha = read_chunk(tmp_path / "a" / p)[0]
+        hb = read_chunk(tmp_path / "b" / p)[0]
+        assert ha["regions"] == hb["regions"]
+
+
+@pytest.mark.gpu
+def test_gpu_batches_are_zero_copy_views_of_the_loader_buffer(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(200_000, dtype=np.float32)}, row_group_size=200_000)
+    ds = gpuload.ParquetDataset(path, ["x"], batch_size=10_000, shuffle=False, device="cuda", cache_dir=tmp_path / "c")
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        batches = list(ds)
+        ptrs = [b["x"].data_ptr() for b in batches]
+        # one chunk: every batch is a slice of the same device buffer, at its row offset
+        assert ptrs == [ptrs[0] + i * 10_000 * 4 for i in range(20)]
+        assert batches[0]["x"].device.type == "cuda"
+        assert torch.equal(torch.cat([b["x"] for b in batches]).cpu(), torch.arange(200_000, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_stream_ordering_under_a_busy_consumer(tmp_path):
+    """Thousands of batches, compared with the CPU path, while the consumer keeps the GPU busy."""
+    n = 400_000
+    path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(n, dtype=np.int64),
+                                                  "y": (np.arange(n) * 3).astype(np.float64)}, row_group_size=20_000)
+    kw = dict(batch_size=256, shuffle=True, seed=3, chunk_bytes=1 << 19, cache_dir=tmp_path / "c")
+    ref = [b["x"].numpy().copy() for b in gpuload.ParquetDataset(path, device="cpu", **kw)]
+    ds = gpuload.ParquetDataset(path, device="cuda", **kw)
+    side = torch.cuda.Stream()
+    big = torch.randn(2048, 2048, device="cuda")
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        got = []
+        for i, b in enumerate(ds):
+            big = big @ big.T / 2048  # keep the default stream busy while batches arrive
+            with torch.cuda.stream(side):
+                side_sum = (b["y"] * 2).sum()  # a side stream reads the batch too (after waiting for it)
+            side.wait_stream(torch.cuda.current_stream())
+            got.append(b["x"].clone())
+            assert torch.equal(b["y"], b["x"].double() * 3)
+            if i % 64 == 0:
+                torch.cuda.synchronize()
+                assert side_sum.item() == float((b["x"].double() * 6).sum().item())
+        assert len(got) == len(ref) > 1000
+        if epoch == 0:
+            for g, r in zip(got, ref):
+                assert np.array_equal(g.cpu().numpy(), r)
+
+
+@pytest.mark.gpu
+def test_gpu_memory_is_bounded_and_does_not_grow(tmp_path):
+    data = _write_rich(tmp_path, n=90_000)
+    ds = _ds(data, tmp_path / "c", "cuda", shuffle=True, shuffle_window=2, prefetch=1)
+    _epoch(ds, 0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    after = []
+    for epoch in range(1, 21):
+        ds.set_epoch(epoch)
+        for _ in ds:
+            pass
+        torch.cuda.synchronize()
+        after.append(torch.cuda.memory_allocated())
+    assert max(after) <= base + (1 << 20), after  # nothing kept across epochs
+    assert torch.cuda.max_memory_allocated() - base <= ds.device_bytes_bound
+    with pytest.raises(gpuload.ConfigError, match="max_device_bytes"):
+        _ds(data, tmp_path / "c", "cuda", max_device_bytes=ds.device_bytes_bound - 1)
+
+
+@pytest.mark.gpu
+def test_kvikio_settings_survive_cudf_reads(tmp_path):
+    pytest.importorskip("cudf")
+    import kvikio.defaults
+
+    data = _write_rich(tmp_path)
+    ds = _ds(data, tmp_path / "c", "cuda", decode="gpu", kvikio_threads=3, kvikio_compat="auto")
+    _epoch(ds, 0)
+    assert kvikio.defaults.get("num_threads") == 3
+    assert str(kvikio.defaults.get("compat_mode")).endswith("AUTO")
+
+
+@pytest.mark.gpu
+def test_corrupt_cache_is_rebuilt_on_the_gpu(tmp_path):
+    data = _write_rich(tmp_path)
+    ref = _epoch(_ds(data, tmp_path / "ref", "cpu"))
+    gpuload.build_cache(data, tmp_path / "c", _COLUMNS, fill_nulls=_FILL, chunk_bytes=1 << 20)
+    victim = sorted((tmp_path / "c").rglob("*.glc"))[0]
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    g = _ds(data, tmp_path / "c", "cuda")  # a new process would verify on first read: so does a new dataset
+    _assert_same(ref, _epoch(g))
+    assert g.reader.counters.decoded == 1
+
+
+_RMM_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np, torch, gpuload
+    gpuload.share_rmm_pool()
+    ds = gpuload.ParquetDataset(sys.argv[1], batch_size=1000, device="cuda", cache_dir=sys.argv[2], seed=1)
+    cpu = gpuload.ParquetDataset(sys.argv[1], batch_size=1000, device="cpu", cache_dir=sys.argv[2], seed=1)
+    for epoch in range(3):
+        ds.set_epoch(epoch); cpu.set_epoch(epoch)
+        for g, c in zip(ds, cpu):
+            assert np.array_equal(g["x"].cpu().numpy(), c["x"].numpy())
+    print("ok")
+""")
+
+
+@pytest.mark.gpu
+def test_shared_rmm_pool_in_a_fresh_process(tmp_path):
+    pytest.importorskip("rmm")
+    path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(50_000)}, row_group_size=5_000)
+    out = subprocess.run([sys.executable, "-c", _RMM_SCRIPT, str(path), str(tmp_path / "c")], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.gpu
+def test_share_rmm_pool_after_torch_allocated_is_refused():
+    pytest.importorskip("rmm")
+    torch.zeros(1, device="cuda")
+    with pytest.raises(gpuload.GpuloadError, match="share_rmm_pool"):
+        gpuload.share_rmm_pool()
