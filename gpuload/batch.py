@@ -84,7 +84,10 @@ def _take_ragged(v: Ragged, idx):
     jumps = s.copy()
     jumps[1:] -= s[:-1] + n[:-1] - 1
     src[off[:-1][nonempty]] = jumps
-    xp.cumsum(src, out=src)
+    if xp is np:
+        np.cumsum(src, out=src)
+    else:  # CuPy's scan does not promise in-place results
+        src = xp.cumsum(src)
     return xp.take(v.values, src), off
 
 
