@@ -340,3 +340,20 @@ def test_share_rmm_pool_after_torch_allocated_is_refused():
     torch.zeros(1, device="cuda")
     with pytest.raises(gpuload.GpuloadError, match="share_rmm_pool"):
         gpuload.share_rmm_pool()
+
+
+def test_every_row_once_and_same_order_on_each_device(tmp_path, device):
+    """One body on the CPU and, where present, the GPU: rows exactly once, order fixed by (seed, epoch)."""
+    n = 23_456
+    path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(n, dtype=np.int64)}, row_group_size=1_000)
+    kw = dict(batch_size=1_000, chunk_bytes=16_384, cache_dir=tmp_path / "c", device=device, seed=5)
+    for world in (1, 2):
+        seen = []
+        for rank in range(world):
+            ds = gpuload.ParquetDataset(path, rank=rank, world_size=world, **kw)
+            first = [b["x"].cpu().numpy() for b in (ds.set_epoch(3) or ds)]
+            again = [b["x"].cpu().numpy() for b in (ds.set_epoch(3) or ds)]  # now from the cache
+            assert len(first) == len(ds) and all(np.array_equal(a, b) for a, b in zip(first, again))
+            seen.append(np.concatenate(first))
+        assert len(seen[0]) == len(seen[-1]) or abs(len(seen[0]) - len(seen[-1])) == 1
+        assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(n))
