@@ -7,6 +7,7 @@ deterministically and sharded evenly across ranks.
 
 from .batch import Ragged
 from .dataset import CacheSummary, ParquetDataset, build_cache
+from .gpu import gpu_status, share_rmm_pool
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
 
@@ -16,6 +17,8 @@ __all__ = [
     "ParquetDataset",
     "build_cache",
     "CacheSummary",
+    "share_rmm_pool",
+    "gpu_status",
     "Ragged",
     "GpuloadError",
     "ConfigError",
