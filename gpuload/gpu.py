@@ -100,7 +100,8 @@ def require_gpu(device: str, decode: str) -> bool:
     s = gpu_status()
     for piece in ("driver", "cupy", "kvikio"):
         if s[piece] is not None:
-            raise GpuloadError(f"device={device!r} needs {piece}: {s[piece]}; {_EXTRA}")
+            advice = "use device='cpu' (or 'auto')" if piece == "driver" else _EXTRA
+            raise GpuloadError(f"device={device!r} needs {piece}: {s[piece]}; {advice}")
     if decode == "cpu":
         return False
     if s["cudf"] is not None:
