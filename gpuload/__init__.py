@@ -7,9 +7,12 @@ deterministically and sharded evenly across ranks.
 
 from .batch import Ragged
 from .dataset import CacheSummary, ParquetDataset, build_cache
+from .diagnose import Diagnosis, diagnose
 from .gpu import gpu_status, share_rmm_pool
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
+from .metrics import Metrics, StageStats, Stats
+from .watch import Watched, watch
 
 __version__ = "0.1.0"
 
@@ -20,6 +23,13 @@ __all__ = [
     "share_rmm_pool",
     "gpu_status",
     "Ragged",
+    "watch",
+    "Watched",
+    "Metrics",
+    "Stats",
+    "StageStats",
+    "diagnose",
+    "Diagnosis",
     "GpuloadError",
     "ConfigError",
     "SourceError",
