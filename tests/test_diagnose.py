@@ -1,0 +1,169 @@
+"""diagnose: the right bottleneck and advice, from synthetic Stats and from a timed mini-pipeline."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+import gpuload
+from gpuload.metrics import StageStats, Stats
+
+
+def stage(name: str, seconds: float, threads: int = 1, nbytes: int = 0, rows: int = 0, wall: float = 10.0,
+          training_thread: bool = False):
+    return StageStats(name, seconds, 100, nbytes, rows, threads, nbytes / seconds / 1e9, rows / seconds,
+                      seconds / wall, training_thread)
+
+
+def make_stats(starvation: float = 0.5, wall: float = 10.0, stages=(), **kw) -> Stats:
+    batches = 100
+    wait = starvation * wall
+    base = dict(wall_s=wall, batches=batches, rows=batches * 65536, bytes=batches * 10**7, wait_s=wait,
+                starvation=starvation, passes=1, wait_mean_s=wait / batches, wait_max_s=2 * wait / batches,
+                step_mean_s=(wall - wait) / batches, step_max_s=2 * (wall - wait) / batches,
+                stages={s.name: s for s in stages})
+    return Stats(**{**base, **kw})
+
+
+def test_slow_decode():
+    d = gpuload.diagnose(make_stats(0.6, stages=[stage("read", 2.0, 2, 10**9), stage("decode", 18.0, 2, 4 * 10**9,
+                                                                                  6_553_600),
+                                                 stage("cache_write", 3.0, 2), stage("batch", 1.0)]))
+    assert d.limiting == "decode" and d.starvation == 0.6
+    assert d.message.startswith("first epoch is decode-bound on the CPU")
+    assert "busy 90% of the 10.00 s run" in d.message and "0.22 GB/s" in d.message and "60.0%" in d.message
+    assert "gpuload cache build" in d.action and "device=cuda" in d.action
+
+
+def test_throttled_reader():
+    d = gpuload.diagnose(make_stats(0.8, stages=[stage("read", 19.0, 2, 19 * 10**8), stage("decode", 4.0, 2)]))
+    assert d.limiting == "read" and "throttled at 0.20 GB/s" in d.message  # 0.1 GB/s per thread x 2
+    assert "local NVMe" in d.action
+
+
+def test_slow_cache_read_against_the_disk():
+    stats = make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 4 * 10**9), stage("batch", 3.0)])
+    d = gpuload.diagnose(stats, disk_gbps=3.0)
+    assert d.limiting == "cache_read"
+    assert "cache reads run at 0.50 GB/s against 3.00 GB/s the disk gives" in d.message
+    assert d.action.startswith("raise prefetch")
+    near = gpuload.diagnose(make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 23 * 10**9)]), disk_gbps=3.0)
+    assert "2.88 GB/s against 3.00" in near.message and "the disk is the limit" in near.action
+    unknown = gpuload.diagnose(stats)
+    assert "not measured" in unknown.message and "raise prefetch" in unknown.action
+
+
+def test_slow_consumer():
+    d = gpuload.diagnose(make_stats(0.02, stages=[stage("cache_read", 1.0, 2)]))
+    assert d.limiting == "step" and "the step itself is the bottleneck: the loader is not" in d.message
+    assert "2.0%" in d.message and "profile the step" in d.action
+
+
+def test_foreign_loader_without_stage_data():
+    d = gpuload.diagnose(make_stats(0.7, cpu_percent=98.0, util_samples=10))
+    assert d.limiting == "loader" and "cannot keep up with the step" in d.message
+    assert "70.0% of 10.00 s" in d.message and "70.0 ms per next()" in d.message and "CPU 98%" in d.message
+    assert "no per-stage timings" in d.message
+    assert "gpuload.ParquetDataset" in d.action and "num_workers" in d.action
+
+
+def test_busy_time_is_per_available_worker():
+    stats = make_stats(0.5, stages=[stage("decode", 8.0, 1), stage("batch", 5.0)])
+    assert gpuload.diagnose(stats).limiting == "decode"  # seen on one thread: 8 s per worker
+    shuffle = gpuload.diagnose(stats, threads=4)  # 2 s per pool worker; batching runs on one thread
+    assert shuffle.limiting == "batch" and "shuffle_window" in shuffle.action
+
+
+@pytest.mark.parametrize("name, words", [("h2d", "pinned"), ("cache_write", "gpuload cache build"),
+                                         ("list", "list of files"), ("convert", "device=cuda")])
+def test_every_stage_has_advice(name, words):
+    d = gpuload.diagnose(make_stats(0.3, stages=[stage(name, 9.0, 1, 10**9)]))
+    assert d.limiting == name and words in d.action and "9.00 s in all" in d.message
+
+
+def test_stage_on_the_training_thread():
+    stats = make_stats(0.6, stages=[stage("convert", 4.0, 1, training_thread=True), stage("decode", 2.0, 1,
+                                                                                            training_thread=True)])
+    d = gpuload.diagnose(stats, threads=4)  # the pool size does not apply to work done inside next()
+    assert d.limiting == "convert" and "runs on the training thread, 4.00 s of its 6.00 s of waiting" in d.message
+    assert "move the loading off the training thread" in d.action and "prefetch" not in d.action
+
+
+def test_inline_loader_measured_through_watch():
+    m = gpuload.Metrics()
+
+    def loader():
+        for i in range(30):
+            with m.span("decode", rows=100):
+                time.sleep(0.004)
+            yield i
+
+    w = gpuload.watch(loader(), metrics=m, sample_util=False)
+    for _ in w:
+        time.sleep(0.001)
+    s = w.stats()
+    assert s.stages["decode"].training_thread and s.starvation == pytest.approx(0.8, abs=0.06)
+    d = gpuload.diagnose(s)
+    assert d.limiting == "decode" and "runs on the training thread" in d.message
+
+
+def test_unsaturated_loader_is_told_to_prefetch():
+    d = gpuload.diagnose(make_stats(0.3, stages=[stage("cache_read", 2.0, 2, 10**9)]))
+    assert d.limiting == "cache_read" and d.action.startswith("raise prefetch first")
+    assert "not keeping enough work in flight" in d.message
+
+
+def test_str_and_errors():
+    d = gpuload.diagnose(make_stats(0.25, stages=[stage("decode", 9.0)]))
+    text = str(d)
+    assert text.startswith("starvation 25.0%; limited by: decode") and "action: build the cache" in text
+    with pytest.raises(ValueError, match="no batch"):
+        gpuload.diagnose(gpuload.Metrics().stats())
+
+
+def mini_pipeline(slow: str, n: int = 40) -> Stats:
+    """Two loader threads read (cache_read 1 ms) or decode (decode 1 ms) each chunk; the
+    ``slow`` stage takes 8 ms instead; the training thread steps 2 ms per batch."""
+    m = gpuload.Metrics()
+    q: queue.Queue = queue.Queue(maxsize=2)
+    todo = iter(range(n))
+    lock = threading.Lock()
+
+    def worker():
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return q.put(None)
+            for name in ("cache_read", "decode"):
+                with m.span(name, nbytes=10**6, rows=1000):
+                    time.sleep((8.0 if name == slow else 1.0) / 1000)
+            q.put(i)
+
+    for _ in range(2):
+        threading.Thread(target=worker, daemon=True).start()
+    done = 0
+    while done < 2:
+        t0 = time.perf_counter()
+        item = q.get()
+        if item is None:
+            done += 1
+            continue
+        m.consumer_wait(t0, time.perf_counter(), rows=1000)
+        with m.span("batch", rows=1000):
+            time.sleep(0.0002)
+        time.sleep(0.002)
+    m.consumer_end(time.perf_counter(), time.perf_counter())
+    return m.stats()
+
+
+@pytest.mark.parametrize("slow", ["decode", "cache_read"])
+def test_measured_pipeline_names_the_injected_slow_stage(slow):
+    stats = mini_pipeline(slow)
+    assert stats.starvation > 0.3  # 9 ms per chunk on 2 threads against a 2 ms step
+    d = gpuload.diagnose(stats, threads=2)
+    assert d.limiting == slow
+    assert f"busy {stats.stages[slow].seconds / 2 / stats.wall_s:.0%}" in d.message

@@ -1,0 +1,177 @@
+"""UtilSampler: CPU samples everywhere, GPU samples through NVML (faked here), silent NVML failures."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from gpuload import Metrics, sampling
+from gpuload.sampling import UtilSampler
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(1000))
+
+
+@pytest.fixture
+def fresh_nvml_report(monkeypatch):
+    monkeypatch.setattr(sampling, "_nvml_reported", False)
+
+
+def fake_nvml(*, init_error: Exception | None = None, gpu: int = 42, used: int = 3 << 30):
+    opened = []
+
+    def init():
+        if init_error is not None:
+            raise init_error
+
+    def by_index(i):
+        opened.append(("index", i))
+        return f"handle{i}"
+
+    def by_uuid(u):
+        opened.append(("uuid", u))
+        return u
+
+    mod = types.SimpleNamespace(
+        nvmlInit=init, nvmlShutdown=lambda: opened.append(("shutdown",)),
+        nvmlDeviceGetHandleByIndex=by_index, nvmlDeviceGetHandleByUUID=by_uuid,
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=gpu, memory=10),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=used, total=8 << 30))
+    return mod, opened
+
+
+def test_cpu_samples_of_a_busy_thread():
+    m = Metrics()
+    with UtilSampler(m, period=0.02, gpu=False) as s:
+        assert s.running and not s.has_gpu
+        thread = s._thread
+        busy(0.3)
+    assert not s.running and not thread.is_alive()  # the context manager closes it
+    st = m.stats()
+    assert st.util_samples >= 4  # 15 at most; a spinning thread holds the GIL
+    assert st.cpu_percent > 30  # a spinning Python thread: near 100% of a core (shared machines: less)
+    assert 0 < st.system_cpu_percent <= 100
+    assert st.gpu_percent is None and st.gpu_memory_bytes is None
+    cpu = [e for e in m.trace_events() if e["name"] == "CPU %"]
+    assert len(cpu) == st.util_samples and {"process", "system"} == cpu[0]["args"].keys()
+
+
+def test_pause_resume_and_close(monkeypatch):
+    m = Metrics()
+    s = UtilSampler(m, period=0.01, gpu=False)
+    s.stop()  # no-op
+    threads = set()
+    for _ in range(2):
+        s.start()
+        assert s.start() is s and s.running  # already running: no second thread
+        threads.add(s._thread)
+        time.sleep(0.05)
+        s.stop()
+        n = m.stats().util_samples
+        time.sleep(0.03)
+        assert m.stats().util_samples == n  # paused: no samples
+    assert n >= 4
+    (thread,) = threads  # one thread, kept while paused
+    assert thread.name == "gpuload-util" and thread.is_alive()
+    s.close()
+    assert not thread.is_alive()
+    with pytest.raises(ValueError):
+        UtilSampler(m, period=0)
+
+
+def test_an_idle_thread_ends_and_a_restart_makes_a_new_one(monkeypatch):
+    monkeypatch.setattr(UtilSampler, "IDLE_EXIT_S", 0.05)
+    m = Metrics()
+    s = UtilSampler(m, period=0.01, gpu=False).start()
+    s.stop()
+    thread = s._thread
+    thread.join(timeout=2)
+    assert not thread.is_alive() and s._thread is None
+    s.start()
+    time.sleep(0.05)
+    s.stop()
+    assert s._thread is not None and s._thread.is_alive() and m.stats().util_samples >= 3
+    s.close()
+
+
+def test_gpu_samples_through_nvml(monkeypatch, fresh_nvml_report):
+    mod, opened = fake_nvml()
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    m = Metrics()
+    with UtilSampler(m, period=0.01, device=0) as s:
+        assert s.has_gpu
+        time.sleep(0.05)
+    st = m.stats()
+    assert st.gpu_percent == 42.0 and st.gpu_memory_bytes == 3 << 30
+    assert opened[0] == ("index", 0) and opened[-1] == ("shutdown",)
+    names = {e["name"] for e in m.trace_events() if e["ph"] == "C"}
+    assert {"CPU %", "GPU %", "GPU memory MiB"} <= names
+    assert "GPU 42%" in str(st)
+
+
+@pytest.mark.parametrize("visible, expected", [("3,5", ("index", 5)), ("GPU-abc, GPU-def", ("uuid", "GPU-def"))])
+def test_cuda_visible_devices_maps_to_nvml(monkeypatch, fresh_nvml_report, visible, expected):
+    mod, opened = fake_nvml()
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with UtilSampler(Metrics(), period=0.01, device=1):
+        pass
+    assert opened[0] == expected
+
+
+def test_nvml_failures_are_silent_and_logged_once(monkeypatch, fresh_nvml_report, caplog):
+    mod, _ = fake_nvml(init_error=RuntimeError("NVML Shared Library Not Found"))
+    monkeypatch.setitem(sys.modules, "pynvml", mod)
+    caplog.set_level(logging.DEBUG, logger="gpuload")
+    m = Metrics()
+    for _ in range(3):
+        with UtilSampler(m, period=0.01):
+            time.sleep(0.03)
+    st = m.stats()
+    assert st.gpu_percent is None and st.cpu_percent is not None and st.util_samples >= 3
+    records = [r for r in caplog.records if "GPU utilisation" in r.getMessage()]
+    assert len(records) == 1 and records[0].levelno == logging.DEBUG
+    assert "Not Found" in records[0].getMessage()
+
+
+def test_without_pynvml(monkeypatch, fresh_nvml_report, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
+    caplog.set_level(logging.DEBUG, logger="gpuload")
+    with UtilSampler(Metrics(), period=0.01) as s:
+        assert not s.has_gpu
+    assert any("nvidia-ml-py" in r.getMessage() for r in caplog.records)
+
+
+def test_real_nvml_on_this_machine():
+    m = Metrics()
+    with UtilSampler(m, period=0.01) as s:
+        has_gpu = s.has_gpu
+        time.sleep(0.03)
+    st = m.stats()
+    if has_gpu:  # a GPU that NVML reports on (not a MIG slice)
+        assert 0 <= st.gpu_percent <= 100 and st.gpu_memory_bytes > 0
+    else:
+        assert st.gpu_percent is None
+    if not torch.cuda.is_available():
+        assert not has_gpu
+
+
+def test_stop_samples_the_tail_only_when_it_is_worth_it():
+    m = Metrics()
+    s = UtilSampler(m, period=1.0, gpu=False)
+    with s:
+        time.sleep(0.03)  # nothing sampled yet: the tail becomes the pass's one sample
+    assert m.stats().util_samples == 1
+    s.start()
+    s.stop()  # under 10 ms: no sample of a near-empty interval
+    assert m.stats().util_samples == 1
+    s.close()
