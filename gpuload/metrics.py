@@ -29,6 +29,8 @@ from pathlib import Path
 from threading import get_ident
 from time import perf_counter
 
+import torch
+
 __all__ = ["STAGES", "Metrics", "Stats", "StageStats"]
 
 #: Pipeline stages a span can name, in pipeline order.
@@ -43,8 +45,6 @@ def _nvtx_backend(enabled: bool | None):
     if enabled is False or (enabled is None and off):
         return None
     try:
-        import torch
-
         if torch.cuda.is_available():
             return torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop
     except Exception:  # a broken CUDA install must not break loading
@@ -54,7 +54,7 @@ def _nvtx_backend(enabled: bool | None):
             import nvtx
         except ImportError:
             return None
-        return (lambda message: nvtx.push_range(message)), nvtx.pop_range
+        return nvtx.push_range, nvtx.pop_range
     return None
 
 
@@ -64,13 +64,11 @@ class StageStats:
 
     Attributes
     ----------
-    name : the stage (one of :data:`STAGES`).
+    name, calls : the stage (one of :data:`STAGES`) and the spans recorded.
     seconds : busy time in seconds, summed over threads (may exceed the wall time).
-    calls : spans recorded.
     nbytes, rows : bytes and rows the spans reported.
     threads : distinct threads that ran the stage.
-    gbps : ``nbytes / seconds / 1e9``: GB/s of one thread while busy.
-    rows_per_s : ``rows / seconds``: rows/s of one thread while busy.
+    gbps, rows_per_s : ``nbytes / seconds / 1e9`` and ``rows / seconds``: one busy thread's rates.
     share : ``seconds / wall_s`` of the :class:`Stats` (above 1 when threads overlap).
     training_thread : whether some of its spans ran on the training (consumer) thread,
         i.e. inside ``next()`` rather than in the background.
@@ -102,10 +100,10 @@ class Stats:
     passes : iterations over the loader (started ones). wait_mean_s, wait_max_s: per ``next()``.
     step_mean_s, step_max_s : from a batch's delivery to the next ``next()`` (the step).
     stages : ``{stage: StageStats}`` for the stages that recorded a span, in pipeline order.
-    queue_mean, queue_min, queue_empty : ready-batch queue depth: mean, minimum and
-        fraction of samples at 0 (None without samples); queue_samples: their number.
-    cpu_percent : mean CPU use of this process in percent of one core (200 = two cores).
-    system_cpu_percent : mean CPU use of the whole machine, 0 to 100.
+    queue_mean, queue_min, queue_empty : ready-batch queue depth: mean, minimum, fraction of
+        samples at 0 (None without samples); queue_samples: their number.
+    cpu_percent, system_cpu_percent : mean CPU use of this process (percent of one core:
+        200 = two cores busy) and of the whole machine (0 to 100).
     gpu_percent : mean GPU utilisation, 0 to 100; gpu_memory_bytes: most GPU memory used.
         The four are None without samples; util_samples: their number.
     """
@@ -230,11 +228,10 @@ class Metrics:
     ----------
     nvtx : None (default: NVTX ranges when torch sees a CUDA device, unless
         ``$GPULOAD_NVTX=0``), True (also through the ``nvtx`` package), False (never).
-    max_events : events of each kind kept for the trace (default 1,000,000, about
-        100 MB at most); later ones still count in :meth:`stats`.
+    max_events : events of each kind kept for the trace (default 1,000,000, about 100 MB at
+        most); later ones still count in :meth:`stats`.
 
-    One training thread consumes per Metrics: passes are delimited by its
-    :meth:`consumer_wait` and :meth:`consumer_end` calls.
+    One training thread consumes per Metrics; :meth:`consumer_end` closes each of its passes.
     """
 
     def __init__(self, *, nvtx: bool | None = None, max_events: int = 1_000_000):
@@ -263,19 +260,14 @@ class Metrics:
 
     # -- recording: under the lock, append a tuple; sums are folded in by stats() ------------
     def span(self, stage: str, *, nbytes: int = 0, rows: int = 0) -> _Span:
-        """Context manager timing one ``stage`` span on the calling thread.
-
-        ``nbytes`` and ``rows`` (what the span processed) may also be set on the
-        returned object inside the block: ``with m.span("read") as s: ...; s.nbytes = n``.
-        Raises ValueError for a stage not in :data:`STAGES`.
-        """
-        index = _INDEX.get(stage)
-        return _Span(self, _stage_index(stage) if index is None else index, nbytes, rows)
+        """Context manager timing one ``stage`` span on the calling thread (ValueError for a stage
+        not in :data:`STAGES`). ``nbytes`` and ``rows`` (what the span processed) may also be set
+        inside the block: ``with m.span("read") as s: ...; s.nbytes = n``."""
+        return _Span(self, _INDEX[stage] if stage in _INDEX else _stage_index(stage), nbytes, rows)
 
     def record(self, stage: str, t0: float, t1: float, *, nbytes: int = 0, rows: int = 0) -> None:
         """Record a ``stage`` span from ``time.perf_counter()`` timestamps ``t0 <= t1`` (seconds)."""
-        index = _INDEX.get(stage)
-        self._add(_stage_index(stage) if index is None else index, t0, t1, nbytes, rows)
+        self._add(_INDEX[stage] if stage in _INDEX else _stage_index(stage), t0, t1, nbytes, rows)
 
     def _add(self, stage: int, t0: float, t1: float, nbytes: int, rows: int) -> None:
         tid = get_ident()
@@ -322,9 +314,8 @@ class Metrics:
 
     def util_sample(self, t: float, *, cpu_percent: float | None = None, system_cpu_percent: float | None = None,
                     gpu_percent: float | None = None, gpu_memory_bytes: int | None = None) -> None:
-        """One utilisation sample at perf_counter time ``t``: this process's CPU (percent of
-        one core), the machine's CPU (0-100), GPU utilisation (0-100) and GPU memory used
-        (bytes); None where not measured."""
+        """One utilisation sample at perf_counter time ``t``: this process's CPU (percent of one
+        core), the machine's CPU (0-100), GPU use (0-100), GPU memory used (bytes); None: not measured."""
         with self._lock:
             self._push(3, (t, cpu_percent, system_cpu_percent, gpu_percent, gpu_memory_bytes))
 
@@ -401,12 +392,9 @@ class Metrics:
                      system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un)
 
     def timeline(self) -> dict:
-        """Per delivered batch, in order: ``{"start": [...], "wait": [...], "step": [...]}``.
-
-        ``start`` is when its ``next()`` began, in seconds since the first recorded
-        ``next()``; ``wait`` its duration; ``step`` the time until the following
-        ``next()`` began (NaN for the last batch of an unfinished pass). For plots.
-        """
+        """Per delivered batch, for plots: ``{"start": [...], "wait": [...], "step": [...]}``: when its
+        ``next()`` began (seconds since the first ``next()``), its duration, and the time to the
+        following ``next()`` (NaN for the last batch of an unfinished pass)."""
         with self._lock:
             waits = list(self._waits)
         origin, after, rows = (waits[0][1] if waits else 0.0), {}, []
@@ -433,10 +421,9 @@ class Metrics:
                              (e[0] for e in self._depths), (e[0] for e in self._utils)), default=None)
 
     def trace_events(self, origin: float | None = None) -> list[dict]:
-        """Chrome trace events (``ph`` X, C and M; microseconds since ``origin``, a perf_counter
-        time, default :meth:`first_time`), see :meth:`write_trace`. Thread tracks keep their
-        ids across calls and Metrics of one process, so the events of several calls (epochs)
-        with one ``origin`` concatenate into one trace."""
+        """Chrome trace events (``ph`` X, C, M; microseconds since ``origin``, a perf_counter time,
+        default :meth:`first_time`; see :meth:`write_trace`). Track ids are stable in a process, so
+        events of several calls (epochs, Metrics) with one ``origin`` concatenate into one trace."""
         if origin is None:
             origin = self.first_time() or 0.0
         with self._lock:
