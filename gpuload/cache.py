@@ -38,6 +38,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,7 @@ import numpy as np
 import xxhash
 from filelock import FileLock
 
-from .batch import Ragged
+from .batch import Ragged, nbytes, nrows
 from .errors import CacheError, CorruptCacheError
 
 __all__ = ["ChunkKey", "ChunkCache", "write_chunk", "read_chunk", "read_header", "default_cache_dir"]
@@ -278,10 +279,14 @@ class ChunkCache:
     trust_writes : count files this process wrote as checked (default False). The GPU
         path sets it, so that its cached epochs read straight into device memory
         without a host pass over data that just came from its own memory.
+    metrics : a :class:`gpuload.Metrics` that records ``cache_read`` and ``cache_write``
+        spans (default None).
     """
 
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
-                 read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False):
+                 read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
+                 metrics=None):
+        self.metrics = metrics
         self._read_fn = read or (lambda p, v, s: read_chunk(p, v, s)[1])
         self._to_host = to_host
         self._trust_writes = trust_writes
@@ -371,13 +376,21 @@ class ChunkCache:
                 lock.release()
 
     def _read(self, p: Path) -> dict:
-        if self.verify == "always" or not self.verify:
-            return self._read_fn(p, bool(self.verify), None)
-        return self._read_fn(p, True, self._verified)
+        verify, seen = (bool(self.verify), None) if self.verify == "always" or not self.verify else (True, self._verified)
+        if self.metrics is None:
+            return self._read_fn(p, verify, seen)
+        t0 = time.perf_counter()
+        cols = self._read_fn(p, verify, seen)  # a missing or corrupt file records nothing
+        self.metrics.record("cache_read", t0, time.perf_counter(), nbytes=nbytes(cols), rows=nrows(cols))
+        return cols
 
     def _write(self, path: Path, cols: dict, source: dict) -> None:
         try:
-            write_chunk(path, cols, source)
+            if self.metrics is None:
+                write_chunk(path, cols, source)
+            else:
+                with self.metrics.span("cache_write", rows=nrows(cols)) as span:
+                    span.nbytes = write_chunk(path, cols, source)
             if self._trust_writes:
                 self._verified.add(file_identity(path.stat()))
         except OSError as e:  # e.g. disk full, or a `cache clear` meanwhile: the data is still served

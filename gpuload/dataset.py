@@ -13,7 +13,9 @@ import torch
 from . import plan
 from .config import Options
 from .errors import ConfigError
+from .batch import Ragged, nrows
 from .handoff import DlpackHandoff, HostHandoff, resolve_device
+from .metrics import Metrics, Stats
 from .pipeline import Background, epoch_batches
 from .reader import ChunkReader
 
@@ -108,9 +110,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                kvikio_compat=kvikio_compat)
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.device = resolve_device(device)
-        self._ctx, gpu_decode = _device_context(self.device, self.options)
+        self.metrics = Metrics()
+        self._ctx, gpu_decode = _device_context(self.device, self.options, self.metrics)
+        t0 = time.perf_counter()
         self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes, ctx=self._ctx,
-                                  gpu_decode=gpu_decode)
+                                  gpu_decode=gpu_decode, metrics=self.metrics)
+        self.metrics.record("list", t0, time.perf_counter(), rows=self.reader.num_rows)
         plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
         o = self.options
         if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
@@ -167,11 +172,38 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         else:
             handoff = HostHandoff()
         producer = Background(lambda stop: self._batches(self.epoch, handoff, stop), depth=self.options.prefetch + 2)
+        m = self.metrics
+        t0 = time.perf_counter()
         try:
             for item in producer:
-                yield handoff.receive(item)
+                batch = handoff.receive(item)
+                t1 = time.perf_counter()
+                m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=_tensor_bytes(batch))
+                m.queue_depth(producer.depth())
+                yield batch
+                t0 = time.perf_counter()
+            m.consumer_end(t0, time.perf_counter())
+        except GeneratorExit:  # the loop was left early
+            t = time.perf_counter()
+            m.consumer_end(t, t)
+            raise
         finally:
             producer.close()
+
+    def stats(self) -> Stats:
+        """What the loader and the training loop did so far: a :class:`gpuload.Stats`.
+
+        Per-stage busy time, bytes and rows (list, read, decode, convert, cache_write,
+        cache_read, h2d, batch), queue depth, and ``starvation``: the fraction (0 to 1)
+        of wall time the training thread spent waiting inside ``next()``, summed over
+        the epochs iterated since the dataset was created (or :meth:`reset_stats`).
+        ``gpuload.diagnose(ds.stats())`` names the stage that limits it.
+        """
+        return self.metrics.stats()
+
+    def reset_stats(self) -> None:
+        """Start :meth:`stats` afresh (e.g. to look at one epoch)."""
+        self.metrics.reset()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for ``epoch`` (pure)."""
@@ -197,7 +229,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
-                                 enter=None if ctx is None else ctx.active)
+                                 enter=None if ctx is None else ctx.active, metrics=self.metrics)
 
     def __repr__(self) -> str:
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
@@ -205,7 +237,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 f"rank={self.rank}/{self.world_size}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
 
 
-def _device_context(device: torch.device, o: Options):
+def _device_context(device: torch.device, o: Options, metrics=None):
     """(DeviceContext, decode on the GPU) for a CUDA device; (None, False) on the CPU."""
     if device.type != "cuda":
         return None, False
@@ -213,7 +245,11 @@ def _device_context(device: torch.device, o: Options):
 
     gpu_decode = require_gpu(str(device), o.decode)
     configure_kvikio(o.kvikio_threads, o.kvikio_compat)
-    return DeviceContext(device), gpu_decode
+    return DeviceContext(device, metrics=metrics), gpu_decode
+
+
+def _tensor_bytes(batch: dict) -> int:
+    return sum(t.values.nbytes + t.offsets.nbytes if isinstance(t, Ragged) else t.nbytes for t in batch.values())
 
 
 @dataclass(frozen=True)

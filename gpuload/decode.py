@@ -8,11 +8,14 @@ decoder (cuDF) returns the same column set in device memory, behind the same cal
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .batch import Ragged, nbytes
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
 from .plan import Chunk
@@ -32,26 +35,89 @@ def _where(f: SourceFile, chunk: Chunk) -> str:
     return f"{f.path} (row groups {chunk.rg_start}-{chunk.rg_stop - 1})"
 
 
+class _TimedFile:
+    """A read-only file whose reads are recorded as ``read`` spans (Parquet I/O apart from decoding)."""
+
+    def __init__(self, path: str, metrics):
+        self._fd = os.open(path, os.O_RDONLY)
+        self._pos, self._size, self.metrics, self.seconds = 0, os.fstat(self._fd).st_size, metrics, 0.0
+        self.closed = False
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else n
+        t0 = time.perf_counter()
+        data = self._pread(n)
+        t1 = time.perf_counter()
+        self.seconds += t1 - t0
+        self.metrics.record("read", t0, t1, nbytes=len(data))
+        self._pos += len(data)
+        return data
+
+    def _pread(self, n: int) -> bytes:
+        return os.pread(self._fd, n, self._pos)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+            self.closed = True
+
+
 class ArrowDecoder:
     """CPU decoder: pyarrow reads the row groups, :func:`table_to_columns` converts.
 
     Each call reads only the chunk's row groups and selected columns, on the calling
     thread (pyarrow's own thread pool is not used: gpuload runs several chunks at once).
+    With ``metrics`` (a :class:`gpuload.Metrics`) the file reads are recorded as
+    ``read`` spans, the rest of pyarrow's work as ``decode`` and the conversion as ``convert``.
     """
 
     name = "cpu"
 
+    def __init__(self, metrics=None):
+        self.metrics = metrics
+
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
         where = _where(f, chunk)
+        m = self.metrics
+        src = f.path if m is None else None
+        t0 = time.perf_counter()
         try:
-            pf = pq.ParquetFile(f.path, metadata=f.metadata)
-            table = pf.read_row_groups(range(chunk.rg_start, chunk.rg_stop),
-                                       columns=needed_columns(specs), use_threads=False)
+            src = src or _TimedFile(f.path, m)
+            try:
+                pf = pq.ParquetFile(src, metadata=f.metadata)
+                table = pf.read_row_groups(range(chunk.rg_start, chunk.rg_stop),
+                                           columns=needed_columns(specs), use_threads=False)
+            finally:
+                if m is not None:
+                    src.close()
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{where}: cannot be read ({e}); the file may be truncated or corrupt") from None
         if table.num_rows != chunk.rows:
             raise SourceError(f"{where}: read {table.num_rows} rows where the footer promises {chunk.rows}")
-        return table_to_columns(table, specs, where)
+        if m is None:
+            return table_to_columns(table, specs, where)
+        t1 = time.perf_counter()
+        m.record("decode", t0 + src.seconds, t1, nbytes=table.nbytes, rows=table.num_rows)  # pyarrow's time apart from I/O
+        with m.span("convert", rows=table.num_rows) as span:
+            cols = table_to_columns(table, specs, where)
+            span.nbytes = nbytes(cols)
+        return cols
 
 
 class GpuDecoder:
@@ -68,9 +134,10 @@ class GpuDecoder:
 
     name = "gpu"
 
-    def __init__(self, ctx, fallback: ArrowDecoder | None = None):
+    def __init__(self, ctx, fallback: ArrowDecoder | None = None, metrics=None):
         self.ctx = ctx
-        self.fallback = fallback or ArrowDecoder()
+        self.fallback = fallback or ArrowDecoder(metrics)
+        self.metrics = metrics
         self._warned: set[str] = set()
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
@@ -79,6 +146,7 @@ class GpuDecoder:
         from .convert_gpu import Unsupported, columns_to_set, read_row_groups
 
         where = _where(f, chunk)
+        t0 = time.perf_counter()
         try:
             with cupy.cuda.Stream.null:  # libcudf decodes on the legacy default stream, into RMM memory
                 try:
@@ -89,11 +157,16 @@ class GpuDecoder:
                 done = cupy.cuda.Event(disable_timing=True)
                 done.record(cupy.cuda.Stream.null)  # ordered after every blocking stream's work, cuDF's included
                 done.synchronize()
+            t1 = time.perf_counter()
+            if self.metrics is not None:  # libcudf's I/O and decoding are one call: both count as decode
+                self.metrics.record("decode", t0, t1, rows=chunk.rows)
             # convert on the loader stream, into the loader's memory; cuDF's buffers go back to
             # RMM only once the loader stream has finished reading them
             out = _own(columns_to_set(raw, specs, f.schema, chunk.rows, where))
             self.ctx.stream.synchronize()
             del raw
+            if self.metrics is not None:
+                self.metrics.record("convert", t1, time.perf_counter(), nbytes=nbytes(out), rows=chunk.rows)
             return out
         except Unsupported as e:
             if str(e) not in self._warned:
@@ -104,7 +177,5 @@ class GpuDecoder:
 
 def _own(cols: dict) -> dict:
     """Fresh copies (in the current allocator's memory) of every array of a CuPy column set."""
-    from .batch import Ragged
-
     return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
             for k, v in cols.items()}

@@ -170,11 +170,14 @@ class DeviceContext:
     device : the CUDA ``torch.device``.
     consumer : the stream batches are used on (default: the current stream of the
         calling thread, which should be the training thread).
+    metrics : a :class:`gpuload.Metrics` recording ``h2d`` spans for uploads and
+        ``cache_write`` spans for the copies back to the host (default None).
     """
 
-    def __init__(self, device: torch.device, consumer: torch.cuda.Stream | None = None):
+    def __init__(self, device: torch.device, consumer: torch.cuda.Stream | None = None, metrics=None):
         import cupy
 
+        self.metrics = metrics
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.consumer = consumer or torch.cuda.current_stream(self.index)
@@ -250,7 +253,16 @@ class DeviceContext:
                 torch.from_dlpack(dst).copy_(src, non_blocking=True)
             return dst.view(a.dtype).reshape(a.shape)
 
-        return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v) for k, v in cols.items()}
+        with self._span("h2d", cols):
+            return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v)
+                    for k, v in cols.items()}
+
+    def _span(self, stage: str, cols: dict):
+        if self.metrics is None:
+            return contextlib.nullcontext()
+        from .batch import nbytes, nrows
+
+        return self.metrics.span(stage, nbytes=nbytes(cols), rows=nrows(cols))
 
     def to_host(self, cols: dict) -> dict:
         """Device column set -> new NumPy arrays (waits for the copies)."""
@@ -259,7 +271,9 @@ class DeviceContext:
         def one(a):
             return cupy.asnumpy(a, stream=self._cp_stream, blocking=True) if isinstance(a, cupy.ndarray) else a
 
-        return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v) for k, v in cols.items()}
+        with self._span("cache_write", cols):  # the device-to-host half of a cache write
+            return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v)
+                    for k, v in cols.items()}
 
     def upload_index(self, idx: np.ndarray):
         """A host index array (e.g. a window permutation) on the device, on the loader stream."""

@@ -15,9 +15,10 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from time import perf_counter
 from typing import Callable, Iterator, Sequence
 
-from .batch import Batcher, concat, nrows, rows
+from .batch import Batcher, concat, nbytes, nrows, rows
 from .plan import Segment
 
 __all__ = ["Background", "epoch_batches"]
@@ -74,6 +75,10 @@ class Background:
             raise item.exc
         return item
 
+    def depth(self) -> int:
+        """Items ready in the queue now."""
+        return self._q.qsize()
+
     def close(self) -> None:
         """Stop the producer and drop what it queued."""
         self.stop.set()
@@ -114,7 +119,7 @@ class _Lookahead:
 def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], load: Callable[[int], dict],
                   permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
                   *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
-                  enter: Callable[[], contextlib.AbstractContextManager] | None = None) -> Iterator:
+                  enter: Callable[[], contextlib.AbstractContextManager] | None = None, metrics=None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -129,13 +134,32 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     alloc : ``alloc(shape, dtype)`` for window buffers (default: new arrays).
     enter : a context every loader thread runs inside (the GPU path's device, stream
         and allocator: :meth:`gpuload.gpu.DeviceContext.active`).
+    metrics : a :class:`gpuload.Metrics`; records a ``batch`` span for each window's
+        concatenation and for cutting (gathering) and handing off each batch.
     """
     enter = enter or contextlib.nullcontext
     with enter():
-        yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter)
+        yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter,
+                            metrics)
 
 
-def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter) -> Iterator:
+def _timed(batches: Iterator, handoff, metrics) -> Iterator:
+    """Hand off each batch of ``batches``, recording the time to cut and hand it off."""
+    if metrics is None:
+        for b in batches:
+            yield handoff(b)
+        return
+    while True:
+        t0 = perf_counter()
+        b = next(batches, None)
+        if b is None:
+            return
+        out = handoff(b)
+        metrics.record("batch", t0, perf_counter(), nbytes=nbytes(b), rows=nrows(b))
+        yield out
+
+
+def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter, metrics) -> Iterator:
     def load_in(i: int) -> dict:
         with enter():
             return load(i)
@@ -156,13 +180,15 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                         return
                 if permutation is None:
                     for p in parts:
-                        for b in batcher.add(p):
-                            yield handoff(b)
+                        yield from _timed(batcher.add(p), handoff, metrics)
                 else:
+                    t0 = perf_counter()
                     cols = concat(parts, alloc)
                     del parts
-                    for b in batcher.add(cols, permutation(w, nrows(cols))):
-                        yield handoff(b)
+                    perm = permutation(w, nrows(cols))
+                    if metrics is not None:
+                        metrics.record("batch", t0, perf_counter(), nbytes=nbytes(cols))
+                    yield from _timed(batcher.add(cols, perm), handoff, metrics)
         finally:
             look.cancel()
     if not batcher.done:

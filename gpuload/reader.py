@@ -51,7 +51,7 @@ class ChunkReader:
     """
 
     def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
-                 decoder: Callable | None = None, ctx=None, gpu_decode: bool = False):
+                 decoder: Callable | None = None, ctx=None, gpu_decode: bool = False, metrics=None):
         self.opts = opts
         self.files: list[SourceFile] = open_files(list_files(source))
         first = self.files[0]
@@ -65,18 +65,19 @@ class ChunkReader:
         self.fingerprint = fingerprint(self.files)
         self.pool = HostPool(max_buffers=4 * len(self.specs) + 4)  # shuffle windows: 2 per output
         self.ctx = ctx
+        self.metrics = metrics
         if ctx is None:
-            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums)
-            self.decode = decoder or ArrowDecoder()
+            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics)
+            self.decode = decoder or ArrowDecoder(metrics)
         else:  # GPU path: chunks live in device memory (see gpuload.gpu)
             from .cache_gpu import read_chunk_device
             from .decode import GpuDecoder
 
             self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
                                     read=lambda p, verify, seen: read_chunk_device(p, ctx, verify, seen),
-                                    to_host=ctx.to_host, trust_writes=True)
-            cpu = decoder or ArrowDecoder()
-            self.decode = GpuDecoder(ctx, cpu) if gpu_decode else (lambda f, c, s: ctx.upload(cpu(f, c, s)))
+                                    to_host=ctx.to_host, trust_writes=True, metrics=metrics)
+            cpu = decoder or ArrowDecoder(metrics)
+            self.decode = GpuDecoder(ctx, cpu, metrics) if gpu_decode else (lambda f, c, s: ctx.upload(cpu(f, c, s)))
         self.counters = LoadCounters()
 
     def key(self, i: int) -> ChunkKey:
