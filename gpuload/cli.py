@@ -1,4 +1,4 @@
-"""The ``gpuload`` command: demo and cache management.
+"""The ``gpuload`` command: demo, profile and cache management.
 
 User mistakes print one line ``gpuload: error: ...`` on stderr and exit with status 2;
 a cache that fails verification exits with status 1.
@@ -88,6 +88,33 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from .profile import profile
+
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs {args.epochs}: profile at least one epoch")
+    if args.step_ms is not None and args.step_ms < 0:
+        raise ConfigError(f"--step-ms {args.step_ms}: a step cannot take negative time")
+    kwargs = dict(batch_size=args.batch_size, device=args.device, num_threads=args.threads, prefetch=args.prefetch,
+                  fill_nulls=_fill(args.fill_nulls))
+    if args.cache_dir:
+        kwargs["cache_dir"] = args.cache_dir
+    step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms if args.step_ms is not None else 5:g} ms step"
+    print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {args.batch_size:,} rows",
+          file=sys.stderr)
+    reports = profile(args.source, _columns(args.columns), epochs=args.epochs,
+                      step_ms=5.0 if args.step_ms is None else args.step_ms,
+                      model=args.model, trace=args.trace, **kwargs)
+    for r in reports:
+        print(r)
+        print()
+    if args.trace:
+        print(f"trace written to {args.trace}: open it in https://ui.perfetto.dev")
+    if args.verbose:
+        print(reports[-1].stats)
+    return 0
+
+
 def cmd_build(args) -> int:
     from .dataset import build_cache
 
@@ -164,6 +191,22 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--workdir", help="folder for data and cache (default: a temporary folder, removed after)")
     d.add_argument("--keep", action="store_true", help="keep the temporary folder")
     d.set_defaults(fn=cmd_demo)
+
+    f = sub.add_parser("profile", help="run the loader under a training step and diagnose starvation")
+    f.add_argument("source", nargs="+", help="Parquet files, directories or globs")
+    f.add_argument("--columns", help="a,b,c or a JSON object {\"output\": [\"col\", ...]} (default: all)")
+    f.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
+    how = f.add_mutually_exclusive_group()
+    how.add_argument("--step-ms", type=float, help="simulated training step in ms (default 5)")
+    how.add_argument("--model", choices=["mlp"], help="a small real MLP over the dense outputs instead")
+    f.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    f.add_argument("--epochs", type=int, default=2, help="epochs to run (default 2: cold, then cached)")
+    f.add_argument("--batch-size", type=int, default=65536, help="rows per batch (default 65536)")
+    f.add_argument("--threads", type=int, default=2, help="loader threads (default 2)")
+    f.add_argument("--prefetch", type=int, default=2, help="chunks loaded ahead (default 2)")
+    f.add_argument("--trace", help="write a Chrome trace-event JSON file (open in Perfetto)")
+    f.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
+    f.set_defaults(fn=cmd_profile)
 
     c = sub.add_parser("cache", help="build, inspect, verify or clear the cache")
     csub = c.add_subparsers(dest="action", required=True)

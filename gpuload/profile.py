@@ -1,0 +1,139 @@
+"""``gpuload profile``: run the loader under a training step and say what limits it.
+
+Each epoch runs with a simulated step (``step_ms`` of work per batch) or a small real
+model, under :class:`gpuload.sampling.UtilSampler`, and is summarised on its own: the
+first epoch of a fresh cache decodes (and is usually decode-bound), the later ones
+read the cache. The disk's sequential read speed is measured on the cache files (with
+their pages dropped from the page cache first) so that cache reads can be judged
+against it. All epochs go into one Chrome trace when ``trace`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .batch import Ragged
+from .dataset import ParquetDataset
+from .errors import ConfigError
+from .diagnose import Diagnosis, diagnose
+from .metrics import Stats
+from .sampling import UtilSampler
+
+__all__ = ["EpochReport", "MlpStep", "profile", "disk_read_gbps"]
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """One profiled epoch: its statistics, its diagnosis, and how many chunks it decoded."""
+
+    epoch: int
+    stats: Stats
+    diagnosis: Diagnosis
+    decoded_chunks: int
+    cached_chunks: int
+
+    def __str__(self) -> str:
+        s = self.stats
+        kind = "decodes and caches" if self.decoded_chunks else "reads the cache"
+        return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
+                f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows / max(s.wall_s, 1e-9):,.0f} rows/s, "
+                f"starvation {s.starvation:.1%}\n  {self.diagnosis}")
+
+
+class MlpStep:
+    """A real training step for any dataset: an MLP over every dense output, one SGD update.
+
+    Scalar and 2-D outputs are cast to float32 and concatenated (ragged outputs are
+    skipped); the loss is the mean square of the output, read with ``.item()`` as a
+    training loop would. Built on the first batch, on the dataset's device.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.net = self.opt = None
+
+    def __call__(self, batch: dict) -> None:
+        x = torch.cat([v.to(self.device).float().reshape(len(v), -1) for v in batch.values()
+                       if not isinstance(v, Ragged)], 1)
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 256), torch.nn.ReLU(),
+                                           torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                           torch.nn.Linear(256, 1)).to(self.device)
+            self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-6)
+        loss = self.net(torch.nan_to_num(x)).square().mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        loss.item()
+
+
+def disk_read_gbps(paths: list[Path], limit_bytes: int = 1 << 30) -> float | None:
+    """Sequential read speed of ``paths`` from the disk, in GB/s (None if nothing to read).
+
+    Each file's pages are dropped from the page cache first (``posix_fadvise``
+    DONTNEED), so this measures the device, not memory; where the kernel keeps them
+    anyway the result is an upper bound.
+    """
+    total, seconds = 0, 0.0
+    buf = bytearray(8 << 20)
+    for p in paths:
+        if total >= limit_bytes:
+            break
+        with open(p, "rb", buffering=0) as f:
+            fd = f.fileno()
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while n := f.readinto(buf):
+                total += n
+            seconds += time.perf_counter() - t0
+    return total / seconds / 1e9 if seconds > 0 and total else None
+
+
+def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.0, model: str | None = None,
+            trace=None, **dataset_kwargs) -> list[EpochReport]:
+    """Run ``epochs`` epochs of ``source`` under a training step; one :class:`EpochReport` each.
+
+    Parameters
+    ----------
+    source, columns, dataset_kwargs : as for :class:`gpuload.ParquetDataset`.
+    epochs : epochs to run (default 2: the first decodes when the cache is empty).
+    step_ms : simulated step per batch in milliseconds (default 5), when ``model`` is None.
+    model : ``"mlp"``: a small real MLP on the dataset's device (its float outputs as input).
+    trace : path of a Chrome trace-event JSON file covering every epoch (default None).
+    """
+    from .demo import simulated_step
+
+    if model not in (None, "mlp"):
+        raise ConfigError(f"model={model!r}: the profiler knows 'mlp' (or give step_ms)")
+    ds = ParquetDataset(source, columns, **dataset_kwargs)
+    step = MlpStep(ds.device) if model == "mlp" else simulated_step(step_ms or 0.0)
+    threads = ds.options.num_threads
+    reports, events, origin = [], [], None
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        ds.reset_stats()
+        before = (ds.reader.counters.decoded, ds.reader.counters.from_cache)
+        with UtilSampler(ds.metrics):
+            for batch in ds:
+                step(batch)
+        ds.reader.cache.flush()
+        stats = ds.stats()
+        files = [ds.reader.cache.path(ds.reader.key(i)) for i in range(len(ds.reader.chunks))]
+        disk = disk_read_gbps([p for p in files if p.exists()]) if "cache_read" in stats.stages else None
+        reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
+                                   ds.reader.counters.decoded - before[0], ds.reader.counters.from_cache - before[1]))
+        if trace is not None:
+            origin = origin if origin is not None else ds.metrics.first_time()
+            events += ds.metrics.trace_events(origin=origin)
+    if trace is not None:
+        Path(trace).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                           "otherData": {"producer": "gpuload profile"}}, separators=(",", ":")))
+    return reports
