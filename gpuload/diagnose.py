@@ -13,8 +13,9 @@ The rules, in order (thresholds are the module constants below):
    others (list, batch, h2d: one producer thread, and every stage that ran on the
    training thread); without ``threads``, the threads seen running it. The advice depends on the stage:
 
-   * decode / convert: the first epoch is decode-bound on the CPU: build the cache
-     ahead, or decode on the GPU;
+   * decode / convert (one job: a chunk's decode and conversion run back to back on
+     one pool thread, so their times are added): the first epoch is decode-bound on
+     the CPU: build the cache ahead, or decode on the GPU;
    * cache_read: its rate (per-thread GB/s x workers) against ``disk_gbps``; within
      ``DISK_NEAR`` (80%) of it the disk is the limit, below it raise ``prefetch``;
    * read: the Parquet source reader is throttled (remote or slow storage);
@@ -31,7 +32,7 @@ The rules, in order (thresholds are the module constants below):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .metrics import StageStats, Stats
 
@@ -82,6 +83,19 @@ def _workers(s: StageStats, threads: int | None) -> int:
     return threads if threads and s.name in _POOL and not s.training_thread else max(1, s.threads)
 
 
+def _candidates(stats: Stats) -> list[StageStats]:
+    """The stages to compare; decode and convert of one chunk run back to back on one
+    pool thread, so they count as one CPU job, named ``decode``."""
+    stages = dict(stats.stages)
+    d, c = stages.pop("decode", None), stages.pop("convert", None)
+    if d is not None and c is not None:
+        sec = d.seconds + c.seconds
+        d = replace(d, seconds=sec, threads=max(d.threads, c.threads), share=d.share + c.share,
+                    gbps=c.nbytes / sec / 1e9 if sec > 0 else 0.0, nbytes=c.nbytes,
+                    rows_per_s=d.rows / sec if sec > 0 else 0.0)
+    return [x for x in (*stages.values(), d or c) if x is not None]
+
+
 def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | None = None) -> Diagnosis:
     """Name the bottleneck of a measured loop and the action that addresses it.
 
@@ -118,7 +132,7 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
                          "give the loader more workers and prefetch (DataLoader num_workers and prefetch_factor; "
                          "ParquetDataset num_threads and prefetch), or load with gpuload.ParquetDataset, which "
                          "caches converted columns and loads them on background threads")
-    s = max(stats.stages.values(), key=lambda s: s.seconds / _workers(s, threads))
+    s = max(_candidates(stats), key=lambda s: s.seconds / _workers(s, threads))
     n = _workers(s, threads)
     busy = s.seconds / n / wall
     total_gbps = s.gbps * n
