@@ -1,9 +1,10 @@
-"""Overhead of measuring: a warm gpuload epoch bare against the same epoch under ``gpuload.watch``.
+"""Overhead of measuring: a warm gpuload epoch with its built-in metrics off, on, and under ``gpuload.watch``.
 
 One run generates a click log, builds the cache, and then iterates a
-``ParquetDataset`` (CPU, warm cache; shuffle off and on) in three ways, interleaved
+``ParquetDataset`` (CPU, warm cache; shuffle off and on) in four ways, interleaved
 within every repetition (their order rotates) so that drift and neighbours hit them
-alike: bare, under ``gpuload.watch`` (utilisation sampling on, the default), and under
+alike: with its built-in metrics turned off (the reference), with them on (the
+default), under ``gpuload.watch`` (utilisation sampling on, the default), and under
 ``gpuload.watch(sample_util=False)``; each watched loader is made once and iterated once
 per epoch, as a training script would. The consumer only counts rows, so any cost of
 watching shows against the loader alone (the strictest case). It also times the
@@ -44,24 +45,43 @@ def epochs_rows_per_s(make_iterable, epochs: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-def loader_passes(ds, epochs: int, repeat: int, base_epoch: int) -> dict[str, list[float]]:
+def metrics_off(ds) -> None:
+    """Turn a dataset's built-in metrics into no-ops (every stage shares the one Metrics object)."""
+    m = ds.metrics
+
+    class _Off:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    off = _Off()
+    for name in ("record", "consumer_wait", "consumer_end", "queue_depth"):
+        setattr(m, name, lambda *a, **k: None)
+    m.span = lambda *a, **k: off
+
+
+def loader_passes(ds, ds_off, epochs: int, repeat: int, base_epoch: int) -> dict[str, list[float]]:
     """Rows/s of each variant, ``repeat`` times, the variants interleaved in rotating order.
 
-    Each watched variant wraps the dataset once and is iterated once per epoch, as a
-    training script would (``loader = gpuload.watch(ds)`` before the epoch loop)."""
-    loaders = {"bare": ds, "watch": gpuload.watch(ds), "watch, sample_util=False": gpuload.watch(ds, sample_util=False)}
+    ``ds`` records its built-in metrics (the default); ``ds_off`` is the same dataset with
+    them turned off. Each watched variant wraps ``ds`` once and is iterated once per
+    epoch, as a training script would (``loader = gpuload.watch(ds)`` before the loop)."""
+    loaders = {"built-in metrics off": (ds_off, ds_off), "bare (built-in metrics on, the default)": (ds, ds),
+               "watch": (ds, gpuload.watch(ds)), "watch, sample_util=False": (ds, gpuload.watch(ds, sample_util=False))}
 
-    def epochs_of(loader):
+    def epochs_of(dataset, loader):
         def make(e):
-            ds.set_epoch(base_epoch + e)
+            dataset.set_epoch(base_epoch + e)
             return loader
         return make
 
     names = list(loaders)
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeat):
-        for name in names[r % 3:] + names[:r % 3]:
-            out[name].append(epochs_rows_per_s(epochs_of(loaders[name]), epochs))
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(epochs_rows_per_s(epochs_of(*loaders[name]), epochs))
     return out
 
 
@@ -135,28 +155,32 @@ def main(argv=None) -> None:
         gpuload.build_cache(work / "data", work / "cache", cols)
         rows_md = []
         for shuffle, epochs in ((False, 12), (True, 2)):
-            ds = gpuload.ParquetDataset(work / "data", cols, batch_size=bs, shuffle=shuffle, cache_dir=work / "cache",
-                                        device="cpu")
-            epochs_rows_per_s(lambda e: ds, 1)  # page cache and checksums: every variant starts warm
-            say(f"shuffle={shuffle}: {args.repeat} x 3 variants of {epochs} epochs ...")
-            res = loader_passes(ds, epochs, args.repeat, base_epoch=1)
-            bare_best = max(res["bare"])
+            ds, ds_off = (gpuload.ParquetDataset(work / "data", cols, batch_size=bs, shuffle=shuffle,
+                                                 cache_dir=work / "cache", device="cpu") for _ in range(2))
+            metrics_off(ds_off)
+            for d in (ds, ds_off):
+                epochs_rows_per_s(lambda e: d, 1)  # page cache and checksums: every variant starts warm
+            say(f"shuffle={shuffle}: {args.repeat} x 4 variants of {epochs} epochs ...")
+            res = loader_passes(ds, ds_off, epochs, args.repeat, base_epoch=1)
+            off = res["built-in metrics off"]
+            bare_best = max(off)
             for name, xs in res.items():
-                paired = statistics.median(x / b for x, b in zip(xs, res["bare"]))
+                paired = statistics.median(x / b for x, b in zip(xs, off))
                 rows_md.append(f"| shuffle={shuffle} | {name} | {max(xs) / 1e6:.2f} M | "
                                f"{statistics.median(xs) / 1e6:.2f} M | {max(xs) / bare_best:.3f}x | {paired:.3f}x |")
             batch_ms = bs / bare_best * 1e3
+            ds.reset_stats()
             rows_md.append(f"| shuffle={shuffle} | (one batch of {bs:,} rows at the best bare rate) | "
                            f"{batch_ms:.3f} ms | | | |")
         batch = next(iter(ds))
         costs = recording_costs(batch)
         per_next_us = costs["watch, per next() (minus a bare for loop)"] / 1e3
-        print(f"## Overhead of gpuload.watch ({args.rows:,} rows, batch_size {bs:,}, warm cache, CPU)\n")
-        print("| dataset | loop | best rows/s | median rows/s | best vs best bare | median of paired ratios |")
+        print(f"## Overhead of gpuload's metrics and of gpuload.watch ({args.rows:,} rows, batch_size {bs:,}, warm cache, CPU)\n")
+        print("| dataset | loop | best rows/s | median rows/s | best vs best metrics-off | median of paired ratios |")
         print("|---|---|---:|---:|---:|---:|")
         print("\n".join(rows_md))
         print(f"\nEach rows/s is one measurement of several epochs; best and median of {args.repeat}. Paired "
-              "ratio: a variant against the bare loop measured next to it in the same repetition. Ratios above "
+              "ratio: a variant against the metrics-off loop measured next to it in the same repetition. Ratios above "
               "1 are noise.\n")
         print("| recording call | ns per call |")
         print("|---|---:|")
