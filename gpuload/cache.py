@@ -38,7 +38,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -379,9 +378,9 @@ class ChunkCache:
         verify, seen = (bool(self.verify), None) if self.verify == "always" or not self.verify else (True, self._verified)
         if self.metrics is None:
             return self._read_fn(p, verify, seen)
-        t0 = time.perf_counter()
-        cols = self._read_fn(p, verify, seen)  # a missing or corrupt file records nothing
-        self.metrics.record("cache_read", t0, time.perf_counter(), nbytes=nbytes(cols), rows=nrows(cols))
+        with self.metrics.span("cache_read") as span:  # a missing or corrupt file records nothing
+            cols = self._read_fn(p, verify, seen)
+            span.nbytes, span.rows = nbytes(cols), nrows(cols)
         return cols
 
     def _write(self, path: Path, cols: dict, source: dict) -> None:

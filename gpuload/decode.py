@@ -7,6 +7,7 @@ decoder (cuDF) returns the same column set in device memory, behind the same cal
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -146,9 +147,9 @@ class GpuDecoder:
         from .convert_gpu import Unsupported, columns_to_set, read_row_groups
 
         where = _where(f, chunk)
-        t0 = time.perf_counter()
+        m = self.metrics
         try:
-            with cupy.cuda.Stream.null:  # libcudf decodes on the legacy default stream, into RMM memory
+            with cupy.cuda.Stream.null, (m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext()):  # libcudf decodes on the legacy default stream, into RMM memory
                 try:
                     raw = read_row_groups(f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
                 except (OSError, RuntimeError, MemoryError, ValueError) as e:
@@ -156,17 +157,15 @@ class GpuDecoder:
                                       "may be truncated or corrupt, or pass decode='cpu'") from None
                 done = cupy.cuda.Event(disable_timing=True)
                 done.record(cupy.cuda.Stream.null)  # ordered after every blocking stream's work, cuDF's included
-                done.synchronize()
-            t1 = time.perf_counter()
-            if self.metrics is not None:  # libcudf's I/O and decoding are one call: both count as decode
-                self.metrics.record("decode", t0, t1, rows=chunk.rows)
+                done.synchronize()  # libcudf's I/O and decoding are one call: both count as decode
             # convert on the loader stream, into the loader's memory; cuDF's buffers go back to
             # RMM only once the loader stream has finished reading them
-            out = _own(columns_to_set(raw, specs, f.schema, chunk.rows, where))
-            self.ctx.stream.synchronize()
+            with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
+                out = _own(columns_to_set(raw, specs, f.schema, chunk.rows, where))
+                self.ctx.stream.synchronize()
+                if span is not None:
+                    span.nbytes = nbytes(out)
             del raw
-            if self.metrics is not None:
-                self.metrics.record("convert", t1, time.perf_counter(), nbytes=nbytes(out), rows=chunk.rows)
             return out
         except Unsupported as e:
             if str(e) not in self._warned:

@@ -214,11 +214,12 @@ class _Span:
         self._t0 = perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         t1 = perf_counter()
         if self._metrics._nvtx is not None:
             self._metrics._nvtx[1]()
-        self._metrics._add(self._stage, self._t0, t1, self.nbytes, self.rows)
+        if kind is None:  # work that failed (a missing cache file, a corrupt chunk) is not counted
+            self._metrics._add(self._stage, self._t0, t1, self.nbytes, self.rows)
 
 
 class Metrics:

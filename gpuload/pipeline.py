@@ -15,7 +15,6 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from time import perf_counter
 from typing import Callable, Iterator, Sequence
 
 from .batch import Batcher, concat, nbytes, nrows, rows
@@ -150,12 +149,13 @@ def _timed(batches: Iterator, handoff, metrics) -> Iterator:
             yield handoff(b)
         return
     while True:
-        t0 = perf_counter()
-        b = next(batches, None)
+        with metrics.span("batch") as span:
+            b = next(batches, None)
+            if b is not None:
+                out = handoff(b)
+                span.nbytes, span.rows = nbytes(b), nrows(b)
         if b is None:
             return
-        out = handoff(b)
-        metrics.record("batch", t0, perf_counter(), nbytes=nbytes(b), rows=nrows(b))
         yield out
 
 
@@ -182,12 +182,12 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                     for p in parts:
                         yield from _timed(batcher.add(p), handoff, metrics)
                 else:
-                    t0 = perf_counter()
-                    cols = concat(parts, alloc)
-                    del parts
-                    perm = permutation(w, nrows(cols))
-                    if metrics is not None:
-                        metrics.record("batch", t0, perf_counter(), nbytes=nbytes(cols))
+                    with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
+                        cols = concat(parts, alloc)
+                        del parts
+                        perm = permutation(w, nrows(cols))
+                        if span is not None:
+                            span.nbytes = nbytes(cols)
                     yield from _timed(batcher.add(cols, perm), handoff, metrics)
         finally:
             look.cancel()
