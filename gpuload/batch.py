@@ -171,6 +171,9 @@ class Batcher:
             self._available += piece.n
         while self._sizes and self._available >= self._sizes[0]:
             yield self._cut(self._sizes.popleft())
+        # a shuffled window's rows still to come (fewer than a batch) are gathered now, so
+        # the window itself is released before the next one is concatenated
+        self._pieces = deque(_Piece(p.take(p.n - p.pos), None) if p.perm is not None else p for p in self._pieces)
 
     def _cut(self, size: int) -> dict:
         parts = []

@@ -143,12 +143,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
         A window's chunks and its concatenation (2 x ``shuffle_window`` chunks), the
         chunks loaded ahead (``prefetch``) and one being decoded, plus the batches
-        queued for the consumer (``prefetch + 3``). Independent of the dataset's size.
+        queued for the consumer and being cut (``prefetch + 4``, with 16 bytes per row
+        for the gather's index arrays). Independent of the dataset's size.
         """
         o, r = self.options, self.reader
         chunk = r.max_chunk_bytes()
         row = chunk / max(1, max((c.rows for c in r.chunks), default=1))
-        return int((2 * o.shuffle_window + o.prefetch + 1) * chunk + (o.prefetch + 3) * o.batch_size * row)
+        return int((2 * o.shuffle_window + o.prefetch + 1) * chunk + (o.prefetch + 4) * o.batch_size * (row + 16))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (call before each epoch)."""

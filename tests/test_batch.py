@@ -210,3 +210,22 @@ def test_unpermuted_batch_inside_one_window_is_a_view():
     (p,) = Batcher([10]).add(window, np.arange(100)[::-1].copy())
     assert not np.shares_memory(p["x"], window["x"])
     assert_cols_are(p, np.arange(99, 89, -1))
+
+
+def test_batcher_releases_a_shuffled_window_once_its_batches_are_cut():
+    import gc
+    import weakref
+
+    from gpuload.batch import Batcher
+
+    window = np.arange(1000, dtype=np.int64)
+    ref = weakref.ref(window)
+    perm = np.random.default_rng(0).permutation(1000)
+    b = Batcher([300, 300, 300, 300, 100])
+    got = [x["a"].copy() for x in b.add({"a": window}, perm)]
+    del window
+    gc.collect()
+    assert ref() is None  # only the 100 rows still to come were kept, gathered, not the window
+    got += [x["a"] for x in b.add({"a": np.arange(1000, 1300, dtype=np.int64)})]
+    assert [len(g) for g in got] == [300, 300, 300, 300, 100] and b.done
+    assert np.array_equal(np.concatenate(got), np.concatenate([perm, np.arange(1000, 1300)]))
