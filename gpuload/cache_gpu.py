@@ -50,8 +50,12 @@ def read_chunk_device(path: Path, ctx, verify: bool = True, verified: set | None
             staged = torch.empty(span, dtype=torch.uint8, pin_memory=True)
             host = staged.numpy()
             f.seek(start)
-            if f.readinto(memoryview(host)) != span:
-                raise CorruptCacheError(f"{path}: truncated cache file")
+            view, got = memoryview(host), 0
+            while got < span:  # one read returns at most ~2 GiB
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CorruptCacheError(f"{path}: truncated cache file")
+                got += n
             columns_from_buffer(host, header, path, True, base=start)  # raises on a mismatch
             if span:
                 torch.from_dlpack(buf).copy_(staged, non_blocking=True)

@@ -74,7 +74,9 @@ def gpu_status() -> dict:
         if not cupy.cuda.is_available():
             status["cupy"] = "cupy imports but cupy.cuda.is_available() is False (driver or CUDA runtime mismatch)"
     status["kvikio"] = _importable("kvikio")
-    status["cudf"] = _importable("cudf")
+    # pylibcudf is what gpuload uses; importing `cudf` would switch CuPy's allocator to RMM
+    # for the whole process, a side effect a status check must not have
+    status["cudf"] = _importable("pylibcudf")
     return status
 
 
@@ -150,12 +152,12 @@ def share_rmm_pool(initial_pool_bytes: int | None = None) -> None:
     if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
         raise GpuloadError("share_rmm_pool() came after torch allocated CUDA memory; call it at the start of the "
                            "script, before any model or tensor is moved to the GPU")
-    rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_bytes)
-    try:
+    try:  # first, so that nothing is changed when torch refuses
         torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
     except RuntimeError as e:
         raise GpuloadError(f"share_rmm_pool(): torch refused the RMM allocator ({e}); call it before torch's first "
                            "CUDA allocation") from None
+    rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_bytes)
     import cupy
 
     cupy.cuda.set_allocator(rmm_cupy_allocator)
@@ -182,7 +184,10 @@ class DeviceContext:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.consumer = consumer or torch.cuda.current_stream(self.index)
         self.stream = torch.cuda.Stream(self.index)
-        self._cp_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, self.index)
+        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(self.stream, "__cuda_stream__"):
+            self._cp_stream = cupy.cuda.Stream.from_external(self.stream)  # CuPy >= 14
+        else:
+            self._cp_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, self.index)
         self._rmm = _state["rmm"]
         self._local = threading.local()
 
@@ -191,10 +196,13 @@ class DeviceContext:
         """CuPy allocator hook: torch memory on the loader stream, guarded for the consumer."""
         import cupy
 
-        t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
-        if self._rmm:  # RMM's torch allocator ignores record_stream: wait for the consumer instead
+        if self._rmm:  # RMM's torch allocator ignores record_stream: the block is freed in the
+            # consumer's stream order, and the loader waits for the consumer before writing it
+            with torch.cuda.stream(self.consumer):
+                t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
             self.stream.wait_stream(self.consumer)
         else:
+            t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
             t.record_stream(self.consumer)
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, t, self.index), 0)
 
