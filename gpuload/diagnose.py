@@ -4,9 +4,12 @@ The rules, in order (thresholds are the module constants below):
 
 1. ``starvation < STARVED`` (5%): the step is the bottleneck (``limiting="step"``):
    the training thread almost never waits, so a faster loader would not help.
-2. No stage spans (a loader that is not gpuload, timed by :func:`gpuload.watch`):
+2. The longest ``next()`` of each pass holds ``STARTUP`` (60%) of the waiting or more:
+   ``limiting="startup"``: the loader keeps up once running, and the wait is the start
+   of the pass (the first shuffle window being filled).
+3. No stage spans (a loader that is not gpuload, timed by :func:`gpuload.watch`):
    ``limiting="loader"``: the loader cannot keep up with the step.
-3. Otherwise the limiting stage is the loader stage with the largest busy time per
+4. Otherwise the limiting stage is the loader stage with the largest busy time per
    available worker thread: ``seconds / workers``, where ``workers`` is ``threads``
    (the loader's thread pool) for the stages run on the pool (read, decode, convert,
    cache_write, cache_read) and the number of threads seen running the stage for the
@@ -36,7 +39,7 @@ from dataclasses import dataclass, replace
 
 from .metrics import StageStats, Stats
 
-__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR"]
+__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP"]
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
 STARVED = 0.05
@@ -44,6 +47,8 @@ STARVED = 0.05
 SATURATED = 0.5
 #: Fraction of the disk's speed from which cache reads count as disk-bound.
 DISK_NEAR = 0.8
+#: Share of the waiting that, spent in the longest next() of each pass, makes start-up the limit.
+STARTUP = 0.6
 
 _POOL = frozenset({"read", "decode", "convert", "cache_write", "cache_read"})
 
@@ -55,7 +60,8 @@ class Diagnosis:
     Attributes
     ----------
     starvation : fraction (0 to 1) of wall time the training thread waited for data.
-    limiting : ``"step"``, ``"loader"`` (a loader without stage data) or a stage of
+    limiting : ``"step"``, ``"startup"`` (the start of each pass), ``"loader"`` (a loader
+        without stage data) or a stage of
         :data:`gpuload.metrics.STAGES`.
     message : what the numbers say, with the numbers.
     action : what to change.
@@ -124,6 +130,14 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     if st < STARVED:
         return Diagnosis(st, "step", f"the step itself is the bottleneck: the loader is not; {waited}",
                          "nothing to gain in the loader; to go faster, profile the step (torch.profiler, nsys)")
+    if stats.batches > 1 and stats.wait_max_s * max(stats.passes, 1) >= STARTUP * stats.wait_s:
+        first = stats.wait_max_s * max(stats.passes, 1)
+        return Diagnosis(st, "startup", f"most of the waiting ({first:.2f} of {stats.wait_s:.2f} s) is the first "
+                         f"next() of each pass, while the loader fills its first shuffle window; in between it keeps "
+                         f"up with the step; {waited}",
+                         "nothing to fix in steady state, and longer epochs amortise it; to shorten it, use a smaller "
+                         "shuffle_window or chunk_bytes, and build the cache ahead (`gpuload cache build`) so the "
+                         "first window is read rather than decoded")
     if not stats.stages:
         cpu = f"; process CPU {stats.cpu_percent:.0f}%" if stats.cpu_percent is not None else ""
         gpu = f", GPU {stats.gpu_percent:.0f}%" if stats.gpu_percent is not None else ""

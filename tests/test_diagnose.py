@@ -168,3 +168,11 @@ def test_measured_pipeline_names_the_injected_slow_stage(slow):
     d = gpuload.diagnose(stats, threads=2)
     assert d.limiting == slow
     assert f"busy {stats.stages[slow].seconds / 2 / stats.wall_s:.0%}" in d.message
+
+
+def test_startup_wait_is_named_apart_from_steady_state():
+    # 1 s of waiting, 0.9 s of it in one next(): the first window, then the loader keeps up
+    d = gpuload.diagnose(make_stats(0.1, wait_max_s=0.9, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
+    assert d.limiting == "startup" and "0.90 of 1.00 s" in d.message and "shuffle_window" in d.action
+    spread = gpuload.diagnose(make_stats(0.1, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
+    assert spread.limiting == "batch"  # the same waiting spread over every batch is the gather
