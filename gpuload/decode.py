@@ -96,10 +96,9 @@ class ArrowDecoder:
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
         where = _where(f, chunk)
         m = self.metrics
-        src = f.path if m is None else None
         t0 = time.perf_counter()
         try:
-            src = src or _TimedFile(f.path, m)
+            src = f.path if m is None else _TimedFile(f.path, m)
             try:
                 pf = pq.ParquetFile(src, metadata=f.metadata)
                 table = pf.read_row_groups(range(chunk.rg_start, chunk.rg_stop),
@@ -130,7 +129,7 @@ class GpuDecoder:
     is idle, and are waited for before returning, so the result is ready for the
     loader stream. A chunk that cuDF would not convert exactly as the CPU does (see
     :class:`gpuload.convert_gpu.Unsupported`) is decoded by ``fallback`` on the CPU
-    and uploaded through pinned memory.
+    and returned as host arrays (the reader caches them and uploads them once).
     """
 
     name = "gpu"
@@ -171,7 +170,7 @@ class GpuDecoder:
             if str(e) not in self._warned:
                 self._warned.add(str(e))
                 log.info("gpuload: %s; decoding such chunks on the CPU so the bytes match the CPU path", e)
-            return self.ctx.upload(self.fallback(f, chunk, specs))
+            return self.fallback(f, chunk, specs)
 
 
 def _own(cols: dict) -> dict:

@@ -34,7 +34,7 @@ import threading
 import numpy as np
 import torch
 
-from .batch import Ragged
+from .batch import Ragged, nbytes, nrows
 from .errors import ConfigError, GpuloadError
 
 __all__ = ["gpu_status", "require_gpu", "gpu_usable", "configure_kvikio", "share_rmm_pool", "DeviceContext"]
@@ -247,12 +247,15 @@ class DeviceContext:
 
     # -- host <-> device ----------------------------------------------------------------
     def upload(self, cols: dict) -> dict:
-        """Host column set -> device column set (inside :meth:`active`).
+        """Host column set -> device column set (inside :meth:`active`); a device set is returned as is.
 
         Each array is staged in pinned memory from torch's host allocator and copied
         with ``non_blocking=True`` on the loader stream; torch keeps the pinned block
         until its copy is done. The returned arrays are ordered on the loader stream.
         """
+        if not isinstance(_first_array(cols), np.ndarray):
+            return cols  # already on the device (decoded by cuDF or read by KvikIO)
+
         def one(a: np.ndarray):
             a = np.ascontiguousarray(a)
             dst = self.empty_bytes(a.nbytes)
@@ -268,16 +271,17 @@ class DeviceContext:
     def _span(self, stage: str, cols: dict):
         if self.metrics is None:
             return contextlib.nullcontext()
-        from .batch import nbytes, nrows
-
         return self.metrics.span(stage, nbytes=nbytes(cols), rows=nrows(cols))
 
     def to_host(self, cols: dict) -> dict:
-        """Device column set -> new NumPy arrays (waits for the copies)."""
+        """Device column set -> new NumPy arrays (waits for the copies); a host set is returned as is."""
         import cupy
 
+        if not isinstance(_first_array(cols), cupy.ndarray):
+            return cols  # decoded on the CPU: already host arrays
+
         def one(a):
-            return cupy.asnumpy(a, stream=self._cp_stream, blocking=True) if isinstance(a, cupy.ndarray) else a
+            return cupy.asnumpy(a, stream=self._cp_stream, blocking=True)
 
         with self._span("cache_write", cols):  # the device-to-host half of a cache write
             return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v)
@@ -288,3 +292,9 @@ class DeviceContext:
         import cupy
 
         return cupy.asarray(idx)
+
+
+def _first_array(cols: dict):
+    """One array of a column set (a set is all on the host or all on the device)."""
+    v = next(iter(cols.values()), None)
+    return v.values if isinstance(v, Ragged) else v

@@ -77,7 +77,7 @@ class ChunkReader:
                                     read=lambda p, verify, seen: read_chunk_device(p, ctx, verify, seen),
                                     to_host=ctx.to_host, trust_writes=True, metrics=metrics)
             cpu = decoder or ArrowDecoder(metrics)
-            self.decode = GpuDecoder(ctx, cpu, metrics) if gpu_decode else (lambda f, c, s: ctx.upload(cpu(f, c, s)))
+            self.decode = GpuDecoder(ctx, cpu, metrics) if gpu_decode else cpu
         self.counters = LoadCounters()
 
     def key(self, i: int) -> ChunkKey:
@@ -106,6 +106,8 @@ class ChunkReader:
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
         cols, cached = self.cache.load(self.key(i), build, shared=not self.opts.shuffle)
         self.counters.add(cached)
+        if self.ctx is not None:  # a chunk decoded on the CPU is cached from its host arrays, then sent once
+            cols = self.ctx.upload(cols)
         return cols
 
     def is_cached(self, i: int) -> bool:
