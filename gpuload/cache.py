@@ -349,12 +349,7 @@ class ChunkCache:
                 self._slots.acquire()
                 # the writer gets its own copy: the caller may hand views of ``cols`` to
                 # a training loop that changes them in place before the write happens
-                if self._to_host is not None:
-                    snapshot = self._to_host(cols)
-                else:
-                    snapshot = cols if not shared else {
-                        k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
-                        for k, v in cols.items()}
+                snapshot = self._host(cols, copy=shared)
                 try:
                     self._writer.submit(self._write_and_release, p, snapshot, source, lock)
                 except BaseException:  # e.g. at interpreter shutdown: give the slot back
@@ -363,7 +358,7 @@ class ChunkCache:
                 lock = None  # the writer releases it
             else:
                 with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
-                    host = cols if self._to_host is None else self._to_host(cols)
+                    host = self._host(cols, copy=False)  # written before anyone else sees ``cols``
                     if not self.full:
                         used = sum(e.stat().st_size for e in self.entries())
                         self.full = used + chunk_file_size(host, source) > self.max_bytes
@@ -373,6 +368,15 @@ class ChunkCache:
         finally:
             if lock is not None:
                 lock.release()
+
+    def _host(self, cols: dict, copy: bool) -> dict:
+        """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``."""
+        if self._to_host is not None:
+            return self._to_host(cols)
+        if not copy:
+            return cols
+        return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+                for k, v in cols.items()}
 
     def _read(self, p: Path) -> dict:
         verify, seen = (bool(self.verify), None) if self.verify == "always" or not self.verify else (True, self._verified)

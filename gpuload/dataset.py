@@ -13,7 +13,7 @@ import torch
 from . import plan
 from .config import Options
 from .errors import ConfigError
-from .batch import Ragged, nrows
+from .batch import nbytes, nrows
 from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .metrics import Metrics, Stats
 from .pipeline import Background, epoch_batches
@@ -179,7 +179,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             for item in producer:
                 batch = handoff.receive(item)
                 t1 = time.perf_counter()
-                m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=_tensor_bytes(batch))
+                m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
                 yield batch
                 t0 = time.perf_counter()
@@ -247,10 +247,6 @@ def _device_context(device: torch.device, o: Options, metrics=None):
     gpu_decode = require_gpu(str(device), o.decode)
     configure_kvikio(o.kvikio_threads, o.kvikio_compat)
     return DeviceContext(device, metrics=metrics), gpu_decode
-
-
-def _tensor_bytes(batch: dict) -> int:
-    return sum(t.values.nbytes + t.offsets.nbytes if isinstance(t, Ragged) else t.nbytes for t in batch.values())
 
 
 @dataclass(frozen=True)
