@@ -19,6 +19,7 @@ import torch
 
 from .batch import Ragged
 from .synth import clicklog_columns
+from .watch import watch
 
 __all__ = ["LoopResult", "timed_loop", "naive_batches", "simulated_step", "MlpStep", "run_demo", "report"]
 
@@ -45,25 +46,14 @@ class LoopResult:
 
 def timed_loop(name: str, batches: Iterable[dict], step: Callable[[dict], None],
                progress: Callable[[int], None] | None = None) -> LoopResult:
-    """Feed every batch of ``batches`` to ``step``, timing the waits for data."""
-    rows = count = 0
-    waiting = 0.0
-    it = iter(batches)
-    start = time.perf_counter()
-    while True:
-        t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            waiting += time.perf_counter() - t0
-            break
-        waiting += time.perf_counter() - t0
+    """Feed every batch of ``batches`` to ``step``, timing the waits for data (with :func:`gpuload.watch`)."""
+    loader = watch(batches, sample_util=False)
+    for batch in loader:
         step(batch)
-        n = len(batch["label"])
-        rows, count = rows + n, count + 1
         if progress is not None:
-            progress(n)
-    return LoopResult(name, rows, count, time.perf_counter() - start, waiting)
+            progress(len(batch["label"]))
+    s = loader.stats()
+    return LoopResult(name, s.rows, s.batches, s.wall_s, s.wait_s)
 
 
 def naive_batches(files, batch_size: int, columns: dict | None = None):
