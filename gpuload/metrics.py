@@ -1,6 +1,6 @@
 """Metrics: how long each pipeline stage and the training thread took, and when.
 
-A :class:`Metrics` records, from any thread (``time.perf_counter`` seconds): stage
+A :class:`Metrics` records, from any thread (in seconds of its ``clock``): stage
 spans (:data:`STAGES`), each ``next()`` of the training thread, ready-queue depth, and
 CPU/GPU utilisation samples (:class:`gpuload.sampling.UtilSampler`), as running sums
 under one lock plus a tuple per event for the trace. :meth:`Metrics.stats` summarises
@@ -28,6 +28,7 @@ from itertools import chain
 from pathlib import Path
 from threading import get_ident
 from time import perf_counter
+from typing import Callable
 
 import torch
 
@@ -211,11 +212,11 @@ class _Span:
     def __enter__(self) -> _Span:
         if self._metrics._nvtx is not None:
             self._metrics._nvtx[0](_NVTX_NAMES[self._stage])
-        self._t0 = perf_counter()
+        self._t0 = self._metrics.clock()
         return self
 
     def __exit__(self, kind, *exc) -> None:
-        t1 = perf_counter()
+        t1 = self._metrics.clock()
         if self._metrics._nvtx is not None:
             self._metrics._nvtx[1]()
         if kind is None:  # work that failed (a missing cache file, a corrupt chunk) is not counted
@@ -231,14 +232,18 @@ class Metrics:
         ``$GPULOAD_NVTX=0``), True (also through the ``nvtx`` package), False (never).
     max_events : events of each kind kept for the trace (default 1,000,000, about 100 MB at
         most); later ones still count in :meth:`stats`.
+    clock : returns the time in seconds, as a float (default ``time.perf_counter``; kept as
+        ``.clock``). Spans, queue samples, :func:`gpuload.watch` and :class:`~gpuload.sampling.UtilSampler`
+        read it; timestamps given to :meth:`record` and the others must come from it. Only
+        differences count: a test can pass a manual clock to get exact figures.
 
     One training thread consumes per Metrics; :meth:`consumer_end` closes each of its passes.
     """
 
-    def __init__(self, *, nvtx: bool | None = None, max_events: int = 1_000_000):
-        self._nvtx = _nvtx_backend(nvtx)
-        self.max_events = int(max_events)
-        self._lock = threading.Lock()
+    def __init__(self, *, nvtx: bool | None = None, max_events: int = 1_000_000,
+                 clock: Callable[[], float] = perf_counter):
+        self._nvtx, self.clock = _nvtx_backend(nvtx), clock
+        self.max_events, self._lock = int(max_events), threading.Lock()
         self.reset()
 
     def reset(self) -> None:
@@ -248,9 +253,7 @@ class Metrics:
             # a batch), depths (t, depth), utils (t, cpu %, system cpu %, gpu %, gpu memory bytes)
             self._spans, self._waits, self._depths, self._utils = [], [], [], []
             self._folded = [0, 0, 0, 0]  # events of each list already added to the sums below
-            self._names: dict[int, str] = {}
-            self._consumers: list[int] = []
-            self._dropped = 0
+            self._names, self._consumers, self._dropped = {}, [], 0  # {ident: thread name}, consumer idents
             self._stage = [[0.0, 0, 0, 0, set()] for _ in STAGES]  # seconds, calls, nbytes, rows, threads
             self._c = dict(batches=0, rows=0, bytes=0, wait=0.0, wait_max=0.0, waits=0, step=0.0, steps=0,
                            step_max=0.0, wall=0.0, passes=0)
@@ -267,16 +270,13 @@ class Metrics:
         return _Span(self, _INDEX[stage] if stage in _INDEX else _stage_index(stage), nbytes, rows)
 
     def record(self, stage: str, t0: float, t1: float, *, nbytes: int = 0, rows: int = 0) -> None:
-        """Record a ``stage`` span from ``time.perf_counter()`` timestamps ``t0 <= t1`` (seconds)."""
+        """Record a ``stage`` span from :attr:`clock` timestamps ``t0 <= t1`` (seconds)."""
         self._add(_INDEX[stage] if stage in _INDEX else _stage_index(stage), t0, t1, nbytes, rows)
 
     def _add(self, stage: int, t0: float, t1: float, nbytes: int, rows: int) -> None:
         tid = get_ident()
         with self._lock:
-            if len(self._spans) < self.max_events:
-                self._spans.append((stage, tid, t0, t1, nbytes, rows))
-            else:
-                self._push(0, (stage, tid, t0, t1, nbytes, rows))
+            self._push(0, (stage, tid, t0, t1, nbytes, rows))
             if tid not in self._names:
                 self._names[tid] = threading.current_thread().name
 
@@ -290,12 +290,12 @@ class Metrics:
 
     def queue_depth(self, depth: int) -> None:
         """Sample the number of ready batches waiting in the queue, now."""
-        t = perf_counter()
+        t = self.clock()
         with self._lock:
             self._push(2, (t, depth))
 
     def consumer_wait(self, t0: float, t1: float, *, rows: int = 0, nbytes: int = 0) -> None:
-        """One ``next()`` on the training thread from ``t0`` to ``t1`` (perf_counter seconds)
+        """One ``next()`` on the training thread from ``t0`` to ``t1`` (:attr:`clock` seconds)
         that delivered a batch of ``rows`` rows and ``nbytes`` bytes at ``t1``."""
         self._consumer((get_ident(), t0, t1, rows, nbytes, True))
 
@@ -315,7 +315,7 @@ class Metrics:
 
     def util_sample(self, t: float, *, cpu_percent: float | None = None, system_cpu_percent: float | None = None,
                     gpu_percent: float | None = None, gpu_memory_bytes: int | None = None) -> None:
-        """One utilisation sample at perf_counter time ``t``: this process's CPU (percent of one
+        """One utilisation sample at :attr:`clock` time ``t``: this process's CPU (percent of one
         core), the machine's CPU (0-100), GPU use (0-100), GPU memory used (bytes); None: not measured."""
         with self._lock:
             self._push(3, (t, cpu_percent, system_cpu_percent, gpu_percent, gpu_memory_bytes))
@@ -416,13 +416,13 @@ class Metrics:
         return {k: [u[i] - origin if i == 0 else u[i] for u in utils] for i, k in enumerate(keys)}
 
     def first_time(self) -> float | None:
-        """Earliest perf_counter time among the events kept (None without events)."""
+        """Earliest :attr:`clock` time among the events kept (None without events)."""
         with self._lock:
             return min(chain((e[2] for e in self._spans), (e[1] for e in self._waits),
                              (e[0] for e in self._depths), (e[0] for e in self._utils)), default=None)
 
     def trace_events(self, origin: float | None = None) -> list[dict]:
-        """Chrome trace events (``ph`` X, C, M; microseconds since ``origin``, a perf_counter time,
+        """Chrome trace events (``ph`` X, C, M; microseconds since ``origin``, a :attr:`clock` time,
         default :meth:`first_time`; see :meth:`write_trace`). Track ids are stable in a process, so
         events of several calls (epochs, Metrics) with one ``origin`` concatenate into one trace."""
         if origin is None:

@@ -102,7 +102,9 @@ class UtilSampler:
 
     Parameters
     ----------
-    metrics : the :class:`gpuload.Metrics` that receives the samples.
+    metrics : the :class:`gpuload.Metrics` that receives the samples. Their times, and the
+        tail rule of :meth:`stop`, come from its ``clock``; the wait of ``period`` between
+        samples is real time.
     period : seconds between samples (default 0.1).
     gpu : sample the GPU through NVML where available (default True).
     device : CUDA device index to sample, as CUDA numbers visible devices (default:
@@ -120,6 +122,7 @@ class UtilSampler:
         self._thread: threading.Thread | None = None
         self._active = self._closed = self._nvml_tried = False
         self._nvml = None
+        self._clock = getattr(metrics, "clock", perf_counter)
         self._proc = psutil.Process()
         self._system = _SystemCpu()
         self._last = self._started = 0.0
@@ -144,7 +147,7 @@ class UtilSampler:
                 self._nvml = _open_nvml(_default_device() if self.device is None else self.device)
             self._proc.cpu_percent(None)  # reference points: samples never cover a pause
             self._system = _SystemCpu()
-            self._last = self._started = perf_counter()
+            self._last = self._started = self._clock()
             self._active, self._closed = True, False
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="gpuload-util", daemon=True)
@@ -161,7 +164,7 @@ class UtilSampler:
                 return
             self._active = False
             self._cond.notify_all()
-            tail = perf_counter() - self._last
+            tail = self._clock() - self._last
             if tail >= self.period / 2 or (tail >= 0.01 and self._last == self._started):
                 self._sample()
 
@@ -212,7 +215,7 @@ class UtilSampler:
         except Exception as e:  # psutil cannot fail for this process on Linux; elsewhere, skip the sample
             log.debug("gpuload: CPU sample failed: %r", e)
             cpu = system = None
-        self._last = t = perf_counter()
+        self._last = t = self._clock()
         self.metrics.util_sample(t, cpu_percent=cpu, system_cpu_percent=system, gpu_percent=gpu,
                                  gpu_memory_bytes=mem)
 

@@ -22,7 +22,6 @@ batch of 0 rows and 0 bytes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from time import perf_counter
 from typing import Iterable, Iterator
 
 import torch
@@ -89,7 +88,8 @@ class Watched:
     ----------
     iterable : the loader to watch.
     metrics : where to record (default: a new :class:`~gpuload.Metrics`, as ``.metrics``).
-        Give each watched loader its own: one training thread per Metrics.
+        Give each watched loader its own: one training thread per Metrics. Times come from
+        its ``clock`` (``time.perf_counter`` unless the Metrics was given another).
     sample_util : sample CPU and GPU utilisation while a pass runs (default True).
     util_period : seconds between utilisation samples (default 0.1).
     """
@@ -110,6 +110,7 @@ class Watched:
 
     def _pass(self) -> Iterator:
         m = self.metrics
+        clock = m.clock
         if self.sample_util:
             if self._sampler is None:
                 self._sampler = UtilSampler(m, period=self.util_period)
@@ -117,7 +118,7 @@ class Watched:
             self._sampler.start()
         it = None
         ended, waiting = False, True
-        t0 = perf_counter()
+        t0 = clock()
         try:
             it = iter(self.inner)
             while True:
@@ -125,18 +126,18 @@ class Watched:
                 try:
                     item = next(it)
                 except StopIteration:
-                    m.consumer_end(t0, perf_counter())
+                    m.consumer_end(t0, clock())
                     ended = True
                     return
-                t1 = perf_counter()
+                t1 = clock()
                 waiting = False
                 rows, nbytes = _measure(item)
                 m.consumer_wait(t0, t1, rows=rows, nbytes=nbytes)
                 yield item
-                t0 = perf_counter()
+                t0 = clock()
         finally:
             if not ended:  # an error inside next(), or the loop was left
-                t = perf_counter()
+                t = clock()
                 m.consumer_end(t0 if waiting else t, t)
             close = getattr(it, "close", None)
             if close is not None and not ended and it is not self.inner:  # a generator given as such stays resumable
@@ -180,7 +181,7 @@ def watch(iterable: Iterable, *, metrics: Metrics | None = None, sample_util: bo
     iterable : a loader: torch ``DataLoader``, generator, :class:`gpuload.ParquetDataset`, ...
         A one-shot iterator (a generator) gives one pass; a re-iterable loader one
         per ``for`` loop.
-    metrics : record into this :class:`~gpuload.Metrics` (default: a new one).
+    metrics : record into this :class:`~gpuload.Metrics` (default: a new one), timed by its ``clock``.
     sample_util : sample CPU (psutil) and GPU (NVML, where available) use during each
         pass (default True).
     util_period : seconds between utilisation samples (default 0.1).

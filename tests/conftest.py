@@ -6,7 +6,8 @@
   ``$GPULOAD_CACHE_DIR``, so a dataset opened without ``cache_dir=`` never touches
   ``~/.cache``);
 * ``write_parquet(path, table, row_group_size)``: a plain function (``from conftest
-  import write_parquet``) and a fixture of the same name returning it.
+  import write_parquet``) and a fixture of the same name returning it;
+* ``ManualClock``: a clock for ``Metrics(clock=...)`` that moves only when a test moves it.
 """
 
 from __future__ import annotations
@@ -63,3 +64,16 @@ def tmp_cache(tmp_path, monkeypatch) -> Path:
     path.mkdir()
     monkeypatch.setenv("GPULOAD_CACHE_DIR", str(path))
     return path
+
+
+class ManualClock:
+    """A clock for ``Metrics(clock=...)``: seconds that move only when the test moves them."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds

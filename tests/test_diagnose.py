@@ -1,15 +1,19 @@
-"""diagnose: the right bottleneck and advice, from synthetic Stats and from a timed mini-pipeline."""
+"""diagnose: the right bottleneck and advice, from synthetic Stats and from a timed mini-pipeline.
+
+The timed cases run on a :class:`ManualClock` (``Metrics(clock=...)``): the figures diagnose
+sees are exact, not whatever a busy machine makes of real sleeps.
+"""
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 
 import pytest
 
 import gpuload
 from gpuload.metrics import StageStats, Stats
+
+from conftest import ManualClock
 
 
 def stage(name: str, seconds: float, threads: int = 1, nbytes: int = 0, rows: int = 0, wall: float = 10.0,
@@ -94,21 +98,22 @@ def test_stage_on_the_training_thread():
 
 
 def test_inline_loader_measured_through_watch():
-    m = gpuload.Metrics()
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock)
 
     def loader():
         for i in range(30):
             with m.span("decode", rows=100):
-                time.sleep(0.004)
+                clock.sleep(0.004)
             yield i
 
     w = gpuload.watch(loader(), metrics=m, sample_util=False)
     for _ in w:
-        time.sleep(0.001)
+        clock.sleep(0.001)
     s = w.stats()
-    assert s.stages["decode"].training_thread and s.starvation == pytest.approx(0.8, abs=0.06)
+    assert s.stages["decode"].training_thread and s.starvation == pytest.approx(0.8, rel=1e-9)  # 4 ms of each 5
     d = gpuload.diagnose(s)
-    assert d.limiting == "decode" and "runs on the training thread" in d.message
+    assert d.limiting == "decode" and "runs on the training thread, 0.12 s of its 0.12 s of waiting" in d.message
 
 
 def test_unsaturated_loader_is_told_to_prefetch():
@@ -126,48 +131,52 @@ def test_str_and_errors():
 
 
 def mini_pipeline(slow: str, n: int = 40) -> Stats:
-    """Two loader threads read (cache_read 1 ms) or decode (decode 1 ms) each chunk; the
-    ``slow`` stage takes 8 ms instead; the training thread steps 2 ms per batch."""
-    m = gpuload.Metrics()
-    q: queue.Queue = queue.Queue(maxsize=2)
-    todo = iter(range(n))
-    lock = threading.Lock()
+    """Two loader threads read (cache_read 1 ms) then decode (decode 1 ms) each chunk, the
+    ``slow`` stage taking 8 ms instead, and queue it; the training thread takes the chunks in
+    order, gathers each (batch, 0.25 ms) and steps 1.75 ms. In virtual time: chunk i is ready at
+    9 ms x (i // 2 + 1), with the queue (2 chunks) never full, the consumer being faster."""
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock)
+    ready = [0.009 * (i // 2 + 1) for i in range(n)]
+    turn, both = threading.Lock(), threading.Barrier(2)
 
-    def worker():
-        while True:
-            with lock:
-                i = next(todo, None)
-            if i is None:
-                return q.put(None)
-            for name in ("cache_read", "decode"):
-                with m.span(name, nbytes=10**6, rows=1000):
-                    time.sleep((8.0 if name == slow else 1.0) / 1000)
-            q.put(i)
+    def worker(w: int):
+        with turn:  # one thread at a time moves the clock
+            for i in range(w, n, 2):
+                clock.t = ready[i] - 0.009
+                for name in ("cache_read", "decode"):
+                    with m.span(name, nbytes=10**6, rows=1000):
+                        clock.sleep((8.0 if name == slow else 1.0) / 1000)
+        both.wait()  # alive together: a finished thread's ident may be reused
 
-    for _ in range(2):
-        threading.Thread(target=worker, daemon=True).start()
-    done = 0
-    while done < 2:
-        t0 = time.perf_counter()
-        item = q.get()
-        if item is None:
-            done += 1
-            continue
-        m.consumer_wait(t0, time.perf_counter(), rows=1000)
+    threads = [threading.Thread(target=worker, args=(w,), name=f"loader-{w}") for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clock.t = 0.0
+    for i in range(n):
+        t0 = clock()
+        clock.t = max(clock.t, ready[i])
+        m.consumer_wait(t0, clock(), rows=1000)
         with m.span("batch", rows=1000):
-            time.sleep(0.0002)
-        time.sleep(0.002)
-    m.consumer_end(time.perf_counter(), time.perf_counter())
+            clock.sleep(0.00025)
+        clock.sleep(0.00175)
+    m.consumer_end(clock(), clock())  # both loaders were done with the last chunk
     return m.stats()
 
 
 @pytest.mark.parametrize("slow", ["decode", "cache_read"])
 def test_measured_pipeline_names_the_injected_slow_stage(slow):
     stats = mini_pipeline(slow)
-    assert stats.starvation > 0.3  # 9 ms per chunk on 2 threads against a 2 ms step
+    # each pair of chunks takes 9 ms; the consumer waits for the first of a pair (9 ms for the
+    # first pair, then 9 - 2 x 2 = 5 ms), not the second; 2 ms after the last chunk the pass ends
+    wall, wait = 0.009 * 20 + 0.004, 0.009 + 19 * 0.005
+    assert stats.wall_s == pytest.approx(wall) and stats.starvation == pytest.approx(wait / wall)
+    assert stats.stages[slow].seconds == pytest.approx(40 * 0.008) and stats.stages[slow].threads == 2
     d = gpuload.diagnose(stats, threads=2)
     assert d.limiting == slow
-    assert f"busy {stats.stages[slow].seconds / 2 / stats.wall_s:.0%}" in d.message
+    assert f"busy {40 * 0.008 / 2 / wall:.0%}" in d.message and "busy 87%" in d.message
 
 
 def test_startup_wait_is_named_apart_from_steady_state():

@@ -1,4 +1,8 @@
-"""Metrics: starvation against its analytic value, exact sums, stage stats, trace format."""
+"""Metrics: starvation against its analytic value, exact sums, stage stats, trace format.
+
+Assertions on durations use a :class:`ManualClock` (``Metrics(clock=...)``), never the
+machine's timing: a busy machine stretches real sleeps by any amount.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +17,13 @@ import pytest
 
 from gpuload.metrics import STAGES, Metrics, Stats
 
+from conftest import ManualClock
+
 
 def run_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float, depth: int = 4) -> None:
     """A background producer making an item every ``produce_ms`` into a bounded queue;
-    the calling thread takes ``n`` items, records each wait, and steps ``step_ms``."""
+    the calling thread takes ``n`` items, records each wait, and steps ``step_ms``.
+    Real threads and sleeps: for tests of what is recorded, not of how long it took."""
     q: queue.Queue = queue.Queue(maxsize=depth)
 
     def produce():
@@ -36,17 +43,56 @@ def run_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float,
     m.consumer_end(t0, time.perf_counter())
 
 
+def simulate_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float, depth: int = 4) -> None:
+    """:func:`run_producer_consumer` in the virtual time of ``m.clock`` (a :class:`ManualClock`):
+    the producer thread's spans and queue samples, and the consumer's waits, at the times a
+    queue of ``depth`` items gives them."""
+    p, c, clock = produce_ms / 1000, step_ms / 1000, m.clock
+    put, take = [], []  # when item i entered the queue; when the consumer's next() returned it
+    for i in range(n):
+        made = (put[-1] if put else 0.0) + p
+        put.append(max(made, take[i - depth]) if i >= depth else made)  # a full queue holds the producer up
+        take.append(max(take[-1] + c if take else 0.0, put[i]))
+
+    def produce():
+        for i in range(n):
+            clock.t = put[i - 1] if i else 0.0
+            with m.span("decode", nbytes=1000, rows=10):
+                clock.sleep(p)
+            clock.t = put[i]
+            m.queue_depth(sum(t > put[i] for t in take[:i + 1]))
+
+    producer = threading.Thread(target=produce, name="test-producer")
+    producer.start()
+    producer.join()  # one thread at a time moves the clock
+    for i in range(n):
+        clock.t = take[i - 1] + c if i else 0.0
+        t0 = clock()
+        clock.t = take[i]
+        m.consumer_wait(t0, clock(), rows=10, nbytes=1000)
+    clock.t = take[-1] + c
+    m.consumer_end(clock(), clock())
+
+
 @pytest.mark.parametrize("produce_ms, step_ms", [(6.0, 2.0), (2.0, 6.0), (5.0, 3.0)])
 def test_starvation_matches_analytic_value(produce_ms, step_ms):
-    # steady state: one item per max(p, c); the consumer waits max(0, p - c) of it
-    m = Metrics()
-    run_producer_consumer(m, 60, produce_ms, step_ms)
+    m = Metrics(clock=ManualClock())
+    n, p, c = 60, produce_ms / 1000, step_ms / 1000
+    simulate_producer_consumer(m, n, produce_ms, step_ms)
     s = m.stats()
-    expected = max(0.0, produce_ms - step_ms) / max(produce_ms, step_ms)
-    assert s.starvation == pytest.approx(expected, abs=0.05)
+    # the first next() waits p, each later one max(0, p - c); the pass ends one step after the last item
+    wait, wall = p + (n - 1) * max(0.0, p - c), n * max(p, c) + min(p, c)
+    assert s.wall_s == pytest.approx(wall, rel=1e-9) and s.wait_s == pytest.approx(wait, rel=1e-9)
+    assert s.starvation == pytest.approx(wait / wall, rel=1e-9)
+    # steady state: one item per max(p, c), of which the consumer waits max(0, p - c)
+    assert s.starvation == pytest.approx(max(0.0, p - c) / max(p, c), abs=0.01)
     assert s.batches == 60 and s.rows == 600 and s.bytes == 60_000 and s.passes == 1
-    assert s.wall_s == pytest.approx(60 * max(produce_ms, step_ms) / 1000, rel=0.15)
-    assert s.step_mean_s == pytest.approx(step_ms / 1000, rel=0.25)
+    assert s.step_mean_s == pytest.approx(c, rel=1e-9) and s.wait_max_s == pytest.approx(p, rel=1e-9)
+    decode = s.stages["decode"]
+    assert decode.seconds == pytest.approx(n * p, rel=1e-9) and decode.share == pytest.approx(n * p / wall)
+    assert decode.threads == 1 and not decode.training_thread
+    # a slow producer leaves the queue empty; a fast one fills it after the first item
+    assert s.queue_samples == n and s.queue_empty == (1.0 if p > c else 1 / n)
 
 
 def test_wall_wait_and_steps_are_exact_over_passes():
@@ -107,15 +153,19 @@ def test_stage_stats_from_several_threads():
 
 
 def test_span_records_and_accepts_sizes_set_inside():
-    m = Metrics()
+    assert Metrics().clock is time.perf_counter  # the default clock
+    clock = ManualClock(100.0)
+    m = Metrics(clock=clock)
     with m.span("read") as sp:
-        time.sleep(0.01)
+        clock.sleep(0.25)
         sp.nbytes, sp.rows = 123, 4
     with pytest.raises(RuntimeError):
         with m.span("read", nbytes=7):
+            clock.sleep(1.0)
             raise RuntimeError("boom")  # never swallowed; failed work is not counted
     st = m.stats().stages["read"]
-    assert st.calls == 1 and st.nbytes == 123 and st.rows == 4 and st.seconds >= 0.01
+    assert (st.calls, st.nbytes, st.rows, st.seconds) == (1, 123, 4, 0.25)
+    assert m.first_time() == 100.0 and m.trace_events()[-1]["dur"] == 250_000.0  # microseconds
     with pytest.raises(ValueError, match="unknown stage 'decoding'"):
         m.span("decoding")
     with pytest.raises(ValueError):
@@ -161,12 +211,12 @@ def test_max_events_caps_the_trace_not_the_stats():
 def test_recording_is_cheap():
     m = Metrics()
     n = 20_000
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # this thread's CPU time: waiting for a busy machine's CPUs does not count
     for _ in range(n):
         with m.span("batch", nbytes=1, rows=1):
             pass
         m.record("h2d", 0.0, 0.0)
-    per_pair = (time.perf_counter() - t0) / n
+    per_pair = (time.thread_time() - t0) / n
     assert per_pair < 20e-6, f"{per_pair * 1e6:.1f} us per span + record"  # about 2 us here
 
 
