@@ -159,7 +159,7 @@ class Batcher:
     """
 
     def __init__(self, sizes: Sequence[int]):
-        self._sizes = deque(sizes)
+        self._sizes, self._next = sizes, 0  # an index, not a copy: sizes may be long (plan.BatchSizes)
         self._pieces: deque[_Piece] = deque()
         self._available = 0
 
@@ -169,8 +169,9 @@ class Batcher:
         if piece.n:
             self._pieces.append(piece)
             self._available += piece.n
-        while self._sizes and self._available >= self._sizes[0]:
-            yield self._cut(self._sizes.popleft())
+        while self._next < len(self._sizes) and self._available >= self._sizes[self._next]:
+            self._next += 1
+            yield self._cut(self._sizes[self._next - 1])
         # a shuffled window's rows still to come (fewer than a batch) are gathered now, so
         # the window itself is released before the next one is concatenated
         self._pieces = deque(_Piece(p.take(p.n - p.pos), None) if p.perm is not None else p for p in self._pieces)
@@ -190,4 +191,4 @@ class Batcher:
     @property
     def done(self) -> bool:
         """True once every planned batch has been cut."""
-        return not self._sizes
+        return self._next == len(self._sizes)

@@ -1,33 +1,27 @@
-"""Cache: converted chunks on local disk, one file per chunk.
-
-File format (version 1), little-endian::
-
-    offset 0   8 bytes   magic b"GPULOAD\\0"
-    offset 8   u32       format version (1)
-    offset 12  u32       header length H in bytes
-    offset 16  u64       xxh3-64 of the header bytes
-    offset 24  H bytes   header: UTF-8 JSON (the chunk's manifest, below)
-    ...        zeros     up to the next multiple of 4096
-    regions    each starts at a multiple of 4096; the file ends on one too
-
-The header holds ``rows``, the ``source`` (path, size, mtime_ns, row groups) and a list
-of ``regions``: ``{"output", "part" ("data", "values" or "offsets"), "dtype", "shape",
-"offset", "nbytes", "xxh3"}``. Every region is a C-contiguous array, so a reader (mmap,
-pread or KvikIO into device memory) takes one read of the file and makes views by
-offset. No pickle anywhere.
+"""Cache: converted chunks on local disk, one file per chunk (format in :mod:`gpuload.cachefile`).
 
 Layout of a cache directory::
 
-    <cache_dir>/v1/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+    <cache_dir>/v2/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+    <cache_dir>/v2/<hash of source path>/<chunk file name>.lock        build lock
+    <cache_dir>/v2/specs/<spec>.json                                   the column set, last use = mtime
 
 The name covers every input that changes the bytes: the source path, its size and
 mtime (the file version), the columns, groups, dtypes and fill values (the spec), the
-row groups, and the format version. A changed source file changes only its own names;
-its stale chunks are deleted when its new chunks are written.
+row groups, and the format version; the header inside repeats all of it and a read
+compares the two. A changed source file changes only its own names; its stale chunks
+are deleted when its new chunks are written.
 
 Writes go to a temporary name in the same folder, are fsynced and renamed into place:
-a reader sees a complete file or none. Each chunk has a lock file (``fcntl`` locks,
-released by the OS when a process dies) so concurrent builders build it once.
+a reader sees a complete file or none. Each chunk has a lock file (``flock``, released
+by the OS when a process dies) so concurrent builders build it once. Reads take no
+lock, so a read-only cache built by another user is served as it is.
+
+Failure never costs data: a cache file that cannot be read, locked or written (no
+permission, no space or inodes, a read-only cache, a concurrent ``cache clear``,
+something foreign at its name) is decoded from Parquet and served anyway, with one
+warning per kind of problem; a corrupt file is rebuilt, never served. Every path
+operation goes through :mod:`gpuload.cachefs`, which never leaves the cache root.
 """
 
 from __future__ import annotations
@@ -35,34 +29,31 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
 import os
+import stat
 import threading
-import struct
-import uuid
+import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import xxhash
-from filelock import FileLock
 
 from .batch import Ragged, nbytes, nrows
+from . import cache_admin
+from .cache_admin import chunk_files
+from .cachefile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
+    write_regions
+from .cachefs import CHUNK, TEMP, CacheRoot, Lock
 from .errors import CacheError, CorruptCacheError
 
-__all__ = ["ChunkKey", "ChunkCache", "write_chunk", "read_chunk", "read_header", "default_cache_dir"]
+__all__ = ["ChunkKey", "ChunkCache", "default_cache_dir", "read_chunk", "write_chunk"]
 
 log = logging.getLogger("gpuload")
 
-MAGIC = b"GPULOAD\0"
-FORMAT_VERSION = 1
-ALIGN = 4096
-_PREFIX = struct.Struct("<8sIIQ")
-SUFFIX = ".glc"
 _PENDING_WRITES = 2
-_LAYOUT = f"v{FORMAT_VERSION}"
+_LAYOUT, _SPECS = LAYOUT_DIR, SPECS_DIR
 
 
 def default_cache_dir() -> Path:
@@ -74,189 +65,71 @@ def default_cache_dir() -> Path:
     return Path(base) / "gpuload"
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 @dataclass(frozen=True)
 class ChunkKey:
-    """Identity of one cached chunk; :meth:`relpath` is its file name in the cache."""
+    """Identity of one cached chunk: where its file lives and what its header must say.
+
+    ``outputs`` lists ``(name, kind, storage dtype, width)`` per output and ``spec_desc``
+    the spec description whose hash is ``spec`` (:func:`gpuload.schema.spec_description`).
+    """
 
     path: str  # absolute source path
-    version: str  # source file version (size + mtime)
+    size: int  # source file size in bytes
+    mtime_ns: int
     spec: str  # hash of the output spec
     rg_start: int
     rg_stop: int
+    rows: int
+    outputs: tuple = ()
+    spec_desc: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def version(self) -> str:
+        return version_token(self.size, self.mtime_ns)
 
     @property
     def folder(self) -> str:
         return xxhash.xxh64_hexdigest(self.path.encode())
 
+    @property
+    def parts(self) -> tuple[str, str]:
+        return _LAYOUT, self.folder
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
+
     def relpath(self) -> str:
-        return f"{_LAYOUT}/{self.folder}/{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
+        return f"{_LAYOUT}/{self.folder}/{self.name}"
+
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.path, self.size, self.mtime_ns, self.rg_start, self.rg_stop, self.rows, self.spec,
+                        self.outputs)
+
+    def header_fields(self) -> dict:
+        return {"source": {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns},
+                "row_groups": [self.rg_start, self.rg_stop], "spec": self.spec_desc}
 
 
-def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
-    out = []
-    for name, v in cols.items():
-        if isinstance(v, Ragged):
-            out += [(name, "values", np.asarray(v.values)), (name, "offsets", np.asarray(v.offsets))]
-        else:
-            out.append((name, "data", np.asarray(v)))
-    return out
-
-
-def _layout(cols: dict, source: dict) -> tuple[bytes, list[dict], list[np.ndarray], int]:
-    """Header bytes, region entries, arrays and total file size of a chunk file."""
-    regions, arrays = [], []
-    for name, part, arr in _regions(cols):
-        arr = np.ascontiguousarray(arr)
-        regions.append({"output": name, "part": part, "dtype": arr.dtype.str, "shape": list(arr.shape),
-                        "offset": 0, "nbytes": arr.nbytes, "xxh3": xxhash.xxh3_64_hexdigest(arr)})
-        arrays.append(arr)
-    rows = next((len(v.offsets) - 1 if isinstance(v, Ragged) else len(v) for v in cols.values()), 0)
-    header = {"format": FORMAT_VERSION, "rows": rows, "source": source, "regions": regions}
-    # region offsets depend on the header's length, which depends on the offsets'
-    # digits: repeat until they agree (offsets only grow, so this ends quickly)
-    blob = b""
-    while True:
-        offset = _align(_PREFIX.size + len(blob))
-        for r in regions:
-            r["offset"], offset = offset, _align(offset + r["nbytes"])
-        again = json.dumps(header, separators=(",", ":")).encode()
-        if again == blob:
-            return blob, regions, arrays, max(offset, _align(_PREFIX.size + len(blob)))
-        blob = again
-
-
-def chunk_file_size(cols: dict, source: dict) -> int:
-    """Bytes the cache file of ``cols`` takes on disk."""
-    return _layout(cols, source)[3]
-
-
-def write_chunk(path: Path, cols: dict, source: dict) -> int:
-    """Write ``cols`` atomically as a cache file at ``path``; returns the file size.
-
-    The data goes to a temporary file beside ``path``, is fsynced, then renamed.
-    """
-    blob, regions, arrays, total = _layout(cols, source)
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+def write_chunk(path, cols: dict, key: ChunkKey) -> int:
+    """Write ``cols`` as the cache file of ``key`` at ``path`` (atomically); returns its size."""
+    path = Path(path)
+    head, regions, arrays, total = encode(cols, key.header_fields())
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob), xxhash.xxh3_64_intdigest(blob)))
-            f.write(blob)
-            for r, arr in zip(regions, arrays):
-                f.seek(r["offset"])
-                f.write(memoryview(arr).cast("B") if arr.nbytes else b"")
-            f.truncate(total)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    CacheRoot(path.parent).write((), path.name, lambda fd: write_regions(fd, head, regions, arrays, total))
     return total
 
 
-def _fsync_dir(folder: Path) -> None:
+def read_chunk(path, verify: bool = True, verified: set | None = None, want: Identity | None = None
+               ) -> tuple[dict, dict]:
+    """Read the cache file at ``path``: (header, column set). ``want``: the identity it must state."""
+    path = Path(path)
+    fd = CacheRoot(path.parent).open_read((), path.name)
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        return read_regions(fd, path, want, verify, verified)
     finally:
         os.close(fd)
-
-
-def read_header(f, path) -> tuple[dict, int]:
-    """Read and check the prefix and header of an open cache file.
-
-    Returns (header dict, offset of the first region). Raises :class:`CorruptCacheError`.
-    """
-    prefix = f.read(_PREFIX.size)
-    if len(prefix) != _PREFIX.size:
-        raise CorruptCacheError(f"{path}: truncated cache file (no header)")
-    magic, version, hlen, hsum = _PREFIX.unpack(prefix)
-    if magic != MAGIC:
-        raise CorruptCacheError(f"{path}: not a gpuload cache file (bad magic)")
-    if version != FORMAT_VERSION:
-        raise CorruptCacheError(f"{path}: cache format {version}, this gpuload reads {FORMAT_VERSION}")
-    blob = f.read(hlen)
-    if len(blob) != hlen or xxhash.xxh3_64_intdigest(blob) != hsum:
-        raise CorruptCacheError(f"{path}: header checksum mismatch")
-    header = json.loads(blob)
-    return header, _align(_PREFIX.size + hlen)
-
-
-def read_chunk(path: Path, verify: bool = True, verified: set | None = None) -> tuple[dict, dict]:
-    """Map a cache file into memory and return (header, column set of views into it).
-
-    The mapping is private (copy-on-write): a batch changed in place never changes the
-    file. Its pages are populated here, on the calling (loader) thread, so the
-    training thread never page-faults into the file. With ``verify`` every region's
-    checksum is compared, except for files in ``verified`` (identities of files
-    already checked; a verified file's identity is added to it). Raises
-    ``FileNotFoundError`` when absent and :class:`CorruptCacheError` when the file
-    fails a check.
-    """
-    with open(path, "rb", buffering=0) as f:
-        header, start = read_header(f, path)
-        end = region_span(header, start)
-        st = os.fstat(f.fileno())
-        size = st.st_size
-        ident = file_identity(st)
-        if verified is not None and ident in verified:
-            verify = False
-        if size < end:  # checked before mapping: reading past the end would be SIGBUS
-            raise CorruptCacheError(f"{path}: truncated cache file ({size} of {end} bytes)")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    _populate(mm)
-    cols = columns_from_buffer(np.frombuffer(mm, np.uint8), header, path, verify)
-    if verify and verified is not None:
-        verified.add(ident)
-    return header, cols
-
-
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-
-
-def _populate(mm: mmap.mmap) -> None:
-    """Fault every page of ``mm`` in now (one madvise, else one read per page)."""
-    try:
-        mm.madvise(_MADV_POPULATE_READ)
-    except (OSError, ValueError, AttributeError):
-        np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max(initial=0)
-
-
-def region_span(header: dict, start: int) -> int:
-    """End offset of the last region of a chunk file whose regions begin at ``start``."""
-    return max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
-
-
-def file_identity(st: os.stat_result) -> tuple:
-    """What identifies one version of a file (for verify-once)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) -> dict:
-    """Views of each region of a chunk whose file, from byte ``base`` on, is in ``buf``.
-
-    ``buf`` is a uint8 NumPy or CuPy array; ``verify`` (NumPy only) compares checksums.
-    """
-    cols: dict = {}
-    for r in header["regions"]:
-        raw = buf[r["offset"] - base: r["offset"] - base + r["nbytes"]]
-        if verify and xxhash.xxh3_64_hexdigest(raw) != r["xxh3"]:
-            raise CorruptCacheError(f"{path}: checksum mismatch in {r['output']}/{r['part']}")
-        arr = raw.view(np.dtype(r["dtype"])).reshape(r["shape"])
-        if r["part"] == "data":
-            cols[r["output"]] = arr
-        else:
-            cols.setdefault(r["output"], {})[r["part"]] = arr
-    return {k: Ragged(v["values"], v["offsets"]) if isinstance(v, dict) else v for k, v in cols.items()}
 
 
 class ChunkCache:
@@ -264,110 +137,144 @@ class ChunkCache:
 
     Parameters
     ----------
-    root : the cache directory (created if missing).
+    root : the cache directory (created if missing and ``create``).
     max_bytes : budget for chunk files in bytes; None means unbounded. When a new
         chunk would exceed it, the chunk is not written (it is streamed from Parquet
         every epoch instead) and nothing already cached is evicted.
     verify : ``True`` (default): compare a file's checksums the first time this
         process reads it (again whenever the file changes); ``"always"``: on every
-        read; ``False``: never (the header is still checked).
-    read : ``read(path, verify, verified) -> column set`` (default: :func:`read_chunk`
-        into host memory; the GPU path passes a KvikIO reader into device memory).
+        read; ``False``: never (the header and identity are still checked).
+    read : ``read(fd, path, identity, verify, verified) -> column set`` (default:
+        :func:`gpuload.cachefile.read_regions` into host memory; the GPU path passes a
+        KvikIO reader into device memory).
     to_host : ``to_host(column set) -> host column set`` the writer may keep (default:
         a copy when ``shared``, else the columns themselves).
-    trust_writes : count files this process wrote as checked (default False). The GPU
-        path sets it, so that its cached epochs read straight into device memory
-        without a host pass over data that just came from its own memory.
-    metrics : a :class:`gpuload.Metrics` that records ``cache_read`` and ``cache_write``
-        spans (default None).
+    trust_writes : count files this process wrote as checked (default False).
+    metrics : a :class:`gpuload.Metrics` recording ``cache_read``/``cache_write`` spans.
+    alloc : ``alloc(nbytes) -> uint8 array`` for host reads (default: new arrays).
+    create : create ``root`` if missing (default True); else a missing root is a
+        :class:`CacheError` (the ``cache info/verify/clear`` commands).
     """
 
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
                  read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
-                 metrics=None):
+                 metrics=None, alloc: Callable | None = None, create: bool = True):
+        given = Path(root).expanduser()
+        if not given.is_dir():
+            if given.exists() or not create:
+                what = "is not a folder" if given.exists() else "does not exist"
+                raise CacheError(f"cache folder {given} {what}; check --cache-dir / cache_dir= "
+                                 "(or $GPULOAD_CACHE_DIR)")
+            try:
+                given.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise CacheError(f"cache_dir {given}: cannot create it ({e}); pass another cache_dir "
+                                 "or set GPULOAD_CACHE_DIR") from None
+        self.root = CacheRoot(given)
         self.metrics = metrics
-        self._read_fn = read or (lambda p, v, s: read_chunk(p, v, s)[1])
+        self._read_fn = read or (lambda fd, p, want, v, s: read_regions(fd, p, want, v, s, alloc)[1])
         self._to_host = to_host
         self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
+        self._warned: set = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
         self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
-        self.root = Path(root).expanduser()
         self.max_bytes = max_bytes
         self.verify = verify
-        try:
-            (self.root / _LAYOUT).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CacheError(f"cache_dir {self.root}: cannot create it ({e}); pass another cache_dir "
-                             "or set GPULOAD_CACHE_DIR") from None
         self.full = False  # set once the budget refused a chunk
+        if create:
+            with contextlib.suppress(OSError):  # a read-only cache is still served
+                with self.root.folder((_LAYOUT,), create=True):
+                    pass
 
     def path(self, key: ChunkKey) -> Path:
-        return self.root / key.relpath()
+        return self.root.where(key.parts, key.name)
 
-    def _lock(self, key: ChunkKey) -> FileLock:
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        # not thread-local: a background writer releases the lock its loader took
-        return FileLock(str(p) + ".lock", thread_local=False)
+    def _warn(self, kind: str, text: str) -> None:
+        """Log ``text`` as a warning the first time a problem of ``kind`` happens, then at debug level."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(level, "gpuload: %s", text)
 
-    def load(self, key: ChunkKey, build: Callable[[], tuple[dict, dict]], shared: bool = True
-             ) -> tuple[dict, bool]:
+    # -- get or build -------------------------------------------------------------------
+    def load(self, key: ChunkKey, build: Callable[[], dict], shared: bool = True) -> tuple[dict, bool]:
         """The chunk's column set, and whether it came from the cache.
 
         Reads the cached file if present and valid. Otherwise, holding the chunk's
-        lock, calls ``build()`` -> (column set, source info) and writes the result if
-        the budget allows. A corrupt file is rebuilt, never served.
+        lock, calls ``build()`` -> column set and writes it if the budget allows. A
+        corrupt file is rebuilt, never served; a file that cannot be read, locked or
+        written is decoded and served anyway (one warning per kind of problem).
 
         Without a budget the write (and its fsync) happens on a background writer
         thread that keeps the chunk's lock until the file is in place, so decoding
-        goes on meanwhile; other readers of the chunk wait for the lock and then read
-        the file. :meth:`flush` waits for pending writes. ``shared=True`` (default)
-        says the caller may hand views of the columns to code that changes them in
-        place, so the writer works on its own copy.
+        goes on meanwhile. :meth:`flush` waits for pending writes. ``shared=True``
+        (default) says the caller may hand views of the columns to code that changes
+        them in place, so the writer works on its own copy.
         """
-        p = self.path(key)
+        unreadable = None
         try:
-            return self._read(p), True
+            return self._read(key), True
         except FileNotFoundError:
-            log.debug("gpuload: %s is not cached yet", p)
+            log.debug("gpuload: %s is not cached yet", self.path(key))
         except CorruptCacheError as e:
             log.warning("gpuload: %s; rebuilding it from its source", e)
-        lock = self._lock(key)
-        lock.acquire()
+        except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
+            unreadable = e
+        lock = Lock(self.root, key.parts, key.name + ".lock")
         try:
-            with contextlib.suppress(FileNotFoundError):
-                try:
-                    return self._read(p), True  # another process built it meanwhile
-                except CorruptCacheError:
-                    p.unlink(missing_ok=True)
-            for stale in p.parent.glob(p.name + ".tmp.*"):  # left by a killed writer
-                stale.unlink(missing_ok=True)
-            cols, source = build()
+            lock.acquire()
+        except OSError as e:
+            why = unreadable if unreadable is not None else e
+            self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
+                       "such chunks are decoded from Parquet every time and not cached")
+            return build(), False
+        if unreadable is not None:
+            self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
+                       "rebuilding it from its source")
+        try:
+            try:
+                return self._read(key), True  # another process built it meanwhile
+            except CorruptCacheError:
+                self.root.unlink(key.parts, key.name, CHUNK)
+            except OSError:
+                pass
+            for name, _ in self.root.scan(key.parts):  # temporaries left by a killed writer of this chunk
+                if name.startswith(key.name + ".tmp."):
+                    self.root.unlink(key.parts, name, TEMP)
+            cols = build()
             self._drop_stale(key)
             if self.max_bytes is None:
                 self._slots.acquire()
-                # the writer gets its own copy: the caller may hand views of ``cols`` to
-                # a training loop that changes them in place before the write happens
-                snapshot = self._host(cols, copy=shared)
+                snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
                 try:
-                    self._writer.submit(self._write_and_release, p, snapshot, source, lock)
+                    self._writer.submit(self._write_and_release, key, snapshot, lock)
                 except BaseException:  # e.g. at interpreter shutdown: give the slot back
                     self._slots.release()
                     raise
                 lock = None  # the writer releases it
             else:
-                with FileLock(str(self.root / _LAYOUT / ".budget.lock")):
-                    host = self._host(cols, copy=False)  # written before anyone else sees ``cols``
-                    if not self.full:
-                        used = sum(e.stat().st_size for e in self.entries())
-                        self.full = used + chunk_file_size(host, source) > self.max_bytes
-                    if not self.full:
-                        self._write(p, host, source)
+                self._write_within_budget(key, cols)
             return cols, False
         finally:
             if lock is not None:
                 lock.release()
+
+    def _write_within_budget(self, key: ChunkKey, cols: dict) -> None:
+        budget = Lock(self.root, (_LAYOUT,), ".budget.lock")
+        try:
+            budget.acquire()
+        except OSError as e:
+            self._warn(f"lock{e.errno}", f"cannot lock the cache budget ({e}); this chunk is not cached")
+            return
+        try:
+            host = self._host(cols, copy=False)  # written before anyone else sees ``cols``
+            if not self.full:
+                used = sum(st.st_size for *_, st in chunk_files(self.root))
+                self.full = used + encode(host, key.header_fields())[3] > self.max_bytes
+            if not self.full:
+                self._write(key, host)
+        finally:
+            budget.release()
 
     def _host(self, cols: dict, copy: bool) -> dict:
         """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``."""
@@ -378,30 +285,42 @@ class ChunkCache:
         return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
                 for k, v in cols.items()}
 
-    def _read(self, p: Path) -> dict:
+    def _read(self, key: ChunkKey) -> dict:
         verify, seen = (bool(self.verify), None) if self.verify == "always" or not self.verify else (True, self._verified)
-        if self.metrics is None:
-            return self._read_fn(p, verify, seen)
-        with self.metrics.span("cache_read") as span:  # a missing or corrupt file records nothing
-            cols = self._read_fn(p, verify, seen)
-            span.nbytes, span.rows = nbytes(cols), nrows(cols)
-        return cols
-
-    def _write(self, path: Path, cols: dict, source: dict) -> None:
+        path = self.path(key)
+        fd = self.root.open_read(key.parts, key.name)
         try:
             if self.metrics is None:
-                write_chunk(path, cols, source)
+                return self._read_fn(fd, path, key.identity, verify, seen)
+            with self.metrics.span("cache_read") as span:  # a missing or corrupt file records nothing
+                cols = self._read_fn(fd, path, key.identity, verify, seen)
+                span.nbytes, span.rows = nbytes(cols), nrows(cols)
+            return cols
+        finally:
+            os.close(fd)
+
+    def _write(self, key: ChunkKey, cols: dict) -> None:
+        try:
+            head, regions, arrays, total = encode(cols, key.header_fields())
+
+            def fill(fd):
+                write_regions(fd, head, regions, arrays, total)
+
+            if self.metrics is None:
+                st = self.root.write(key.parts, key.name, fill)
             else:
                 with self.metrics.span("cache_write", rows=nrows(cols)) as span:
-                    span.nbytes = write_chunk(path, cols, source)
+                    st = self.root.write(key.parts, key.name, fill)
+                    span.nbytes = total
             if self._trust_writes:
-                self._verified.add(file_identity(path.stat()))
-        except OSError as e:  # e.g. disk full, or a `cache clear` meanwhile: the data is still served
-            log.warning("gpuload: could not write cache file %s (%s); it will be read from Parquet again", path, e)
+                self._verified.add(file_identity(st))
+        except OSError as e:  # disk or inodes full, read-only, a clear meanwhile: the data is still served
+            self._warn(f"write{e.errno}", f"could not write cache file {self.path(key)} ({e.strerror or e}); "
+                       "chunks that are not cached are read from Parquet again")
 
-    def _write_and_release(self, path: Path, cols: dict, source: dict, lock: FileLock) -> None:
+    def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
         try:
-            self._write(path, cols, source)
+            self._write(key, cols)
         finally:
             lock.release()
             self._slots.release()
@@ -415,59 +334,61 @@ class ChunkCache:
 
     def _drop_stale(self, key: ChunkKey) -> None:
         """Delete chunks of older versions of ``key``'s source file (same spec)."""
-        folder = self.root / _LAYOUT / key.folder
-        for p in folder.glob(f"{key.spec}-*{SUFFIX}"):
-            if p.name.split("-")[1] != key.version:
-                p.unlink(missing_ok=True)
+        for name, _ in self.root.scan(key.parts):
+            if CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
+                self.root.unlink(key.parts, name, CHUNK)
 
+    def exists(self, key: ChunkKey) -> bool:
+        """Whether chunk ``key`` has a regular file in the cache (not verified)."""
+        with contextlib.suppress(OSError):
+            st = self.root.lstat(key.parts, key.name)
+            return st is not None and stat.S_ISREG(st.st_mode)
+        return False
+
+    # -- specs --------------------------------------------------------------------------
+    def touch_spec(self, key_spec: str, desc: list) -> None:
+        """Record that column set ``desc`` (hash ``key_spec``) is in use now (best effort)."""
+        name = f"{key_spec}.json"
+        try:
+            st = self.root.lstat((_LAYOUT, _SPECS), name)
+            if st is None:
+                for tmp, tst in self.root.scan((_LAYOUT, _SPECS)):  # left by a writer killed a while ago
+                    if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
+                        self.root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
+                text = json.dumps(desc, indent=1).encode()
+                self.root.write((_LAYOUT, _SPECS), name, lambda fd: os.write(fd, text))
+            elif stat.S_ISREG(st.st_mode):
+                with self.root.folder((_LAYOUT, _SPECS)) as d:
+                    os.utime(name, dir_fd=d, follow_symlinks=False)
+        except OSError as e:  # a read-only cache: nothing to record
+            log.debug("gpuload: could not record the use of spec %s (%s)", key_spec, e)
+
+    # -- inspection and maintenance (see gpuload.cache_admin) ------------------------------
     def entries(self) -> Iterator[Path]:
-        """Every complete chunk file in the cache."""
-        yield from (self.root / _LAYOUT).glob(f"*/*{SUFFIX}")
+        """Every chunk file (regular file with a chunk's name) of the current format."""
+        for parts, name, _ in chunk_files(self.root):
+            yield self.root.where(parts, name)
 
     def temporaries(self) -> Iterator[Path]:
         """Temporary files left by writers that were killed."""
-        yield from (self.root / _LAYOUT).glob(f"*/*{SUFFIX}.tmp.*")
+        return cache_admin.temporaries(self.root)
+
+    def specs(self) -> dict[str, dict]:
+        """Per spec hash: ``desc``, ``last_used`` (epoch seconds), ``chunks``, ``bytes`` (:func:`gpuload.cache_admin.specs`)."""
+        return cache_admin.specs(self.root)
 
     def summary(self) -> dict:
-        """Counts and bytes of the chunk files, per source file, plus leftover temporaries."""
-        sources: dict[str, dict] = {}
-        total = 0
-        for p in self.entries():
-            size = p.stat().st_size
-            total += size
-            try:
-                with open(p, "rb") as f:
-                    src = read_header(f, p)[0]["source"]["path"]
-            except (OSError, ValueError, KeyError, CorruptCacheError):
-                src = "(unreadable header)"
-            e = sources.setdefault(src, {"chunks": 0, "bytes": 0})
-            e["chunks"] += 1
-            e["bytes"] += size
-        return {"root": str(self.root), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
-                "sources": sources, "temporaries": len(list(self.temporaries()))}
+        """What the cache holds (:func:`gpuload.cache_admin.summary`)."""
+        return cache_admin.summary(self.root)
 
-    def verify_all(self, progress=None) -> list[tuple[Path, str]]:
-        """Read every chunk file with checksums; returns (path, problem) for each bad one."""
-        bad = []
-        for p in sorted(self.entries()):
-            try:
-                read_chunk(p, verify=True)
-            except (CorruptCacheError, ValueError, KeyError) as e:
-                bad.append((p, str(e)))
-            if progress is not None:
-                progress(p)
-        return bad
+    def verify_all(self, progress=None) -> list:
+        """Check every chunk file; a :class:`gpuload.cache_admin.Problem` per bad one."""
+        return cache_admin.verify_all(self.root, progress)
 
-    def clear(self) -> int:
-        """Delete every chunk, temporary and lock file; returns bytes freed."""
-        freed = 0
-        layout = self.root / _LAYOUT
-        for p in list(layout.glob("*/*")) + list(layout.glob(".*.lock")):
-            with contextlib.suppress(FileNotFoundError):
-                freed += p.stat().st_size if p.name.endswith(SUFFIX) else 0
-                p.unlink()
-        for d in layout.glob("*"):
-            if d.is_dir():
-                with contextlib.suppress(OSError):  # not empty: another process is writing
-                    d.rmdir()
-        return freed
+    def delete(self, path: Path) -> int:
+        """Delete one chunk file by path (:func:`gpuload.cache_admin.delete`); bytes freed."""
+        return cache_admin.delete(self.root, path)
+
+    def clear(self, spec: str | None = None, unused_since: float | None = None) -> dict:
+        """Delete gpuload's files (:func:`gpuload.cache_admin.clear`)."""
+        return cache_admin.clear(self.root, spec, unused_since)

@@ -16,65 +16,53 @@ takes it on every read.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from .cache import columns_from_buffer, file_identity, read_header, region_span
+from .cachefile import pread_all, check_identity, columns_from_buffer, file_identity, read_header, region_span
 from .errors import CorruptCacheError
 
 __all__ = ["read_chunk_device"]
 
 
-def read_chunk_device(path: Path, ctx, verify: bool = True, verified: set | None = None) -> dict:
-    """Read a cache file into device memory; returns its CuPy column set.
+def read_chunk_device(fd: int, path, want, ctx, verify: bool = True, verified: set | None = None) -> dict:
+    """Read the open cache file ``fd`` into device memory; returns its CuPy column set.
 
-    Call inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`). ``verify``
-    and ``verified`` mean what they mean for :func:`gpuload.cache.read_chunk`. Raises
-    ``FileNotFoundError`` when absent and :class:`CorruptCacheError` when a check fails.
+    Call inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`). ``want`` (the
+    :class:`gpuload.cachefile.Identity` the header must state), ``verify`` and
+    ``verified`` mean what they mean for :func:`gpuload.cachefile.read_regions`. KvikIO
+    opens the same file through ``/proc/self/fd``, so it reads exactly the file whose
+    header was checked, even if the name is replaced meanwhile. Raises
+    :class:`CorruptCacheError` when a check fails.
     """
     import kvikio
 
-    with open(path, "rb", buffering=0) as f:
-        header, start = read_header(f, path)
-        end = region_span(header, start)
-        st = os.fstat(f.fileno())
-        ident = file_identity(st)
-        if verified is not None and ident in verified:
-            verify = False
-        if st.st_size < end:
-            raise CorruptCacheError(f"{path}: truncated cache file ({st.st_size} of {end} bytes)")
-        span = end - start
-        buf = ctx.empty_bytes(span)
-        if verify:
-            staged = torch.empty(span, dtype=torch.uint8, pin_memory=True)
-            host = staged.numpy()
-            f.seek(start)
-            view, got = memoryview(host), 0
-            while got < span:  # one read returns at most ~2 GiB
-                n = f.readinto(view[got:])
-                if not n:
-                    raise CorruptCacheError(f"{path}: truncated cache file")
-                got += n
-            columns_from_buffer(host, header, path, True, base=start)  # raises on a mismatch
-            if span:
-                torch.from_dlpack(buf).copy_(staged, non_blocking=True)
-            if verified is not None:
-                verified.add(ident)
-            return columns_from_buffer(buf, header, path, False, base=start)
+    st = os.fstat(fd)
+    header, start = read_header(fd, path)
+    check_identity(header, want, path, st.st_size, start)
+    ident = file_identity(st)
+    if verified is not None and ident in verified:
+        verify = False
+    span = region_span(header, start) - start
+    buf = ctx.empty_bytes(span)
+    if verify:
+        staged = torch.empty(span, dtype=torch.uint8, pin_memory=True)
+        host = staged.numpy()
+        if pread_all(fd, host, start) != span:
+            raise CorruptCacheError(f"{path}: truncated cache file")
+        columns_from_buffer(host, header, path, True, base=start)  # raises on a mismatch
+        if span:
+            torch.from_dlpack(buf).copy_(staged, non_blocking=True)
+        if verified is not None:
+            verified.add(ident)
+        return columns_from_buffer(buf, header, path, False, base=start)
     if span:
         ctx.before_external_write()  # KvikIO writes outside any stream
-        cf = kvikio.CuFile(path, "r")
+        cf = kvikio.CuFile(f"/proc/self/fd/{fd}", "r")
         try:
             got = cf.pread(buf, span, start).get()
         finally:
             cf.close()
         if got != span:
             raise CorruptCacheError(f"{path}: truncated cache file ({got} of {span} bytes read)")
-        try:
-            same = file_identity(os.stat(path)) == ident
-        except FileNotFoundError:
-            same = False
-        if not same:  # replaced between the header read and the data read
-            raise CorruptCacheError(f"{path}: changed while it was read")
     return columns_from_buffer(buf, header, path, False, base=start)

@@ -7,6 +7,7 @@ a cache that fails verification exits with status 1.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import shutil
@@ -18,7 +19,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .cache import ChunkCache, default_cache_dir
-from .errors import ConfigError, GpuloadError
+from .errors import ConfigError, GpuloadError, set_style
 
 __all__ = ["main"]
 
@@ -47,6 +48,18 @@ def _fill(text: str | None):
         return json.loads(text)
     except json.JSONDecodeError:
         raise ConfigError(f"--fill-nulls {text!r}: give a number or a JSON object like '{{\"col\": 0}}'") from None
+
+
+def _dtypes(text: str | None):
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--dtypes {text!r}: give a JSON object like '{{\"dense\": \"float16\"}}'")
+    return value
 
 
 def _bar(desc: str, total: int, unit: str):
@@ -83,8 +96,8 @@ def cmd_demo(args) -> int:
     print(f"\nFrom the cache gpuload delivered {warm.rows_per_s / naive.rows_per_s:.1f}x the rows/s of the naive "
           f"loop; the training step waited for data {warm.wait_fraction:.1%} of the time "
           f"(naive: {naive.wait_fraction:.1%}).")
-    if owned and args.keep:
-        print(f"data and cache kept in {workdir}")
+    if not owned or args.keep:
+        print(f"data and cache are in {workdir}")
     return 0
 
 
@@ -96,7 +109,7 @@ def cmd_profile(args) -> int:
     if args.step_ms is not None and args.step_ms < 0:
         raise ConfigError(f"--step-ms {args.step_ms}: a step cannot take negative time")
     kwargs = dict(batch_size=args.batch_size, device=args.device, num_threads=args.threads, prefetch=args.prefetch,
-                  fill_nulls=_fill(args.fill_nulls))
+                  fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes))
     if args.cache_dir:
         kwargs["cache_dir"] = args.cache_dir
     step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms if args.step_ms is not None else 5:g} ms step"
@@ -125,7 +138,8 @@ def cmd_build(args) -> int:
 
     try:
         summary = build_cache(args.source, cache_dir=args.cache_dir, columns=_columns(args.columns),
-                              fill_nulls=_fill(args.fill_nulls), chunk_bytes=int(args.chunk_mib * 2**20),
+                              fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
+                              chunk_bytes=int(args.chunk_mib * 2**20),
                               num_threads=args.threads,
                               max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
                               progress=progress)
@@ -136,17 +150,55 @@ def cmd_build(args) -> int:
 
 
 def _cache(args) -> ChunkCache:
-    return ChunkCache(args.cache_dir or default_cache_dir())
+    return ChunkCache(args.cache_dir or default_cache_dir(), create=False)
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "never"
+
+
+def _spec_text(desc) -> str:
+    """One line per column set: its outputs and the columns they come from."""
+    if not desc:
+        return "(description missing)"
+    import numpy as np
+
+    parts = []
+    for d in desc:
+        cols = d["columns"][0] if len(d["columns"]) == 1 else "[" + ", ".join(d["columns"]) + "]"
+        dtype = d["dtype"] if d["dtype"] == "bfloat16" else np.dtype(d["dtype"]).name
+        parts.append(f"{d['name'] if d['name'] == cols else d['name'] + '=' + cols} ({dtype})")
+    return ", ".join(parts)
+
+
+def _left_alone(foreign: list[str]) -> None:
+    if foreign:
+        shown = "; ".join(foreign[:5]) + (f"; and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        print(f"  left alone {len(foreign)} entries gpuload did not write: {shown}")
 
 
 def cmd_info(args) -> int:
-    s = _cache(args).summary()
+    cache = _cache(args)
+    s = cache.summary()
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB")
+    if s["specs"]:
+        print("column sets (spec: outputs; last used; chunks):")
+    for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
+        print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {e['chunks']} chunks, "
+              f"{e['bytes'] / 2**20:,.1f} MiB")
+    if s["sources"]:
+        print("source files:")
     for src, e in sorted(s["sources"].items()):
         print(f"  {src}: {e['chunks']} chunks, {e['bytes'] / 2**20:,.1f} MiB")
     if s["temporaries"]:
         print(f"  {s['temporaries']} unfinished temporary files from interrupted writers "
               "(never read; `gpuload cache clear` removes them)")
+    if s["old_format"]:
+        print(f"  {s['old_format']} chunk files of an older cache format (never read; `gpuload cache clear` "
+              "removes them)")
+    if s["foreign"]:
+        print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
+              + "; ".join(s["foreign"][:5]))
     return 0
 
 
@@ -158,20 +210,40 @@ def cmd_verify(args) -> int:
         bad = cache.verify_all(progress=lambda p: bar.update(1))
     finally:
         bar.close()
-    for path, problem in bad:
-        print(f"CORRUPT {problem}")
-        if args.delete:
-            path.unlink(missing_ok=True)
-    print(f"{len(files) - len(bad)} of {len(files)} cache files verified in {cache.root}"
-          + (f"; {len(bad)} corrupt" + (" (deleted: they are rebuilt on next use)" if args.delete else "")
-             if bad else ""))
+    for path, problem, kind in bad:
+        print(f"{kind.upper()} {problem}")
+        if args.delete and kind == "corrupt":
+            cache.delete(path)
+    print(f"{len(files) - len(bad)} of {len(files)} cache files verified in {cache.root.path}"
+          + (f"; {len(bad)} corrupt or unreadable" + (" (corrupt ones deleted: they are rebuilt on next use)"
+                                                      if args.delete else "") if bad else ""))
     return 1 if bad else 0
+
+
+def _since(text: str) -> float:
+    """``2026-11-01`` (local midnight), an ISO date-time, or an age like ``30d`` / ``12h``: epoch seconds."""
+    text = text.strip()
+    try:
+        if text[-1:] in ("d", "h") and text[:-1].replace(".", "", 1).isdigit():
+            hours = float(text[:-1]) * (24 if text[-1] == "d" else 1)
+            return (datetime.datetime.now() - datetime.timedelta(hours=hours)).timestamp()
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise ConfigError(f"--unused-since {text!r}: give a date (2026-11-01) or an age (30d, 12h)") from None
 
 
 def cmd_clear(args) -> int:
     cache = _cache(args)
-    freed = cache.clear()
-    print(f"cleared {cache.root} ({freed / 2**20:,.1f} MiB freed)")
+    since = None if args.unused_since is None else _since(args.unused_since)
+    if args.spec is not None:
+        known = cache.specs()
+        if not any(h.startswith(args.spec) for h in known):
+            raise ConfigError(f"--spec {args.spec}: no such column set in {cache.root.path} "
+                              f"(`gpuload cache info` lists them: {', '.join(sorted(known)) or 'none'})")
+    r = cache.clear(spec=args.spec, unused_since=since)
+    which = "" if args.spec is None and since is None else f" ({len(r['specs'])} column sets)"
+    print(f"cleared {cache.root.path}{which}: {r['files']} files, {r['freed'] / 2**20:,.1f} MiB freed")
+    _left_alone(r["foreign"])
     return 0
 
 
@@ -196,6 +268,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("source", nargs="+", help="Parquet files, directories or globs")
     f.add_argument("--columns", help="a,b,c or a JSON object {\"output\": [\"col\", ...]} (default: all)")
     f.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
+    f.add_argument("--dtypes", help="a JSON object {\"output\": \"float16\"} (numpy or torch dtype names)")
     how = f.add_mutually_exclusive_group()
     how.add_argument("--step-ms", type=float, help="simulated training step in ms (default 5)")
     how.add_argument("--model", choices=["mlp"], help="a small real MLP over the dense outputs instead")
@@ -214,17 +287,22 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("source", nargs="+", help="Parquet files, directories or globs")
     b.add_argument("--columns", help="a,b,c or a JSON object {\"output\": [\"col\", ...]} (default: all)")
     b.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
+    b.add_argument("--dtypes", help="a JSON object {\"output\": \"float16\"} (numpy or torch dtype names)")
     b.add_argument("--chunk-mib", type=float, default=64, help="chunk size bound in MiB (default 64)")
     b.add_argument("--threads", type=int, default=2, help="decode threads (default 2)")
     b.add_argument("--max-gib", type=float, help="cache budget in GiB (default unbounded)")
     b.set_defaults(fn=cmd_build)
     for name, fn, text in (("info", cmd_info, "what the cache holds"),
                            ("verify", cmd_verify, "check every cache file; exit 1 if any is corrupt"),
-                           ("clear", cmd_clear, "delete everything in the cache")):
+                           ("clear", cmd_clear, "delete gpuload's files in the cache (all, or some column sets)")):
         a = csub.add_parser(name, help=text)
         a.set_defaults(fn=fn)
         if name == "verify":
             a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")
+        if name == "clear":
+            a.add_argument("--spec", help="only this column set (a spec hash, or its prefix, from `cache info`)")
+            a.add_argument("--unused-since", help="only column sets not used since a date (2026-11-01) or for "
+                                                  "an age (30d, 12h)")
     for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear")]:
         a.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
     return p
@@ -233,14 +311,20 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
     try:
         return args.fn(args)
     except GpuloadError as e:
         print(f"gpuload: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the machine's, not gpuload's: one line, not a traceback
+        print(f"gpuload: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("gpuload: interrupted", file=sys.stderr)
         return 130
+    finally:
+        set_style("python")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged
-from .errors import ConfigError, NullValuesError
-from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
+from .errors import ConfigError, NullValuesError, setting
+from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error"]
 
@@ -50,18 +50,34 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
 
 def null_error(column: str, count: int, where: str, lists: bool = False) -> NullValuesError:
     """The error for ``count`` nulls in ``column`` with no fill value."""
+    fix = setting("fill_nulls", {column: 0})
     if lists:
         return NullValuesError(
-            f"column {column!r} has {count} null lists in {where}; pass "
-            f"fill_nulls={{{column!r}: value}} to turn them into empty lists (fixed-size lists: "
-            "rows of the fill value)")
-    return NullValuesError(f"column {column!r} has {count} null values in {where}; pass "
-                           f"fill_nulls={{{column!r}: value}} (or a scalar for all columns) to replace them")
+            f"column {column!r} has {count} null lists or null list elements in {where}; pass {fix} to make "
+            "null lists empty and null elements 0 (fixed-size lists: rows of the fill value), or another fill value")
+    return NullValuesError(f"column {column!r} has {count} null values in {where}; pass {fix} (or another value, "
+                           "or one number for every column) to replace them")
+
+
+def _bfloat16_bits(values):
+    """``values`` (NumPy or CuPy) rounded to bfloat16 as torch does, as uint16 bit patterns."""
+    import torch
+
+    if isinstance(values, np.ndarray):
+        t = torch.from_numpy(np.array(values, copy=not values.flags.writeable, order="C"))
+        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    import cupy  # on the GPU path torch's current stream is the loader's, as CuPy's
+
+    bits = torch.from_dlpack(cupy.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16)
+    return cupy.from_dlpack(bits).view(cupy.uint16)
 
 
 def cast_values(values, dtype: str, column: str, where: str):
     """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round; casts to integers
-    or bool must keep every value exactly, else :class:`ConfigError` names the column and the value."""
+    or bool must keep every value exactly, else :class:`ConfigError` names the column and the value.
+    ``"bfloat16"`` gives the uint16 bit patterns of torch's rounding."""
+    if dtype == BFLOAT16:
+        return _bfloat16_bits(values)
     dst = np.dtype(dtype)
     if values.dtype == dst:
         return values
@@ -71,7 +87,7 @@ def cast_values(values, dtype: str, column: str, where: str):
         with np.errstate(invalid="ignore"):
             bad = out.astype(values.dtype) != values
         if bool(bad.any()):
-            v = values[int(bad.argmax())]
+            v = values[int(bad.argmax())].item()
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
                               f"choose a wider dtype in dtypes= (or none)")
     return out
@@ -112,7 +128,7 @@ def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
     out = np.ascontiguousarray(cast_values(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
     if valid is not None:  # null rows become rows of the fill value
         out = out.copy()
-        out[~valid] = spec.fills[0]
+        out[~valid] = cast_values(np.array([spec.fills[0]], vals.dtype), spec.dtype, spec.columns[0], where)[0]
     return out
 
 
@@ -139,7 +155,7 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
         elif s.kind == FIXED:
             cols[s.name] = _fixed(arrays[s.columns[0]], s, where)
         elif s.kind == GROUP:
-            out = np.empty((n, s.width), dtype=s.dtype)
+            out = np.empty((n, s.width), dtype=storage_dtype(s.dtype))
             for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
                 out[:, j] = cast_values(_scalar_values(arrays[c], vt, fill, c, where), s.dtype, c, where)
             cols[s.name] = out

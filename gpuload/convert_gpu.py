@@ -26,7 +26,7 @@ import pyarrow as pa
 from .batch import Ragged
 from .convert import cast_values, needed_columns, null_error
 from .errors import SourceError
-from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
+from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
 
 __all__ = ["Unsupported", "read_row_groups", "columns_to_set"]
 
@@ -172,8 +172,9 @@ def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str):
     values = cast_values(values, spec.dtype, spec.columns[0], where)
     if valid is None:
         return cupy.ascontiguousarray(values).reshape(n, k)
-    out = cupy.empty((n, k), dtype=spec.dtype)
-    out[...] = np.dtype(spec.dtype).type(spec.fills[0])
+    out = cupy.empty((n, k), dtype=storage_dtype(spec.dtype))
+    out[...] = cast_values(np.array([spec.fills[0]], np.dtype(spec.sources[0].dtype)), spec.dtype,
+                           spec.columns[0], where)[0]
     out[valid] = values.reshape(-1, k)
     return out
 
@@ -212,7 +213,7 @@ def columns_to_set(cols: dict, specs: Sequence[OutputSpec], schema: pa.Schema, r
         elif s.kind == FIXED:
             out[s.name] = _fixed(cols[s.columns[0]], s, atype, where)
         elif s.kind == GROUP:
-            arr = cupy.empty((rows, s.width), dtype=s.dtype)
+            arr = cupy.empty((rows, s.width), dtype=storage_dtype(s.dtype))
             for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
                 t = schema.field(c).type
                 t = t.value_type if pa.types.is_dictionary(t) else t

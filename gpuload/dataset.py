@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .metrics import Metrics, Stats
 from .pipeline import Background, epoch_batches
 from .reader import ChunkReader
+from .schema import BFLOAT16
 
 __all__ = ["ParquetDataset", "build_cache", "CacheSummary"]
 
@@ -43,15 +45,18 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     The first epoch decodes each chunk of row groups once, converts it to the output
     dtypes and writes it to the cache; later epochs read the cache only. Iterate it
-    directly (or through a ``DataLoader`` with ``batch_size=None, num_workers=0``):
-    gpuload runs its own background threads.
+    directly (or through a ``DataLoader`` with ``batch_size=None, num_workers=0``:
+    gpuload batches and runs its own background threads, and refuses a DataLoader that
+    would batch again).
 
     Parameters
     ----------
     source : a Parquet file, a directory (``*.parquet`` below it), a glob, or a list of these.
-    columns : None (every column of a supported type; others are skipped with one log
-        line), a list of names, or a dict ``{output: column}`` / ``{output: [columns]}``;
-        a list of same-kind scalar columns is stacked into one ``[rows, k]`` tensor.
+        Hive-style folders (``day=1/...``) add their partition keys as columns.
+    columns : None (every column of a supported type that every file has, pandas index
+        columns excepted; others are skipped with one log line), a list of names, or a
+        dict ``{output: column}`` / ``{output: [columns]}``; a list of same-kind scalar
+        columns is stacked into one ``[rows, k]`` tensor.
     batch_size : rows per batch (default 65536).
     shuffle : permute chunk order and rows within a window of chunks, differently each
         epoch (default True). Without it rows come in file order.
@@ -64,10 +69,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         initialised, else 0 and 1.
     fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
         Null lists become empty lists; null fixed-size lists rows of the value.
-    dtypes : ``{output: dtype}`` to cast outputs (default: the column's own dtype; a
-        stacked group: NumPy's common dtype of its columns, e.g. int64 + float32 ->
-        float64). Casts to floats may round; casts to integers or bool must keep every
-        value exactly, else a :class:`~gpuload.ConfigError` names the column and value.
+    dtypes : ``{output: dtype}`` to cast outputs, as NumPy or torch dtypes (or their
+        names), ``torch.bfloat16`` included (default: the column's own dtype; a stacked
+        group: NumPy's common dtype of its columns, e.g. int64 + float32 -> float64).
+        Casts happen once, when the cache is built. Casts to floats may round (as torch
+        rounds); casts to integers or bool must keep every value exactly, else a
+        :class:`~gpuload.ConfigError` names the column and value (at open, where the
+        footers' statistics show it).
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
@@ -112,10 +120,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.device = resolve_device(device)
         self.metrics = Metrics()
         self._ctx, gpu_decode = _device_context(self.device, self.options, self.metrics)
-        t0 = time.perf_counter()
+        t0 = self.metrics.clock()
         self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes, ctx=self._ctx,
                                   gpu_decode=gpu_decode, metrics=self.metrics)
-        self.metrics.record("list", t0, time.perf_counter(), rows=self.reader.num_rows)
+        self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
         plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
         o = self.options
         if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
@@ -124,6 +132,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 f"bytes of device memory ((2 x shuffle_window + prefetch + 1) chunks of up to "
                 f"{self.reader.max_chunk_bytes()} bytes, plus queued batches); lower chunk_bytes, shuffle_window "
                 "or prefetch")
+        self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
         self.epoch = 0
 
     # -- public -------------------------------------------------------------------------
@@ -167,25 +176,32 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if info is not None and info.num_workers > 0:
             raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
                               "batch_size=None), or iterate it directly")
+        fetcher = sys._getframe(1).f_locals.get("self")  # a DataLoader's fetcher calls iter() in its __init__
+        if type(fetcher).__name__ == "_IterableDatasetFetcher" and getattr(fetcher, "auto_collation", False):
+            raise ConfigError("DataLoader(ds) would batch gpuload's batches again (a leading [1, ...] dimension): "
+                              "pass DataLoader(ds, batch_size=None), or iterate the dataset directly")
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[dict]:
         if self._ctx is not None:  # batches are guarded for the stream current now, on the training thread
             self._ctx.consumer = torch.cuda.current_stream(self.device)
-            handoff = DlpackHandoff(self._ctx)
+            handoff = DlpackHandoff(self._ctx, self._views)
         else:
-            handoff = HostHandoff()
+            handoff = HostHandoff(self._views)
         producer = Background(lambda stop: self._batches(self.epoch, handoff, stop), depth=self.options.prefetch + 2)
         m = self.metrics
-        t0 = time.perf_counter()
+        t0 = m.clock()
         try:
             for item in producer:
                 batch = handoff.receive(item)
-                t1 = time.perf_counter()
+                t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
                 yield batch
-                t0 = time.perf_counter()
-            m.consumer_end(t0, time.perf_counter())
+                t0 = m.clock()
+            m.consumer_end(t0, m.clock())
         except GeneratorExit:  # the loop was left early
-            t = time.perf_counter()
+            t = m.clock()
             m.consumer_end(t, t)
             raise
         finally:

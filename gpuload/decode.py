@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from typing import Sequence
 
 import pyarrow as pa
@@ -46,9 +45,9 @@ class _TimedFile:
 
     def read(self, n: int = -1) -> bytes:
         n = self._size - self._pos if n is None or n < 0 else n
-        t0 = time.perf_counter()
+        t0 = self.metrics.clock()
         data = self._pread(n)
-        t1 = time.perf_counter()
+        t1 = self.metrics.clock()
         self.seconds += t1 - t0
         self.metrics.record("read", t0, t1, nbytes=len(data))
         self._pos += len(data)
@@ -96,13 +95,16 @@ class ArrowDecoder:
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
         where = _where(f, chunk)
         m = self.metrics
-        t0 = time.perf_counter()
+        t0 = m.clock() if m is not None else 0.0
+        needed = needed_columns(specs)
+        stored = [c for c in needed if c not in f.partition_names]
         try:
             src = f.path if m is None else _TimedFile(f.path, m)
-            try:
-                pf = pq.ParquetFile(src, metadata=f.metadata)
-                table = pf.read_row_groups(range(chunk.rg_start, chunk.rg_stop),
-                                           columns=needed_columns(specs), use_threads=False)
+            try:  # by leaf index: a name with dots never selects a struct's child
+                reader = pq.ParquetFile(src, metadata=f.metadata).reader
+                table = reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)),
+                                               column_indices=[i for c in stored for i in f.leaves(c)],
+                                               use_threads=False)
             finally:
                 if m is not None:
                     src.close()
@@ -110,9 +112,12 @@ class ArrowDecoder:
             raise SourceError(f"{where}: cannot be read ({e}); the file may be truncated or corrupt") from None
         if table.num_rows != chunk.rows:
             raise SourceError(f"{where}: read {table.num_rows} rows where the footer promises {chunk.rows}")
+        for c in needed:
+            if c in f.partition_names:  # a Hive partition key: the same value in every row
+                table = table.append_column(c, pa.repeat(f.partition_scalar(c), chunk.rows))
         if m is None:
             return table_to_columns(table, specs, where)
-        t1 = time.perf_counter()
+        t1 = m.clock()
         m.record("decode", t0 + src.seconds, t1, nbytes=table.nbytes, rows=table.num_rows)  # pyarrow's time apart from I/O
         with m.span("convert", rows=table.num_rows) as span:
             cols = table_to_columns(table, specs, where)
@@ -148,6 +153,7 @@ class GpuDecoder:
         where = _where(f, chunk)
         m = self.metrics
         try:
+            _check_gpu_names(f, specs)
             with cupy.cuda.Stream.null, (m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext()):  # libcudf decodes on the legacy default stream, into RMM memory
                 try:
                     raw = read_row_groups(f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
@@ -171,6 +177,18 @@ class GpuDecoder:
                 self._warned.add(str(e))
                 log.info("gpuload: %s; decoding such chunks on the CPU so the bytes match the CPU path", e)
             return self.fallback(f, chunk, specs)
+
+
+def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
+    """libcudf selects nested fields by dotted path, and Hive keys are not in the file: decode
+    such chunks on the CPU, where columns are selected by leaf index."""
+    from .convert_gpu import Unsupported
+
+    for c in needed_columns(specs):
+        if "." in c:
+            raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
+        if c in f.partition_names:
+            raise Unsupported(f"column {c!r} is a partition key")
 
 
 def _own(cols: dict) -> dict:

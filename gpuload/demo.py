@@ -140,7 +140,7 @@ def run_demo(workdir, *, rows: int = 2_000_000, files: int = 8, batch_size: int 
     t0 = time.perf_counter()
     paths = write_clicklog(workdir / "data", rows=rows, files=files, row_group_rows=65536)
     say(f"generated {rows:,} rows in {files} Parquet files ({sum(p.stat().st_size for p in paths) / 2**20:.0f} MiB) "
-        f"in {time.perf_counter() - t0:.1f} s: {workdir / 'data'}")
+        f"in {time.perf_counter() - t0:.1f} s")
     ds = ParquetDataset(workdir / "data", columns=clicklog_columns(), batch_size=batch_size,
                         cache_dir=workdir / "cache", device=device)
     step = MlpStep(device=dev) if model == "mlp" else simulated_step(step_ms)

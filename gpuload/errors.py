@@ -3,9 +3,15 @@
 Every error a user can cause derives from :class:`GpuloadError`, names the file,
 column or setting involved, and says what to do about it. The CLI prints these as
 one line and exits non-zero.
+
+Messages name the setting that fixes a problem with :func:`setting`, which writes it
+the way the user gave it: ``fill_nulls={'f3': 0}`` in Python, ``--fill-nulls '{"f3": 0}'``
+from the ``gpuload`` command (which calls :func:`set_style`).
 """
 
 from __future__ import annotations
+
+import json
 
 __all__ = [
     "GpuloadError",
@@ -15,7 +21,28 @@ __all__ = [
     "NullValuesError",
     "CacheError",
     "CorruptCacheError",
+    "setting",
+    "set_style",
 ]
+
+_style = "python"
+_FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtypes", "batch_size": "--batch-size",
+          "cache_dir": "--cache-dir", "device": "--device", "num_threads": "--threads", "prefetch": "--prefetch"}
+
+
+def set_style(style: str) -> None:
+    """``"cli"`` or ``"python"`` (default): how :func:`setting` writes settings in messages."""
+    global _style
+    _style = style
+
+
+def setting(name: str, value) -> str:
+    """How to pass ``value`` for setting ``name``, in the language the user is speaking."""
+    if _style == "cli" and name in _FLAGS:
+        if isinstance(value, (dict, list)):
+            return f"{_FLAGS[name]} '{json.dumps(value)}'"
+        return f"{_FLAGS[name]} {value}"
+    return f"{name}={value!r}"
 
 
 class GpuloadError(Exception):

@@ -62,15 +62,32 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _map(cols: dict, fn) -> dict:
-    return {k: Ragged(fn(v.values), fn(v.offsets)) if isinstance(v, Ragged) else fn(v) for k, v in cols.items()}
+def _map(cols: dict, fn, views: dict | None = None) -> dict:
+    """``fn`` applied to every array of ``cols``; outputs named in ``views`` are then viewed
+    as that torch dtype (bfloat16 outputs are stored as their uint16 bit patterns)."""
+    out = {}
+    for k, v in cols.items():
+        view = (views or {}).get(k)
+        if isinstance(v, Ragged):
+            values = fn(v.values)
+            out[k] = Ragged(values if view is None else values.view(view), fn(v.offsets))
+        else:
+            t = fn(v)
+            out[k] = t if view is None else t.view(view)
+    return out
 
 
 class HostHandoff:
-    """Host column set -> CPU tensors sharing its memory."""
+    """Host column set -> CPU tensors sharing its memory.
+
+    ``views``: ``{output: torch dtype}`` to reinterpret (default none; see :func:`_map`).
+    """
+
+    def __init__(self, views: dict | None = None):
+        self.views = views or {}
 
     def __call__(self, cols: dict) -> dict:
-        return _map(cols, _tensor)
+        return _map(cols, _tensor, self.views)
 
     def receive(self, batch: dict) -> dict:
         """Called on the training thread; nothing to wait for on the CPU."""
@@ -83,11 +100,12 @@ class DlpackHandoff:
     Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`).
     """
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, views: dict | None = None):
         self.ctx = ctx
+        self.views = views or {}
 
     def __call__(self, cols: dict):
-        out = _map(cols, torch.from_dlpack)  # CuPy's current stream is the loader's: no extra ordering
+        out = _map(cols, torch.from_dlpack, self.views)  # CuPy's current stream is the loader's: no extra ordering
         event = torch.cuda.Event()
         event.record(self.ctx.stream)
         return out, event

@@ -35,8 +35,8 @@ shuffling, different rows each epoch).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from .errors import ConfigError
 
 __all__ = [
     "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
-    "num_batches", "batch_sizes", "windows", "window_permutation",
+    "num_batches", "batch_sizes", "BatchSizes", "check_balance", "windows", "window_permutation",
 ]
 
 
@@ -124,36 +124,75 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> None:
-    """Raise :class:`ConfigError` when ranks cannot get equal, non-empty batch counts."""
+    """Raise :class:`ConfigError` when ranks cannot get equal, non-empty batch counts.
+
+    The message names a change that does work: with ``drop_last=False`` the only
+    failures are fewer rows than ranks, and ``batch_size=1`` with a row count that
+    ``world`` does not divide (see the module doc).
+    """
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be at least 1")
     if world < 1:
         raise ConfigError(f"world_size={world} must be at least 1")
-    k = num_batches(total, world, batch_size, drop_last)
-    if k == 0:
+    if total == 0:
+        raise ConfigError("the source holds no rows: check that it names the files you mean")
+    if total < world:
         raise ConfigError(
-            f"{total} rows give no batch to {world} ranks with batch_size={batch_size} and "
-            f"drop_last={drop_last}; check the source, or use a smaller batch_size or drop_last=False")
+            f"{total:,} rows cannot be split over world_size={world} ranks: every rank needs at least one row "
+            f"whatever the batch_size; use at most {total:,} ranks (or more data)")
     if drop_last:
+        if total < world * batch_size:
+            raise ConfigError(
+                f"{total:,} rows give no full batch of batch_size={batch_size:,} to each of {world} ranks, so "
+                f"drop_last=True would drop them all; use batch_size={total // world:,} or less, "
+                "or drop_last=False")
         return
-    if total // world < k:
+    if batch_size == 1 and total % world:
         raise ConfigError(
-            f"{total} rows cannot give {world} ranks {k} non-empty batches each with "
-            f"batch_size={batch_size}; use drop_last=True, a larger batch_size or fewer ranks")
+            f"{total:,} rows over {world} ranks with batch_size=1 leave some ranks one batch short; use "
+            f"batch_size=2 or more (a short rank's last batch is then split in two), drop_last=True (drops "
+            f"{total % world} rows), or a world_size that divides {total:,}")
 
 
-def batch_sizes(total: int, world: int, rank: int, batch_size: int, drop_last: bool) -> list[int]:
-    """Sizes of the batches rank ``rank`` yields; same count on every rank (see module doc)."""
+class BatchSizes(Sequence):
+    """The sizes of a rank's batches in one epoch, in constant memory: ``k - 1`` batches of
+    ``batch_size`` rows, then a ``tail`` of one or two batches."""
+
+    def __init__(self, k: int, batch_size: int, tail: Sequence[int]):
+        self._full, self._batch, self._tail = k - len(tail), batch_size, tuple(tail)
+
+    def __len__(self) -> int:
+        return self._full + len(self._tail)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._batch if i < self._full else self._tail[i - self._full]
+
+    def __eq__(self, other) -> bool:
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"BatchSizes({self._full} x {self._batch} + {list(self._tail)})"
+
+
+def batch_sizes(total: int, world: int, rank: int, batch_size: int, drop_last: bool) -> BatchSizes:
+    """Sizes of the batches rank ``rank`` yields; same count on every rank (see module doc).
+
+    Memory is constant, whatever the number of batches.
+    """
     check_balance(total, world, batch_size, drop_last)
     k = num_batches(total, world, batch_size, drop_last)
     start, stop = rank_range(total, world, rank, batch_size, drop_last)
     n = stop - start
-    if k == 0:
-        return []
-    sizes = [batch_size] * (k - 1) + [n - (k - 1) * batch_size]
-    if sizes[-1] == 0:  # one row short of the other ranks: halve the last full batch
-        sizes[-2:] = [batch_size - batch_size // 2, batch_size // 2]
-    return sizes
+    last = n - (k - 1) * batch_size
+    if last == 0:  # one row short of the other ranks: halve the last full batch
+        return BatchSizes(k, batch_size, [batch_size - batch_size // 2, batch_size // 2])
+    return BatchSizes(k, batch_size, [last])
 
 
 def rank_segments(chunk_rows: Sequence[int], order: Sequence[int], start: int, stop: int) -> list[Segment]:

@@ -7,21 +7,22 @@ chunk load through the cache: read it if cached, else decode, convert and write 
 
 from __future__ import annotations
 
+import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import xxhash
-
 from .cache import ChunkCache, ChunkKey
+from .cachefile import spec_hash
+from .checks import check_casts, check_consistent, check_nulls
 from .config import Options
 from .decode import ArrowDecoder
 from .memory import HostPool
 from .plan import Chunk, make_chunks
-from .schema import OutputSpec, resolve_outputs, spec_token
-from .source import (SourceFile, check_consistent, check_null_stats, fingerprint, list_files, open_files,
-                     row_group_sizes)
+from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
+from .source import SourceFile, common_columns, fingerprint, list_files, open_files, row_group_sizes
+
+log = logging.getLogger("gpuload")
 
 __all__ = ["ChunkReader", "LoadCounters"]
 
@@ -45,9 +46,10 @@ class LoadCounters:
 class ChunkReader:
     """The chunks of ``source`` under ``opts``, and how to load each one.
 
-    Opening lists the files, reads their footers and checks the column selection; no
-    column data is read. Raises the :class:`~gpuload.GpuloadError` subclasses of
-    :mod:`gpuload.source` and :mod:`gpuload.schema` for bad input.
+    Opening lists the files, reads their footers and runs the checks of
+    :mod:`gpuload.checks`; column data is read only where the footers cannot rule out
+    nulls, and never for cached chunks. Raises the :class:`~gpuload.GpuloadError`
+    subclasses of :mod:`gpuload.source`, :mod:`gpuload.schema` and :mod:`gpuload.checks`.
     """
 
     def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
@@ -55,36 +57,52 @@ class ChunkReader:
         self.opts = opts
         self.files: list[SourceFile] = open_files(list_files(source))
         first = self.files[0]
-        self.specs: list[OutputSpec] = resolve_outputs(first.schema, columns, fill_nulls, dtypes, file=first.path)
+        schema = first.schema
+        if columns is None:  # the columns every file has, whatever the files' order
+            schema, left_out = common_columns(self.files)
+            if left_out:
+                log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
+                            "only what every file has, or fix the files", ", ".join(left_out))
+        self.specs: list[OutputSpec] = resolve_outputs(schema, columns, fill_nulls, dtypes, file=first.path)
         check_consistent(self.files, self.specs)
-        check_null_stats(self.files, self.specs)
-        self.spec_hash = xxhash.xxh64_hexdigest(spec_token(self.specs).encode())
+        check_casts(self.files, self.specs)
+        self.spec_desc = spec_description(self.specs)
+        self.spec_hash = spec_hash(self.spec_desc)
+        self._outputs = desc_outputs(self.spec_desc)
         self.chunks: list[Chunk] = make_chunks([row_group_sizes(f, self.specs) for f in self.files],
                                                opts.chunk_bytes)
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         self.pool = HostPool(max_buffers=4 * len(self.specs) + 4)  # shuffle windows: 2 per output
+        self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
         self.ctx = ctx
         self.metrics = metrics
         if ctx is None:
-            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics)
+            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics,
+                                    alloc=self.read_pool.get)
             self.decode = decoder or ArrowDecoder(metrics)
         else:  # GPU path: chunks live in device memory (see gpuload.gpu)
             from .cache_gpu import read_chunk_device
             from .decode import GpuDecoder
 
             self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
-                                    read=lambda p, verify, seen: read_chunk_device(p, ctx, verify, seen),
+                                    read=lambda fd, p, want, verify, seen: read_chunk_device(fd, p, want, ctx, verify,
+                                                                                              seen),
                                     to_host=ctx.to_host, trust_writes=True, metrics=metrics)
             cpu = decoder or ArrowDecoder(metrics)
             self.decode = GpuDecoder(ctx, cpu, metrics) if gpu_decode else cpu
+        cached = {(c.file, g) for i, c in enumerate(self.chunks) if self.cache.exists(self.key(i))
+                  for g in range(c.rg_start, c.rg_stop)}
+        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+        self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
 
     def key(self, i: int) -> ChunkKey:
         """Cache key of chunk ``i``."""
         c = self.chunks[i]
         f = self.files[c.file]
-        return ChunkKey(f.path, f.version, self.spec_hash, c.rg_start, c.rg_stop)
+        return ChunkKey(f.path, f.size, f.mtime_ns, self.spec_hash, c.rg_start, c.rg_stop, c.rows, self._outputs,
+                        self.spec_desc)
 
     def max_chunk_bytes(self) -> int:
         """Estimated converted bytes of the largest chunk."""
@@ -99,9 +117,7 @@ class ChunkReader:
         f = self.files[c.file]
 
         def build():
-            cols = self.decode(f, c, self.specs)
-            return cols, {"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
-                          "row_groups": [c.rg_start, c.rg_stop], "built": time.time()}
+            return self.decode(f, c, self.specs)
 
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
         cols, cached = self.cache.load(self.key(i), build, shared=not self.opts.shuffle)
@@ -112,4 +128,4 @@ class ChunkReader:
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""
-        return self.cache.path(self.key(i)).exists()
+        return self.cache.exists(self.key(i))

@@ -22,6 +22,10 @@ list / large_list<numeric>      :class:`gpuload.Ragged` (values, int64 offsets)
 ==============================  ==========================================================
 
 Strings, binary, decimals, structs, maps and lists of lists raise :class:`SchemaError`.
+
+``dtypes=`` takes NumPy dtypes, their names, or torch dtypes; ``torch.bfloat16`` (or
+``"bfloat16"``) is stored as its 16-bit pattern (:func:`storage_dtype`) and handed to
+torch as ``torch.bfloat16``, converted once when the cache is built.
 """
 
 from __future__ import annotations
@@ -35,11 +39,43 @@ import pyarrow as pa
 
 from .errors import ConfigError, SchemaError
 
-__all__ = ["OutputSpec", "ValueType", "value_type", "resolve_outputs", "spec_token"]
+__all__ = ["OutputSpec", "ValueType", "value_type", "resolve_outputs", "spec_description", "desc_outputs",
+           "storage_dtype", "parse_dtype", "BFLOAT16"]
 
 log = logging.getLogger("gpuload")
 
 SCALAR, GROUP, FIXED, RAGGED = "scalar", "group", "fixed", "ragged"
+BFLOAT16 = "bfloat16"  # an output dtype NumPy lacks: stored as uint16 bit patterns
+
+
+def storage_dtype(dtype: str) -> np.dtype:
+    """The NumPy dtype an output of ``dtype`` is stored in (``"bfloat16"``: uint16)."""
+    return np.dtype("<u2") if dtype == BFLOAT16 else np.dtype(dtype)
+
+
+def parse_dtype(value, what: str) -> str:
+    """A ``dtypes=`` value as an output dtype string: a NumPy dtype or its name, a torch
+    dtype (``torch.float16``) or its name (``"torch.float16"``), or ``"bfloat16"``."""
+    import torch
+
+    if isinstance(value, str) and value.startswith("torch."):
+        value = getattr(torch, value[6:], value)
+    if isinstance(value, torch.dtype):
+        if value == torch.bfloat16:
+            return BFLOAT16
+        try:
+            value = torch.empty(0, dtype=value).numpy().dtype
+        except (TypeError, RuntimeError):
+            raise ConfigError(f"{what}={value} has no NumPy equivalent") from None
+    if isinstance(value, str) and value == BFLOAT16:
+        return BFLOAT16
+    try:
+        dtype = np.dtype(value)
+    except TypeError as e:
+        raise ConfigError(f"{what}={value!r} is not a dtype: {e}") from None
+    if dtype.kind not in "biuf":
+        raise ConfigError(f"{what}={dtype} is not a numeric dtype (bool, integers, floats, bfloat16)")
+    return dtype.str
 
 
 @dataclass(frozen=True)
@@ -222,22 +258,23 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             dtype = np.result_type(*[np.dtype(v.dtype) for v in vts])
         else:
             kind, width, dtype = kinds[0], widths[0], np.dtype(vts[0].dtype)
+        dtype = np.dtype(dtype).str
         if name in dtypes:
-            try:
-                dtype = np.dtype(dtypes[name])
-            except TypeError as e:
-                raise ConfigError(f"dtypes[{name!r}]={dtypes[name]!r} is not a dtype: {e}") from None
-            if dtype.kind not in "biuf":
-                raise ConfigError(f"dtypes[{name!r}]={dtype} is not a numeric dtype")
+            dtype = parse_dtype(dtypes[name], f"dtypes[{name!r}]")
         fills = []
         for c, vt in zip(cols, vts):
             fv = fill_nulls.get(c) if isinstance(fill_nulls, Mapping) else fill_nulls
             fills.append(None if fv is None else _check_fill(fv, np.dtype(vt.dtype), c))
-        specs.append(OutputSpec(name, tuple(cols), kind, np.dtype(dtype).str, width, tuple(vts), tuple(fills)))
+        specs.append(OutputSpec(name, tuple(cols), kind, dtype, width, tuple(vts), tuple(fills)))
     return specs
 
 
-def spec_token(specs: Sequence[OutputSpec]) -> str:
-    """A stable text form of ``specs``; part of the cache key."""
-    return repr([(s.name, s.columns, s.kind, s.dtype, s.width,
-                  [(v.dtype, v.temporal) for v in s.sources], s.fills) for s in specs])
+def spec_description(specs: Sequence[OutputSpec]) -> list[dict]:
+    """A JSON-able description of ``specs``: what the cache key hashes and chunk headers carry."""
+    return [{"name": s.name, "columns": list(s.columns), "kind": s.kind, "dtype": s.dtype, "width": s.width,
+             "sources": [[v.dtype, v.temporal] for v in s.sources], "fills": list(s.fills)} for s in specs]
+
+
+def desc_outputs(desc: list) -> tuple:
+    """``(name, kind, storage dtype str, width)`` per output of a :func:`spec_description`."""
+    return tuple((d["name"], d["kind"], storage_dtype(d["dtype"]).str, int(d["width"])) for d in desc)

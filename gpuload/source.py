@@ -1,9 +1,15 @@
 """Source: list Parquet files, fingerprint them and read their footers.
 
-Everything here runs once, when a dataset is opened, and only reads Parquet footers:
-no column data. It also does every check that can fail before work starts: missing
-files, unreadable footers, columns missing or typed differently across files, and
-nulls reported by the row-group statistics.
+Everything here runs once, when a dataset is opened, and reads only Parquet footers:
+no column data. A source is a local file, a directory, a glob or a list of these;
+anything else (a table, bytes, an open file, a filesystem object) is refused with a
+:class:`SourceError` that says what to pass instead.
+
+Directories laid out Hive-style (``day=1/part-0.parquet``) give each file's partition
+keys as extra columns, typed as pyarrow's partition discovery types them (integers as
+int32, anything else as strings, ``__HIVE_DEFAULT_PARTITION__`` as null); they are
+cached like any other column, and the key's value is part of the file's path, so of
+its cache key.
 """
 
 from __future__ import annotations
@@ -11,32 +17,38 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from .errors import NullValuesError, SchemaError, SourceError
-from .schema import FIXED, RAGGED, OutputSpec
+from .errors import SchemaError, SourceError
+from .schema import RAGGED, OutputSpec, storage_dtype
 
-__all__ = ["SourceFile", "list_files", "open_files", "check_consistent", "check_null_stats", "row_group_sizes",
-           "fingerprint"]
+__all__ = ["SourceFile", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
+           "pandas_index_columns"]
 
 _GLOB_CHARS = set("*?[")
+_MAX_ROWS_PER_BYTE = 1 << 16  # far beyond any real encoding (RLE pages of constants reach ~10^4)
 
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One Parquet file: identity (path, size, mtime) and its footer."""
+    """One Parquet file: identity (path, size, mtime), footer, and Hive partition keys.
+
+    ``schema`` is the file's Arrow schema followed by its partition keys' fields;
+    ``partitions`` maps each partition key to its value (None for a null partition).
+    """
 
     path: str
     size: int
     mtime_ns: int
     metadata: pq.FileMetaData
     schema: pa.Schema
+    partitions: tuple = ()  # ((name, value), ...)
 
     @property
     def version(self) -> str:
@@ -51,31 +63,105 @@ class SourceFile:
             return False
         return st.st_size == self.size and st.st_mtime_ns == self.mtime_ns
 
+    @property
+    def partition_names(self) -> set[str]:
+        return {k for k, _ in self.partitions}
+
+    def partition_scalar(self, name: str) -> pa.Scalar:
+        """The value of partition key ``name`` as an Arrow scalar of its field's type."""
+        return pa.scalar(dict(self.partitions)[name], type=self.schema.field(name).type)
+
+    @cached_property
+    def _leaf_ranges(self) -> dict[str, range]:
+        """Top-level file column -> its Parquet leaf column indices (exact for any name, dots included)."""
+        out, i = {}, 0
+        for field in self.metadata.schema.to_arrow_schema():
+            n = _leaf_count(field.type)
+            out[field.name] = range(i, i + n)
+            i += n
+        if i != len(self.metadata.schema):  # a layout we do not model: fall back to the leaves' paths
+            out = {}
+            for j in range(len(self.metadata.schema)):
+                name = self.metadata.schema.column(j).path.split(".")[0]
+                r = out.get(name)
+                out[name] = range(r.start if r else j, j + 1)
+        return out
+
+    def leaves(self, name: str) -> range:
+        """Parquet leaf column indices of top-level file column ``name``."""
+        return self._leaf_ranges[name]
+
+
+def _leaf_count(t: pa.DataType) -> int:
+    if pa.types.is_struct(t):
+        return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _leaf_count(t.key_type) + _leaf_count(t.item_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _leaf_count(t.value_type)
+    return 1
+
 
 def _is_data_file(p: Path) -> bool:
     return p.is_file() and not p.name.startswith(("_", "."))
 
 
-def list_files(source) -> list[str]:
-    """Absolute paths of the Parquet files named by ``source``, in a stable order.
+def _refuse(item) -> None:
+    """Raise a :class:`SourceError` for a ``source`` item that is not a path."""
+    kind = type(item).__name__
+    mod = type(item).__module__.split(".")[0]
+    if item is None:
+        raise SourceError("source is None: pass a Parquet file, a directory, a glob or a list of them")
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        raise SourceError(f"source is {kind}: gpuload reads Parquet files by path; write the bytes to a file "
+                          "and pass its path")
+    if mod in ("pyarrow", "pandas", "polars") and not hasattr(item, "open_input_file"):
+        raise SourceError(f"source is a {mod} {kind}: gpuload caches Parquet files; write it with "
+                          "pyarrow.parquet.write_table (or DataFrame.to_parquet) and pass the file's path")
+    if hasattr(item, "open_input_file") or (hasattr(item, "protocol") and hasattr(item, "ls")):
+        raise SourceError(f"source is a filesystem object ({kind}): filesystem objects and remote sources are "
+                          "not supported yet; copy the files to a local disk and pass their paths")
+    if hasattr(item, "read") or hasattr(item, "readinto"):
+        raise SourceError(f"source is an open file ({kind}): pass the file's path instead")
+    raise SourceError(f"source is a {kind}: pass a Parquet file path, a directory, a glob or a list of them")
+
+
+def list_files(source) -> list[tuple[str, str | None]]:
+    """``(absolute path, partition base folder or None)`` of each Parquet file named by
+    ``source``, in a stable order.
 
     ``source`` is a file, a directory (searched recursively for ``*.parquet``, skipping
     names that start with ``_`` or ``.``), a glob (``**`` recurses), or a list of these.
+    Directories and globs are the base of Hive partition discovery for their files.
     """
-    items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if isinstance(source, (str, os.PathLike)):
+        items = [source]
+    elif isinstance(source, (list, tuple)):
+        items = list(source)
+    else:
+        _refuse(source)
     if not items:
         raise SourceError("source is an empty list: pass a Parquet file, a directory or a glob")
-    found: dict[str, None] = {}
+    found: dict[str, str | None] = {}
     for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            _refuse(item)
         text = os.fspath(item)
+        if isinstance(text, bytes):
+            _refuse(text)
         if "://" in text and not text.startswith("file://"):
             raise SourceError(f"{text}: remote sources are not supported yet; copy the files to a local disk")
         text = text.removeprefix("file://")
         p = Path(text).expanduser()
+        base = None
         if p.is_dir():
             matches = sorted(q for q in p.rglob("*.parquet") if _is_data_file(q))
+            base = p
         elif _GLOB_CHARS & set(text):
             matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if _is_data_file(Path(m)))
+            stem = Path(*[part for part in p.parts[:next(i for i, part in enumerate(p.parts)
+                                                          if _GLOB_CHARS & set(part))]])
+            base = stem
         elif p.is_file():
             matches = [p]
         else:
@@ -83,90 +169,115 @@ def list_files(source) -> list[str]:
         if not matches:
             raise SourceError(f"{text}: matched no Parquet files")
         for m in matches:
-            found[str(m.resolve())] = None
-    return list(found)
+            found.setdefault(str(m.resolve()), None if base is None else str(base.resolve()))
+    return list(found.items())
 
 
-def open_files(paths: Sequence[str]) -> list[SourceFile]:
+def _partitions(listed: list[tuple[str, str | None]]) -> dict[str, tuple[pa.Schema, tuple]]:
+    """Per path with Hive partition folders: (partition fields, ((name, value), ...)), as pyarrow discovers them."""
+    import pyarrow.dataset as pds
+    import pyarrow.fs as pafs
+
+    by_base: dict[str, list[str]] = {}
+    for path, base in listed:
+        if base is not None and any("=" in part for part in Path(path).relative_to(base).parts[:-1]):
+            by_base.setdefault(base, []).append(path)
+    out = {}
+    for base, paths in by_base.items():
+        keys = {seg.split("=", 1)[0] for p in paths for seg in Path(p).relative_to(base).parts[:-1] if "=" in seg}
+        try:
+            clash = keys & set(pq.read_schema(paths[0]).names)
+        except (OSError, pa.ArrowException):
+            clash = set()  # open_files names the unreadable file
+        if clash:
+            name = sorted(clash)[0]
+            raise SchemaError(f"{paths[0]}: column {name!r} is both in the file and a partition folder "
+                              f"({name}=...); rename one of them")
+        opts = pds.FileSystemFactoryOptions(partition_base_dir=base)
+        opts.partitioning_factory = pds.HivePartitioning.discover(infer_dictionary=False)
+        try:
+            factory = pds.FileSystemDatasetFactory(pafs.LocalFileSystem(), paths, pds.ParquetFileFormat(), opts)
+            dataset = factory.finish(factory.inspect())
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"{base}: cannot discover its partition folders ({e})") from None
+        names = [f.name for f in dataset.partitioning.schema] if dataset.partitioning else []
+        fields = pa.schema([dataset.schema.field(n) for n in names])
+        for frag in dataset.get_fragments():
+            keys = pds.get_partition_keys(frag.partition_expression)  # a null key is absent here
+            present = {seg.split("=", 1)[0] for seg in Path(frag.path).relative_to(base).parts[:-1] if "=" in seg}
+            out[frag.path] = (fields, tuple((n, keys.get(n)) for n in names if n in present))
+    return out
+
+
+def _check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
+    """Refuse footers whose row counts cannot be right (negative, not adding up, or far more
+    rows than the file's bytes could hold)."""
+    total = 0
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        if n < 0:
+            raise SourceError(f"{path}: row group {g} declares {n} rows; the file is corrupt")
+        total += n
+    if total != meta.num_rows or total > max(size, 1) * _MAX_ROWS_PER_BYTE:
+        raise SourceError(f"{path}: its footer declares {meta.num_rows:,} rows ({total:,} in its row groups) in "
+                          f"{size:,} bytes, which cannot be right; the file is corrupt: rewrite it or remove it "
+                          "from the source")
+
+
+def open_files(listed: Sequence[tuple[str, str | None]]) -> list[SourceFile]:
     """Stat each file and read its footer; a :class:`SourceError` names a bad file."""
+    parts = _partitions(list(listed))
     out = []
-    for path in paths:
+    for path, _ in listed:
         try:
             st = os.stat(path)
             meta = pq.read_metadata(path)
             schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
-        out.append(SourceFile(path, st.st_size, st.st_mtime_ns, meta, schema))
+        _check_footer(path, meta, st.st_size)
+        fields, keys = parts.get(path, (pa.schema([]), ()))
+        for f in (f for f in fields if f.name in dict(keys)):
+            if f.name in schema.names:
+                raise SchemaError(f"{path}: column {f.name!r} is both in the file and a partition folder "
+                                  f"({f.name}=...); rename one of them")
+            schema = schema.append(f)
+        out.append(SourceFile(path, st.st_size, st.st_mtime_ns, meta, schema, keys))
     return out
 
 
-def _logical(t: pa.DataType) -> pa.DataType:
-    return t.value_type if pa.types.is_dictionary(t) else t
+def pandas_index_columns(schema: pa.Schema) -> set[str]:
+    """Columns that pandas wrote to store a DataFrame's index (``__index_level_0__`` or named)."""
+    meta = schema.pandas_metadata or {}
+    names = {c for c in meta.get("index_columns", []) if isinstance(c, str)}
+    return names | {n for n in schema.names if n.startswith("__index_level_") and n.endswith("__")}
 
 
-def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
-    """Every file has every selected column, with the same (dictionary-decoded) type."""
-    first = files[0]
+def common_columns(files: Sequence[SourceFile]) -> tuple[pa.Schema, list[str]]:
+    """The first file's schema restricted to the columns every file has (pandas index
+    columns left out), and the names left out because some file lacks them."""
+    first = files[0].schema
+    shared = set(first.names)
     for f in files[1:]:
-        for s in specs:
-            for c in s.columns:
-                want = _logical(first.schema.field(c).type)
-                if c not in f.schema.names:
-                    raise SchemaError(f"column {c!r} is in {first.path} but not in {f.path}; "
-                                      "select columns every file has, or fix the files")
-                got = _logical(f.schema.field(c).type)
-                if got != want:
-                    raise SchemaError(f"column {c!r} is {want} in {first.path} but {got} in {f.path}; "
-                                      "rewrite the files with one type for it")
-
-
-def check_null_stats(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
-    """Raise :class:`NullValuesError` for scalar columns whose statistics report nulls
-    and that have no fill value. (List columns, and files without statistics, are
-    checked while decoding.)"""
-    for s in specs:
-        if s.kind in (RAGGED, FIXED):
-            continue
-        for c, fill in zip(s.columns, s.fills):
-            if fill is not None:
-                continue
-            nulls, where = 0, []
-            for f in files:
-                leaf = _leaves(f)[c]
-                for g in range(f.metadata.num_row_groups):
-                    st = f.metadata.row_group(g).column(leaf).statistics
-                    if st is not None and st.has_null_count and st.null_count:
-                        nulls += st.null_count
-                        where.append(f.path)
-            if nulls:
-                files_named = ", ".join(dict.fromkeys(where))
-                raise NullValuesError(
-                    f"column {c!r} has {nulls} null values (in {files_named}); pass "
-                    f"fill_nulls={{{c!r}: value}} (or a scalar for all columns) to replace them")
-
-
-def _leaves(f: SourceFile) -> dict[str, int]:
-    """Top-level column name -> index of its first Parquet leaf column."""
-    out: dict[str, int] = {}
-    for i in range(len(f.metadata.schema)):
-        out.setdefault(f.metadata.schema.column(i).path.split(".")[0], i)
-    return out
+        shared &= set(f.schema.names)
+    everywhere = set().union(*(set(f.schema.names) for f in files))
+    index = set().union(*(pandas_index_columns(f.schema) for f in files))
+    keep = [f for f in first if f.name in shared and f.name not in index]
+    return pa.schema(keep, metadata=first.metadata), sorted(everywhere - shared - index)
 
 
 def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec]) -> list[tuple[int, int]]:
     """Per row group of ``f``: (rows, estimated bytes once converted to ``specs``)."""
-    fixed_per_row = sum(np.dtype(s.dtype).itemsize * s.width for s in specs if s.kind != RAGGED)
-    ragged = [(s, np.dtype(s.dtype).itemsize) for s in specs if s.kind == RAGGED]
-    leaves = _leaves(f)
+    fixed_per_row = sum(storage_dtype(s.dtype).itemsize * s.width for s in specs if s.kind != RAGGED)
+    ragged = [(s, storage_dtype(s.dtype).itemsize) for s in specs if s.kind == RAGGED]
     out = []
     for g in range(f.metadata.num_row_groups):
         rg = f.metadata.row_group(g)
         n = rg.num_rows
         size = n * fixed_per_row
         for s, item in ragged:
-            leaf = leaves.get(s.columns[0])
-            values = rg.column(leaf).num_values if leaf is not None else n
+            c = s.columns[0]
+            values = rg.column(f.leaves(c)[0]).num_values if c not in f.partition_names else n
             size += values * item + (n + 1) * 8
         out.append((n, size))
     return out
@@ -178,3 +289,4 @@ def fingerprint(files: Sequence[SourceFile]) -> int:
     for f in files:
         h.update(f"{f.path}\0{f.size}\0{f.mtime_ns}\0{f.metadata.num_rows}\n".encode())
     return h.intdigest() & (2**63 - 1)
+

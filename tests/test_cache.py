@@ -26,7 +26,8 @@ import pytest
 
 import gpuload
 from gpuload.batch import Ragged
-from gpuload.cache import read_chunk, write_chunk
+from gpuload.cache import ChunkKey, read_chunk, write_chunk
+from gpuload.cachefile import spec_hash
 from gpuload.synth import clicklog_columns, write_clicklog
 
 DENSE, SPARSE = 4, 3
@@ -73,6 +74,16 @@ class Reference:
         self.h_len = pc.list_value_length(h).to_numpy(zero_copy_only=False).astype(np.int64)
         self.h_off = np.concatenate([[0], np.cumsum(self.h_len)]).astype(np.int64)
         self.h_val = pc.list_flatten(h).to_numpy()
+
+    def check_arrays(self, z) -> None:
+        """Assert saved columns (row_id, dense, sparse, label, h_len, h_val) hold pyarrow's values."""
+        idx = self.pos[z["row_id"]]
+        np.testing.assert_array_equal(z["dense"], self.dense[idx])
+        np.testing.assert_array_equal(z["sparse"], self.sparse[idx])
+        np.testing.assert_array_equal(z["label"], self.label[idx])
+        np.testing.assert_array_equal(z["h_len"], self.h_len[idx])
+        np.testing.assert_array_equal(z["h_val"], np.concatenate(
+            [self.h_val[self.h_off[i]:self.h_off[i + 1]] for i in idx] or [self.h_val[:0]]))
 
     def check(self, batch) -> np.ndarray:
         """Assert ``batch`` holds exactly pyarrow's values for its row_ids; returns them."""
@@ -185,6 +196,21 @@ def _sample_cols(rows=1000, seed=0):
     }
 
 
+def _key_for(cols) -> ChunkKey:
+    """A chunk key whose outputs describe ``cols`` (for writing files outside a dataset)."""
+    outputs = []
+    for k, v in cols.items():
+        if isinstance(v, Ragged):
+            outputs.append((k, "ragged", v.values.dtype.str, 1))
+        elif v.ndim == 2:
+            outputs.append((k, "group", v.dtype.str, v.shape[1]))
+        else:
+            outputs.append((k, "scalar", v.dtype.str, 1))
+    rows = next((len(v.offsets) - 1 if isinstance(v, Ragged) else len(v) for v in cols.values()), 0)
+    desc = [{"name": n, "kind": k, "dtype": d, "width": w} for n, k, d, w in outputs]
+    return ChunkKey("/x.parquet", 1, 2, spec_hash(desc), 0, 1, rows, tuple(outputs), desc)
+
+
 def _assert_same_cols(got, want):
     assert list(got) == list(want)
     for k, w in want.items():
@@ -204,7 +230,7 @@ def _assert_same_cols(got, want):
 def test_write_read_round_trip(tmp_path, rows):
     cols = _sample_cols(rows)
     path = tmp_path / "sub" / "chunk.glc"
-    size = write_chunk(path, cols, {"path": "/x.parquet"})
+    size = write_chunk(path, cols, _key_for(cols))
     assert size == path.stat().st_size
     header, got = read_chunk(path)
     assert header["rows"] == rows
@@ -227,7 +253,7 @@ def test_regions_aligned_and_header_is_json(tmp_path, ncols):
             for i in range(ncols)}
     cols["rag"] = Ragged(np.arange(123, dtype=np.int64), np.array([0, 100, 100, 123], np.int64))
     path = tmp_path / "c.glc"
-    write_chunk(path, cols, {"path": "/x.parquet"})
+    write_chunk(path, cols, _key_for(cols))
     raw = path.read_bytes()
     assert len(raw) % ALIGN == 0
     magic, version, hlen, _ = PREFIX.unpack_from(raw)
@@ -260,7 +286,7 @@ def test_regions_aligned_and_header_is_json(tmp_path, ncols):
 def chunk_file(tmp_path):
     cols = _sample_cols(3000)
     path = tmp_path / "chunk.glc"
-    write_chunk(path, cols, {"path": "/x.parquet"})
+    write_chunk(path, cols, _key_for(cols))
     return path
 
 
@@ -576,11 +602,11 @@ def test_cache_key_separates_specs(keyed, tmp_path, variant):
 KILLED_WRITER = r"""
 import os, sys, time
 import numpy as np
-import gpuload, gpuload.cache as gcache
+import gpuload, gpuload.cache as gcache, gpuload.cachefs as cfs
 from gpuload.batch import Ragged
 data, cache, ready, mode, columns = sys.argv[1:6]
 import json
-real_write = gcache.write_chunk
+real_encode = gcache.encode
 
 def tampered(cols):
     out = {}
@@ -591,23 +617,33 @@ def tampered(cols):
             out[k] = (v + 1).astype(v.dtype)
     return out
 
-def write_then_die(path, cols, source):
-    # what a writer killed before its rename leaves behind
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.0badf00d")
-    scratch = path.with_name("scratch-" + path.name)
-    real_write(scratch, tampered(cols), source)
-    raw = scratch.read_bytes()
-    scratch.unlink()
-    tmp.write_bytes(raw if mode == "complete_temp" else raw[: len(raw) // 2])
+real_write = cfs.CacheRoot.write
+
+def write_then_die(self, parts, name, fill):
+    if not name.endswith(".glc"):
+        return real_write(self, parts, name, fill)
+    # what a writer killed before its rename leaves behind: a temporary file with valid
+    # checksums but wrong values (complete) or half of one
+    with self.folder(parts, create=True) as d:
+        fd = os.open(f"{name}.tmp.{os.getpid()}.0badf00d", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=d)
+        fill(fd)
+        if mode == "partial_temp":
+            os.ftruncate(fd, os.fstat(fd).st_size // 2)
+        os.close(fd)
     open(ready, "w").close()
     os._exit(1)
 
-def sleeping_replace(src, dst):
+real_replace = os.replace
+
+def sleeping_replace(src, dst, **k):
+    if not str(dst).endswith(".glc"):
+        return real_replace(src, dst, **k)
     open(ready, "w").close()
     time.sleep(600)
 
 if mode in ("complete_temp", "partial_temp"):
-    gcache.write_chunk = write_then_die
+    gcache.encode = lambda cols, ident: real_encode(tampered(cols), ident)
+    cfs.CacheRoot.write = write_then_die
 else:
     os.replace = sleeping_replace
 ds = gpuload.ParquetDataset(data, json.loads(columns), cache_dir=cache, batch_size=997, chunk_bytes=65536,
@@ -715,15 +751,8 @@ def test_concurrent_processes_build_each_chunk_once(tmp_path):
     for o in outs:
         z = np.load(str(o) + ".npz")
         assert (z["h_off0"] == 0).all()
-        ids = z["row_id"]
-        assert np.array_equal(np.sort(ids), np.arange(ref.n))
-        idx = ref.pos[ids]
-        np.testing.assert_array_equal(z["dense"], ref.dense[idx])
-        np.testing.assert_array_equal(z["sparse"], ref.sparse[idx])
-        np.testing.assert_array_equal(z["label"], ref.label[idx])
-        np.testing.assert_array_equal(z["h_len"], ref.h_len[idx])
-        np.testing.assert_array_equal(z["h_val"], np.concatenate([ref.h_val[ref.h_off[i]:ref.h_off[i + 1]]
-                                                                  for i in idx]))
+        assert np.array_equal(np.sort(z["row_id"]), np.arange(ref.n))
+        ref.check_arrays(z)
     assert len(_entries(cache)) == n_chunks
     assert not [p for p in Path(cache).rglob("*") if ".tmp" in p.name]
     ds = _dataset(data, cache)

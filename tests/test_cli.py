@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gpuload.cache import read_header
+from gpuload.cache import read_chunk
 from gpuload.cli import main
 from gpuload.synth import write_clicklog
 
@@ -47,8 +47,7 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     assert "part-00000.parquet" in capsys.readouterr().out
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
     victim = sorted((tmp_path / "cache").rglob("*.glc"))[0]
-    with open(victim, "rb") as f:
-        region = read_header(f, victim)[0]["regions"][0]
+    region = read_chunk(victim, verify=False)[0]["regions"][0]
     raw = bytearray(victim.read_bytes())
     raw[region["offset"] + region["nbytes"] // 2] ^= 0xFF  # inside a data region
     victim.write_bytes(bytes(raw))
@@ -68,3 +67,76 @@ def test_demo_runs_small(tmp_path):
     for name in ("epoch 1", "epoch 2", "naive"):
         assert name in r.stdout
     assert "rows/s" in r.stdout and "waiting for data" in r.stdout
+
+
+@pytest.mark.parametrize("action", ["info", "verify", "clear"])
+def test_missing_cache_folder_is_an_error_and_is_not_created(tmp_path, action):
+    typo = tmp_path / "cahce"
+    r = run("cache", action, "--cache-dir", str(typo))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "does not exist" in r.stderr and str(typo) in r.stderr
+    assert not typo.exists()
+
+
+def test_cli_errors_name_flags_not_python_arguments(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"f3": pa.array([1.0, None, 2.0])}), tmp_path / "n.parquet")
+    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
+    assert r.returncode == 2
+    assert """--fill-nulls '{"f3": 0}'""" in r.stderr and "fill_nulls=" not in r.stderr
+    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"),
+            "--fill-nulls", '{"f3": 0}')
+    assert r.returncode == 0, r.stderr
+    # the same mistake in Python names the argument
+    import gpuload
+
+    with pytest.raises(gpuload.NullValuesError, match=r"fill_nulls=\{'f3': 0\}"):
+        gpuload.ParquetDataset(tmp_path / "n.parquet", cache_dir=tmp_path / "c", device="cpu")
+
+
+def test_info_shows_column_sets_and_clear_removes_one_or_the_unused(data, tmp_path, capsys):
+    import os
+    import time
+
+    cache = str(tmp_path / "cache")
+    assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns", "label,dense_0"]) == 0
+    assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns",
+                 '{"dense": ["dense_0", "dense_1"], "label": "label"}', "--dtypes", '{"dense": "bfloat16"}']) == 0
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    specs = [line.split(":")[0].strip() for line in out.splitlines() if line.startswith("  ") and "last used" in line]
+    assert len(specs) == 2
+    assert "label (int8), dense_0 (float32)" in out and "dense=[dense_0, dense_1] (bfloat16)" in out
+    # the older column set was last used long ago
+    spec_files = {p.stem: p for p in (tmp_path / "cache" / "v2" / "specs").glob("*.json")}
+    old = next(h for h in specs if "dense_0 (float32)" in next(line for line in out.splitlines() if h in line))
+    long_ago = time.time() - 90 * 86400
+    os.utime(spec_files[old], (long_ago, long_ago))
+    assert main(["cache", "clear", "--cache-dir", cache, "--unused-since", "30d"]) == 0
+    assert "1 column sets" in capsys.readouterr().out
+    left = {p.name[:16] for p in (tmp_path / "cache").rglob("*.glc")}
+    assert left == {h for h in specs if h != old}
+    assert main(["cache", "clear", "--cache-dir", cache, "--spec", "ffff"]) == 2  # unknown: an error
+    assert main(["cache", "clear", "--cache-dir", cache, "--spec", next(iter(left))[:8]]) == 0
+    assert not list((tmp_path / "cache").rglob("*.glc"))
+
+
+def test_readme_cache_build_example_matches_the_training_example():
+    """The README's `cache build` columns are the columns its training example loads."""
+    import json
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    build = re.search(r"gpuload cache build \S+ --columns '([^']+)'", readme)
+    assert build, "README has no cache build example with --columns"
+    built = json.loads(build[1])
+    code = re.search(r"```python\n(.*?)```", readme, re.S)[1]  # the training example
+    namespace: dict = {}
+    exec(code[code.index("columns = "):code.index("ds = ")], namespace)
+    assert built == namespace["columns"]
+    fills = re.search(r"gpuload cache build .*--fill-nulls '([^']+)'", readme)
+    assert fills and json.loads(fills[1]) == {"dense_3": 0.0} and 'fill_nulls={"dense_3": 0.0}' in code

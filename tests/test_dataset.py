@@ -547,12 +547,18 @@ def test_bad_batch_size(click, tmp_path, batch_size):
 
 def test_fewer_rows_than_ranks(tmp_path):
     p = _write(tmp_path / "tiny.parquet", pa.table({"row_id": np.arange(5)}))
-    with pytest.raises(gpuload.ConfigError, match="5 rows"):
+    with pytest.raises(gpuload.ConfigError, match="5 rows .* use at most 5 ranks"):
         gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=7, rank=0, batch_size=1)
-    # drop_last=True would yield no batch on any rank: refused rather than training on nothing
-    with pytest.raises(gpuload.ConfigError, match="no batch"):
+    with pytest.raises(gpuload.ConfigError, match="at most 5 ranks"):
         gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=7, rank=3, batch_size=1,
                                drop_last=True)
+    # drop_last=True would yield no batch on any rank: refused rather than training on nothing
+    with pytest.raises(gpuload.ConfigError, match="no full batch .* use batch_size=2 or less"):
+        gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=2, rank=1, batch_size=4,
+                               drop_last=True)
+    ds = gpuload.ParquetDataset(p, cache_dir=tmp_path / "c", device="cpu", world_size=2, rank=1, batch_size=2,
+                                drop_last=True)  # the suggestion works
+    assert len(ds) == 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -699,3 +705,75 @@ def test_dataloader_with_workers_is_refused(click, tmp_path):
         _run_with_timeout(lambda: next(iter(dl)), timeout=60)
     assert isinstance(info.value, gpuload.ConfigError) or "ConfigError" in str(info.value)
     assert "num_workers=0" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# DataLoader use, torch dtypes
+# ---------------------------------------------------------------------------------------
+
+def test_dataloader_without_batch_size_none_is_refused_not_reshaped(tmp_path):
+    p = _write(tmp_path / "x.parquet", pa.table({"x": np.arange(100)}))
+    ds = gpuload.ParquetDataset(p, batch_size=10, cache_dir=tmp_path / "c", device="cpu")
+    with pytest.raises(gpuload.ConfigError, match="batch_size=None"):
+        next(iter(torch.utils.data.DataLoader(ds)))  # default batch_size=1 would add a [1, ...] dimension
+    with pytest.raises(gpuload.ConfigError, match="batch_size=None"):
+        next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None))
+    assert [b["x"].shape for b in batches] == [(10,)] * 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, "bfloat16", "torch.bfloat16", torch.float64,
+                                   torch.int32, torch.uint8, "torch.float16"])
+def test_torch_dtypes_are_accepted_and_converted_once(tmp_path, dtype):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(1000).astype(np.float32) * 100
+    x[:3] = [np.nan, np.inf, -0.0]
+    ints = rng.integers(0, 200, 1000)
+    lists = pa.array([[float(v), float(v) / 3] for v in x[:1000]], pa.list_(pa.float32()))
+    p = _write(tmp_path / "x.parquet", pa.table({"x": x, "i": ints, "l": lists}))
+    integer = dtype in (torch.int32, torch.uint8)
+    src = "i" if integer else "x"
+    columns = {"v": src, "g": [src, src]} if integer else {"v": "x", "g": ["x", "i"], "l": "l"}
+    dtypes = {k: dtype for k in columns}
+    ds = gpuload.ParquetDataset(p, columns, batch_size=1000, shuffle=False, cache_dir=tmp_path / "c",
+                                device="cpu", dtypes=dtypes)
+    (b,) = list(ds)
+    want_dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    src_values = torch.from_numpy(ints if integer else x)
+    def bits(t):  # exact comparison, NaN included
+        return t.contiguous().view(torch.uint8)
+
+    assert b["v"].dtype == want_dtype
+    assert torch.equal(bits(b["v"]), bits(src_values.to(want_dtype)))
+    assert b["g"].dtype == want_dtype and b["g"].shape == (1000, 2)
+    assert torch.equal(bits(b["g"][:, 0]), bits(src_values.to(want_dtype)))
+    if not integer:
+        assert b["l"].values.dtype == want_dtype
+        flat = torch.from_numpy(np.stack([x, x / np.float32(3)], 1).reshape(-1))
+        np.testing.assert_array_equal(b["l"].values.float().numpy(), flat.to(want_dtype).float().numpy())
+    # bit for bit what torch's own conversion gives, also read back from the cache
+    ds.reader.cache.flush()
+    ds2 = gpuload.ParquetDataset(p, columns, batch_size=1000, shuffle=False, cache_dir=tmp_path / "c",
+                                 device="cpu", dtypes=dtypes)
+    (again,) = list(ds2)
+    assert again["v"].dtype == want_dtype and ds2.reader.counters.decoded == 0
+    assert torch.equal(bits(again["v"]), bits(b["v"]))
+
+
+def test_bfloat16_bits_match_torch_exactly(tmp_path):
+    """Round to nearest even, NaN and infinities, from float64 (one rounding, as torch)."""
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(5000) * 10.0 ** rng.integers(-30, 30, 5000),
+                        [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3.4e38, 1 + 2**-8, 1 + 2**-8 + 2**-30]])
+    p = _write(tmp_path / "x.parquet", pa.table({"x": x}))
+    (b,) = list(gpuload.ParquetDataset(p, batch_size=len(x), shuffle=False, cache_dir=tmp_path / "c",
+                                       device="cpu", dtypes={"x": torch.bfloat16}))
+    want = torch.from_numpy(x).to(torch.bfloat16)
+    assert torch.equal(b["x"].view(torch.int16), want.view(torch.int16))
+
+
+def test_dtypes_refuses_what_torch_cannot_take(tmp_path):
+    p = _write(tmp_path / "x.parquet", pa.table({"x": np.arange(10)}))
+    for bad in (torch.complex64, "complex64", "torch.nothing", object):
+        with pytest.raises(gpuload.ConfigError, match="dtypes"):
+            gpuload.ParquetDataset(p, ["x"], cache_dir=tmp_path / "c", device="cpu", dtypes={"x": bad})

@@ -22,7 +22,8 @@ import torch
 import gpuload
 from gpuload import gpu
 from gpuload.batch import Ragged
-from gpuload.cache import ChunkCache, ChunkKey, columns_from_buffer, read_chunk
+from gpuload.cache import ChunkCache, ChunkKey, read_chunk, write_chunk
+from gpuload.cachefile import columns_from_buffer, read_regions
 from gpuload.handoff import resolve_device
 
 from conftest import write_parquet
@@ -84,7 +85,7 @@ def test_regions_are_found_from_any_base_offset(tmp_path):
             "r": Ragged(np.arange(7, dtype=np.int64), np.array([0, 3, 3, 7], np.int64))}
     cols["a"] = cols["a"][:3]
     path = tmp_path / "c.glc"
-    gpuload.cache.write_chunk(path, cols, {})
+    write_chunk(path, cols, _key(3))
     header, full = read_chunk(path)
     raw = np.fromfile(path, np.uint8)
     start = min(r["offset"] for r in header["regions"])  # what the device reader fetches
@@ -93,20 +94,27 @@ def test_regions_are_found_from_any_base_offset(tmp_path):
     assert got["r"].values.tolist() == list(range(7)) and got["r"].offsets.tolist() == [0, 3, 3, 7]
 
 
+def _key(rows: int, outputs=(("a", "scalar", "<i8", 1),)) -> ChunkKey:
+    return ChunkKey("/data/x.parquet", 1, 2, "0123456789abcdef", 0, 1, rows, outputs)
+
+
 def test_cache_uses_the_read_and_to_host_hooks(tmp_path):
     calls = []
 
-    def read(p, verify, seen):
+    def read(fd, p, want, verify, seen):
         calls.append(("read", verify, seen is not None))
-        return read_chunk(p, verify, seen)[1]
+        return read_regions(fd, p, want, verify, seen)[1]
 
     def to_host(cols):
         calls.append(("to_host",))
         return {k: np.array(v) for k, v in cols.items()}
 
     cache = ChunkCache(tmp_path, read=read, to_host=to_host, trust_writes=True)
-    key = ChunkKey("/data/x.parquet", "1-2", "spec", 0, 1)
-    cols, cached = cache.load(key, lambda: ({"a": np.arange(5)}, {"path": "x"}))
+    from gpuload.cachefile import spec_hash
+
+    desc = [{"name": "a", "kind": "scalar", "dtype": "<i8", "width": 1}]
+    key = ChunkKey("/data/x.parquet", 1, 2, spec_hash(desc), 0, 1, 5, (("a", "scalar", "<i8", 1),), desc)
+    cols, cached = cache.load(key, lambda: {"a": np.arange(5)})
     assert not cached
     cache.flush()
     cols, cached = cache.load(key, lambda: pytest.fail("rebuilt a cached chunk"))

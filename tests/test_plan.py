@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -103,9 +104,53 @@ def test_tail_balancing_examples(n, world, bs, expected):
 def test_check_balance_refuses_exactly_the_documented_cases(n, world, bs, drop_last):
     if _feasible(n, world, bs, drop_last):
         plan.check_balance(n, world, bs, drop_last)
-    else:
-        with pytest.raises(gpuload.ConfigError, match=rf"^{n} rows .*batch_size={bs}"):
-            plan.check_balance(n, world, bs, drop_last)
+        return
+    with pytest.raises(gpuload.ConfigError) as info:
+        plan.check_balance(n, world, bs, drop_last)
+    text = str(info.value)
+    if n == 0:
+        assert "no rows" in text
+        return
+    assert text.startswith(f"{n:,} rows")
+    # every change the message suggests makes the configuration feasible
+    tried = 0
+    if m := re.search(r"use at most ([\d,]+) ranks", text):
+        assert _feasible(n, int(m[1].replace(",", "")), bs, drop_last) or _feasible(n, int(m[1].replace(",", "")), bs, False)
+        tried += 1
+    if m := re.search(r"use batch_size=([\d,]+)", text):
+        assert _feasible(n, world, int(m[1].replace(",", "")), drop_last)
+        tried += 1
+    if "or more" in text and (m := re.search(r"batch_size=(\d+) or more", text)):
+        assert _feasible(n, world, int(m[1]), drop_last)
+        tried += 1
+    if "drop_last=True (" in text:
+        assert _feasible(n, world, bs, True)
+        tried += 1
+    if "or drop_last=False" in text:
+        assert _feasible(n, world, bs, False)
+        tried += 1
+    assert tried, text
+
+
+def test_world_larger_than_rows_names_a_fix_that_works():
+    """2000 ranks over 1,000 rows: no batch size or drop_last helps; fewer ranks does."""
+    with pytest.raises(gpuload.ConfigError, match="at most 1,000 ranks") as info:
+        plan.check_balance(1000, 2000, 8, False)
+    assert "drop_last=True" not in str(info.value) and "larger batch_size" not in str(info.value)
+    with pytest.raises(gpuload.ConfigError, match="at most 1,000 ranks"):
+        plan.check_balance(1000, 2000, 8, True)
+    plan.check_balance(1000, 1000, 8, False)
+
+
+def test_batch_sizes_cost_no_memory_per_batch():
+    """A plan of 10^12 batches is a few objects, not a list of 10^12 sizes."""
+    import sys
+
+    sizes = plan.batch_sizes(10**15, 7, 3, 1000, False)
+    assert len(sizes) == plan.num_batches(10**15, 7, 1000, False) > 10**11
+    assert sys.getsizeof(sizes) < 1000
+    assert sizes[0] == 1000 and sizes[-1] == sizes[len(sizes) - 1] >= 1
+    assert sum(sizes[-3:]) <= 3000
 
 
 @pytest.mark.parametrize("n,world,bs", [(3, 4, 8), (6, 7, 2), (7, 2, 1), (10, 3, 1)])
@@ -120,7 +165,7 @@ def test_impossible_balance_is_refused(n, world, bs):
                                                   (7, 2, 4, True), (15, 4, 4, True)])
 def test_an_epoch_without_batches_is_refused(n, world, bs, drop_last):
     """No rows, or drop_last with fewer than W * batch_size rows: refused, not an empty epoch."""
-    with pytest.raises(gpuload.ConfigError, match="no batch"):
+    with pytest.raises(gpuload.ConfigError, match="no rows|no full batch"):
         plan.check_balance(n, world, bs, drop_last)
     plan.check_balance(world * bs, world, bs, drop_last)  # one full round is enough
 

@@ -10,7 +10,12 @@ import pyarrow as pa
 import pytest
 
 import gpuload
-from gpuload.schema import resolve_outputs, spec_token
+from gpuload.cachefile import spec_hash
+from gpuload.schema import resolve_outputs, spec_description
+
+
+def spec_token(specs):
+    return spec_hash(spec_description(specs))
 
 BAD = {
     "s": pa.string(),
@@ -135,7 +140,7 @@ def test_bad_settings_raise_config_error_naming_them(kwargs, match):
         resolve(**kwargs)
 
 
-def test_spec_token_separates_every_option():
+def test_spec_hash_separates_every_option():
     base = spec_token(resolve(["i", "r"]))
     variants = [resolve(["r", "i"]), resolve(["i"]), resolve({"j": "i", "r": "r"}),
                 resolve(["i", "r"], fill_nulls=0), resolve(["i", "r"], fill_nulls={"r": 1}),

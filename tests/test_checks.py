@@ -1,0 +1,109 @@
+"""Open-time checks: nulls and out-of-range casts are found when the dataset opens, not
+after hours of decoding; and opening a cached dataset reads no column data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import gpuload
+from gpuload import checks
+
+from conftest import write_parquet
+
+
+def _lists(n, null_at=None, empty=True, null_elem_at=None):
+    out = []
+    for i in range(n):
+        if i == null_at:
+            out.append(None)
+        elif empty and i % 7 == 0:
+            out.append([])
+        else:
+            out.append([i, i + 1] if i != null_elem_at else [i, None])
+    return pa.array(out, pa.list_(pa.int64()))
+
+
+def _files(root, nfiles=20, rows=500, last=None, statistics=True):
+    """``nfiles`` files of rows with a list column (with empty lists); the last gets ``last``."""
+    for f in range(nfiles):
+        h = _lists(rows, **(last if f == nfiles - 1 and last else {}))
+        t = pa.table({"row_id": np.arange(f * rows, (f + 1) * rows), "h": h,
+                      "fixed": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * 2.0)), 2)})
+        write_parquet(root / f"part-{f:03d}.parquet", t, row_group_size=100, write_statistics=statistics)
+    return root
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+@pytest.mark.parametrize("fault", [dict(null_at=333), dict(null_elem_at=8)])
+def test_null_list_in_the_last_file_is_found_at_open(tmp_path, statistics, fault):
+    """20 files, one null list in the last: refused when the dataset opens, naming the fix."""
+    data = _files(tmp_path / "d", last=fault, statistics=statistics)
+    with pytest.raises(gpuload.NullValuesError) as info:
+        gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
+    msg = str(info.value)
+    assert "'h'" in msg and "part-019.parquet" in msg and "part-000" not in msg
+    assert "fill_nulls={'h': 0}" in msg and "empty" in msg
+    ds = gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100,
+                                fill_nulls={"h": 0})
+    assert sum(len(b["row_id"]) for b in ds) == 10_000
+
+
+def test_empty_lists_are_not_nulls(tmp_path):
+    data = _files(tmp_path / "d", nfiles=3)
+    ds = gpuload.ParquetDataset(data, ["row_id", "h", "fixed"], cache_dir=tmp_path / "c", device="cpu")
+    assert sum(len(b["row_id"]) for b in ds) == 1500
+
+
+def test_open_reads_no_column_data_for_cached_chunks(tmp_path, monkeypatch):
+    """The scan for null lists reads a list column once; a reopened, cached dataset reads none."""
+    data = _files(tmp_path / "d", nfiles=4)
+    scans = []
+    real = checks._scan
+    monkeypatch.setattr(checks, "_scan", lambda f, c, groups, lists: scans.append((f.path, c, groups))
+                        or real(f, c, groups, lists))
+    ds = gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
+    assert len(scans) == 4  # one read of the list column per file (statistics cannot rule nulls out)
+    list(ds)
+    ds.reader.cache.flush()
+    scans.clear()
+    gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
+    assert scans == []
+
+
+def test_scalar_nulls_in_files_without_statistics_are_found_at_open(tmp_path):
+    t = pa.table({"x": pa.array([1.0] * 999 + [None])})
+    write_parquet(tmp_path / "d" / "a.parquet", {"x": np.ones(1000)}, write_statistics=False)
+    write_parquet(tmp_path / "d" / "b.parquet", t, write_statistics=False)
+    with pytest.raises(gpuload.NullValuesError, match="'x' has 1 null values .*b.parquet"):
+        gpuload.ParquetDataset(tmp_path / "d", ["x"], cache_dir=tmp_path / "c", device="cpu")
+
+
+@pytest.mark.parametrize("dtype,bad", [("int8", 1000), ("uint16", -1), ("bool", 2), ("int32", 2**40)])
+def test_casts_that_cannot_hold_the_values_are_refused_at_open(tmp_path, dtype, bad):
+    for f in range(5):
+        v = np.arange(100, dtype=np.int64) % 2  # fits every dtype
+        if f == 4:
+            v[50] = bad
+        write_parquet(tmp_path / "d" / f"{f}.parquet", {"x": v})
+    with pytest.raises(gpuload.ConfigError, match=rf"'x' holds {bad}.*4.parquet.*statistics"):
+        gpuload.ParquetDataset(tmp_path / "d", ["x"], cache_dir=tmp_path / "c", device="cpu", dtypes={"x": dtype})
+
+
+def test_fill_value_that_the_output_cannot_hold_is_refused_at_open(tmp_path):
+    write_parquet(tmp_path / "a.parquet", pa.table({"x": pa.array([1, None, 3], pa.int64())}))
+    with pytest.raises(gpuload.ConfigError, match="fill value"):
+        gpuload.ParquetDataset(tmp_path / "a.parquet", ["x"], cache_dir=tmp_path / "c", device="cpu",
+                               fill_nulls={"x": 300}, dtypes={"x": "int8"})
+
+
+def test_without_statistics_a_bad_cast_is_still_caught_while_decoding(tmp_path):
+    v = np.arange(100, dtype=np.int64)
+    v[5] = 1000
+    write_parquet(tmp_path / "a.parquet", {"x": v}, write_statistics=False)
+    ds = gpuload.ParquetDataset(tmp_path / "a.parquet", ["x"], cache_dir=tmp_path / "c", device="cpu",
+                                dtypes={"x": "int8"})
+    with pytest.raises(gpuload.ConfigError, match="1000"):
+        list(ds)
+

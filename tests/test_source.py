@@ -1,0 +1,244 @@
+"""Sources: what a dataset accepts as ``source``, and what it finds in the files' footers
+and folders: awkward column names, pandas index columns, Hive partition folders, files
+whose columns differ, and footers that cannot be right."""
+
+from __future__ import annotations
+
+import io
+import logging
+import struct
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gpuload
+
+from conftest import write_parquet
+
+
+def _ds(source, tmp_path, columns=None, **kw):
+    kw.setdefault("batch_size", 50)
+    return gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "cache", device="cpu", shuffle=False, **kw)
+
+
+def _all(ds) -> dict:
+    out: dict = {}
+    for b in ds:
+        for k, v in b.items():
+            if isinstance(v, gpuload.Ragged):
+                out.setdefault(k + ".values", []).append(v.values.numpy())
+            else:
+                out.setdefault(k, []).append(v.numpy())
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------
+
+NAMES = ["user.age", "a/b", "x[0]", "with space", "ünï©ødé", "a.b", "..", "col,comma", "'quoted\"", ""]
+
+
+def test_any_column_name_works_and_a_dotted_name_is_not_a_struct_path(tmp_path):
+    n = 200
+    cols = {name: pa.array(np.arange(n, dtype=np.int64) * (i + 2)) for i, name in enumerate(NAMES)}
+    cols["a"] = pa.array([{"b": i} for i in range(n)])  # a struct a with a child b, beside a column "a.b"
+    cols["list.col"] = pa.array([[i, i] for i in range(n)], pa.list_(pa.int32()))
+    p = write_parquet(tmp_path / "names.parquet", pa.table(cols), row_group_size=64)
+    for columns in ([*NAMES, "list.col"], {f"out {i}": name for i, name in enumerate(NAMES)},
+                    {"stacked": ["user.age", "a.b", "with space"]}):
+        ds = _ds(p, tmp_path, columns, dtypes=None)
+        got = _all(ds)
+        if isinstance(columns, list):
+            for i, name in enumerate(NAMES):
+                np.testing.assert_array_equal(got[name], np.arange(n) * (i + 2), err_msg=name)
+            np.testing.assert_array_equal(got["list.col.values"], np.repeat(np.arange(n), 2))
+        elif "stacked" in columns:
+            want = np.stack([np.arange(n) * (NAMES.index(c) + 2) for c in columns["stacked"]], 1)
+            np.testing.assert_array_equal(got["stacked"], want)
+        else:
+            for i, name in enumerate(NAMES):
+                np.testing.assert_array_equal(got[f"out {i}"], np.arange(n) * (i + 2))
+    # columns=None: every supported column (the struct is skipped), names intact
+    got = _all(_ds(p, tmp_path, None))
+    assert set(NAMES) <= set(got) and "a" not in got
+
+
+def test_dotted_name_with_nulls_found_at_open(tmp_path):
+    t = pa.table({"user.age": pa.array([1, None, 3] * 50), "user": pa.array([{"age": 1}] * 150)})
+    p = write_parquet(tmp_path / "n.parquet", t)
+    with pytest.raises(gpuload.NullValuesError, match="'user.age' has 50 null"):
+        _ds(p, tmp_path, ["user.age"])
+    got = _all(_ds(p, tmp_path, ["user.age"], fill_nulls={"user.age": -1}))
+    assert (got["user.age"] == -1).sum() == 50
+
+
+# ---------------------------------------------------------------------------------------
+# sources that are not paths
+# ---------------------------------------------------------------------------------------
+
+def _not_paths(tmp_path):
+    p = write_parquet(tmp_path / "ok.parquet", {"x": np.arange(10)})
+    import fsspec
+
+    return {
+        "None": (None, "source is None"),
+        "bytes": (p.read_bytes(), "bytes"),
+        "bytearray": (bytearray(b"PAR1"), "bytearray"),
+        "table": (pa.table({"x": [1]}), "pyarrow Table"),
+        "dataframe": (pd.DataFrame({"x": [1]}), "pandas DataFrame"),
+        "open file": (open(p, "rb"), "open file"),
+        "BytesIO": (io.BytesIO(p.read_bytes()), "open file"),
+        "fsspec": (fsspec.filesystem("file"), "filesystem object"),
+        "arrow fs": (pa.fs.LocalFileSystem(), "filesystem object"),
+        "int": (3, "int"),
+        "dict": ({"path": str(p)}, "dict"),
+        "list with None": ([str(p), None], "source is None"),
+        "generator": ((x for x in [str(p)]), "generator"),
+        "url": ("s3://bucket/x.parquet", "remote sources are not supported yet"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["None", "bytes", "bytearray", "table", "dataframe", "open file", "BytesIO",
+                                  "fsspec", "arrow fs", "int", "dict", "list with None", "generator", "url"])
+def test_sources_that_are_not_paths_are_refused_clearly(tmp_path, kind):
+    source, needle = _not_paths(tmp_path)[kind]
+    with pytest.raises(gpuload.SourceError, match=needle):
+        _ds(source, tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# columns that differ between files
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra_first", [True, False])
+def test_columns_none_takes_the_columns_every_file_has_in_either_order(tmp_path, extra_first, caplog):
+    a = {"x": np.arange(100), "y": np.arange(100) * 2.0}
+    b = {"x": np.arange(100, 200), "y": np.arange(100, 200) * 2.0, "extra": np.ones(100)}
+    write_parquet(tmp_path / "d" / "1.parquet", b if extra_first else a)
+    write_parquet(tmp_path / "d" / "2.parquet", a if extra_first else b)
+    caplog.set_level(logging.WARNING, logger="gpuload")
+    ds = _ds(tmp_path / "d", tmp_path)
+    assert ds.outputs == ["x", "y"]
+    got = _all(ds)
+    assert sorted(got["x"]) == list(range(200))
+    assert any("extra" in r.getMessage() and "not in every file" in r.getMessage() for r in caplog.records)
+    with pytest.raises(gpuload.SchemaError, match="'extra'"):  # asked for by name: refused in either order
+        _ds(tmp_path / "d", tmp_path, ["x", "extra"])
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_column_typed_differently_is_refused_in_either_order(tmp_path, first):
+    files = [{"x": np.arange(10, dtype=np.int64)}, {"x": np.arange(10, dtype=np.float64)}]
+    write_parquet(tmp_path / "d" / "1.parquet", files[first])
+    write_parquet(tmp_path / "d" / "2.parquet", files[1 - first])
+    with pytest.raises(gpuload.SchemaError, match="'x' is"):
+        _ds(tmp_path / "d", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# pandas index columns
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("index", ["unnamed", "named", "multi", "range"])
+def test_pandas_index_is_not_a_feature_unless_asked_for(tmp_path, index):
+    df = pd.DataFrame({"x": np.arange(100), "y": np.arange(100) * 2})
+    if index == "unnamed":
+        df.index = np.arange(100) * 7
+    elif index == "named":
+        df.index = pd.Index(np.arange(100) * 7, name="row")
+    elif index == "multi":
+        df.index = pd.MultiIndex.from_arrays([np.arange(100), np.arange(100) % 3], names=["i", "j"])
+    df.to_parquet(tmp_path / "df.parquet")
+    ds = _ds(tmp_path / "df.parquet", tmp_path)
+    assert ds.outputs == ["x", "y"]
+    stored = [n for n in pq.read_schema(tmp_path / "df.parquet").names if n not in ("x", "y")]
+    if stored:  # asked for by name, it is loaded
+        got = _all(_ds(tmp_path / "df.parquet", tmp_path, stored[:1]))
+        assert len(got[stored[0]]) == 100
+
+
+# ---------------------------------------------------------------------------------------
+# Hive partitions
+# ---------------------------------------------------------------------------------------
+
+def _hive(root, days=(1, 2, 3), rows=40):
+    for d in days:
+        for part in (0, 1):
+            write_parquet(root / f"day={d}" / "region=eu" / f"part-{part}.parquet",
+                          {"x": np.arange(rows) + 1000 * d + 100 * part})
+    return root
+
+
+def test_hive_partition_keys_are_columns_typed_as_pyarrow_types_them(tmp_path):
+    root = _hive(tmp_path / "h")
+    want = pq.read_table(root).to_pandas()  # pyarrow's own reading of the folders
+    ds = _ds(root, tmp_path, ["x", "day"])
+    got = _all(ds)
+    assert got["day"].dtype == np.dtype(pa.int32().to_pandas_dtype())  # as pyarrow types it
+    assert sorted(zip(got["x"], got["day"])) == sorted(zip(want["x"], want["day"].astype(int)))
+    # the default picks up numeric keys; string keys are skipped (strings are not tensors)
+    assert _ds(root, tmp_path).outputs == ["x", "day"]
+    with pytest.raises(gpuload.SchemaError, match="'region'"):
+        _ds(root, tmp_path, ["x", "region"])
+    # cached like any other column: a second dataset decodes nothing
+    again = _ds(root, tmp_path, ["x", "day"])
+    assert sorted(_all(again)["day"]) == sorted(got["day"]) and again.reader.counters.decoded == 0
+    # stacked with a file column, and cast
+    g = _all(_ds(root, tmp_path, {"xd": ["x", "day"]}, dtypes={"xd": "float32"}))
+    assert g["xd"].dtype == np.float32 and sorted(g["xd"][:, 1]) == sorted(got["day"].astype(np.float32))
+
+
+def test_hive_null_partition_needs_a_fill(tmp_path):
+    root = _hive(tmp_path / "h", days=(1,))
+    write_parquet(root / "day=__HIVE_DEFAULT_PARTITION__" / "region=eu" / "p.parquet", {"x": np.arange(5)})
+    with pytest.raises(gpuload.NullValuesError, match="'day'"):
+        _ds(root, tmp_path, ["x", "day"])
+    got = _all(_ds(root, tmp_path, ["x", "day"], fill_nulls={"day": -1}))
+    assert (got["day"] == -1).sum() == 5
+
+
+def test_hive_key_that_is_also_a_file_column_is_refused(tmp_path):
+    write_parquet(tmp_path / "h" / "x=1" / "p.parquet", {"x": np.arange(5)})
+    with pytest.raises(gpuload.SchemaError, match="both in the file and a partition"):
+        _ds(tmp_path / "h", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# footers that cannot be right
+# ---------------------------------------------------------------------------------------
+
+def _patch_footer_rows(path, rows: int) -> None:
+    """Rewrite a Parquet file's footer so that it declares ``rows`` rows (num_rows of the
+    file and of its single row group), as a corrupt or hostile writer would."""
+    raw = bytearray(path.read_bytes())
+    flen = struct.unpack("<I", raw[-8:-4])[0]
+    footer = bytes(raw[-8 - flen:-8])
+    meta = pq.read_metadata(path)
+    old = meta.num_rows
+    # thrift compact: the row counts are zigzag varints; replace every varint encoding `old`
+    def varint(v):
+        v = (v << 1) ^ (v >> 63)
+        out = bytearray()
+        while True:
+            b = v & 0x7F
+            v >>= 7
+            out.append(b | (0x80 if v else 0))
+            if not v:
+                return bytes(out)
+    new_footer = footer.replace(varint(old), varint(rows))
+    assert new_footer != footer
+    raw[-8 - flen:] = new_footer + struct.pack("<I", len(new_footer)) + b"PAR1"
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("rows", [10**15, 2**62])
+def test_absurd_row_counts_are_refused_at_open(tmp_path, rows):
+    p = write_parquet(tmp_path / "x.parquet", {"x": np.arange(1000, dtype=np.int64)})
+    _patch_footer_rows(p, rows)
+    assert pq.read_metadata(p).num_rows == rows
+    with pytest.raises(gpuload.SourceError, match="cannot be right"):
+        _ds(p, tmp_path)
