@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import stat
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -319,10 +320,11 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
         for f in [pool.submit(one, i) for i in range(len(reader.chunks))]:
             f.result()
     reader.cache.flush()
-    cached = [reader.cache.path(reader.key(i)) for i in range(len(reader.chunks))]
-    present = [p for p in cached if p.exists()]
+    keys = [reader.key(i) for i in range(len(reader.chunks))]
+    present = [st for st in (reader.cache.root.lstat(k.parts, k.name) for k in keys)
+               if st is not None and stat.S_ISREG(st.st_mode)]
     return CacheSummary(
         cache_dir=str(opts.cache_dir), files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
         built=reader.counters.decoded - (len(reader.chunks) - len(present)), already_cached=already,
-        not_cached=len(reader.chunks) - len(present), cached_bytes=sum(p.stat().st_size for p in present),
+        not_cached=len(reader.chunks) - len(present), cached_bytes=sum(st.st_size for st in present),
         seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .batch import Ragged
+from .cachefs import CacheRoot
 from .dataset import ParquetDataset
 from .errors import ConfigError
 from .diagnose import Diagnosis, diagnose
@@ -79,15 +80,19 @@ def disk_read_gbps(paths: list[Path], limit_bytes: int = 1 << 30) -> float | Non
 
     Each file's pages are dropped from the page cache first (``posix_fadvise``
     DONTNEED), so this measures the device, not memory; where the kernel keeps them
-    anyway the result is an upper bound.
+    anyway the result is an upper bound. Only regular files are read, never through a
+    link (a FIFO or a link at a cache file's name is skipped, never blocks).
     """
     total, seconds = 0, 0.0
     buf = bytearray(8 << 20)
     for p in paths:
         if total >= limit_bytes:
             break
-        with open(p, "rb", buffering=0) as f:
-            fd = f.fileno()
+        try:
+            fd = CacheRoot(Path(p).parent).open_read((), Path(p).name)
+        except OSError:
+            continue  # gone, or not a regular file
+        with open(fd, "rb", buffering=0) as f:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
@@ -127,8 +132,7 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
         ds.reader.cache.flush()
         stats = ds.stats()
         if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
-            files = (ds.reader.cache.path(ds.reader.key(i)) for i in range(len(ds.reader.chunks)))
-            disk = disk_read_gbps([p for p in files if p.exists()])
+            disk = disk_read_gbps([ds.reader.cache.path(ds.reader.key(i)) for i in range(len(ds.reader.chunks))])
         reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
                                    ds.reader.counters.decoded - before[0], ds.reader.counters.from_cache - before[1]))
         if trace is not None:

@@ -164,3 +164,7 @@ def test_disk_read_speed_is_measured(tmp_path):
     p.write_bytes(b"\0" * (4 << 20))
     assert disk_read_gbps([p]) > 0
     assert disk_read_gbps([]) is None
+    # a FIFO or a link at a cache file's name is skipped, never read through, never blocks
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(p)
+    assert disk_read_gbps([tmp_path / "fifo", tmp_path / "link", tmp_path / "gone"]) is None
