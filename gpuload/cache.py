@@ -154,11 +154,14 @@ class ChunkCache:
     alloc : ``alloc(nbytes) -> uint8 array`` for host reads (default: new arrays).
     create : create ``root`` if missing (default True); else a missing root is a
         :class:`CacheError` (the ``cache info/verify/clear`` commands).
+    lock_patience : seconds to wait for a chunk's lock held by another process (a
+        builder of the same chunk) before decoding the chunk here without caching it
+        (default 60; a stopped or hung holder never blocks a reader longer).
     """
 
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
                  read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
-                 metrics=None, alloc: Callable | None = None, create: bool = True):
+                 metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
         given = Path(root).expanduser()
         if not given.is_dir():
             if given.exists() or not create:
@@ -182,6 +185,7 @@ class ChunkCache:
         self.max_bytes = max_bytes
         self.verify = verify
         self.full = False  # set once the budget refused a chunk
+        self.lock_patience = lock_patience
         if create:
             with contextlib.suppress(OSError):  # a read-only cache is still served
                 with self.root.folder((_LAYOUT,), create=True):
@@ -221,12 +225,31 @@ class ChunkCache:
         except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
             unreadable = e
         lock = Lock(self.root, key.parts, key.name + ".lock")
+        built: list = []
+        before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
+
+        def built_meanwhile() -> bool:  # the holder may finish the chunk while we wait
+            now = self._inode(key)
+            if now is not None and now != before:  # a new file: writers rename complete files in place
+                try:
+                    built.append(self._read(key))
+                    return True
+                except (CorruptCacheError, OSError):
+                    pass
+            return False
+
         try:
-            lock.acquire()
+            got = lock.acquire(timeout=self.lock_patience, meanwhile=built_meanwhile)
         except OSError as e:
             why = unreadable if unreadable is not None else e
             self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
                        "such chunks are decoded from Parquet every time and not cached")
+            return build(), False
+        if built:
+            return built[0], True
+        if not got:  # a stopped or hung process holds it: do not wait for it forever
+            self._warn("held", f"{self.path(key)} has been locked by another process for {self.lock_patience:g} s; "
+                       "decoding such chunks here without caching them")
             return build(), False
         if unreadable is not None:
             self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
@@ -262,7 +285,10 @@ class ChunkCache:
     def _write_within_budget(self, key: ChunkKey, cols: dict) -> None:
         budget = Lock(self.root, (_LAYOUT,), ".budget.lock")
         try:
-            budget.acquire()
+            if not budget.acquire(timeout=self.lock_patience):
+                self._warn("held", f"the cache budget has been locked by another process for "
+                           f"{self.lock_patience:g} s; chunks are not cached meanwhile")
+                return
         except OSError as e:
             self._warn(f"lock{e.errno}", f"cannot lock the cache budget ({e}); this chunk is not cached")
             return
@@ -338,12 +364,17 @@ class ChunkCache:
             if CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
                 self.root.unlink(key.parts, name, CHUNK)
 
-    def exists(self, key: ChunkKey) -> bool:
-        """Whether chunk ``key`` has a regular file in the cache (not verified)."""
+    def _inode(self, key: ChunkKey) -> tuple | None:
+        """(device, inode) of the regular file at ``key``'s name, or None."""
         with contextlib.suppress(OSError):
             st = self.root.lstat(key.parts, key.name)
-            return st is not None and stat.S_ISREG(st.st_mode)
-        return False
+            if st is not None and stat.S_ISREG(st.st_mode):
+                return st.st_dev, st.st_ino
+        return None
+
+    def exists(self, key: ChunkKey) -> bool:
+        """Whether chunk ``key`` has a regular file in the cache (not verified)."""
+        return self._inode(key) is not None
 
     # -- specs --------------------------------------------------------------------------
     def touch_spec(self, key_spec: str, desc: list) -> None:
@@ -357,7 +388,7 @@ class ChunkCache:
                         self.root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
                 text = json.dumps(desc, indent=1).encode()
                 self.root.write((_LAYOUT, _SPECS), name, lambda fd: os.write(fd, text))
-            elif stat.S_ISREG(st.st_mode):
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # never a file another name shares
                 with self.root.folder((_LAYOUT, _SPECS)) as d:
                     os.utime(name, dir_fd=d, follow_symlinks=False)
         except OSError as e:  # a read-only cache: nothing to record

@@ -20,7 +20,7 @@ import xxhash
 
 from .cachefile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, read_header, read_regions, version_token
 from .cachefs import CHUNK, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
-from .errors import CorruptCacheError
+from .errors import ConfigError, CorruptCacheError
 from .schema import desc_outputs
 
 __all__ = ["Problem", "walk", "chunk_files", "temporaries", "specs", "summary", "verify_all", "delete", "clear"]
@@ -37,7 +37,7 @@ def _name_identity(folder: str, name: str, header: dict) -> Identity:
                 or version_token(src["size"], src["mtime_ns"]) != version):
             raise CorruptCacheError(f"its header names {src['path']}, another source file than its name")
         return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, desc_outputs(desc))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
         raise CorruptCacheError(f"malformed header ({type(e).__name__}: {e})") from None
 
 
@@ -78,35 +78,47 @@ def walk(root: CacheRoot, layouts: bool = False, problems: list | None = None
                 yield (lname, fname), name, st
 
 
-def chunk_files(root: CacheRoot, layouts: bool = False) -> Iterator[tuple[tuple, str, os.stat_result]]:
+def chunk_files(root: CacheRoot, layouts: bool = False, problems: list | None = None
+                ) -> Iterator[tuple[tuple, str, os.stat_result]]:
     """(folder parts, name, lstat) of every regular file with a chunk's name."""
-    for parts, name, st in walk(root, layouts):
+    for parts, name, st in walk(root, layouts, problems):
         if len(parts) == 2 and CHUNK.fullmatch(name) and stat.S_ISREG(st.st_mode):
             yield parts, name, st
 
 
 def temporaries(root: CacheRoot) -> Iterator[Path]:
     """Temporary files left by writers that were killed."""
-    specs = [((_LAYOUT, _SPECS), name, st) for name, st in root.scan((_LAYOUT, _SPECS))]
+    specs = [((_LAYOUT, _SPECS), name, st) for name, st in _scan(root, (_LAYOUT, _SPECS), None)]
     for parts, name, st in [*walk(root), *specs]:
         if TEMP.fullmatch(name) and stat.S_ISREG(st.st_mode):
             yield root.where(parts, name)
 
 
-def specs(root: CacheRoot) -> dict[str, dict]:
+def _valid_desc(desc) -> list | None:
+    """``desc`` if it is a spec description (list of outputs with name, columns, kind, dtype, width), else None."""
+    try:
+        desc_outputs(desc)
+        if all(isinstance(d["columns"], list) and all(isinstance(c, str) for c in d["columns"]) for d in desc):
+            return desc
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError):
+        pass
+    return None
+
+
+def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
     """Per spec hash of the current format: ``desc`` (or None), ``last_used`` (epoch seconds: when a
     dataset last opened it, from its ``specs/`` record, else its newest chunk file), chunks, bytes."""
     out: dict[str, dict] = {}
-    for name, st in root.scan((_LAYOUT, _SPECS)):
+    for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
         if SPEC.fullmatch(name) and stat.S_ISREG(st.st_mode):
             desc = None
-            with contextlib.suppress(OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError, RecursionError):
                 fd = root.open_read((_LAYOUT, _SPECS), name)
                 with os.fdopen(fd, "rb") as f:
-                    desc = json.loads(f.read(1 << 20))
+                    desc = _valid_desc(json.loads(f.read(1 << 20)))
             out[name[:-5]] = {"desc": desc, "last_used": st.st_mtime, "chunks": 0, "bytes": 0}
     marked = set(out)
-    for parts, name, st in chunk_files(root):
+    for parts, name, st in chunk_files(root, problems=problems):
         e = out.setdefault(name[:16], {"desc": None, "last_used": 0.0, "chunks": 0, "bytes": 0})
         e["chunks"] += 1
         e["bytes"] += st.st_size
@@ -137,9 +149,12 @@ def summary(root: CacheRoot) -> dict:
             e["bytes"] += st.st_size
         elif not ((TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
+    for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
+        if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
     return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
             "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
-            "old_format": old, "foreign": foreign + [p.problem for p in problems]}
+            "old_format": old, "foreign": foreign + sorted({p.problem for p in problems})}
 
 
 def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
@@ -177,10 +192,13 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
 def delete(root: CacheRoot, path: Path) -> int:
     """Delete one chunk file given by its path (only a regular file with a chunk's name
     inside this cache); returns the bytes freed."""
+    path = Path(path)
     try:
-        rel = Path(path).parent.relative_to(root.path).parts
+        rel = path.parent.relative_to(root.path).parts
     except ValueError:
         return 0
+    if len(rel) != 2 or not LAYOUT.fullmatch(rel[0]) or not FOLDER.fullmatch(rel[1]):
+        return 0  # not a source folder of this cache (".." included)
     gone = root.unlink(rel, path.name, CHUNK)
     return 0 if gone is None else gone.st_size
 
@@ -189,7 +207,8 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     """Delete gpuload's files: every chunk, temporary and free lock file of every format
     (or only those of spec hash ``spec``, or of the specs not used since
     ``unused_since`` epoch seconds). Returns ``{"freed": bytes, "files": n,
-    "specs": removed spec hashes, "foreign": [entries left alone]}``.
+    "specs": removed spec hashes, "foreign": [entries left alone], "failed": [files that
+    could not be deleted, with why]}``.
 
     Only regular files with names gpuload writes are deleted, only inside the root,
     never through a link; lock files that a builder holds are left in place.
@@ -197,9 +216,12 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     chosen = None
     if spec is not None or unused_since is not None:
         known = specs(root)
+        if spec is not None and len({h for h in known if h.startswith(spec)}) != 1:
+            raise ConfigError(f"spec {spec!r} names {len([h for h in known if h.startswith(spec)])} column sets, "
+                             "not exactly one; give more of its hash (`gpuload cache info` lists them)")
         chosen = {h for h, e in known.items() if (spec is None or h.startswith(spec)) and (
             unused_since is None or e["last_used"] < unused_since)}
-    freed, files, foreign, folders, problems = 0, 0, [], set(), []
+    freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
     for parts, name, st in list(walk(root, layouts=True, problems=problems)):
         if not stat.S_ISREG(st.st_mode) or not (CHUNK.fullmatch(name) or TEMP.fullmatch(name)
                                                  or LOCK.fullmatch(name)):
@@ -208,11 +230,15 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
         folders.update([parts, parts[:1]])
         if chosen is not None and name[:16] not in chosen:
             continue
-        if LOCK.fullmatch(name):
-            gone = _drop_free_lock(root, parts, name)
-        else:
-            gone = root.unlink(parts, name, CHUNK if CHUNK.fullmatch(name) else TEMP)
-            freed += gone.st_size if gone is not None and CHUNK.fullmatch(name) else 0
+        try:
+            if LOCK.fullmatch(name):
+                gone = _drop_free_lock(root, parts, name)
+            else:
+                gone = root.unlink(parts, name, CHUNK if CHUNK.fullmatch(name) else TEMP)
+                freed += gone.st_size if gone is not None and CHUNK.fullmatch(name) else 0
+        except OSError as e:  # e.g. a read-only cache: say which, go on with the rest
+            failed.append(f"{root.where(parts, name)} ({e.strerror or e})")
+            continue
         files += gone is not None
     for parts in sorted(folders, key=len, reverse=True):  # only if empty (another process may be writing)
         if len(parts) == 2 or parts[0] != _LAYOUT:  # source folders, and older formats' layout folders
@@ -222,9 +248,13 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
         elif chosen is None or name[:16] in chosen:
-            if root.unlink((_LAYOUT, _SPECS), name, SPEC if SPEC.fullmatch(name) else TEMP) is not None:
-                removed += [name[:16]] if SPEC.fullmatch(name) else []
-    return {"freed": freed, "files": files, "specs": sorted(removed), "foreign": foreign + [p.problem for p in problems]}
+            try:
+                if root.unlink((_LAYOUT, _SPECS), name, SPEC if SPEC.fullmatch(name) else TEMP) is not None:
+                    removed += [name[:16]] if SPEC.fullmatch(name) else []
+            except OSError as e:
+                failed.append(f"{root.where((_LAYOUT, _SPECS), name)} ({e.strerror or e})")
+    return {"freed": freed, "files": files, "specs": sorted(removed),
+            "foreign": foreign + sorted({p.problem for p in problems}), "failed": failed}
 
 
 def _drop_free_lock(root: CacheRoot, parts, name: str) -> os.stat_result | None:

@@ -15,6 +15,7 @@ takes it on every read.
 
 from __future__ import annotations
 
+import errno
 import os
 
 import torch
@@ -58,11 +59,14 @@ def read_chunk_device(fd: int, path, want, ctx, verify: bool = True, verified: s
         return columns_from_buffer(buf, header, path, False, base=start)
     if span:
         ctx.before_external_write()  # KvikIO writes outside any stream
-        cf = kvikio.CuFile(f"/proc/self/fd/{fd}", "r")
         try:
-            got = cf.pread(buf, span, start).get()
-        finally:
-            cf.close()
+            cf = kvikio.CuFile(f"/proc/self/fd/{fd}", "r")
+            try:
+                got = cf.pread(buf, span, start).get()
+            finally:
+                cf.close()
+        except RuntimeError as e:  # KvikIO's I/O errors: the cache falls back to decoding, like any OSError
+            raise OSError(errno.EIO, f"{path}: KvikIO could not read it ({e})") from None
         if got != span:
             raise CorruptCacheError(f"{path}: truncated cache file ({got} of {span} bytes read)")
     return columns_from_buffer(buf, header, path, False, base=start)

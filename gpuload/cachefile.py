@@ -52,6 +52,7 @@ SUFFIX = ".glc"  #: chunk files' suffix
 ALIGN = 4096
 PREFIX = struct.Struct("<8sIIQ")
 _MAX_HEADER = 64 << 20
+_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError)
 
 
 def align(n: int) -> int:
@@ -171,8 +172,8 @@ def read_header(fd: int, path) -> tuple[dict, int]:
         raise CorruptCacheError(f"{path}: header checksum mismatch")
     try:
         header = json.loads(blob)
-    except ValueError:
-        raise CorruptCacheError(f"{path}: header is not JSON") from None
+    except (ValueError, RecursionError):
+        raise CorruptCacheError(f"{path}: header is not JSON (or absurdly nested)") from None
     if not isinstance(header, dict):
         raise CorruptCacheError(f"{path}: header is not a JSON object")
     return header, align(PREFIX.size + hlen)
@@ -224,6 +225,8 @@ def check_identity(header: dict, want: Identity, path, size: int, start: int) ->
                 raise bad(f"region {r['output']}/{r['part']} is {r['dtype']} {s}, expected {dtype}")
             if (shape is not None and s != shape) or (shape is None and len(s) != 1):
                 raise bad(f"region {r['output']}/{r['part']} has shape {s}, expected {shape or '[n]'}")
+            if not (isinstance(r["xxh3"], str) and len(r["xxh3"]) == 16 and set(r["xxh3"]) <= set("0123456789abcdef")):
+                raise bad(f"region {r['output']}/{r['part']} has no valid checksum")
             off, n = r["offset"], r["nbytes"]
             if type(off) is not int or type(n) is not int or n != int(np.prod(s, dtype=np.int64)) * np.dtype(
                     dtype).itemsize or off % ALIGN or off < end:
@@ -235,7 +238,7 @@ def check_identity(header: dict, want: Identity, path, size: int, start: int) ->
         total = max([start] + [align(r["offset"] + r["nbytes"]) for r in regions])
     except CorruptCacheError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except _MALFORMED as e:
         raise bad(f"malformed header ({type(e).__name__}: {e})") from None
     if size != total:
         raise CorruptCacheError(f"{path}: {size} bytes where its header describes {total}"
@@ -299,7 +302,7 @@ def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: s
     else:
         try:
             end = region_span(header, start)
-        except (KeyError, TypeError) as e:
+        except _MALFORMED as e:
             raise CorruptCacheError(f"{path}: malformed header ({e})") from None
         if st.st_size < end:
             raise CorruptCacheError(f"{path}: truncated cache file ({st.st_size} of {end} bytes)")
@@ -311,7 +314,10 @@ def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: s
     got = pread_all(fd, buf, start)
     if got != span:
         raise CorruptCacheError(f"{path}: truncated cache file ({start + got} of {start + span} bytes)")
-    cols = columns_from_buffer(buf, header, path, verify, base=start)
+    try:
+        cols = columns_from_buffer(buf, header, path, verify, base=start)
+    except _MALFORMED as e:  # only without ``want``: a header nobody checked
+        raise CorruptCacheError(f"{path}: malformed header ({type(e).__name__}: {e})") from None
     if verify and verified is not None:
         verified.add(ident)
     return header, cols

@@ -31,6 +31,7 @@ import fcntl
 import os
 import re
 import stat
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,6 +65,11 @@ def kind_of(mode: int) -> str:
     return "special file"
 
 
+def _plain_name(name: str) -> None:
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise ForeignEntry(errno.EINVAL, f"{name!r} is not a file name inside the cache")
+
+
 def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
     try:
         return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -95,6 +101,9 @@ class CacheRoot:
         Raises ``FileNotFoundError`` if a folder is missing (and not ``create``),
         :class:`ForeignEntry` if a component is a link or not a folder.
         """
+        for part in parts:  # one plain name each: never "..", never a path
+            if not isinstance(part, str) or part in ("", ".", "..") or "/" in part or "\0" in part:
+                raise ForeignEntry(errno.EINVAL, f"{part!r} is not a folder name inside the cache")
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -136,6 +145,7 @@ class CacheRoot:
         Raises ``FileNotFoundError`` when absent, :class:`ForeignEntry` when the name is
         not a regular file, other ``OSError`` (e.g. ``PermissionError``) as they come.
         """
+        _plain_name(name)
         with self.folder(parts) as d:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
@@ -153,6 +163,7 @@ class CacheRoot:
 
     def lstat(self, parts, name: str) -> os.stat_result | None:
         """``lstat`` of ``name`` in folder ``parts``; None when it (or its folder) is absent."""
+        _plain_name(name)
         try:
             with self.folder(parts) as d:
                 return _lstat(name, d)
@@ -165,6 +176,7 @@ class CacheRoot:
 
         Refuses (:class:`ForeignEntry`) when ``name`` is something other than a regular file.
         """
+        _plain_name(name)
         with self.folder(parts, create=True) as d:
             tmp = f"{name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=d)
@@ -196,7 +208,7 @@ class CacheRoot:
                ) -> os.stat_result | None:
         """Delete ``name`` if it is a regular file whose name matches ``pattern`` (and
         ``only_if(lstat)`` holds); returns its ``lstat`` if it was deleted, else None."""
-        if not pattern.fullmatch(name):
+        if not isinstance(name, str) or not pattern.fullmatch(name):
             return None
         try:
             with self.folder(parts) as d:
@@ -243,8 +255,26 @@ class Lock:
         self.root, self.parts, self.name = root, tuple(parts), name
         self._fd: int | None = None
 
-    def acquire(self, blocking: bool = True) -> bool:
-        """Take the lock; False only when ``blocking`` is False and another holder has it."""
+    def acquire(self, blocking: bool = True, timeout: float | None = None,
+                meanwhile: Callable[[], bool] | None = None) -> bool:
+        """Take the lock; returns False if it was not taken.
+
+        ``blocking=False``: one try. ``timeout`` (seconds, with ``blocking``): give up
+        after that long, polling with a growing pause; ``meanwhile()`` is called between
+        tries and a True result gives up at once (e.g. the holder built the chunk).
+        """
+        if not blocking or timeout is None:
+            return self._acquire(blocking)
+        deadline, pause = time.monotonic() + timeout, 0.002
+        while not self._acquire(False):
+            if (meanwhile is not None and meanwhile()) or time.monotonic() >= deadline:
+                return False
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.1)
+        return True
+
+    def _acquire(self, blocking: bool) -> bool:
+        _plain_name(self.name)
         for _ in range(_RETRIES):
             with self.root.folder(self.parts, create=True) as d:
                 try:

@@ -65,16 +65,17 @@ def _null_message(column: str, nulls: int, lists: bool, where: list[str]) -> Nul
 
 
 def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
-    """Nulls (null lists plus null elements for lists) in ``column`` of row groups ``groups``."""
+    """Nulls (null lists plus null elements for lists) in ``column`` of row groups ``groups``,
+    read one row group at a time (memory: one row group of one column)."""
+    nulls = 0
     try:
         reader = pq.ParquetFile(f.path, metadata=f.metadata).reader
-        table = reader.read_row_groups(groups, column_indices=list(f.leaves(column)), use_threads=True)
+        for g in groups:
+            col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=True).column(0)
+            nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
     except (OSError, pa.ArrowException) as e:
         raise SourceError(f"{f.path}: cannot be read ({e}); the file may be truncated or corrupt") from None
-    col = table.column(0)
-    if not lists:
-        return col.null_count
-    return col.null_count + pc.list_flatten(col).null_count
+    return nulls
 
 
 def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
@@ -111,10 +112,23 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 raise _null_message(c, nulls, lists, where)
 
 
-def _plain(values: list, dtype: np.dtype) -> np.ndarray | None:
+def _bounds(st, vt, src: np.dtype) -> np.ndarray | None:
+    """The statistics' minimum and maximum as the values gpuload converts (``src`` dtype),
+    or None where they cannot be had exactly (then only the decoders check)."""
     try:
-        return np.array(values, dtype=dtype)
-    except (TypeError, ValueError, OverflowError):
+        if vt.temporal:  # timestamps, times, durations, date32: the stored integers, as converted
+            if vt.temporal != "int" or st.physical_type not in ("INT32", "INT64"):
+                return None
+            values = [st.min_raw, st.max_raw]
+        elif src.kind == "f" and src.itemsize == 2:  # float16: two bytes each
+            raw = st.min_raw + st.max_raw
+            return np.frombuffer(raw, "<f2").astype(src) if len(raw) == 4 else None
+        else:
+            values = [st.min, st.max]
+        if not all(isinstance(v, (bool, int, float, np.generic)) for v in values):
+            return None
+        return np.array(values, dtype=src)
+    except (TypeError, ValueError, OverflowError, AttributeError):
         return None
 
 
@@ -126,23 +140,19 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
             continue  # casts to floats may round; nothing to refuse
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             src = np.dtype(vt.dtype)
-            if vt.temporal or np.can_cast(src, s.dtype, "safe"):
+            if np.can_cast(src, s.dtype, "safe"):
                 continue
             if fill is not None:
                 cast_values(np.array([fill], src), s.dtype, c, f"its fill value ({setting('fill_nulls', {c: fill})})")
             for f in files:
                 if c in f.partition_names:
-                    v = _plain([dict(f.partitions)[c]], src) if dict(f.partitions)[c] is not None else None
-                    if v is not None:
-                        cast_values(v, s.dtype, c, f"{f.path} (its partition folder)")
+                    value = dict(f.partitions)[c]
+                    if value is not None and not vt.temporal:
+                        cast_values(np.array([value], src), s.dtype, c, f"{f.path} (its partition folder)")
                     continue
-                if src.kind == "f" and src.itemsize == 2:
-                    continue  # float16 statistics are not plain numbers
                 leaf = f.leaves(c)[0]
                 for g in range(f.metadata.num_row_groups):
                     st = f.metadata.row_group(g).column(leaf).statistics
-                    if st is None or not st.has_min_max:
-                        continue
-                    v = _plain([st.min, st.max], src)
+                    v = _bounds(st, vt, src) if st is not None and st.has_min_max else None
                     if v is not None:
                         cast_values(v, s.dtype, c, f"{f.path} (row group {g}, by its statistics)")

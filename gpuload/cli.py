@@ -10,6 +10,7 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import shutil
 import sys
 import tempfile
@@ -106,8 +107,9 @@ def cmd_profile(args) -> int:
 
     if args.epochs < 1:
         raise ConfigError(f"--epochs {args.epochs}: profile at least one epoch")
-    if args.step_ms is not None and args.step_ms < 0:
-        raise ConfigError(f"--step-ms {args.step_ms}: a step cannot take negative time")
+    _finite("--step-ms", args.step_ms)
+    if args.step_ms is not None and args.step_ms > 60_000:
+        raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
     kwargs = dict(batch_size=args.batch_size, device=args.device, num_threads=args.threads, prefetch=args.prefetch,
                   fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes))
     if args.cache_dir:
@@ -128,8 +130,17 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _finite(flag: str, value: float | None, minimum: float = 0.0, strict: bool = False) -> None:
+    """Refuse NaN, infinities and values below ``minimum`` for a numeric flag."""
+    if value is not None and (not math.isfinite(value) or value < minimum or (strict and value == minimum)):
+        raise ConfigError(f"{flag} {value}: give a finite number {'>' if strict else '>='} {minimum:g}")
+
+
 def cmd_build(args) -> int:
     from .dataset import build_cache
+
+    _finite("--chunk-mib", args.chunk_mib, strict=True)
+    _finite("--max-gib", args.max_gib)
 
     bar = _bar("building cache", 0, "row")
 
@@ -204,19 +215,21 @@ def cmd_info(args) -> int:
 
 def cmd_verify(args) -> int:
     cache = _cache(args)
-    files = list(cache.entries())
-    bar = _bar("verifying", len(files), "file")
+    bar = _bar("verifying", len(list(cache.entries())), "file")
+    checked = []
     try:
-        bad = cache.verify_all(progress=lambda p: bar.update(1))
+        bad = cache.verify_all(progress=lambda p: (checked.append(p), bar.update(1)))
     finally:
         bar.close()
     for path, problem, kind in bad:
         print(f"{kind.upper()} {problem}")
         if args.delete and kind == "corrupt":
             cache.delete(path)
-    print(f"{len(files) - len(bad)} of {len(files)} cache files verified in {cache.root.path}"
-          + (f"; {len(bad)} corrupt or unreadable" + (" (corrupt ones deleted: they are rebuilt on next use)"
-                                                      if args.delete else "") if bad else ""))
+    files_bad = len({p for p, _, _ in bad} & set(checked))
+    print(f"{len(checked) - files_bad} of {len(checked)} cache files verified in {cache.root.path}"
+          + (f"; {len(bad)} problems" + (" (corrupt files deleted: they are rebuilt on next use)"
+                                         if args.delete else "") if bad else ""))
+    _left_alone(cache.summary()["foreign"])
     return 1 if bad else 0
 
 
@@ -228,22 +241,23 @@ def _since(text: str) -> float:
             hours = float(text[:-1]) * (24 if text[-1] == "d" else 1)
             return (datetime.datetime.now() - datetime.timedelta(hours=hours)).timestamp()
         return datetime.datetime.fromisoformat(text).timestamp()
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ConfigError(f"--unused-since {text!r}: give a date (2026-11-01) or an age (30d, 12h)") from None
 
 
 def cmd_clear(args) -> int:
     cache = _cache(args)
     since = None if args.unused_since is None else _since(args.unused_since)
-    if args.spec is not None:
-        known = cache.specs()
-        if not any(h.startswith(args.spec) for h in known):
-            raise ConfigError(f"--spec {args.spec}: no such column set in {cache.root.path} "
-                              f"(`gpuload cache info` lists them: {', '.join(sorted(known)) or 'none'})")
+    if args.spec is not None and len(args.spec) < 4:
+        raise ConfigError(f"--spec {args.spec!r}: give at least 4 characters of a column set's hash "
+                          "(`gpuload cache info` lists them)")
     r = cache.clear(spec=args.spec, unused_since=since)
     which = "" if args.spec is None and since is None else f" ({len(r['specs'])} column sets)"
     print(f"cleared {cache.root.path}{which}: {r['files']} files, {r['freed'] / 2**20:,.1f} MiB freed")
     _left_alone(r["foreign"])
+    if r["failed"]:
+        print(f"  could not delete {len(r['failed'])} files: " + "; ".join(r["failed"][:5]))
+        return 1
     return 0
 
 

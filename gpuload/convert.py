@@ -38,8 +38,10 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
         arr = arr.dictionary_decode()
     if vt.temporal:  # reinterpret the stored integers, widened to int64
         arr = arr.view(pa.int32() if arr.type.bit_width == 32 else pa.int64()).cast(pa.int64())
-        if vt.temporal == "date64":
-            arr = pc.divide(arr, _DAY_MS)
+        if vt.temporal == "date64":  # whole days, rounded down (a time before midnight is the day before)
+            nulls = np.asarray(arr.is_null()) if arr.null_count else None
+            ms = arr.fill_null(0).to_numpy(zero_copy_only=False)
+            arr = pa.array(np.floor_divide(ms, _DAY_MS), mask=nulls)
     if arr.null_count:
         if fill is None:
             raise null_error(column, arr.null_count, where)
@@ -84,8 +86,8 @@ def cast_values(values, dtype: str, column: str, where: str):
     with np.errstate(invalid="ignore", over="ignore"):  # checked below for integers; floats may round
         out = values.astype(dst)
     if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
-        with np.errstate(invalid="ignore"):
-            bad = out.astype(values.dtype) != values
+        with np.errstate(invalid="ignore"):  # a value must come back unchanged, with its sign (no wrap-around)
+            bad = (out.astype(values.dtype) != values) | ((out < 0) != (values < 0))
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "

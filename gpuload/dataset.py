@@ -320,9 +320,12 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
         for f in [pool.submit(one, i) for i in range(len(reader.chunks))]:
             f.result()
     reader.cache.flush()
-    keys = [reader.key(i) for i in range(len(reader.chunks))]
-    present = [st for st in (reader.cache.root.lstat(k.parts, k.name) for k in keys)
-               if st is not None and stat.S_ISREG(st.st_mode)]
+    present = []
+    for k in (reader.key(i) for i in range(len(reader.chunks))):
+        with contextlib.suppress(OSError):  # a folder gpuload cannot read, or a link: not cached
+            st = reader.cache.root.lstat(k.parts, k.name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                present.append(st)
     return CacheSummary(
         cache_dir=str(opts.cache_dir), files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
         built=reader.counters.decoded - (len(reader.chunks) - len(present)), already_cached=already,

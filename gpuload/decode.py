@@ -157,7 +157,10 @@ class GpuDecoder:
             with cupy.cuda.Stream.null, (m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext()):  # libcudf decodes on the legacy default stream, into RMM memory
                 try:
                     raw = read_row_groups(f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
-                except (OSError, RuntimeError, MemoryError, ValueError) as e:
+                except MemoryError as e:
+                    raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
+                                      "pass decode='cpu'") from None
+                except (OSError, RuntimeError, ValueError) as e:
                     raise SourceError(f"{where}: cannot be read on the GPU ({type(e).__name__}: {e}); the file "
                                       "may be truncated or corrupt, or pass decode='cpu'") from None
                 done = cupy.cuda.Event(disable_timing=True)

@@ -44,7 +44,7 @@ from .errors import ConfigError
 
 __all__ = [
     "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
-    "num_batches", "batch_sizes", "BatchSizes", "check_balance", "windows", "window_permutation",
+    "num_batches", "batch_sizes", "BatchSizes", "check_balance", "feasible", "windows", "window_permutation",
 ]
 
 
@@ -123,12 +123,21 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def feasible(total: int, world: int, batch_size: int, drop_last: bool) -> bool:
+    """Whether ``world`` ranks get equal, non-empty batch counts (see the module doc)."""
+    if total < 1 or world < 1 or batch_size < 1:
+        return False
+    if drop_last:
+        return total >= world * batch_size
+    return total >= world and not (batch_size == 1 and total % world)
+
+
 def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> None:
     """Raise :class:`ConfigError` when ranks cannot get equal, non-empty batch counts.
 
-    The message names a change that does work: with ``drop_last=False`` the only
-    failures are fewer rows than ranks, and ``batch_size=1`` with a row count that
-    ``world`` does not divide (see the module doc).
+    The message names only changes that work: with ``drop_last=False`` the failures are
+    fewer rows than ranks, and ``batch_size=1`` with a row count that ``world`` does not
+    divide; with ``drop_last=True``, fewer rows than ``world * batch_size``.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be at least 1")
@@ -136,22 +145,34 @@ def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> N
         raise ConfigError(f"world_size={world} must be at least 1")
     if total == 0:
         raise ConfigError("the source holds no rows: check that it names the files you mean")
-    if total < world:
-        raise ConfigError(
-            f"{total:,} rows cannot be split over world_size={world} ranks: every rank needs at least one row "
-            f"whatever the batch_size; use at most {total:,} ranks (or more data)")
-    if drop_last:
-        if total < world * batch_size:
-            raise ConfigError(
-                f"{total:,} rows give no full batch of batch_size={batch_size:,} to each of {world} ranks, so "
-                f"drop_last=True would drop them all; use batch_size={total // world:,} or less, "
-                "or drop_last=False")
+    if feasible(total, world, batch_size, drop_last):
         return
-    if batch_size == 1 and total % world:
-        raise ConfigError(
-            f"{total:,} rows over {world} ranks with batch_size=1 leave some ranks one batch short; use "
-            f"batch_size=2 or more (a short rank's last batch is then split in two), drop_last=True (drops "
-            f"{total % world} rows), or a world_size that divides {total:,}")
+    fixes = []
+    if drop_last and total // world >= 1:
+        fixes.append(f"batch_size={total // world:,} or less")
+    for w in (total // batch_size if drop_last else total, total):
+        if 1 <= w < world and feasible(total, w, batch_size, drop_last):
+            fixes.append(f"at most {w:,} ranks")
+            break
+    if not drop_last and batch_size == 1 and feasible(total, world, 2, False):
+        fixes.append("batch_size=2 or more (a short rank's last batch is then split in two)")
+    if not drop_last and feasible(total, world, batch_size, True):
+        fixes.append(f"drop_last=True (drops {total % world} rows)")
+    if drop_last and feasible(total, world, batch_size, False):
+        fixes.append("drop_last=False")
+    if drop_last and not fixes and feasible(total, min(world, total), 1, True):
+        fixes.append(f"batch_size=1 on at most {min(world, total):,} ranks")
+    if not drop_last and batch_size == 1 and total >= world:
+        fixes.append(f"a world_size that divides {total:,}")
+    if drop_last:
+        why = (f"{total:,} rows give no full batch of batch_size={batch_size:,} to each of world_size={world} "
+               f"ranks, so drop_last=True would drop them all")
+    elif total < world:
+        why = (f"{total:,} rows cannot be split over world_size={world} ranks: every rank needs at least one row "
+               "whatever the batch_size")
+    else:
+        why = f"{total:,} rows over {world} ranks with batch_size=1 leave some ranks one batch short"
+    raise ConfigError(f"{why}; use " + ", or ".join(fixes) if fixes else why + "; use more data")
 
 
 class BatchSizes(Sequence):

@@ -60,8 +60,11 @@ class MlpStep:
         self.net = self.opt = None
 
     def __call__(self, batch: dict) -> None:
-        x = torch.cat([v.to(self.device).float().reshape(len(v), -1) for v in batch.values()
-                       if not isinstance(v, Ragged)], 1)
+        dense = [v.to(self.device).float().reshape(len(v), -1) for v in batch.values() if not isinstance(v, Ragged)]
+        if not dense:
+            raise ConfigError("--model mlp needs at least one scalar or 2-D output; these columns are all lists "
+                              "(use --step-ms instead)")
+        x = torch.cat(dense, 1)
         if self.net is None:
             torch.manual_seed(0)
             self.net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 256), torch.nn.ReLU(),
@@ -75,28 +78,30 @@ class MlpStep:
         loss.item()
 
 
-def disk_read_gbps(paths: list[Path], limit_bytes: int = 1 << 30) -> float | None:
-    """Sequential read speed of ``paths`` from the disk, in GB/s (None if nothing to read).
+def disk_read_gbps(files: list, limit_bytes: int = 1 << 30) -> float | None:
+    """Sequential read speed of ``files`` from the disk, in GB/s (None if nothing to read).
 
-    Each file's pages are dropped from the page cache first (``posix_fadvise``
-    DONTNEED), so this measures the device, not memory; where the kernel keeps them
-    anyway the result is an upper bound. Only regular files are read, never through a
-    link (a FIFO or a link at a cache file's name is skipped, never blocks).
+    ``files``: paths, or ``(CacheRoot, folder parts, name)`` of cache files (opened
+    through the cache root, never through a link in it). Only regular files are read,
+    never through a link at the name, never blocking on a FIFO. Each file's pages are
+    dropped from the page cache first (``posix_fadvise`` DONTNEED), so this measures the
+    device, not memory; where the kernel keeps them anyway the result is an upper bound.
     """
     total, seconds = 0, 0.0
     buf = bytearray(8 << 20)
-    for p in paths:
+    for f in files:
         if total >= limit_bytes:
             break
         try:
-            fd = CacheRoot(Path(p).parent).open_read((), Path(p).name)
+            root, parts, name = f if isinstance(f, tuple) else (CacheRoot(Path(f).parent), (), Path(f).name)
+            fd = root.open_read(parts, name)
         except OSError:
             continue  # gone, or not a regular file
-        with open(fd, "rb", buffering=0) as f:
+        with open(fd, "rb", buffering=0) as fh:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             t0 = time.perf_counter()
-            while n := f.readinto(buf):
+            while n := fh.readinto(buf):
                 total += n
             seconds += time.perf_counter() - t0
     return total / seconds / 1e9 if seconds > 0 and total else None
@@ -132,7 +137,8 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
         ds.reader.cache.flush()
         stats = ds.stats()
         if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
-            disk = disk_read_gbps([ds.reader.cache.path(ds.reader.key(i)) for i in range(len(ds.reader.chunks))])
+            keys = [ds.reader.key(i) for i in range(len(ds.reader.chunks))]
+            disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
         reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
                                    ds.reader.counters.decoded - before[0], ds.reader.counters.from_cache - before[1]))
         if trace is not None:

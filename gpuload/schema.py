@@ -75,6 +75,12 @@ def parse_dtype(value, what: str) -> str:
         raise ConfigError(f"{what}={value!r} is not a dtype: {e}") from None
     if dtype.kind not in "biuf":
         raise ConfigError(f"{what}={dtype} is not a numeric dtype (bool, integers, floats, bfloat16)")
+    dtype = dtype.newbyteorder("=")  # the cache and torch hold native byte order; the values are the same
+    try:
+        torch.from_numpy(np.empty(0, dtype))
+    except TypeError:
+        raise ConfigError(f"{what}={dtype}: torch has no such dtype; choose one of bool, (u)int8-64, float16/32/64 "
+                          "or bfloat16") from None
     return dtype.str
 
 
@@ -189,10 +195,13 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
 def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str, ...], bool]]:
     """(output name, source columns, is_group) for each requested output."""
     if columns is None:
+        twice = {n for n in schema.names if schema.names.count(n) > 1}
         skipped = [f"{f.name} ({f.type})" for f in schema if not _supported(f.type)]
         if skipped:
             log.warning("gpuload: skipping columns of unsupported type: %s", ", ".join(skipped))
-        return [(f.name, (f.name,), False) for f in schema if _supported(f.type)]
+        if twice:
+            log.warning("gpuload: skipping columns whose name appears more than once: %s", ", ".join(sorted(twice)))
+        return [(f.name, (f.name,), False) for f in schema if _supported(f.type) and f.name not in twice]
     if isinstance(columns, str):
         columns = [columns]
     if isinstance(columns, Mapping):
@@ -233,6 +242,10 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         raise SchemaError(f"no column of a supported type to load in {file}")
     names = set(schema.names)
     used = {c for _, cols, _ in requested for c in cols}
+    twice = sorted(c for c in used if schema.names.count(c) > 1)
+    if twice:
+        raise SchemaError(f"{file} has more than one column named {twice[0]!r}, and gpuload cannot tell them apart; "
+                          "rename one of them, or leave it out of columns=")
     if isinstance(fill_nulls, Mapping):
         unknown = sorted(set(fill_nulls) - used)
         if unknown:

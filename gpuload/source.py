@@ -32,7 +32,7 @@ __all__ = ["SourceFile", "list_files", "open_files", "row_group_sizes", "fingerp
            "pandas_index_columns"]
 
 _GLOB_CHARS = set("*?[")
-_MAX_ROWS_PER_BYTE = 1 << 16  # far beyond any real encoding (RLE pages of constants reach ~10^4)
+_MAX_PAGE_VALUES = 2**31 - 1  # a Parquet page header counts its values in an i32
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ class SourceFile:
 
 
 def _leaf_count(t: pa.DataType) -> int:
+    if isinstance(t, pa.ExtensionType):
+        return _leaf_count(t.storage_type)
     if pa.types.is_struct(t):
         return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
     if pa.types.is_map(t):
@@ -126,9 +128,10 @@ def _refuse(item) -> None:
     raise SourceError(f"source is a {kind}: pass a Parquet file path, a directory, a glob or a list of them")
 
 
-def list_files(source) -> list[tuple[str, str | None]]:
-    """``(absolute path, partition base folder or None)`` of each Parquet file named by
-    ``source``, in a stable order.
+def list_files(source) -> list[tuple[str, str | None, str]]:
+    """``(real path, partition base folder or None, path as listed)`` of each Parquet file
+    named by ``source``, in a stable order (a file reached through a link has its real
+    path as identity, and the listed one for its Hive partition keys).
 
     ``source`` is a file, a directory (searched recursively for ``*.parquet``, skipping
     names that start with ``_`` or ``.``), a glob (``**`` recurses), or a list of these.
@@ -152,83 +155,85 @@ def list_files(source) -> list[tuple[str, str | None]]:
         if "://" in text and not text.startswith("file://"):
             raise SourceError(f"{text}: remote sources are not supported yet; copy the files to a local disk")
         text = text.removeprefix("file://")
-        p = Path(text).expanduser()
+        p = Path(os.path.abspath(Path(text).expanduser()))  # absolute, links kept: partitions live in the names
         base = None
         if p.is_dir():
             matches = sorted(q for q in p.rglob("*.parquet") if _is_data_file(q))
             base = p
+        elif p.is_file():  # an existing name is a name, even with glob characters in it
+            matches = [p]
         elif _GLOB_CHARS & set(text):
             matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if _is_data_file(Path(m)))
-            stem = Path(*[part for part in p.parts[:next(i for i, part in enumerate(p.parts)
-                                                          if _GLOB_CHARS & set(part))]])
-            base = stem
-        elif p.is_file():
-            matches = [p]
+            base = Path(*p.parts[:next(i for i, part in enumerate(p.parts) if _GLOB_CHARS & set(part))])
         else:
             raise SourceError(f"{text}: no such file or directory")
         if not matches:
             raise SourceError(f"{text}: matched no Parquet files")
-        for m in matches:
-            found.setdefault(str(m.resolve()), None if base is None else str(base.resolve()))
-    return list(found.items())
+        for m in matches:  # identity by the real file; partition keys from the name as listed
+            found.setdefault(str(m.resolve()), (None if base is None else str(base), str(m)))
+    return [(path, base, listed) for path, (base, listed) in found.items()]
 
 
-def _partitions(listed: list[tuple[str, str | None]]) -> dict[str, tuple[pa.Schema, tuple]]:
-    """Per path with Hive partition folders: (partition fields, ((name, value), ...)), as pyarrow discovers them."""
+def _partitions(listed: list[tuple[str, str | None, str]]) -> dict[str, tuple[pa.Schema, tuple]]:
+    """Per real path with Hive partition folders: (partition fields, ((name, value), ...)), as
+    pyarrow discovers them from the listed paths."""
     import pyarrow.dataset as pds
     import pyarrow.fs as pafs
 
-    by_base: dict[str, list[str]] = {}
-    for path, base in listed:
-        if base is not None and any("=" in part for part in Path(path).relative_to(base).parts[:-1]):
-            by_base.setdefault(base, []).append(path)
+    by_base: dict[str, list[tuple[str, str]]] = {}
+    for path, base, shown in listed:
+        if base is not None and any("=" in part for part in Path(shown).relative_to(base).parts[:-1]):
+            by_base.setdefault(base, []).append((shown, path))
     out = {}
-    for base, paths in by_base.items():
-        keys = {seg.split("=", 1)[0] for p in paths for seg in Path(p).relative_to(base).parts[:-1] if "=" in seg}
+    for base, pairs in by_base.items():
+        shown_paths = [shown for shown, _ in pairs]
+        real = dict(pairs)
+        keys = {seg.split("=", 1)[0] for p in shown_paths for seg in Path(p).relative_to(base).parts[:-1] if "=" in seg}
         try:
-            clash = keys & set(pq.read_schema(paths[0]).names)
+            clash = keys & set(pq.read_schema(shown_paths[0]).names)
         except (OSError, pa.ArrowException):
             clash = set()  # open_files names the unreadable file
         if clash:
             name = sorted(clash)[0]
-            raise SchemaError(f"{paths[0]}: column {name!r} is both in the file and a partition folder "
+            raise SchemaError(f"{shown_paths[0]}: column {name!r} is both in the file and a partition folder "
                               f"({name}=...); rename one of them")
         opts = pds.FileSystemFactoryOptions(partition_base_dir=base)
         opts.partitioning_factory = pds.HivePartitioning.discover(infer_dictionary=False)
         try:
-            factory = pds.FileSystemDatasetFactory(pafs.LocalFileSystem(), paths, pds.ParquetFileFormat(), opts)
+            factory = pds.FileSystemDatasetFactory(pafs.LocalFileSystem(), shown_paths, pds.ParquetFileFormat(), opts)
             dataset = factory.finish(factory.inspect())
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{base}: cannot discover its partition folders ({e})") from None
         names = [f.name for f in dataset.partitioning.schema] if dataset.partitioning else []
         fields = pa.schema([dataset.schema.field(n) for n in names])
         for frag in dataset.get_fragments():
-            keys = pds.get_partition_keys(frag.partition_expression)  # a null key is absent here
+            found = pds.get_partition_keys(frag.partition_expression)  # a null key is absent here
             present = {seg.split("=", 1)[0] for seg in Path(frag.path).relative_to(base).parts[:-1] if "=" in seg}
-            out[frag.path] = (fields, tuple((n, keys.get(n)) for n in names if n in present))
+            out[real[frag.path]] = (fields, tuple((n, found.get(n)) for n in names if n in present))
     return out
 
 
 def _check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
-    """Refuse footers whose row counts cannot be right (negative, not adding up, or far more
-    rows than the file's bytes could hold)."""
+    """Refuse footers whose row counts cannot be right: negative, not adding up, or more rows
+    than the file's pages could hold (a data page holds at most 2^31 - 1 values, and its
+    header alone takes more than 8 bytes)."""
     total = 0
     for g in range(meta.num_row_groups):
         n = meta.row_group(g).num_rows
         if n < 0:
             raise SourceError(f"{path}: row group {g} declares {n} rows; the file is corrupt")
         total += n
-    if total != meta.num_rows or total > max(size, 1) * _MAX_ROWS_PER_BYTE:
+    if total != meta.num_rows or total > (size // 8 + 1) * _MAX_PAGE_VALUES:
         raise SourceError(f"{path}: its footer declares {meta.num_rows:,} rows ({total:,} in its row groups) in "
                           f"{size:,} bytes, which cannot be right; the file is corrupt: rewrite it or remove it "
                           "from the source")
 
 
-def open_files(listed: Sequence[tuple[str, str | None]]) -> list[SourceFile]:
+def open_files(listed: Sequence[tuple[str, str | None, str]]) -> list[SourceFile]:
     """Stat each file and read its footer; a :class:`SourceError` names a bad file."""
     parts = _partitions(list(listed))
     out = []
-    for path, _ in listed:
+    for path, _, _ in listed:
         try:
             st = os.stat(path)
             meta = pq.read_metadata(path)

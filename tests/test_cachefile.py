@@ -190,7 +190,9 @@ def test_header_checksum_and_json_shape_are_checked(tmp_path):
     for change in (lambda h: h.update(regions="nope"), lambda h: h.update(source=[1, 2]),
                    lambda h: h["regions"][0].update(offset="0"), lambda h: h["regions"][0].update(shape=[-1]),
                    lambda h: h["regions"][0].update(dtype="not a dtype"), lambda h: h.update(row_groups=None),
-                   lambda h: h["regions"][0].update(offset=1 << 40)):
+                   lambda h: h["regions"][0].update(offset=1 << 40), lambda h: h["regions"][0].pop("xxh3"),
+                   lambda h: h["regions"][0].update(xxh3=7), lambda h: h["regions"][-1].update(shape=[2**64]),
+                   lambda h: h["regions"][0].update(nbytes=2**70)):
         write_chunk(path, cols, key)
         _rewrite_header(path, change)
         with pytest.raises(gpuload.CorruptCacheError, match=str(path)):
@@ -199,3 +201,14 @@ def test_header_checksum_and_json_shape_are_checked(tmp_path):
     write_chunk(path, cols, key)
     with pytest.raises(gpuload.CorruptCacheError, match="100 rows"):
         read_chunk(path, want=bad)
+
+
+def test_absurdly_nested_header_is_corrupt_not_a_crash(tmp_path):
+    from gpuload.cache import read_chunk
+
+    path = tmp_path / "c.glc"
+    blob = b"[" * 200_000 + b"]" * 200_000
+    head = PREFIX.pack(b"GPULOAD\0", 2, len(blob), xxhash.xxh3_64_intdigest(blob)) + blob
+    path.write_bytes(head + b"\0" * (align(len(head)) - len(head)))
+    with pytest.raises(gpuload.CorruptCacheError, match="not JSON"):
+        read_chunk(path)

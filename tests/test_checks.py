@@ -107,3 +107,40 @@ def test_without_statistics_a_bad_cast_is_still_caught_while_decoding(tmp_path):
     with pytest.raises(gpuload.ConfigError, match="1000"):
         list(ds)
 
+
+
+@pytest.mark.parametrize("values,src,dtype", [([-1, 5], pa.int8(), "uint8"), ([2**63 + 5, 1], pa.uint64(), "int64"),
+                                              ([3_000_000_000, 1], pa.uint32(), "int32"), ([-1, 0], pa.int64(), "bool")])
+@pytest.mark.parametrize("statistics", [True, False])
+def test_same_width_casts_never_wrap_around(tmp_path, values, src, dtype, statistics):
+    """-1 as uint8 would be 255: refused (at open from statistics, else while decoding), never served."""
+    write_parquet(tmp_path / "a.parquet", pa.table({"x": pa.array(values, src)}), write_statistics=statistics)
+    with pytest.raises(gpuload.ConfigError, match=f"holds {values[0]}"):
+        ds = gpuload.ParquetDataset(tmp_path / "a.parquet", ["x"], cache_dir=tmp_path / "c", device="cpu",
+                                    dtypes={"x": dtype})
+        list(ds)
+
+
+@pytest.mark.parametrize("column,dtype,bad", [
+    (pa.array([0, 2**40], pa.timestamp("ns")), "int32", 2**40),
+    (pa.array([1, 2**33], pa.duration("s")), "int32", 2**33),
+    (pa.array(np.array([1.0, 1.5], np.float16)), "int8", 1.5),
+    (pa.array([0, 40_000], pa.date32()), "int8", 40_000),
+])
+def test_temporal_and_float16_casts_are_checked_at_open(tmp_path, column, dtype, bad):
+    write_parquet(tmp_path / "a.parquet", pa.table({"x": column}))
+    with pytest.raises(gpuload.ConfigError, match=f"holds {bad}.*statistics"):
+        gpuload.ParquetDataset(tmp_path / "a.parquet", ["x"], cache_dir=tmp_path / "c", device="cpu",
+                               dtypes={"x": dtype})
+
+
+def test_fitting_temporal_casts_are_not_refused(tmp_path):
+    """No false refusals: statistics in another unit than the values would be (seconds
+    stored as milliseconds) or of dictionary columns."""
+    t = pa.table({"s": pa.array([0, 100], pa.timestamp("s")), "d": pa.array([1, 2]).dictionary_encode(),
+                  "t": pa.array([1, 50], pa.time32("s"))})
+    write_parquet(tmp_path / "a.parquet", t)
+    ds = gpuload.ParquetDataset(tmp_path / "a.parquet", ["s", "d", "t"], cache_dir=tmp_path / "c", device="cpu",
+                                shuffle=False, dtypes={"s": "int32", "d": "int8", "t": "int32"})
+    (b,) = list(ds)
+    assert b["s"].tolist() == [0, 100_000] and b["d"].tolist() == [1, 2] and b["t"].tolist() == [1000, 50_000]

@@ -140,3 +140,44 @@ def test_readme_cache_build_example_matches_the_training_example():
     assert built == namespace["columns"]
     fills = re.search(r"gpuload cache build .*--fill-nulls '([^']+)'", readme)
     assert fills and json.loads(fills[1]) == {"dense_3": 0.0} and 'fill_nulls={"dense_3": 0.0}' in code
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["cache", "clear", "--unused-since", "99999999999d"], "--unused-since"),
+    (["cache", "clear", "--spec", ""], "--spec"),
+    (["cache", "clear", "--spec", "ab"], "--spec"),
+    (["cache", "build", "DATA", "--chunk-mib", "nan"], "--chunk-mib"),
+    (["cache", "build", "DATA", "--max-gib", "inf"], "--max-gib"),
+    (["cache", "build", "DATA", "--dtypes", '{"label": "float128"}'], "float128"),
+    (["profile", "DATA", "--step-ms", "nan"], "--step-ms"),
+    (["profile", "DATA", "--step-ms", "1e308"], "--step-ms"),
+    (["profile", "DATA", "--model", "mlp", "--columns", "history"], "--model mlp"),
+])
+def test_bad_numbers_and_prefixes_are_one_line_errors(args, needle, data, tmp_path, capsys):
+    cache = tmp_path / "c"
+    cache.mkdir()
+    args = [str(data) if a == "DATA" else a for a in args]
+    rc = main([*args, "--cache-dir", str(cache)])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    for cols in ("label", "dense_0", "dense_1", "label,dense_0", "label,dense_1"):
+        assert main(["cache", "build", str(data), "--cache-dir", str(cache), "--columns", cols]) == 0
+    specs = sorted(p.stem for p in (cache / "v2" / "specs").glob("*.json"))
+    prefixes = {h[:4] for h in specs}
+    shared = next((p for p in prefixes if sum(h.startswith(p) for h in specs) > 1), None)
+    if shared is None:  # no two hashes share 4 digits here: the API refuses an ambiguous prefix alike
+        shared = specs[0][:4]
+        import gpuload
+        from gpuload.cache import ChunkCache
+
+        with pytest.raises(gpuload.ConfigError, match="not exactly one"):
+            ChunkCache(cache, create=False).clear(spec="")
+        return
+    capsys.readouterr()
+    assert main(["cache", "clear", "--cache-dir", str(cache), "--spec", shared]) == 2
+    assert "not exactly one" in capsys.readouterr().err
+    assert len(list(cache.rglob("*.glc"))) == 2 * len(specs)

@@ -313,3 +313,17 @@ def test_exact_narrowing_and_float_rounding_are_allowed():
                   {"x": "x", "f": "f"}, dtypes={"x": "int8", "f": "float32"})
     assert out["x"].dtype == np.int8 and out["x"].tolist() == [1, -5, 127]
     assert out["f"].dtype == np.float32  # floats round (1e300 -> inf), as asked
+
+
+def test_date64_before_1970_rounds_down_to_its_day():
+    """-1 ms is 1969-12-31: day -1 (as the GPU path computes it), not day 0."""
+    import pyarrow as pa
+
+    from gpuload.convert import table_to_columns
+    from gpuload.schema import resolve_outputs
+
+    ms = [-1, -86_400_000, -86_400_001, 0, 86_399_999, 86_400_000, None]
+    t = pa.table({"d": pa.array(ms, pa.date64())})
+    specs = resolve_outputs(t.schema, ["d"], fill_nulls={"d": 7})
+    got = table_to_columns(t, specs)["d"].tolist()
+    assert got == [-1, -1, -2, 0, 0, 1, 7]

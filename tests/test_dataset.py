@@ -774,6 +774,13 @@ def test_bfloat16_bits_match_torch_exactly(tmp_path):
 
 def test_dtypes_refuses_what_torch_cannot_take(tmp_path):
     p = _write(tmp_path / "x.parquet", pa.table({"x": np.arange(10)}))
-    for bad in (torch.complex64, "complex64", "torch.nothing", object):
+    for bad in (torch.complex64, "complex64", "torch.nothing", object, "float128"):
         with pytest.raises(gpuload.ConfigError, match="dtypes"):
             gpuload.ParquetDataset(p, ["x"], cache_dir=tmp_path / "c", device="cpu", dtypes={"x": bad})
+
+
+def test_big_endian_dtypes_give_native_tensors(tmp_path):
+    p = _write(tmp_path / "x.parquet", pa.table({"x": np.arange(10, dtype=np.int64)}))
+    ds = gpuload.ParquetDataset(p, ["x"], cache_dir=tmp_path / "c", device="cpu", dtypes={"x": ">i4"})
+    (b,) = list(ds)
+    assert b["x"].dtype == torch.int32 and sorted(b["x"].tolist()) == list(range(10))

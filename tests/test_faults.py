@@ -83,7 +83,8 @@ def test_builders_killed_at_random_moments(big, tmp_path):
     data, ref = big
     cache = tmp_path / "cache"
     rng = random.Random(1234)
-    kills, rows = 0, 0
+    kills, rows, leftovers = 0, 0, 0
+    total = None
     for rnd in range(6):
         for p in cache.rglob("*.glc"):  # every round builds again (killed writers' leftovers stay)
             p.unlink()
@@ -96,9 +97,14 @@ def test_builders_killed_at_random_moments(big, tmp_path):
         try:
             for out, p in zip(outs, procs):
                 _wait_for(str(out) + ".ready", p)
-            start = time.monotonic()
-            for at, p in sorted(((rng.uniform(0.02, 0.5), p) for p in procs), key=lambda x: x[0]):
-                time.sleep(max(0.0, start + at - time.monotonic()))
+            # random moments by build progress, not by the clock: kill each child once the cache
+            # holds a random number of its chunk files (a fast or a slow machine alike)
+            targets = sorted((rng.randrange(1, int(0.8 * (total or 100))), p) for p in procs)
+            for target, p in targets:
+                t0 = time.monotonic()
+                while len(list(cache.rglob("*.glc"))) < target and p.poll() is None:
+                    assert time.monotonic() - t0 < 120, "the builders stopped making progress"
+                    time.sleep(0.002)
                 p.send_signal(signal.SIGKILL)
             for p in procs:
                 p.wait(timeout=60)
@@ -109,11 +115,14 @@ def test_builders_killed_at_random_moments(big, tmp_path):
                     p.kill()
                     p.wait()
                 p.communicate()
+        leftovers += len([p for p in cache.rglob("*") if ".tmp." in p.name])
         ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, batch_size=997, chunk_bytes=32768,
                                     device="cpu", seed=rnd)
         rows += len(np.concatenate([ref.check(b) for b in _check_epoch(ds, ref)]))
         ds.reader.cache.flush()
+        total = len(ds.reader.chunks)
         assert ds.reader.cache.verify_all() == []
+    print(f"builders killed: {kills}; temporaries they left: {leftovers}; rows compared: {rows}")
     assert kills >= 20, f"only {kills} builders were killed mid-run"
     assert rows == 6 * ref.n
     # killed writers' temporaries are never read, and cleared
@@ -198,7 +207,7 @@ def test_disk_fills_while_two_processes_build(big, tmp_path):
             _, err = p.communicate(timeout=300)
             assert p.returncode == 0, err
             assert "No space left" in err and "Traceback" not in err
-            assert err.count("WARNING") <= 2 or err.count("could not write") <= 2
+            assert err.count("could not write cache file") == 1, err  # one warning per kind of problem
         assert sum(_check_saved(o, ref, 2) for o in outs) == 4 * ref.n
         assert 0 < len(list(cache.rglob("*.glc")))
         assert ChunkCache(cache, create=False).verify_all() == []

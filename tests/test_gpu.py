@@ -98,18 +98,19 @@ def _key(rows: int, outputs=(("a", "scalar", "<i8", 1),)) -> ChunkKey:
     return ChunkKey("/data/x.parquet", 1, 2, "0123456789abcdef", 0, 1, rows, outputs)
 
 
-def test_cache_uses_the_read_and_to_host_hooks(tmp_path):
+@pytest.mark.parametrize("trust", [True, False])
+def test_cache_uses_the_read_and_to_host_hooks(tmp_path, trust):
     calls = []
 
     def read(fd, p, want, verify, seen):
-        calls.append(("read", verify, seen is not None))
+        calls.append(("read", seen is not None and os.fstat(fd).st_ino in {i[1] for i in seen}))
         return read_regions(fd, p, want, verify, seen)[1]
 
     def to_host(cols):
         calls.append(("to_host",))
         return {k: np.array(v) for k, v in cols.items()}
 
-    cache = ChunkCache(tmp_path, read=read, to_host=to_host, trust_writes=True)
+    cache = ChunkCache(tmp_path, read=read, to_host=to_host, trust_writes=trust)
     from gpuload.cachefile import spec_hash
 
     desc = [{"name": "a", "kind": "scalar", "dtype": "<i8", "width": 1}]
@@ -117,12 +118,14 @@ def test_cache_uses_the_read_and_to_host_hooks(tmp_path):
     cols, cached = cache.load(key, lambda: {"a": np.arange(5)})
     assert not cached
     cache.flush()
+    # with trust_writes the file this cache wrote counts as checked before any read of it
+    assert len(cache._verified) == (1 if trust else 0)
     cols, cached = cache.load(key, lambda: pytest.fail("rebuilt a cached chunk"))
     assert cached and cols["a"].tolist() == [0, 1, 2, 3, 4]
     assert ("to_host",) in calls
-    # the file this cache wrote counts as checked: the read was told not to verify it again
-    assert [c for c in calls if c[0] == "read"][-1][1] is True
-    assert len(cache._verified) == 1
+    reads = [c for c in calls if c[0] == "read"]
+    assert reads[-1][1] is trust  # the read was told the file was already checked only when trusted
+    assert len(cache._verified) == 1  # checked now either way
 
 
 # -- on a GPU ------------------------------------------------------------------------------

@@ -112,24 +112,31 @@ def test_check_balance_refuses_exactly_the_documented_cases(n, world, bs, drop_l
         assert "no rows" in text
         return
     assert text.startswith(f"{n:,} rows")
-    # every change the message suggests makes the configuration feasible
+    # every change the message suggests makes the configuration feasible, and there is one
+    def num(text):
+        return int(text.replace(",", ""))
+
     tried = 0
-    if m := re.search(r"use at most ([\d,]+) ranks", text):
-        assert _feasible(n, int(m[1].replace(",", "")), bs, drop_last) or _feasible(n, int(m[1].replace(",", "")), bs, False)
+    if m := re.search(r"batch_size=1 on at most ([\d,]+) ranks", text):
+        assert _feasible(n, num(m[1]), 1, drop_last), text
+        text, tried = text.replace(m[0], ""), tried + 1
+    if m := re.search(r"at most ([\d,]+) ranks", text):
+        assert _feasible(n, num(m[1]), bs, drop_last), text
         tried += 1
-    if m := re.search(r"use batch_size=([\d,]+)", text):
-        assert _feasible(n, world, int(m[1].replace(",", "")), drop_last)
+    if m := re.search(r"batch_size=([\d,]+) or less", text):
+        assert _feasible(n, world, num(m[1]), drop_last), text
         tried += 1
-    if "or more" in text and (m := re.search(r"batch_size=(\d+) or more", text)):
-        assert _feasible(n, world, int(m[1]), drop_last)
+    if m := re.search(r"batch_size=(\d+) or more", text):
+        assert _feasible(n, world, int(m[1]), drop_last), text
         tried += 1
     if "drop_last=True (" in text:
-        assert _feasible(n, world, bs, True)
+        assert _feasible(n, world, bs, True), text
         tried += 1
-    if "or drop_last=False" in text:
-        assert _feasible(n, world, bs, False)
+    if "drop_last=False" in text:
+        assert _feasible(n, world, bs, False), text
         tried += 1
     assert tried, text
+    assert plan.feasible(n, world, bs, drop_last) is False
 
 
 def test_world_larger_than_rows_names_a_fix_that_works():
@@ -137,8 +144,10 @@ def test_world_larger_than_rows_names_a_fix_that_works():
     with pytest.raises(gpuload.ConfigError, match="at most 1,000 ranks") as info:
         plan.check_balance(1000, 2000, 8, False)
     assert "drop_last=True" not in str(info.value) and "larger batch_size" not in str(info.value)
-    with pytest.raises(gpuload.ConfigError, match="at most 1,000 ranks"):
+    with pytest.raises(gpuload.ConfigError, match="at most 125 ranks") as info:  # 125 * 8 = 1,000 rows
         plan.check_balance(1000, 2000, 8, True)
+    assert "at most 1,000" not in str(info.value)
+    plan.check_balance(1000, 125, 8, True)
     plan.check_balance(1000, 1000, 8, False)
 
 

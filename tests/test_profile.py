@@ -168,3 +168,14 @@ def test_disk_read_speed_is_measured(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "link").symlink_to(p)
     assert disk_read_gbps([tmp_path / "fifo", tmp_path / "link", tmp_path / "gone"]) is None
+    # cache files are opened through the cache root: a linked folder in it is never followed
+    from gpuload.cachefs import CacheRoot
+
+    (tmp_path / "cache" / "v2").mkdir(parents=True)
+    (tmp_path / "cache" / "v2" / "0123456789abcdef").symlink_to(tmp_path, target_is_directory=True)
+    root = CacheRoot(tmp_path / "cache")
+    assert disk_read_gbps([(root, ("v2", "0123456789abcdef"), "f.bin")]) is None
+    (tmp_path / "cache" / "v2" / "0123456789abcdef").unlink()
+    (tmp_path / "cache" / "v2" / "0123456789abcdef").mkdir()
+    os.link(p, tmp_path / "cache" / "v2" / "0123456789abcdef" / "f.bin")
+    assert disk_read_gbps([(root, ("v2", "0123456789abcdef"), "f.bin")]) > 0

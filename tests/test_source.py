@@ -242,3 +242,71 @@ def test_absurd_row_counts_are_refused_at_open(tmp_path, rows):
     assert pq.read_metadata(p).num_rows == rows
     with pytest.raises(gpuload.SourceError, match="cannot be right"):
         _ds(p, tmp_path)
+
+
+def test_a_name_with_glob_characters_is_that_file(tmp_path):
+    write_parquet(tmp_path / "d" / "data[1].parquet", {"x": np.arange(10)})
+    write_parquet(tmp_path / "d" / "data1.parquet", {"x": np.arange(100, 110)})  # what the glob would match
+    got = _all(_ds(tmp_path / "d" / "data[1].parquet", tmp_path))
+    assert got["x"].tolist() == list(range(10))
+    assert sorted(_all(_ds(str(tmp_path / "d" / "data?.parquet"), tmp_path))["x"]) == list(range(100, 110))
+
+
+def test_linked_files_in_a_folder_and_in_hive_folders(tmp_path):
+    """Folders of links (DVC, git-annex, Hugging Face caches) work; keys come from the listed names."""
+    store = tmp_path / "store"
+    for d in (1, 2):
+        write_parquet(store / f"blob{d}.parquet", {"x": np.arange(10) + 10 * d})
+        (tmp_path / "flat").mkdir(exist_ok=True)
+        (tmp_path / "flat" / f"f{d}.parquet").symlink_to(store / f"blob{d}.parquet")
+        (tmp_path / "hive" / f"day={d}").mkdir(parents=True)
+        (tmp_path / "hive" / f"day={d}" / "p.parquet").symlink_to(store / f"blob{d}.parquet")
+    assert sorted(_all(_ds(tmp_path / "flat", tmp_path))["x"]) == list(range(10, 30))
+    got = _all(_ds(tmp_path / "hive", tmp_path, ["x", "day"]))
+    assert sorted(zip(got["x"], got["day"])) == [(x, x // 10) for x in range(10, 30)]
+
+
+def test_duplicate_column_names_are_refused_by_name_and_skipped_by_default(tmp_path, caplog):
+    t = pa.Table.from_arrays([pa.array(np.arange(5)), pa.array(np.arange(5)), pa.array(np.ones(5))],
+                             names=["d", "d", "y"])
+    p = write_parquet(tmp_path / "dup.parquet", t)
+    with pytest.raises(gpuload.SchemaError, match="more than one column named 'd'"):
+        _ds(p, tmp_path, ["d"])
+    caplog.set_level(logging.WARNING, logger="gpuload")
+    assert _ds(p, tmp_path).outputs == ["y"]
+    assert any("more than once" in r.getMessage() for r in caplog.records)
+
+
+def test_extension_typed_columns_do_not_break_other_names(tmp_path):
+    class Pair(pa.ExtensionType):
+        def __init__(self):
+            super().__init__(pa.struct([("k", pa.int32()), ("v", pa.int32())]), "test.pair")
+
+        def __arrow_ext_serialize__(self):
+            return b""
+
+        @classmethod
+        def __arrow_ext_deserialize__(cls, storage_type, serialized):
+            return cls()
+
+    pa.register_extension_type(Pair())
+    try:
+        storage = pa.array([{"k": 1, "v": 2}] * 5, Pair().storage_type)
+        t = pa.table({"pair": pa.ExtensionArray.from_storage(Pair(), storage), "k.v": np.arange(5),
+                      "z": np.arange(5) * 2})
+        p = write_parquet(tmp_path / "ext.parquet", t)
+        got = _all(_ds(p, tmp_path, ["k.v", "z"]))
+        assert got["k.v"].tolist() == list(range(5)) and got["z"].tolist() == [0, 2, 4, 6, 8]
+    finally:
+        pa.unregister_extension_type("test.pair")
+
+
+def test_legitimate_files_with_many_rows_per_byte_are_accepted(tmp_path):
+    """Constant and all-null columns compress to almost nothing; they are real data."""
+    n = 50_000_000
+    t = pa.table({"c": pa.repeat(pa.scalar(7, pa.int8()), n)})
+    p = tmp_path / "dense.parquet"
+    pq.write_table(t, p, row_group_size=n, data_page_size=1 << 30, max_rows_per_page=n)
+    assert n / p.stat().st_size > 1 << 16  # more rows per byte than an earlier, too tight bound allowed
+    ds = _ds(p, tmp_path, ["c"], batch_size=n)
+    assert ds.num_rows == n
