@@ -18,7 +18,7 @@ from typing import Iterator, NamedTuple
 
 import xxhash
 
-from .cachefile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, read_header, read_regions, version_token
+from .cachefile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, read_header, read_regions, version_token
 from .cachefs import CHUNK, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
 from .errors import ConfigError, CorruptCacheError
 from .schema import desc_outputs
@@ -37,7 +37,7 @@ def _name_identity(folder: str, name: str, header: dict) -> Identity:
                 or version_token(src["size"], src["mtime_ns"]) != version):
             raise CorruptCacheError(f"its header names {src['path']}, another source file than its name")
         return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, desc_outputs(desc))
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
+    except MALFORMED as e:
         raise CorruptCacheError(f"malformed header ({type(e).__name__}: {e})") from None
 
 
@@ -100,7 +100,7 @@ def _valid_desc(desc) -> list | None:
         desc_outputs(desc)
         if all(isinstance(d["columns"], list) and all(isinstance(c, str) for c in d["columns"]) for d in desc):
             return desc
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError):
+    except MALFORMED:
         pass
     return None
 

@@ -16,11 +16,10 @@ takes it on every read.
 from __future__ import annotations
 
 import errno
-import os
 
 import torch
 
-from .cachefile import pread_all, check_identity, columns_from_buffer, file_identity, read_header, region_span
+from .cachefile import columns_from_buffer, open_chunk, pread_all
 from .errors import CorruptCacheError
 
 __all__ = ["read_chunk_device"]
@@ -38,13 +37,7 @@ def read_chunk_device(fd: int, path, want, ctx, verify: bool = True, verified: s
     """
     import kvikio
 
-    st = os.fstat(fd)
-    header, start = read_header(fd, path)
-    check_identity(header, want, path, st.st_size, start)
-    ident = file_identity(st)
-    if verified is not None and ident in verified:
-        verify = False
-    span = region_span(header, start) - start
+    header, start, span, verify, ident = open_chunk(fd, path, want, verify, verified)
     buf = ctx.empty_bytes(span)
     if verify:
         staged = torch.empty(span, dtype=torch.uint8, pin_memory=True)

@@ -42,7 +42,7 @@ from .batch import Ragged
 from .errors import CorruptCacheError
 
 __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
-           "check_identity", "pread_all", "read_regions", "columns_from_buffer", "file_identity"]
+           "check_identity", "pread_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity"]
 
 MAGIC = b"GPULOAD\0"
 FORMAT_VERSION = 2
@@ -52,7 +52,7 @@ SUFFIX = ".glc"  #: chunk files' suffix
 ALIGN = 4096
 PREFIX = struct.Struct("<8sIIQ")
 _MAX_HEADER = 64 << 20
-_MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError)
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError)
 
 
 def align(n: int) -> int:
@@ -238,7 +238,7 @@ def check_identity(header: dict, want: Identity, path, size: int, start: int) ->
         total = max([start] + [align(r["offset"] + r["nbytes"]) for r in regions])
     except CorruptCacheError:
         raise
-    except _MALFORMED as e:
+    except MALFORMED as e:
         raise bad(f"malformed header ({type(e).__name__}: {e})") from None
     if size != total:
         raise CorruptCacheError(f"{path}: {size} bytes where its header describes {total}"
@@ -258,9 +258,9 @@ def file_identity(st: os.stat_result) -> tuple:
 def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) -> dict:
     """Views of each region of a chunk whose file, from byte ``base`` on, is in ``buf``.
 
-    ``buf`` is a uint8 NumPy or CuPy array; ``verify`` (NumPy only) compares checksums.
-    Ragged offsets are checked to start at 0, never decrease (NumPy only) and end at
-    the number of values, whatever ``verify`` says.
+    ``buf`` is a uint8 NumPy or CuPy array; ``verify`` (NumPy only) compares checksums
+    and that ragged offsets never decrease; whatever ``verify`` says, ragged offsets
+    must start at 0 and end at the number of values.
     """
     cols: dict = {}
     for r in header["regions"]:
@@ -276,12 +276,37 @@ def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) ->
     for k, v in cols.items():
         if isinstance(v, dict):
             off, values = v["offsets"], v["values"]
-            host = isinstance(off, np.ndarray)
-            if int(off[0]) != 0 or int(off[-1]) != len(values) or (host and len(off) > 1 and (np.diff(off) < 0).any()):
+            ordered = not verify or len(off) < 2 or not (np.diff(off) < 0).any()  # with the checksums, once a file
+            if int(off[0]) != 0 or int(off[-1]) != len(values) or not ordered:
                 raise CorruptCacheError(f"{path}: offsets of {k} do not describe its {len(values)} values")
             v = Ragged(values, off)
         out[k] = v
     return out
+
+
+def open_chunk(fd: int, path, want: Identity | None, verify: bool, verified: set | None
+               ) -> tuple[dict, int, int, bool, tuple]:
+    """Check an open cache file's header: (header, offset of the regions, bytes of the regions,
+    whether checksums still need comparing, the file's identity for ``verified``).
+
+    ``want`` (None: not checked) is the identity the header must state; ``verify`` is
+    dropped for files in ``verified``. Raises :class:`CorruptCacheError`.
+    """
+    st = os.fstat(fd)
+    header, start = read_header(fd, path)
+    if want is not None:
+        check_identity(header, want, path, st.st_size, start)
+    else:
+        try:
+            end = region_span(header, start)
+        except MALFORMED as e:
+            raise CorruptCacheError(f"{path}: malformed header ({e})") from None
+        if st.st_size < end:
+            raise CorruptCacheError(f"{path}: truncated cache file ({st.st_size} of {end} bytes)")
+    ident = file_identity(st)
+    if verified is not None and ident in verified:
+        verify = False
+    return header, start, region_span(header, start) - start, verify, ident
 
 
 def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: set | None = None,
@@ -295,28 +320,14 @@ def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: s
     files in ``verified`` (identities of files already checked; a verified file's
     identity is added to it). Raises :class:`CorruptCacheError`.
     """
-    st = os.fstat(fd)
-    header, start = read_header(fd, path)
-    if want is not None:
-        check_identity(header, want, path, st.st_size, start)
-    else:
-        try:
-            end = region_span(header, start)
-        except _MALFORMED as e:
-            raise CorruptCacheError(f"{path}: malformed header ({e})") from None
-        if st.st_size < end:
-            raise CorruptCacheError(f"{path}: truncated cache file ({st.st_size} of {end} bytes)")
-    ident = file_identity(st)
-    if verified is not None and ident in verified:
-        verify = False
-    span = region_span(header, start) - start
+    header, start, span, verify, ident = open_chunk(fd, path, want, verify, verified)
     buf = alloc(span) if alloc is not None else np.empty(span, np.uint8)
     got = pread_all(fd, buf, start)
     if got != span:
         raise CorruptCacheError(f"{path}: truncated cache file ({start + got} of {start + span} bytes)")
     try:
         cols = columns_from_buffer(buf, header, path, verify, base=start)
-    except _MALFORMED as e:  # only without ``want``: a header nobody checked
+    except MALFORMED as e:  # only without ``want``: a header nobody checked
         raise CorruptCacheError(f"{path}: malformed header ({type(e).__name__}: {e})") from None
     if verify and verified is not None:
         verified.add(ident)

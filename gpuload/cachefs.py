@@ -67,7 +67,7 @@ def kind_of(mode: int) -> str:
 
 def _plain_name(name: str) -> None:
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
-        raise ForeignEntry(errno.EINVAL, f"{name!r} is not a file name inside the cache")
+        raise ForeignEntry(errno.EINVAL, f"{name!r} is not a plain name inside the cache")
 
 
 def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
@@ -102,8 +102,7 @@ class CacheRoot:
         :class:`ForeignEntry` if a component is a link or not a folder.
         """
         for part in parts:  # one plain name each: never "..", never a path
-            if not isinstance(part, str) or part in ("", ".", "..") or "/" in part or "\0" in part:
-                raise ForeignEntry(errno.EINVAL, f"{part!r} is not a folder name inside the cache")
+            _plain_name(part)
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -204,16 +203,15 @@ class CacheRoot:
                 pass
             return st
 
-    def unlink(self, parts, name: str, pattern: re.Pattern, only_if: Callable[[os.stat_result], bool] | None = None
-               ) -> os.stat_result | None:
-        """Delete ``name`` if it is a regular file whose name matches ``pattern`` (and
-        ``only_if(lstat)`` holds); returns its ``lstat`` if it was deleted, else None."""
+    def unlink(self, parts, name: str, pattern: re.Pattern) -> os.stat_result | None:
+        """Delete ``name`` if it is a regular file whose name matches ``pattern``; returns
+        its ``lstat`` if it was deleted, else None."""
         if not isinstance(name, str) or not pattern.fullmatch(name):
             return None
         try:
             with self.folder(parts) as d:
                 st = _lstat(name, d)
-                if st is None or not stat.S_ISREG(st.st_mode) or (only_if is not None and not only_if(st)):
+                if st is None or not stat.S_ISREG(st.st_mode):
                     return None
                 os.unlink(name, dir_fd=d)
                 return st

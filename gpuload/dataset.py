@@ -308,7 +308,7 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode)
     enter = contextlib.nullcontext if ctx is None else ctx.active
     t0 = time.perf_counter()
-    already = sum(reader.is_cached(i) for i in range(len(reader.chunks)))
+    already = len(reader.cached_at_open)
 
     def one(i: int) -> None:
         with enter():

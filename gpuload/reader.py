@@ -91,8 +91,9 @@ class ChunkReader:
                                     to_host=ctx.to_host, trust_writes=True, metrics=metrics)
             cpu = decoder or ArrowDecoder(metrics)
             self.decode = GpuDecoder(ctx, cpu, metrics) if gpu_decode else cpu
-        cached = {(c.file, g) for i, c in enumerate(self.chunks) if self.cache.exists(self.key(i))
-                  for g in range(c.rg_start, c.rg_stop)}
+        self.cached_at_open = {i for i in range(len(self.chunks)) if self.cache.exists(self.key(i))}
+        cached = {(self.chunks[i].file, g) for i in self.cached_at_open
+                  for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
         check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
+from .cachefile import version_token
 from .errors import SchemaError, SourceError
 from .schema import RAGGED, OutputSpec, storage_dtype
 
@@ -53,7 +54,7 @@ class SourceFile:
     @property
     def version(self) -> str:
         """A short token that changes whenever the file's size or mtime does."""
-        return xxhash.xxh64_hexdigest(f"{self.size}:{self.mtime_ns}".encode())
+        return version_token(self.size, self.mtime_ns)
 
     def stat_matches(self) -> bool:
         """True if the file on disk still has the size and mtime recorded here."""
@@ -174,6 +175,11 @@ def list_files(source) -> list[tuple[str, str | None, str]]:
     return [(path, base, listed) for path, (base, listed) in found.items()]
 
 
+def _hive_keys(path: str, base: str) -> set[str]:
+    """Names of the ``key=value`` folders between ``base`` and the file ``path``."""
+    return {seg.split("=", 1)[0] for seg in Path(path).relative_to(base).parts[:-1] if "=" in seg}
+
+
 def _partitions(listed: list[tuple[str, str | None, str]]) -> dict[str, tuple[pa.Schema, tuple]]:
     """Per real path with Hive partition folders: (partition fields, ((name, value), ...)), as
     pyarrow discovers them from the listed paths."""
@@ -182,13 +188,13 @@ def _partitions(listed: list[tuple[str, str | None, str]]) -> dict[str, tuple[pa
 
     by_base: dict[str, list[tuple[str, str]]] = {}
     for path, base, shown in listed:
-        if base is not None and any("=" in part for part in Path(shown).relative_to(base).parts[:-1]):
+        if base is not None and _hive_keys(shown, base):
             by_base.setdefault(base, []).append((shown, path))
     out = {}
     for base, pairs in by_base.items():
         shown_paths = [shown for shown, _ in pairs]
         real = dict(pairs)
-        keys = {seg.split("=", 1)[0] for p in shown_paths for seg in Path(p).relative_to(base).parts[:-1] if "=" in seg}
+        keys = set().union(*(_hive_keys(p, base) for p in shown_paths))
         try:
             clash = keys & set(pq.read_schema(shown_paths[0]).names)
         except (OSError, pa.ArrowException):
@@ -208,7 +214,7 @@ def _partitions(listed: list[tuple[str, str | None, str]]) -> dict[str, tuple[pa
         fields = pa.schema([dataset.schema.field(n) for n in names])
         for frag in dataset.get_fragments():
             found = pds.get_partition_keys(frag.partition_expression)  # a null key is absent here
-            present = {seg.split("=", 1)[0] for seg in Path(frag.path).relative_to(base).parts[:-1] if "=" in seg}
+            present = _hive_keys(frag.path, base)
             out[real[frag.path]] = (fields, tuple((n, found.get(n)) for n in names if n in present))
     return out
 
