@@ -8,6 +8,7 @@ deterministically and sharded evenly across ranks.
 from .batch import Ragged
 from .dataset import CacheSummary, ParquetDataset, build_cache
 from .diagnose import Diagnosis, diagnose
+from .fetch import RemoteSettings, RemoteStats
 from .gpu import gpu_status, share_rmm_pool
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
@@ -28,6 +29,8 @@ __all__ = [
     "Metrics",
     "Stats",
     "StageStats",
+    "RemoteSettings",
+    "RemoteStats",
     "diagnose",
     "Diagnosis",
     "GpuloadError",

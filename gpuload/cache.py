@@ -82,10 +82,11 @@ class ChunkKey:
     rows: int
     outputs: tuple = ()
     spec_desc: list = field(default_factory=list, compare=False, repr=False)
+    tag: str = ""  # a remote object's version marker (ETag, version id...); "" for local files
 
     @property
     def version(self) -> str:
-        return version_token(self.size, self.mtime_ns)
+        return version_token(self.size, self.mtime_ns, self.tag)
 
     @property
     def folder(self) -> str:
@@ -105,10 +106,13 @@ class ChunkKey:
     @property
     def identity(self) -> Identity:
         return Identity(self.path, self.size, self.mtime_ns, self.rg_start, self.rg_stop, self.rows, self.spec,
-                        self.outputs)
+                        self.outputs, self.tag)
 
     def header_fields(self) -> dict:
-        return {"source": {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns},
+        source = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+        if self.tag:
+            source["tag"] = self.tag
+        return {"source": source,
                 "row_groups": [self.rg_start, self.rg_stop], "spec": self.spec_desc}
 
 

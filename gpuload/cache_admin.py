@@ -19,8 +19,9 @@ from typing import Iterator, NamedTuple
 import xxhash
 
 from .cachefile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, read_header, read_regions, version_token
-from .cachefs import CHUNK, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
+from .cachefs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
 from .errors import ConfigError, CorruptCacheError
+from .footers import check_footer_file
 from .schema import desc_outputs
 
 __all__ = ["Problem", "walk", "chunk_files", "temporaries", "specs", "summary", "verify_all", "delete", "clear"]
@@ -34,9 +35,10 @@ def _name_identity(folder: str, name: str, header: dict) -> Identity:
     try:
         src, desc = header["source"], header["spec"]
         if (xxhash.xxh64_hexdigest(str(src["path"]).encode()) != folder
-                or version_token(src["size"], src["mtime_ns"]) != version):
+                or version_token(src["size"], src["mtime_ns"], src.get("tag", "")) != version):
             raise CorruptCacheError(f"its header names {src['path']}, another source file than its name")
-        return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, desc_outputs(desc))
+        return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, desc_outputs(desc),
+                        src.get("tag", ""))
     except MALFORMED as e:
         raise CorruptCacheError(f"malformed header ({type(e).__name__}: {e})") from None
 
@@ -130,7 +132,7 @@ def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
 def summary(root: CacheRoot) -> dict:
     """Counts and bytes of the chunk files, per source file and per spec, plus leftovers."""
     sources: dict[str, dict] = {}
-    total, foreign, old, problems = 0, [], 0, []
+    total, foreign, old, problems, footers = 0, [], 0, [], 0
     for parts, name, st in walk(root, layouts=True, problems=problems):
         if len(parts) == 2 and CHUNK.fullmatch(name) and stat.S_ISREG(st.st_mode):
             if parts[0] != _LAYOUT:
@@ -147,6 +149,8 @@ def summary(root: CacheRoot) -> dict:
             e = sources.setdefault(str(src), {"chunks": 0, "bytes": 0})
             e["chunks"] += 1
             e["bytes"] += st.st_size
+        elif len(parts) == 2 and FOOTER.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            footers += parts[0] == _LAYOUT
         elif not ((TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
     for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
@@ -154,7 +158,7 @@ def summary(root: CacheRoot) -> dict:
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
     return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
             "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
-            "old_format": old, "foreign": foreign + sorted({p.problem for p in problems})}
+            "old_format": old, "footers": footers, "foreign": foreign + sorted({p.problem for p in problems})}
 
 
 def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
@@ -165,9 +169,20 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     """
     bad: list[Problem] = []
     for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):
+        path = root.where(parts, name)
+        if len(parts) == 2 and FOOTER.fullmatch(name):
+            try:
+                problem = check_footer_file(root, parts, name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                bad.append(Problem(path, f"{path}: {e}", "unreadable"))
+                continue
+            if problem is not None:
+                bad.append(Problem(path, f"{path}: {problem}", "corrupt"))
+            continue
         if not (len(parts) == 2 and CHUNK.fullmatch(name)):
             continue
-        path = root.where(parts, name)
         try:
             fd = root.open_read(parts, name)
             try:
@@ -204,7 +219,7 @@ def delete(root: CacheRoot, path: Path) -> int:
 
 
 def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None) -> dict:
-    """Delete gpuload's files: every chunk, temporary and free lock file of every format
+    """Delete gpuload's files: every chunk, footer, temporary and free lock file of every format
     (or only those of spec hash ``spec``, or of the specs not used since
     ``unused_since`` epoch seconds). Returns ``{"freed": bytes, "files": n,
     "specs": removed spec hashes, "foreign": [entries left alone], "failed": [files that
@@ -224,17 +239,18 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
     for parts, name, st in list(walk(root, layouts=True, problems=problems)):
         if not stat.S_ISREG(st.st_mode) or not (CHUNK.fullmatch(name) or TEMP.fullmatch(name)
-                                                 or LOCK.fullmatch(name)):
+                                                 or LOCK.fullmatch(name) or FOOTER.fullmatch(name)):
             foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
             continue
         folders.update([parts, parts[:1]])
-        if chosen is not None and name[:16] not in chosen:
-            continue
+        if chosen is not None and (name[:16] not in chosen or FOOTER.fullmatch(name)):
+            continue  # footers serve every column set: only a full clear removes them
         try:
             if LOCK.fullmatch(name):
                 gone = _drop_free_lock(root, parts, name)
             else:
-                gone = root.unlink(parts, name, CHUNK if CHUNK.fullmatch(name) else TEMP)
+                pattern = next(p for p in (CHUNK, FOOTER, TEMP) if p.fullmatch(name))
+                gone = root.unlink(parts, name, pattern)
                 freed += gone.st_size if gone is not None and CHUNK.fullmatch(name) else 0
         except OSError as e:  # e.g. a read-only cache: say which, go on with the rest
             failed.append(f"{root.where(parts, name)} ({e.strerror or e})")

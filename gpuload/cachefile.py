@@ -13,7 +13,7 @@ File format (version 2), little-endian::
 The header is the chunk's full identity plus its manifest::
 
     {"format": 2, "rows": n,
-     "source": {"path", "size", "mtime_ns"}, "row_groups": [start, stop],
+     "source": {"path", "size", "mtime_ns", "tag" (remote objects only)}, "row_groups": [start, stop],
      "spec": [one entry per output: name, columns, kind, dtype, width, sources, fills],
      "regions": [{"output", "part" ("data", "values" or "offsets"), "dtype", "shape",
                   "offset", "nbytes", "xxh3"}, ...]}
@@ -64,9 +64,10 @@ def spec_hash(spec: list) -> str:
     return xxhash.xxh64_hexdigest(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode())
 
 
-def version_token(size: int, mtime_ns: int) -> str:
-    """The token in a chunk file's name for one version (size and mtime) of its source file."""
-    return xxhash.xxh64_hexdigest(f"{size}:{mtime_ns}".encode())
+def version_token(size: int, mtime_ns: int, tag: str = "") -> str:
+    """The token in a chunk file's name for one version of its source file: size and mtime,
+    and for a remote object the store's version marker ``tag`` (ETag, version id...)."""
+    return xxhash.xxh64_hexdigest(f"{size}:{mtime_ns}{':' + tag if tag else ''}".encode())
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Identity:
     rows: int | None
     spec: str
     outputs: tuple
+    tag: str = ""  # a remote object's version marker; "" for local files
 
 
 def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
@@ -201,8 +203,8 @@ def check_identity(header: dict, want: Identity, path, size: int, start: int) ->
 
     try:
         src = header["source"]
-        got = (src["path"], src["size"], src["mtime_ns"], *header["row_groups"])
-        if got != (want.path, want.size, want.mtime_ns, want.rg_start, want.rg_stop):
+        got = (src["path"], src["size"], src["mtime_ns"], src.get("tag", ""), *header["row_groups"])
+        if got != (want.path, want.size, want.mtime_ns, want.tag, want.rg_start, want.rg_stop):
             raise bad(f"it holds {src['path']} (size {src['size']}, mtime {src['mtime_ns']}) row groups "
                       f"{header['row_groups']}")
         rows = header["rows"]

@@ -64,12 +64,13 @@ def _null_message(column: str, nulls: int, lists: bool, where: list[str]) -> Nul
                            "column) to replace them")
 
 
-def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
+def _scan(f: SourceFile, column: str, groups: list[int], lists: bool, opener: Callable | None) -> int:
     """Nulls (null lists plus null elements for lists) in ``column`` of row groups ``groups``,
     read one row group at a time (memory: one row group of one column)."""
     nulls = 0
     try:
-        reader = pq.ParquetFile(f.path, metadata=f.metadata).reader
+        src = opener(f, groups, list(f.leaves(column))) if f.remote else f.path
+        reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote).reader
         for g in groups:
             col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=True).column(0)
             nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
@@ -79,11 +80,12 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
 
 
 def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
-                cached: Callable[[int, int], bool] = lambda f, g: False) -> None:
+                cached: Callable[[int, int], bool] = lambda f, g: False, opener: Callable | None = None) -> None:
     """Raise :class:`NullValuesError` for a column without a fill value that holds nulls.
 
     ``cached(file index, row group)`` says whether a row group's chunk is cached: such
-    row groups are not read.
+    row groups are not read. ``opener(file, row groups, leaves)`` gives a readable file
+    of a remote object's column ranges (see :meth:`gpuload.reader.ChunkReader.range_file`).
     """
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
@@ -105,7 +107,7 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                     elif (not known or (lists and st.null_count)) and not cached(i, g):
                         unknown.append(g)
                 if unknown:
-                    n = _scan(f, c, unknown, lists)
+                    n = _scan(f, c, unknown, lists, opener)
                     if n:
                         nulls, where = nulls + n, where + [f.path]
             if nulls:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import stat
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -52,8 +54,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     Parameters
     ----------
-    source : a Parquet file, a directory (``*.parquet`` below it), a glob, or a list of these.
-        Hive-style folders (``day=1/...``) add their partition keys as columns.
+    source : a Parquet file, a directory (``*.parquet`` below it), a glob, a URL (``s3://``,
+        ``gs://``, ``az://``, ``http(s)://``, ``file://`` or any fsspec protocol: an object, a
+        prefix or a glob), or a list of these. Hive-style folders (``day=1/...``) add their
+        partition keys as columns. Remote objects are read once, column ranges only; later
+        epochs and reopenings read the cache and make no request (see :mod:`gpuload.fetch`).
     columns : None (every column of a supported type that every file has, pandas index
         columns excepted; others are skipped with one log line), a list of names, or a
         dict ``{output: column}`` / ``{output: [columns]}``; a list of same-kind scalar
@@ -97,6 +102,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     kvikio_threads, kvikio_compat : KvikIO's thread pool size (default 4) and compat
         mode (``"auto"``, the default: GPUDirect Storage where available, else POSIX;
         ``"on"``; ``"off"``), set for the whole process when a GPU dataset opens.
+    filesystem : an fsspec filesystem or a ``pyarrow.fs.FileSystem``; ``source`` then
+        names paths in it (default None: from each URL's protocol, or the local disk).
+    storage_options : dict passed to the fsspec filesystem made from a URL, as in fsspec
+        and pandas (credentials, ``endpoint_url``, ``anon``...; default None).
+    remote : a :class:`gpuload.RemoteSettings` or a dict of its fields: requests and bytes
+        in flight, read-ahead, retries, backoff and timeout (default: from the environment).
 
     Yields
     ------
@@ -109,7 +120,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  world_size: int | None = None, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                  shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
                  max_cache_bytes: int | None = None, verify_checksums: bool | str = True, decode: str = "auto",
-                 max_device_bytes: int | None = None, kvikio_threads: int = 4, kvikio_compat: str = "auto"):
+                 max_device_bytes: int | None = None, kvikio_threads: int = 4, kvikio_compat: str = "auto",
+                 filesystem=None, storage_options: dict | None = None, remote=None):
         super().__init__()
         self.options = Options(batch_size=batch_size, shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last),
                                cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,
@@ -123,7 +135,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self._ctx, gpu_decode = _device_context(self.device, self.options, self.metrics)
         t0 = self.metrics.clock()
         self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes, ctx=self._ctx,
-                                  gpu_decode=gpu_decode, metrics=self.metrics)
+                                  gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
+                                  storage_options=storage_options, remote=remote)
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
         plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
         o = self.options
@@ -215,13 +228,22 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         cache_read, h2d, batch), queue depth, and ``starvation``: the fraction (0 to 1)
         of wall time the training thread spent waiting inside ``next()``, summed over
         the epochs iterated since the dataset was created (or :meth:`reset_stats`).
-        ``gpuload.diagnose(ds.stats())`` names the stage that limits it.
+        ``gpuload.diagnose(ds.stats())`` names the stage that limits it. For a remote
+        source, ``remote`` counts the requests made to the store (a :class:`gpuload.RemoteStats`).
         """
-        return self.metrics.stats()
+        stats = self.metrics.stats()
+        remote = self.reader.remote_stats()
+        return stats if remote is None else dataclasses.replace(stats, remote=remote)
 
     def reset_stats(self) -> None:
         """Start :meth:`stats` afresh (e.g. to look at one epoch)."""
         self.metrics.reset()
+        self.reader.reset_remote()
+
+    def close(self) -> None:
+        """Stop remote fetches and release their connections (the dataset can still be iterated:
+        a later epoch starts new ones)."""
+        self.reader.close()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for ``epoch`` (pure)."""
@@ -245,9 +267,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 perm = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
                                                rank=self.rank, window=w)
                 return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
+        remote = r.has_remote
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
-                                 enter=None if ctx is None else ctx.active, metrics=self.metrics)
+                                 enter=None if ctx is None else ctx.active, metrics=self.metrics,
+                                 warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 
     def __repr__(self) -> str:
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
@@ -292,7 +316,8 @@ class CacheSummary:
 
 def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                 num_threads: int = 2, max_cache_bytes: int | None = None,
-                progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto") -> CacheSummary:
+                progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto",
+                filesystem=None, storage_options: dict | None = None, remote=None) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
     Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
@@ -300,12 +325,15 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     cached). ``progress(n)`` is called with each finished chunk's row count. Safe to
     run from several processes at once: each chunk is built once. ``device`` (default
     ``"cpu"``; ``"cuda"`` or ``"auto"`` to decode with cuDF) and ``decode`` mean what
-    they mean for :class:`ParquetDataset`; the files are the same either way.
+    they mean for :class:`ParquetDataset`; the files are the same either way. A remote
+    ``source`` (with ``filesystem``, ``storage_options`` and ``remote`` as for
+    :class:`ParquetDataset`) is fetched ahead of decoding, column ranges only.
     """
     opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
                    max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
     ctx, gpu_decode = _device_context(resolve_device(device), opts)
-    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode)
+    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
+                         filesystem=filesystem, storage_options=storage_options, remote=remote)
     enter = contextlib.nullcontext if ctx is None else ctx.active
     t0 = time.perf_counter()
     already = len(reader.cached_at_open)
@@ -316,9 +344,20 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
         if progress is not None:
             progress(reader.chunks[i].rows)
 
-    with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
-        for f in [pool.submit(one, i) for i in range(len(reader.chunks))]:
-            f.result()
+    try:
+        with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
+            futures: deque = deque()
+            n, submitted, warmed = len(reader.chunks), 0, 0
+            while submitted < n or futures:
+                while submitted < n and len(futures) < 2 * opts.num_threads:
+                    futures.append(pool.submit(one, submitted))
+                    submitted += 1
+                warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
+                while reader.has_remote and warmed < n and reader.warm(warmed):
+                    warmed += 1
+                futures.popleft().result()
+    finally:
+        reader.close()
     reader.cache.flush()
     present = []
     for k in (reader.key(i) for i in range(len(reader.chunks))):

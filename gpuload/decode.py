@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from .batch import Ragged, nbytes
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
+from .fetch import ReadOnlyFile
 from .plan import Chunk
 from .schema import OutputSpec
 from .source import SourceFile
@@ -35,42 +36,24 @@ def _where(f: SourceFile, chunk: Chunk) -> str:
     return f"{f.path} (row groups {chunk.rg_start}-{chunk.rg_stop - 1})"
 
 
-class _TimedFile:
-    """A read-only file whose reads are recorded as ``read`` spans (Parquet I/O apart from decoding)."""
+class _TimedFile(ReadOnlyFile):
+    """A read-only local file whose reads are recorded as ``read`` spans (Parquet I/O apart from decoding)."""
 
     def __init__(self, path: str, metrics):
         self._fd = os.open(path, os.O_RDONLY)
-        self._pos, self._size, self.metrics, self.seconds = 0, os.fstat(self._fd).st_size, metrics, 0.0
-        self.closed = False
+        super().__init__(os.fstat(self._fd).st_size)
+        self.metrics, self.seconds = metrics, 0.0
 
-    def read(self, n: int = -1) -> bytes:
-        n = self._size - self._pos if n is None or n < 0 else n
+    def read_at(self, start: int, end: int) -> bytes:
         t0 = self.metrics.clock()
-        data = self._pread(n)
+        data = self._pread(start, end)
         t1 = self.metrics.clock()
         self.seconds += t1 - t0
         self.metrics.record("read", t0, t1, nbytes=len(data))
-        self._pos += len(data)
         return data
 
-    def _pread(self, n: int) -> bytes:
-        return os.pread(self._fd, n, self._pos)
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
+    def _pread(self, start: int, end: int) -> bytes:
+        return os.pread(self._fd, end - start, start)
 
     def close(self) -> None:
         if not self.closed:
@@ -89,8 +72,9 @@ class ArrowDecoder:
 
     name = "cpu"
 
-    def __init__(self, metrics=None):
+    def __init__(self, metrics=None, fetch: Callable | None = None):
         self.metrics = metrics
+        self.fetch = fetch  # remote objects: fetch(f, chunk, leaves) -> RangeFile (see ChunkReader.fetch)
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
         where = _where(f, chunk)
@@ -98,15 +82,20 @@ class ArrowDecoder:
         t0 = m.clock() if m is not None else 0.0
         needed = needed_columns(specs)
         stored = [c for c in needed if c not in f.partition_names]
+        leaves = [i for c in stored for i in f.leaves(c)]
         try:
-            src = f.path if m is None else _TimedFile(f.path, m)
+            if f.remote:  # the column ranges, fetched (or started ahead) by the reader; its wait is `read`
+                src = self.fetch(f, chunk, leaves)
+                t0 = m.clock() if m is not None else 0.0
+            else:
+                src = f.path if m is None else _TimedFile(f.path, m)
             try:  # by leaf index: a name with dots never selects a struct's child
-                reader = pq.ParquetFile(src, metadata=f.metadata).reader
-                table = reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)),
-                                               column_indices=[i for c in stored for i in f.leaves(c)],
+                # remote: one read per fetched column chunk (pre-buffering would merge reads across holes)
+                reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote).reader
+                table = reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
                                                use_threads=False)
             finally:
-                if m is not None:
+                if m is not None and not f.remote:
                     src.close()
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{where}: cannot be read ({e}); the file may be truncated or corrupt") from None
@@ -118,7 +107,8 @@ class ArrowDecoder:
         if m is None:
             return table_to_columns(table, specs, where)
         t1 = m.clock()
-        m.record("decode", t0 + src.seconds, t1, nbytes=table.nbytes, rows=table.num_rows)  # pyarrow's time apart from I/O
+        io_s = 0.0 if f.remote else src.seconds
+        m.record("decode", t0 + io_s, t1, nbytes=table.nbytes, rows=table.num_rows)  # pyarrow's time apart from I/O
         with m.span("convert", rows=table.num_rows) as span:
             cols = table_to_columns(table, specs, where)
             span.nbytes = nbytes(cols)
@@ -154,15 +144,19 @@ class GpuDecoder:
         m = self.metrics
         try:
             _check_gpu_names(f, specs)
+            staged = _stage(f, chunk, specs, self.fallback.fetch) if f.remote else None
             with cupy.cuda.Stream.null, (m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext()):  # libcudf decodes on the legacy default stream, into RMM memory
                 try:
-                    raw = read_row_groups(f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
+                    raw = read_row_groups(staged or f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
                                       "pass decode='cpu'") from None
                 except (OSError, RuntimeError, ValueError) as e:
                     raise SourceError(f"{where}: cannot be read on the GPU ({type(e).__name__}: {e}); the file "
                                       "may be truncated or corrupt, or pass decode='cpu'") from None
+                finally:
+                    if staged is not None:
+                        os.unlink(staged)
                 done = cupy.cuda.Event(disable_timing=True)
                 done.record(cupy.cuda.Stream.null)  # ordered after every blocking stream's work, cuDF's included
                 done.synchronize()  # libcudf's I/O and decoding are one call: both count as decode
@@ -192,6 +186,28 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
         if c in f.partition_names:
             raise Unsupported(f"column {c!r} is a partition key")
+
+
+def _stage(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable) -> str:
+    """A sparse local copy of remote object ``f`` holding only the chunk's column ranges and
+    the footer (everything else is a hole), for libcudf to read by path; the caller deletes it."""
+    import tempfile
+
+    leaves = [i for c in needed_columns(specs) if c not in f.partition_names for i in f.leaves(c)]
+    src = fetch(f, chunk, leaves, footer=True)
+    fd, path = tempfile.mkstemp(prefix="gpuload-stage-", suffix=".parquet")
+    try:
+        os.ftruncate(fd, f.size)
+        for start, data in src.parts.items():
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
 
 
 def _own(cols: dict) -> dict:

@@ -107,6 +107,7 @@ class Stats:
         200 = two cores busy) and of the whole machine (0 to 100).
     gpu_percent : mean GPU utilisation, 0 to 100; gpu_memory_bytes: most GPU memory used.
         The four are None without samples; util_samples: their number.
+    remote : requests to a remote source's store (:class:`gpuload.RemoteStats`), or None.
     """
 
     wall_s: float
@@ -130,6 +131,7 @@ class Stats:
     gpu_percent: float | None = None
     gpu_memory_bytes: int | None = None
     util_samples: int = 0
+    remote: object = None  # a gpuload.RemoteStats: requests to a remote source's store
 
     @property
     def rows_per_s(self) -> float:
@@ -157,6 +159,8 @@ class Stats:
             if self.gpu_memory_bytes is not None:
                 parts.append(f"GPU memory max {_size(self.gpu_memory_bytes)}")
             out.append(("utilisation", ", ".join(parts) + f" ({self.util_samples:,} samples)"))
+        if self.remote is not None:
+            out.append(("remote", str(self.remote)))
         return out
 
     _HEAD = ("stage", "busy s", "calls", "threads", "GB/s", "rows/s", "% of wall")

@@ -93,15 +93,21 @@ class _Lookahead:
     """Loads segments' chunks on a pool, ``ahead`` segments beyond the one being taken."""
 
     def __init__(self, pool: ThreadPoolExecutor, segments: Sequence[Segment], load: Callable[[int], dict],
-                 ahead: int):
-        self._pool, self._segments, self._load, self._ahead = pool, segments, load, ahead
+                 ahead: int, warm: Callable[[int], bool] | None = None):
+        self._pool, self._segments, self._load, self._ahead, self._warm = pool, segments, load, ahead, warm
         self._futures: deque[Future] = deque()
-        self._next = 0
+        self._next = self._warmed = 0
 
     def _fill(self, upto: int) -> None:
         while self._next < min(upto, len(self._segments)):
             self._futures.append(self._pool.submit(self._load, self._segments[self._next].chunk))
             self._next += 1
+        # remote sources: start the fetches of later chunks, as far as the reader's read-ahead allows
+        self._warmed = max(self._warmed, self._next)
+        while self._warm is not None and self._warmed < len(self._segments):
+            if not self._warm(self._segments[self._warmed].chunk):
+                break
+            self._warmed += 1
 
     def take(self, index: int) -> dict:
         """Column set of segment ``index`` (segments must be taken in order)."""
@@ -118,7 +124,8 @@ class _Lookahead:
 def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], load: Callable[[int], dict],
                   permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
                   *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
-                  enter: Callable[[], contextlib.AbstractContextManager] | None = None, metrics=None) -> Iterator:
+                  enter: Callable[[], contextlib.AbstractContextManager] | None = None, metrics=None,
+                  warm: Callable[[int], bool] | None = None, forget: Callable[[], None] | None = None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -135,11 +142,17 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
         and allocator: :meth:`gpuload.gpu.DeviceContext.active`).
     metrics : a :class:`gpuload.Metrics`; records a ``batch`` span for each window's
         concatenation and for cutting (gathering) and handing off each batch.
+    warm, forget : remote sources: ``warm(chunk)`` starts a chunk's fetch ahead of its load
+        (False: not now, the read-ahead is full); ``forget()`` drops unused ones at the end.
     """
     enter = enter or contextlib.nullcontext
-    with enter():
-        yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter,
-                            metrics)
+    try:
+        with enter():
+            yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter,
+                                metrics, warm)
+    finally:
+        if forget is not None:
+            forget()
 
 
 def _timed(batches: Iterator, handoff, metrics) -> Iterator:
@@ -159,7 +172,8 @@ def _timed(batches: Iterator, handoff, metrics) -> Iterator:
         yield out
 
 
-def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter, metrics) -> Iterator:
+def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter, metrics,
+             warm) -> Iterator:
     def load_in(i: int) -> dict:
         with enter():
             return load(i)
@@ -169,7 +183,7 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
     batcher = Batcher(sizes)
     pos = 0
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool:
-        look = _Lookahead(pool, segments, load_in, ahead)
+        look = _Lookahead(pool, segments, load_in, ahead, warm)
         try:
             for w, window in enumerate(windows):
                 parts = []

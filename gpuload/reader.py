@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +17,9 @@ from .cache import ChunkCache, ChunkKey
 from .cachefile import spec_hash
 from .checks import check_casts, check_consistent, check_nulls
 from .config import Options
+from .convert import needed_columns
 from .decode import ArrowDecoder
+from .fetch import Fetcher, Job, RangeFile, RemoteSettings, RemoteStats, column_ranges
 from .memory import HostPool
 from .plan import Chunk, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -53,9 +56,30 @@ class ChunkReader:
     """
 
     def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
-                 decoder: Callable | None = None, ctx=None, gpu_decode: bool = False, metrics=None):
+                 decoder: Callable | None = None, ctx=None, gpu_decode: bool = False, metrics=None,
+                 filesystem=None, storage_options: dict | None = None, remote=None):
         self.opts = opts
-        self.files: list[SourceFile] = open_files(list_files(source))
+        self.ctx = ctx
+        self.metrics = metrics
+        self.remote = RemoteSettings.of(remote)
+        self._fetchers: dict[int, Fetcher] = {}
+        self._lock = threading.Lock()
+        self._ahead: dict[tuple, tuple[Job, bool]] = {}  # remote fetches started ahead of decoding
+        self._ahead_bytes = 0
+        self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
+        if ctx is None:
+            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics,
+                                    alloc=self.read_pool.get)
+        else:  # GPU path: chunks live in device memory (see gpuload.gpu)
+            from .cache_gpu import read_chunk_device
+
+            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
+                                    read=lambda fd, p, want, verify, seen: read_chunk_device(fd, p, want, ctx, verify,
+                                                                                              seen),
+                                    to_host=ctx.to_host, trust_writes=True, metrics=metrics)
+        self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
+        self.files: list[SourceFile] = open_files(list_files(source, filesystem, storage_options, self.remote),
+                                                  self.cache.root, self._fetcher, self.open_counts)
         first = self.files[0]
         schema = first.schema
         if columns is None:  # the columns every file has, whatever the files' order
@@ -74,27 +98,18 @@ class ChunkReader:
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         self.pool = HostPool(max_buffers=4 * len(self.specs) + 4)  # shuffle windows: 2 per output
-        self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
-        self.ctx = ctx
-        self.metrics = metrics
-        if ctx is None:
-            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics,
-                                    alloc=self.read_pool.get)
-            self.decode = decoder or ArrowDecoder(metrics)
-        else:  # GPU path: chunks live in device memory (see gpuload.gpu)
-            from .cache_gpu import read_chunk_device
+        cpu = decoder or ArrowDecoder(metrics, fetch=self.fetch)
+        if ctx is not None and gpu_decode:
             from .decode import GpuDecoder
 
-            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
-                                    read=lambda fd, p, want, verify, seen: read_chunk_device(fd, p, want, ctx, verify,
-                                                                                              seen),
-                                    to_host=ctx.to_host, trust_writes=True, metrics=metrics)
-            cpu = decoder or ArrowDecoder(metrics)
-            self.decode = GpuDecoder(ctx, cpu, metrics) if gpu_decode else cpu
+            self.decode = GpuDecoder(ctx, cpu, metrics)
+        else:
+            self.decode = cpu
+        self._footer_ranges = ctx is not None and gpu_decode  # libcudf reads the footer from the staged file
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.cache.exists(self.key(i))}
         cached = {(self.chunks[i].file, g) for i in self.cached_at_open
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
-        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached, opener=self.range_file)
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
 
@@ -103,7 +118,7 @@ class ChunkReader:
         c = self.chunks[i]
         f = self.files[c.file]
         return ChunkKey(f.path, f.size, f.mtime_ns, self.spec_hash, c.rg_start, c.rg_stop, c.rows, self._outputs,
-                        self.spec_desc)
+                        self.spec_desc, f.tag)
 
     def max_chunk_bytes(self) -> int:
         """Estimated converted bytes of the largest chunk."""
@@ -130,3 +145,107 @@ class ChunkReader:
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""
         return self.cache.exists(self.key(i))
+
+    # -- remote sources -----------------------------------------------------------------------
+    @property
+    def has_remote(self) -> bool:
+        """Whether some file is a remote object."""
+        return any(f.remote for f in self.files)
+
+    def _fetcher(self, store) -> Fetcher:
+        with self._lock:
+            got = self._fetchers.get(id(store))
+            if got is None:
+                clock = self.metrics.clock if self.metrics is not None else time.perf_counter
+                got = self._fetchers[id(store)] = Fetcher(store, self.remote, clock)
+            return got
+
+    def _leaves(self, f: SourceFile) -> list[int]:
+        return [i for c in needed_columns(self.specs) if c not in f.partition_names for i in f.leaves(c)]
+
+    def _start(self, f: SourceFile, groups, leaves, footer: bool) -> Job:
+        ranges = [r for g in groups for r in column_ranges(f.metadata, g, g + 1, leaves)]
+        if footer:
+            n = f.metadata.serialized_size + 8
+            ranges.append((f.size - n, f.size))
+        return self._fetcher(f.store).start(f.key, ranges)
+
+    def range_file(self, f: SourceFile, groups, leaves, footer: bool = False, job: Job | None = None) -> RangeFile:
+        """A readable file of remote object ``f`` holding the column chunks of ``leaves`` in
+        row groups ``groups`` (and its footer if ``footer``), fetched now (or by ``job``)."""
+        fetcher = self._fetcher(f.store)
+        job = job or self._start(f, groups, leaves, footer)
+        return RangeFile(f.path, f.size, job.result(), lambda a, b: fetcher.get(f.key, a, b))
+
+    def warm(self, i: int) -> bool:
+        """Start fetching remote chunk ``i``'s column ranges ahead of its decoding (nothing for
+        a local or cached chunk). False when the read-ahead budget is spent: call again later."""
+        c = self.chunks[i]
+        f = self.files[c.file]
+        if not f.remote:
+            return True
+        k = (c.file, c.rg_start, c.rg_stop)
+        with self._lock:
+            if k in self._ahead:
+                return True
+            if self._ahead and self._ahead_bytes >= self.remote.readahead_bytes:
+                return False
+        if self.cache.exists(self.key(i)):
+            return True
+        job = self._start(f, range(c.rg_start, c.rg_stop), self._leaves(f), self._footer_ranges)
+        with self._lock:
+            self._ahead[k] = (job, self._footer_ranges)
+            self._ahead_bytes += job.nbytes
+        return True
+
+    def forget_ahead(self) -> None:
+        """Drop the fetches started ahead that were not used (an epoch left early)."""
+        with self._lock:
+            jobs, self._ahead, self._ahead_bytes = list(self._ahead.values()), {}, 0
+        for job, _ in jobs:
+            job.cancel()
+
+    def fetch(self, f: SourceFile, chunk: Chunk, leaves, footer: bool = False) -> RangeFile:
+        """The decoders' hook: chunk's column ranges of remote ``f`` (from a fetch started
+        ahead, else fetched now), timing the wait as a ``read`` span."""
+        with self._lock:
+            job, has_footer = self._ahead.pop((chunk.file, chunk.rg_start, chunk.rg_stop), (None, False))
+            if job is not None:
+                self._ahead_bytes -= job.nbytes
+        if job is not None and footer and not has_footer:
+            job = None  # started for the CPU decoder; the GPU one needs the footer too
+        m = self.metrics
+        t0 = m.clock() if m is not None else 0.0
+        out = self.range_file(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer, job)
+        if m is not None:
+            m.record("read", t0, m.clock(), nbytes=sum(len(b) for b in out.parts.values()))
+        return out
+
+    def remote_stats(self) -> RemoteStats | None:
+        """Requests made to remote stores since open or :meth:`reset_remote` (None: no remote file)."""
+        if not self.has_remote:
+            return None
+        with self._lock:
+            all_stats = [f.stats() for f in self._fetchers.values()]
+        if not all_stats:
+            return RemoteStats(0, 0, 0, 0, None, None, None)
+        if len(all_stats) == 1:
+            return all_stats[0]
+        best = max(all_stats, key=lambda s: s.requests)  # percentiles of the busiest store
+        return RemoteStats(sum(s.requests for s in all_stats), sum(s.bytes for s in all_stats),
+                           sum(s.retried for s in all_stats), sum(s.failed for s in all_stats),
+                           best.latency_p50_s, best.latency_p90_s, best.latency_p99_s)
+
+    def reset_remote(self) -> None:
+        with self._lock:
+            fetchers = list(self._fetchers.values())
+        for f in fetchers:
+            f.reset()
+
+    def close(self) -> None:
+        """Stop remote fetches and close their connections' files."""
+        self.forget_ahead()
+        with self._lock:
+            fetchers, self._fetchers = list(self._fetchers.values()), {}
+        for f in fetchers:
+            f.close()

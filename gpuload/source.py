@@ -1,25 +1,33 @@
-"""Source: list Parquet files, fingerprint them and read their footers.
+"""Source: list Parquet files and objects, fingerprint them and read their footers.
 
-Everything here runs once, when a dataset is opened, and reads only Parquet footers:
-no column data. A source is a local file, a directory, a glob or a list of these;
-anything else (a table, bytes, an open file, a filesystem object) is refused with a
-:class:`SourceError` that says what to pass instead.
+Everything here runs once, when a dataset is opened, and reads at most the Parquet
+footers, and only those not already in the cache (see :mod:`gpuload.footers`): no
+column data. A source is a local file, a directory, a glob, a URL (``s3://``,
+``gs://``, ``az://``, ``http(s)://``, ``file://`` or any fsspec protocol; a prefix
+or folder is listed recursively), or a list of these; with ``filesystem=`` (an fsspec
+filesystem or a ``pyarrow.fs.FileSystem``) paths name objects in it. Anything else (a
+table, bytes, an open file) is refused with a :class:`SourceError` that says what to
+pass instead.
 
 Directories laid out Hive-style (``day=1/part-0.parquet``) give each file's partition
 keys as extra columns, typed as pyarrow's partition discovery types them (integers as
 int32, anything else as strings, ``__HIVE_DEFAULT_PARTITION__`` as null); they are
 cached like any other column, and the key's value is part of the file's path, so of
 its cache key.
+
+A file's identity is its path (a remote object's URL), size, and mtime or, for a
+remote object, the store's last-modified time and version marker (ETag, version id,
+generation): never a local time.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field as _field
 from functools import cached_property
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,9 +35,11 @@ import xxhash
 
 from .cachefile import version_token
 from .errors import SchemaError, SourceError
+from .footers import load_footer, parse_footer, read_footer, save_footer
+from .remote import Store, is_local_fs, is_url, store_for
 from .schema import RAGGED, OutputSpec, storage_dtype
 
-__all__ = ["SourceFile", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
+__all__ = ["SourceFile", "Listed", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
            "pandas_index_columns"]
 
 _GLOB_CHARS = set("*?[")
@@ -38,10 +48,14 @@ _MAX_PAGE_VALUES = 2**31 - 1  # a Parquet page header counts its values in an i3
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One Parquet file: identity (path, size, mtime), footer, and Hive partition keys.
+    """One Parquet file: identity, footer, and Hive partition keys.
 
+    ``path`` is the real local path, or a remote object's URL; ``size``, ``mtime_ns``
+    and ``tag`` (a remote store's version marker, "" for local files) make its identity.
     ``schema`` is the file's Arrow schema followed by its partition keys' fields;
     ``partitions`` maps each partition key to its value (None for a null partition).
+    ``store`` (a :class:`gpuload.remote.Store`) and ``key`` (the object's path in it)
+    are set for remote objects only.
     """
 
     path: str
@@ -50,14 +64,24 @@ class SourceFile:
     metadata: pq.FileMetaData
     schema: pa.Schema
     partitions: tuple = ()  # ((name, value), ...)
+    tag: str = ""
+    store: Store | None = _field(default=None, compare=False, repr=False)
+    key: str = ""
+
+    @property
+    def remote(self) -> bool:
+        return self.store is not None
 
     @property
     def version(self) -> str:
-        """A short token that changes whenever the file's size or mtime does."""
-        return version_token(self.size, self.mtime_ns)
+        """A short token that changes whenever the file's identity (size, mtime, tag) does."""
+        return version_token(self.size, self.mtime_ns, self.tag)
 
     def stat_matches(self) -> bool:
-        """True if the file on disk still has the size and mtime recorded here."""
+        """True if a local file still has the size and mtime recorded here (remote objects:
+        their identity was taken from the listing at open, and is not asked again)."""
+        if self.remote:
+            return True
         try:
             st = os.stat(self.path)
         except OSError:
@@ -110,11 +134,11 @@ def _is_data_file(p: Path) -> bool:
 
 
 def _refuse(item) -> None:
-    """Raise a :class:`SourceError` for a ``source`` item that is not a path."""
+    """Raise a :class:`SourceError` for a ``source`` item that is not a path or URL."""
     kind = type(item).__name__
     mod = type(item).__module__.split(".")[0]
     if item is None:
-        raise SourceError("source is None: pass a Parquet file, a directory, a glob or a list of them")
+        raise SourceError("source is None: pass a Parquet file, a directory, a glob, a URL or a list of them")
     if isinstance(item, (bytes, bytearray, memoryview)):
         raise SourceError(f"source is {kind}: gpuload reads Parquet files by path; write the bytes to a file "
                           "and pass its path")
@@ -122,57 +146,98 @@ def _refuse(item) -> None:
         raise SourceError(f"source is a {mod} {kind}: gpuload caches Parquet files; write it with "
                           "pyarrow.parquet.write_table (or DataFrame.to_parquet) and pass the file's path")
     if hasattr(item, "open_input_file") or (hasattr(item, "protocol") and hasattr(item, "ls")):
-        raise SourceError(f"source is a filesystem object ({kind}): filesystem objects and remote sources are "
-                          "not supported yet; copy the files to a local disk and pass their paths")
+        raise SourceError(f"source is a filesystem object ({kind}): pass it as filesystem= and the paths in it "
+                          "as source")
     if hasattr(item, "read") or hasattr(item, "readinto"):
         raise SourceError(f"source is an open file ({kind}): pass the file's path instead")
-    raise SourceError(f"source is a {kind}: pass a Parquet file path, a directory, a glob or a list of them")
+    raise SourceError(f"source is a {kind}: pass a Parquet file path, a directory, a glob, a URL or a list of them")
 
 
-def list_files(source) -> list[tuple[str, str | None, str]]:
-    """``(real path, partition base folder or None, path as listed)`` of each Parquet file
-    named by ``source``, in a stable order (a file reached through a link has its real
-    path as identity, and the listed one for its Hive partition keys).
+class Listed(NamedTuple):
+    """One listed Parquet file: identity path (real local path or URL), Hive partition base
+    (or None), the path as listed (for partition keys), size, mtime, version tag, and for
+    remote objects the store and the object's path in it."""
+
+    path: str
+    base: str | None
+    shown: str
+    size: int
+    mtime_ns: int
+    tag: str = ""
+    store: Store | None = None
+    key: str = ""
+
+
+def _items(source) -> list:
+    if isinstance(source, (str, os.PathLike)):
+        return [source]
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise SourceError("source is an empty list: pass a Parquet file, a directory, a glob or a URL")
+        return list(source)
+    _refuse(source)
+
+
+def list_files(source, filesystem=None, storage_options: dict | None = None, settings=None) -> list[Listed]:
+    """Each Parquet file or object named by ``source``, in a stable order (a local file
+    reached through a link has its real path as identity, and the listed one for its
+    Hive partition keys).
 
     ``source`` is a file, a directory (searched recursively for ``*.parquet``, skipping
-    names that start with ``_`` or ``.``), a glob (``**`` recurses), or a list of these.
-    Directories and globs are the base of Hive partition discovery for their files.
+    names that start with ``_`` or ``.``), a glob (``**`` recurses), a URL of an object,
+    prefix or glob, or a list of these. Directories and globs are the base of Hive
+    partition discovery for their files. ``filesystem`` (fsspec or pyarrow) makes every
+    item a path in it; ``storage_options`` configure the fsspec filesystems made from
+    URLs; ``settings`` (:class:`gpuload.RemoteSettings`) set the retries of listings.
     """
-    if isinstance(source, (str, os.PathLike)):
-        items = [source]
-    elif isinstance(source, (list, tuple)):
-        items = list(source)
-    else:
-        _refuse(source)
-    if not items:
-        raise SourceError("source is an empty list: pass a Parquet file, a directory or a glob")
-    found: dict[str, str | None] = {}
-    for item in items:
+    from .fetch import RemoteSettings, retry
+
+    settings = settings or RemoteSettings()
+    if filesystem is not None and is_local_fs(filesystem):
+        filesystem = None  # the local disk: read directly, identities from stat
+    found: dict[str, Listed] = {}
+    stores: dict[str, Store] = {}
+    for item in _items(source):
         if not isinstance(item, (str, os.PathLike)):
             _refuse(item)
         text = os.fspath(item)
         if isinstance(text, bytes):
             _refuse(text)
-        if "://" in text and not text.startswith("file://"):
-            raise SourceError(f"{text}: remote sources are not supported yet; copy the files to a local disk")
-        text = text.removeprefix("file://")
-        p = Path(os.path.abspath(Path(text).expanduser()))  # absolute, links kept: partitions live in the names
-        base = None
-        if p.is_dir():
-            matches = sorted(q for q in p.rglob("*.parquet") if _is_data_file(q))
-            base = p
-        elif p.is_file():  # an existing name is a name, even with glob characters in it
-            matches = [p]
-        elif _GLOB_CHARS & set(text):
-            matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if _is_data_file(Path(m)))
-            base = Path(*p.parts[:next(i for i, part in enumerate(p.parts) if _GLOB_CHARS & set(part))])
-        else:
-            raise SourceError(f"{text}: no such file or directory")
-        if not matches:
-            raise SourceError(f"{text}: matched no Parquet files")
-        for m in matches:  # identity by the real file; partition keys from the name as listed
-            found.setdefault(str(m.resolve()), (None if base is None else str(base), str(m)))
-    return [(path, base, listed) for path, (base, listed) in found.items()]
+        if filesystem is not None or is_url(text):
+            proto = text.split("://", 1)[0] if "://" in text else ""
+            store = stores.get(proto)
+            if store is None:
+                store = stores[proto] = store_for(text if "://" in text else None, filesystem, storage_options)
+                store.timeout = settings.timeout_s or None
+            infos, base = retry(lambda s=store, t=text: s.expand(t), f"{text}: listing", settings)
+            for i in infos:
+                url = store.url(i.path)
+                found.setdefault(url, Listed(url, base, i.path, i.size, i.mtime_ns, i.tag, store, i.path))
+            continue
+        for path, base, shown in _list_local(text):
+            st = os.stat(path)
+            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns))
+    return list(found.values())
+
+
+def _list_local(text: str) -> list[tuple[str, str | None, str]]:
+    text = text.removeprefix("file://")
+    p = Path(os.path.abspath(Path(text).expanduser()))  # absolute, links kept: partitions live in the names
+    base = None
+    if p.is_dir():
+        matches = sorted(q for q in p.rglob("*.parquet") if _is_data_file(q))
+        base = p
+    elif p.is_file():  # an existing name is a name, even with glob characters in it
+        matches = [p]
+    elif _GLOB_CHARS & set(text):
+        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if _is_data_file(Path(m)))
+        base = Path(*p.parts[:next(i for i, part in enumerate(p.parts) if _GLOB_CHARS & set(part))])
+    else:
+        raise SourceError(f"{text}: no such file or directory")
+    if not matches:
+        raise SourceError(f"{text}: matched no Parquet files")
+    # identity by the real file; partition keys from the name as listed
+    return [(str(m.resolve()), None if base is None else str(base), str(m)) for m in matches]
 
 
 def _hive_keys(path: str, base: str) -> set[str]:
@@ -180,42 +245,32 @@ def _hive_keys(path: str, base: str) -> set[str]:
     return {seg.split("=", 1)[0] for seg in Path(path).relative_to(base).parts[:-1] if "=" in seg}
 
 
-def _partitions(listed: list[tuple[str, str | None, str]]) -> dict[str, tuple[pa.Schema, tuple]]:
-    """Per real path with Hive partition folders: (partition fields, ((name, value), ...)), as
-    pyarrow discovers them from the listed paths."""
+def _partitions(listed: Sequence[Listed]) -> dict[str, tuple[pa.Schema, tuple]]:
+    """Per identity path with Hive partition folders: (partition fields, ((name, value), ...)),
+    as pyarrow discovers them from the listed paths (names only: no file is opened)."""
     import pyarrow.dataset as pds
     import pyarrow.fs as pafs
 
     by_base: dict[str, list[tuple[str, str]]] = {}
-    for path, base, shown in listed:
-        if base is not None and _hive_keys(shown, base):
-            by_base.setdefault(base, []).append((shown, path))
+    for x in listed:
+        if x.base is not None and _hive_keys(x.shown, x.base):
+            by_base.setdefault(x.base, []).append((x.shown, x.path))
     out = {}
     for base, pairs in by_base.items():
-        shown_paths = [shown for shown, _ in pairs]
         real = dict(pairs)
-        keys = set().union(*(_hive_keys(p, base) for p in shown_paths))
-        try:
-            clash = keys & set(pq.read_schema(shown_paths[0]).names)
-        except (OSError, pa.ArrowException):
-            clash = set()  # open_files names the unreadable file
-        if clash:
-            name = sorted(clash)[0]
-            raise SchemaError(f"{shown_paths[0]}: column {name!r} is both in the file and a partition folder "
-                              f"({name}=...); rename one of them")
         opts = pds.FileSystemFactoryOptions(partition_base_dir=base)
         opts.partitioning_factory = pds.HivePartitioning.discover(infer_dictionary=False)
-        try:
-            factory = pds.FileSystemDatasetFactory(pafs.LocalFileSystem(), shown_paths, pds.ParquetFileFormat(), opts)
-            dataset = factory.finish(factory.inspect())
+        try:  # a mock filesystem: discovery works on the names alone
+            factory = pds.FileSystemDatasetFactory(pafs._MockFileSystem(), [s for s, _ in pairs],
+                                                   pds.ParquetFileFormat(), opts)
+            dataset = factory.finish(factory.inspect(fragments=0))
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{base}: cannot discover its partition folders ({e})") from None
-        names = [f.name for f in dataset.partitioning.schema] if dataset.partitioning else []
-        fields = pa.schema([dataset.schema.field(n) for n in names])
+        fields = pa.schema(list(dataset.partitioning.schema)) if dataset.partitioning else pa.schema([])
         for frag in dataset.get_fragments():
-            found = pds.get_partition_keys(frag.partition_expression)  # a null key is absent here
+            found = pds.get_partition_keys(frag.partition_expression)  # a null key may be absent here
             present = _hive_keys(frag.path, base)
-            out[real[frag.path]] = (fields, tuple((n, found.get(n)) for n in names if n in present))
+            out[real[frag.path]] = (fields, tuple((f.name, found.get(f.name)) for f in fields if f.name in present))
     return out
 
 
@@ -235,25 +290,56 @@ def _check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
                           "from the source")
 
 
-def open_files(listed: Sequence[tuple[str, str | None, str]]) -> list[SourceFile]:
-    """Stat each file and read its footer; a :class:`SourceError` names a bad file."""
-    parts = _partitions(list(listed))
+def _local_read(path: str):
+    def read(start: int, end: int) -> bytes:
+        with open(path, "rb", buffering=0) as fh:
+            return os.pread(fh.fileno(), end - start, start)
+    return read
+
+
+def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dict | None = None) -> list[SourceFile]:
+    """Read each file's footer (from the cache ``root`` when it holds this version's);
+    a :class:`SourceError` names a bad file.
+
+    ``fetcher_for(store)`` gives the :class:`gpuload.fetch.Fetcher` that reads remote
+    footers (retried). ``stats``, if given, counts ``{"footers_cached", "footers_read"}``.
+    """
+    parts = _partitions(listed)
     out = []
-    for path, _, _ in listed:
+    counts = stats if stats is not None else {}
+    counts.setdefault("footers_cached", 0)
+    counts.setdefault("footers_read", 0)
+    for x in listed:
+        raw = load_footer(root, x.path, x.size, x.mtime_ns, x.tag)
+        if raw is None:
+            if x.store is not None:
+                fetcher = fetcher_for(x.store)
+                raw = read_footer(lambda a, b, g=fetcher.get, k=x.key: g(k, a, b), x.size, x.path)
+            else:
+                try:
+                    raw = read_footer(_local_read(x.path), x.size, x.path)
+                except OSError as e:
+                    raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the "
+                                      "source") from None
+            meta = parse_footer(raw, x.path)
+            _check_footer(x.path, meta, x.size)
+            save_footer(root, x.path, x.size, x.mtime_ns, x.tag, raw)
+            counts["footers_read"] += 1
+        else:
+            meta = parse_footer(raw, x.path)
+            _check_footer(x.path, meta, x.size)
+            counts["footers_cached"] += 1
         try:
-            st = os.stat(path)
-            meta = pq.read_metadata(path)
             schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as e:
-            raise SourceError(f"{path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
-        _check_footer(path, meta, st.st_size)
-        fields, keys = parts.get(path, (pa.schema([]), ()))
+            raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
+        fields, keys = parts.get(x.path, (pa.schema([]), ()))
         for f in (f for f in fields if f.name in dict(keys)):
             if f.name in schema.names:
-                raise SchemaError(f"{path}: column {f.name!r} is both in the file and a partition folder "
+                raise SchemaError(f"{x.path}: column {f.name!r} is both in the file and a partition folder "
                                   f"({f.name}=...); rename one of them")
             schema = schema.append(f)
-        out.append(SourceFile(path, st.st_size, st.st_mtime_ns, meta, schema, keys))
+        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, x.tag, x.store, x.key))
     return out
 
 
@@ -295,9 +381,10 @@ def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec]) -> list[tuple[in
 
 
 def fingerprint(files: Sequence[SourceFile]) -> int:
-    """A 63-bit fingerprint of the files' identities (path, size, mtime, rows)."""
+    """A 63-bit fingerprint of the files' identities (path, size, mtime, tag, rows)."""
     h = xxhash.xxh64()
     for f in files:
-        h.update(f"{f.path}\0{f.size}\0{f.mtime_ns}\0{f.metadata.num_rows}\n".encode())
+        tag = f"\0{f.tag}" if f.tag else ""
+        h.update(f"{f.path}\0{f.size}\0{f.mtime_ns}{tag}\0{f.metadata.num_rows}\n".encode())
     return h.intdigest() & (2**63 - 1)
 

@@ -112,9 +112,9 @@ def test_injected_slow_decode_is_named(data, tmp_path, monkeypatch, no_fsync):
 def test_injected_throttled_reader_is_named(data, tmp_path, monkeypatch, no_fsync):
     real = decode_mod._TimedFile._pread
 
-    def throttled(self, n):
+    def throttled(self, start, end):
         time.sleep(0.05)  # remote storage: every read waits (about 10x a chunk's decode on a loaded machine)
-        return real(self, n)
+        return real(self, start, end)
 
     monkeypatch.setattr(decode_mod._TimedFile, "_pread", throttled)
     ds = _ds(data, tmp_path, num_threads=1)

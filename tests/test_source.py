@@ -98,12 +98,11 @@ def _not_paths(tmp_path):
         "dict": ({"path": str(p)}, "dict"),
         "list with None": ([str(p), None], "source is None"),
         "generator": ((x for x in [str(p)]), "generator"),
-        "url": ("s3://bucket/x.parquet", "remote sources are not supported yet"),
     }
 
 
 @pytest.mark.parametrize("kind", ["None", "bytes", "bytearray", "table", "dataframe", "open file", "BytesIO",
-                                  "fsspec", "arrow fs", "int", "dict", "list with None", "generator", "url"])
+                                  "fsspec", "arrow fs", "int", "dict", "list with None", "generator"])
 def test_sources_that_are_not_paths_are_refused_clearly(tmp_path, kind):
     source, needle = _not_paths(tmp_path)[kind]
     with pytest.raises(gpuload.SourceError, match=needle):

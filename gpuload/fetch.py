@@ -1,0 +1,410 @@
+"""Fetch: the byte ranges of a chunk's columns from a remote store, many at once, retried.
+
+The first epoch of a remote source reads, per chunk, only the column chunks of the
+selected columns: their byte ranges come from the (cached) footer, nearby ranges are
+merged into one request, long ones are split, and the requests run on a thread pool
+bounded by the bytes in flight (:attr:`RemoteSettings.max_inflight_bytes`) and the
+number of requests (:attr:`RemoteSettings.max_requests`), not by files. The reader
+starts the fetches of chunks ahead of the one being decoded
+(:attr:`RemoteSettings.readahead_bytes`), so request latency overlaps with decoding.
+
+Transient failures (HTTP 5xx, 429 and 408, throttling, connection resets, timeouts,
+short bodies) are retried with exponential backoff and full jitter; after the last
+try a :class:`~gpuload.SourceError` names the object, the range and the last error. A
+chunk whose ranges could not all be fetched is never decoded, so never cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import errno
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from .errors import ConfigError, SourceError
+
+__all__ = ["RemoteSettings", "RemoteStats", "Fetcher", "ReadOnlyFile", "RangeFile", "column_ranges", "coalesce",
+           "retry"]
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_TRANSIENT_WORDS = ("slowdown", "slow down", "throttl", "timeout", "timed out", "reset", "broken pipe",
+                    "temporarily", "service unavailable", "internal error", "bad gateway", "too many requests",
+                    "connection", "disconnected", "payload", "503", "500", "502", "504", "429")
+_PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EINVAL}
+
+
+def _env(name: str, default, kind):
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"${name}={text!r} must be a {kind.__name__}") from None
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How remote sources are read; each default comes from an environment variable.
+
+    Attributes
+    ----------
+    max_requests : requests in flight at once (``$GPULOAD_REMOTE_REQUESTS``, default 32).
+    max_inflight_bytes : bytes of requests in flight at once (``$GPULOAD_REMOTE_INFLIGHT_BYTES``,
+        default 256 MiB); a single larger range runs alone.
+    readahead_bytes : fetched bytes of chunks started ahead of decoding
+        (``$GPULOAD_REMOTE_READAHEAD_BYTES``, default 512 MiB; at least one chunk is started).
+    coalesce_bytes : ranges this close are merged into one request (default 1 MiB).
+    max_range_bytes : longer ranges are split into requests of at most this (default 16 MiB).
+    retries : tries per request after the first (``$GPULOAD_REMOTE_RETRIES``, default 6).
+    backoff_s, max_backoff_s : first and largest backoff in seconds (defaults 0.2 and 10); the
+        wait before try ``k`` is uniform in ``[0, min(max_backoff_s, backoff_s * 2**k)]``.
+    timeout_s : seconds before one request counts as stalled and is retried
+        (``$GPULOAD_REMOTE_TIMEOUT``, default 60; fsspec's async stores only; pyarrow's
+        filesystems use their own ``request_timeout``).
+    """
+
+    max_requests: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_REQUESTS", 32, int))
+    max_inflight_bytes: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_INFLIGHT_BYTES", 256 << 20, int))
+    readahead_bytes: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_READAHEAD_BYTES", 512 << 20, int))
+    coalesce_bytes: int = 1 << 20
+    max_range_bytes: int = 16 << 20
+    retries: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_RETRIES", 6, int))
+    backoff_s: float = 0.2
+    max_backoff_s: float = 10.0
+    timeout_s: float = field(default_factory=lambda: _env("GPULOAD_REMOTE_TIMEOUT", 60.0, float))
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"remote {f.name}={v!r} must be a non-negative number")
+        for name in ("max_requests", "max_inflight_bytes", "max_range_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"remote {name}={getattr(self, name)!r} must be at least 1")
+
+    @classmethod
+    def of(cls, value) -> "RemoteSettings":
+        """``value`` as settings: None (defaults), a :class:`RemoteSettings`, or a dict of its fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ConfigError(f"remote: unknown setting(s) {', '.join(sorted(unknown))}; known: "
+                                  f"{', '.join(f.name for f in fields(cls))}")
+            return cls(**value)
+        raise ConfigError(f"remote={value!r}: pass None, a dict or a gpuload.RemoteSettings")
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """Requests made to a remote store. Sizes in bytes, times in seconds.
+
+    ``latency_p50_s`` / ``p90`` / ``p99``: per successful request, from its start to its
+    last byte (None without requests). ``retried``: requests tried again; ``failed``:
+    requests that failed on every try.
+    """
+
+    requests: int
+    bytes: int
+    retried: int
+    failed: int
+    latency_p50_s: float | None
+    latency_p90_s: float | None
+    latency_p99_s: float | None
+
+    def __str__(self) -> str:
+        if not self.requests:
+            return "no requests"
+        ms = [f"{v * 1e3:.0f}" for v in (self.latency_p50_s, self.latency_p90_s, self.latency_p99_s)]
+        return (f"{self.requests:,} requests, {self.bytes / 1e6:.1f} MB, latency p50/p90/p99 {'/'.join(ms)} ms, "
+                f"{self.retried} retried, {self.failed} failed")
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a failed request is worth trying again."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, _ShortRead)):
+        return True
+    status = getattr(e, "status", None) or getattr(e, "status_code", None)
+    response = getattr(e, "response", None)
+    if status is None and isinstance(response, dict):
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if isinstance(status, int):
+        return status in _TRANSIENT_STATUS or status >= 500
+    mod = type(e).__module__.split(".")[0]
+    if mod in ("aiohttp", "botocore", "urllib3", "requests", "http"):
+        text = str(e).lower()
+        return "403" not in text and "404" not in text and "denied" not in text
+    if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNO:
+        return False
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in _TRANSIENT_WORDS)
+
+
+class _ShortRead(Exception):
+    pass
+
+
+def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_retry: Callable[[], None] | None = None,
+          stop: threading.Event | None = None):
+    """``call()``, tried again on transient errors with backoff and jitter; a
+    :class:`SourceError` naming ``what`` when it fails for good."""
+    for attempt in range(settings.retries + 1):
+        try:
+            return call()
+        except SourceError:
+            raise
+        except Exception as e:  # classified below: a store's errors have no common base
+            if not transient(e):
+                raise SourceError(f"{what}: {type(e).__name__}: {e}" + _hint(e)) from None
+            if attempt == settings.retries or (stop is not None and stop.is_set()):
+                raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(e).__name__}: {e}; the "
+                                  "store may be down or throttling: try again later, or raise remote retries") from None
+            if on_retry is not None:
+                on_retry()
+            time.sleep(random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt)))
+    raise AssertionError("unreachable")
+
+
+def _hint(e: BaseException) -> str:
+    if isinstance(e, FileNotFoundError):
+        return "; the object is gone: open the dataset again to list the source anew"
+    if isinstance(e, PermissionError):
+        return "; check the credentials in storage_options (or the environment)"
+    return ""
+
+
+class _Budget:
+    """A counting limit on bytes, granted first come first served; a request larger than
+    the whole limit runs alone."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self._next, self._serving = limit, 0, 0, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._serving == ticket and self.used + n <= self.limit)
+            self._serving += 1
+            self.used += n
+            self._cond.notify_all()
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+def column_ranges(meta, rg_start: int, rg_stop: int, leaves) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` of the column chunks of ``leaves`` in row groups
+    ``[rg_start, rg_stop)``, from the footer ``meta`` (dictionary pages included)."""
+    out = []
+    for g in range(rg_start, rg_stop):
+        rg = meta.row_group(g)
+        for i in leaves:
+            c = rg.column(i)
+            start = c.data_page_offset
+            if c.has_dictionary_page and 0 < c.dictionary_page_offset < start:
+                start = c.dictionary_page_offset
+            out.append((start, start + c.total_compressed_size))
+    return out
+
+
+def coalesce(ranges, gap: int, longest: int) -> list[tuple[int, int]]:
+    """Merge ranges closer than ``gap`` bytes, then split any longer than ``longest``."""
+    merged: list[list[int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if merged and a - merged[-1][1] <= gap:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    out = []
+    for a, b in merged:
+        parts = -(-(b - a) // longest)
+        step = -(-(b - a) // parts)
+        out += [(s, min(b, s + step)) for s in range(a, b, step)]
+    return out
+
+
+class ReadOnlyFile:
+    """The seekable, read-only file protocol pyarrow needs, over ``read_at(start, end)`` of a
+    ``size``-byte file (subclasses give it)."""
+
+    def __init__(self, size: int):
+        self._size, self._pos, self.closed = size, 0, False
+
+    def read_at(self, start: int, end: int) -> bytes:
+        raise NotImplementedError
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else min(n, self._size - self._pos)
+        data = self.read_at(self._pos, self._pos + n) if n > 0 else b""
+        self._pos += len(data)
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def size(self) -> int:
+        return self._size
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class RangeFile(ReadOnlyFile):
+    """A read-only file over fetched byte ranges (``parts``: ``{start: bytes}``) of one
+    object, for pyarrow's Parquet reader (with ``pre_buffer=False``: one read per column chunk).
+
+    A read outside the fetched ranges calls ``fallback(start, end)`` (counted in
+    :attr:`unplanned`); a well-formed file never needs it.
+    """
+
+    def __init__(self, name: str, size: int, parts: dict[int, bytes], fallback: Callable[[int, int], bytes]):
+        super().__init__(size)
+        self.name, self.parts, self._fallback = name, parts, fallback
+        self._starts = sorted(parts)
+        self.unplanned = 0
+
+    def read_at(self, a: int, b: int) -> bytes:
+        i = bisect.bisect_right(self._starts, a) - 1
+        if i >= 0:
+            s = self._starts[i]
+            data = self.parts[s]
+            if b <= s + len(data):
+                return data[a - s:b - s]
+        self.unplanned += 1
+        return self._fallback(a, b)
+
+
+class Job:
+    """The fetch of one object's ranges: :meth:`result` waits for all of them."""
+
+    def __init__(self, futures: list[Future], ranges: list[tuple[int, int]], nbytes: int):
+        self.futures, self.ranges, self.nbytes = futures, ranges, nbytes
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def result(self) -> dict[int, bytes]:
+        """``{start: bytes}`` of the fetched spans (split requests joined again); the first
+        failure's :class:`SourceError` if any failed."""
+        out: dict[int, bytes] = {}
+        pending: list[bytes] = []
+        start = end = None
+        for (a, b), f in zip(self.ranges, self.futures):
+            data = f.result()
+            if a != end and pending:
+                out[start] = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending = []
+            if not pending:
+                start = a
+            pending.append(data)
+            end = b
+        if pending:
+            out[start] = pending[0] if len(pending) == 1 else b"".join(pending)
+        return out
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+class Fetcher:
+    """Runs range requests to one :class:`~gpuload.remote.Store` on a bounded pool, retried and timed."""
+
+    def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
+        self.store, self.settings, self.clock = store, settings, clock
+        self._pool = ThreadPoolExecutor(max_workers=settings.max_requests, thread_name_prefix="gpuload-fetch")
+        self._budget = _Budget(settings.max_inflight_bytes)
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the request statistics."""
+        with self._lock:
+            self._lat: list[float] = []
+            self._bytes = self._retried = self._failed = 0
+
+    def stats(self) -> RemoteStats:
+        """Requests made since creation or :meth:`reset`."""
+        with self._lock:
+            lat, nb, retried, failed = sorted(self._lat), self._bytes, self._retried, self._failed
+
+        def q(p: float) -> float | None:
+            return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
+
+        return RemoteStats(len(lat), nb, retried, failed, q(0.5), q(0.9), q(0.99))
+
+    def _retried_once(self) -> None:
+        with self._lock:
+            self._retried += 1
+
+    def get(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path``, retried; on the calling thread."""
+        def once() -> bytes:
+            t0 = self.clock()
+            data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None)
+            if len(data) != end - start:
+                raise _ShortRead(f"got {len(data)} bytes of {end - start}")
+            t1 = self.clock()
+            with self._lock:
+                self._lat.append(t1 - t0)
+                self._bytes += len(data)
+            return bytes(data)
+
+        try:
+            return retry(once, f"{self.store.url(path)} (bytes {start}-{end - 1})", self.settings,
+                         self._retried_once, self.stop)
+        except SourceError:
+            with self._lock:
+                self._failed += 1
+            raise
+
+    def _one(self, path: str, start: int, end: int) -> bytes:
+        granted = self._budget.acquire(end - start)
+        try:
+            return self.get(path, start, end)
+        finally:
+            self._budget.release(granted)
+
+    def start(self, path: str, ranges) -> Job:
+        """Start fetching the (coalesced) ``ranges`` of ``path``; returns at once."""
+        s = self.settings
+        merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
+        futures = [self._pool.submit(self._one, path, a, b) for a, b in merged]
+        return Job(futures, merged, sum(b - a for a, b in merged))
+
+    def close(self) -> None:
+        """Stop retrying, drop queued requests and close the store's open files."""
+        self.stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

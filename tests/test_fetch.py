@@ -1,0 +1,140 @@
+"""Range planning, coalescing, the bytes-in-flight bound and retry classification."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gpuload import ConfigError, RemoteSettings, SourceError
+from gpuload.fetch import Fetcher, RangeFile, coalesce, column_ranges, retry, transient
+
+
+def test_column_ranges_cover_exactly_the_column_chunks(tmp_path):
+    t = pa.table({"a": list(range(1000)), "b": [str(i % 7) for i in range(1000)], "c": [1.5] * 1000})
+    pq.write_table(t, tmp_path / "x.parquet", row_group_size=300)
+    meta = pq.read_metadata(tmp_path / "x.parquet")
+    data = (tmp_path / "x.parquet").read_bytes()
+    ranges = column_ranges(meta, 1, 3, [1])  # column b (dictionary encoded) of row groups 1 and 2
+    assert len(ranges) == 2
+    parts = {a: data[a:b] for a, b in ranges}
+    f = RangeFile("x", len(data), parts, lambda a, b: pytest.fail(f"unplanned read {a}-{b}"))
+    got = pq.ParquetFile(f, metadata=meta, pre_buffer=False).reader.read_row_groups([1, 2], column_indices=[1])
+    assert got.column(0).to_pylist() == t.column("b").to_pylist()[300:900]
+    assert f.unplanned == 0
+
+
+def test_coalesce_merges_near_ranges_and_splits_long_ones():
+    assert coalesce([(100, 200), (0, 50), (60, 90)], gap=10, longest=1000) == [(0, 200)]
+    assert coalesce([(100, 200), (0, 50), (60, 90)], gap=9, longest=1000) == [(0, 50), (60, 90), (100, 200)]
+    assert coalesce([(0, 10), (10, 20), (5, 8)], gap=0, longest=1000) == [(0, 20)]
+    assert coalesce([(0, 1000)], gap=0, longest=300) == [(0, 250), (250, 500), (500, 750), (750, 1000)]
+    assert coalesce([(5, 5)], gap=0, longest=10) == []
+
+
+def test_a_read_outside_the_fetched_ranges_is_served_by_the_fallback():
+    calls = []
+    f = RangeFile("x", 100, {10: b"abcdef"}, lambda a, b: calls.append((a, b)) or b"z" * (b - a))
+    f.seek(11)
+    assert f.read(3) == b"bcd"
+    f.seek(14)
+    assert f.read(4) == b"zzzz" and calls == [(14, 18)] and f.unplanned == 1
+
+
+class _Store:
+    """A store whose reads take ``delay`` seconds and record how many bytes are in flight."""
+
+    def __init__(self, delay=0.01, fail=None):
+        self.delay, self.fail, self.lock = delay, fail, threading.Lock()
+        self.inflight = self.most = self.calls = 0
+
+    def url(self, path):
+        return f"mem://{path}"
+
+    def read(self, path, start, end, timeout=None):
+        with self.lock:
+            self.calls += 1
+            self.inflight += end - start
+            self.most = max(self.most, self.inflight)
+            fail = self.fail(self.calls) if self.fail else None
+        try:
+            time.sleep(self.delay)
+            if fail:
+                raise fail
+            return bytes(end - start)
+        finally:
+            with self.lock:
+                self.inflight -= end - start
+
+    def close(self):
+        pass
+
+
+def test_bytes_in_flight_stay_under_the_bound_with_many_requests():
+    store = _Store()
+    f = Fetcher(store, RemoteSettings(max_requests=16, max_inflight_bytes=4000, coalesce_bytes=0,
+                                      max_range_bytes=1000))
+    jobs = [f.start("k", [(i * 10_000, i * 10_000 + 3000)]) for i in range(10)]
+    for j in jobs:
+        parts = j.result()
+        assert [len(v) for v in parts.values()] == [3000]  # split requests joined again
+    assert 1000 < store.most <= 4000
+    assert f.stats().requests == 30 and f.stats().bytes == 30_000
+    f.close()
+
+
+def test_transient_errors_are_retried_and_permanent_ones_are_not():
+    store = _Store(delay=0, fail=lambda n: ConnectionResetError("reset by peer") if n < 3 else None)
+    f = Fetcher(store, RemoteSettings(retries=5, backoff_s=0.001))
+    assert f.get("k", 0, 10) == bytes(10) and f.stats().retried == 2
+    store = _Store(delay=0, fail=lambda n: FileNotFoundError("gone"))
+    f = Fetcher(store, RemoteSettings(retries=5, backoff_s=0.001))
+    with pytest.raises(SourceError, match=r"mem://k \(bytes 0-9\): FileNotFoundError.*list the source anew"):
+        f.get("k", 0, 10)
+    assert store.calls == 1
+    store = _Store(delay=0, fail=lambda n: TimeoutError("stalled"))
+    f = Fetcher(store, RemoteSettings(retries=2, backoff_s=0.001))
+    with pytest.raises(SourceError, match=r"bytes 5-9\): failed 3 times, last with TimeoutError"):
+        f.get("k", 5, 10)
+    assert f.stats().failed == 1
+
+
+class _Status(Exception):
+    def __init__(self, status):
+        super().__init__(f"status {status}")
+        self.status = status
+
+
+@pytest.mark.parametrize("err, expected", [(_Status(503), True), (_Status(429), True), (_Status(500), True),
+                                           (_Status(404), False), (_Status(403), False),
+                                           (OSError(5, "Input/output error"), False),
+                                           (OSError("SlowDown: please reduce your request rate"), True),
+                                           (PermissionError("denied"), False), (ValueError("bad"), False)])
+def test_transient_classification(err, expected):
+    assert transient(err) is expected
+
+
+def test_backoff_grows_and_is_jittered(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    with pytest.raises(SourceError):
+        retry(lambda: (_ for _ in ()).throw(_Status(503)), "x", RemoteSettings(retries=6, backoff_s=0.1,
+                                                                               max_backoff_s=1.0))
+    assert len(sleeps) == 6
+    caps = [min(1.0, 0.1 * 2 ** k) for k in range(6)]
+    assert all(0 <= s <= c for s, c in zip(sleeps, caps)) and len(set(sleeps)) > 1
+
+
+def test_settings_are_checked_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(ConfigError, match="max_requests"):
+        RemoteSettings(max_requests=0)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        RemoteSettings.of({"retry": 3})
+    monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "2")
+    assert RemoteSettings().retries == 2
+    monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "many")
+    with pytest.raises(ConfigError, match="GPULOAD_REMOTE_RETRIES"):
+        RemoteSettings()

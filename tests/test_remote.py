@@ -1,0 +1,335 @@
+"""Remote sources against real loopback servers: an S3-protocol server (moto) and a plain
+HTTP object server, both counting the requests they receive and able to inject latency
+and faults (gpuload.testing)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gpuload
+from gpuload import SourceError
+from gpuload.batch import Ragged
+
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+from gpuload.testing import Faults, HttpServer, S3Server  # noqa: E402
+
+N_FILES, ROWS, RG = 3, 3000, 500
+
+
+def _table(i: int, rows: int = ROWS, seed: int = 0) -> pa.Table:
+    rng = np.random.default_rng(seed * 100 + i)
+    ids = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
+    lens = rng.integers(0, 6, rows)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    values = rng.integers(-1000, 1000, int(offsets[-1]))
+    t0 = datetime.datetime(2024, 1, 1)
+    return pa.table({
+        "id": ids,
+        "i8": pa.array(rng.integers(-128, 128, rows), pa.int8()),
+        "u16": pa.array(rng.integers(0, 65535, rows), pa.uint16()),
+        "i32": pa.array(rng.integers(-2**31, 2**31 - 1, rows), pa.int32()),
+        "f16": pa.array(rng.random(rows).astype(np.float16), pa.float16()),
+        "f32": pa.array(rng.random(rows).astype(np.float32)),
+        "f64": rng.random(rows),
+        "flag": pa.array(rng.random(rows) < 0.5),
+        "ts": pa.array([t0 + datetime.timedelta(seconds=int(s)) for s in rng.integers(0, 10**7, rows)],
+                       pa.timestamp("us")),
+        "day": pa.array(rng.integers(0, 20000, rows).astype(np.int32), pa.int32()).cast(pa.date32()),
+        "cat": pa.array(rng.integers(0, 50, rows)).dictionary_encode(),
+        "hist": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int64())),
+        "emb": pa.FixedSizeListArray.from_arrays(pa.array(rng.random(rows * 4).astype(np.float32)), 4),
+        "unused": rng.random(rows),  # never requested: its bytes must not be fetched
+    })
+
+
+COLUMNS = {"id": "id", "i8": "i8", "u16": "u16", "i32": "i32", "f16": "f16", "f32": "f32", "f64": "f64",
+           "flag": "flag", "ts": "ts", "day": "day", "cat": "cat", "hist": "hist", "emb": "emb",
+           "dense": ["f32", "f64"]}
+
+
+def _expected(table: pa.Table, name: str):
+    """What gpuload yields for output ``name``, computed by pyarrow alone."""
+    src = COLUMNS[name]
+    if isinstance(src, list):
+        return np.stack([table.column(c).to_numpy() for c in src], axis=1).astype(np.float64)
+    col = table.column(src).combine_chunks()
+    if pa.types.is_dictionary(col.type):
+        col = col.dictionary_decode()
+    if pa.types.is_timestamp(col.type) or pa.types.is_date32(col.type):
+        return col.cast(pa.int32() if pa.types.is_date32(col.type) else pa.int64()).to_numpy().astype(np.int64)
+    if pa.types.is_list(col.type):
+        return Ragged(col.flatten().to_numpy(), col.offsets.to_numpy().astype(np.int64))
+    if pa.types.is_fixed_size_list(col.type):
+        return col.flatten().to_numpy().reshape(len(col), -1)
+    return col.to_numpy(zero_copy_only=False)
+
+
+def _rows_by_id(batches) -> dict:
+    """{output: values in id order} from gpuload batches (ragged as a list of arrays)."""
+    out: dict[str, list] = {}
+    for b in batches:
+        ids = b["id"].numpy()
+        for k, v in b.items():
+            if isinstance(v, Ragged):
+                vals, offs = v.values.numpy(), v.offsets.numpy()
+                out.setdefault(k, []).extend(zip(ids, (vals[offs[j]:offs[j + 1]] for j in range(len(ids)))))
+            else:
+                out.setdefault(k, []).extend(zip(ids, v.numpy()))
+    return {k: [x for _, x in sorted(pairs, key=lambda p: p[0])] for k, pairs in out.items()}
+
+
+def _check_equal(got: dict, tables: list[pa.Table]) -> None:
+    table = pa.concat_tables(tables)
+    order = np.argsort(table.column("id").to_numpy())
+    assert len(got["id"]) == table.num_rows
+    for name in COLUMNS:
+        want = _expected(table, name)
+        if isinstance(want, Ragged):
+            offs = want.offsets
+            rows = [want.values[offs[j]:offs[j + 1]] for j in order]
+            assert all(np.array_equal(a, b) for a, b in zip(got[name], rows)), name
+        else:
+            assert np.array_equal(np.stack(got[name]) if want.ndim > 1 else np.array(got[name]), want[order]), name
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3, tmp_path):
+    """A fresh bucket holding N_FILES Parquet objects under data/ (and a non-Parquet object)."""
+    name = f"b{uuid.uuid4().hex[:12]}"
+    folder = tmp_path / "src"
+    folder.mkdir()
+    tables = [_table(i) for i in range(N_FILES)]
+    for i, t in enumerate(tables):
+        pq.write_table(t, folder / f"part-{i}.parquet", row_group_size=RG)
+    (folder / "_SUCCESS").write_text("")
+    s3.upload_folder(folder, name, "data/")
+    s3.faults = Faults()
+    return name, tables, folder
+
+
+def _open(url, s3, cache, **kw):
+    return gpuload.ParquetDataset(url, COLUMNS, batch_size=700, cache_dir=cache, storage_options=s3.storage_options,
+                                  chunk_bytes=120_000, **kw)
+
+
+def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_request(s3, bucket, tmp_path):
+    name, tables, _ = bucket
+    ds = _open(f"s3://{name}/data/", s3, tmp_path / "cache", seed=3)
+    assert len(ds.reader.files) == N_FILES  # _SUCCESS is not a data file
+    assert len(ds.reader.chunks) > N_FILES  # several chunks per object: ranged reads, not whole objects
+    _check_equal(_rows_by_id(ds), tables)
+    assert ds.stats().remote.requests > 0
+    s3.reset_counts()
+    for epoch in (1, 2):
+        ds.set_epoch(epoch)
+        _check_equal(_rows_by_id(ds), tables)
+    assert s3.count() == 0, dict(s3.requests)
+
+
+def test_first_epoch_fetches_only_the_requested_columns(s3, bucket, tmp_path):
+    name, tables, folder = bucket
+    meta = pq.read_metadata(folder / "part-0.parquet")
+    wanted = {"id", "f32"}
+    col_bytes = sum(meta.row_group(g).column(j).total_compressed_size for g in range(meta.num_row_groups)
+                    for j in range(meta.num_columns) if meta.schema.column(j).path.split(".")[0] in wanted)
+    size = os.path.getsize(folder / "part-0.parquet")
+    remote = {"coalesce_bytes": 0}  # no merging across the unwanted columns' bytes
+    ds = gpuload.ParquetDataset(f"s3://{name}/data/part-0.parquet", sorted(wanted), batch_size=512,
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options, remote=remote)
+    s3.reset_counts()
+    n = sum(len(b["id"]) for b in ds)
+    assert n == ROWS
+    fetched = s3.range_bytes[f"/{name}/data/part-0.parquet"]
+    assert col_bytes <= fetched <= col_bytes * 1.02 + 1024, (fetched, col_bytes, size)
+    assert fetched < size / 3
+
+
+def test_reopening_a_cached_dataset_reads_no_parquet_bytes(s3, bucket, tmp_path):
+    name, tables, _ = bucket
+    cache = tmp_path / "cache"
+    gpuload.build_cache(f"s3://{name}/data/", cache, COLUMNS, chunk_bytes=120_000,
+                        storage_options=s3.storage_options)
+    s3.reset_counts()
+    ds = _open(f"s3://{name}/data/", s3, cache)
+    assert s3.count("GET", ".parquet") == 0 and s3.count("HEAD", ".parquet") == 0, dict(s3.requests)
+    assert ds.reader.open_counts == {"footers_cached": N_FILES, "footers_read": 0}
+    assert len(ds.reader.cached_at_open) == len(ds.reader.chunks)
+    _check_equal(_rows_by_id(ds), tables)
+    assert s3.count("GET", ".parquet") == 0
+    assert ds.stats().remote.requests == 0
+
+
+def test_a_changed_object_is_seen_in_the_listing_and_only_its_chunks_are_rebuilt(s3, bucket, tmp_path):
+    name, tables, folder = bucket
+    cache = tmp_path / "cache"
+    ds = _open(f"s3://{name}/data/", s3, cache, shuffle=False)
+    _check_equal(_rows_by_id(ds), tables)
+    per_file = [sum(1 for c in ds.reader.chunks if c.file == i) for i in range(N_FILES)]
+    new = _table(1, seed=7)  # same schema and rows, other values: a rewrite the size may not reveal
+    pq.write_table(new, folder / "v2.parquet", row_group_size=RG)
+    s3.client().upload_file(str(folder / "v2.parquet"), name, "data/part-1.parquet")
+    ds2 = _open(f"s3://{name}/data/", s3, cache, shuffle=False)
+    assert ds2.reader.open_counts == {"footers_cached": N_FILES - 1, "footers_read": 1}
+    got = _rows_by_id(ds2)
+    assert ds2.reader.counters.decoded == per_file[1]
+    assert ds2.reader.counters.from_cache == sum(per_file) - per_file[1]
+    _check_equal(got, [tables[0], new, tables[2]])
+
+
+def test_filesystem_objects_fsspec_and_pyarrow(s3, bucket, tmp_path):
+    import pyarrow.fs as pafs
+    import s3fs
+
+    name, tables, _ = bucket
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    ds = gpuload.ParquetDataset(f"{name}/data", COLUMNS, filesystem=fs, batch_size=900, cache_dir=tmp_path / "a")
+    _check_equal(_rows_by_id(ds), tables)
+    assert ds.reader.files[0].path.startswith("s3://") and ds.reader.files[0].tag  # the ETag
+    pfs = pafs.S3FileSystem(access_key="testing", secret_key="testing", endpoint_override=s3.endpoint,
+                            scheme="http", region="us-east-1")
+    ds = gpuload.ParquetDataset(f"{name}/data/", COLUMNS, filesystem=pfs, batch_size=900, cache_dir=tmp_path / "b")
+    _check_equal(_rows_by_id(ds), tables)
+
+
+def test_missing_objects_and_protocols_say_what_to_do(s3, bucket, tmp_path):
+    name, _, _ = bucket
+    with pytest.raises(SourceError, match="no such object"):
+        _open(f"s3://{name}/nothing-here.parquet", s3, tmp_path / "c")
+    with pytest.raises(SourceError, match="matched no Parquet"):
+        _open(f"s3://{name}/data/*.csv", s3, tmp_path / "c")
+    with pytest.raises(SourceError, match="not a protocol fsspec knows|needs a package"):
+        gpuload.ParquetDataset("nosuchproto://x/y.parquet", cache_dir=tmp_path / "c")
+
+
+# -- plain HTTP, with latency and faults --------------------------------------------------------
+@pytest.fixture
+def http_files(tmp_path):
+    pytest.importorskip("aiohttp")
+    folder = tmp_path / "www"
+    tables = [_table(i) for i in range(N_FILES)]
+    for i, t in enumerate(tables):
+        (folder / "d").mkdir(parents=True, exist_ok=True)
+        pq.write_table(t, folder / "d" / f"part-{i}.parquet", row_group_size=RG)
+    return folder, tables
+
+
+FAST_RETRY = {"retries": 12, "backoff_s": 0.01, "max_backoff_s": 0.05, "timeout_s": 1.0}
+
+
+def test_http_with_latency_and_faults_still_yields_exactly_pyarrows_rows(http_files, tmp_path):
+    folder, tables = http_files
+    faults = Faults(latency_s=0.02, rate=0.25, kinds=("503", "reset", "stall"), stall_s=3.0, seed=1)
+    with HttpServer(folder, faults) as srv:
+        urls = [srv.url(f"d/part-{i}.parquet") for i in range(N_FILES)]
+        ds = gpuload.ParquetDataset(urls, COLUMNS, batch_size=800, cache_dir=tmp_path / "c", chunk_bytes=120_000,
+                                    remote=FAST_RETRY)
+        _check_equal(_rows_by_id(ds), tables)
+        st = ds.stats().remote
+        assert st.retried > 0 and st.failed == 0, st
+        assert ds.reader.files[0].tag  # the server's ETag is the identity
+        srv.faults = Faults(rate=1.0, kinds=("503",))  # every data request fails from now on
+        srv.reset_counts()
+        ds.set_epoch(1)
+        _check_equal(_rows_by_id(ds), tables)  # cached: no request at all
+        assert srv.count() == 0
+
+
+def test_a_store_that_fails_every_request_ends_in_a_clear_error_and_caches_nothing(http_files, tmp_path):
+    folder, tables = http_files
+    cache = tmp_path / "c"
+    with HttpServer(folder) as srv:
+        urls = [srv.url(f"d/part-{i}.parquet") for i in range(N_FILES)]
+        ds = gpuload.ParquetDataset(urls, COLUMNS, batch_size=800, cache_dir=cache, remote=FAST_RETRY | {"retries": 2})
+        srv.faults = Faults(rate=1.0, kinds=("503", "reset"))
+        with pytest.raises(SourceError) as e:
+            for _ in ds:
+                pass
+        text = str(e.value)
+        assert "part-" in text and "bytes " in text and "failed 3 times" in text, text
+        assert not list(cache.rglob("*.glc"))
+        with pytest.raises(SourceError, match="failed 3 times"):  # at open too: footers are fetched
+            gpuload.ParquetDataset(urls, COLUMNS, cache_dir=tmp_path / "other", remote=FAST_RETRY | {"retries": 2})
+
+
+def test_a_stalled_server_times_out_instead_of_hanging(http_files, tmp_path):
+    folder, _ = http_files
+    with HttpServer(folder, Faults(rate=1.0, kinds=("stall",), stall_s=30)) as srv:
+        with pytest.raises(SourceError, match="failed 2 times.*Timeout"):
+            gpuload.ParquetDataset([srv.url("d/part-0.parquet")], ["id"], cache_dir=tmp_path / "c",
+                                   remote={"retries": 1, "backoff_s": 0.01, "timeout_s": 0.5})
+
+
+def test_http_folder_listing(http_files, tmp_path):
+    folder, tables = http_files
+    with HttpServer(folder) as srv:
+        ds = gpuload.ParquetDataset(srv.url("d/"), COLUMNS, batch_size=1000, cache_dir=tmp_path / "c")
+        assert len(ds.reader.files) == N_FILES
+        _check_equal(_rows_by_id(ds), tables)
+
+
+# -- local sources: the footer cache ---------------------------------------------------------------
+def test_local_files_with_the_same_size_and_mtime_are_not_opened_again(tmp_path):
+    tables = [_table(i) for i in range(2)]
+    paths = [tmp_path / f"p{i}.parquet" for i in range(2)]
+    for p, t in zip(paths, tables):
+        pq.write_table(t, p, row_group_size=RG)
+    cache = tmp_path / "cache"
+    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000)
+    _check_equal(_rows_by_id(ds), tables)
+    for p in paths:  # scramble every byte but keep size and mtime: only a reader that opens it can tell
+        st = p.stat()
+        p.write_bytes(b"\0" * st.st_size)
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000)
+    assert ds.reader.open_counts == {"footers_cached": 2, "footers_read": 0}
+    _check_equal(_rows_by_id(ds), tables)
+
+
+def test_any_fsspec_protocol_memory(tmp_path):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    tables = [_table(i) for i in range(2)]
+    for i, t in enumerate(tables):
+        with fs.open(f"/gl-{tmp_path.name}/part-{i}.parquet", "wb") as fh:
+            pq.write_table(t, fh, row_group_size=RG)
+    ds = gpuload.ParquetDataset(f"memory://gl-{tmp_path.name}/", COLUMNS, batch_size=1000, cache_dir=tmp_path / "c")
+    assert [f.path for f in ds.reader.files] == [f"memory:///gl-{tmp_path.name}/part-{i}.parquet" for i in range(2)]
+    _check_equal(_rows_by_id(ds), tables)
+
+
+def test_gpu_staging_file_holds_the_chunks_columns_and_footer_only(s3, bucket, tmp_path):
+    """The GPU decoder's staging of remote ranges (shared code, checked here with pyarrow): a sparse
+    local file that a Parquet reader opens by path and reads the chunk's columns from."""
+    from gpuload.decode import _stage
+
+    name, tables, folder = bucket
+    ds = gpuload.ParquetDataset(f"s3://{name}/data/part-2.parquet", ["id", "hist", "f32"], cache_dir=tmp_path / "c",
+                                storage_options=s3.storage_options, chunk_bytes=40_000, remote={"coalesce_bytes": 0})
+    r = ds.reader
+    c = r.chunks[1]
+    f = r.files[c.file]
+    s3.reset_counts()
+    path = _stage(f, c, r.specs, r.fetch)
+    try:
+        assert os.path.getsize(path) == f.size
+        got = pq.ParquetFile(path).read_row_groups(list(range(c.rg_start, c.rg_stop)), columns=["id", "hist", "f32"])
+        want = tables[2].slice(c.rg_start * RG, c.rows).select(["id", "hist", "f32"])
+        assert got.equals(want)
+        assert sum(s3.range_bytes.values()) < f.size / 2
+    finally:
+        os.unlink(path)
