@@ -63,6 +63,19 @@ def _dtypes(text: str | None):
     return value
 
 
+def _storage(text: str | None) -> dict | None:
+    """--storage-options: a JSON object passed to the fsspec filesystem of a URL source."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"--storage-options {text!r}: give a JSON object like '{{\"anon\": true}}'")
+    return value
+
+
 def _bar(desc: str, total: int, unit: str):
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, leave=False, file=sys.stderr,
                 disable=None, dynamic_ncols=True)
@@ -111,7 +124,9 @@ def cmd_profile(args) -> int:
     if args.step_ms is not None and args.step_ms > 60_000:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
     kwargs = dict(batch_size=args.batch_size, device=args.device, num_threads=args.threads, prefetch=args.prefetch,
-                  fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes))
+                  fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
+                  storage_options=_storage(args.storage_options), chunk_bytes=int(args.chunk_mib * 2**20))
+    _finite("--chunk-mib", args.chunk_mib, strict=True)
     if args.cache_dir:
         kwargs["cache_dir"] = args.cache_dir
     step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms if args.step_ms is not None else 5:g} ms step"
@@ -153,7 +168,7 @@ def cmd_build(args) -> int:
                               chunk_bytes=int(args.chunk_mib * 2**20),
                               num_threads=args.threads,
                               max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
-                              progress=progress)
+                              progress=progress, storage_options=_storage(args.storage_options))
     finally:
         bar.close()
     print(summary)
@@ -279,7 +294,8 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     f = sub.add_parser("profile", help="run the loader under a training step and diagnose starvation")
-    f.add_argument("source", nargs="+", help="Parquet files, directories or globs")
+    f.add_argument("source", nargs="+", help="Parquet files, directories, globs or URLs (s3://, gs://, https://...)")
+    f.add_argument("--storage-options", help="a JSON object for the URL's fsspec filesystem, e.g. '{\"anon\": true}'")
     f.add_argument("--columns", help="a,b,c or a JSON object {\"output\": [\"col\", ...]} (default: all)")
     f.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
     f.add_argument("--dtypes", help="a JSON object {\"output\": \"float16\"} (numpy or torch dtype names)")
@@ -291,6 +307,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--batch-size", type=int, default=65536, help="rows per batch (default 65536)")
     f.add_argument("--threads", type=int, default=2, help="loader threads (default 2)")
     f.add_argument("--prefetch", type=int, default=2, help="chunks loaded ahead (default 2)")
+    f.add_argument("--chunk-mib", type=float, default=64, help="chunk size bound in MiB (default 64; as the cache "
+                   "was built with)")
     f.add_argument("--trace", help="write a Chrome trace-event JSON file (open in Perfetto)")
     f.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
     f.set_defaults(fn=cmd_profile)
@@ -298,7 +316,8 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cache", help="build, inspect, verify or clear the cache")
     csub = c.add_subparsers(dest="action", required=True)
     b = csub.add_parser("build", help="convert a Parquet source into the cache ahead of training")
-    b.add_argument("source", nargs="+", help="Parquet files, directories or globs")
+    b.add_argument("source", nargs="+", help="Parquet files, directories, globs or URLs (s3://, gs://, https://...)")
+    b.add_argument("--storage-options", help="a JSON object for the URL's fsspec filesystem, e.g. '{\"anon\": true}'")
     b.add_argument("--columns", help="a,b,c or a JSON object {\"output\": [\"col\", ...]} (default: all)")
     b.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
     b.add_argument("--dtypes", help="a JSON object {\"output\": \"float16\"} (numpy or torch dtype names)")

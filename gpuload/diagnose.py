@@ -168,6 +168,11 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
             message = (f"cache reads run at {total_gbps:.2f} GB/s (the disk's speed was not measured: pass "
                        f"disk_gbps= from fio or dd): {where}")
             action = "raise prefetch (and num_threads); if reads do not get faster, the disk is the limit"
+    elif s.name == "read" and stats.remote is not None and stats.remote.requests:
+        message = (f"first epoch is remote-bound: decoding waits on the object store ({stats.remote}): {where}")
+        action = ("keep more requests in flight (remote={'max_requests': 64, 'readahead_bytes': 1 << 30}), run "
+                  "the job in the store's region, or build the cache ahead with `gpuload cache build URL`: "
+                  "later epochs read only the local cache and make no request")
     elif s.name == "read":
         message = f"the Parquet source reader is throttled at {total_gbps:.2f} GB/s: {where}"
         action = ("copy the source to local NVMe, raise num_threads for more reads in flight, or build the "

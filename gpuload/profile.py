@@ -44,7 +44,8 @@ class EpochReport:
         kind = "decodes and caches" if self.decoded_chunks else "reads the cache"
         return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
                 f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows / max(s.wall_s, 1e-9):,.0f} rows/s, "
-                f"starvation {s.starvation:.1%}\n  {self.diagnosis}")
+                f"starvation {s.starvation:.1%}\n  {self.diagnosis}"
+                + (f"\n  remote source: {s.remote}" if s.remote is not None else ""))
 
 
 class MlpStep:

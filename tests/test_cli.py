@@ -28,6 +28,7 @@ def run(*args):
     (["cache", "build", "DATA", "--columns", "{bad json"], "--columns"),
     (["demo", "--rows", "10"], "--rows"),
     (["demo", "--device", "cuda:0", "--rows", "2000"], "device="),
+    (["cache", "build", "DATA", "--storage-options", "[1]"], "--storage-options"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path):
     args = [str(data) if a == "DATA" else a for a in args]
@@ -181,3 +182,30 @@ def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, c
     assert main(["cache", "clear", "--cache-dir", str(cache), "--spec", shared]) == 2
     assert "not exactly one" in capsys.readouterr().err
     assert len(list(cache.rglob("*.glc"))) == 2 * len(specs)
+
+
+def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
+    """`cache build s3://...` and `profile s3://...` against a loopback S3 server, in subprocesses."""
+    pytest.importorskip("moto")
+    import json
+    import os
+
+    from gpuload.testing import S3Server
+
+    with S3Server() as s3:
+        s3.upload_folder(data, "clibkt", "clicks/")
+        opts = json.dumps(s3.storage_options)
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        cache = str(tmp_path / "c")
+        r = subprocess.run([sys.executable, "-m", "gpuload.cli", "cache", "build", "s3://clibkt/clicks/",
+                            "--storage-options", opts, "--cache-dir", cache, "--chunk-mib", "1"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "built" in r.stdout and "0 already cached" in r.stdout
+        s3.reset_counts()
+        r = subprocess.run([sys.executable, "-m", "gpuload.cli", "profile", "s3://clibkt/clicks/", "--storage-options",
+                            opts, "--cache-dir", cache, "--chunk-mib", "1", "--epochs", "1", "--step-ms", "1",
+                            "--batch-size", "4096"], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "remote source: no requests" in r.stdout  # built ahead: the profiled epoch reads the cache
+        assert s3.count("GET", ".parquet") == 0

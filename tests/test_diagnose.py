@@ -48,6 +48,18 @@ def test_throttled_reader():
     assert "local NVMe" in d.action
 
 
+def test_remote_bound_and_decode_bound_first_epochs_are_told_apart():
+    remote = gpuload.RemoteStats(400, 4 * 10**8, 3, 0, 0.045, 0.08, 0.2)
+    d = gpuload.diagnose(make_stats(0.8, remote=remote, stages=[stage("read", 19.0, 2, 4 * 10**8),
+                                                                stage("decode", 4.0, 2)]))
+    assert d.limiting == "read" and d.message.startswith("first epoch is remote-bound")
+    assert "400 requests" in d.message and "45/80/200 ms" in d.message
+    assert "max_requests" in d.action and "gpuload cache build" in d.action
+    d = gpuload.diagnose(make_stats(0.8, remote=remote, stages=[stage("read", 2.0, 2, 4 * 10**8),
+                                                                stage("decode", 19.0, 2)]))
+    assert d.limiting == "decode" and d.message.startswith("first epoch is decode-bound")
+
+
 def test_slow_cache_read_against_the_disk():
     stats = make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 4 * 10**9), stage("batch", 3.0)])
     d = gpuload.diagnose(stats, disk_gbps=3.0)
