@@ -45,7 +45,7 @@ from . import cache_admin
 from .cache_admin import chunk_files
 from .cachefile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
     write_regions
-from .cachefs import CHUNK, TEMP, CacheRoot, Lock
+from .cachefs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .errors import CacheError, CorruptCacheError
 
 __all__ = ["ChunkKey", "ChunkCache", "default_cache_dir", "read_chunk", "write_chunk"]
@@ -363,10 +363,12 @@ class ChunkCache:
             self._slots.release()
 
     def _drop_stale(self, key: ChunkKey) -> None:
-        """Delete chunks of older versions of ``key``'s source file (same spec)."""
+        """Delete chunks (same spec) and footers of older versions of ``key``'s source file."""
         for name, _ in self.root.scan(key.parts):
             if CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
                 self.root.unlink(key.parts, name, CHUNK)
+            elif FOOTER.fullmatch(name) and name[:16] != key.version:
+                self.root.unlink(key.parts, name, FOOTER)
 
     def _inode(self, key: ChunkKey) -> tuple | None:
         """(device, inode) of the regular file at ``key``'s name, or None."""

@@ -69,9 +69,11 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool, opener: Ca
     read one row group at a time (memory: one row group of one column)."""
     nulls = 0
     try:
-        src = opener(f, groups, list(f.leaves(column))) if f.remote else f.path
-        reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote).reader
+        reader = None if f.remote else pq.ParquetFile(f.path, metadata=f.metadata).reader
         for g in groups:
+            if f.remote:  # one row group's column ranges at a time
+                src = opener(f, [g], list(f.leaves(column)))
+                reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=False).reader
             col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=True).column(0)
             nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
     except (OSError, pa.ArrowException) as e:
@@ -84,8 +86,10 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
     """Raise :class:`NullValuesError` for a column without a fill value that holds nulls.
 
     ``cached(file index, row group)`` says whether a row group's chunk is cached: such
-    row groups are not read. ``opener(file, row groups, leaves)`` gives a readable file
-    of a remote object's column ranges (see :meth:`gpuload.reader.ChunkReader.range_file`).
+    row groups are not read. Remote objects' row groups are not read either (that would
+    fetch their columns twice): where their footers cannot tell, the first epoch's
+    conversion raises the same :class:`NullValuesError`, naming the chunk.
+    ``opener(file, row groups, leaves)`` is kept for callers that want a remote scan.
     """
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
@@ -106,6 +110,8 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                         nulls, where = nulls + st.null_count, where + [f.path]
                     elif (not known or (lists and st.null_count)) and not cached(i, g):
                         unknown.append(g)
+                if unknown and f.remote:
+                    continue  # not fetched twice: the first epoch's conversion raises the same error, naming the chunk
                 if unknown:
                     n = _scan(f, c, unknown, lists, opener)
                     if n:

@@ -125,8 +125,9 @@ def cmd_profile(args) -> int:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
     kwargs = dict(batch_size=args.batch_size, device=args.device, num_threads=args.threads, prefetch=args.prefetch,
                   fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
-                  storage_options=_storage(args.storage_options), chunk_bytes=int(args.chunk_mib * 2**20))
+                  storage_options=_storage(args.storage_options))
     _finite("--chunk-mib", args.chunk_mib, strict=True)
+    kwargs["chunk_bytes"] = int(args.chunk_mib * 2**20)
     if args.cache_dir:
         kwargs["cache_dir"] = args.cache_dir
     step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms if args.step_ms is not None else 5:g} ms step"

@@ -189,8 +189,9 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
 
 
 def _stage(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable) -> str:
-    """A sparse local copy of remote object ``f`` holding only the chunk's column ranges and
-    the footer (everything else is a hole), for libcudf to read by path; the caller deletes it."""
+    """A sparse local copy of remote object ``f`` holding only the chunk's column ranges, the
+    leading magic bytes and everything after the last column chunk (page indexes, footer);
+    the rest is a hole. libcudf reads it by path; the caller deletes it."""
     import tempfile
 
     leaves = [i for c in needed_columns(specs) if c not in f.partition_names for i in f.leaves(c)]

@@ -23,7 +23,7 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -33,9 +33,6 @@ __all__ = ["RemoteSettings", "RemoteStats", "Fetcher", "ReadOnlyFile", "RangeFil
            "retry"]
 
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-_TRANSIENT_WORDS = ("slowdown", "slow down", "throttl", "timeout", "timed out", "reset", "broken pipe",
-                    "temporarily", "service unavailable", "internal error", "bad gateway", "too many requests",
-                    "connection", "disconnected", "payload", "503", "500", "502", "504", "429")
 _PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EINVAL}
 
 
@@ -130,30 +127,63 @@ class RemoteStats:
                 f"{self.retried} retried, {self.failed} failed")
 
 
-def transient(e: BaseException) -> bool:
-    """Whether a failed request is worth trying again."""
-    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, _ShortRead)):
-        return True
-    status = getattr(e, "status", None) or getattr(e, "status_code", None)
+_TRANSIENT_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                    errno.ECONNREFUSED, errno.EPIPE, errno.EREMOTEIO, errno.ENETUNREACH, errno.EHOSTUNREACH}
+# connection-level failures of the stores' clients (botocore, aiohttp, urllib3, requests, google-auth), by class name
+_TRANSIENT_CLASSES = {"ConnectTimeoutError", "ReadTimeoutError", "EndpointConnectionError", "ConnectionClosedError",
+                      "ResponseStreamingError", "IncompleteReadError", "ProxyConnectionError", "ClientConnectionError",
+                      "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
+                      "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError", "ProtocolError",
+                      "ChunkedEncodingError", "TransportError", "FSTimeoutError"}
+
+
+def _status(e: BaseException) -> int | None:
+    """An HTTP status carried by a store's exception (aiohttp ``status``, gcsfs ``code``,
+    botocore ``response``), if any."""
+    for attr in ("status", "status_code", "code"):
+        v = getattr(e, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and 100 <= v < 600:
+            return v
     response = getattr(e, "response", None)
-    if status is None and isinstance(response, dict):
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    if isinstance(status, int):
-        return status in _TRANSIENT_STATUS or status >= 500
-    mod = type(e).__module__.split(".")[0]
-    if mod in ("aiohttp", "botocore", "urllib3", "requests", "http"):
+    if isinstance(response, dict):
+        v = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a failed request is worth trying again: a 5xx, 429 or 408 answer,
+    throttling, a dropped or refused connection, a timeout, a truncated body. The
+    exception's causes (``__cause__``, ``__context__``) are looked at too, since stores
+    wrap their clients' errors (s3fs turns a 503 SlowDown into ``OSError(EBUSY)``)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+            return False
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, _Truncated)):
+            return True
+        status = _status(e)
+        if status is not None:
+            return status in _TRANSIENT_STATUS or status >= 500
+        if type(e).__name__ in _TRANSIENT_CLASSES:
+            return True
+        if isinstance(e, OSError) and e.errno is not None:
+            if e.errno in _TRANSIENT_ERRNO:
+                return True
+            if e.errno in _PERMANENT_ERRNO:
+                return False
         text = str(e).lower()
-        return "403" not in text and "404" not in text and "denied" not in text
-    if isinstance(e, OSError) and e.errno in _PERMANENT_ERRNO:
-        return False
-    text = f"{type(e).__name__} {e}".lower()
-    return any(w in text for w in _TRANSIENT_WORDS)
+        if any(w in text for w in ("slowdown", "slow down", "reduce your request rate", "throttl",
+                                   "service unavailable", "too many requests", "internal error")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
-class _ShortRead(Exception):
-    pass
+class _Truncated(Exception):
+    """A body shorter than the range asked for (a dropped connection): worth another try."""
 
 
 def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_retry: Callable[[], None] | None = None,
@@ -307,11 +337,12 @@ class RangeFile(ReadOnlyFile):
 class Job:
     """The fetch of one object's ranges: :meth:`result` waits for all of them."""
 
-    def __init__(self, futures: list[Future], ranges: list[tuple[int, int]], nbytes: int):
-        self.futures, self.ranges, self.nbytes = futures, ranges, nbytes
+    def __init__(self, futures: list[Future], ranges: list[tuple[int, int]], nbytes: int,
+                 check: Future | None = None):
+        self.futures, self.ranges, self.nbytes, self.check = futures, ranges, nbytes, check
 
     def done(self) -> bool:
-        return all(f.done() for f in self.futures)
+        return all(f.done() for f in self.futures) and (self.check is None or self.check.done())
 
     def result(self) -> dict[int, bytes]:
         """``{start: bytes}`` of the fetched spans (split requests joined again); the first
@@ -319,8 +350,10 @@ class Job:
         out: dict[int, bytes] = {}
         pending: list[bytes] = []
         start = end = None
+        if self.check is not None:
+            _wait(self.check)
         for (a, b), f in zip(self.ranges, self.futures):
-            data = f.result()
+            data = _wait(f)
             if a != end and pending:
                 out[start] = pending[0] if len(pending) == 1 else b"".join(pending)
                 pending = []
@@ -333,8 +366,16 @@ class Job:
         return out
 
     def cancel(self) -> None:
-        for f in self.futures:
+        for f in [*self.futures, *([self.check] if self.check is not None else [])]:
             f.cancel()
+
+
+def _wait(f: Future):
+    try:
+        return f.result()
+    except CancelledError:
+        raise SourceError("a remote fetch was cancelled: the dataset was closed while an epoch was running; "
+                          "start the epoch again") from None
 
 
 class Fetcher:
@@ -343,6 +384,7 @@ class Fetcher:
     def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
         self.store, self.settings, self.clock = store, settings, clock
         self._pool = ThreadPoolExecutor(max_workers=settings.max_requests, thread_name_prefix="gpuload-fetch")
+        self._checker = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpuload-fetch-check")
         self._budget = _Budget(settings.max_inflight_bytes)
         self._lock = threading.Lock()
         self.stop = threading.Event()
@@ -372,9 +414,16 @@ class Fetcher:
         """Bytes ``[start, end)`` of ``path``, retried; on the calling thread."""
         def once() -> bytes:
             t0 = self.clock()
-            data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None)
-            if len(data) != end - start:
-                raise _ShortRead(f"got {len(data)} bytes of {end - start}")
+            try:
+                data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None)
+            except asyncio.TimeoutError:  # fsspec's FSTimeoutError says nothing itself
+                raise TimeoutError(f"no answer within timeout_s={self.settings.timeout_s:g} s") from None
+            if len(data) > end - start:
+                raise SourceError(f"{self.store.url(path)}: asked for bytes {start}-{end - 1}, got {len(data)} "
+                                  "bytes: the server ignores Range requests, which gpuload needs; serve the "
+                                  "objects from a server that honours them")
+            if len(data) < end - start:
+                raise _Truncated(f"the body ended after {len(data)} of {end - start} bytes")
             t1 = self.clock()
             with self._lock:
                 self._lat.append(t1 - t0)
@@ -396,15 +445,27 @@ class Fetcher:
         finally:
             self._budget.release(granted)
 
-    def start(self, path: str, ranges) -> Job:
-        """Start fetching the (coalesced) ``ranges`` of ``path``; returns at once."""
+    def start(self, path: str, ranges, check: Callable[[], None] | None = None) -> Job:
+        """Start fetching the (coalesced) ``ranges`` of ``path``; returns at once. ``check()``
+        runs once they have all arrived (the object's identity asked again: a rewrite
+        between listing and fetching must not be decoded as the listed version)."""
         s = self.settings
         merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
         futures = [self._pool.submit(self._one, path, a, b) for a, b in merged]
-        return Job(futures, merged, sum(b - a for a, b in merged))
+        after = None
+        if check is not None:
+            def verify():
+                for f in futures:
+                    f.result()
+                return retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
+                             self._retried_once, self.stop)
+
+            after = self._checker.submit(verify)
+        return Job(futures, merged, sum(b - a for a, b in merged), after)
 
     def close(self) -> None:
         """Stop retrying, drop queued requests and close the store's open files."""
         self.stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._checker.shutdown(wait=False, cancel_futures=True)
         self.store.close()

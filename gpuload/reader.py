@@ -19,6 +19,7 @@ from .checks import check_casts, check_consistent, check_nulls
 from .config import Options
 from .convert import needed_columns
 from .decode import ArrowDecoder
+from .errors import SourceError
 from .fetch import Fetcher, Job, RangeFile, RemoteSettings, RemoteStats, column_ranges
 from .memory import HostPool
 from .plan import Chunk, make_chunks
@@ -66,6 +67,7 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._ahead: dict[tuple, tuple[Job, bool]] = {}  # remote fetches started ahead of decoding
         self._ahead_bytes = 0
+        self.ahead_used = 0  # chunks whose fetch had been started ahead when decoding asked for it
         self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
         if ctx is None:
             self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics,
@@ -138,6 +140,8 @@ class ChunkReader:
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
         cols, cached = self.cache.load(self.key(i), build, shared=not self.opts.shuffle)
         self.counters.add(cached)
+        if cached and f.remote:  # cached meanwhile (another rank or process): its fetch started ahead is not needed
+            self._drop_ahead((c.file, c.rg_start, c.rg_stop))
         if self.ctx is not None:  # a chunk decoded on the CPU is cached from its host arrays, then sent once
             cols = self.ctx.upload(cols)
         return cols
@@ -165,10 +169,20 @@ class ChunkReader:
 
     def _start(self, f: SourceFile, groups, leaves, footer: bool) -> Job:
         ranges = [r for g in groups for r in column_ranges(f.metadata, g, g + 1, leaves)]
-        if footer:
-            n = f.metadata.serialized_size + 8
-            ranges.append((f.size - n, f.size))
-        return self._fetcher(f.store).start(f.key, ranges)
+        if footer:  # for libcudf, which reads the file itself: magic, page indexes and footer
+            meta = f.metadata
+            data_end = max((e for g in range(meta.num_row_groups)
+                            for _, e in column_ranges(meta, g, g + 1, range(meta.num_columns))), default=4)
+            ranges += [(0, 4), (min(data_end, f.size - meta.serialized_size - 8), f.size)]
+
+        def unchanged() -> None:
+            size, mtime, tag = f.store.identity(f.key)
+            if size != f.size or tag != f.tag or (not tag and mtime != f.mtime_ns):
+                raise SourceError(f"{f.path} changed after the dataset was opened (size {f.size:,} -> {size:,}, "
+                                  f"version {f.tag or f.mtime_ns} -> {tag or mtime}); open the dataset again to "
+                                  "pick up the new object")
+
+        return self._fetcher(f.store).start(f.key, ranges, check=unchanged)
 
     def range_file(self, f: SourceFile, groups, leaves, footer: bool = False, job: Job | None = None) -> RangeFile:
         """A readable file of remote object ``f`` holding the column chunks of ``leaves`` in
@@ -198,6 +212,14 @@ class ChunkReader:
             self._ahead_bytes += job.nbytes
         return True
 
+    def _drop_ahead(self, k: tuple) -> None:
+        with self._lock:
+            job, _ = self._ahead.pop(k, (None, False))
+            if job is not None:
+                self._ahead_bytes -= job.nbytes
+        if job is not None:
+            job.cancel()
+
     def forget_ahead(self) -> None:
         """Drop the fetches started ahead that were not used (an epoch left early)."""
         with self._lock:
@@ -212,6 +234,7 @@ class ChunkReader:
             job, has_footer = self._ahead.pop((chunk.file, chunk.rg_start, chunk.rg_stop), (None, False))
             if job is not None:
                 self._ahead_bytes -= job.nbytes
+                self.ahead_used += 1
         if job is not None and footer and not has_footer:
             job = None  # started for the CPU decoder; the GPU one needs the footer too
         m = self.metrics

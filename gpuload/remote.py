@@ -33,7 +33,8 @@ log = logging.getLogger("gpuload")
 _GLOB_CHARS = set("*?[")
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
            "adl": "azure", "http": "http", "https": "http"}
-_VERSION_KEYS = ("VersionId", "version_id", "generation", "ETag", "etag", "md5Hash", "Content-MD5", "content_md5")
+# the same key wins in a listing and in a single object's info (s3fs lists ETags; its info adds VersionId)
+_VERSION_KEYS = ("ETag", "etag", "generation", "VersionId", "version_id", "md5Hash", "Content-MD5", "content_md5")
 _MTIME_KEYS = ("LastModified", "last_modified", "Last-Modified", "updated", "mtime", "modified", "created")
 
 
@@ -121,9 +122,10 @@ class Store:
         return self.fs._strip_protocol(text)
 
     def _call(self, name: str, *args, **kwargs):
-        """fsspec method ``name``, bounded by ``timeout`` seconds on async filesystems (a stalled
-        listing then fails and is retried instead of hanging)."""
-        timeout = self.timeout
+        """fsspec method ``name``; a single-object call (``info``) is bounded by ``timeout`` seconds
+        on async filesystems, so a stalled one fails and is retried instead of hanging (a
+        recursive listing makes many requests, and is not bounded as a whole)."""
+        timeout = self.timeout if name == "info" else None
         if getattr(self.fs, "async_impl", False) and getattr(self.fs, "loop", None) is not None and timeout:
             from fsspec.asyn import sync
 
@@ -135,6 +137,8 @@ class Store:
         """The Parquet objects ``item`` names, in name order, and the Hive partition base
         (the folder or glob base; None for a single object)."""
         path = self.strip(item)
+        if not self.arrow:  # fsspec's listings cache would hide objects rewritten since it was filled
+            self.fs.invalidate_cache(path)
         if _GLOB_CHARS & set(path) and not self._exists(path):
             base = path[:min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
             found = [i for i in self._glob(path) if _data_name(posixpath.relpath(i.path, base))]
@@ -205,6 +209,16 @@ class Store:
         listed = self._call("glob", pattern, detail=True)
         return [self._info(self.strip(name) if not self.protocol.startswith("http") else name, raw)
                 for name, raw in listed.items() if raw.get("type", "file") == "file"]
+
+    def identity(self, path: str) -> tuple[int, int, str]:
+        """(size, mtime ns, tag) of object ``path`` as the store says now (not from a cache)."""
+        if self.arrow:
+            fi = self.fs.get_file_info(path)
+            return fi.size, fi.mtime_ns or 0, ""
+        self.fs.invalidate_cache(path)
+        raw = self._call("info", path)
+        mtime, tag = _identity(raw)
+        return int(raw["size"]), mtime, tag
 
     # -- reading --------------------------------------------------------------------------
     def read(self, path: str, start: int, end: int, timeout: float | None = None) -> bytes:

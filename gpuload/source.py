@@ -297,6 +297,36 @@ def _local_read(path: str):
     return read
 
 
+def _cached_footer(root, x: Listed, counts: dict) -> pq.FileMetaData | None:
+    """The footer of ``x`` from the cache, if it holds one for this version that parses."""
+    raw = load_footer(root, x.path, x.size, x.mtime_ns, x.tag)
+    if raw is None:
+        return None
+    try:
+        meta = parse_footer(raw, x.path)
+        _check_footer(x.path, meta, x.size)
+    except SourceError:  # a cached footer that does not parse: read the file's own again
+        return None
+    counts["footers_cached"] += 1
+    return meta
+
+
+def _read_footer(root, x: Listed, fetcher_for) -> pq.FileMetaData:
+    """The footer of ``x`` read from the file or object itself, then kept in the cache."""
+    if x.store is not None:
+        fetcher = fetcher_for(x.store)
+        raw = read_footer(lambda a, b: fetcher.get(x.key, a, b), x.size, x.path)
+    else:
+        try:
+            raw = read_footer(_local_read(x.path), x.size, x.path)
+        except OSError as e:
+            raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
+    meta = parse_footer(raw, x.path)
+    _check_footer(x.path, meta, x.size)
+    save_footer(root, x.path, x.size, x.mtime_ns, x.tag, raw)
+    return meta
+
+
 def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dict | None = None) -> list[SourceFile]:
     """Read each file's footer (from the cache ``root`` when it holds this version's);
     a :class:`SourceError` names a bad file.
@@ -309,26 +339,21 @@ def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dic
     counts = stats if stats is not None else {}
     counts.setdefault("footers_cached", 0)
     counts.setdefault("footers_read", 0)
-    for x in listed:
-        raw = load_footer(root, x.path, x.size, x.mtime_ns, x.tag)
-        if raw is None:
-            if x.store is not None:
-                fetcher = fetcher_for(x.store)
-                raw = read_footer(lambda a, b, g=fetcher.get, k=x.key: g(k, a, b), x.size, x.path)
-            else:
-                try:
-                    raw = read_footer(_local_read(x.path), x.size, x.path)
-                except OSError as e:
-                    raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the "
-                                      "source") from None
-            meta = parse_footer(raw, x.path)
-            _check_footer(x.path, meta, x.size)
-            save_footer(root, x.path, x.size, x.mtime_ns, x.tag, raw)
-            counts["footers_read"] += 1
-        else:
-            meta = parse_footer(raw, x.path)
-            _check_footer(x.path, meta, x.size)
-            counts["footers_cached"] += 1
+    metas = [_cached_footer(root, x, counts) for x in listed]
+    missing = [i for i, m in enumerate(metas) if m is None]
+    remote = [i for i in missing if listed[i].store is not None]
+    if len(remote) > 1:  # many objects: their footers in parallel, one request each (two for long footers)
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = min(len(remote), fetcher_for(listed[remote[0]].store).settings.max_requests)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuload-footers") as pool:
+            for i, m in zip(remote, pool.map(lambda i: _read_footer(root, listed[i], fetcher_for), remote)):
+                metas[i] = m
+    for i in missing:
+        if metas[i] is None:
+            metas[i] = _read_footer(root, listed[i], fetcher_for)
+    counts["footers_read"] += len(missing)
+    for x, meta in zip(listed, metas):
         try:
             schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as e:

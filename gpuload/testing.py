@@ -16,6 +16,7 @@ a loader. They need the ``test`` extra (``pip install gpuload[test]``: moto, wer
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import random
 import socket
@@ -51,6 +52,16 @@ class Faults:
 
 class _Reset(Exception):
     pass
+
+
+class _QuietResets(logging.Filter):
+    """Drops werkzeug's log of the connection resets injected on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "_Reset" not in record.getMessage()
+
+
+logging.getLogger("werkzeug").addFilter(_QuietResets())
 
 
 class _Middleware:
@@ -217,9 +228,10 @@ class HttpServer(_Server):
     """A plain HTTP object server for the files below ``root``: GET (with one ``Range``),
     HEAD, ``ETag`` (from size and mtime), ``Last-Modified``, and an HTML index for folders."""
 
-    def __init__(self, root, faults: Faults | None = None, **fault_kwargs):
+    def __init__(self, root, faults: Faults | None = None, ranges: bool = True, **fault_kwargs):
         super().__init__(faults or Faults(**fault_kwargs))
         self.root = Path(root).resolve()
+        self.ranges = ranges  # False: answer every GET with the whole file, as some servers do
 
     def url(self, rel: str = "") -> str:
         return f"{self.endpoint}/{rel}"
@@ -227,7 +239,7 @@ class HttpServer(_Server):
     def _app(self):
         from werkzeug.wrappers import Request, Response
 
-        root = self.root
+        root, server = self.root, self
 
         @Request.application
         def app(request):
@@ -249,7 +261,7 @@ class HttpServer(_Server):
                 resp.automatically_set_content_length = False
                 resp.headers["Content-Length"] = str(size)
                 return resp
-            if rng is not None and len(rng.ranges) == 1:
+            if rng is not None and len(rng.ranges) == 1 and server.ranges:
                 a, b = rng.range_for_length(size) or (0, 0)
                 with open(path, "rb") as fh:
                     fh.seek(a)

@@ -108,11 +108,22 @@ class _Status(Exception):
         self.status = status
 
 
+def _wrapped(cause: BaseException) -> OSError:
+    try:
+        raise OSError("the store said no") from cause
+    except OSError as e:
+        return e
+
+
 @pytest.mark.parametrize("err, expected", [(_Status(503), True), (_Status(429), True), (_Status(500), True),
                                            (_Status(404), False), (_Status(403), False),
                                            (OSError(5, "Input/output error"), False),
                                            (OSError("SlowDown: please reduce your request rate"), True),
-                                           (PermissionError("denied"), False), (ValueError("bad"), False)])
+                                           (PermissionError("denied"), False), (ValueError("bad"), False),
+                                           (OSError(16, "Please reduce your request rate."), True),  # s3fs SlowDown
+                                           (_wrapped(_Status(503)), True), (_wrapped(_Status(403)), False),
+                                           (type("NoCredentialsError", (Exception,), {})("none"), False),
+                                           (type("EndpointConnectionError", (Exception,), {})("x"), True)])
 def test_transient_classification(err, expected):
     assert transient(err) is expected
 

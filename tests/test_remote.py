@@ -133,6 +133,7 @@ def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_reques
     assert len(ds.reader.chunks) > N_FILES  # several chunks per object: ranged reads, not whole objects
     _check_equal(_rows_by_id(ds), tables)
     assert ds.stats().remote.requests > 0
+    assert ds.reader.ahead_used > 0 and ds.reader._ahead == {} and ds.reader._ahead_bytes == 0  # fetched ahead
     s3.reset_counts()
     for epoch in (1, 2):
         ds.set_epoch(epoch)
@@ -327,9 +328,82 @@ def test_gpu_staging_file_holds_the_chunks_columns_and_footer_only(s3, bucket, t
     path = _stage(f, c, r.specs, r.fetch)
     try:
         assert os.path.getsize(path) == f.size
+        with open(path, "rb") as fh:  # libcudf checks the leading magic too (pyarrow only the trailing one)
+            assert fh.read(4) == b"PAR1"
         got = pq.ParquetFile(path).read_row_groups(list(range(c.rg_start, c.rg_stop)), columns=["id", "hist", "f32"])
         want = tables[2].slice(c.rg_start * RG, c.rows).select(["id", "hist", "f32"])
         assert got.equals(want)
         assert sum(s3.range_bytes.values()) < f.size / 2
     finally:
         os.unlink(path)
+
+
+def test_an_object_rewritten_after_open_is_refused_not_decoded_as_the_listed_version(s3, bucket, tmp_path):
+    name, tables, folder = bucket
+    cache = tmp_path / "cache"
+    ds = _open(f"s3://{name}/data/", s3, cache, shuffle=False)
+    pq.write_table(_table(0, seed=9), folder / "v2.parquet", row_group_size=RG)
+    s3.client().upload_file(str(folder / "v2.parquet"), name, "data/part-0.parquet")
+    with pytest.raises(SourceError, match=r"part-0.parquet changed after the dataset was opened.*open the dataset"):
+        for _ in ds:
+            pass
+    ds.reader.cache.flush()
+    assert not any(ds.reader.is_cached(i) for i, c in enumerate(ds.reader.chunks) if c.file == 0)
+    ds = _open(f"s3://{name}/data/", s3, cache, shuffle=False)  # reopened: the new version
+    _check_equal(_rows_by_id(ds), [_table(0, seed=9), tables[1], tables[2]])
+
+
+def test_a_shared_filesystem_sees_rewrites_made_after_its_listing(s3, bucket, tmp_path):
+    import s3fs
+
+    name, tables, folder = bucket
+    fs = s3fs.S3FileSystem(**s3.storage_options)
+    cols = ["id", "f64"]
+    gpuload.ParquetDataset(f"{name}/data", cols, filesystem=fs, cache_dir=tmp_path / "c")  # fills fsspec's cache
+    new = _table(1, rows=ROWS + 10, seed=5)
+    pq.write_table(new, folder / "v2.parquet", row_group_size=RG)
+    s3.client().upload_file(str(folder / "v2.parquet"), name, "data/part-1.parquet")
+    ds = gpuload.ParquetDataset(f"{name}/data/part-1.parquet", cols, filesystem=fs, cache_dir=tmp_path / "c")
+    assert ds.num_rows == ROWS + 10
+    got = np.sort(np.concatenate([b["f64"].numpy() for b in ds]))
+    assert np.array_equal(got, np.sort(new.column("f64").to_numpy()))
+
+
+def test_s3_throttling_and_resets_are_retried(s3, bucket, tmp_path):
+    name, tables, _ = bucket
+    s3.faults = Faults(rate=0.3, kinds=("503", "reset"), seed=3)
+    ds = _open(f"s3://{name}/data/", s3, tmp_path / "c", remote=FAST_RETRY)
+    _check_equal(_rows_by_id(ds), tables)
+    assert ds.stats().remote.failed == 0
+    s3.faults = Faults(rate=1.0, kinds=("503",))
+    with pytest.raises(SourceError, match=r"part-\d.parquet \(bytes \d+-\d+\): failed 3 times"):
+        _open(f"s3://{name}/data/", s3, tmp_path / "c2", remote=FAST_RETRY | {"retries": 2})
+    s3.faults = Faults()
+
+
+def test_a_server_that_ignores_ranges_is_named(http_files, tmp_path):
+    folder, _ = http_files
+    with HttpServer(folder, ranges=False) as srv:
+        with pytest.raises(SourceError, match="ignores Range requests"):
+            gpuload.ParquetDataset([srv.url("d/part-0.parquet")], ["id"], cache_dir=tmp_path / "c",
+                                   remote=FAST_RETRY)
+        assert srv.count("GET") == 1  # not retried: it cannot get better
+
+
+def test_nulls_in_a_remote_list_column_are_found_by_the_first_epoch_not_by_a_second_fetch(s3, tmp_path):
+    name = f"b{uuid.uuid4().hex[:12]}"
+    folder = tmp_path / "src"
+    folder.mkdir()
+    t = pa.table({"id": np.arange(1000), "hist": pa.array([[1, 2]] * 500 + [None] + [[3]] * 499,
+                                                         pa.list_(pa.int64()))})
+    pq.write_table(t, folder / "n.parquet", row_group_size=250)
+    s3.upload_folder(folder, name, "")
+    ds = gpuload.ParquetDataset(f"s3://{name}/n.parquet", ["id", "hist"], batch_size=100, shuffle=False,
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options)
+    assert s3.count("GET", ".parquet") == 1  # the footer only
+    with pytest.raises(gpuload.NullValuesError, match=r"'hist' has 1 null.*n.parquet \(row groups 0-3\)"):
+        for _ in ds:
+            pass
+    ds = gpuload.ParquetDataset(f"s3://{name}/n.parquet", ["id", "hist"], batch_size=100, fill_nulls={"hist": 0},
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options)
+    assert sum(len(b["id"]) for b in ds) == 1000
