@@ -23,7 +23,9 @@ import os
 import random
 import threading
 import time
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+import itertools
+import queue
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -378,13 +380,64 @@ def _wait(f: Future):
                           "start the epoch again") from None
 
 
+class _Requests:
+    """``workers`` threads running submitted calls in priority order (lowest first): requests
+    of earlier fetches before those of later ones, so the chunk decoding waits for is never
+    queued behind the read-ahead."""
+
+    def __init__(self, workers: int):
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._workers, self._closed, self._lock = workers, False, threading.Lock()
+
+    def submit(self, priority: tuple, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("closed")
+            self._q.put((priority, next(self._order), fut, fn, args))
+            if len(self._threads) < self._workers and self._q.qsize() > 0:
+                t = threading.Thread(target=self._run, name=f"gpuload-fetch-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            _, _, fut, fn, args = self._q.get()
+            if fut is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter
+                fut.set_exception(e)
+
+    def close(self) -> None:
+        """Cancel what is queued and let the threads end."""
+        with self._lock:
+            self._closed = True
+            threads = len(self._threads)
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item[2] is not None:
+                item[2].cancel()
+        for _ in range(threads):
+            self._q.put(((float("inf"),), next(self._order), None, None, ()))
+
+
 class Fetcher:
     """Runs range requests to one :class:`~gpuload.remote.Store` on a bounded pool, retried and timed."""
 
     def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
         self.store, self.settings, self.clock = store, settings, clock
-        self._pool = ThreadPoolExecutor(max_workers=settings.max_requests, thread_name_prefix="gpuload-fetch")
-        self._checker = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpuload-fetch-check")
+        self._pool = _Requests(settings.max_requests)
+        self._jobs = itertools.count()
         self._budget = _Budget(settings.max_inflight_bytes)
         self._lock = threading.Lock()
         self.stop = threading.Event()
@@ -451,21 +504,44 @@ class Fetcher:
         between listing and fetching must not be decoded as the listed version)."""
         s = self.settings
         merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
-        futures = [self._pool.submit(self._one, path, a, b) for a, b in merged]
+        job = next(self._jobs)
+        futures = [self._pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
         after = None
-        if check is not None:
-            def verify():
-                for f in futures:
-                    f.result()
-                return retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
-                             self._retried_once, self.stop)
+        if check is not None:  # once every range has arrived: one more request, on the pool, nobody blocked
+            after = Future()
+            left = [len(futures)]
+            lock = threading.Lock()
 
-            after = self._checker.submit(verify)
+            def verify() -> None:
+                try:
+                    retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
+                          self._retried_once, self.stop)
+                    after.set_result(None)
+                except BaseException as e:  # handed to Job.result
+                    after.set_exception(e)
+
+            def arrived(f: Future) -> None:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if not last or not after.set_running_or_notify_cancel():
+                    return
+                if any(g.cancelled() or g.exception() is not None for g in futures):
+                    after.set_result(None)  # Job.result raises the range's own error
+                    return
+                try:
+                    self._pool.submit((job, 0, 0), verify)
+                except RuntimeError:  # the fetcher was closed meanwhile
+                    after.set_exception(SourceError(f"{self.store.url(path)}: the dataset was closed"))
+
+            for f in futures:
+                f.add_done_callback(arrived)
+            if not futures:
+                after.set_result(None)
         return Job(futures, merged, sum(b - a for a, b in merged), after)
 
     def close(self) -> None:
         """Stop retrying, drop queued requests and close the store's open files."""
         self.stop.set()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._checker.shutdown(wait=False, cancel_futures=True)
+        self._pool.close()
         self.store.close()

@@ -149,3 +149,38 @@ def test_settings_are_checked_and_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "many")
     with pytest.raises(ConfigError, match="GPULOAD_REMOTE_RETRIES"):
         RemoteSettings()
+
+
+def test_a_fetchs_version_check_runs_before_later_fetches_requests():
+    """Read-ahead must not delay the chunk being decoded: requests run in the order their
+    fetches started, and a fetch's version check jumps ahead of later fetches' ranges."""
+    order = []
+
+    class Recording(_Store):
+        def read(self, path, start, end, timeout=None):
+            order.append(("get", path))
+            return bytes(end - start)
+
+    f = Fetcher(Recording(delay=0), RemoteSettings(max_requests=1, coalesce_bytes=0))
+    gate = threading.Event()
+    blocker = f.start("blocker", [(0, 1)], check=lambda: gate.wait(5) and order.append(("check", "blocker")))
+    jobs = [f.start(name, [(0, 10), (100, 110)], check=lambda n=name: order.append(("check", n)))
+            for name in ("a", "b", "c")]
+    gate.set()
+    blocker.result()
+    for j in jobs:
+        j.result()
+    assert order == [("get", "blocker"), ("check", "blocker"), ("get", "a"), ("get", "a"), ("check", "a"),
+                     ("get", "b"), ("get", "b"), ("check", "b"), ("get", "c"), ("get", "c"), ("check", "c")]
+    f.close()
+
+
+def test_a_failed_version_check_fails_the_fetch_with_its_message():
+    f = Fetcher(_Store(delay=0), RemoteSettings(retries=0))
+
+    def changed():
+        raise SourceError("mem://k changed after the dataset was opened")
+
+    with pytest.raises(SourceError, match="changed after the dataset was opened"):
+        f.start("k", [(0, 10)], check=changed).result()
+    f.close()
