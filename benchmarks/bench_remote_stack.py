@@ -20,7 +20,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import s3fs
 
-from gpuload.fetch import Fetcher, RemoteSettings, column_ranges
+from gpuload.fetch import Fetcher, RemoteSettings
+from gpuload.ranges import column_ranges
 from gpuload.remote import Store
 from gpuload.synth import write_clicklog
 from gpuload.testing import S3Server

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from .batch import Ragged, nbytes
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
-from .fetch import ReadOnlyFile
+from .ranges import ReadOnlyFile
 from .plan import Chunk
 from .schema import OutputSpec
 from .source import SourceFile

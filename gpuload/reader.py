@@ -20,7 +20,8 @@ from .config import Options
 from .convert import needed_columns
 from .decode import ArrowDecoder
 from .errors import SourceError
-from .fetch import Fetcher, Job, RangeFile, RemoteSettings, RemoteStats, column_ranges
+from .fetch import Fetcher, Job, RemoteSettings, RemoteStats
+from .ranges import RangeFile, column_ranges
 from .memory import HostPool
 from .plan import Chunk, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
