@@ -407,3 +407,22 @@ def test_nulls_in_a_remote_list_column_are_found_by_the_first_epoch_not_by_a_sec
     ds = gpuload.ParquetDataset(f"s3://{name}/n.parquet", ["id", "hist"], batch_size=100, fill_nulls={"hist": 0},
                                 cache_dir=tmp_path / "c", storage_options=s3.storage_options)
     assert sum(len(b["id"]) for b in ds) == 1000
+
+
+def test_hive_partitions_of_a_remote_prefix_and_a_mixed_list(s3, tmp_path):
+    name = f"b{uuid.uuid4().hex[:12]}"
+    folder = tmp_path / "src"
+    for day in (1, 2):
+        (folder / f"day={day}").mkdir(parents=True)
+        pq.write_table(pa.table({"id": np.arange(day * 100, day * 100 + 50)}), folder / f"day={day}" / "p.parquet")
+    s3.upload_folder(folder, name, "t/")
+    local = tmp_path / "local.parquet"
+    pq.write_table(pa.table({"id": np.arange(1000, 1010)}), local)
+    ds = gpuload.ParquetDataset(f"s3://{name}/t/", ["id", "day"], batch_size=20, cache_dir=tmp_path / "c",
+                                storage_options=s3.storage_options)
+    got = sorted((int(i), int(d)) for b in ds for i, d in zip(b["id"], b["day"]))
+    assert got == [(i, 1) for i in range(100, 150)] + [(i, 2) for i in range(200, 250)]
+    s3.reset_counts()
+    ds = gpuload.ParquetDataset([f"s3://{name}/t/day=1/p.parquet", str(local)], ["id"], batch_size=20,
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options)
+    assert sorted(int(i) for b in ds for i in b["id"]) == list(range(100, 150)) + list(range(1000, 1010))
