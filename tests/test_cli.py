@@ -45,7 +45,8 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "20,000 rows from 2 files" in out and "built" in out
     assert main(["cache", "info", "--cache-dir", cache]) == 0
-    assert "part-00000.parquet" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "part-00000.parquet" in out and "Parquet footers of 2 source files" in out
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
     victim = sorted((tmp_path / "cache").rglob("*.glc"))[0]
     region = read_chunk(victim, verify=False)[0]["regions"][0]
