@@ -44,7 +44,7 @@ from .batch import Ragged, nbytes, nrows
 from . import cache_admin
 from .cache_admin import chunk_files
 from .cachefile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
-    write_regions
+    pwrite_all, write_regions
 from .cachefs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .errors import CacheError, CorruptCacheError
 
@@ -393,7 +393,7 @@ class ChunkCache:
                     if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
                         self.root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
                 text = json.dumps(desc, indent=1).encode()
-                self.root.write((_LAYOUT, _SPECS), name, lambda fd: os.write(fd, text))
+                self.root.write((_LAYOUT, _SPECS), name, lambda fd: pwrite_all(fd, text, 0))
             elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # never a file another name shares
                 with self.root.folder((_LAYOUT, _SPECS)) as d:
                     os.utime(name, dir_fd=d, follow_symlinks=False)

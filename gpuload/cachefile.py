@@ -42,7 +42,7 @@ from .batch import Ragged
 from .errors import CorruptCacheError
 
 __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
-           "check_identity", "pread_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity"]
+           "check_identity", "pread_all", "pwrite_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity"]
 
 MAGIC = b"GPULOAD\0"
 FORMAT_VERSION = 2
@@ -139,18 +139,20 @@ def pread_all(fd: int, buf, offset: int) -> int:
     return got
 
 
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (any buffer) to ``fd`` at ``offset``, however many calls it takes."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+
+
 def write_regions(fd: int, head: bytes, regions: list[dict], arrays: list, total: int) -> None:
     """Write an encoded chunk (from :func:`encode`) to ``fd``."""
-    def put(data, offset):
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
-
-    put(head, 0)
+    pwrite_all(fd, head, 0)
     for r, arr in zip(regions, arrays):
         if arr.nbytes:
-            put(arr, r["offset"])
+            pwrite_all(fd, arr, r["offset"])
     os.ftruncate(fd, total)
 
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .batch import Ragged, nbytes
+from .cachefile import pwrite_all
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
 from .ranges import ReadOnlyFile
@@ -200,9 +201,7 @@ def _stage(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Call
     try:
         os.ftruncate(fd, f.size)
         for start, data in src.parts.items():
-            view = memoryview(data)
-            while view:
-                view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+            pwrite_all(fd, data, start)
     except BaseException:
         os.unlink(path)
         raise

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from .cachefile import LAYOUT_DIR, version_token
+from .cachefile import LAYOUT_DIR, pwrite_all, version_token
 from .cachefs import CacheRoot
 from .errors import SourceError
 
@@ -96,14 +96,8 @@ def save_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag
     header = json.dumps({"source": _source(path, size, mtime_ns, tag)}, separators=(",", ":")).encode()
     body = header + raw
     blob = PREFIX.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(body)) + body
-
-    def fill(fd: int) -> None:
-        view = memoryview(blob)
-        while view:
-            view = view[os.write(fd, view):]
-
     with contextlib.suppress(OSError):
-        root.write(_folder(path), footer_name(size, mtime_ns, tag), fill)
+        root.write(_folder(path), footer_name(size, mtime_ns, tag), lambda fd: pwrite_all(fd, blob, 0))
 
 
 def read_footer(read: Callable[[int, int], bytes], size: int, where: str) -> bytes:
