@@ -57,36 +57,42 @@ def _source(path: str, size: int, mtime_ns: int, tag: str) -> dict:
     return {"path": path, "size": size, "mtime_ns": mtime_ns, "tag": tag}
 
 
+def _read_file(root: CacheRoot, parts, name: str) -> tuple[dict, bytes]:
+    """(header's source, footer bytes) of footer file ``name`` in ``parts``; a ValueError says
+    what is wrong with it, an OSError that it cannot be read."""
+    fd = root.open_read(parts, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > _MAX_FOOTER + PREFIX.size + (1 << 20):
+            raise ValueError("too large for a footer file")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    if len(data) < PREFIX.size:
+        raise ValueError("too short for a footer file")
+    magic, version, hlen, digest = PREFIX.unpack_from(data)
+    body = data[PREFIX.size:]
+    if magic != MAGIC or version != VERSION or hlen > len(body):
+        raise ValueError("not a gpuload footer file of this version")
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise ValueError("checksum mismatch")
+    try:
+        given = json.loads(body[:hlen])["source"]
+        src = {k: given[k] for k in ("path", "size", "mtime_ns", "tag")}
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"malformed header ({type(e).__name__}: {e})") from None
+    return src, body[hlen:]
+
+
 def load_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag: str = "") -> bytes | None:
     """The cached footer bytes of this version of ``path``, or None (absent, unreadable or not checking out)."""
     if root is None:
         return None
     try:
-        fd = root.open_read(_folder(path), footer_name(size, mtime_ns, tag))
-    except OSError:
+        src, raw = _read_file(root, _folder(path), footer_name(size, mtime_ns, tag))
+    except (OSError, ValueError):
         return None
-    try:
-        st = os.fstat(fd)
-        if st.st_size > _MAX_FOOTER + PREFIX.size + (1 << 20):
-            return None
-        data = os.pread(fd, st.st_size, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(data) < PREFIX.size:
-        return None
-    magic, version, hlen, digest = PREFIX.unpack_from(data)
-    body = data[PREFIX.size:]
-    if magic != MAGIC or version != VERSION or hlen > len(body) or xxhash.xxh3_64_intdigest(body) != digest:
-        return None
-    try:
-        header = json.loads(body[:hlen])
-        if header.get("source") != _source(path, size, mtime_ns, tag):
-            return None
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    return body[hlen:]
+    return raw if src == _source(path, size, mtime_ns, tag) else None
 
 
 def save_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag: str, raw: bytes) -> None:
@@ -128,26 +134,14 @@ def parse_footer(raw: bytes, where: str) -> pq.FileMetaData:
 
 def check_footer_file(root: CacheRoot, parts, name: str) -> str | None:
     """What is wrong with footer file ``name`` in source folder ``parts`` (None: nothing)."""
-    fd = root.open_read(parts, name)
     try:
-        data = os.pread(fd, min(os.fstat(fd).st_size, _MAX_FOOTER + (2 << 20)), 0)
-    finally:
-        os.close(fd)
-    if len(data) < PREFIX.size:
-        return "too short for a footer file"
-    magic, version, hlen, digest = PREFIX.unpack_from(data)
-    body = data[PREFIX.size:]
-    if magic != MAGIC or version != VERSION or hlen > len(body):
-        return "not a gpuload footer file of this version"
-    if xxhash.xxh3_64_intdigest(body) != digest:
-        return "checksum mismatch"
+        src, raw = _read_file(root, parts, name)
+    except ValueError as e:
+        return str(e)
+    if _folder(src["path"]) != tuple(parts) or footer_name(src["size"], src["mtime_ns"], src["tag"]) != name:
+        return f"its header names {src['path']}, another source file than its name"
     try:
-        src = json.loads(body[:hlen])["source"]
-        if _folder(src["path"]) != tuple(parts) or footer_name(src["size"], src["mtime_ns"], src["tag"]) != name:
-            return f"its header names {src['path']}, another source file than its name"
-        parse_footer(body[hlen:], name)
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        return f"malformed header ({type(e).__name__}: {e})"
+        parse_footer(raw, name)
     except SourceError as e:
         return str(e)
     return None
