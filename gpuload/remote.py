@@ -97,9 +97,11 @@ class Store:
     fs : an fsspec ``AbstractFileSystem`` or a ``pyarrow.fs.FileSystem``.
     protocol : the URL scheme objects are named with in messages and cache keys
         (default: the filesystem's own).
+    timeout : seconds one single-object call (``info``) may take on an async fsspec
+        filesystem before it counts as stalled (default None: unbounded).
     """
 
-    def __init__(self, fs, protocol: str | None = None):
+    def __init__(self, fs, protocol: str | None = None, timeout: float | None = None):
         self.fs = fs
         self.arrow = _is_arrow_fs(fs)
         if protocol is None:
@@ -108,7 +110,8 @@ class Store:
         self._files: dict[str, object] = {}  # pyarrow: path -> open input file (read_at is thread-safe)
         self._lock = threading.Lock()
         self._warned = False
-        self.timeout: float | None = None  # seconds per listing call (set from RemoteSettings.timeout_s)
+        self.timeout = timeout  # seconds for one info() call (RemoteSettings.timeout_s)
+        self._async = not self.arrow and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None
 
     # -- naming ---------------------------------------------------------------------------
     def url(self, path: str) -> str:
@@ -126,7 +129,7 @@ class Store:
         on async filesystems, so a stalled one fails and is retried instead of hanging (a
         recursive listing makes many requests, and is not bounded as a whole)."""
         timeout = self.timeout if name == "info" else None
-        if getattr(self.fs, "async_impl", False) and getattr(self.fs, "loop", None) is not None and timeout:
+        if self._async and timeout:
             from fsspec.asyn import sync
 
             return sync(self.fs.loop, getattr(self.fs, "_" + name), *args, timeout=timeout, **kwargs)
@@ -168,6 +171,13 @@ class Store:
                         self.protocol, self.url(path))
         return ObjectInfo(path, int(raw["size"]), mtime, tag)
 
+    def _key(self, name: str) -> str:
+        """A listed entry's path in the store (HTTP names are whole URLs: kept as they are)."""
+        return name if self.protocol.startswith("http") else self.strip(name)
+
+    def _infos(self, listed: dict) -> list[ObjectInfo]:
+        return [self._info(self._key(name), raw) for name, raw in listed.items() if raw.get("type", "file") == "file"]
+
     def _exists(self, path: str) -> bool:
         return self._kind(path)[0] != "missing"
 
@@ -186,11 +196,7 @@ class Store:
         if raw.get("type") == "directory" or (self.protocol.startswith("http") and (
                 path.endswith("/") or raw.get("mimetype") == "text/html")):  # an index page
             return "directory", None
-        if raw.get("size") is None:
-            raise SourceError(f"{self.url(path)}: the store does not give its size; gpuload needs it to read "
-                              "the Parquet footer")
-        return "file", self._info(self.strip(raw.get("name", path)) if not self.protocol.startswith("http")
-                                  else path, raw)
+        return "file", self._info(self._key(raw.get("name", path)), raw)
 
     def _find(self, base: str) -> list[ObjectInfo]:
         if self.arrow:
@@ -199,16 +205,12 @@ class Store:
             sel = pafs.FileSelector(base, recursive=True)
             return [ObjectInfo(fi.path, fi.size, fi.mtime_ns or 0, "") for fi in self.fs.get_file_info(sel)
                     if fi.type == pafs.FileType.File]
-        listed = self._call("find", base, detail=True, withdirs=False)
-        return [self._info(self.strip(name) if not self.protocol.startswith("http") else name, raw)
-                for name, raw in listed.items() if raw.get("type", "file") == "file"]
+        return self._infos(self._call("find", base, detail=True, withdirs=False))
 
     def _glob(self, pattern: str) -> list[ObjectInfo]:
         if self.arrow:
             raise SourceError(f"{pattern}: globs need an fsspec filesystem; pass the folder, or a list of objects")
-        listed = self._call("glob", pattern, detail=True)
-        return [self._info(self.strip(name) if not self.protocol.startswith("http") else name, raw)
-                for name, raw in listed.items() if raw.get("type", "file") == "file"]
+        return self._infos(self._call("glob", pattern, detail=True))
 
     def identity(self, path: str) -> tuple[int, int, str]:
         """(size, mtime ns, tag) of object ``path`` as the store says now (not from a cache)."""
@@ -229,7 +231,7 @@ class Store:
                 if f is None:
                     f = self._files[path] = self.fs.open_input_file(path)
             return f.read_at(end - start, start)
-        if getattr(self.fs, "async_impl", False) and getattr(self.fs, "loop", None) is not None:
+        if self._async:
             from fsspec.asyn import sync
 
             return sync(self.fs.loop, self.fs._cat_file, path, start=start, end=end, timeout=timeout)
@@ -260,15 +262,17 @@ def is_local_fs(fs) -> bool:
     return bool(set(protos) & {"file", "local"})
 
 
-def store_for(url: str | None, filesystem=None, storage_options: dict | None = None) -> Store:
+def store_for(url: str | None, filesystem=None, storage_options: dict | None = None,
+              timeout: float | None = None) -> Store:
     """The :class:`Store` for ``url`` (or for ``filesystem``), creating the fsspec
-    filesystem from the URL's protocol and ``storage_options`` when none is given."""
+    filesystem from the URL's protocol and ``storage_options`` when none is given;
+    ``timeout`` bounds each single-object call (seconds, None: unbounded)."""
     if filesystem is not None:
         if not (_is_arrow_fs(filesystem) or (hasattr(filesystem, "cat_file") and hasattr(filesystem, "info"))):
             raise SourceError(f"filesystem={type(filesystem).__name__}: pass an fsspec filesystem or a "
                               "pyarrow.fs.FileSystem")
         proto = url.split("://", 1)[0] if url and "://" in url else None
-        return Store(filesystem, proto)
+        return Store(filesystem, proto, timeout)
     proto = url.split("://", 1)[0].lower()
     import fsspec  # a dependency of gpuload; the protocols' packages are extras
     try:
@@ -282,4 +286,4 @@ def store_for(url: str | None, filesystem=None, storage_options: dict | None = N
         raise SourceError(f"{url}: {proto}:// is not a protocol fsspec knows ({e})") from None
     except TypeError as e:
         raise SourceError(f"storage_options={storage_options!r}: {proto}:// does not take them ({e})") from None
-    return Store(fs, proto)
+    return Store(fs, proto, timeout)

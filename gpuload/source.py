@@ -207,8 +207,8 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
             proto = text.split("://", 1)[0] if "://" in text else ""
             store = stores.get(proto)
             if store is None:
-                store = stores[proto] = store_for(text if "://" in text else None, filesystem, storage_options)
-                store.timeout = settings.timeout_s or None
+                store = stores[proto] = store_for(text if "://" in text else None, filesystem, storage_options,
+                                                  settings.timeout_s or None)
             infos, base = retry(lambda s=store, t=text: s.expand(t), f"{text}: listing", settings)
             for i in infos:
                 url = store.url(i.path)
