@@ -411,37 +411,14 @@ class Fetcher:
         job = next(self._jobs)
         futures = [self._pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
         after = None
-        if check is not None:  # once every range has arrived: one more request, on the pool, nobody blocked
-            after = Future()
-            left = [len(futures)]
-            lock = threading.Lock()
+        if check is not None:
+            def verify() -> None:  # queued after this fetch's ranges and before any later fetch's
+                for f in futures:  # all dequeued already, so running or done: this waits on no queue
+                    f.result()
+                retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
+                      self._retried_once, self.stop)
 
-            def verify() -> None:
-                try:
-                    retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
-                          self._retried_once, self.stop)
-                    after.set_result(None)
-                except BaseException as e:  # handed to Job.result
-                    after.set_exception(e)
-
-            def arrived(f: Future) -> None:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if not last or not after.set_running_or_notify_cancel():
-                    return
-                if any(g.cancelled() or g.exception() is not None for g in futures):
-                    after.set_result(None)  # Job.result raises the range's own error
-                    return
-                try:
-                    self._pool.submit((job, 0, 0), verify)
-                except RuntimeError:  # the fetcher was closed meanwhile
-                    after.set_exception(SourceError(f"{self.store.url(path)}: the dataset was closed"))
-
-            for f in futures:
-                f.add_done_callback(arrived)
-            if not futures:
-                after.set_result(None)
+            after = self._pool.submit((job, 2, 0), verify)
         return Job(futures, merged, sum(b - a for a, b in merged), after)
 
     def close(self) -> None:
