@@ -64,16 +64,13 @@ def _null_message(column: str, nulls: int, lists: bool, where: list[str]) -> Nul
                            "column) to replace them")
 
 
-def _scan(f: SourceFile, column: str, groups: list[int], lists: bool, opener: Callable | None) -> int:
-    """Nulls (null lists plus null elements for lists) in ``column`` of row groups ``groups``,
-    read one row group at a time (memory: one row group of one column)."""
+def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
+    """Nulls (null lists plus null elements for lists) in ``column`` of row groups ``groups``
+    of local file ``f``, read one row group at a time (memory: one row group of one column)."""
     nulls = 0
     try:
-        reader = None if f.remote else pq.ParquetFile(f.path, metadata=f.metadata).reader
+        reader = pq.ParquetFile(f.path, metadata=f.metadata).reader
         for g in groups:
-            if f.remote:  # one row group's column ranges at a time
-                src = opener(f, [g], list(f.leaves(column)))
-                reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=False).reader
             col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=True).column(0)
             nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
     except (OSError, pa.ArrowException) as e:
@@ -82,14 +79,13 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool, opener: Ca
 
 
 def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
-                cached: Callable[[int, int], bool] = lambda f, g: False, opener: Callable | None = None) -> None:
+                cached: Callable[[int, int], bool] = lambda f, g: False) -> None:
     """Raise :class:`NullValuesError` for a column without a fill value that holds nulls.
 
     ``cached(file index, row group)`` says whether a row group's chunk is cached: such
     row groups are not read. Remote objects' row groups are not read either (that would
     fetch their columns twice): where their footers cannot tell, the first epoch's
     conversion raises the same :class:`NullValuesError`, naming the chunk.
-    ``opener(file, row groups, leaves)`` is kept for callers that want a remote scan.
     """
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
@@ -113,7 +109,7 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 if unknown and f.remote:
                     continue  # not fetched twice: the first epoch's conversion raises the same error, naming the chunk
                 if unknown:
-                    n = _scan(f, c, unknown, lists, opener)
+                    n = _scan(f, c, unknown, lists)
                     if n:
                         nulls, where = nulls + n, where + [f.path]
             if nulls:

@@ -66,7 +66,7 @@ class ChunkReader:
         self.remote = RemoteSettings.of(remote)
         self._fetchers: dict[int, Fetcher] = {}
         self._lock = threading.Lock()
-        self._ahead: dict[tuple, tuple[Job, bool]] = {}  # remote fetches started ahead of decoding
+        self._ahead: dict[tuple, Job] = {}  # remote fetches started ahead of decoding, by (file, rg start, rg stop)
         self._ahead_bytes = 0
         self.ahead_used = 0  # chunks whose fetch had been started ahead when decoding asked for it
         self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
@@ -83,6 +83,7 @@ class ChunkReader:
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
         self.files: list[SourceFile] = open_files(list_files(source, filesystem, storage_options, self.remote),
                                                   self.cache.root, self._fetcher, self.open_counts)
+        self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
         first = self.files[0]
         schema = first.schema
         if columns is None:  # the columns every file has, whatever the files' order
@@ -112,7 +113,7 @@ class ChunkReader:
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.cache.exists(self.key(i))}
         cached = {(self.chunks[i].file, g) for i in self.cached_at_open
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
-        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached, opener=self.range_file)
+        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
 
@@ -152,11 +153,6 @@ class ChunkReader:
         return self.cache.exists(self.key(i))
 
     # -- remote sources -----------------------------------------------------------------------
-    @property
-    def has_remote(self) -> bool:
-        """Whether some file is a remote object."""
-        return any(f.remote for f in self.files)
-
     def _fetcher(self, store) -> Fetcher:
         with self._lock:
             got = self._fetchers.get(id(store))
@@ -185,13 +181,6 @@ class ChunkReader:
 
         return self._fetcher(f.store).start(f.key, ranges, check=unchanged)
 
-    def range_file(self, f: SourceFile, groups, leaves, footer: bool = False, job: Job | None = None) -> RangeFile:
-        """A readable file of remote object ``f`` holding the column chunks of ``leaves`` in
-        row groups ``groups`` (and its footer if ``footer``), fetched now (or by ``job``)."""
-        fetcher = self._fetcher(f.store)
-        job = job or self._start(f, groups, leaves, footer)
-        return RangeFile(f.path, f.size, job.result(), lambda a, b: fetcher.get(f.key, a, b))
-
     def warm(self, i: int) -> bool:
         """Start fetching remote chunk ``i``'s column ranges ahead of its decoding (nothing for
         a local or cached chunk). False when the read-ahead budget is spent: call again later."""
@@ -209,15 +198,20 @@ class ChunkReader:
             return True
         job = self._start(f, range(c.rg_start, c.rg_stop), self._leaves(f), self._footer_ranges)
         with self._lock:
-            self._ahead[k] = (job, self._footer_ranges)
+            self._ahead[k] = job
             self._ahead_bytes += job.nbytes
         return True
 
-    def _drop_ahead(self, k: tuple) -> None:
+    def _take_ahead(self, k: tuple) -> Job | None:
+        """The fetch started ahead for chunk key ``k`` (file, rg start, rg stop), now no longer ahead."""
         with self._lock:
-            job, _ = self._ahead.pop(k, (None, False))
+            job = self._ahead.pop(k, None)
             if job is not None:
                 self._ahead_bytes -= job.nbytes
+        return job
+
+    def _drop_ahead(self, k: tuple) -> None:
+        job = self._take_ahead(k)
         if job is not None:
             job.cancel()
 
@@ -225,22 +219,24 @@ class ChunkReader:
         """Drop the fetches started ahead that were not used (an epoch left early)."""
         with self._lock:
             jobs, self._ahead, self._ahead_bytes = list(self._ahead.values()), {}, 0
-        for job, _ in jobs:
+        for job in jobs:
             job.cancel()
 
     def fetch(self, f: SourceFile, chunk: Chunk, leaves, footer: bool = False) -> RangeFile:
-        """The decoders' hook: chunk's column ranges of remote ``f`` (from a fetch started
-        ahead, else fetched now), timing the wait as a ``read`` span."""
-        with self._lock:
-            job, has_footer = self._ahead.pop((chunk.file, chunk.rg_start, chunk.rg_stop), (None, False))
-            if job is not None:
-                self._ahead_bytes -= job.nbytes
+        """The decoders' hook: a readable file of remote ``f`` holding the chunk's column
+        chunks of ``leaves`` (and, for libcudf, its magic and footer), from the fetch started
+        ahead (which covers every leaf the decoders ask for, and the footer whenever the GPU
+        decoder is in use) or fetched now; the wait is timed as a ``read`` span."""
+        job = self._take_ahead((chunk.file, chunk.rg_start, chunk.rg_stop))
+        if job is not None:
+            with self._lock:
                 self.ahead_used += 1
-        if job is not None and footer and not has_footer:
-            job = None  # started for the CPU decoder; the GPU one needs the footer too
+        else:
+            job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer)
         m = self.metrics
         t0 = m.clock() if m is not None else 0.0
-        out = self.range_file(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer, job)
+        fetcher = self._fetcher(f.store)
+        out = RangeFile(f.path, f.size, job.result(), lambda a, b: fetcher.get(f.key, a, b))
         if m is not None:
             m.record("read", t0, m.clock(), nbytes=sum(len(b) for b in out.parts.values()))
         return out

@@ -61,8 +61,8 @@ def test_open_reads_no_column_data_for_cached_chunks(tmp_path, monkeypatch):
     data = _files(tmp_path / "d", nfiles=4)
     scans = []
     real = checks._scan
-    monkeypatch.setattr(checks, "_scan", lambda f, c, groups, lists, opener: scans.append((f.path, c, groups))
-                        or real(f, c, groups, lists, opener))
+    monkeypatch.setattr(checks, "_scan", lambda f, c, groups, lists: scans.append((f.path, c, groups))
+                        or real(f, c, groups, lists))
     ds = gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
     assert len(scans) == 4  # one read of the list column per file (statistics cannot rule nulls out)
     list(ds)
