@@ -24,6 +24,7 @@ import threading
 import time
 import itertools
 import queue
+import weakref
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field, fields
 from typing import Callable
@@ -308,16 +309,22 @@ class _Requests:
         return fut
 
     def _run(self) -> None:
-        while True:
-            _, _, fut, fn, args = self._q.get()
-            if fut is None:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
+        while self._one(self._q.get()):
+            pass
+
+    @staticmethod
+    def _one(item) -> bool:
+        """Run one queued call (False: the thread should end). Its own frame, so that an idle
+        thread keeps no reference to the last call (and so to its fetcher)."""
+        _, _, fut, fn, args = item
+        if fut is None:
+            return False
+        if fut.set_running_or_notify_cancel():
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to the waiter
                 fut.set_exception(e)
+        return True
 
     def close(self) -> None:
         """Cancel what is queued and let the threads end."""
@@ -341,6 +348,7 @@ class Fetcher:
     def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
         self.store, self.settings, self.clock = store, settings, clock
         self._pool = _Requests(settings.max_requests)
+        weakref.finalize(self, self._pool.close)  # a dropped dataset's idle request threads end with it
         self._jobs = itertools.count()
         self._budget = _Budget(settings.max_inflight_bytes)
         self._lock = threading.Lock()

@@ -426,3 +426,20 @@ def test_hive_partitions_of_a_remote_prefix_and_a_mixed_list(s3, tmp_path):
     ds = gpuload.ParquetDataset([f"s3://{name}/t/day=1/p.parquet", str(local)], ["id"], batch_size=20,
                                 cache_dir=tmp_path / "c", storage_options=s3.storage_options)
     assert sorted(int(i) for b in ds for i in b["id"]) == list(range(100, 150)) + list(range(1000, 1010))
+
+
+def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
+    import gc
+    import threading
+    import time
+
+    folder, tables = http_files
+    with HttpServer(folder) as srv:
+        ds = gpuload.ParquetDataset([srv.url("d/part-0.parquet")], COLUMNS, cache_dir=tmp_path / "c")
+        assert sum(len(b["id"]) for b in ds) == ROWS
+        del ds
+        gc.collect()
+        t0 = time.monotonic()
+        while any(t.name.startswith("gpuload-fetch") for t in threading.enumerate()) and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("gpuload-fetch")]
