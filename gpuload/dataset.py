@@ -190,7 +190,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if info is not None and info.num_workers > 0:
             raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
                               "batch_size=None), or iterate it directly")
-        fetcher = sys._getframe(1).f_locals.get("self")  # a DataLoader's fetcher calls iter() in its __init__
+        caller = sys._getframe(1)  # a DataLoader's fetcher calls iter() in its __init__
+        # only that frame's locals are read: reading f_locals snapshots every local of the caller
+        # (the training loop's own frame, most often) and keeps them alive after a `del`
+        fetcher = caller.f_locals.get("self") if caller.f_code.co_name == "__init__" else None
         if type(fetcher).__name__ == "_IterableDatasetFetcher" and getattr(fetcher, "auto_collation", False):
             raise ConfigError("DataLoader(ds) would batch gpuload's batches again (a leading [1, ...] dimension): "
                               "pass DataLoader(ds, batch_size=None), or iterate the dataset directly")
