@@ -12,7 +12,8 @@ from .fetch import RemoteSettings, RemoteStats
 from .gpu import gpu_status, share_rmm_pool
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
-from .metrics import Metrics, StageStats, Stats
+from .metrics import Metrics
+from .stats import StageStats, Stats
 from .watch import Watched, watch
 
 __version__ = "0.1.0"

@@ -19,7 +19,8 @@ from .config import Options
 from .errors import ConfigError
 from .batch import nbytes, nrows
 from .handoff import DlpackHandoff, HostHandoff, resolve_device
-from .metrics import Metrics, Stats
+from .metrics import Metrics
+from .stats import Stats
 from .pipeline import Background, epoch_batches
 from .reader import ChunkReader
 from .schema import BFLOAT16

@@ -23,7 +23,7 @@ from .cachefs import CacheRoot
 from .dataset import ParquetDataset
 from .errors import ConfigError
 from .diagnose import Diagnosis, diagnose
-from .metrics import Stats
+from .stats import Stats
 from .sampling import UtilSampler
 
 __all__ = ["EpochReport", "MlpStep", "profile", "disk_read_gbps"]

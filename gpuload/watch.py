@@ -27,7 +27,8 @@ from typing import Iterable, Iterator
 import torch
 
 from .batch import Ragged
-from .metrics import Metrics, Stats
+from .metrics import Metrics
+from .stats import Stats
 from .sampling import UtilSampler
 
 __all__ = ["watch", "Watched"]

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 import gpuload
-from gpuload.metrics import StageStats, Stats
+from gpuload.stats import StageStats, Stats
 
 from conftest import ManualClock
 

@@ -15,7 +15,8 @@ import types
 
 import pytest
 
-from gpuload.metrics import STAGES, Metrics, Stats
+from gpuload.metrics import STAGES, Metrics
+from gpuload.stats import Stats
 
 from conftest import ManualClock
 
