@@ -6,7 +6,8 @@ deterministically and sharded evenly across ranks.
 """
 
 from .batch import Ragged
-from .dataset import CacheSummary, ParquetDataset, build_cache
+from .build import CacheSummary, build_cache
+from .dataset import ParquetDataset
 from .diagnose import Diagnosis, diagnose
 from .fetch import RemoteSettings, RemoteStats
 from .gpu import gpu_status, share_rmm_pool

@@ -132,12 +132,14 @@ def concat(parts: Sequence[dict], alloc=None) -> dict:
 
 
 class _Piece:
-    """Rows waiting to be batched: a column set, optionally read through a permutation."""
+    """Rows waiting to be batched: a column set, optionally read through a permutation
+    (which may take only some of its rows)."""
 
     __slots__ = ("cols", "perm", "pos", "n")
 
     def __init__(self, cols: dict, perm):
-        self.cols, self.perm, self.pos, self.n = cols, perm, 0, nrows(cols)
+        self.cols, self.perm, self.pos = cols, perm, 0
+        self.n = nrows(cols) if perm is None else len(perm)
 
     def take(self, k: int) -> dict:
         a, self.pos = self.pos, self.pos + k
@@ -164,7 +166,8 @@ class Batcher:
         self._available = 0
 
     def add(self, cols: dict, perm=None) -> Iterator[dict]:
-        """Add a window (rows in ``perm`` order if given) and yield every batch now complete."""
+        """Add a window (rows ``perm`` in that order if given: a permutation of its rows, or
+        part of one) and yield every batch now complete."""
         piece = _Piece(cols, perm)
         if piece.n:
             self._pieces.append(piece)

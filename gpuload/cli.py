@@ -153,7 +153,7 @@ def _finite(flag: str, value: float | None, minimum: float = 0.0, strict: bool =
 
 
 def cmd_build(args) -> int:
-    from .dataset import build_cache
+    from .build import build_cache
 
     _finite("--chunk-mib", args.chunk_mib, strict=True)
     _finite("--max-gib", args.max_gib)

@@ -1,23 +1,19 @@
-"""ParquetDataset: the public loader, and build_cache to fill the cache ahead of time."""
+"""ParquetDataset: the public loader (batches as torch tensors, resumable mid-epoch)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import stat
+import logging
 import sys
-import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
-from . import plan
+from . import plan, resume
 from .config import Options
 from .errors import ConfigError
 from .batch import nbytes, nrows
+from .gpu import open_device
 from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .metrics import Metrics
 from .stats import Stats
@@ -25,7 +21,16 @@ from .pipeline import Background, epoch_batches
 from .reader import ChunkReader
 from .schema import BFLOAT16
 
-__all__ = ["ParquetDataset", "build_cache", "CacheSummary"]
+__all__ = ["ParquetDataset"]
+
+log = logging.getLogger("gpuload")
+
+
+class _Position:
+    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`)."""
+
+    def __init__(self, epoch: int, runs: list[list[int]]):
+        self.epoch, self.runs, self.running = epoch, runs, False
 
 
 def _dist_defaults(rank, world_size) -> tuple[int, int]:
@@ -133,7 +138,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.rank, self.world_size = _dist_defaults(rank, world_size)
         self.device = resolve_device(device)
         self.metrics = Metrics()
-        self._ctx, gpu_decode = _device_context(self.device, self.options, self.metrics)
+        self._ctx, gpu_decode = open_device(self.device, self.options, self.metrics)
         t0 = self.metrics.clock()
         self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes, ctx=self._ctx,
                                   gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
@@ -149,6 +154,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 "or prefetch")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
         self.epoch = 0
+        self._pending: _Position | None = None  # restored by load_state_dict, not iterated yet
+        self._position: _Position | None = None  # the latest iteration's
+        self._epoch_set = False  # set_epoch called since the last load_state_dict or iteration
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -176,13 +184,75 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return int((2 * o.shuffle_window + o.prefetch + 1) * chunk + (o.prefetch + 4) * o.batch_size * (row + 16))
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (call before each epoch)."""
+        """Select the epoch whose order the next iteration follows (call before each epoch).
+
+        After :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps its
+        position, and of the next epoch (when the restored one was complete) starts it;
+        another epoch drops the restored position, with a warning.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
-        self.epoch = epoch
+        p = self._pending
+        if p is not None and epoch != p.epoch:
+            if not (epoch == p.epoch + 1 and self._complete(p)):
+                log.warning("gpuload: set_epoch(%d) after load_state_dict: the restored position (epoch %d, "
+                            "batch %d) is dropped, and epoch %d starts from its first batch",
+                            epoch, p.epoch, p.runs[-1][1], epoch)
+            self._pending = None
+        self.epoch, self._epoch_set = epoch, True
+
+    def state_dict(self) -> dict:
+        """Where this dataset stands: a small JSON-serialisable dict for :meth:`load_state_dict`.
+
+        It can be taken at any time (before the first batch, mid-epoch, between epochs,
+        after an exception in the training step) and counts the batches handed out so
+        far. It is the same on every rank (DDP ranks take the same number of batches),
+        so saving rank 0's is enough. See :mod:`gpuload.resume` for its fields.
+        """
+        p = self._position
+        if p is None or not (p.running or (self._pending is None and p.epoch == self.epoch)):
+            p = self._pending or _Position(self.epoch, [[self.world_size, 0]])
+        return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
+                "runs": [list(r) for r in p.runs], "dataset": self._signature()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`, here or in another process).
+
+        The next iteration yields exactly what an uninterrupted run would have yielded
+        after that point, bit for bit, when the number of ranks is the one the state was
+        saved with. On another number of ranks, the rest of the epoch's rows are shared
+        among the new ranks: each delivered once, the same number of batches on every
+        rank (see :mod:`gpuload.resume`); later epochs follow this dataset's ranks.
+        Only the chunks still needed are read. Raises :class:`~gpuload.ConfigError` if the
+        state comes from a dataset with other settings (naming them), or while an
+        iteration of this dataset is running.
+        """
+        if self._position is not None and self._position.running:
+            raise ConfigError("load_state_dict while an iteration of this dataset is running: let it finish, "
+                              "or close its iterator first (leave the for loop, or call it.close())")
+        epoch, runs, saved = resume.check_state(state)
+        resume.check_signature(saved, self._signature())
+        o = self.options
+        complete = self._complete(_Position(epoch, runs))
+        if runs[-1][0] != self.world_size and not complete:  # elastic: a new run over the rest of the epoch
+            runs.append([self.world_size, 0])
+            dropped = resume.dropped_rows(resume.runs_of(self.num_rows, runs, o.batch_size, o.drop_last))
+            if dropped:
+                log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
+                            "evenly (equal batch counts per rank) and are not delivered", epoch,
+                            self.world_size, dropped)
+        if self._epoch_set and self.epoch != epoch:
+            if complete and self.epoch == epoch + 1:  # set_epoch(next) came first (a StatefulDataLoader defers us)
+                self._pending, self._epoch_set = None, False
+                return
+            log.warning("gpuload: load_state_dict resumes epoch %d at batch %d, not epoch %d given to set_epoch",
+                        epoch, runs[-1][1], self.epoch)
+        self.epoch, self._epoch_set = epoch, False
+        self._pending = _Position(epoch, runs)
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (the same on every rank)."""
+        """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
+        only the rest)."""
         o = self.options
         return plan.num_batches(self.num_rows, self.world_size, o.batch_size, o.drop_last)
 
@@ -206,7 +276,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             handoff = DlpackHandoff(self._ctx, self._views)
         else:
             handoff = HostHandoff(self._views)
-        producer = Background(lambda stop: self._batches(self.epoch, handoff, stop), depth=self.options.prefetch + 2)
+        pos = self._begin()
+        taken = pos.runs[-1]
+        producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2)
         m = self.metrics
         t0 = m.clock()
         try:
@@ -215,6 +287,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
+                taken[1] += 1  # counted when handed out: a state taken now resumes after this batch
                 yield batch
                 t0 = m.clock()
             m.consumer_end(t0, m.clock())
@@ -223,7 +296,28 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             m.consumer_end(t, t)
             raise
         finally:
+            pos.running = False
             producer.close()
+
+    def _begin(self) -> _Position:
+        """The position the iteration starting now follows: the restored one, else the epoch's start."""
+        p = self._pending
+        if p is None or p.epoch != self.epoch:
+            p = _Position(self.epoch, [[self.world_size, 0]])
+        self._pending, self._epoch_set = None, False
+        p.running = True
+        self._position = p
+        return p
+
+    def _complete(self, p: _Position) -> bool:
+        o = self.options
+        return resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last)[-1].complete
+
+    def _signature(self) -> dict:
+        o, r = self.options, self.reader
+        return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
+                                outputs={s.name: list(s.columns) for s in r.specs}, seed=o.seed, shuffle=o.shuffle,
+                                batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window)
 
     def stats(self) -> Stats:
         """What the loader and the training loop did so far: a :class:`gpuload.Stats`.
@@ -250,26 +344,52 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.reader.close()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
-        """This rank's windows of chunk segments and batch sizes for ``epoch`` (pure)."""
-        o, r = self.options, self.reader
+        """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
+        o = self.options
         epoch = self.epoch if epoch is None else epoch
-        order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                 shuffle=o.shuffle)
-        start, stop = plan.rank_range(r.num_rows, self.world_size, self.rank, o.batch_size, o.drop_last)
-        segments = plan.rank_segments([c.rows for c in r.chunks], order, start, stop)
-        sizes = plan.batch_sizes(r.num_rows, self.world_size, self.rank, o.batch_size, o.drop_last)
-        return plan.windows(segments, o.shuffle_window), sizes
+        sizes = plan.batch_sizes(self.num_rows, self.world_size, self.rank, o.batch_size, o.drop_last)
+        return self._windows(epoch, self.world_size, self.rank), sizes
 
     # -- internals ----------------------------------------------------------------------
-    def _batches(self, epoch: int, handoff: Callable, stop) -> Iterator:
+    def _windows(self, epoch: int, world: int, rank: int) -> list[list[plan.Segment]]:
         o, r = self.options, self.reader
-        windows, sizes = self.plan_epoch(epoch)
+        order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
+                                 shuffle=o.shuffle)
+        start, stop = plan.rank_range(r.num_rows, world, rank, o.batch_size, o.drop_last)
+        return plan.windows(plan.rank_segments([c.rows for c in r.chunks], order, start, stop), o.shuffle_window)
+
+    def _rest(self, p: _Position) -> tuple[list[list[plan.Segment]], list[resume.Piece],
+                                                        plan.BatchSizes]:
+        """What this rank yields from position ``p``: the chunk segments to load for each
+        piece of a window, the pieces, and the batch sizes."""
+        o = self.options
+        runs = resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last)
+        if runs[-1].complete:
+            return [], [], plan.BatchSizes(0, o.batch_size, ())
+        base: dict[int, list[list[plan.Segment]]] = {}  # windows of ranks of the epoch's first run
+
+        def windows_of(q: int) -> list[list[plan.Segment]]:
+            if q not in base:
+                base[q] = self._windows(p.epoch, runs[0].world, q)
+            return base[q]
+
+        pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],
+                                             runs, self.rank)
+        # shuffled, a window is loaded whole to permute it; in file order, only the rows taken
+        loads = [windows_of(c.rank)[c.window] if o.shuffle else plan.trim(windows_of(c.rank)[c.window], c.lo, c.hi)
+                 for c in pieces]
+        return loads, pieces, sizes
+
+    def _batches(self, pos: _Position, handoff: Callable, stop) -> Iterator:
+        o, r = self.options, self.reader
+        windows, pieces, sizes = self._rest(pos)
         ctx = self._ctx
         permutation = None
         if o.shuffle:
-            def permutation(w: int, n: int):
-                perm = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                               rank=self.rank, window=w)
+            def permutation(i: int, n: int):
+                c = pieces[i]
+                perm = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch,
+                                               rank=c.rank, window=c.window)[c.lo:c.hi]
                 return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
         remote = r.has_remote
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
@@ -281,96 +401,3 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
                 f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
                 f"rank={self.rank}/{self.world_size}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
-
-
-def _device_context(device: torch.device, o: Options, metrics=None):
-    """(DeviceContext, decode on the GPU) for a CUDA device; (None, False) on the CPU."""
-    if device.type != "cuda":
-        return None, False
-    from .gpu import DeviceContext, configure_kvikio, require_gpu
-
-    gpu_decode = require_gpu(str(device), o.decode)
-    configure_kvikio(o.kvikio_threads, o.kvikio_compat)
-    return DeviceContext(device, metrics=metrics), gpu_decode
-
-
-@dataclass(frozen=True)
-class CacheSummary:
-    """What :func:`build_cache` did. Sizes in bytes, time in seconds."""
-
-    cache_dir: str
-    files: int
-    rows: int
-    chunks: int
-    built: int
-    already_cached: int
-    not_cached: int
-    cached_bytes: int
-    seconds: float
-    outputs: tuple[str, ...]
-
-    def __str__(self) -> str:
-        gib = self.cached_bytes / 2**30
-        text = (f"{self.chunks} chunks of {self.rows:,} rows from {self.files} files: {self.built} built, "
-                f"{self.already_cached} already cached; {gib:.2f} GiB in {self.cache_dir} ({self.seconds:.1f} s)")
-        if self.not_cached:
-            text += f"; {self.not_cached} chunks did not fit max_cache_bytes and will be read from Parquet"
-        return text
-
-
-def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
-                num_threads: int = 2, max_cache_bytes: int | None = None,
-                progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto",
-                filesystem=None, storage_options: dict | None = None, remote=None) -> CacheSummary:
-    """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
-
-    Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
-    :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
-    cached). ``progress(n)`` is called with each finished chunk's row count. Safe to
-    run from several processes at once: each chunk is built once. ``device`` (default
-    ``"cpu"``; ``"cuda"`` or ``"auto"`` to decode with cuDF) and ``decode`` mean what
-    they mean for :class:`ParquetDataset`; the files are the same either way. A remote
-    ``source`` (with ``filesystem``, ``storage_options`` and ``remote`` as for
-    :class:`ParquetDataset`) is fetched ahead of decoding, column ranges only.
-    """
-    opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
-                   max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
-    ctx, gpu_decode = _device_context(resolve_device(device), opts)
-    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
-                         filesystem=filesystem, storage_options=storage_options, remote=remote)
-    enter = contextlib.nullcontext if ctx is None else ctx.active
-    t0 = time.perf_counter()
-    already = len(reader.cached_at_open)
-
-    def one(i: int) -> None:
-        with enter():
-            reader.load(i)
-        if progress is not None:
-            progress(reader.chunks[i].rows)
-
-    try:
-        with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
-            futures: deque = deque()
-            n, submitted, warmed = len(reader.chunks), 0, 0
-            while submitted < n or futures:
-                while submitted < n and len(futures) < 2 * opts.num_threads:
-                    futures.append(pool.submit(one, submitted))
-                    submitted += 1
-                warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
-                while reader.has_remote and warmed < n and reader.warm(warmed):
-                    warmed += 1
-                futures.popleft().result()
-    finally:
-        reader.close()
-    reader.cache.flush()
-    present = []
-    for k in (reader.key(i) for i in range(len(reader.chunks))):
-        with contextlib.suppress(OSError):  # a folder gpuload cannot read, or a link: not cached
-            st = reader.cache.root.lstat(k.parts, k.name)
-            if st is not None and stat.S_ISREG(st.st_mode):
-                present.append(st)
-    return CacheSummary(
-        cache_dir=str(opts.cache_dir), files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
-        built=reader.counters.decoded - (len(reader.chunks) - len(present)), already_cached=already,
-        not_cached=len(reader.chunks) - len(present), cached_bytes=sum(st.st_size for st in present),
-        seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))

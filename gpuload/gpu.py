@@ -37,7 +37,8 @@ import torch
 from .batch import Ragged, nbytes, nrows
 from .errors import ConfigError, GpuloadError
 
-__all__ = ["gpu_status", "require_gpu", "gpu_usable", "configure_kvikio", "share_rmm_pool", "DeviceContext"]
+__all__ = ["gpu_status", "require_gpu", "gpu_usable", "configure_kvikio", "share_rmm_pool", "DeviceContext",
+           "open_device"]
 
 log = logging.getLogger("gpuload")
 
@@ -292,6 +293,18 @@ class DeviceContext:
         import cupy
 
         return cupy.asarray(idx)
+
+
+def open_device(device: torch.device, options, metrics=None) -> tuple[DeviceContext | None, bool]:
+    """(DeviceContext, decode on the GPU) for a CUDA device; (None, False) on the CPU.
+
+    ``options``: a :class:`gpuload.config.Options` (``decode``, ``kvikio_threads``, ``kvikio_compat``).
+    """
+    if device.type != "cuda":
+        return None, False
+    gpu_decode = require_gpu(str(device), options.decode)
+    configure_kvikio(options.kvikio_threads, options.kvikio_compat)
+    return DeviceContext(device, metrics=metrics), gpu_decode
 
 
 def _first_array(cols: dict):

@@ -44,7 +44,7 @@ from .errors import ConfigError
 
 __all__ = [
     "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
-    "num_batches", "batch_sizes", "BatchSizes", "check_balance", "feasible", "windows", "window_permutation",
+    "num_batches", "batch_sizes", "BatchSizes", "check_balance", "feasible", "trim", "windows", "window_permutation",
 ]
 
 
@@ -197,6 +197,20 @@ class BatchSizes(Sequence):
     def __eq__(self, other) -> bool:
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
+    def rows_before(self, k: int) -> int:
+        """Rows in the first ``k`` batches (``0 <= k <= len(self)``)."""
+        if not 0 <= k <= len(self):
+            raise IndexError(k)
+        return min(k, self._full) * self._batch + sum(self._tail[:max(0, k - self._full)])
+
+    def after(self, k: int) -> BatchSizes:
+        """The sizes of the batches after the first ``k``."""
+        if not 0 <= k <= len(self):
+            raise IndexError(k)
+        if k <= self._full:
+            return BatchSizes(len(self) - k, self._batch, self._tail)
+        return BatchSizes(len(self) - k, self._batch, self._tail[k - self._full:])
+
     def __repr__(self) -> str:
         return f"BatchSizes({self._full} x {self._batch} + {list(self._tail)})"
 
@@ -228,6 +242,20 @@ def rank_segments(chunk_rows: Sequence[int], order: Sequence[int], start: int, s
         if pos >= stop:
             break
     return segs
+
+
+def trim(segments: Sequence[Segment], lo: int, hi: int) -> list[Segment]:
+    """The pieces of ``segments`` that hold rows ``[lo, hi)`` of their concatenation."""
+    out, pos = [], 0
+    for s in segments:
+        n = s.hi - s.lo
+        a, b = max(lo - pos, 0), min(hi - pos, n)
+        if a < b:
+            out.append(Segment(s.chunk, s.lo + a, s.lo + b))
+        pos += n
+        if pos >= hi:
+            break
+    return out
 
 
 def windows(segments: Sequence[Segment], size: int) -> list[list[Segment]]:

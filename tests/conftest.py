@@ -7,11 +7,16 @@
   ``~/.cache``);
 * ``write_parquet(path, table, row_group_size)``: a plain function (``from conftest
   import write_parquet``) and a fixture of the same name returning it;
+* ``no_leftover_threads``: fails a test that passed but left a gpuload thread running
+  (``pytestmark = pytest.mark.usefixtures("no_leftover_threads")`` in a module);
 * ``ManualClock``: a clock for ``Metrics(clock=...)`` that moves only when a test moves it.
 """
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -77,3 +82,30 @@ class ManualClock:
 
     def sleep(self, seconds: float) -> None:
         self.t += seconds
+
+
+def gpuload_threads(include_writer=True) -> list[str]:
+    """Names of the live gpuload threads (the cache writer's optional)."""
+    names = [t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith("gpuload")]
+    return names if include_writer else [n for n in names if not n.startswith("gpuload-write")]
+
+
+def wait_no_threads(include_writer=True, timeout=3.0) -> list[str]:
+    """Wait up to ``timeout`` seconds for gpuload's threads to end; returns those still running."""
+    t0 = time.monotonic()
+    while gpuload_threads(include_writer) and time.monotonic() - t0 < timeout:
+        time.sleep(0.02)
+    return gpuload_threads(include_writer)
+
+
+@pytest.fixture
+def no_leftover_threads(request):
+    """The test leaves no gpuload thread behind (checked only when it passed: a failure's
+    traceback keeps its iterators alive)."""
+    failed = request.session.testsfailed
+    yield
+    if request.session.testsfailed != failed:
+        return
+    gc.collect()
+    left = wait_no_threads(include_writer=True, timeout=5.0)
+    assert not left, f"gpuload threads still running after the test: {left}"

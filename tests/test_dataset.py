@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,8 @@ import gpuload
 import gpuload.decode
 from gpuload.batch import Ragged
 from gpuload.synth import clicklog_columns, write_clicklog
+
+from conftest import wait_no_threads as _wait_no_threads
 
 DENSE, SPARSE = 4, 3
 CLICK_COLUMNS = {**clicklog_columns(DENSE, SPARSE), "row_id": "row_id"}
@@ -177,29 +178,7 @@ def _same_batches(a: list[dict], b: list[dict]) -> None:
                 assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (i, k)
 
 
-def _gpuload_threads(include_writer=True) -> list[str]:
-    names = [t.name for t in threading.enumerate() if t.is_alive() and t.name.startswith("gpuload")]
-    return names if include_writer else [n for n in names if not n.startswith("gpuload-write")]
-
-
-def _wait_no_threads(include_writer=True, timeout=3.0) -> list[str]:
-    t0 = time.monotonic()
-    while _gpuload_threads(include_writer) and time.monotonic() - t0 < timeout:
-        time.sleep(0.02)
-    return _gpuload_threads(include_writer)
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_threads(request):
-    """Every test leaves no gpuload thread behind (checked only when the test passed:
-    a failure's traceback keeps its iterators alive)."""
-    failed = request.session.testsfailed
-    yield
-    if request.session.testsfailed != failed:
-        return
-    gc.collect()
-    left = _wait_no_threads(include_writer=True, timeout=5.0)
-    assert not left, f"gpuload threads still running after the test: {left}"
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
 
 # ---------------------------------------------------------------------------------------

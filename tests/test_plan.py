@@ -335,3 +335,30 @@ def test_make_chunks_never_yields_empty_chunks(files, chunk_bytes):
     chunks = plan.make_chunks(files, chunk_bytes)
     assert all(c.rows > 0 for c in chunks)
     assert sum(c.rows for c in chunks) == sum(r for groups in files for r, _ in groups)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 3000), world=st.integers(1, 8), bs=st.integers(1, 50), rank=st.integers(0, 7),
+       drop_last=st.booleans(), data=st.data())
+def test_batch_sizes_rows_before_and_after(n, world, bs, rank, drop_last, data):
+    assume(rank < world and plan.feasible(n, world, bs, drop_last))
+    sizes = plan.batch_sizes(n, world, rank, bs, drop_last)
+    k = data.draw(st.integers(0, len(sizes)))
+    assert sizes.rows_before(k) == sum(list(sizes)[:k])
+    assert list(sizes.after(k)) == list(sizes)[k:]
+    with pytest.raises(IndexError):
+        sizes.after(len(sizes) + 1)
+
+
+@given(rows=st.lists(st.integers(1, 20), min_size=1, max_size=6), data=st.data())
+def test_trim_keeps_exactly_the_rows_asked_for(rows, data):
+    segments, pos = [], 0
+    for c, n in enumerate(rows):
+        segments.append(plan.Segment(c, 5, 5 + n))  # chunk c's rows [5, 5 + n)
+        pos += n
+    lo = data.draw(st.integers(0, pos))
+    hi = data.draw(st.integers(lo, pos))
+    flat = [(s.chunk, i) for s in segments for i in range(s.lo, s.hi)]
+    trimmed = plan.trim(segments, lo, hi)
+    assert [(s.chunk, i) for s in trimmed for i in range(s.lo, s.hi)] == flat[lo:hi]
+    assert all(s.hi > s.lo for s in trimmed)

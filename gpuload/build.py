@@ -1,0 +1,100 @@
+"""Build: fill the cache ahead of training (``build_cache``, ``gpuload cache build``)."""
+
+from __future__ import annotations
+
+import contextlib
+import stat
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from .config import Options
+from .gpu import open_device
+from .handoff import resolve_device
+from .reader import ChunkReader
+
+__all__ = ["build_cache", "CacheSummary"]
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What :func:`build_cache` did. Sizes in bytes, time in seconds."""
+
+    cache_dir: str
+    files: int
+    rows: int
+    chunks: int
+    built: int
+    already_cached: int
+    not_cached: int
+    cached_bytes: int
+    seconds: float
+    outputs: tuple[str, ...]
+
+    def __str__(self) -> str:
+        gib = self.cached_bytes / 2**30
+        text = (f"{self.chunks} chunks of {self.rows:,} rows from {self.files} files: {self.built} built, "
+                f"{self.already_cached} already cached; {gib:.2f} GiB in {self.cache_dir} ({self.seconds:.1f} s)")
+        if self.not_cached:
+            text += f"; {self.not_cached} chunks did not fit max_cache_bytes and will be read from Parquet"
+        return text
+
+
+def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
+                num_threads: int = 2, max_cache_bytes: int | None = None,
+                progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto",
+                filesystem=None, storage_options: dict | None = None, remote=None) -> CacheSummary:
+    """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
+
+    Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
+    :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
+    cached). ``progress(n)`` is called with each finished chunk's row count. Safe to
+    run from several processes at once: each chunk is built once. ``device`` (default
+    ``"cpu"``; ``"cuda"`` or ``"auto"`` to decode with cuDF) and ``decode`` mean what
+    they mean for :class:`ParquetDataset`; the files are the same either way. A remote
+    ``source`` (with ``filesystem``, ``storage_options`` and ``remote`` as for
+    :class:`ParquetDataset`) is fetched ahead of decoding, column ranges only.
+    """
+    opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
+                   max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
+    ctx, gpu_decode = open_device(resolve_device(device), opts)
+    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
+                         filesystem=filesystem, storage_options=storage_options, remote=remote)
+    enter = contextlib.nullcontext if ctx is None else ctx.active
+    t0 = time.perf_counter()
+    already = len(reader.cached_at_open)
+
+    def one(i: int) -> None:
+        with enter():
+            reader.load(i)
+        if progress is not None:
+            progress(reader.chunks[i].rows)
+
+    try:
+        with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
+            futures: deque = deque()
+            n, submitted, warmed = len(reader.chunks), 0, 0
+            while submitted < n or futures:
+                while submitted < n and len(futures) < 2 * opts.num_threads:
+                    futures.append(pool.submit(one, submitted))
+                    submitted += 1
+                warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
+                while reader.has_remote and warmed < n and reader.warm(warmed):
+                    warmed += 1
+                futures.popleft().result()
+    finally:
+        reader.close()
+    reader.cache.flush()
+    present = []
+    for k in (reader.key(i) for i in range(len(reader.chunks))):
+        with contextlib.suppress(OSError):  # a folder gpuload cannot read, or a link: not cached
+            st = reader.cache.root.lstat(k.parts, k.name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                present.append(st)
+    return CacheSummary(
+        cache_dir=str(opts.cache_dir), files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
+        built=reader.counters.decoded - (len(reader.chunks) - len(present)), already_cached=already,
+        not_cached=len(reader.chunks) - len(present), cached_bytes=sum(st.st_size for st in present),
+        seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))

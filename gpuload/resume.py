@@ -1,0 +1,254 @@
+"""Resume: the state of an epoch in progress, and the plan of what is left of it.
+
+An epoch's order is a pure function of (fingerprint, seed, epoch, world size, rank)
+(:mod:`gpuload.plan`), so where a run stands is a few numbers: the epoch and how many
+batches every rank has taken. DDP ranks take the same number of batches, so the state is
+the same on every rank: rank 0's state is enough to restore all of them.
+
+Runs of an epoch
+----------------
+An epoch may be run in several *runs*, one per job that worked on it: ``[(W0, k0),
+(W1, k1), ...]``, where run ``i`` had ``Wi`` ranks that took ``ki`` batches each. The
+first run follows the ordinary plan for ``W0`` ranks. When a state is restored on the
+same number of ranks as its last run, that run simply goes on at batch ``k``: the rest
+is bit-identical to a run that was never interrupted. When it is restored on another
+number of ranks, a new run begins, over the *rest* of the epoch:
+
+* the rest is, rank after rank of the previous run, the rows each rank had not taken
+  yet, in the order that rank would have taken them (so they stay shuffled);
+* the new ranks split that stream as :mod:`gpuload.plan` splits an epoch (contiguous
+  ranges, every rank the same number of batches, the tail balanced the same way), and
+  take their rows in stream order.
+
+So across the runs, every row of the epoch is delivered exactly once, except what the
+plan's ``drop_last=True`` drops (fewer than ``W * batch_size`` rows per run) and, with
+``drop_last=False``, a rest too small to give every new rank a row (fewer than ``W``
+rows, or the ``rest % W`` rows that ``batch_size=1`` cannot balance), which is logged.
+A new rank reads only the windows its rows come from: the chunks of the windows still
+in progress, and those not started; never a window every row of which was taken.
+
+The state (:meth:`gpuload.ParquetDataset.state_dict`) is a small JSON-serialisable dict::
+
+    {"format": "gpuload.ParquetDataset", "version": 1, "epoch": 3,
+     "runs": [[4, 120], [2, 10]],
+     "dataset": {"source": "0x...", "rows": ..., "chunks": "0x...", "outputs": {...},
+                 "seed": 0, "shuffle": true, "batch_size": 65536, "drop_last": false,
+                 "shuffle_window": 4}}
+
+``dataset`` holds what shapes the order; restoring into a dataset where any of it
+differs raises a :class:`~gpuload.ConfigError` that names the fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from . import plan
+from .errors import ConfigError
+
+__all__ = ["FORMAT", "VERSION", "Piece", "Run", "runs_of", "rest_of_epoch", "dropped_rows", "signature",
+           "check_state", "check_signature"]
+
+FORMAT = "gpuload.ParquetDataset"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Positions ``[lo, hi)`` of window ``window`` of rank ``rank`` in the epoch's first run.
+
+    Positions count in the window's permuted order (its row order without shuffling).
+    """
+
+    rank: int
+    window: int
+    lo: int
+    hi: int
+
+
+def _deliverable(total: int, world: int, batch_size: int, drop_last: bool) -> int:
+    """How many of ``total`` rows ``world`` ranks can take with equal batch counts."""
+    if drop_last:
+        return total // (world * batch_size) * world * batch_size
+    if batch_size == 1:
+        return total - total % world
+    return total if total >= world else 0
+
+
+class Run:
+    """One run of an epoch: ``world`` ranks over ``total`` rows, each taking ``taken`` batches."""
+
+    def __init__(self, world: int, taken: int, total: int, batch_size: int, drop_last: bool):
+        self.world, self.taken, self.total = world, taken, total
+        self._batch, self._drop = batch_size, drop_last
+        self.batches = plan.num_batches(total, world, batch_size, drop_last) if total else 0
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s ``[start, stop)`` of the run's stream of rows."""
+        return plan.rank_range(self.total, self.world, rank, self._batch, self._drop) if self.total else (0, 0)
+
+    def sizes(self, rank: int) -> plan.BatchSizes:
+        if not self.batches:
+            return plan.BatchSizes(0, self._batch, ())
+        return plan.batch_sizes(self.total, self.world, rank, self._batch, self._drop)
+
+    def taken_rows(self, rank: int) -> int:
+        """Rows rank ``rank`` has taken (its first ``taken`` batches)."""
+        return self.sizes(rank).rows_before(self.taken)
+
+    def rest(self, rank: int) -> int:
+        start, stop = self.span(rank)
+        return stop - start - self.taken_rows(rank)
+
+    @property
+    def complete(self) -> bool:
+        return self.taken == self.batches
+
+
+def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_last: bool) -> list[Run]:
+    """The :class:`Run` objects of an epoch of ``total`` rows run as ``[(world, taken), ...]``.
+
+    Raises :class:`ConfigError` where the runs are impossible (more batches taken than a
+    run has, a first run whose ranks could not share the epoch).
+    """
+    out: list[Run] = []
+    for i, (world, taken) in enumerate(runs):
+        if i == 0:
+            if not plan.feasible(total, world, batch_size, drop_last):
+                raise ConfigError(f"state: {total:,} rows cannot be shared by world_size={world} ranks with "
+                                  f"batch_size={batch_size}; the state was not saved from this dataset")
+            rows = total
+        else:
+            prev = out[-1]
+            offered = sum(prev.rest(r) for r in range(prev.world))
+            rows = _deliverable(offered, world, batch_size, drop_last)
+        run = Run(world, taken, rows, batch_size, drop_last)
+        if not 0 <= taken <= run.batches:
+            raise ConfigError(f"state: run {i} ({world} ranks) took {taken} batches, but it has {run.batches}; "
+                              "the state was not saved from this dataset")
+        out.append(run)
+    return out
+
+
+def dropped_rows(runs: Sequence[Run]) -> int:
+    """Rows of the rest of the epoch that the last run cannot give out evenly (0 for one run)."""
+    if len(runs) < 2:
+        return 0
+    prev = runs[-2]
+    return sum(prev.rest(r) for r in range(prev.world)) - runs[-1].total
+
+
+def _slice_windows(rows: Sequence[int], rank: int, a: int, b: int) -> list[Piece]:
+    pieces, pos = [], 0
+    for w, n in enumerate(rows):
+        lo, hi = max(a, pos), min(b, pos + n)
+        if lo < hi:
+            pieces.append(Piece(rank, w, lo - pos, hi - pos))
+        pos += n
+        if pos >= b:
+            break
+    return pieces
+
+
+def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Run],
+                  rank: int) -> tuple[list[Piece], plan.BatchSizes]:
+    """What rank ``rank`` of the last run still yields: its pieces of windows, and batch sizes.
+
+    ``window_rows(q)``: the rows of each window of rank ``q`` in the epoch's first run.
+    """
+
+    def pieces(i: int, q: int, a: int, b: int) -> list[Piece]:  # rows [a, b) of rank q's stream in run i
+        if i == 0:
+            return _slice_windows(window_rows(q), q, a, b)
+        prev, start = runs[i - 1], runs[i].span(q)[0]
+        a, b = a + start, b + start  # rows of the previous run's rest, rank after rank
+        rest = np.array([prev.rest(p) for p in range(prev.world)], dtype=np.int64)
+        ends = np.cumsum(rest)
+        out: list[Piece] = []
+        for p in range(int(np.searchsorted(ends, a, side="right")), prev.world):
+            lo_p = int(ends[p] - rest[p])
+            if lo_p >= b:
+                break
+            lo, hi = max(a, lo_p), min(b, int(ends[p]))
+            if lo < hi:
+                skip = prev.taken_rows(p) - lo_p
+                out.extend(pieces(i - 1, p, lo + skip, hi + skip))
+        return out
+
+    last = runs[-1]
+    start, stop = last.span(rank)
+    taken = last.taken_rows(rank)
+    return pieces(len(runs) - 1, rank, taken, stop - start), last.sizes(rank).after(last.taken)
+
+
+def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool,
+              batch_size: int, drop_last: bool, shuffle_window: int) -> dict:
+    """What shapes a dataset's order, as the ``dataset`` field of a state."""
+    layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in chunks], dtype=np.int64).reshape(-1, 3)
+    return {"source": f"{fingerprint:#018x}", "rows": int(rows),
+            "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}", "outputs": outputs,
+            "seed": int(seed), "shuffle": bool(shuffle), "batch_size": int(batch_size),
+            "drop_last": bool(drop_last), "shuffle_window": int(shuffle_window)}
+
+
+def check_signature(saved: dict, here: dict) -> None:
+    """Raise :class:`ConfigError` naming every field where ``saved`` and ``here`` differ.
+
+    A chunk layout that differs only because the files or columns do is not named again.
+    """
+    diffs = []
+    if saved.get("outputs") != here["outputs"]:
+        diffs.append(f"outputs: the columns differ ({_outputs(saved.get('outputs'))} in the state, "
+                     f"{_outputs(here['outputs'])} here)")
+    if saved.get("source") != here["source"]:
+        diffs.append("source: the source files differ (other paths, or files rewritten since)")
+    for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window"):
+        if saved.get(key) != here[key]:
+            diffs.append(f"{key}: {saved.get(key)!r} in the state, {here[key]!r} here")
+    if saved.get("chunks") != here["chunks"] and not diffs:
+        diffs.append("chunks: the chunk layout differs (another chunk_bytes?)")
+    if diffs:
+        raise ConfigError("the state was saved from another dataset: " + "; ".join(diffs)
+                          + ". Open the dataset as it was when the state was saved, or do not load the state "
+                            "(the epoch then starts from its first batch)")
+
+
+def _outputs(outputs) -> str:
+    if not isinstance(outputs, dict):
+        return repr(outputs)
+    return ", ".join(f"{k}={'+'.join(v)}" if isinstance(v, list) else f"{k}={v}" for k, v in outputs.items())
+
+
+def check_state(sd) -> tuple[int, list[list[int]], dict]:
+    """Validate a state's structure; returns ``(epoch, runs, dataset signature)``."""
+    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+        raise ConfigError(f"load_state_dict: not a gpuload ParquetDataset state (format={_peek(sd)!r}); pass "
+                          "what ParquetDataset.state_dict() returned")
+    version = sd.get("version")
+    if version != VERSION:
+        raise ConfigError(f"load_state_dict: state version {version!r}; this gpuload reads version {VERSION} "
+                          f"(a newer gpuload saved it?)")
+    epoch, runs, dataset = sd.get("epoch"), sd.get("runs"), sd.get("dataset")
+
+    def is_int(v, low):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+    if not is_int(epoch, 0):
+        raise ConfigError(f"load_state_dict: epoch={epoch!r} must be a non-negative integer")
+    if (not isinstance(runs, (list, tuple)) or not runs
+            or not all(isinstance(r, (list, tuple)) and len(r) == 2 and is_int(r[0], 1) and is_int(r[1], 0)
+                       for r in runs)):
+        raise ConfigError(f"load_state_dict: runs={runs!r} must be a non-empty list of [world_size, batches]")
+    if not isinstance(dataset, dict):
+        raise ConfigError("load_state_dict: the state has no 'dataset' description")
+    return epoch, [[int(w), int(k)] for w, k in runs], dataset
+
+
+def _peek(sd) -> object:
+    return sd.get("format") if isinstance(sd, dict) else type(sd).__name__
+
+

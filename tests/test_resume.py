@@ -1,0 +1,580 @@
+"""Resumable, elastic epochs: state_dict / load_state_dict.
+
+* the pure plan of an epoch's rest (:mod:`gpuload.resume`), against a simulation of
+  the rows every rank takes, for random chains of runs on other world sizes;
+* the conformance harness: a state taken at every batch position of epochs 0 and 1
+  (before the first batch and at each epoch's end included) restores, in a fresh
+  dataset, to exactly the batches of the uninterrupted run; and from ``W1`` to ``W2``
+  ranks, every row of the epoch exactly once across the union of ranks, equal batch
+  counts, and the next epoch in the ``W2`` order;
+* only the chunks still needed are read; the footguns (a state from another dataset,
+  ``load_state_dict`` while iterating, ``iter()`` before ``load_state_dict``);
+* torchdata's ``StatefulDataLoader`` round trip, and a restore in a fresh process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpuload
+from gpuload import plan, resume
+from gpuload.batch import Ragged
+
+from conftest import write_parquet
+
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
+
+BATCH = 64
+ROWS = (1500, 1445)  # 2,945 rows: on 2 ranks, rank 1's last batch would be empty, so it is halved
+
+
+# ---------------------------------------------------------------------------------------
+# the pure plan of the rest of an epoch
+# ---------------------------------------------------------------------------------------
+
+def _simulate(total: int, batch: int, drop_last: bool, chain: list[tuple[int, float]], seed: int):
+    """Rows taken by every rank of every run of ``chain`` ((world, fraction of its batches taken)),
+    the last run taken to its end; the first run's windows are random cuts of each rank's range."""
+    rng = np.random.default_rng(seed)
+    w0 = chain[0][0]
+    ids = {}
+    for q in range(w0):
+        start, stop = plan.rank_range(total, w0, q, batch, drop_last)
+        cuts = np.sort(rng.choice(np.arange(1, max(stop - start, 1)), size=min(3, max(stop - start - 1, 0)),
+                                  replace=False)) if stop - start > 1 else []
+        bounds = [0, *cuts, stop - start]
+        ids[q] = [rng.permutation(np.arange(start + a, start + b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    window_rows = lambda q: [len(w) for w in ids[q]]  # noqa: E731
+    runs_so_far: list[list[int]] = []
+    taken, counts = [], []
+    for i, (world, frac) in enumerate(chain):
+        runs = resume.runs_of(total, runs_so_far + [[world, 0]], batch, drop_last)
+        last = i == len(chain) - 1
+        k = runs[-1].batches if last else int(frac * runs[-1].batches)
+        per_rank = []
+        for r in range(world):
+            pieces, sizes = resume.rest_of_epoch(window_rows, runs, r)
+            seq = np.concatenate([ids[p.rank][p.window][p.lo:p.hi] for p in pieces]) if pieces else np.zeros(0, int)
+            assert len(seq) == sum(sizes)  # the sizes cover the rank's rows exactly
+            assert len(sizes) == runs[-1].batches  # every rank the same number of batches
+            per_rank.append(len(sizes))
+            taken.append(seq[:sizes.rows_before(k)])
+        counts.append(per_rank)
+        runs_so_far.append([world, k])
+    return np.concatenate(taken), resume.runs_of(total, runs_so_far, batch, drop_last)
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 400), batch=st.integers(1, 9), drop_last=st.booleans(),
+       chain=st.lists(st.tuples(st.integers(1, 6), st.floats(0, 1)), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_runs_of_an_epoch_deliver_each_row_at_most_once(total, batch, drop_last, chain, seed):
+    if not plan.feasible(total, chain[0][0], batch, drop_last):
+        return
+    got, runs = _simulate(total, batch, drop_last, chain, seed)
+    assert len(np.unique(got)) == len(got), "a row delivered twice"
+    assert got.min(initial=0) >= 0 and got.max(initial=0) < total
+    dropped = sum(resume.dropped_rows(runs[:i + 1]) for i in range(len(runs)))
+    first = runs[0]
+    lost_tail = total - sum(first.span(r)[1] - first.span(r)[0] for r in range(first.world))  # drop_last's tail
+    assert len(got) == total - lost_tail - dropped
+    if not drop_last:
+        assert lost_tail == 0
+        for i in range(1, len(runs)):  # what an elastic run cannot share is less than its world size
+            if batch == 1:
+                assert resume.dropped_rows(runs[:i + 1]) < runs[i].world
+            else:
+                assert resume.dropped_rows(runs[:i + 1]) < runs[i].world
+
+
+def test_same_world_size_continues_the_run():
+    runs = resume.runs_of(100, [[2, 3]], 8, False)
+    pieces, sizes = resume.rest_of_epoch(lambda q: [20, 30], runs, 1)
+    assert [(p.rank, p.window, p.lo, p.hi) for p in pieces] == [(1, 1, 4, 30)]
+    assert list(sizes) == list(plan.batch_sizes(100, 2, 1, 8, False))[3:]
+
+
+def test_impossible_runs_are_refused():
+    with pytest.raises(gpuload.ConfigError, match="took 99 batches"):
+        resume.runs_of(100, [[2, 99]], 8, False)
+    with pytest.raises(gpuload.ConfigError, match="cannot be shared"):
+        resume.runs_of(3, [[4, 0]], 8, False)
+
+
+# ---------------------------------------------------------------------------------------
+# datasets
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """Two files, 2,945 rows: row_id, a float, a stacked pair and a list column."""
+    d = tmp_path_factory.mktemp("resume")
+    rng = np.random.default_rng(3)
+    start = 0
+    for i, n in enumerate(ROWS):
+        lengths = rng.integers(0, 5, n)
+        write_parquet(d / f"part{i}.parquet", pa.table({
+            "row_id": np.arange(start, start + n, dtype=np.int64),
+            "x": rng.standard_normal(n),
+            "g1": rng.integers(0, 1000, n).astype(np.int32),
+            "g2": rng.integers(0, 1000, n).astype(np.int32),
+            "h": pa.array([list(rng.integers(0, 99, k)) for k in lengths], pa.list_(pa.int64())),
+        }), row_group_size=100)
+        start += n
+    return d
+
+
+COLUMNS = {"row_id": "row_id", "x": "x", "g": ["g1", "g2"], "h": "h"}
+
+
+def _open(source, cache, world=1, rank=0, **kw):
+    kw = {"batch_size": BATCH, "chunk_bytes": 8 << 10, "shuffle_window": 3, **kw}
+    return gpuload.ParquetDataset(source, COLUMNS, cache_dir=cache, device="cpu", rank=rank, world_size=world, **kw)
+
+
+def _same(a: dict, b: dict) -> bool:
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, Ragged):
+            if not (torch.equal(x.offsets, y.offsets) and torch.equal(x.values, y.values)):
+                return False
+        elif not (x.dtype == y.dtype and torch.equal(x, y)):
+            return False
+    return list(a) == list(b)
+
+
+def _assert_same_run(got: list, want: list, where) -> None:
+    assert len(got) == len(want), (where, len(got), len(want))
+    for i, ((e1, a), (e2, b)) in enumerate(zip(got, want)):
+        assert e1 == e2 and _same(a, b), (where, i)
+
+
+def _ids(batches) -> np.ndarray:
+    return np.concatenate([b["row_id"].numpy() for b in batches]) if batches else np.zeros(0, np.int64)
+
+
+def _reference(ds, epochs) -> tuple[list, list]:
+    """Batches (epoch, batch) of an uninterrupted run, and the state after each position:
+    states[i] resumes before batch i (before the first, and at each epoch's end included)."""
+    run, states = [], []
+    for e in epochs:
+        ds.set_epoch(e)
+        states.append((e, json.loads(json.dumps(ds.state_dict()))))  # only JSON types in it
+        for b in ds:
+            run.append((e, b))
+            states.append((e, ds.state_dict()))
+    return run, states
+
+
+def _resumed(ds, state, last_epoch) -> list:
+    """What a training loop yields after restoring ``state``: the rest of its epoch, then on."""
+    ds.load_state_dict(state)
+    out = []
+    for e in range(state["epoch"], last_epoch + 1):
+        ds.set_epoch(e)
+        out.extend((e, b) for b in ds)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# the conformance harness
+# ---------------------------------------------------------------------------------------
+
+def _rest_from(ref_run: list, epoch: int, batches: int) -> list:
+    """The reference run after ``batches`` batches of ``epoch``."""
+    first = next(j for j, (e, _) in enumerate(ref_run) if e == epoch)
+    return ref_run[first + batches:]
+
+
+@pytest.mark.parametrize("shuffle, drop_last", [(True, False), (False, False), (True, True)])
+def test_resume_at_every_position_is_exact(source, tmp_path, shuffle, drop_last):
+    cache = tmp_path / "c"
+    k = len(_open(source, cache, shuffle=shuffle, drop_last=drop_last))
+    ref_run, states = _reference(_open(source, cache, shuffle=shuffle, drop_last=drop_last), [0, 1, 2])
+    tried = 0
+    for epoch, state in states:
+        if epoch == 2:
+            break
+        fresh = _open(source, cache, shuffle=shuffle, drop_last=drop_last)
+        taken = state["runs"][-1][1]
+        want = [x for x in _rest_from(ref_run, epoch, taken) if x[0] <= epoch + 1]
+        _assert_same_run(_resumed(fresh, state, epoch + 1), want, (epoch, taken))
+        tried += 1
+    assert tried == 2 * (k + 1)  # before each batch of epochs 0 and 1, and after each one's last
+
+
+@pytest.mark.parametrize("w1, w2", [(1, 2), (2, 1), (2, 3), (3, 2), (4, 1), (2, 2)])
+def test_elastic_resume_delivers_the_rest_exactly_once(source, tmp_path, w1, w2):
+    """States taken on ``w1`` ranks at every position of epochs 0 and 1, restored on ``w2``."""
+    cache = tmp_path / "c"
+    olds = [_open(source, cache, w1, r) for r in range(w1)]
+    refs = [_reference(ds, [0, 1]) for ds in olds]
+    news = [_open(source, cache, w2, r) for r in range(w2)]
+    next_epoch = {e: [list(ds) for ds in news for _ in [ds.set_epoch(e)]] for e in (1, 2)}
+    n = sum(ROWS)
+    for i, (epoch, state) in enumerate(refs[0][1]):
+        # DDP ranks take the same number of batches, so every rank's state is the same: rank 0's is enough
+        assert all(ref[1][i][1] == state for ref in refs)
+        taken = state["runs"][-1][1]
+        before = [b for ref in refs for b in [x for e, x in ref[0] if e == epoch][:taken]]
+        rests = [_resumed(ds, state, epoch + 1) for ds in news]
+        this = [[b for e, b in rest if e == epoch] for rest in rests]
+        assert len({len(t) for t in this}) == 1, "ranks yield different batch counts"
+        ids = np.concatenate([_ids(before)] + [_ids(t) for t in this])
+        assert len(np.unique(ids)) == len(ids), (epoch, taken, "a row delivered twice")
+        assert len(ids) >= n - (w2 - 1), (epoch, taken, "rows skipped")
+        if taken == 0:  # nothing was taken: the whole epoch, shared by the new ranks
+            assert len(ids) == n
+        if w1 == w2:  # the same ranks: exactly the uninterrupted run
+            for r in range(w2):
+                want = [x for e, x in refs[r][0] if e == epoch][taken:]
+                _assert_same_run([(epoch, b) for b in this[r]], [(epoch, b) for b in want], (epoch, taken, r))
+        for r, rest in enumerate(rests):  # the next epoch is the w2 order
+            after = [b for e, b in rest if e == epoch + 1]
+            _assert_same_run([(0, b) for b in after], [(0, b) for b in next_epoch[epoch + 1][r]], (epoch, taken, r))
+
+
+def test_a_second_resume_goes_on_from_the_first(source, tmp_path):
+    """Restore, take a few batches, save again, restore again: the run goes on (it does not restart)."""
+    cache = tmp_path / "c"
+    ref_run, states = _reference(_open(source, cache), [0, 1])
+    a = _open(source, cache)
+    a.load_state_dict(states[5][1])  # epoch 0, after 5 batches
+    it = iter(a)
+    got = [(0, next(it)) for _ in range(7)]
+    second = a.state_dict()
+    it.close()
+    assert second["runs"] == [[1, 12]]
+    b = _open(source, cache)
+    got += _resumed(b, second, 1)
+    _assert_same_run(got, _rest_from(ref_run, 0, 5), "second resume")
+
+
+def test_elastic_chain_within_one_epoch(source, tmp_path):
+    """2 ranks, then 3, then 1, in one epoch: each row once over the three runs."""
+    cache = tmp_path / "c"
+    seen, state = [], None
+    for world, steps in ((2, 5), (3, 4), (1, None)):
+        ranks = [_open(source, cache, world, r) for r in range(world)]
+        states = []
+        for ds in ranks:
+            if state is not None:
+                ds.load_state_dict(state)
+            ds.set_epoch(1)
+            it = iter(ds)
+            seen += list(itertools.islice(it, steps))
+            states.append(ds.state_dict())
+            it.close()
+        assert all(s == states[0] for s in states)
+        state = states[0]
+    assert [w for w, _ in state["runs"]] == [2, 3, 1]
+    ids = _ids(seen)
+    assert len(np.unique(ids)) == len(ids) and len(ids) == sum(ROWS)
+
+
+def test_state_is_small_json_and_round_trips_without_iterating(source, tmp_path):
+    ds = _open(source, tmp_path / "c", 2, 0)
+    ds.set_epoch(3)
+    sd = ds.state_dict()
+    assert sd["epoch"] == 3 and sd["runs"] == [[2, 0]] and sd["version"] == resume.VERSION
+    text = json.dumps(sd)
+    assert len(text) < 1024
+    other = _open(source, tmp_path / "c", 2, 1)
+    other.load_state_dict(json.loads(text))
+    assert other.state_dict() == sd
+    on3 = _open(source, tmp_path / "c", 3, 2)
+    on3.load_state_dict(sd)
+    assert on3.state_dict()["runs"] == [[2, 0], [3, 0]]  # restored on 3 ranks: a new run of the epoch
+
+
+def _chunks_loaded(ds) -> list[int]:
+    loaded, load = [], ds.reader.load
+
+    def recording(i):
+        loaded.append(i)
+        return load(i)
+
+    ds.reader.load = recording
+    return loaded
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
+    cache = tmp_path / "c"
+    ref = _open(source, cache, shuffle=shuffle)
+    ref.set_epoch(1)
+    list(ref)  # the whole cache is built
+    windows, sizes = ref.plan_epoch(1)
+    k = len(sizes) // 2
+    pos = sizes.rows_before(k)
+    it = iter(ref)
+    list(itertools.islice(it, k))
+    state = ref.state_dict()
+    it.close()
+    ds = _open(source, cache, shuffle=shuffle)
+    loaded = _chunks_loaded(ds)
+    list(_resumed(ds, state, 1))
+    start, want, skipped = 0, [], []
+    for w in windows:
+        n = sum(s.hi - s.lo for s in w)
+        if shuffle:  # a window started is read whole (its rows are shuffled together)
+            (want if start + n > pos else skipped).extend(s.chunk for s in w)
+        else:  # in file order, only the chunks with rows still to come
+            for s in w:
+                (want if start + (s.hi - s.lo) > pos else skipped).append(s.chunk)
+                start += s.hi - s.lo
+            continue
+        start += n
+    assert loaded == want
+    assert skipped and not set(skipped) & set(loaded)
+
+
+def test_elastic_resume_reads_only_windows_with_rows_left(source, tmp_path):
+    cache = tmp_path / "c"
+    olds = [_open(source, cache, 2, r) for r in range(2)]
+    left = set()  # chunks of windows with rows left (a chunk may be split between two ranks)
+    for ds in olds:
+        windows, sizes = ds.plan_epoch(0)
+        pos = sizes.rows_before(15)
+        ends = np.cumsum([sum(s.hi - s.lo for s in w) for w in windows])
+        left |= {s.chunk for w, end in zip(windows, ends) if end > pos for s in w}
+        it = iter(ds)
+        list(itertools.islice(it, 15))
+        state = ds.state_dict()
+        it.close()
+    done = set(range(len(olds[0].reader.chunks))) - left
+    assert done
+    for r in range(3):
+        ds = _open(source, cache, 3, r)
+        loaded = _chunks_loaded(ds)
+        list(_resumed(ds, state, 0))
+        assert loaded and set(loaded) <= left  # never a chunk whose rows were all taken
+
+
+# ---------------------------------------------------------------------------------------
+# safety
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change, field", [
+    ({"seed": 1}, "seed"),
+    ({"batch_size": 32}, "batch_size"),
+    ({"shuffle": False}, "shuffle"),
+    ({"drop_last": True}, "drop_last"),
+    ({"shuffle_window": 2}, "shuffle_window"),
+    ({"chunk_bytes": 16 << 10}, "chunks"),
+    ({"columns": {"row_id": "row_id", "x": "x"}}, "outputs"),
+])
+def test_state_from_another_dataset_is_refused(source, tmp_path, change, field):
+    ds = _open(source, tmp_path / "c")
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    it.close()
+    columns = change.pop("columns", COLUMNS)
+    kw = {"batch_size": BATCH, "chunk_bytes": 8 << 10, "shuffle_window": 3, **change}
+    other = gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "c", device="cpu", **kw)
+    with pytest.raises(gpuload.ConfigError, match=rf"another dataset: {field}: "):
+        other.load_state_dict(state)
+    assert other.state_dict()["runs"] == [[1, 0]]  # nothing restored
+
+
+def test_state_from_other_files_is_refused(source, tmp_path):
+    import shutil
+    copy = tmp_path / "src"
+    shutil.copytree(source, copy)
+    ds = _open(copy, tmp_path / "c")
+    state = ds.state_dict()
+    table = pq.read_table(copy / "part1.parquet")
+    write_parquet(copy / "part1.parquet", table.slice(0, 1000), row_group_size=100)  # rewritten: fewer rows
+    with pytest.raises(gpuload.ConfigError, match="source: the source files differ.*; rows: 2945 in the state"):
+        _open(copy, tmp_path / "c").load_state_dict(state)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda s: "nonsense", "not a gpuload ParquetDataset state"),
+    (lambda s: {**s, "format": "x"}, "not a gpuload"),
+    (lambda s: {**s, "version": 2}, "state version 2"),
+    (lambda s: {**s, "epoch": -1}, "epoch=-1"),
+    (lambda s: {**s, "runs": []}, "runs="),
+    (lambda s: {**s, "runs": [[0, 1]]}, "runs="),
+    (lambda s: {**s, "runs": [[1, 10_000]]}, "took 10000 batches"),
+    (lambda s: {k: v for k, v in s.items() if k != "dataset"}, "no 'dataset'"),
+])
+def test_malformed_states_are_refused(source, tmp_path, mutate, match):
+    ds = _open(source, tmp_path / "c")
+    with pytest.raises(gpuload.ConfigError, match=match):
+        ds.load_state_dict(mutate(ds.state_dict()))
+
+
+def test_load_while_iterating_raises_and_works_after_close(source, tmp_path):
+    cache = tmp_path / "c"
+    ref_run, states = _reference(_open(source, cache), [0])
+    ds = _open(source, cache)
+    it = iter(ds)
+    next(it)
+    with pytest.raises(gpuload.ConfigError, match="while an iteration of this dataset is running"):
+        ds.load_state_dict(states[10][1])
+    it.close()
+    ds.load_state_dict(states[10][1])
+    _assert_same_run([(0, b) for b in ds], ref_run[10:], "after close")
+
+
+def test_iter_before_load_state_dict_follows_the_restored_state(source, tmp_path):
+    """The footgun of other loaders: iter() first, then load_state_dict, then iterate."""
+    cache = tmp_path / "c"
+    ref_run, states = _reference(_open(source, cache), [0, 1])
+    ds = _open(source, cache)
+    it = iter(ds)  # not started yet
+    ds.load_state_dict(states[30][1])
+    _assert_same_run([(0, b) for b in it], ref_run[30:len(ds)], "the same iterator")
+    ds2 = _open(source, cache)
+    iter(ds2)
+    ds2.load_state_dict(states[len(ds) + 1 + 7][1])  # epoch 1, after 7 batches
+    _assert_same_run([(1, b) for b in ds2], _rest_from(ref_run, 1, 7), "a new iterator")
+
+
+def test_state_after_an_exception_in_the_training_step(source, tmp_path):
+    cache = tmp_path / "c"
+    ref_run, _ = _reference(_open(source, cache), [0])
+    ds = _open(source, cache)
+    with pytest.raises(ZeroDivisionError):
+        for i, _batch in enumerate(ds):
+            if i == 12:
+                1 / 0  # the step that got batch 12 fails
+    state = ds.state_dict()
+    assert state["runs"] == [[1, 13]]  # batch 12 was handed out
+    _assert_same_run(_resumed(_open(source, cache), state, 0), ref_run[13:], "after the step failed")
+
+
+def test_state_after_the_loader_fails(source, tmp_path):
+    """A read error mid-epoch: the state counts the batches handed out; a restore goes on from there."""
+    cache = tmp_path / "c"
+    ref_run, _ = _reference(_open(source, cache), [0])
+    ds = _open(source, cache)
+    windows, _ = ds.plan_epoch(0)
+    bad, load = windows[3][0].chunk, ds.reader.load
+
+    def failing(i):
+        if i == bad:
+            raise OSError("disk gone")
+        return load(i)
+
+    ds.reader.load = failing
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        for b in ds:
+            got.append((0, b))
+    state = ds.state_dict()
+    assert state["runs"] == [[1, len(got)]] and 0 < len(got) < len(ds)
+    _assert_same_run(got + _resumed(_open(source, cache), state, 0), ref_run, "after the read failed")
+
+
+def test_set_epoch_and_load_state_dict_in_either_order(source, tmp_path, caplog):
+    cache = tmp_path / "c"
+    ref_run, states = _reference(_open(source, cache), [0, 1, 2])
+    k = len(_open(source, cache))
+    end_of_0, mid_1 = states[k][1], states[k + 1 + 9][1]
+    assert end_of_0["epoch"] == 0 and end_of_0["runs"] == [[1, k]] and mid_1["runs"] == [[1, 9]]
+    # the loop's set_epoch comes first (a StatefulDataLoader restores the dataset inside iter())
+    ds = _open(source, cache)
+    ds.set_epoch(1)
+    ds.load_state_dict(end_of_0)  # epoch 0 was complete: epoch 1 starts
+    _assert_same_run([(1, b) for b in ds], _rest_from(ref_run, 1, 0)[:k], "set_epoch(next), then load")
+    ds = _open(source, cache)
+    ds.set_epoch(1)
+    ds.load_state_dict(mid_1)
+    _assert_same_run([(1, b) for b in ds], _rest_from(ref_run, 1, 9)[:k - 9], "set_epoch, then load")
+    # load first, then the loop's set_epoch
+    ds = _open(source, cache)
+    ds.load_state_dict(end_of_0)
+    ds.set_epoch(0)  # a loop that restarts at the saved epoch: it is over
+    assert list(ds) == []
+    ds.set_epoch(1)
+    assert len(list(ds)) == k
+    with caplog.at_level("WARNING", logger="gpuload"):
+        ds = _open(source, cache)
+        ds.load_state_dict(mid_1)
+        ds.set_epoch(2)  # another epoch: the restored position is dropped, loudly
+    assert "restored position (epoch 1, batch 9) is dropped" in caplog.text
+    _assert_same_run([(2, b) for b in ds], _rest_from(ref_run, 2, 0), "set_epoch(other)")
+
+
+# ---------------------------------------------------------------------------------------
+# torchdata's StatefulDataLoader, and a fresh process
+# ---------------------------------------------------------------------------------------
+
+def test_stateful_dataloader_round_trip(source, tmp_path, caplog):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    cache = tmp_path / "c"
+    ref_run, _ = _reference(_open(source, cache), [0, 1, 2])
+    ds = _open(source, cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torchdata's own 'set_vital is deprecated'
+        loader = StatefulDataLoader(ds, batch_size=None, num_workers=0)
+        got = []
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            for i, b in enumerate(loader):
+                got.append((epoch, b))
+                if epoch == 1 and i == 20:
+                    break
+        state = json.loads(json.dumps(loader.state_dict()))  # the loader's state holds ours
+        assert state["dataset_state"]["runs"] == [[1, 21]] and state["dataset_state"]["epoch"] == 1
+        ds2 = _open(source, cache)
+        loaded = _chunks_loaded(ds2)
+        loader2 = StatefulDataLoader(ds2, batch_size=None, num_workers=0)
+        loader2.load_state_dict(state)
+        with caplog.at_level("WARNING"):
+            for epoch in (1, 2):
+                ds2.set_epoch(epoch)
+                got.extend((epoch, b) for b in loader2)
+    assert "fast-forwarding" not in caplog.text  # restored from our state, not by replaying batches
+    _assert_same_run(got, ref_run, "StatefulDataLoader")
+    assert len(loaded) < 2 * len(ds.reader.chunks)
+
+
+FRESH = r"""
+import json, sys, numpy as np, gpuload
+source, cache, states, out = sys.argv[1:5]
+results = {}
+for i, state in json.load(open(states)).items():
+    ds = gpuload.ParquetDataset(source, json.loads(sys.argv[5]), cache_dir=cache, device="cpu", batch_size=int(sys.argv[6]),
+                                chunk_bytes=8 << 10, shuffle_window=3)
+    ds.load_state_dict(state)
+    ids, xs = [], []
+    for e in (state["epoch"], state["epoch"] + 1):
+        ds.set_epoch(e)
+        for b in ds:
+            ids.append(b["row_id"].numpy()); xs.append(b["x"].numpy())
+    results[i] = (np.concatenate(ids).tolist(), np.concatenate(xs).tobytes().hex())
+json.dump(results, open(out, "w"))
+"""
+
+
+def test_restore_in_a_fresh_process(source, tmp_path):
+    cache = tmp_path / "c"
+    ref_run, states = _reference(_open(source, cache), [0, 1, 2])
+    k = len(_open(source, cache))
+    sample = {str(i): states[i][1] for i in (0, 1, k // 2, k, k + 1 + k // 3)}
+    (tmp_path / "states.json").write_text(json.dumps(sample))
+    subprocess.run([sys.executable, "-c", FRESH, str(source), str(cache), str(tmp_path / "states.json"),
+                    str(tmp_path / "out.json"), json.dumps(COLUMNS), str(BATCH)], check=True, timeout=120)
+    results = json.loads((tmp_path / "out.json").read_text())
+    for i, (ids, xs) in results.items():
+        epoch, state = states[int(i)]
+        want = [b for e, b in _rest_from(ref_run, epoch, state["runs"][-1][1]) if e <= epoch + 1]
+        assert ids == _ids(want).tolist(), i
+        assert xs == np.concatenate([b["x"].numpy() for b in want]).tobytes().hex(), i
