@@ -284,5 +284,17 @@ def write_section(path: pathlib.Path, table: str, info: dict, repeat: int) -> No
     path.write_text((head if sep else text + "\n") + section + tail.lstrip("\n"))
 
 
+def replace_section(path: pathlib.Path, heading: str, section: str) -> None:
+    """Replace the ``heading`` section of ``path`` (up to the next '## '), or append it."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    head, sep, rest = text.partition(heading + "\n")
+    if sep:
+        i = rest.find("\n## ")
+        tail = rest[i + 1:] if i >= 0 else ""
+        path.write_text(head + section + ("\n" + tail if tail else ""))
+    else:
+        path.write_text(text.rstrip("\n") + "\n\n" + section)
+
+
 if __name__ == "__main__":
     main()

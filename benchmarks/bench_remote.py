@@ -46,7 +46,7 @@ from gpuload.batch import Ragged
 from gpuload.synth import clicklog_columns, write_clicklog
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_cpu import consume, machine as cpu_machine, source_columns  # noqa: E402  (the CPU benchmark's helpers)
+from bench_cpu import consume, machine as cpu_machine, replace_section, source_columns  # noqa: E402  (the CPU benchmark's helpers)
 
 # the naive loop hands torch Arrow's read-only buffers, as users' loops do (zero copy)
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
@@ -515,18 +515,6 @@ def plot(first: dict, path: pathlib.Path, args) -> None:
     plt.close(fig)
 
 
-def write_section(path: pathlib.Path, section: str) -> None:
-    """Replace the '## Remote' section of ``path`` (up to the next '## '), or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    head, sep, rest = text.partition("## Remote\n")
-    if sep:
-        i = rest.find("\n## ")
-        tail = rest[i + 1:] if i >= 0 else ""
-        path.write_text(head + section + ("\n" + tail if tail else ""))
-    else:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
-
-
 def parse_latencies(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -620,7 +608,7 @@ def main(argv=None) -> None:
             section = (f"## Remote\n\n{table}\n\nRows/s in millions, or seconds; ratio is gpuload / baseline "
                        "(rows/s: higher is better; seconds: lower is better).\n\n" + "\n".join(notes) + "\n\n"
                        + fig_line + "".join(f"* **{k}**: {v}\n" for k, v in info.items()))
-            write_section(args.out, section)
+            replace_section(args.out, "## Remote", section)
             say(f"wrote the '## Remote' section of {args.out}")
     finally:
         if server is not None:

@@ -31,6 +31,13 @@ refused too, rather than training on nothing.
 ``drop_last=True``: every rank yields ``K = N // (W * batch_size)`` full batches; the
 last ``N - K * W * batch_size`` rows of the epoch's stream are not delivered (with
 shuffling, different rows each epoch).
+
+Resuming
+--------
+A position in an epoch is the number of batches every rank has taken. On the same
+number of ranks the plan above simply goes on from there; on another number of ranks
+the rest of the epoch is split among the new ranks by the same rules (every row once,
+equal batch counts). :mod:`gpuload.resume` holds that plan and the state's format.
 """
 
 from __future__ import annotations
