@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from . import plan, resume
@@ -199,6 +200,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                             "batch %d) is dropped, and epoch %d starts from its first batch",
                             epoch, p.epoch, p.runs[-1][1], epoch)
             self._pending = None
+        if self._position is not None and not self._position.running:
+            self._position = None  # the next iteration starts this epoch afresh (or where a state put it)
         self.epoch, self._epoch_set = epoch, True
 
     def state_dict(self) -> dict:
@@ -229,11 +232,17 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """
         if self._position is not None and self._position.running:
             raise ConfigError("load_state_dict while an iteration of this dataset is running: let it finish, "
-                              "or close its iterator first (leave the for loop, or call it.close())")
+                              "or close its iterator first (leave the for loop, or call it.close()); through a "
+                              "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature())
         o = self.options
-        complete = self._complete(_Position(epoch, runs))
+        complete = self._complete(_Position(epoch, runs))  # also checks that the runs are possible
+        while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
+            runs.pop()
+        if runs == [[runs[0][0], 0]]:  # nothing taken yet: the epoch as this dataset's ranks run it
+            runs = [[self.world_size, 0]]
+        self._position = None
         if runs[-1][0] != self.world_size and not complete:  # elastic: a new run over the rest of the epoch
             runs.append([self.world_size, 0])
             dropped = resume.dropped_rows(resume.runs_of(self.num_rows, runs, o.batch_size, o.drop_last))
@@ -358,10 +367,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         start, stop = plan.rank_range(r.num_rows, world, rank, o.batch_size, o.drop_last)
         return plan.windows(plan.rank_segments([c.rows for c in r.chunks], order, start, stop), o.shuffle_window)
 
-    def _rest(self, p: _Position) -> tuple[list[list[plan.Segment]], list[resume.Piece],
-                                                        plan.BatchSizes]:
-        """What this rank yields from position ``p``: the chunk segments to load for each
-        piece of a window, the pieces, and the batch sizes."""
+    def _rest(self, p: _Position) -> tuple[list[list[plan.Segment]], list[tuple[int, int, list]], plan.BatchSizes]:
+        """What this rank yields from position ``p``: per window it reads, the chunk segments
+        to load and ``(rank, window, [(lo, hi), ...])`` (the window's key in the epoch's
+        first run and the positions taken from it), and the batch sizes."""
         o = self.options
         runs = resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last)
         if runs[-1].complete:
@@ -375,21 +384,29 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
         pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],
                                              runs, self.rank)
+        takes: list[tuple[int, int, list]] = []  # pieces of one window come one after another: read it once
+        for c in pieces:
+            if takes and takes[-1][:2] == (c.rank, c.window):
+                takes[-1][2].append((c.lo, c.hi))
+            else:
+                takes.append((c.rank, c.window, [(c.lo, c.hi)]))
         # shuffled, a window is loaded whole to permute it; in file order, only the rows taken
-        loads = [windows_of(c.rank)[c.window] if o.shuffle else plan.trim(windows_of(c.rank)[c.window], c.lo, c.hi)
-                 for c in pieces]
-        return loads, pieces, sizes
+        loads = [windows_of(q)[w] if o.shuffle else [s for lo, hi in spans for s in plan.trim(windows_of(q)[w], lo, hi)]
+                 for q, w, spans in takes]
+        return loads, takes, sizes
 
     def _batches(self, pos: _Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
-        windows, pieces, sizes = self._rest(pos)
+        windows, takes, sizes = self._rest(pos)
         ctx = self._ctx
         permutation = None
         if o.shuffle:
             def permutation(i: int, n: int):
-                c = pieces[i]
+                q, w, spans = takes[i]
                 perm = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch,
-                                               rank=c.rank, window=c.window)[c.lo:c.hi]
+                                               rank=q, window=w)
+                perm = perm[spans[0][0]:spans[0][1]] if len(spans) == 1 else np.concatenate(
+                    [perm[lo:hi] for lo, hi in spans])
                 return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
         remote = r.has_remote
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,

@@ -181,8 +181,14 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
 
     last = runs[-1]
     start, stop = last.span(rank)
-    taken = last.taken_rows(rank)
-    return pieces(len(runs) - 1, rank, taken, stop - start), last.sizes(rank).after(last.taken)
+    merged: list[Piece] = []  # neighbouring parts of one window (after several runs) are read once
+    for p in pieces(len(runs) - 1, rank, last.taken_rows(rank), stop - start):
+        q = merged[-1] if merged else None
+        if q is not None and (q.rank, q.window, q.hi) == (p.rank, p.window, p.lo):
+            merged[-1] = Piece(q.rank, q.window, q.lo, p.hi)
+        else:
+            merged.append(p)
+    return merged, last.sizes(rank).after(last.taken)
 
 
 def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool,
@@ -198,7 +204,8 @@ def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, s
 def check_signature(saved: dict, here: dict) -> None:
     """Raise :class:`ConfigError` naming every field where ``saved`` and ``here`` differ.
 
-    A chunk layout that differs only because the files or columns do is not named again.
+    A chunk layout that differs where the files, rows or columns do is not named again
+    (it follows from them).
     """
     diffs = []
     if saved.get("outputs") != here["outputs"]:
@@ -206,10 +213,11 @@ def check_signature(saved: dict, here: dict) -> None:
                      f"{_outputs(here['outputs'])} here)")
     if saved.get("source") != here["source"]:
         diffs.append("source: the source files differ (other paths, or files rewritten since)")
+    explained = bool(diffs) or saved.get("rows") != here["rows"]
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window"):
         if saved.get(key) != here[key]:
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here[key]!r} here")
-    if saved.get("chunks") != here["chunks"] and not diffs:
+    if saved.get("chunks") != here["chunks"] and not explained:
         diffs.append("chunks: the chunk layout differs (another chunk_bytes?)")
     if diffs:
         raise ConfigError("the state was saved from another dataset: " + "; ".join(diffs)

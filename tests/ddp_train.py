@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import gpuload
+
+
+def _ordered_mean(world: int, bucket):
+    """DDP's gradient mean, summed in rank order: gloo's all-reduce may add 3 or more ranks'
+    values in another order from run to run, and float sums then differ in the last bit."""
+    grads = bucket.buffer()
+    parts = [torch.empty_like(grads) for _ in range(world)]
+    fut = dist.all_gather(parts, grads, async_op=True).get_future()
+
+    def mean(_):
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total / world
+
+    return fut.then(mean)
 
 
 def main() -> None:
@@ -50,6 +67,7 @@ def main() -> None:
                                 device="cpu", chunk_bytes=16 << 10, shuffle_window=2)
     model = torch.nn.Linear(4, 1)
     ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(world, _ordered_mean)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     ckpt = out / "checkpoint.pt"
     epoch0, step = 0, 0
@@ -90,8 +108,16 @@ def main() -> None:
     if rank == 0:
         torch.save(model.state_dict(), out / f"model.{args.name}.pt")
     (out / f"done.{args.name}.{rank}").write_text(json.dumps({"counts": counts, "world": world}))
+    log.close()
     dist.barrier()
+    del ddp
     dist.destroy_process_group()
+    # everything is written: leave without interpreter finalisation, where gloo's threads can still
+    # abort the process ("terminate called without an active exception", seen with torch 2.13 on a
+    # loaded 2-core machine, after the work and the files were complete)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

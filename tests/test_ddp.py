@@ -1,7 +1,8 @@
 """Real DDP runs under torchrun (gloo, CPU): checkpoint mid-epoch, SIGKILL, restart.
 
 ``tests/ddp_train.py`` trains a linear model under ``DistributedDataParallel`` and
-checkpoints the model, the optimizer and rank 0's loader state together. Each test
+checkpoints the model, the optimizer and rank 0's loader state together (gradients are
+averaged in rank order, so that training is bitwise deterministic). Each test
 kills a real job (every process, with SIGKILL) after its checkpoint, restarts it from
 the checkpoint and checks: every row used exactly once per epoch across the two halves
 (the steps after the checkpoint that the kill lost are not counted: they were redone),
@@ -149,6 +150,22 @@ def _same_batch_counts(out: Path, run: str, world: int) -> dict:
     return done[0]["counts"]
 
 
+def _steps(out: Path, run: str, rank: int, before_step: int | None = None) -> list[tuple[int, str]]:
+    """(epoch, row ids) of each step rank ``rank`` trained on in ``run`` (before ``before_step``)."""
+    steps = []
+    for line in (out / f"rows.{run}.{rank}.txt").read_text().splitlines():
+        epoch, step, ids = line.split(" ")
+        if before_step is None or int(step) < before_step:
+            steps.append((int(epoch), ids))
+    return steps
+
+
+def _same_batches_as_uninterrupted(out: Path, world: int, before_step: int) -> None:
+    """Every rank trained on the batches of the uninterrupted run, in its order, across both halves."""
+    for r in range(world):
+        assert _steps(out, "a", r, before_step) + _steps(out, "b", r) == _steps(out, "ref", r), f"rank {r}"
+
+
 def _same_model(out: Path, a: str, b: str) -> None:
     ma, mb = torch.load(out / f"model.{a}.pt"), torch.load(out / f"model.{b}.pt")
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma), "final models differ"
@@ -182,6 +199,7 @@ def test_ddp_kill_and_restart_on_the_same_ranks(source, two_ranks):
     _run(source, out, "b", 2, 1, "--resume")
     assert _same_batch_counts(out, "b", 2) == {"1": 32 - 11}
     _assert_each_row_once_per_epoch(_rows(out, "a", 2, before_step=saved["step"]), _rows(out, "b", 2))
+    _same_batches_as_uninterrupted(out, 2, saved["step"])
     _same_model(out, "ref", "b")  # bitwise: the restart saw the same batches in the same order
 
 
@@ -207,6 +225,7 @@ def test_ddp_two_nodes_kill_and_restart(source, tmp_path):
     _run(source, out, "b", 2, 2, "--resume")
     assert _same_batch_counts(out, "b", 4) == {"1": 16 - 5}
     _assert_each_row_once_per_epoch(_rows(out, "a", 4, before_step=saved["step"]), _rows(out, "b", 4))
+    _same_batches_as_uninterrupted(out, 4, saved["step"])
     _same_model(out, "ref", "b")
     for node in (0, 1):  # each simulated node filled its own cache folder
         assert list((out / "cache" / f"node{node}").rglob("*.glc")), f"node {node} cached nothing"

@@ -68,6 +68,8 @@ def _simulate(total: int, batch: int, drop_last: bool, chain: list[tuple[int, fl
             pieces, sizes = resume.rest_of_epoch(window_rows, runs, r)
             seq = np.concatenate([ids[p.rank][p.window][p.lo:p.hi] for p in pieces]) if pieces else np.zeros(0, int)
             assert len(seq) == sum(sizes)  # the sizes cover the rank's rows exactly
+            keys = [(p.rank, p.window) for p in pieces]  # a window's pieces come together: it is read once
+            assert len(set(keys)) == len([k for i, k in enumerate(keys) if i == 0 or keys[i - 1] != k])
             assert len(sizes) == runs[-1].batches  # every rank the same number of batches
             per_rank.append(len(sizes))
             taken.append(seq[:sizes.rows_before(k)])
@@ -296,7 +298,7 @@ def test_state_is_small_json_and_round_trips_without_iterating(source, tmp_path)
     assert other.state_dict() == sd
     on3 = _open(source, tmp_path / "c", 3, 2)
     on3.load_state_dict(sd)
-    assert on3.state_dict()["runs"] == [[2, 0], [3, 0]]  # restored on 3 ranks: a new run of the epoch
+    assert on3.state_dict()["runs"] == [[3, 0]]  # nothing taken yet: the ordinary 3-rank epoch
 
 
 def _chunks_loaded(ds) -> list[int]:
@@ -578,3 +580,69 @@ def test_restore_in_a_fresh_process(source, tmp_path):
         want = [b for e, b in _rest_from(ref_run, epoch, state["runs"][-1][1]) if e <= epoch + 1]
         assert ids == _ids(want).tolist(), i
         assert xs == np.concatenate([b["x"].numpy() for b in want]).tobytes().hex(), i
+
+
+def test_a_restore_that_took_no_batch_leaves_no_trace(tmp_path):
+    """A state taken on other ranks before their first batch restores exactly on the first ranks."""
+    write_parquet(tmp_path / "a.parquet", {"row_id": np.arange(395)}, row_group_size=40)
+    opened = lambda world=1, rank=0: gpuload.ParquetDataset(  # noqa: E731
+        tmp_path / "a.parquet", batch_size=7, drop_last=True, cache_dir=tmp_path / "c", device="cpu",
+        chunk_bytes=4096, rank=rank, world_size=world)
+    ref_run, states = _reference(opened(), [0])
+    on3 = opened(3, 1)
+    on3.load_state_dict(states[10][1])
+    assert on3.state_dict()["runs"] == [[1, 10], [3, 0]]
+    back = opened()
+    _assert_same_run(_resumed(back, on3.state_dict(), 0), ref_run[10:], "back on 1 rank")
+    fresh_on3 = opened(3, 0)
+    fresh_on3.load_state_dict(states[0][1])  # nothing taken: the ordinary 3-rank epoch
+    assert fresh_on3.state_dict()["runs"] == [[3, 0]]
+
+
+def test_state_follows_what_the_next_iteration_does(source, tmp_path):
+    cache = tmp_path / "c"
+    ds = _open(source, cache)
+    end_of_0 = _reference(_open(source, cache), [0])[1][-1][1]
+    ds.set_epoch(1)
+    it = iter(ds)
+    list(itertools.islice(it, 20))
+    it.close()
+    assert ds.state_dict()["runs"] == [[1, 20]]
+    ds.set_epoch(1)  # the next iteration starts epoch 1 again
+    assert ds.state_dict() == {**end_of_0, "epoch": 1, "runs": [[1, 0]]}
+    it = iter(ds)
+    list(itertools.islice(it, 5))
+    it.close()
+    ds.load_state_dict(end_of_0)  # rolled back to the end of epoch 0
+    ds.set_epoch(1)
+    assert ds.state_dict()["epoch"] == 1 and ds.state_dict()["runs"] == [[1, 0]]
+    assert len(list(ds)) == len(ds)
+
+
+def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
+    """2 ranks, then 3 that take one batch, then 2 again: a window whose rows the 3 ranks split is read once."""
+    cache = tmp_path / "c"
+    state, seen = None, []
+    for world, steps in ((2, 2), (3, 1)):
+        states = []
+        for r in range(world):
+            ds = _open(source, cache, world, r)
+            if state is not None:
+                ds.load_state_dict(state)
+            it = iter(ds)
+            seen.append(_ids(list(itertools.islice(it, steps))))
+            states.append(ds.state_dict())
+            it.close()
+        state = states[0]
+    assert state["runs"] == [[2, 2], [3, 1]]
+    split = 0
+    for r in range(2):
+        ds = _open(source, cache, 2, r)
+        ds.load_state_dict(state)
+        windows, takes, _ = ds._rest(ds._pending)
+        assert len({(q, w) for q, w, _ in takes}) == len(takes)  # one load per window
+        split += sum(len(spans) > 1 for _, _, spans in takes)
+        seen.append(_ids(list(ds)))
+    assert split  # some window had rows taken from its middle by the 3-rank run
+    ids = np.concatenate(seen)
+    assert len(np.unique(ids)) == len(ids) == sum(ROWS)
