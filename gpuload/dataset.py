@@ -19,6 +19,7 @@ from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .metrics import Metrics
 from .stats import Stats
 from .pipeline import Background, epoch_batches
+from .ranks import resolve_local_world, resolve_ranks
 from .reader import ChunkReader
 from .schema import BFLOAT16
 
@@ -32,22 +33,6 @@ class _Position:
 
     def __init__(self, epoch: int, runs: list[list[int]]):
         self.epoch, self.runs, self.running = epoch, runs, False
-
-
-def _dist_defaults(rank, world_size) -> tuple[int, int]:
-    if rank is None or world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    for name, v in (("rank", rank), ("world_size", world_size)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{name}={v!r} must be an integer")
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"rank={rank} and world_size={world_size}: need 0 <= rank < world_size")
-    return rank, world_size
 
 
 class ParquetDataset(torch.utils.data.IterableDataset):
@@ -80,6 +65,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     device : ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
     rank, world_size : this process's shard; default from ``torch.distributed`` when
         initialised, else 0 and 1.
+    shard : how chunks are shared by ranks (default ``"global"``: each epoch permutes every
+        chunk and every rank may read any of them; right for one node, or a cache shared by
+        all nodes). ``"node"``: chunks are assigned to nodes once, balanced by rows, and each
+        node's ranks share only its chunks in every epoch, so a node-local cache holds only
+        its node's share and is warm from the second epoch; a few rows per node and epoch
+        are not delivered (see :mod:`gpuload.plan`).
+    local_world_size : ranks per node with ``shard="node"`` (default: torchrun's
+        ``LOCAL_WORLD_SIZE``); global rank ``r`` is on node ``r // local_world_size``.
     fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
         Null lists become empty lists; null fixed-size lists rows of the value.
     dtypes : ``{output: dtype}`` to cast outputs, as NumPy or torch dtypes (or their
@@ -128,7 +121,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
                  max_cache_bytes: int | None = None, verify_checksums: bool | str = True, decode: str = "auto",
                  max_device_bytes: int | None = None, kvikio_threads: int = 4, kvikio_compat: str = "auto",
-                 filesystem=None, storage_options: dict | None = None, remote=None):
+                 filesystem=None, storage_options: dict | None = None, remote=None, shard: str = "global",
+                 local_world_size: int | None = None):
         super().__init__()
         self.options = Options(batch_size=batch_size, shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last),
                                cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,
@@ -136,7 +130,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums, decode=decode,
                                max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
                                kvikio_compat=kvikio_compat)
-        self.rank, self.world_size = _dist_defaults(rank, world_size)
+        self.rank, self.world_size = resolve_ranks(rank, world_size)
+        if shard not in ("global", "node"):
+            raise ConfigError(f"shard={shard!r} must be 'global' or 'node'")
+        self.local_world_size = resolve_local_world(local_world_size, self.rank, self.world_size) \
+            if shard == "node" else None
+        self._node_plans: dict[tuple[int, int], tuple] = {}
         self.device = resolve_device(device)
         self.metrics = Metrics()
         self._ctx, gpu_decode = open_device(self.device, self.options, self.metrics)
@@ -145,7 +144,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                   gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
                                   storage_options=storage_options, remote=remote)
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
-        plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
+        if self.local_world_size is None:
+            plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
+        else:
+            self._node_plan(self.world_size, self.local_world_size)  # refuses a node share too small
         o = self.options
         if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
             raise ConfigError(
@@ -214,7 +216,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """
         p = self._position
         if p is None or not (p.running or (self._pending is None and p.epoch == self.epoch)):
-            p = self._pending or _Position(self.epoch, [[self.world_size, 0]])
+            p = self._pending or _Position(self.epoch, self._first_run())
         return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
                 "runs": [list(r) for r in p.runs], "dataset": self._signature()}
 
@@ -236,16 +238,17 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature())
-        o = self.options
         complete = self._complete(_Position(epoch, runs))  # also checks that the runs are possible
         while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
             runs.pop()
-        if runs == [[runs[0][0], 0]]:  # nothing taken yet: the epoch as this dataset's ranks run it
-            runs = [[self.world_size, 0]]
+        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as this dataset's ranks run it
+            runs = self._first_run()
         self._position = None
-        if runs[-1][0] != self.world_size and not complete:  # elastic: a new run over the rest of the epoch
+        # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
+        same = runs[-1][0] == self.world_size and (len(runs) > 1 or runs[0][2:] == self._first_run()[0][2:])
+        if not same and not complete:  # elastic: a new run over the rest of the epoch
             runs.append([self.world_size, 0])
-            dropped = resume.dropped_rows(resume.runs_of(self.num_rows, runs, o.batch_size, o.drop_last))
+            dropped = resume.dropped_rows(self._runs(_Position(epoch, runs)))
             if dropped:
                 log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
                             "evenly (equal batch counts per rank) and are not delivered", epoch,
@@ -262,8 +265,26 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
         only the rest)."""
-        o = self.options
-        return plan.num_batches(self.num_rows, self.world_size, o.batch_size, o.drop_last)
+        return self._runs(_Position(0, self._first_run()))[0].batches
+
+    @property
+    def shard(self) -> str:
+        """``"global"`` or ``"node"`` (see the class docstring)."""
+        return "global" if self.local_world_size is None else "node"
+
+    def node_chunks(self) -> list[list[int]]:
+        """With ``shard="node"``: the chunks (indices into ``reader.chunks``) each node owns, in
+        every epoch; node ``n`` holds global ranks ``n * local_world_size`` and on."""
+        if self.local_world_size is None:
+            raise ConfigError("node_chunks() is for shard='node'")
+        return [o.tolist() for o in self._node_plan(self.world_size, self.local_world_size)[0]]
+
+    @property
+    def rows_per_epoch(self) -> int:
+        """Rows delivered per epoch over all ranks (``num_rows`` less what ``drop_last`` or
+        node-affine sharding leaves out)."""
+        return sum(self._runs(_Position(0, self._first_run()))[0].sizes(r).rows_before(len(self))
+                   for r in range(self.world_size))
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
@@ -312,15 +333,32 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """The position the iteration starting now follows: the restored one, else the epoch's start."""
         p = self._pending
         if p is None or p.epoch != self.epoch:
-            p = _Position(self.epoch, [[self.world_size, 0]])
+            p = _Position(self.epoch, self._first_run())
         self._pending, self._epoch_set = None, False
         p.running = True
         self._position = p
         return p
 
     def _complete(self, p: _Position) -> bool:
+        return self._runs(p)[-1].complete
+
+    def _first_run(self) -> list[list[int]]:
+        """The runs of an epoch not started yet: one run of this dataset's ranks."""
+        return [[self.world_size, 0] + ([] if self.local_world_size is None else [self.local_world_size])]
+
+    def _runs(self, p: _Position) -> list[resume.Run]:
         o = self.options
-        return resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last)[-1].complete
+        return resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last,
+                              lambda world, local: self._node_plan(world, local)[1])
+
+    def _node_plan(self, world: int, local: int) -> tuple:
+        """(chunks per node, rows per rank, rows undelivered per node) for ``world`` ranks, ``local`` per node."""
+        if (world, local) not in self._node_plans:
+            o, r = self.options, self.reader
+            self._node_plans[world, local] = plan.node_shares(
+                [c.rows for c in r.chunks], world // local, local, o.batch_size, o.drop_last,
+                fingerprint=r.fingerprint, seed=o.seed)
+        return self._node_plans[world, local]
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -354,32 +392,41 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
-        o = self.options
         epoch = self.epoch if epoch is None else epoch
-        sizes = plan.batch_sizes(self.num_rows, self.world_size, self.rank, o.batch_size, o.drop_last)
-        return self._windows(epoch, self.world_size, self.rank), sizes
+        first = self._first_run()[0]
+        sizes = self._runs(_Position(epoch, [first]))[0].sizes(self.rank)
+        return self._windows(epoch, first[0], self.rank, *first[2:]), sizes
 
     # -- internals ----------------------------------------------------------------------
-    def _windows(self, epoch: int, world: int, rank: int) -> list[list[plan.Segment]]:
+    def _windows(self, epoch: int, world: int, rank: int, local: int | None = None) -> list[list[plan.Segment]]:
+        """Rank ``rank``'s windows in an epoch run by ``world`` ranks (node-affine: ``local`` per node)."""
         o, r = self.options, self.reader
-        order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                 shuffle=o.shuffle)
-        start, stop = plan.rank_range(r.num_rows, world, rank, o.batch_size, o.drop_last)
-        return plan.windows(plan.rank_segments([c.rows for c in r.chunks], order, start, stop), o.shuffle_window)
+        rows = [c.rows for c in r.chunks]
+        if local is not None:
+            owned, per, _ = self._node_plan(world, local)
+            segments = plan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
+                                          per_rank=per, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
+                                          shuffle=o.shuffle)
+        else:
+            order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
+                                     shuffle=o.shuffle)
+            start, stop = plan.rank_range(r.num_rows, world, rank, o.batch_size, o.drop_last)
+            segments = plan.rank_segments(rows, order, start, stop)
+        return plan.windows(segments, o.shuffle_window)
 
     def _rest(self, p: _Position) -> tuple[list[list[plan.Segment]], list[tuple[int, int, list]], plan.BatchSizes]:
         """What this rank yields from position ``p``: per window it reads, the chunk segments
         to load and ``(rank, window, [(lo, hi), ...])`` (the window's key in the epoch's
         first run and the positions taken from it), and the batch sizes."""
         o = self.options
-        runs = resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last)
+        runs = self._runs(p)
         if runs[-1].complete:
             return [], [], plan.BatchSizes(0, o.batch_size, ())
         base: dict[int, list[list[plan.Segment]]] = {}  # windows of ranks of the epoch's first run
 
         def windows_of(q: int) -> list[list[plan.Segment]]:
             if q not in base:
-                base[q] = self._windows(p.epoch, runs[0].world, q)
+                base[q] = self._windows(p.epoch, runs[0].world, q, *p.runs[0][2:])
             return base[q]
 
         pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],

@@ -32,6 +32,23 @@ refused too, rather than training on nothing.
 last ``N - K * W * batch_size`` rows of the epoch's stream are not delivered (with
 shuffling, different rows each epoch).
 
+Node-affine sharding (``shard="node"``)
+---------------------------------------
+For many nodes with a local cache each. The chunks are assigned to the ``M`` nodes once,
+from ``(fingerprint, seed, M)``: largest first, each to the node with the fewest rows so
+far (ties in a seeded random order), so nodes differ by at most one chunk's rows. The
+assignment holds for every epoch, so a node caches only its share and its later epochs
+are warm. Each epoch permutes a node's chunks (seeded by the epoch and the node); its
+``L`` local ranks take consecutive ranges of that stream and shuffle them in windows as
+above. Global rank ``r`` is local rank ``r % L`` of node ``r // L`` (torchrun's layout).
+
+Every rank takes the same number of rows, ``R = min over nodes (N_node // L)`` (rounded
+down to a multiple of ``batch_size`` with ``drop_last=True``), so batch counts are equal
+and each row is delivered at most once. The rows a node does not deliver are the end of
+its epoch stream: ``N_node - L * R``, fewer than one chunk's rows plus ``L`` (plus a batch
+per rank with ``drop_last=True``), and other rows each epoch (unless a node holds a
+single chunk). :func:`node_shares` tells how many.
+
 Resuming
 --------
 A position in an epoch is the number of batches every rank has taken. On the same
@@ -42,6 +59,7 @@ equal batch counts). :mod:`gpuload.resume` holds that plan and the state's forma
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,6 +70,7 @@ from .errors import ConfigError
 __all__ = [
     "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
     "num_batches", "batch_sizes", "BatchSizes", "check_balance", "feasible", "trim", "windows", "window_permutation",
+    "node_chunks", "node_rank_rows", "node_shares", "node_segments", "even_batch_sizes",
 ]
 
 
@@ -275,3 +294,58 @@ def windows(segments: Sequence[Segment], size: int) -> list[list[Segment]]:
 def window_permutation(n: int, *, fingerprint: int, seed: int, epoch: int, rank: int, window: int) -> np.ndarray:
     """Row permutation of window number ``window`` of ``rank`` (int64, length ``n``)."""
     return _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64)
+
+
+def node_chunks(chunk_rows: Sequence[int], nodes: int, *, fingerprint: int, seed: int) -> list[np.ndarray]:
+    """The chunks each of ``nodes`` nodes owns in every epoch (see the module doc), ascending."""
+    if nodes < 1:
+        raise ConfigError(f"nodes={nodes} must be at least 1")
+    tie = _rng(fingerprint, seed, 2, nodes).permutation(len(chunk_rows))
+    rows = np.asarray(chunk_rows, dtype=np.int64)
+    order = np.lexsort((tie, -rows))  # largest first; equal sizes in a seeded order
+    heap = [(0, n) for n in range(nodes)]
+    owned: list[list[int]] = [[] for _ in range(nodes)]
+    for c in order:
+        total, n = heapq.heappop(heap)
+        owned[n].append(int(c))
+        heapq.heappush(heap, (total + int(rows[c]), n))
+    return [np.array(sorted(o), dtype=np.int64) for o in owned]
+
+
+def node_rank_rows(node_rows: Sequence[int], local_world: int, batch_size: int, drop_last: bool) -> int:
+    """Rows every rank takes per epoch in node-affine mode (the same on every rank)."""
+    per = min(int(n) for n in node_rows) // local_world
+    return per // batch_size * batch_size if drop_last else per
+
+
+def node_shares(chunk_rows: Sequence[int], nodes: int, local_world: int, batch_size: int, drop_last: bool, *,
+                fingerprint: int, seed: int) -> tuple[list[np.ndarray], int, list[int]]:
+    """(chunks per node, rows per rank, rows each node leaves undelivered per epoch).
+
+    Raises :class:`ConfigError` when some rank would get no batch.
+    """
+    owned = node_chunks(chunk_rows, nodes, fingerprint=fingerprint, seed=seed)
+    totals = [int(np.asarray(chunk_rows, dtype=np.int64)[o].sum()) for o in owned]
+    per = node_rank_rows(totals, local_world, batch_size, drop_last)
+    if per < 1:
+        smallest = min(totals)
+        raise ConfigError(
+            f"shard='node': the smallest of {nodes} nodes' shares holds {smallest:,} rows, too few for "
+            f"{local_world} local ranks" + (f" with batch_size={batch_size} and drop_last=True" if drop_last else "")
+            + "; use fewer nodes or ranks, smaller chunks (chunk_bytes), or shard='global'")
+    return owned, per, [t - local_world * per for t in totals]
+
+
+def node_segments(chunk_rows: Sequence[int], owned: np.ndarray, *, node: int, local_rank: int, per_rank: int,
+                  fingerprint: int, seed: int, epoch: int, shuffle: bool) -> list[Segment]:
+    """Local rank ``local_rank``'s pieces of its node's chunks this epoch (``per_rank`` rows)."""
+    order = owned[_rng(fingerprint, seed, epoch, 3, node).permutation(len(owned))] if shuffle else owned
+    return rank_segments(chunk_rows, order, local_rank * per_rank, (local_rank + 1) * per_rank)
+
+
+def even_batch_sizes(rows: int, batch_size: int) -> BatchSizes:
+    """Sizes of the batches of a rank that takes ``rows`` rows: full ones, then the rest."""
+    if rows <= 0:
+        return BatchSizes(0, batch_size, ())
+    k = -(-rows // batch_size)
+    return BatchSizes(k, batch_size, [rows - (k - 1) * batch_size])

@@ -9,8 +9,10 @@ Runs of an epoch
 ----------------
 An epoch may be run in several *runs*, one per job that worked on it: ``[(W0, k0),
 (W1, k1), ...]``, where run ``i`` had ``Wi`` ranks that took ``ki`` batches each. The
-first run follows the ordinary plan for ``W0`` ranks. When a state is restored on the
-same number of ranks as its last run, that run simply goes on at batch ``k``: the rest
+first run follows the ordinary plan for ``W0`` ranks (``[W0, k0, L]``: the node-affine
+plan of ``W0 / L`` nodes of ``L`` ranks each, see :mod:`gpuload.plan`). When a state is
+restored on the same number of ranks (and the same plan) as its last run, that run
+simply goes on at batch ``k``: the rest
 is bit-identical to a run that was never interrupted. When it is restored on another
 number of ranks, a new run begins, over the *rest* of the epoch:
 
@@ -80,18 +82,30 @@ def _deliverable(total: int, world: int, batch_size: int, drop_last: bool) -> in
 
 
 class Run:
-    """One run of an epoch: ``world`` ranks over ``total`` rows, each taking ``taken`` batches."""
+    """One run of an epoch: ``world`` ranks over ``total`` rows, each taking ``taken`` batches.
 
-    def __init__(self, world: int, taken: int, total: int, batch_size: int, drop_last: bool):
-        self.world, self.taken, self.total = world, taken, total
+    With ``per_rank`` (node-affine sharding, a first run only), every rank takes exactly
+    ``per_rank`` rows of its own stream; ``total`` is then ``world * per_rank``.
+    """
+
+    def __init__(self, world: int, taken: int, total: int, batch_size: int, drop_last: bool,
+                 per_rank: int | None = None):
+        self.world, self.taken, self.total, self.per_rank = world, taken, total, per_rank
         self._batch, self._drop = batch_size, drop_last
-        self.batches = plan.num_batches(total, world, batch_size, drop_last) if total else 0
+        if per_rank is not None:
+            self.batches = len(plan.even_batch_sizes(per_rank, batch_size))
+        else:
+            self.batches = plan.num_batches(total, world, batch_size, drop_last) if total else 0
 
     def span(self, rank: int) -> tuple[int, int]:
         """Rank ``rank``'s ``[start, stop)`` of the run's stream of rows."""
+        if self.per_rank is not None:
+            return rank * self.per_rank, (rank + 1) * self.per_rank
         return plan.rank_range(self.total, self.world, rank, self._batch, self._drop) if self.total else (0, 0)
 
     def sizes(self, rank: int) -> plan.BatchSizes:
+        if self.per_rank is not None:
+            return plan.even_batch_sizes(self.per_rank, self._batch)
         if not self.batches:
             return plan.BatchSizes(0, self._batch, ())
         return plan.batch_sizes(self.total, self.world, rank, self._batch, self._drop)
@@ -109,15 +123,24 @@ class Run:
         return self.taken == self.batches
 
 
-def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_last: bool) -> list[Run]:
+def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_last: bool,
+            node_rows: Callable[[int, int], int] | None = None) -> list[Run]:
     """The :class:`Run` objects of an epoch of ``total`` rows run as ``[(world, taken), ...]``.
 
-    Raises :class:`ConfigError` where the runs are impossible (more batches taken than a
-    run has, a first run whose ranks could not share the epoch).
+    A first run ``[world, taken, local_world_size]`` was node-affine:
+    ``node_rows(world, local_world_size)`` gives the rows each of its ranks takes
+    (:func:`gpuload.plan.node_shares`). Raises :class:`ConfigError` where the runs are
+    impossible (more batches taken than a run has, ranks that could not share the epoch).
     """
     out: list[Run] = []
-    for i, (world, taken) in enumerate(runs):
-        if i == 0:
+    for i, (world, taken, *local) in enumerate(runs):
+        per = None
+        if i == 0 and local:
+            if node_rows is None:
+                raise ConfigError("state: its epoch ran node-affine (shard='node'), which this dataset cannot plan")
+            per = node_rows(world, local[0])
+            rows = world * per
+        elif i == 0:
             if not plan.feasible(total, world, batch_size, drop_last):
                 raise ConfigError(f"state: {total:,} rows cannot be shared by world_size={world} ranks with "
                                   f"batch_size={batch_size}; the state was not saved from this dataset")
@@ -126,7 +149,7 @@ def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_las
             prev = out[-1]
             offered = sum(prev.rest(r) for r in range(prev.world))
             rows = _deliverable(offered, world, batch_size, drop_last)
-        run = Run(world, taken, rows, batch_size, drop_last)
+        run = Run(world, taken, rows, batch_size, drop_last, per)
         if not 0 <= taken <= run.batches:
             raise ConfigError(f"state: run {i} ({world} ranks) took {taken} batches, but it has {run.batches}; "
                               "the state was not saved from this dataset")
@@ -248,12 +271,13 @@ def check_state(sd) -> tuple[int, list[list[int]], dict]:
     if not is_int(epoch, 0):
         raise ConfigError(f"load_state_dict: epoch={epoch!r} must be a non-negative integer")
     if (not isinstance(runs, (list, tuple)) or not runs
-            or not all(isinstance(r, (list, tuple)) and len(r) == 2 and is_int(r[0], 1) and is_int(r[1], 0)
-                       for r in runs)):
-        raise ConfigError(f"load_state_dict: runs={runs!r} must be a non-empty list of [world_size, batches]")
+            or not all(isinstance(r, (list, tuple)) and len(r) in (2, 3) and all(is_int(v, 1) for v in r[::2])
+                       and is_int(r[1], 0) and (len(r) == 2 or i == 0) for i, r in enumerate(runs))):
+        raise ConfigError(f"load_state_dict: runs={runs!r} must be a non-empty list of [world_size, batches] "
+                          "(the first one may add its local_world_size)")
     if not isinstance(dataset, dict):
         raise ConfigError("load_state_dict: the state has no 'dataset' description")
-    return epoch, [[int(w), int(k)] for w, k in runs], dataset
+    return epoch, [[int(v) for v in r] for r in runs], dataset
 
 
 def _peek(sd) -> object:

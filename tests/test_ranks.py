@@ -1,0 +1,206 @@
+"""Ranks and node-affine sharding (``shard="node"``) of a dataset.
+
+* the node layout from arguments or torchrun's environment, and its refusals;
+* with ``shard="node"`` on 2 nodes x 2 ranks: every rank the same batches, no row twice
+  in an epoch, what is left out bounded and different each epoch, values equal to
+  pyarrow's, each node reading only its own chunks, so a node-local cache holds only its
+  share and later epochs decode nothing (the default mode, for contrast, fills each
+  node's cache with more than its share);
+* resume in node mode, on the same layout (exact) and on others (exactly once).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import gpuload
+from gpuload.ranks import resolve_local_world
+
+from conftest import write_parquet
+
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
+
+FILES = (700, 650, 900, 333)  # 2,583 rows in row groups of 100
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ranks")
+    start = 0
+    rng = np.random.default_rng(5)
+    for i, n in enumerate(FILES):
+        write_parquet(d / f"part{i}.parquet", pa.table({"row_id": np.arange(start, start + n, dtype=np.int64),
+                                                        "x": rng.standard_normal(n)}), row_group_size=100)
+        start += n
+    return d
+
+
+def _open(source, cache, rank, world=4, local=2, shard="node", **kw):
+    kw = {"batch_size": BATCH, "chunk_bytes": 4 << 10, "shuffle_window": 2, **kw}
+    return gpuload.ParquetDataset(source, ["row_id", "x"], cache_dir=cache, device="cpu", rank=rank,
+                                  world_size=world, shard=shard, local_world_size=local if shard == "node" else None,
+                                  **kw)
+
+
+def _loads(ds) -> list[int]:
+    loaded, load = [], ds.reader.load
+
+    def recording(i):
+        loaded.append(i)
+        return load(i)
+
+    ds.reader.load = recording
+    return loaded
+
+
+def _ids(batches) -> np.ndarray:
+    return np.concatenate([b["row_id"].numpy() for b in batches]) if batches else np.zeros(0, np.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# the node layout
+# ---------------------------------------------------------------------------------------
+
+def test_local_world_size_from_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_local_world(None, 3, 4) == 2
+    with pytest.raises(gpuload.ConfigError, match="GROUP_RANK"):
+        resolve_local_world(None, 2, 4)  # rank 2 is not node 1's local rank 1
+    assert resolve_local_world(2, 2, 4) == 2  # explicit: the caller says where the rank is
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(gpuload.ConfigError, match="run under torchrun .* or pass local_world_size="):
+        resolve_local_world(None, 0, 4)
+    with pytest.raises(gpuload.ConfigError, match="must divide world_size=4"):
+        resolve_local_world(3, 0, 4)
+
+
+def test_bad_shard_and_too_small_shares_are_refused(source, tmp_path):
+    with pytest.raises(gpuload.ConfigError, match="shard='nodes' must be 'global' or 'node'"):
+        _open(source, tmp_path, 0, shard="nodes")
+    assert len(_open(source, tmp_path, 0, world=4, local=2, chunk_bytes=1 << 30).reader.chunks) == 4  # a file each
+    with pytest.raises(gpuload.ConfigError, match="too few for 2 local ranks"):
+        _open(source, tmp_path, 0, world=16, local=2, chunk_bytes=1 << 30)  # 8 nodes for 4 chunks
+
+
+# ---------------------------------------------------------------------------------------
+# one epoch, many epochs
+# ---------------------------------------------------------------------------------------
+
+def test_node_mode_epochs(source, tmp_path):
+    caches = [tmp_path / f"node{n}" for n in (0, 1)]
+    ranks = [_open(source, caches[r // 2], r) for r in range(4)]
+    owned = ranks[0].node_chunks()
+    assert sorted(owned[0] + owned[1]) == list(range(len(ranks[0].reader.chunks)))
+    loads = [_loads(ds) for ds in ranks]
+    table = pa.concat_tables([pa.parquet.read_table(p) for p in sorted(source.glob("*.parquet"))])
+    x_by_id = table["x"].to_numpy()[np.argsort(table["row_id"].to_numpy())]
+    n, left_out = sum(FILES), set()
+    for epoch in range(3):
+        batches = []
+        for ds in ranks:
+            ds.set_epoch(epoch)
+            batches.append(list(ds))
+        assert len({len(b) for b in batches}) == 1 and len(batches[0]) == len(ranks[0])  # DDP never hangs
+        assert all([len(x["row_id"]) for x in b] == [len(x["row_id"]) for x in batches[0]] for b in batches)
+        ids = np.concatenate([_ids(b) for b in batches])
+        assert len(np.unique(ids)) == len(ids) == ranks[0].rows_per_epoch  # no row twice
+        for b in batches:
+            for x in b:
+                assert np.array_equal(x["x"].numpy(), x_by_id[x["row_id"].numpy()])  # pyarrow's values
+        missing = set(range(n)) - set(ids.tolist())
+        biggest = max(c.rows for c in ranks[0].reader.chunks)
+        assert len(missing) < 2 * (biggest + 2)  # per node: under a chunk's rows plus the local ranks
+        left_out.add(frozenset(missing))
+        for r, loaded in enumerate(loads):  # a node's ranks read only that node's chunks
+            assert set(loaded) <= set(owned[r // 2]), (epoch, r)
+            loaded.clear()
+        if epoch == 0:
+            decoded = [ds.reader.counters.decoded for ds in ranks]
+        else:  # each node's cache already holds its share: nothing decoded
+            assert [ds.reader.counters.decoded for ds in ranks] == decoded
+    assert len(left_out) == 3  # other rows left out in each epoch
+    for node in (0, 1):  # each node-local cache holds exactly its node's share
+        assert len(list(caches[node].rglob("*.glc"))) == len(owned[node])
+
+
+def test_default_mode_fills_every_node_cache_beyond_its_share(source, tmp_path):
+    """The contrast: with shard='global', a node's ranks read chunks of the whole dataset."""
+    caches = [tmp_path / f"node{n}" for n in (0, 1)]
+    ranks = [_open(source, caches[r // 2], r, shard="global") for r in range(4)]
+    chunks = len(ranks[0].reader.chunks)
+    for epoch in range(3):
+        for ds in ranks:
+            ds.set_epoch(epoch)
+            list(ds)
+    cached = [len(list(c.rglob("*.glc"))) for c in caches]
+    assert all(c > chunks / 2 + 2 for c in cached), cached
+
+
+def test_node_mode_order_is_a_pure_function(source, tmp_path):
+    a = _open(source, tmp_path / "a", 3, num_threads=1, prefetch=0)
+    b = _open(source, tmp_path / "b", 3, num_threads=3, prefetch=4)
+    for ds in (a, b):
+        ds.set_epoch(2)
+    assert np.array_equal(_ids(list(a)), _ids(list(b)))
+    a.set_epoch(3)
+    b.set_epoch(2)
+    assert not np.array_equal(_ids(list(a)), _ids(list(b)))
+
+
+# ---------------------------------------------------------------------------------------
+# resume
+# ---------------------------------------------------------------------------------------
+
+def _take(ds, epoch, k):
+    ds.set_epoch(epoch)
+    it = iter(ds)
+    got = list(itertools.islice(it, k))
+    state = ds.state_dict()
+    it.close()
+    return got, state
+
+
+def test_node_mode_resume_on_the_same_layout_is_exact(source, tmp_path):
+    ref = _open(source, tmp_path / "c", 1)
+    ref.set_epoch(1)
+    want = list(ref)
+    got, state = _take(_open(source, tmp_path / "c", 1), 1, 7)
+    assert state["runs"] == [[4, 7, 2]]
+    ds = _open(source, tmp_path / "c", 1)
+    ds.load_state_dict(state)
+    ds.set_epoch(1)
+    rest = list(ds)
+    assert len(got) + len(rest) == len(want)
+    assert all(np.array_equal(x["row_id"].numpy(), y["row_id"].numpy()) and np.array_equal(x["x"].numpy(),
+               y["x"].numpy()) for x, y in zip(got + rest, want))
+
+
+@pytest.mark.parametrize("world, local, shard", [(3, None, "global"), (2, 1, "node"), (6, 3, "node"), (4, 1, "node")])
+def test_node_mode_resume_on_other_layouts_delivers_the_rest_once(source, tmp_path, world, local, shard):
+    """From 2 nodes x 2 ranks to other ranks or nodes: the rest of the epoch exactly once, then their own order."""
+    taken, state = [], None
+    for r in range(4):
+        got, state = _take(_open(source, tmp_path / "c", r), 0, 5)
+        taken.append(_ids(got))
+    news = [_open(source, tmp_path / "c", r, world=world, local=local or 1, shard=shard) for r in range(world)]
+    rest = []
+    for ds in news:
+        ds.load_state_dict(state)
+        ds.set_epoch(0)
+        rest.append(list(ds))
+    assert len({len(b) for b in rest}) == 1
+    ids = np.concatenate(taken + [_ids(b) for b in rest])
+    assert len(np.unique(ids)) == len(ids)
+    assert len(ids) >= _open(source, tmp_path / "c", 0).rows_per_epoch - world  # the rest, all but < world rows
+    for ds in news:  # the next epoch is the new layout's own
+        ds.set_epoch(1)
+        fresh = _open(source, tmp_path / "c", ds.rank, world=world, local=local or 1, shard=shard)
+        fresh.set_epoch(1)
+        assert np.array_equal(_ids(list(ds)), _ids(list(fresh)))
