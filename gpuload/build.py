@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from .cluster import build_on_cluster
 from .config import Options
+from .errors import ConfigError
 from .gpu import open_device
 from .handoff import resolve_device
 from .reader import ChunkReader
@@ -45,7 +47,8 @@ class CacheSummary:
 def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                 num_threads: int = 2, max_cache_bytes: int | None = None,
                 progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto",
-                filesystem=None, storage_options: dict | None = None, remote=None) -> CacheSummary:
+                filesystem=None, storage_options: dict | None = None, remote=None, client=None, nodes=None,
+                seed: int = 0) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
     Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
@@ -56,6 +59,14 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     they mean for :class:`ParquetDataset`; the files are the same either way. A remote
     ``source`` (with ``filesystem``, ``storage_options`` and ``remote`` as for
     :class:`ParquetDataset`) is fetched ahead of decoding, column ranges only.
+
+    ``client``: a ``distributed.Client`` (``gpuload[dask]``; on GPU nodes a
+    ``dask_cuda.LocalCUDACluster``'s, with ``device="cuda"``) whose workers build the
+    chunks, one task each (:mod:`gpuload.cluster`); ``num_threads`` then applies per worker.
+    With ``nodes`` (a number of hosts, numbered in sorted host order, or a list of each
+    node's worker addresses) each chunk is built on the node that owns it under
+    ``ParquetDataset(shard="node", seed=seed)`` with that many nodes: give each node's
+    workers its local ``cache_dir`` (``None``: each worker's ``$GPULOAD_CACHE_DIR``).
     """
     opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
                    max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
@@ -65,6 +76,24 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     enter = contextlib.nullcontext if ctx is None else ctx.active
     t0 = time.perf_counter()
     already = len(reader.cached_at_open)
+    if client is not None:
+        spec = {"source": source, "columns": columns, "fill_nulls": fill_nulls, "dtypes": dtypes,
+                "filesystem": filesystem, "storage_options": storage_options, "remote": remote,
+                "options": {"cache_dir": cache_dir, "chunk_bytes": chunk_bytes, "num_threads": num_threads,
+                            "max_cache_bytes": max_cache_bytes, "device": str(device), "decode": decode}}
+        try:
+            done = build_on_cluster(client, spec, reader, progress, nodes=nodes, seed=seed)
+        finally:
+            reader.close()
+        sizes = [size for _, _, size in done if size is not None]
+        return CacheSummary(
+            cache_dir=str(opts.cache_dir) if cache_dir is not None else "each worker's $GPULOAD_CACHE_DIR",
+            files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
+            built=sum(1 for _, decoded, size in done if decoded and size is not None),
+            already_cached=sum(1 for _, decoded, _ in done if not decoded), not_cached=len(done) - len(sizes),
+            cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))
+    if nodes is not None:
+        raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
 
     def one(i: int) -> None:
         with enter():

@@ -186,6 +186,7 @@ class ChunkCache:
         self._warned: set = set()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
         self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
+        self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
         self.max_bytes = max_bytes
         self.verify = verify
         self.full = False  # set once the budget refused a chunk
@@ -356,11 +357,12 @@ class ChunkCache:
             self._slots.release()
 
     def flush(self) -> None:
-        """Wait until every background write has finished."""
-        for _ in range(_PENDING_WRITES):
-            self._slots.acquire()
-        for _ in range(_PENDING_WRITES):
-            self._slots.release()
+        """Wait until every background write has finished (safe from several threads at once)."""
+        with self._flushing:
+            for _ in range(_PENDING_WRITES):
+                self._slots.acquire()
+            for _ in range(_PENDING_WRITES):
+                self._slots.release()
 
     def _drop_stale(self, key: ChunkKey) -> None:
         """Delete chunks (same spec) and footers of older versions of ``key``'s source file."""

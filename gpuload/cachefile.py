@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,7 +110,8 @@ def encode(cols: dict, ident: dict) -> tuple[bytes, list[dict], list[np.ndarray]
                         "offset": 0, "nbytes": arr.nbytes, "xxh3": xxhash.xxh3_64_hexdigest(arr)})
         arrays.append(arr)
     rows = next((len(v.offsets) - 1 if isinstance(v, Ragged) else len(v) for v in cols.values()), 0)
-    header = {"format": FORMAT_VERSION, "rows": rows, **ident, "built": time.time(), "regions": regions}
+    # no time, host or process in it: a chunk's file is the same bytes wherever and whenever it is built
+    header = {"format": FORMAT_VERSION, "rows": rows, **ident, "regions": regions}
     # region offsets depend on the header's length, which depends on the offsets'
     # digits: repeat until they agree (offsets only grow, so this ends quickly)
     blob = b""

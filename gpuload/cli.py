@@ -7,6 +7,7 @@ a cache that fails verification exits with status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -158,22 +159,54 @@ def cmd_build(args) -> int:
     _finite("--chunk-mib", args.chunk_mib, strict=True)
     _finite("--max-gib", args.max_gib)
 
+    if args.nodes is not None and args.scheduler is None and args.workers is None:
+        raise ConfigError("--nodes says where chunks are built on a cluster: give --scheduler or --workers too")
     bar = _bar("building cache", 0, "row")
 
     def progress(n):
         bar.update(n)
 
-    try:
-        summary = build_cache(args.source, cache_dir=args.cache_dir, columns=_columns(args.columns),
-                              fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
-                              chunk_bytes=int(args.chunk_mib * 2**20),
-                              num_threads=args.threads,
-                              max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
-                              progress=progress, storage_options=_storage(args.storage_options))
-    finally:
-        bar.close()
+    with contextlib.ExitStack() as stack:
+        client = _client(args, stack)
+        try:
+            summary = build_cache(args.source, cache_dir=args.cache_dir, columns=_columns(args.columns),
+                                  fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
+                                  chunk_bytes=int(args.chunk_mib * 2**20),
+                                  num_threads=args.threads,
+                                  max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
+                                  progress=progress, storage_options=_storage(args.storage_options),
+                                  device=args.device, client=client, nodes=args.nodes, seed=args.seed)
+        finally:
+            bar.close()
     print(summary)
     return 0
+
+
+def _client(args, stack: contextlib.ExitStack):
+    """A Dask client for --scheduler ADDR or --workers N (a local cluster), else None."""
+    if args.scheduler is None and args.workers is None:
+        return None
+    try:
+        import distributed
+    except ImportError:
+        raise ConfigError("--scheduler and --workers need Dask: pip install 'gpuload[dask]'") from None
+    if args.scheduler is not None:
+        return stack.enter_context(distributed.Client(args.scheduler))
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: give at least 1")
+    logging.getLogger("distributed").setLevel(logging.ERROR)  # its start and close chatter, around our bar
+    if args.device.startswith("cuda"):  # one worker per GPU, decoding with cuDF
+        try:
+            from dask_cuda import LocalCUDACluster
+        except ImportError:
+            raise ConfigError("--workers with --device cuda needs dask-cuda: pip install 'gpuload[gpu]'") from None
+        cluster = stack.enter_context(LocalCUDACluster(n_workers=args.workers, threads_per_worker=args.threads,
+                                                       dashboard_address=None))
+    else:
+        cluster = stack.enter_context(distributed.LocalCluster(n_workers=args.workers, threads_per_worker=args.threads,
+                                                               processes=True, dashboard_address=None,
+                                                               silence_logs=logging.ERROR))
+    return stack.enter_context(distributed.Client(cluster))
 
 
 def _cache(args) -> ChunkCache:
@@ -227,7 +260,40 @@ def cmd_info(args) -> int:
     if s["foreign"]:
         print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
               + "; ".join(s["foreign"][:5]))
+    if args.source:
+        _node_shares(args)
     return 0
+
+
+def _node_shares(args) -> None:
+    """Per node share of a source (shard='node' with --nodes nodes): chunks owned, and cached here."""
+    from .config import Options
+    from .plan import node_chunks
+    from .reader import ChunkReader
+
+    if args.nodes is None or args.nodes < 1:
+        raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
+    opts = Options(cache_dir=args.cache_dir, chunk_bytes=int(args.chunk_mib * 2**20), device="cpu")
+    reader = ChunkReader(args.source, opts, _columns(args.columns), _fill(args.fill_nulls), _dtypes(args.dtypes),
+                         storage_options=_storage(args.storage_options))
+    try:
+        owned = node_chunks([c.rows for c in reader.chunks], args.nodes, fingerprint=reader.fingerprint,
+                            seed=args.seed)
+        print(f"node shares of {', '.join(args.source)} ({len(reader.chunks)} chunks; shard='node', "
+              f"{args.nodes} nodes, seed {args.seed}):")
+        for n, chunks in enumerate(owned):
+            sizes = []
+            for i in chunks:
+                key = reader.key(int(i))
+                with contextlib.suppress(OSError):
+                    st = reader.cache.root.lstat(key.parts, key.name)
+                    if st is not None:
+                        sizes.append(st.st_size)
+            rows = sum(reader.chunks[int(i)].rows for i in chunks)
+            print(f"  node {n}: {len(chunks)} chunks, {rows:,} rows; {len(sizes)} cached here "
+                  f"({sum(sizes) / 2**20:,.1f} MiB)")
+    finally:
+        reader.close()
 
 
 def cmd_verify(args) -> int:
@@ -326,12 +392,29 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-mib", type=float, default=64, help="chunk size bound in MiB (default 64)")
     b.add_argument("--threads", type=int, default=2, help="decode threads (default 2)")
     b.add_argument("--max-gib", type=float, help="cache budget in GiB (default unbounded)")
+    b.add_argument("--device", default="cpu", help="cpu, cuda or auto: where to decode (default cpu)")
+    how = b.add_mutually_exclusive_group()
+    how.add_argument("--scheduler", help="build on this Dask cluster (a scheduler address, tcp://host:8786)")
+    how.add_argument("--workers", type=int, help="build on a local Dask cluster of this many worker processes "
+                     "(one per GPU with --device cuda, through dask-cuda)")
+    b.add_argument("--nodes", type=int, help="with --scheduler: build each chunk on the node (host, in sorted "
+                   "order) that owns it under shard='node' with this many nodes")
+    b.add_argument("--seed", type=int, default=0, help="the training's seed, for --nodes (default 0)")
     b.set_defaults(fn=cmd_build)
     for name, fn, text in (("info", cmd_info, "what the cache holds"),
                            ("verify", cmd_verify, "check every cache file; exit 1 if any is corrupt"),
                            ("clear", cmd_clear, "delete gpuload's files in the cache (all, or some column sets)")):
         a = csub.add_parser(name, help=text)
         a.set_defaults(fn=fn)
+        if name == "info":
+            a.add_argument("source", nargs="*", help="with --nodes: show each node's share of this source")
+            a.add_argument("--nodes", type=int, help="number of nodes of a shard='node' training")
+            a.add_argument("--seed", type=int, default=0, help="the training's seed (default 0)")
+            a.add_argument("--columns", help="as the cache was built with (default: all)")
+            a.add_argument("--fill-nulls", help="as the cache was built with")
+            a.add_argument("--dtypes", help="as the cache was built with")
+            a.add_argument("--chunk-mib", type=float, default=64, help="as the cache was built with (default 64)")
+            a.add_argument("--storage-options", help="a JSON object for the URL's fsspec filesystem")
         if name == "verify":
             a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")
         if name == "clear":

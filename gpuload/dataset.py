@@ -247,6 +247,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
         same = runs[-1][0] == self.world_size and (len(runs) > 1 or runs[0][2:] == self._first_run()[0][2:])
         if not same and not complete:  # elastic: a new run over the rest of the epoch
+            if len(runs[0]) == 3 or self.local_world_size is not None:
+                was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
+                now = "global" if self.local_world_size is None else \
+                    f"{self.world_size // self.local_world_size} nodes x {self.local_world_size}"
+                log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
+                            "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
+                            "cached on its node yet: decoded from the source); later epochs give each node its "
+                            "share of the new layout, cached as it is first read", epoch, was, now)
             runs.append([self.world_size, 0])
             dropped = resume.dropped_rows(self._runs(_Position(epoch, runs)))
             if dropped:

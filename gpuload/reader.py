@@ -59,7 +59,7 @@ class ChunkReader:
 
     def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
                  decoder: Callable | None = None, ctx=None, gpu_decode: bool = False, metrics=None,
-                 filesystem=None, storage_options: dict | None = None, remote=None):
+                 filesystem=None, storage_options: dict | None = None, remote=None, scan_nulls: bool = True):
         self.opts = opts
         self.ctx = ctx
         self.metrics = metrics
@@ -113,7 +113,8 @@ class ChunkReader:
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.cache.exists(self.key(i))}
         cached = {(self.chunks[i].file, g) for i in self.cached_at_open
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
-        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+        if scan_nulls:  # else (a cluster worker: its caller checked these files) conversion still refuses nulls
+            check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
 
@@ -147,6 +148,21 @@ class ChunkReader:
         if self.ctx is not None:  # a chunk decoded on the CPU is cached from its host arrays, then sent once
             cols = self.ctx.upload(cols)
         return cols
+
+    def build(self, i: int) -> bool:
+        """Make sure chunk ``i`` is in the cache, decoding it if it is not; True if this call
+        decoded it (a chunk cached already, or by another process meanwhile, is not read).
+
+        On the GPU path, call it inside ``ctx.active()``.
+        """
+        if self.is_cached(i):
+            self.counters.add(True)
+            return False
+        c = self.chunks[i]
+        f = self.files[c.file]
+        _, cached = self.cache.load(self.key(i), lambda: self.decode(f, c, self.specs), shared=False)
+        self.counters.add(cached)
+        return not cached
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""

@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--checkpoint-at", type=int, default=-1, help="global step after which to checkpoint")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--shard", default="global", choices=["global", "node"])
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -64,7 +65,7 @@ def main() -> None:
 
     ds = gpuload.ParquetDataset(args.source, {"row_id": "row_id", "x": ["x0", "x1", "x2", "x3"], "y": "y"},
                                 batch_size=args.batch_size, cache_dir=Path(args.cache) / f"node{node}",
-                                device="cpu", chunk_bytes=16 << 10, shuffle_window=2)
+                                device="cpu", chunk_bytes=16 << 10, shuffle_window=2, shard=args.shard)
     model = torch.nn.Linear(4, 1)
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(world, _ordered_mean)
@@ -79,10 +80,11 @@ def main() -> None:
         epoch0, step = saved["epoch"], saved["step"]
 
     log = open(out / f"rows.{args.name}.{rank}.txt", "a")
-    counts = {}
+    counts, decoded = {}, {}
     for epoch in range(epoch0, args.epochs):
         ds.set_epoch(epoch)
         counts[epoch] = 0
+        before = ds.reader.counters.decoded
         for batch in ds:
             loss = torch.nn.functional.mse_loss(ddp(batch["x"]).squeeze(1), batch["y"])
             opt.zero_grad()
@@ -105,9 +107,11 @@ def main() -> None:
                     (out / "checkpointed").write_text(str(step))
             elif args.checkpoint_at >= 0 and step > args.checkpoint_at:
                 time.sleep(0.2)  # work after the checkpoint, lost when the job is killed
+        decoded[epoch] = ds.reader.counters.decoded - before  # chunks this rank decoded (not in its cache)
     if rank == 0:
         torch.save(model.state_dict(), out / f"model.{args.name}.pt")
-    (out / f"done.{args.name}.{rank}").write_text(json.dumps({"counts": counts, "world": world}))
+    (out / f"done.{args.name}.{rank}").write_text(json.dumps({"counts": counts, "world": world,
+                                                               "decoded": decoded}))
     log.close()
     dist.barrier()
     del ddp

@@ -892,3 +892,4 @@ def test_budget_is_never_exceeded_at_the_boundary(tmp_path):
                                 shuffle=False, max_cache_bytes=2 * size)
     list(ds)
     assert _cache_bytes(tmp_path / "roomy") == size
+

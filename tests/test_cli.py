@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -29,6 +30,8 @@ def run(*args):
     (["demo", "--rows", "10"], "--rows"),
     (["demo", "--device", "cuda:0", "--rows", "2000"], "device="),
     (["cache", "build", "DATA", "--storage-options", "[1]"], "--storage-options"),
+    (["cache", "build", "DATA", "--nodes", "2"], "give --scheduler or --workers too"),
+    (["cache", "build", "DATA", "--workers", "0"], "--workers 0"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path):
     args = [str(data) if a == "DATA" else a for a in args]
@@ -210,3 +213,19 @@ def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
         assert r.returncode == 0, r.stderr
         assert "remote source: no requests" in r.stdout  # built ahead: the profiled epoch reads the cache
         assert s3.count("GET", ".parquet") == 0
+
+
+def test_build_on_local_cluster_and_node_shares(data, tmp_path):
+    cache = str(tmp_path / "c")
+    r = run("cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--workers", "2")
+    assert r.returncode == 0, r.stderr
+    built = int(re.search(r"(\d+) chunks of 20,000 rows from 2 files: (\d+) built", r.stdout).group(2))
+    assert built > 2 and "Traceback" not in r.stderr
+    r = run("cache", "info", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--nodes", "2")
+    assert r.returncode == 0, r.stderr
+    shares = re.findall(r"node (\d): (\d+) chunks, ([\d,]+) rows; (\d+) cached here", r.stdout)
+    assert [s[0] for s in shares] == ["0", "1"]
+    assert sum(int(s[1]) for s in shares) == built and all(s[1] == s[3] for s in shares)
+    assert sum(int(s[2].replace(",", "")) for s in shares) == 20_000
+    r = run("cache", "info", str(data), "--cache-dir", cache)
+    assert r.returncode == 2 and "give --nodes N" in r.stderr

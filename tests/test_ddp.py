@@ -10,7 +10,8 @@ the same number of batches on every rank, no rank hung, every rank's loader stat
 to rank 0's, and, on the same number of ranks, a final model bitwise equal to that of a
 run that was never interrupted. Then the same checkpoint restarts on 3 ranks, and a
 simulated 2 nodes x 2 ranks job (``--nnodes=2`` on localhost, one cache folder per
-node) does the same.
+node) does the same. Last, 3 epochs of that 2 x 2 job with ``shard="node"``: each node's
+cache holds only its share and epochs 2 and 3 decode nothing, against the default mode.
 """
 
 from __future__ import annotations
@@ -229,3 +230,30 @@ def test_ddp_two_nodes_kill_and_restart(source, tmp_path):
     _same_model(out, "ref", "b")
     for node in (0, 1):  # each simulated node filled its own cache folder
         assert list((out / "cache" / f"node{node}").rglob("*.glc")), f"node {node} cached nothing"
+
+
+@pytest.mark.parametrize("shard", ["node", "global"])
+def test_ddp_two_nodes_node_affine_caches(source, tmp_path, shard):
+    """3 epochs on 2 nodes x 2 ranks, one cache folder per node: what each node caches."""
+    import gpuload
+
+    _run(source, tmp_path, "n", 2, 2, "--shard", shard, "--epochs", "3")
+    counts = _same_batch_counts(tmp_path, "n", 4)
+    rows = _rows(tmp_path, "n", 4)
+    for e in range(3):  # no row twice in an epoch
+        ids = np.concatenate(rows[e])
+        assert len(np.unique(ids)) == len(ids)
+    cached = [len(list((tmp_path / "cache" / f"node{n}").rglob("*.glc"))) for n in (0, 1)]
+    decoded = [json.loads((tmp_path / f"done.n.{r}").read_text())["decoded"] for r in range(4)]
+    ds = gpuload.ParquetDataset(source, {"row_id": "row_id", "x": ["x0", "x1", "x2", "x3"], "y": "y"},
+                                batch_size=BATCH, cache_dir=tmp_path / "probe", device="cpu", chunk_bytes=16 << 10,
+                                shuffle_window=2, shard="node", rank=0, world_size=4, local_world_size=2)
+    total, shares = len(ds.reader.chunks), [len(o) for o in ds.node_chunks()]
+    (tmp_path.parent / f"node_caches.{shard}.json").write_text(json.dumps(
+        {"chunks": total, "cached per node": cached, "decoded per rank and epoch": decoded, "batches": counts}))
+    if shard == "node":
+        assert cached == shares  # each node holds exactly its share
+        assert all(d["1"] == 0 and d["2"] == 0 for d in decoded)  # epochs 2 and 3 build nothing
+        assert len(np.concatenate(rows[0])) == ds.rows_per_epoch
+    else:  # the contrast: each node ends up caching more than its share, and keeps decoding
+        assert all(c > total / 2 for c in cached)

@@ -1,0 +1,154 @@
+"""Cluster builds: chunk builds spread over a Dask cluster (dask-cuda on GPU nodes).
+
+:func:`gpuload.build_cache` with ``client=`` lists the source once on the calling
+process, then submits one task per chunk. A worker opens the dataset once per build (its
+footers come from the cache the listing filled, or from the source), checks that it sees
+the same files, decodes the chunk and writes it to its cache folder, and returns once
+the file is on disk. So:
+
+* with a cache folder shared by every worker, any worker builds any chunk, and the
+  cache's per-chunk locks make each chunk built once even beside other builders;
+* with node-local cache folders (each worker's ``cache_dir``, or its own
+  ``$GPULOAD_CACHE_DIR`` when ``cache_dir=None``) and ``nodes=``, each chunk is built
+  only by workers of the node that owns it under node-affine sharding
+  (``ParquetDataset(shard="node")`` with the same seed and number of nodes);
+* a worker that dies mid-build leaves at most a temporary file (cache files are written
+  under a temporary name and renamed); Dask gives its tasks to other workers (of the same
+  node, with ``nodes=``), and a chunk whose workers keep dying fails the build with an
+  error that names the chunk and its file.
+"""
+
+from __future__ import annotations
+
+import stat
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+
+from .errors import CacheError, ConfigError, GpuloadError, SourceError
+
+__all__ = ["build_on_cluster", "node_workers"]
+
+_readers: dict = {}  # on a worker: the reader of the build in progress
+_lock = threading.Lock()
+
+
+def _open_reader(token: str, spec: dict, fingerprint: int):
+    from .config import Options
+    from .gpu import open_device
+    from .handoff import resolve_device
+    from .reader import ChunkReader
+
+    with _lock:
+        got = _readers.get(token)
+        if got is None:
+            o = spec["options"]
+            opts = Options(**o)
+            ctx, gpu_decode = open_device(resolve_device(o["device"]), opts)
+            reader = ChunkReader(spec["source"], opts, spec["columns"], spec["fill_nulls"], spec["dtypes"], ctx=ctx,
+                                 gpu_decode=gpu_decode, filesystem=spec["filesystem"],
+                                 storage_options=spec["storage_options"], remote=spec["remote"],
+                                 scan_nulls=False)  # the caller's listing checked these very files
+            if reader.fingerprint != fingerprint:
+                raise SourceError(f"{spec['source']}: a worker sees other files than build_cache listed (changed "
+                                  "since, or another path on this worker); make the source the same everywhere")
+            for old, _ in _readers.values():  # one build at a time on a worker
+                old.close()
+            _readers.clear()
+            got = _readers[token] = (reader, ctx)
+    return got
+
+
+def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, bool, int | None]:
+    """On a worker: make sure chunk ``i`` is cached; (i, decoded here, cache file size or None)."""
+    import contextlib
+
+    reader, ctx = _open_reader(token, spec, fingerprint)
+    c = reader.chunks[i]
+    where = f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
+    try:
+        with contextlib.nullcontext() if ctx is None else ctx.active():
+            decoded = reader.build(i)
+        reader.cache.flush()  # on disk before the task reports it done
+    except GpuloadError as e:
+        e.args = (f"{where}: {e}",) + e.args[1:]
+        raise
+    except Exception as e:
+        raise CacheError(f"{where}: {type(e).__name__}: {e}") from e
+    key = reader.key(i)
+    st = reader.cache.root.lstat(key.parts, key.name)
+    return i, decoded, st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
+def node_workers(client, nodes) -> list[list[str]]:
+    """The worker addresses of each node: ``nodes`` as a list (node rank -> worker addresses
+    or host names), or a count of hosts, numbered in sorted host order."""
+    workers = client.scheduler_info()["workers"]
+    if isinstance(nodes, int) and not isinstance(nodes, bool):
+        hosts = sorted({w["host"] for w in workers.values()})
+        if len(hosts) != nodes:
+            raise ConfigError(f"nodes={nodes}: the cluster's workers run on {len(hosts)} hosts ({', '.join(hosts)}); "
+                              "pass nodes=[[worker addresses of node 0], [... of node 1], ...] to say which is which")
+        return [sorted(a for a, w in workers.items() if w["host"] == h) for h in hosts]
+    if not isinstance(nodes, Sequence) or not nodes:
+        raise ConfigError(f"nodes={nodes!r} must be a number of hosts or a list of worker addresses per node")
+    groups = []
+    for n, names in enumerate(nodes):
+        names = [names] if isinstance(names, str) else list(names)
+        group = sorted(a for a, w in workers.items() if a in names or w["host"] in names or w.get("name") in names)
+        if not group:
+            raise ConfigError(f"nodes[{n}]={names!r}: no worker of the cluster has that address, name or host")
+        groups.append(group)
+    return groups
+
+
+def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None] | None = None, nodes=None,
+                     seed: int = 0) -> list[tuple[int, bool, int | None]]:
+    """Build every chunk of ``reader`` (the caller's listing) on ``client``'s workers.
+
+    ``spec`` holds the arguments to open the same dataset on a worker. Returns one
+    ``(chunk, decoded, cache file size or None)`` per chunk. See the module doc.
+    """
+    from distributed import as_completed
+    from distributed.scheduler import KilledWorker
+
+    from . import plan
+
+    token = uuid.uuid4().hex
+    owner, groups = None, None
+    if nodes is not None:
+        groups = node_workers(client, nodes)
+        owned = plan.node_chunks([c.rows for c in reader.chunks], len(groups), fingerprint=reader.fingerprint,
+                                 seed=seed)
+        owner = {int(c): n for n, cs in enumerate(owned) for c in cs}
+    futures = {}
+    for i in range(len(reader.chunks)):
+        kw = {} if owner is None else {"workers": groups[owner[i]], "allow_other_workers": False}
+        fut = client.submit(build_chunk, token, spec, reader.fingerprint, i, key=f"gpuload-build-{token}-{i}",
+                            pure=False, **kw)
+        futures[fut] = i
+    results = []
+    try:
+        for fut in as_completed(list(futures)):
+            i = futures[fut]
+            try:
+                results.append(fut.result())
+            except KilledWorker as e:
+                c = reader.chunks[i]
+                raise CacheError(f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1}): "
+                                 f"the workers building it kept dying ({e}); what was built is kept, and a new "
+                                 "build_cache finishes the rest") from None
+            if progress is not None:
+                progress(reader.chunks[i].rows)
+    finally:
+        client.cancel([f for f in futures if not f.done()])
+        client.run(_forget, token)
+    return sorted(results)
+
+
+def _forget(token: str) -> None:
+    """On every worker: close the reader of a finished build."""
+    with _lock:
+        got = _readers.pop(token, None)
+    if got is not None:
+        got[0].close()

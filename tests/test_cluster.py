@@ -1,0 +1,156 @@
+"""Cache builds on a real Dask cluster (``distributed.LocalCluster``, worker processes).
+
+* a parallel build is byte-identical to a serial one, builds each chunk once, and a
+  dataset opened on it then reads no Parquet file;
+* a worker killed with SIGKILL mid-build loses nothing: the build completes, every file
+  in the cache is whole and verified;
+* node-affine builds: each node's workers (their own ``$GPULOAD_CACHE_DIR``) build
+  exactly the chunks ``ParquetDataset(shard="node")`` gives that node;
+* errors on a worker name the chunk and its file; bad ``nodes=`` are refused.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gpuload
+import gpuload.decode
+from gpuload.cache import ChunkCache
+
+from conftest import write_parquet
+
+distributed = pytest.importorskip("distributed")  # the dask extra; in [dev], so CI runs these
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("cluster_src")
+    rng = np.random.default_rng(2)
+    start = 0
+    for i, n in enumerate((30_000, 20_000, 25_000)):
+        write_parquet(d / f"part{i}.parquet", pa.table({
+            "row_id": np.arange(start, start + n, dtype=np.int64), "x": rng.standard_normal(n),
+            "h": pa.array([list(range(k)) for k in rng.integers(0, 4, n)], pa.list_(pa.int32()))}),
+            row_group_size=2500)
+        start += n
+    return d
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # 2 threads per worker, as the CLI starts them: a worker builds (and flushes) 2 chunks at once
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True, dashboard_address=None,
+                                  silence_logs=40) as c, distributed.Client(c) as client:
+        yield client
+
+
+def _files(cache: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(cache)): p.read_bytes() for p in cache.rglob("*.glc")}
+
+
+def _reads_no_parquet(source, cache, monkeypatch, **kw) -> None:
+    opened = []
+    real = pq.ParquetFile
+
+    def counting(*a, **k):
+        opened.append(a[0] if a else k.get("source"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(pq, "ParquetFile", counting)
+    monkeypatch.setattr(gpuload.decode.pq, "ParquetFile", counting)
+    ds = gpuload.ParquetDataset(source, cache_dir=cache, device="cpu", chunk_bytes=CHUNK, batch_size=4096, **kw)
+    ids = np.concatenate([b["row_id"].numpy() for b in ds])
+    assert len(np.unique(ids)) == len(ids) == ds.rows_per_epoch
+    assert opened == [] and ds.reader.counters.decoded == 0
+    monkeypatch.undo()
+
+
+def test_cluster_build_equals_serial_build(source, tmp_path, cluster, monkeypatch):
+    serial = gpuload.build_cache(source, tmp_path / "serial", chunk_bytes=CHUNK)
+    rows = []
+    summary = gpuload.build_cache(source, tmp_path / "cluster", chunk_bytes=CHUNK, client=cluster,
+                                  progress=rows.append)
+    assert summary.chunks == serial.chunks > 8 and summary.built == summary.chunks  # each chunk built once
+    assert sum(rows) == summary.rows == 75_000
+    assert _files(tmp_path / "cluster") == _files(tmp_path / "serial")  # byte for byte
+    again = gpuload.build_cache(source, tmp_path / "cluster", chunk_bytes=CHUNK, client=cluster)
+    assert again.built == 0 and again.already_cached == again.chunks
+    _reads_no_parquet(source, tmp_path / "cluster", monkeypatch)
+
+
+def test_worker_killed_mid_build_loses_nothing(source, tmp_path, cluster):
+    pids = cluster.run(os.getpid)
+    victim = sorted(pids.values())[0]
+    done, killed = [], threading.Event()
+
+    def progress(n):
+        done.append(n)
+        if len(done) == 3 and not killed.is_set():
+            os.kill(victim, signal.SIGKILL)  # mid-build: the other chunks are queued or being built
+            killed.set()
+
+    summary = gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK // 4, client=cluster, progress=progress)
+    assert killed.is_set() and summary.not_cached == 0 and sum(done) == summary.rows
+    assert ChunkCache(tmp_path / "c", create=False).verify_all() == []  # every file whole and verified
+    serial = gpuload.build_cache(source, tmp_path / "serial", chunk_bytes=CHUNK // 4)
+    assert _files(tmp_path / "c") == _files(tmp_path / "serial")  # every chunk whole, none missing
+    assert serial.chunks == summary.chunks
+    cluster.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
+
+
+@pytest.mark.filterwarnings("ignore:Port 8787 is already in use")  # the module's cluster has the dashboard port
+def test_node_affine_build_puts_each_chunk_on_its_node(source, tmp_path):
+    caches = [tmp_path / "node0", tmp_path / "node1"]
+    workers = {f"w{n}": {"cls": distributed.Nanny, "options": {"nthreads": 1, "dashboard": False, "env": {
+        "GPULOAD_CACHE_DIR": str(caches[n])}}} for n in (0, 1)}
+    scheduler = {"cls": distributed.Scheduler, "options": {"dashboard": False}}
+    with distributed.SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40) as spec, \
+            distributed.Client(spec) as client:
+        summary = gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client, nodes=[["w0"], ["w1"]],
+                                      seed=7)
+    assert summary.built == summary.chunks
+    ranks = [gpuload.ParquetDataset(source, cache_dir=caches[r], device="cpu", chunk_bytes=CHUNK, seed=7,
+                                    rank=r, world_size=2, shard="node", local_world_size=1) for r in (0, 1)]
+    owned = ranks[0].node_chunks()
+    for n in (0, 1):
+        files = list(caches[n].rglob("*.glc"))
+        assert len(files) == len(owned[n]) > 0  # exactly its share
+        assert {ranks[0].reader.key(i).name for i in owned[n]} == {f.name for f in files}
+        ds = ranks[n]
+        ds.set_epoch(1)
+        list(ds)
+        assert ds.reader.counters.decoded == 0  # the node's share is all there
+
+
+def test_worker_errors_name_the_chunk_and_file(tmp_path, cluster):
+    write_parquet(tmp_path / "src" / "good.parquet", {"v": np.arange(20_000, dtype=np.int64)}, row_group_size=5000)
+    bad = write_parquet(tmp_path / "src" / "bad.parquet", {"v": np.arange(20_000, dtype=np.int64)},
+                        row_group_size=5000, compression="none")
+    meta = pq.read_metadata(bad)
+    col = meta.row_group(2).column(0)
+    data = bytearray(bad.read_bytes())
+    start = col.data_page_offset + 40
+    data[start:start + 2000] = os.urandom(2000)  # garbage in row group 2's data page; the footer stays valid
+    bad.write_bytes(bytes(data))
+    with pytest.raises(gpuload.GpuloadError, match=r"chunk \d+ \(.*bad\.parquet, row groups 2-2\)"):
+        gpuload.build_cache(tmp_path / "src", tmp_path / "c", chunk_bytes=4096, client=cluster)
+
+
+def test_bad_nodes_are_refused(source, tmp_path, cluster):
+    with pytest.raises(gpuload.ConfigError, match="nodes=3: the cluster's workers run on 1 hosts"):
+        gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK, client=cluster, nodes=3)
+    with pytest.raises(gpuload.ConfigError, match=r"nodes\[1\]=\['nowhere'\]"):
+        gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK, client=cluster,
+                            nodes=[list(cluster.scheduler_info()["workers"]), ["nowhere"]])
+    with pytest.raises(gpuload.ConfigError, match="pass client= too"):
+        gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK, nodes=2)
