@@ -64,13 +64,17 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     ``dask_cuda.LocalCUDACluster``'s, with ``device="cuda"``) whose workers build the
     chunks, one task each (:mod:`gpuload.cluster`); ``num_threads`` then applies per worker.
     With ``nodes`` (a number of hosts, numbered in sorted host order, or a list of each
-    node's worker addresses) each chunk is built on the node that owns it under
-    ``ParquetDataset(shard="node", seed=seed)`` with that many nodes: give each node's
-    workers its local ``cache_dir`` (``None``: each worker's ``$GPULOAD_CACHE_DIR``).
+    node's worker names, hosts or addresses) each chunk is built on the node that owns it
+    under ``ParquetDataset(shard="node", seed=seed)`` with that many nodes, node ``n``
+    being the training's ``GROUP_RANK`` ``n``: give each node's workers its local
+    ``cache_dir`` (``None``: each worker's ``$GPULOAD_CACHE_DIR``).
     """
+    if nodes is not None and client is None:
+        raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
     opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
                    max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
-    ctx, gpu_decode = open_device(resolve_device(device), opts)
+    # with a cluster this process only lists the source: the workers decode, on their own devices
+    ctx, gpu_decode = open_device(resolve_device("cpu" if client is not None else device), opts)
     reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
                          filesystem=filesystem, storage_options=storage_options, remote=remote)
     enter = contextlib.nullcontext if ctx is None else ctx.active
@@ -86,14 +90,17 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
         finally:
             reader.close()
         sizes = [size for _, _, size in done if size is not None]
+        if cache_dir is not None and nodes is None:  # one cache, seen from here too: what was in it at the start
+            # (a task rerun after its worker died finds its own file, and would count it as found)
+            was = set(reader.cached_at_open)
+        else:  # node-local caches: as each worker found them
+            was = {i for i, decoded, _ in done if not decoded}
         return CacheSummary(
             cache_dir=str(opts.cache_dir) if cache_dir is not None else "each worker's $GPULOAD_CACHE_DIR",
             files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
-            built=sum(1 for _, decoded, size in done if decoded and size is not None),
-            already_cached=sum(1 for _, decoded, _ in done if not decoded), not_cached=len(done) - len(sizes),
-            cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))
-    if nodes is not None:
-        raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
+            built=sum(1 for i, _, size in done if i not in was and size is not None), already_cached=len(was),
+            not_cached=len(done) - len(sizes), cached_bytes=sum(sizes), seconds=time.perf_counter() - t0,
+            outputs=tuple(s.name for s in reader.specs))
 
     def one(i: int) -> None:
         with enter():

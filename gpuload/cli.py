@@ -159,8 +159,9 @@ def cmd_build(args) -> int:
     _finite("--chunk-mib", args.chunk_mib, strict=True)
     _finite("--max-gib", args.max_gib)
 
-    if args.nodes is not None and args.scheduler is None and args.workers is None:
-        raise ConfigError("--nodes says where chunks are built on a cluster: give --scheduler or --workers too")
+    if args.nodes is not None and args.scheduler is None:
+        raise ConfigError("--nodes says on which node (host) each chunk is built: give --scheduler too (a local "
+                          "cluster of --workers runs on one host)")
     bar = _bar("building cache", 0, "row")
 
     def progress(n):

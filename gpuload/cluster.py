@@ -52,10 +52,7 @@ def _open_reader(token: str, spec: dict, fingerprint: int):
             if reader.fingerprint != fingerprint:
                 raise SourceError(f"{spec['source']}: a worker sees other files than build_cache listed (changed "
                                   "since, or another path on this worker); make the source the same everywhere")
-            for old, _ in _readers.values():  # one build at a time on a worker
-                old.close()
-            _readers.clear()
-            got = _readers[token] = (reader, ctx)
+            got = _readers[token] = (reader, ctx)  # closed by _forget when the build ends
     return got
 
 
@@ -80,25 +77,42 @@ def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, 
     return i, decoded, st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
+def _workers(client) -> dict:
+    try:
+        return client.scheduler_info(n_workers=-1)["workers"]  # some releases list only 5 by default
+    except TypeError:
+        return client.scheduler_info()["workers"]
+
+
+def _matches(names: list[str], address: str, info: dict) -> bool:
+    return address in names or info.get("host") in names or str(info.get("name")) in names
+
+
 def node_workers(client, nodes) -> list[list[str]]:
-    """The worker addresses of each node: ``nodes`` as a list (node rank -> worker addresses
-    or host names), or a count of hosts, numbered in sorted host order."""
-    workers = client.scheduler_info()["workers"]
+    """Who may build each node's chunks: ``nodes`` as a list (node rank -> worker names,
+    host names or addresses; the workers' addresses now), or a count of hosts, numbered in
+    sorted host order (the hosts: a worker restarted on another port is found again).
+    """
+    workers = _workers(client)
     if isinstance(nodes, int) and not isinstance(nodes, bool):
         hosts = sorted({w["host"] for w in workers.values()})
         if len(hosts) != nodes:
             raise ConfigError(f"nodes={nodes}: the cluster's workers run on {len(hosts)} hosts ({', '.join(hosts)}); "
-                              "pass nodes=[[worker addresses of node 0], [... of node 1], ...] to say which is which")
-        return [sorted(a for a, w in workers.items() if w["host"] == h) for h in hosts]
-    if not isinstance(nodes, Sequence) or not nodes:
-        raise ConfigError(f"nodes={nodes!r} must be a number of hosts or a list of worker addresses per node")
-    groups = []
+                              "pass nodes=[[worker names or hosts of node 0], [... of node 1], ...] to say which is "
+                              "which")
+        return [[h] for h in hosts]
+    if not isinstance(nodes, Sequence) or isinstance(nodes, str) or not nodes:
+        raise ConfigError(f"nodes={nodes!r} must be a number of hosts or a list of worker names or hosts per node")
+    groups, owner = [], {}
     for n, names in enumerate(nodes):
-        names = [names] if isinstance(names, str) else list(names)
-        group = sorted(a for a, w in workers.items() if a in names or w["host"] in names or w.get("name") in names)
-        if not group:
-            raise ConfigError(f"nodes[{n}]={names!r}: no worker of the cluster has that address, name or host")
-        groups.append(group)
+        names = [names] if isinstance(names, str) else [str(x) for x in names]
+        found = [a for a, w in workers.items() if _matches(names, a, w)]
+        if not found:
+            raise ConfigError(f"nodes[{n}]={names!r}: no worker of the cluster has that name, host or address")
+        for a in found:
+            if owner.setdefault(a, n) != n:
+                raise ConfigError(f"worker {a} is in nodes[{owner[a]}] and nodes[{n}]: a worker belongs to one node")
+        groups.append(sorted(found))
     return groups
 
 
@@ -109,6 +123,8 @@ def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None]
     ``spec`` holds the arguments to open the same dataset on a worker. Returns one
     ``(chunk, decoded, cache file size or None)`` per chunk. See the module doc.
     """
+    from concurrent.futures import CancelledError
+
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
@@ -127,23 +143,80 @@ def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None]
         fut = client.submit(build_chunk, token, spec, reader.fingerprint, i, key=f"gpuload-build-{token}-{i}",
                             pure=False, **kw)
         futures[fut] = i
-    results = []
+    results, failed, stop = [], [], threading.Event()
+    lock = threading.Lock()
+    if groups is not None:  # a node without workers would leave its tasks waiting forever
+        watch = threading.Thread(target=_watch_nodes, args=(client, groups, owner, futures, lock, reader, failed, stop),
+                                 name="gpuload-build-watch", daemon=True)
+        watch.start()
     try:
         for fut in as_completed(list(futures)):
-            i = futures[fut]
-            try:
+            with lock:
+                i = futures[fut]
+            try:  # its worker may die before the result is gathered: it stays watched until then
                 results.append(fut.result())
             except KilledWorker as e:
-                c = reader.chunks[i]
-                raise CacheError(f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1}): "
-                                 f"the workers building it kept dying ({e}); what was built is kept, and a new "
-                                 "build_cache finishes the rest") from None
+                raise CacheError(f"{_where(reader, i)}: the workers building it kept dying ({e}); what was built "
+                                 "is kept, and a new build_cache finishes the rest") from None
+            except CancelledError:
+                if failed:
+                    raise failed[0] from None
+                raise
+            with lock:
+                del futures[fut]
+            fut.release()  # done with it: a worker that dies later does not hold it (or rebuild it)
             if progress is not None:
                 progress(reader.chunks[i].rows)
     finally:
-        client.cancel([f for f in futures if not f.done()])
+        stop.set()
+        with lock:
+            client.cancel(list(futures))
         client.run(_forget, token)
     return sorted(results)
+
+
+def _where(reader, i: int) -> str:
+    c = reader.chunks[i]
+    return f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
+
+
+NODE_GRACE_S = 60.0  #: seconds a node's chunks may wait with no worker allowed to build them
+
+
+def _no_worker(dask_scheduler, keys) -> list:
+    """On the scheduler: which of ``keys`` wait for a worker that no longer exists."""
+    return [k for k in keys if (ts := dask_scheduler.tasks.get(k)) is not None and ts.state == "no-worker"]
+
+
+def _watch_nodes(client, groups, owner, futures, lock, reader, failed: list, stop: threading.Event,
+                 every: float = 1.0) -> None:
+    """Fail the build (cancel its tasks, the reason in ``failed``) when chunks of a node have
+    waited ``NODE_GRACE_S`` seconds for a worker: that node's workers are gone (or came back on
+    other addresses), and Dask would keep the tasks waiting forever."""
+    import time
+
+    since: dict[int, float] = {}
+    while not stop.wait(every):
+        with lock:
+            left = {f.key: i for f, i in futures.items()}
+        try:
+            stuck = client.run_on_scheduler(_no_worker, keys=list(left))
+        except Exception:  # the client is closing
+            return
+        nodes = {owner[left[k]] for k in stuck if k in left}
+        for n in list(since):
+            if n not in nodes:
+                del since[n]
+        for n in sorted(nodes):
+            if time.monotonic() - since.setdefault(n, time.monotonic()) > NODE_GRACE_S:
+                first = min(left[k] for k in stuck if k in left and owner[left[k]] == n)
+                failed.append(CacheError(
+                    f"node {n} ({', '.join(groups[n])}) has had no worker for {NODE_GRACE_S:.0f} s: its chunks, "
+                    f"{_where(reader, first)} first, cannot be built; start its workers again (by host name, they "
+                    "are found again after a restart) and rerun build_cache (what was built is kept)"))
+                with lock:
+                    client.cancel(list(futures))
+                return
 
 
 def _forget(token: str) -> None:

@@ -44,10 +44,12 @@ above. Global rank ``r`` is local rank ``r % L`` of node ``r // L`` (torchrun's 
 
 Every rank takes the same number of rows, ``R = min over nodes (N_node // L)`` (rounded
 down to a multiple of ``batch_size`` with ``drop_last=True``), so batch counts are equal
-and each row is delivered at most once. The rows a node does not deliver are the end of
-its epoch stream: ``N_node - L * R``, fewer than one chunk's rows plus ``L`` (plus a batch
-per rank with ``drop_last=True``), and other rows each epoch (unless a node holds a
-single chunk). :func:`node_shares` tells how many.
+and each row is delivered at most once. A node leaves ``N_node - L * R`` rows out per
+epoch: fewer than one chunk's rows plus ``L`` (plus up to a batch per rank with
+``drop_last=True``). Shuffled, the node's stream starts at a random row each epoch and
+wraps around, so those are other rows each epoch, anywhere in its chunks; without
+shuffling, the same rows (the end of the node's last chunk) every epoch.
+:func:`node_shares` tells how many.
 
 Resuming
 --------
@@ -338,9 +340,20 @@ def node_shares(chunk_rows: Sequence[int], nodes: int, local_world: int, batch_s
 
 def node_segments(chunk_rows: Sequence[int], owned: np.ndarray, *, node: int, local_rank: int, per_rank: int,
                   fingerprint: int, seed: int, epoch: int, shuffle: bool) -> list[Segment]:
-    """Local rank ``local_rank``'s pieces of its node's chunks this epoch (``per_rank`` rows)."""
-    order = owned[_rng(fingerprint, seed, epoch, 3, node).permutation(len(owned))] if shuffle else owned
-    return rank_segments(chunk_rows, order, local_rank * per_rank, (local_rank + 1) * per_rank)
+    """Local rank ``local_rank``'s pieces of its node's chunks this epoch (``per_rank`` rows).
+
+    Shuffled, the node's stream (its chunks in the epoch's order) starts at a random row
+    and wraps around, so the rows left out are a run at a random place: any row may be.
+    """
+    if not shuffle:
+        return rank_segments(chunk_rows, owned, local_rank * per_rank, (local_rank + 1) * per_rank)
+    rng = _rng(fingerprint, seed, epoch, 3, node)
+    order = owned[rng.permutation(len(owned))]
+    total = int(sum(int(chunk_rows[c]) for c in owned))
+    start = int(rng.integers(total)) + local_rank * per_rank
+    first = min(start % total + per_rank, total)  # [start, first) before the wrap, then from the stream's start
+    segs = rank_segments(chunk_rows, order, start % total, first)
+    return segs + rank_segments(chunk_rows, order, 0, per_rank - (first - start % total))
 
 
 def even_batch_sizes(rows: int, batch_size: int) -> BatchSizes:

@@ -30,7 +30,8 @@ def run(*args):
     (["demo", "--rows", "10"], "--rows"),
     (["demo", "--device", "cuda:0", "--rows", "2000"], "device="),
     (["cache", "build", "DATA", "--storage-options", "[1]"], "--storage-options"),
-    (["cache", "build", "DATA", "--nodes", "2"], "give --scheduler or --workers too"),
+    (["cache", "build", "DATA", "--nodes", "2"], "give --scheduler too"),
+    (["cache", "build", "DATA", "--nodes", "2", "--workers", "2"], "give --scheduler too"),
     (["cache", "build", "DATA", "--workers", "0"], "--workers 0"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path):

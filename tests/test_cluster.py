@@ -101,6 +101,7 @@ def test_worker_killed_mid_build_loses_nothing(source, tmp_path, cluster):
 
     summary = gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK // 4, client=cluster, progress=progress)
     assert killed.is_set() and summary.not_cached == 0 and sum(done) == summary.rows
+    assert summary.built == summary.chunks  # chunks finished before the kill are not built (or counted) again
     assert ChunkCache(tmp_path / "c", create=False).verify_all() == []  # every file whole and verified
     serial = gpuload.build_cache(source, tmp_path / "serial", chunk_bytes=CHUNK // 4)
     assert _files(tmp_path / "c") == _files(tmp_path / "serial")  # every chunk whole, none missing
@@ -108,17 +109,32 @@ def test_worker_killed_mid_build_loses_nothing(source, tmp_path, cluster):
     cluster.wait_for_workers(2, timeout=60)  # the nanny restarted the killed worker
 
 
+def _two_nodes(caches, per_node=1):
+    """A cluster of two simulated nodes, workers w0, w1 (or w0a, w0b, w1a, w1b), each node's
+    workers with its own $GPULOAD_CACHE_DIR (a node-local cache)."""
+    names = [(f"w{n}", n) for n in (0, 1)] if per_node == 1 else [(f"w{n}{x}", n) for n in (0, 1) for x in "ab"]
+    workers = {name: {"cls": distributed.Nanny, "options": {"nthreads": 1, "dashboard": False, "env": {
+        "GPULOAD_CACHE_DIR": str(caches[n])}}} for name, n in names}
+    scheduler = {"cls": distributed.Scheduler, "options": {"dashboard": False}}
+    return distributed.SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40)
+
+
 @pytest.mark.filterwarnings("ignore:Port 8787 is already in use")  # the module's cluster has the dashboard port
 def test_node_affine_build_puts_each_chunk_on_its_node(source, tmp_path):
     caches = [tmp_path / "node0", tmp_path / "node1"]
-    workers = {f"w{n}": {"cls": distributed.Nanny, "options": {"nthreads": 1, "dashboard": False, "env": {
-        "GPULOAD_CACHE_DIR": str(caches[n])}}} for n in (0, 1)}
-    scheduler = {"cls": distributed.Scheduler, "options": {"dashboard": False}}
-    with distributed.SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40) as spec, \
-            distributed.Client(spec) as client:
-        summary = gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client, nodes=[["w0"], ["w1"]],
-                                      seed=7)
-    assert summary.built == summary.chunks
+    with _two_nodes(caches, per_node=2) as spec, distributed.Client(spec) as client:
+        victim = client.run(os.getpid, workers=[a for a, w in client.scheduler_info()["workers"].items()
+                                                if w["name"] == "w0a"])
+        done = []
+
+        def progress(n):  # a worker of node 0 is killed mid-build: the other one of node 0 builds its chunks
+            done.append(n)
+            if len(done) == 2:
+                os.kill(next(iter(victim.values())), signal.SIGKILL)
+
+        summary = gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client,
+                                      nodes=[["w0a", "w0b"], ["w1a", "w1b"]], seed=7, progress=progress)
+    assert summary.built == summary.chunks and len(done) == summary.chunks
     ranks = [gpuload.ParquetDataset(source, cache_dir=caches[r], device="cpu", chunk_bytes=CHUNK, seed=7,
                                     rank=r, world_size=2, shard="node", local_world_size=1) for r in (0, 1)]
     owned = ranks[0].node_chunks()
@@ -130,6 +146,24 @@ def test_node_affine_build_puts_each_chunk_on_its_node(source, tmp_path):
         ds.set_epoch(1)
         list(ds)
         assert ds.reader.counters.decoded == 0  # the node's share is all there
+
+
+@pytest.mark.filterwarnings("ignore:Port 8787 is already in use")
+def test_a_node_left_without_workers_fails_the_build(source, tmp_path, monkeypatch):
+    import gpuload.cluster
+
+    monkeypatch.setattr(gpuload.cluster, "NODE_GRACE_S", 2.0)
+    with _two_nodes([tmp_path / "n0", tmp_path / "n1"]) as spec, distributed.Client(spec) as client:
+        done = []
+
+        def progress(n):  # node 1's only worker goes away for good (its nanny too)
+            done.append(n)
+            if len(done) == 1:
+                threading.Thread(target=lambda: client.sync(spec.workers["w1"].close)).start()
+
+        with pytest.raises(gpuload.CacheError, match=r"node 1 \(tcp://.*\) has had no worker for 2 s: its chunks, chunk "):
+            gpuload.build_cache(source, None, chunk_bytes=CHUNK // 4, client=client, nodes=[["w0"], ["w1"]],
+                                progress=progress)
 
 
 def test_worker_errors_name_the_chunk_and_file(tmp_path, cluster):
