@@ -46,14 +46,16 @@ class CacheSummary:
 
 def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                 num_threads: int = 2, max_cache_bytes: int | None = None,
-                progress: Callable[[int], None] | None = None, device="cpu", decode: str = "auto",
+                progress: Callable[[int], None] | bool | None = None, device="cpu", decode: str = "auto",
                 filesystem=None, storage_options: dict | None = None, remote=None, client=None, nodes=None,
                 seed: int = 0) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
     Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
     :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
-    cached). ``progress(n)`` is called with each finished chunk's row count. Safe to
+    cached). ``progress(n)`` is called with each finished chunk's row count
+    (``progress=True``: a progress bar, a widget in Jupyter where ipywidgets is installed,
+    text elsewhere). Safe to
     run from several processes at once: each chunk is built once. ``device`` (default
     ``"cpu"``; ``"cuda"`` or ``"auto"`` to decode with cuDF) and ``decode`` mean what
     they mean for :class:`ParquetDataset`; the files are the same either way. A remote
@@ -78,6 +80,19 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
                          filesystem=filesystem, storage_options=storage_options, remote=remote)
     enter = contextlib.nullcontext if ctx is None else ctx.active
+    if progress is True:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=reader.num_rows, unit="row", unit_scale=True, desc="building cache")
+        try:
+            return build_cache(source, cache_dir, columns, fill_nulls=fill_nulls, dtypes=dtypes,
+                               chunk_bytes=chunk_bytes, num_threads=num_threads, max_cache_bytes=max_cache_bytes,
+                               progress=bar.update, device=device, decode=decode, filesystem=filesystem,
+                               storage_options=storage_options, remote=remote, client=client, nodes=nodes,
+                               seed=seed)
+        finally:
+            bar.close()
+            reader.close()
     t0 = time.perf_counter()
     already = len(reader.cached_at_open)
     if client is not None:

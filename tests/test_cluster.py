@@ -188,3 +188,9 @@ def test_bad_nodes_are_refused(source, tmp_path, cluster):
                             nodes=[list(cluster.scheduler_info()["workers"]), ["nowhere"]])
     with pytest.raises(gpuload.ConfigError, match="pass client= too"):
         gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK, nodes=2)
+
+
+def test_progress_bar_counts_every_row(source, tmp_path, cluster, capsys):
+    summary = gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK, client=cluster, progress=True)
+    err = capsys.readouterr().err
+    assert "building cache" in err and "75.0k/75.0k" in err and summary.built == summary.chunks
