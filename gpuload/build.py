@@ -100,20 +100,21 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
                 "filesystem": filesystem, "storage_options": storage_options, "remote": remote,
                 "options": {"cache_dir": cache_dir, "chunk_bytes": chunk_bytes, "num_threads": num_threads,
                             "max_cache_bytes": max_cache_bytes, "device": str(device), "decode": decode}}
+        started = time.time()
         try:
             done = build_on_cluster(client, spec, reader, progress, nodes=nodes, seed=seed)
         finally:
             reader.close()
-        sizes = [size for _, _, size in done if size is not None]
+        sizes = [size for _, _, size, _ in done if size is not None]
         if cache_dir is not None and nodes is None:  # one cache, seen from here too: what was in it at the start
             # (a task rerun after its worker died finds its own file, and would count it as found)
             was = set(reader.cached_at_open)
-        else:  # node-local caches: as each worker found them
-            was = {i for i, decoded, _ in done if not decoded}
+        else:  # node-local caches: as each worker found them, less files written since the build began
+            was = {i for i, decoded, _, mtime in done if not decoded and (mtime is None or mtime < started)}
         return CacheSummary(
             cache_dir=str(opts.cache_dir) if cache_dir is not None else "each worker's $GPULOAD_CACHE_DIR",
             files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
-            built=sum(1 for i, _, size in done if i not in was and size is not None), already_cached=len(was),
+            built=sum(1 for i, _, size, _ in done if i not in was and size is not None), already_cached=len(was),
             not_cached=len(done) - len(sizes), cached_bytes=sum(sizes), seconds=time.perf_counter() - t0,
             outputs=tuple(s.name for s in reader.specs))
 

@@ -56,8 +56,9 @@ def _open_reader(token: str, spec: dict, fingerprint: int):
     return got
 
 
-def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, bool, int | None]:
-    """On a worker: make sure chunk ``i`` is cached; (i, decoded here, cache file size or None)."""
+def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, bool, int | None, float | None]:
+    """On a worker: make sure chunk ``i`` is cached; (i, decoded here, cache file size and
+    modification time, or None)."""
     import contextlib
 
     reader, ctx = _open_reader(token, spec, fingerprint)
@@ -74,7 +75,9 @@ def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, 
         raise CacheError(f"{where}: {type(e).__name__}: {e}") from e
     key = reader.key(i)
     st = reader.cache.root.lstat(key.parts, key.name)
-    return i, decoded, st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        return i, decoded, None, None
+    return i, decoded, st.st_size, st.st_mtime
 
 
 def _workers(client) -> dict:
@@ -117,11 +120,12 @@ def node_workers(client, nodes) -> list[list[str]]:
 
 
 def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None] | None = None, nodes=None,
-                     seed: int = 0) -> list[tuple[int, bool, int | None]]:
+                     seed: int = 0) -> list[tuple[int, bool, int | None, float | None]]:
     """Build every chunk of ``reader`` (the caller's listing) on ``client``'s workers.
 
     ``spec`` holds the arguments to open the same dataset on a worker. Returns one
-    ``(chunk, decoded, cache file size or None)`` per chunk. See the module doc.
+    ``(chunk, decoded, cache file size, its mtime)`` per chunk (None, None where it is
+    not cached). See the module doc.
     """
     from concurrent.futures import CancelledError
 

@@ -134,6 +134,9 @@ def test_node_affine_build_puts_each_chunk_on_its_node(source, tmp_path):
 
         summary = gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client,
                                       nodes=[["w0a", "w0b"], ["w1a", "w1b"]], seed=7, progress=progress)
+        again = gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client,
+                                    nodes=[["w0b"], ["w1a", "w1b"]], seed=7)
+    assert again.built == 0 and again.already_cached == again.chunks
     assert summary.built == summary.chunks and len(done) == summary.chunks
     ranks = [gpuload.ParquetDataset(source, cache_dir=caches[r], device="cpu", chunk_bytes=CHUNK, seed=7,
                                     rank=r, world_size=2, shard="node", local_world_size=1) for r in (0, 1)]
