@@ -79,27 +79,31 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     ctx, gpu_decode = open_device(resolve_device("cpu" if client is not None else device), opts)
     reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
                          filesystem=filesystem, storage_options=storage_options, remote=remote)
-    enter = contextlib.nullcontext if ctx is None else ctx.active
+    bar = None
     if progress is True:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=reader.num_rows, unit="row", unit_scale=True, desc="building cache")
-        try:
-            return build_cache(source, cache_dir, columns, fill_nulls=fill_nulls, dtypes=dtypes,
-                               chunk_bytes=chunk_bytes, num_threads=num_threads, max_cache_bytes=max_cache_bytes,
-                               progress=bar.update, device=device, decode=decode, filesystem=filesystem,
-                               storage_options=storage_options, remote=remote, client=client, nodes=nodes,
-                               seed=seed)
-        finally:
+        progress = bar.update
+    try:
+        return _build(reader, opts, ctx, progress, client, nodes, seed,
+                      spec={"source": source, "columns": columns, "fill_nulls": fill_nulls, "dtypes": dtypes,
+                            "filesystem": filesystem, "storage_options": storage_options, "remote": remote,
+                            "options": {"cache_dir": cache_dir, "chunk_bytes": chunk_bytes,
+                                        "num_threads": num_threads, "max_cache_bytes": max_cache_bytes,
+                                        "device": str(device), "decode": decode}})
+    finally:
+        if bar is not None:
             bar.close()
-            reader.close()
+
+
+def _build(reader: ChunkReader, opts: Options, ctx, progress, client, nodes, seed: int, spec: dict) -> CacheSummary:
+    """build_cache's work on an opened reader: on ``client``'s workers, else on threads here."""
+    enter = contextlib.nullcontext if ctx is None else ctx.active
+    cache_dir = spec["options"]["cache_dir"]
     t0 = time.perf_counter()
     already = len(reader.cached_at_open)
     if client is not None:
-        spec = {"source": source, "columns": columns, "fill_nulls": fill_nulls, "dtypes": dtypes,
-                "filesystem": filesystem, "storage_options": storage_options, "remote": remote,
-                "options": {"cache_dir": cache_dir, "chunk_bytes": chunk_bytes, "num_threads": num_threads,
-                            "max_cache_bytes": max_cache_bytes, "device": str(device), "decode": decode}}
         started = time.time()
         try:
             done = build_on_cluster(client, spec, reader, progress, nodes=nodes, seed=seed)
