@@ -9,6 +9,7 @@
   import write_parquet``) and a fixture of the same name returning it;
 * ``no_leftover_threads``: fails a test that passed but left a gpuload thread running
   (``pytestmark = pytest.mark.usefixtures("no_leftover_threads")`` in a module);
+* ``record_loads(ds)``: the chunk indices a dataset loads from now on, in order;
 * ``ManualClock``: a clock for ``Metrics(clock=...)`` that moves only when a test moves it.
 """
 
@@ -109,3 +110,15 @@ def no_leftover_threads(request):
     gc.collect()
     left = wait_no_threads(include_writer=True, timeout=5.0)
     assert not left, f"gpuload threads still running after the test: {left}"
+
+
+def record_loads(ds) -> list[int]:
+    """A list that receives the index of every chunk ``ds`` loads (cache read or decode) from now on."""
+    loaded, load = [], ds.reader.load
+
+    def recording(i):
+        loaded.append(i)
+        return load(i)
+
+    ds.reader.load = recording
+    return loaded

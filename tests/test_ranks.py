@@ -20,7 +20,7 @@ import pytest
 import gpuload
 from gpuload.ranks import resolve_local_world
 
-from conftest import write_parquet
+from conftest import record_loads, write_parquet
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
@@ -45,17 +45,6 @@ def _open(source, cache, rank, world=4, local=2, shard="node", **kw):
     return gpuload.ParquetDataset(source, ["row_id", "x"], cache_dir=cache, device="cpu", rank=rank,
                                   world_size=world, shard=shard, local_world_size=local if shard == "node" else None,
                                   **kw)
-
-
-def _loads(ds) -> list[int]:
-    loaded, load = [], ds.reader.load
-
-    def recording(i):
-        loaded.append(i)
-        return load(i)
-
-    ds.reader.load = recording
-    return loaded
 
 
 def _ids(batches) -> np.ndarray:
@@ -98,7 +87,7 @@ def test_node_mode_epochs(source, tmp_path):
     ranks = [_open(source, caches[r // 2], r) for r in range(4)]
     owned = ranks[0].node_chunks()
     assert sorted(owned[0] + owned[1]) == list(range(len(ranks[0].reader.chunks)))
-    loads = [_loads(ds) for ds in ranks]
+    loads = [record_loads(ds) for ds in ranks]
     table = pa.concat_tables([pa.parquet.read_table(p) for p in sorted(source.glob("*.parquet"))])
     x_by_id = table["x"].to_numpy()[np.argsort(table["row_id"].to_numpy())]
     n, left_out = sum(FILES), set()

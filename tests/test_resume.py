@@ -32,7 +32,7 @@ import gpuload
 from gpuload import plan, resume
 from gpuload.batch import Ragged
 
-from conftest import write_parquet
+from conftest import record_loads, write_parquet
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
@@ -301,17 +301,6 @@ def test_state_is_small_json_and_round_trips_without_iterating(source, tmp_path)
     assert on3.state_dict()["runs"] == [[3, 0]]  # nothing taken yet: the ordinary 3-rank epoch
 
 
-def _chunks_loaded(ds) -> list[int]:
-    loaded, load = [], ds.reader.load
-
-    def recording(i):
-        loaded.append(i)
-        return load(i)
-
-    ds.reader.load = recording
-    return loaded
-
-
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
     cache = tmp_path / "c"
@@ -326,7 +315,7 @@ def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
     state = ref.state_dict()
     it.close()
     ds = _open(source, cache, shuffle=shuffle)
-    loaded = _chunks_loaded(ds)
+    loaded = record_loads(ds)
     list(_resumed(ds, state, 1))
     start, want, skipped = 0, [], []
     for w in windows:
@@ -360,7 +349,7 @@ def test_elastic_resume_reads_only_windows_with_rows_left(source, tmp_path):
     assert done
     for r in range(3):
         ds = _open(source, cache, 3, r)
-        loaded = _chunks_loaded(ds)
+        loaded = record_loads(ds)
         list(_resumed(ds, state, 0))
         assert loaded and set(loaded) <= left  # never a chunk whose rows were all taken
 
@@ -536,7 +525,7 @@ def test_stateful_dataloader_round_trip(source, tmp_path, caplog):
         state = json.loads(json.dumps(loader.state_dict()))  # the loader's state holds ours
         assert state["dataset_state"]["runs"] == [[1, 21]] and state["dataset_state"]["epoch"] == 1
         ds2 = _open(source, cache)
-        loaded = _chunks_loaded(ds2)
+        loaded = record_loads(ds2)
         loader2 = StatefulDataLoader(ds2, batch_size=None, num_workers=0)
         loader2.load_state_dict(state)
         with caplog.at_level("WARNING"):
