@@ -28,7 +28,7 @@ import gpuload
 from gpuload.synth import clicklog_columns, write_clicklog
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_cpu import machine, mib, replace_section  # noqa: E402  (the CPU benchmark's helpers)
+from bench_cpu import machine, mib, report  # noqa: E402  (the CPU benchmark's helpers)
 
 
 NOTE = ('On this 2-core VM a cluster has nothing to add: the serial build already keeps both cores busy, and '
@@ -122,12 +122,7 @@ def main(argv=None) -> None:
             "runtime": f"{time.perf_counter() - t_start:.0f} s; load average {load0:.2f} at start, "
                        f"{os.getloadavg()[0]:.2f} at end",
         }
-        print(table)
-        print("\n".join(f"{k}: {v}" for k, v in info.items()))
-        if args.out:
-            section = (f"## Cache builds\n\n{table}\n\n{NOTE}\n\n"
-                       + "".join(f"* **{k}**: {v}\n" for k, v in info.items()) + "\n")
-            replace_section(args.out, "## Cache builds", section)
+        report(table, info, args.out, "## Cache builds", NOTE)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -284,6 +284,15 @@ def write_section(path: pathlib.Path, table: str, info: dict, repeat: int) -> No
     path.write_text((head if sep else text + "\n") + section + tail.lstrip("\n"))
 
 
+def report(table: str, info: dict, out: pathlib.Path | None, heading: str, note: str = "") -> None:
+    """Print the table and its details; with ``out``, make them the ``heading`` section of that file."""
+    print(table)
+    print("\n".join(f"{k}: {v}" for k, v in info.items()))
+    if out:
+        replace_section(out, heading, f"{heading}\n\n{table}\n\n" + (f"{note}\n\n" if note else "")
+                        + "".join(f"* **{k}**: {v}\n" for k, v in info.items()) + "\n")
+
+
 def replace_section(path: pathlib.Path, heading: str, section: str) -> None:
     """Replace the ``heading`` section of ``path`` (up to the next '## '), or append it."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"

@@ -34,7 +34,7 @@ import gpuload
 from gpuload.synth import clicklog_columns, write_clicklog
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_cpu import consume, machine, mib, replace_section  # noqa: E402  (the CPU benchmark's helpers)
+from bench_cpu import consume, machine, mib, report  # noqa: E402  (the CPU benchmark's helpers)
 
 
 NOTE = ("A restore costs about what starting an epoch costs (open the dataset, load one shuffle window, cut a"
@@ -170,12 +170,7 @@ def main(argv=None) -> None:
                        f"{os.getloadavg()[0]:.2f} at end",
         }
         table = "\n".join(lines)
-        print(table)
-        print("\n".join(f"{k}: {v}" for k, v in info.items()))
-        if args.out:
-            section = (f"## Resume\n\n{table}\n\nMedian of {args.repeat} passes. {NOTE}\n\n"
-                       + "".join(f"* **{k}**: {v}\n" for k, v in info.items()) + "\n")
-            replace_section(args.out, "## Resume", section)
+        report(table, info, args.out, "## Resume", f"Median of {args.repeat} passes. {NOTE}")
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
