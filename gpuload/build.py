@@ -48,12 +48,13 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
                 num_threads: int = 2, max_cache_bytes: int | None = None,
                 progress: Callable[[int], None] | bool | None = None, device="cpu", decode: str = "auto",
                 filesystem=None, storage_options: dict | None = None, remote=None, client=None, nodes=None,
-                seed: int = 0) -> CacheSummary:
+                seed: int = 0, layout: str = "rows", shuffle=True, block_rows: int = 256) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
-    Takes the same ``columns``, ``fill_nulls``, ``dtypes`` and ``chunk_bytes`` as
-    :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
-    cached). ``progress(n)`` is called with each finished chunk's row count
+    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``chunk_bytes`` and ``layout``
+    as :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
+    cached); ``shuffle="block"`` (with ``block_rows``) builds the row-permuted chunks that
+    block shuffling reads, any other ``shuffle`` the plain ones. ``progress(n)`` is called with each finished chunk's row count
     (``progress=True``: a progress bar, a widget in Jupyter where ipywidgets is installed,
     text elsewhere). Safe to
     run from several processes at once: each chunk is built once. ``device`` (default
@@ -73,8 +74,10 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     """
     if nodes is not None and client is None:
         raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
+    _, block = Options.shuffle_mode(shuffle, block_rows)
     opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
-                   max_cache_bytes=max_cache_bytes, device=str(device), decode=decode)
+                   max_cache_bytes=max_cache_bytes, device=str(device), decode=decode, layout=layout,
+                   block_rows=block)
     # with a cluster this process only lists the source: the workers decode, on their own devices
     ctx, gpu_decode = open_device(resolve_device("cpu" if client is not None else device), opts)
     reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
@@ -91,7 +94,8 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
                             "filesystem": filesystem, "storage_options": storage_options, "remote": remote,
                             "options": {"cache_dir": cache_dir, "chunk_bytes": chunk_bytes,
                                         "num_threads": num_threads, "max_cache_bytes": max_cache_bytes,
-                                        "device": str(device), "decode": decode}})
+                                        "device": str(device), "decode": decode, "layout": layout,
+                                        "block_rows": block}})
     finally:
         if bar is not None:
             bar.close()

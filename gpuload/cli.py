@@ -176,7 +176,9 @@ def cmd_build(args) -> int:
                                   num_threads=args.threads,
                                   max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
                                   progress=progress, storage_options=_storage(args.storage_options),
-                                  device=args.device, client=client, nodes=args.nodes, seed=args.seed)
+                                  device=args.device, client=client, nodes=args.nodes, seed=args.seed,
+                                  layout=args.layout, shuffle="block" if args.block_rows else True,
+                                  block_rows=args.block_rows or 256)
         finally:
             bar.close()
     print(summary)
@@ -274,7 +276,8 @@ def _node_shares(args) -> None:
 
     if args.nodes is None or args.nodes < 1:
         raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
-    opts = Options(cache_dir=args.cache_dir, chunk_bytes=int(args.chunk_mib * 2**20), device="cpu")
+    opts = Options(cache_dir=args.cache_dir, chunk_bytes=int(args.chunk_mib * 2**20), device="cpu",
+                   layout=args.layout, block_rows=args.block_rows)
     reader = ChunkReader(args.source, opts, _columns(args.columns), _fill(args.fill_nulls), _dtypes(args.dtypes),
                          storage_options=_storage(args.storage_options))
     try:
@@ -391,6 +394,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--fill-nulls", help="a number, or a JSON object {\"column\": value}")
     b.add_argument("--dtypes", help="a JSON object {\"output\": \"float16\"} (numpy or torch dtype names)")
     b.add_argument("--chunk-mib", type=float, default=64, help="chunk size bound in MiB (default 64)")
+    b.add_argument("--layout", choices=["rows", "columns"], default="rows",
+                   help="the training's layout= (default rows)")
+    b.add_argument("--block-rows", type=int, help="build for shuffle='block' with this block_rows (chunks "
+                   "stored with their rows permuted); default: for the other shuffle modes")
     b.add_argument("--threads", type=int, default=2, help="decode threads (default 2)")
     b.add_argument("--max-gib", type=float, help="cache budget in GiB (default unbounded)")
     b.add_argument("--device", default="cpu", help="cpu, cuda or auto: where to decode (default cpu)")
@@ -415,6 +422,9 @@ def parser() -> argparse.ArgumentParser:
             a.add_argument("--fill-nulls", help="as the cache was built with")
             a.add_argument("--dtypes", help="as the cache was built with")
             a.add_argument("--chunk-mib", type=float, default=64, help="as the cache was built with (default 64)")
+            a.add_argument("--layout", choices=["rows", "columns"], default="rows",
+                           help="as the cache was built with (default rows)")
+            a.add_argument("--block-rows", type=int, help="as the cache was built with (shuffle='block')")
             a.add_argument("--storage-options", help="a JSON object for the URL's fsspec filesystem")
         if name == "verify":
             a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")

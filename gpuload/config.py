@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .cache import default_cache_dir
 from .errors import ConfigError
 
@@ -44,6 +46,18 @@ class Options:
     max_device_bytes: int | None = None
     kvikio_threads: int = 4
     kvikio_compat: str = "auto"
+    layout: str = "rows"
+    block_rows: int | None = None  # set: block shuffling (``shuffle="block"``), in blocks of this many rows
+
+    @classmethod
+    def shuffle_mode(cls, shuffle, block_rows) -> tuple[bool, int | None]:
+        """``(shuffle, block_rows)`` fields of ``shuffle=`` (True, False or ``"block"``) and
+        ``block_rows=`` as the public API takes them."""
+        if isinstance(shuffle, str) and shuffle == "block":
+            return True, _positive_int("block_rows", block_rows)
+        if isinstance(shuffle, (bool, np.bool_)):
+            return bool(shuffle), None
+        raise ConfigError(f"shuffle={shuffle!r} must be True (rows permuted in windows), 'block' or False")
 
     def __post_init__(self):
         _positive_int("batch_size", self.batch_size)
@@ -64,6 +78,12 @@ class Options:
             raise ConfigError(f"decode={self.decode!r} must be 'auto', 'gpu' or 'cpu'")
         if self.kvikio_compat not in ("auto", "on", "off"):
             raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
+        if self.layout not in ("rows", "columns"):
+            raise ConfigError(f"layout={self.layout!r} must be 'rows' or 'columns'")
+        if self.block_rows is not None:
+            _positive_int("block_rows", self.block_rows)
+            if not self.shuffle:
+                raise ConfigError("block_rows is for shuffle='block'")
         cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
         object.__setattr__(self, "cache_dir", Path(os.fspath(cache)).expanduser())
         if not isinstance(self.device, str):

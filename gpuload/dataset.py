@@ -56,8 +56,17 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         dict ``{output: column}`` / ``{output: [columns]}``; a list of same-kind scalar
         columns is stacked into one ``[rows, k]`` tensor.
     batch_size : rows per batch (default 65536).
-    shuffle : permute chunk order and rows within a window of chunks, differently each
-        epoch (default True). Without it rows come in file order.
+    shuffle : ``True`` (default): permute the chunk order and the rows within each window of
+        chunks, differently each epoch. ``"block"``: the same, but permute blocks of
+        ``block_rows`` consecutive rows within a window instead of single rows (each chunk's
+        rows are permuted once when it is cached, so a block is a random sample of its
+        chunk, and the chunk files differ from the other modes'); far cheaper gathers, less
+        randomness: docs/benchmarks.md measures both. ``False``: rows in file order.
+    block_rows : rows per block with ``shuffle="block"`` (default 256).
+    layout : how the cache stores outputs (default ``"rows"``: single-column scalar outputs
+        of one dtype as one row-major block, gathered a row at a time; ``"columns"``: an array
+        per output). Batches hold the same contiguous tensors either way; see
+        :mod:`gpuload.layout`. Each layout has its own cache files.
     seed : shuffle seed (default 0); with the epoch it fixes the order completely.
     drop_last : drop the tail that does not fill a batch on every rank (default False:
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).
@@ -115,21 +124,22 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     :class:`gpuload.Ragged` of tensors for list columns.
     """
 
-    def __init__(self, source, columns=None, *, batch_size: int = 65536, shuffle: bool = True, seed: int = 0,
+    def __init__(self, source, columns=None, *, batch_size: int = 65536, shuffle=True, seed: int = 0,
                  drop_last: bool = False, cache_dir=None, device="auto", rank: int | None = None,
                  world_size: int | None = None, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
                  shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
                  max_cache_bytes: int | None = None, verify_checksums: bool | str = True, decode: str = "auto",
                  max_device_bytes: int | None = None, kvikio_threads: int = 4, kvikio_compat: str = "auto",
                  filesystem=None, storage_options: dict | None = None, remote=None, shard: str = "global",
-                 local_world_size: int | None = None):
+                 local_world_size: int | None = None, block_rows: int = 256, layout: str = "rows"):
         super().__init__()
-        self.options = Options(batch_size=batch_size, shuffle=bool(shuffle), seed=seed, drop_last=bool(drop_last),
+        shuffle, block = Options.shuffle_mode(shuffle, block_rows)
+        self.options = Options(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=bool(drop_last),
                                cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,
                                shuffle_window=shuffle_window, prefetch=prefetch, num_threads=num_threads,
                                max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums, decode=decode,
                                max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
-                               kvikio_compat=kvikio_compat)
+                               kvikio_compat=kvikio_compat, layout=layout, block_rows=block)
         self.rank, self.world_size = resolve_ranks(rank, world_size)
         if shard not in ("global", "node"):
             raise ConfigError(f"shard={shard!r} must be 'global' or 'node'")
@@ -152,7 +162,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
             raise ConfigError(
                 f"max_device_bytes={o.max_device_bytes}: these settings may hold up to {self.device_bytes_bound} "
-                f"bytes of device memory ((2 x shuffle_window + prefetch + 1) chunks of up to "
+                f"bytes of device memory ((3 x shuffle_window + prefetch + 1) chunks of up to "
                 f"{self.reader.max_chunk_bytes()} bytes, plus queued batches); lower chunk_bytes, shuffle_window "
                 "or prefetch")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
@@ -176,15 +186,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def device_bytes_bound(self) -> int:
         """Upper bound of the device memory the loader holds at once, in bytes (GPU path).
 
-        A window's chunks and its concatenation (2 x ``shuffle_window`` chunks), the
-        chunks loaded ahead (``prefetch``) and one being decoded, plus the batches
+        The window being cut (``shuffle_window`` chunks), the next one's chunks and their
+        concatenation (2 x ``shuffle_window``), the chunks loaded ahead (``prefetch``) and
+        one being decoded, plus the batches
         queued for the consumer and being cut (``prefetch + 4``, with 16 bytes per row
         for the gather's index arrays). Independent of the dataset's size.
         """
         o, r = self.options, self.reader
         chunk = r.max_chunk_bytes()
         row = chunk / max(1, max((c.rows for c in r.chunks), default=1))
-        return int((2 * o.shuffle_window + o.prefetch + 1) * chunk + (o.prefetch + 4) * o.batch_size * (row + 16))
+        return int((3 * o.shuffle_window + o.prefetch + 1) * chunk + (o.prefetch + 4) * o.batch_size * (row + 16))
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (call before each epoch).
@@ -311,9 +322,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def _iterate(self) -> Iterator[dict]:
         if self._ctx is not None:  # batches are guarded for the stream current now, on the training thread
             self._ctx.consumer = torch.cuda.current_stream(self.device)
-            handoff = DlpackHandoff(self._ctx, self._views)
+            handoff = DlpackHandoff(self._ctx, self._views, self.reader.layout)
         else:
-            handoff = HostHandoff(self._views)
+            handoff = HostHandoff(self._views, self.reader.layout, self.reader.batch_pool.array)
         pos = self._begin()
         taken = pos.runs[-1]
         producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2)
@@ -372,7 +383,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         o, r = self.options, self.reader
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
                                 outputs={s.name: list(s.columns) for s in r.specs}, seed=o.seed, shuffle=o.shuffle,
-                                batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window)
+                                batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
+                                block_rows=o.block_rows)
 
     def stats(self) -> Stats:
         """What the loader and the training loop did so far: a :class:`gpuload.Stats`.
@@ -458,14 +470,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if o.shuffle:
             def permutation(i: int, n: int):
                 q, w, spans = takes[i]
-                perm = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch,
-                                               rank=q, window=w)
+                key = dict(fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch, rank=q, window=w)
+                perm = plan.window_permutation(n, **key) if o.block_rows is None else \
+                    plan.block_permutation(n, o.block_rows, **key)
                 perm = perm[spans[0][0]:spans[0][1]] if len(spans) == 1 else np.concatenate(
                     [perm[lo:hi] for lo, hi in spans])
                 return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
         remote = r.has_remote
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
+                                 batch_alloc=r.batch_pool.array if ctx is None else None,
                                  enter=None if ctx is None else ctx.active, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 

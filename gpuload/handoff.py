@@ -80,13 +80,20 @@ def _map(cols: dict, fn, views: dict | None = None) -> dict:
 class HostHandoff:
     """Host column set -> CPU tensors sharing its memory.
 
-    ``views``: ``{output: torch dtype}`` to reinterpret (default none; see :func:`_map`).
+    ``views``: ``{output: torch dtype}`` to reinterpret (default none; see :func:`_map`);
+    ``layout``: the :class:`gpuload.layout.Layout` whose stored column sets come in
+    (default None: they hold the outputs already); ``alloc(shape, dtype)``: where it
+    unpacks blocks (default: new arrays).
     """
 
-    def __init__(self, views: dict | None = None):
+    def __init__(self, views: dict | None = None, layout=None, alloc=None):
         self.views = views or {}
+        self.layout = layout
+        self.alloc = alloc
 
     def __call__(self, cols: dict) -> dict:
+        if self.layout is not None:
+            cols = self.layout.unpack(cols, self.alloc)
         return _map(cols, _tensor, self.views)
 
     def receive(self, batch: dict) -> dict:
@@ -97,14 +104,18 @@ class HostHandoff:
 class DlpackHandoff:
     """Device column set (CuPy) -> CUDA tensors through DLPack, with a ready event.
 
-    Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`).
+    Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`);
+    ``views`` and ``layout`` as for :class:`HostHandoff`.
     """
 
-    def __init__(self, ctx, views: dict | None = None):
+    def __init__(self, ctx, views: dict | None = None, layout=None):
         self.ctx = ctx
         self.views = views or {}
+        self.layout = layout
 
     def __call__(self, cols: dict):
+        if self.layout is not None:  # kernels on the loader's stream (CuPy's current one), before the event
+            cols = self.layout.unpack(cols)
         out = _map(cols, torch.from_dlpack, self.views)  # CuPy's current stream is the loader's: no extra ordering
         event = torch.cuda.Event()
         event.record(self.ctx.stream)

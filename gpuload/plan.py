@@ -15,7 +15,9 @@ How an epoch is laid out
    with the seed and the epoch, and each rank reads only about ``N / world_size`` rows.
 4. A rank groups its chunk pieces into windows of ``shuffle_window`` chunks and
    permutes the rows of each window (seeded by the above plus ``rank`` and the
-   window's index). Batches are cut across window boundaries.
+   window's index). Batches are cut across window boundaries. Block shuffling
+   (``shuffle="block"``) permutes blocks of ``block_rows`` consecutive rows instead
+   (:func:`block_permutation`); those rows were permuted once when the chunk was cached.
 
 How the tail is balanced
 ------------------------
@@ -61,6 +63,7 @@ equal batch counts). :mod:`gpuload.resume` holds that plan and the state's forma
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -296,6 +299,39 @@ def windows(segments: Sequence[Segment], size: int) -> list[list[Segment]]:
 def window_permutation(n: int, *, fingerprint: int, seed: int, epoch: int, rank: int, window: int) -> np.ndarray:
     """Row permutation of window number ``window`` of ``rank`` (int64, length ``n``)."""
     return _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64)
+
+
+def block_permutation(n: int, block_rows: int, *, fingerprint: int, seed: int, epoch: int, rank: int,
+                      window: int) -> np.ndarray:
+    """Row permutation of a window of ``n`` rows in block-shuffle mode (int64, length ``n``).
+
+    The window's rows are cut into blocks of ``block_rows`` consecutive rows (the last one
+    may be shorter), the blocks are permuted (seeded as :func:`window_permutation`) and
+    each block keeps its rows in order: a gather becomes ``ceil(n / block_rows)`` short
+    copies. The rows inside a block were permuted once when the chunk was cached
+    (:func:`chunk_row_permutation`), so a block is a random sample of its chunk.
+    """
+    nb = -(-n // block_rows)
+    if nb == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(nb)
+    starts = order * block_rows
+    lengths = np.minimum(starts + block_rows, n) - starts
+    out = np.ones(n, dtype=np.int64)  # steps: +1 inside a block, a jump at each block's start
+    heads = np.zeros(nb, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=heads[1:])
+    out[heads[0]] = starts[0]
+    out[heads[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(out, out=out)
+
+
+def chunk_row_permutation(rows: int, identity: str) -> np.ndarray:
+    """The permutation applied once to a chunk's rows when it is cached for block shuffling
+    (int64, length ``rows``): a pure function of the chunk's identity ``identity`` (its
+    source file's path, size, version and row groups: what its cache key holds), so a chunk
+    file is the same whoever builds it, and any seed can use it."""
+    key = int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "little")
+    return _rng(key, 3).permutation(rows).astype(np.int64)
 
 
 def node_chunks(chunk_rows: Sequence[int], nodes: int, *, fingerprint: int, seed: int) -> list[np.ndarray]:

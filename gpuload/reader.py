@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
+from .batch import Ragged, _xp, take
 from .cache import ChunkCache, ChunkKey
 from .cachefile import spec_hash
 from .checks import check_casts, check_consistent, check_nulls
@@ -23,7 +26,8 @@ from .errors import SourceError
 from .fetch import Fetcher, Job, RemoteSettings, RemoteStats
 from .ranges import RangeFile, column_ranges
 from .memory import HostPool
-from .plan import Chunk, make_chunks
+from .layout import Layout
+from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
 from .source import SourceFile, common_columns, fingerprint, list_files, open_files, row_group_sizes
 
@@ -94,14 +98,18 @@ class ChunkReader:
         self.specs: list[OutputSpec] = resolve_outputs(schema, columns, fill_nulls, dtypes, file=first.path)
         check_consistent(self.files, self.specs)
         check_casts(self.files, self.specs)
-        self.spec_desc = spec_description(self.specs)
+        self.spec_desc = spec_description(self.specs, opts.layout, permuted=opts.block_rows is not None)
+        self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
         self.chunks: list[Chunk] = make_chunks([row_group_sizes(f, self.specs) for f in self.files],
                                                opts.chunk_bytes)
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
-        self.pool = HostPool(max_buffers=4 * len(self.specs) + 4)  # shuffle windows: 2 per output
+        stored = len(self._outputs) + sum(1 for s in self.specs if s.kind == "ragged")  # arrays per chunk
+        self.pool = HostPool(max_buffers=4 * stored + 4)  # shuffle windows: 2 per stored array
+        # batches gathered or joined, and blocks unpacked: those queued, held by the consumer and being cut
+        self.batch_pool = HostPool(max_buffers=(opts.prefetch + 6) * (stored + len(self.layout.blocks)))
         cpu = decoder or ArrowDecoder(metrics, fetch=self.fetch)
         if ctx is not None and gpu_decode:
             from .decode import GpuDecoder
@@ -136,12 +144,8 @@ class ChunkReader:
         """
         c = self.chunks[i]
         f = self.files[c.file]
-
-        def build():
-            return self.decode(f, c, self.specs)
-
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
-        cols, cached = self.cache.load(self.key(i), build, shared=not self.opts.shuffle)
+        cols, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=not self.opts.shuffle)
         self.counters.add(cached)
         if cached and f.remote:  # cached meanwhile (another rank or process): its fetch started ahead is not needed
             self._drop_ahead((c.file, c.rg_start, c.rg_stop))
@@ -158,11 +162,22 @@ class ChunkReader:
         if self.is_cached(i):
             self.counters.add(True)
             return False
-        c = self.chunks[i]
-        f = self.files[c.file]
-        _, cached = self.cache.load(self.key(i), lambda: self.decode(f, c, self.specs), shared=False)
+        _, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=False)
         self.counters.add(cached)
         return not cached
+
+    def _convert(self, i: int) -> dict:
+        """Stored column set of chunk ``i``, decoded from its source: its outputs packed into
+        the layout's blocks, and for block shuffling its rows permuted (once, here)."""
+        c = self.chunks[i]
+        f = self.files[c.file]
+        cols = self.layout.pack(self.decode(f, c, self.specs))
+        if self.opts.block_rows is not None:
+            perm = chunk_row_permutation(c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}")
+            first = next(iter(cols.values()))
+            xp = _xp(first.values if isinstance(first, Ragged) else first)
+            cols = take(cols, perm if xp is np else xp.asarray(perm))
+        return cols
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""

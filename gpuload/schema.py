@@ -31,6 +31,7 @@ torch as ``torch.bfloat16``, converted once when the cache is built.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -38,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from .errors import ConfigError, SchemaError
+from .layout import stored_outputs
 
 __all__ = ["OutputSpec", "ValueType", "value_type", "resolve_outputs", "spec_description", "desc_outputs",
            "storage_dtype", "parse_dtype", "BFLOAT16"]
@@ -282,12 +284,37 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     return specs
 
 
-def spec_description(specs: Sequence[OutputSpec]) -> list[dict]:
-    """A JSON-able description of ``specs``: what the cache key hashes and chunk headers carry."""
-    return [{"name": s.name, "columns": list(s.columns), "kind": s.kind, "dtype": s.dtype, "width": s.width,
+def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permuted: bool = False) -> list[dict]:
+    """A JSON-able description of ``specs`` stored in ``layout`` (see :mod:`gpuload.layout`):
+    what the cache key hashes and chunk headers carry.
+
+    With ``layout="rows"``, every single-column scalar output whose storage dtype it shares
+    with another one gets ``"block": "#<dtype>"``; ``permuted`` (block shuffling) marks
+    every entry ``"rows": "permuted"``: chunk files whose rows were permuted once when
+    they were built. Neither is written otherwise, so caches of plain column files keep
+    their key.
+    """
+    desc = [{"name": s.name, "columns": list(s.columns), "kind": s.kind, "dtype": s.dtype, "width": s.width,
              "sources": [[v.dtype, v.temporal] for v in s.sources], "fills": list(s.fills)} for s in specs]
+    if layout == "rows":
+        bad = [s.name for s in specs if s.name.startswith("#")]
+        if bad:
+            raise ConfigError(f"output {bad[0]!r}: names starting with '#' are reserved by layout='rows'; "
+                              "rename the output")
+        share = Counter(storage_dtype(s.dtype).str for s in specs if s.kind == SCALAR)
+        for d, s in zip(desc, specs):
+            dt = storage_dtype(s.dtype).str
+            if s.kind == SCALAR and share[dt] > 1:
+                d["block"] = "#" + dt
+    elif layout != "columns":
+        raise ConfigError(f"layout={layout!r} must be 'rows' or 'columns'")
+    if permuted:
+        for d in desc:
+            d["rows"] = "permuted"
+    return desc
 
 
 def desc_outputs(desc: list) -> tuple:
-    """``(name, kind, storage dtype str, width)`` per output of a :func:`spec_description`."""
-    return tuple((d["name"], d["kind"], storage_dtype(d["dtype"]).str, int(d["width"])) for d in desc)
+    """``(name, kind, storage dtype str, width)`` per stored array of a :func:`spec_description`
+    (an output, or a block of outputs: :func:`gpuload.layout.stored_outputs`)."""
+    return stored_outputs(desc, storage_dtype)

@@ -27,8 +27,11 @@ from gpuload.synth import clicklog_columns, write_clicklog
 from conftest import wait_no_threads as _wait_no_threads
 
 DENSE, SPARSE = 4, 3
-CLICK_COLUMNS = {**clicklog_columns(DENSE, SPARSE), "row_id": "row_id"}
-MIXED_COLUMNS = {"row_id": "row_id", "x": "x", "g": ["g1", "g2"], "h": "h"}
+# single-column outputs of one dtype share a row-major block in the default layout (row_id and
+# cat_0; dense_0 and dense_1; g1 and g2), beside stacked groups and lists
+CLICK_COLUMNS = {**clicklog_columns(DENSE, SPARSE), "row_id": "row_id", "cat_0": "cat_0", "dense_0": "dense_0",
+                 "dense_1": "dense_1"}
+MIXED_COLUMNS = {"row_id": "row_id", "x": "x", "g": ["g1", "g2"], "h": "h", "g1": "g1", "g2": "g2"}
 CHUNK_BYTES = 64 << 10
 
 
@@ -73,6 +76,7 @@ class Reference:
             got = batch[name]
             if kind == "dense":
                 assert isinstance(got, torch.Tensor) and got.device.type == "cpu", name
+                assert got.is_contiguous(), name  # in both layouts
                 g = _np(got)
                 assert g.dtype == want.dtype, (name, g.dtype, want.dtype)
                 assert g.shape == (len(ids),) + want.shape[1:], name
@@ -100,6 +104,8 @@ class Data:
         kw.setdefault("batch_size", 997)
         kw.setdefault("chunk_bytes", CHUNK_BYTES)
         kw.setdefault("device", "cpu")
+        if kw.get("shuffle") == "block":
+            kw.setdefault("block_rows", 64)  # chunks hold ~1000 rows here: many blocks per window
         return gpuload.ParquetDataset(self.source, self.columns, cache_dir=cache, **kw)
 
 
@@ -185,12 +191,16 @@ pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 # exactly once
 # ---------------------------------------------------------------------------------------
 
+LAYOUTS = pytest.mark.parametrize("layout", ["rows", "columns"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("batch_size", [997, 4096])
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_every_row_exactly_once(data, tmp_path, shuffle, batch_size, drop_last):
+@pytest.mark.parametrize("shuffle", [True, False, "block"])
+def test_every_row_exactly_once(data, tmp_path, shuffle, batch_size, drop_last, layout):
     ref = data.ref
-    ds = data.open(tmp_path / "cache", batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
+    ds = data.open(tmp_path / "cache", batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, layout=layout)
     assert ds.num_rows == ref.n
     for epoch in (0, 1):  # cold, then warm
         ds.set_epoch(epoch)
@@ -220,15 +230,17 @@ def test_empty_files_contribute_no_chunks(mixed, tmp_path):
     assert sum(c.rows for c in ds.reader.chunks) == mixed.ref.n
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
+@LAYOUTS
+@pytest.mark.parametrize("shuffle", [True, False, "block"])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3, 7])
-def test_ranks_partition_the_epoch(click, tmp_path, world, drop_last, shuffle):
+def test_ranks_partition_the_epoch(click, tmp_path, world, drop_last, shuffle, layout):
     ref = click.ref
     cache = tmp_path / "cache"
     per_rank, lens = [], []
     for rank in range(world):
-        ds = click.open(cache, rank=rank, world_size=world, drop_last=drop_last, shuffle=shuffle, seed=9)
+        ds = click.open(cache, rank=rank, world_size=world, drop_last=drop_last, shuffle=shuffle, seed=9,
+                        layout=layout)
         ds.set_epoch(2)
         batches = _epoch(ds)
         assert len(batches) == len(ds)
@@ -278,9 +290,11 @@ def test_uneven_tail_across_ranks(mixed, tmp_path):
 # determinism
 # ---------------------------------------------------------------------------------------
 
+@LAYOUTS
+@pytest.mark.parametrize("shuffle", [True, "block"])
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
-def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, world, rank):
-    kw = dict(seed=11, rank=rank, world_size=world, shuffle_window=3)
+def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, world, rank, shuffle, layout):
+    kw = dict(seed=11, rank=rank, world_size=world, shuffle_window=3, shuffle=shuffle, layout=layout)
     warm = tmp_path / "warm"
     base_ds = click.open(warm, prefetch=2, num_threads=2, **kw)
     base_ds.set_epoch(3)
@@ -301,11 +315,12 @@ def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, wor
     _same_batches(base, _epoch(base_ds))
 
 
-def test_epochs_and_seeds_change_the_order(click, tmp_path):
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_epochs_and_seeds_change_the_order(click, tmp_path, shuffle):
     cache = tmp_path / "cache"
 
     def order(seed, epoch, **kw):
-        ds = click.open(cache, seed=seed, **kw)
+        ds = click.open(cache, seed=seed, shuffle=shuffle, **kw)
         ds.set_epoch(epoch)
         return _ids(_epoch(ds))
 
@@ -323,9 +338,10 @@ def test_epochs_and_seeds_change_the_order(click, tmp_path):
     assert len(np.unique(first // 1000)) > 1
 
 
+@LAYOUTS
 @pytest.mark.parametrize("epoch", [0, 5])
-def test_no_shuffle_gives_file_order(data, tmp_path, epoch):
-    ds = data.open(tmp_path / "cache", shuffle=False, seed=123)
+def test_no_shuffle_gives_file_order(data, tmp_path, epoch, layout):
+    ds = data.open(tmp_path / "cache", shuffle=False, seed=123, layout=layout)
     ds.set_epoch(epoch)
     assert np.array_equal(_ids(_epoch(ds)), np.arange(data.ref.n))
 
@@ -334,9 +350,10 @@ def test_no_shuffle_gives_file_order(data, tmp_path, epoch):
 # exact values
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_values_equal_pyarrow_cold_and_warm(data, tmp_path, shuffle):
-    ds = data.open(tmp_path / "cache", shuffle=shuffle, batch_size=1234)
+@LAYOUTS
+@pytest.mark.parametrize("shuffle", [True, False, "block"])
+def test_values_equal_pyarrow_cold_and_warm(data, tmp_path, shuffle, layout):
+    ds = data.open(tmp_path / "cache", shuffle=shuffle, batch_size=1234, layout=layout)
     for epoch in range(3):
         ds.set_epoch(epoch)
         batches = _epoch(ds)

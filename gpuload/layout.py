@@ -1,0 +1,124 @@
+"""Layout: how a chunk's outputs are stored, and how a batch is turned back into outputs.
+
+Two layouts, chosen with ``layout=`` (default ``"rows"``):
+
+* ``"columns"``: one array per output, as the batch hands them out.
+* ``"rows"``: single-column scalar outputs that share a storage dtype (after
+  ``dtypes=``) are stored together as one row-major ``[rows, k]`` *block*, so a shuffled
+  gather copies each row's bytes from one place (``k * itemsize`` contiguous bytes)
+  instead of ``k`` places, and the batch stage handles a few arrays per batch instead of
+  one per column. Stacked groups, fixed-size lists and list columns are stored as they
+  are in both layouts (they are already one array, or two, per output).
+
+Every stage between the decoder and the hand-off (cache files, windows, gathers,
+slices) works on the *stored* column set. :meth:`Layout.unpack` makes the outputs
+just before the hand-off: a block's batch rows are transposed once into one
+batch-sized buffer (a single copy of ``rows * k`` values), and each of its outputs is a
+contiguous 1-D view of a row of that buffer, so consumers get the same contiguous
+tensors in both layouts. Everything here works unchanged on NumPy and CuPy arrays.
+
+A block is named ``"#" + dtype string`` (e.g. ``"#<f4"``); output names cannot start
+with ``#`` in that layout (see :func:`gpuload.schema.resolve_outputs`). The blocks and
+their members are recorded in the spec description (each member's entry carries
+``"block"``), so they are part of the cache key and of every chunk file's header.
+"""
+
+from __future__ import annotations
+
+from .batch import _xp
+
+__all__ = ["LAYOUTS", "Layout", "block_members", "stored_outputs", "is_block"]
+
+LAYOUTS = ("rows", "columns")
+
+
+def block_members(desc: list) -> dict[str, list[str]]:
+    """``{block name: [member outputs, in spec order]}`` of a spec description."""
+    blocks: dict[str, list[str]] = {}
+    for d in desc:
+        if "block" in d:
+            blocks.setdefault(d["block"], []).append(d["name"])
+    return blocks
+
+
+def stored_outputs(desc: list, storage_dtype) -> tuple:
+    """``(name, kind, storage dtype str, width)`` per *stored* array of a spec description:
+    each output, except that a block replaces its members (at its first member's place)."""
+    out, blocks = [], block_members(desc)
+    for d in desc:
+        b = d.get("block")
+        if b is None:
+            out.append((d["name"], d["kind"], storage_dtype(d["dtype"]).str, int(d["width"])))
+        elif blocks[b][0] == d["name"]:
+            out.append((b, "group", storage_dtype(d["dtype"]).str, len(blocks[b])))
+    return tuple(out)
+
+
+class Layout:
+    """Packs decoded outputs into stored arrays and unpacks batches (see the module doc).
+
+    Parameters
+    ----------
+    desc : the spec description (:func:`gpuload.schema.spec_description`), whose
+        ``"block"`` entries say which outputs share a block.
+    """
+
+    def __init__(self, desc: list):
+        self.outputs = [d["name"] for d in desc]
+        self.blocks = block_members(desc)
+        self._where = {m: (b, j) for b, ms in self.blocks.items() for j, m in enumerate(ms)}
+
+    def pack(self, cols: dict) -> dict:
+        """Stored column set of a chunk's decoded outputs ``cols`` (new block arrays; the
+        other outputs unchanged), in the order of :func:`stored_outputs`."""
+        if not self.blocks:
+            return cols
+        out = {}
+        for name in self.outputs:
+            where = self._where.get(name)
+            if where is None:
+                out[name] = cols[name]
+            elif where[1] == 0:
+                out[where[0]] = _stack([cols[m] for m in self.blocks[where[0]]])
+        return out
+
+    def unpack(self, cols: dict, alloc=None) -> dict:
+        """Output column set of a stored one (a batch, or any rows of a chunk): each block's
+        members become contiguous views of one transposed copy of it (into
+        ``alloc(shape, dtype)`` when given, NumPy only)."""
+        if not self.blocks:
+            return cols
+        rows = {}
+        for b in self.blocks:
+            v = cols[b]
+            if alloc is None or _xp(v).__name__ != "numpy":
+                rows[b] = _xp(v).ascontiguousarray(v.T)
+            else:
+                rows[b] = alloc(v.shape[::-1], v.dtype)
+                rows[b][...] = v.T
+        out = {}
+        for name in self.outputs:
+            where = self._where.get(name)
+            out[name] = cols[name] if where is None else rows[where[0]][where[1]]
+        return out
+
+
+_TILE = 1 << 14  # rows per tile when interleaving columns on the CPU: the tile stays in cache
+
+
+def _stack(columns: list):
+    """``[rows, k]`` C-contiguous array whose column ``j`` is ``columns[j]``."""
+    xp = _xp(columns[0])
+    n = len(columns[0])
+    out = xp.empty((n, len(columns)), dtype=columns[0].dtype)
+    tile = _TILE if xp.__name__ == "numpy" else max(n, 1)  # on a GPU: one strided copy kernel per column
+    for a in range(0, n, tile):  # on the CPU: strided stores a tile at a time, not k passes over the block
+        t = out[a:a + tile]
+        for j, c in enumerate(columns):
+            t[:, j] = c[a:a + tile]
+    return out
+
+
+def is_block(name: str) -> bool:
+    """Whether a stored array's name is a block's (not an output's)."""
+    return name.startswith("#")

@@ -1,0 +1,217 @@
+"""Storage layouts (gpuload.layout) and block shuffling: what is stored, what comes out, which order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import gpuload
+from gpuload import plan
+from gpuload.batch import Ragged
+from gpuload.cachefile import PREFIX
+from gpuload.layout import Layout, stored_outputs
+from gpuload.schema import resolve_outputs, spec_description, storage_dtype
+
+N = 6000
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """Two files of 3000 rows (500-row row groups): ids, two int64 and two float32 columns, a list."""
+    d = tmp_path_factory.mktemp("layout")
+    rng = np.random.default_rng(5)
+    for f in range(2):
+        ids = np.arange(f * 3000, (f + 1) * 3000, dtype=np.int64)
+        lengths = rng.integers(0, 4, 3000)
+        off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        t = pa.table({"id": ids, "a": ids * 7, "x": rng.random(3000).astype(np.float32),
+                      "y": rng.random(3000).astype(np.float32), "lab": (ids % 2).astype(np.int8),
+                      "h": pa.ListArray.from_arrays(pa.array(off), pa.array(rng.integers(0, 99, int(off[-1]))))})
+        pq.write_table(t, d / f"part-{f}.parquet", row_group_size=500)
+    return d
+
+
+COLUMNS = {"id": "id", "a": "a", "x": "x", "y": "y", "lab": "lab", "xy": ["x", "y"], "h": "h"}
+
+
+def _open(source, cache, **kw):
+    kw.setdefault("batch_size", 256)
+    kw.setdefault("chunk_bytes", 32 << 10)
+    return gpuload.ParquetDataset(source, COLUMNS, cache_dir=cache, device="cpu", **kw)
+
+
+def _specs(source):
+    return resolve_outputs(pq.read_schema(next(source.glob("*.parquet"))), COLUMNS, None, None)
+
+
+def _all(ds) -> dict:
+    out: dict = {}
+    for b in ds:
+        for k, v in b.items():
+            out.setdefault(k, []).append(v)
+    return out
+
+
+def _ids(ds) -> np.ndarray:
+    return np.concatenate([b["id"].numpy() for b in ds])
+
+
+# -- the layout itself ---------------------------------------------------------------------------
+def test_rows_layout_blocks_scalars_sharing_a_dtype(source):
+    desc = spec_description(_specs(source), "rows")
+    assert {d["name"]: d.get("block") for d in desc} == {"id": "#<i8", "a": "#<i8", "x": "#<f4", "y": "#<f4",
+                                                          "lab": None, "xy": None, "h": None}
+    assert [s[0] for s in stored_outputs(desc, storage_dtype)] == ["#<i8", "#<f4", "lab", "xy", "h"]
+    assert stored_outputs(desc, storage_dtype)[0] == ("#<i8", "group", "<i8", 2)
+    # the columns layout describes the outputs exactly as before layouts existed: old caches keep their key
+    plain = spec_description(_specs(source), "columns")
+    assert all(set(d) == {"name", "columns", "kind", "dtype", "width", "sources", "fills"} for d in plain)
+    assert [s[0] for s in stored_outputs(plain, storage_dtype)] == list(COLUMNS)
+
+
+def test_pack_and_unpack_round_trip_into_contiguous_outputs(source):
+    layout = Layout(spec_description(_specs(source), "rows"))
+    rng = np.random.default_rng(0)
+    n = 1000
+    cols = {"id": np.arange(n), "a": np.arange(n) * 7, "x": rng.random(n, np.float32),
+            "y": rng.random(n, np.float32), "lab": np.zeros(n, np.int8), "xy": rng.random((n, 2), np.float32),
+            "h": Ragged(np.arange(3), np.array([0] * (n - 2) + [1, 2, 3]))}
+    stored = layout.pack(cols)
+    assert list(stored) == ["#<i8", "#<f4", "lab", "xy", "h"]
+    assert stored["#<i8"].shape == (n, 2) and stored["#<i8"].flags.c_contiguous
+    np.testing.assert_array_equal(stored["#<i8"][:, 1], cols["a"])
+    for alloc in (None, lambda shape, dtype: np.empty(shape, dtype)):
+        back = layout.unpack({k: v[10:20] if not isinstance(v, Ragged) else v for k, v in stored.items()}, alloc)
+        assert list(back) == list(cols)
+        for k in ("id", "a", "x", "y"):
+            assert back[k].flags.c_contiguous and back[k].dtype == cols[k].dtype
+            np.testing.assert_array_equal(back[k], cols[k][10:20])
+
+
+def test_hash_names_are_reserved_in_the_rows_layout(tmp_path):
+    pq.write_table(pa.table({"a": [1, 2], "b": [3, 4]}), tmp_path / "t.parquet")
+    with pytest.raises(gpuload.ConfigError, match="'#a'.*reserved"):
+        gpuload.ParquetDataset(tmp_path / "t.parquet", {"#a": "a", "b": "b"}, cache_dir=tmp_path / "c",
+                               device="cpu")
+    ds = gpuload.ParquetDataset(tmp_path / "t.parquet", {"#a": "a", "b": "b"}, cache_dir=tmp_path / "c",
+                                device="cpu", layout="columns", shuffle=False)
+    assert next(iter(ds))["#a"].tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("bad", [dict(layout="diagonal"), dict(shuffle="blocks"), dict(shuffle="block", block_rows=0),
+                                 dict(shuffle=2)])
+def test_bad_layout_and_shuffle_settings_are_refused(source, tmp_path, bad):
+    with pytest.raises(gpuload.ConfigError, match="layout|shuffle|block_rows"):
+        _open(source, tmp_path / "c", **bad)
+
+
+def _header(path) -> dict:
+    raw = path.read_bytes()
+    _, _, hlen, _ = PREFIX.unpack(raw[:PREFIX.size])
+    return json.loads(raw[PREFIX.size:PREFIX.size + hlen])
+
+
+def test_chunk_files_store_blocks_and_each_layout_has_its_own(source, tmp_path):
+    cache = tmp_path / "c"
+    got = {}
+    for layout in ("rows", "columns"):
+        ds = _open(source, cache, layout=layout, shuffle=False)
+        got[layout] = _all(ds)
+        ds.reader.cache.flush()
+        assert ds.reader.counters.decoded == len(ds.reader.chunks)  # no file of the other layout is served
+    files = sorted(cache.rglob("*.glc"))
+    regions = [{r["output"]: r["shape"] for r in _header(f)["regions"]} for f in files]
+    rows = [r for r in regions if "#<i8" in r]
+    assert len(rows) == len(files) // 2
+    assert all(r["#<i8"][1] == 2 and r["#<f4"][1] == 2 and "id" not in r for r in rows)
+    for k in COLUMNS:  # identical batches in both layouts
+        for a, b in zip(got["rows"][k], got["columns"][k]):
+            if isinstance(a, Ragged):
+                assert torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
+            else:
+                assert torch.equal(a, b) and a.is_contiguous()
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_same_order_in_both_layouts(source, tmp_path, shuffle):
+    orders = []
+    for layout in ("rows", "columns"):
+        ds = _open(source, tmp_path / layout, layout=layout, shuffle=shuffle, block_rows=32, seed=4)
+        ds.set_epoch(2)
+        orders.append(_ids(ds))
+    assert np.array_equal(*orders)
+    assert np.array_equal(np.sort(orders[0]), np.arange(N))
+
+
+# -- block shuffling -----------------------------------------------------------------------------
+@pytest.mark.parametrize("n,b", [(0, 4), (1, 4), (10, 3), (12, 3), (1000, 64), (63, 64)])
+def test_block_permutation_moves_whole_blocks(n, b):
+    key = dict(fingerprint=9, seed=1, epoch=2, rank=0, window=3)
+    p = plan.block_permutation(n, b, **key)
+    assert np.array_equal(np.sort(p), np.arange(n))
+    assert np.array_equal(p, plan.block_permutation(n, b, **key))  # a pure function
+    pos = 0
+    while pos < n:  # block after block: each starts at a multiple of b and keeps its rows in order
+        start = p[pos]
+        length = min(b, n - start)
+        assert start % b == 0 and np.array_equal(p[pos:pos + length], np.arange(start, start + length))
+        pos += length
+    if n >= 10 * b:
+        assert not np.array_equal(p, plan.block_permutation(n, b, **{**key, "epoch": 3}))
+
+
+def test_block_shuffle_reads_permuted_chunks_in_blocks(source, tmp_path):
+    ds = _open(source, tmp_path / "c", shuffle="block", block_rows=32, shuffle_window=2)
+    ds.set_epoch(1)
+    ids = _ids(ds)
+    assert np.array_equal(np.sort(ids), np.arange(N))
+    # rows were permuted inside each chunk when it was cached...
+    stored = [ds.reader.load(i)["#<i8"][:, 0] for i in range(len(ds.reader.chunks))]
+    assert all(not np.array_equal(s, np.sort(s)) for s in stored)
+    assert np.mean(np.diff(ids) == 1) < 0.05
+    # ...and blocks of 32 rows of that stored order come out whole: nearly every delivered row is
+    # followed by its successor in the stored order (not at block ends, nor at a chunk's end)
+    where = np.empty(N, np.int64)
+    where[np.concatenate(stored)] = np.arange(N)
+    assert np.mean(np.diff(where[ids]) == 1) > 0.9
+
+
+def test_block_cache_files_are_deterministic_and_prebuilt(source, tmp_path):
+    kw = dict(shuffle="block", block_rows=32)
+    summary = gpuload.build_cache(source, tmp_path / "a", COLUMNS, chunk_bytes=32 << 10, **kw)
+    gpuload.build_cache(source, tmp_path / "b", COLUMNS, chunk_bytes=32 << 10, **kw)
+    a, b = sorted((tmp_path / "a").rglob("*.glc")), sorted((tmp_path / "b").rglob("*.glc"))
+    assert len(a) == summary.chunks and [f.name for f in a] == [f.name for f in b]
+    assert all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
+    ds = _open(source, tmp_path / "a", **kw)
+    _ids(ds)
+    assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache > 0  # build_cache built exactly what block shuffling reads
+    # another block size reads the same files (the permutation inside a chunk does not depend on it)
+    ds = _open(source, tmp_path / "a", shuffle="block", block_rows=100)
+    _ids(ds)
+    assert ds.reader.counters.decoded == 0
+
+
+def test_block_shuffle_resumes_exactly_and_refuses_another_block_size(source, tmp_path):
+    kw = dict(shuffle="block", block_rows=32, seed=3)
+    ds = _open(source, tmp_path / "c", **kw)
+    ds.set_epoch(1)
+    full = [b["id"].numpy() for b in ds]
+    it = iter(ds)
+    for _ in range(5):
+        next(it)
+    state = ds.state_dict()
+    it.close()
+    again = _open(source, tmp_path / "c", **kw)
+    again.load_state_dict(json.loads(json.dumps(state)))
+    again.set_epoch(1)
+    rest = [b["id"].numpy() for b in again]
+    assert len(rest) == len(full) - 5 and all(np.array_equal(x, y) for x, y in zip(rest, full[5:]))
+    for other in (dict(kw, block_rows=64), dict(seed=3)):
+        with pytest.raises(gpuload.ConfigError, match="block_rows"):
+            _open(source, tmp_path / "c", **other).load_state_dict(state)
