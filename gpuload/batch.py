@@ -66,12 +66,18 @@ def rows(cols: dict, start: int, stop: int) -> dict:
     return out
 
 
-def _take_ragged(v: Ragged, idx):
+def _empty(xp, shape, dtype, alloc):
+    """An uninitialised array: from ``alloc(shape, dtype)`` when given (NumPy only)."""
+    return xp.empty(shape, dtype=dtype) if alloc is None or xp is not np else alloc(shape, dtype)
+
+
+def _take_ragged(v: Ragged, idx, alloc=None):
     """Values and offsets of rows ``idx`` of a ragged column."""
     xp = _xp(v.values)
     starts = v.offsets[idx]
     lengths = v.offsets[idx + 1] - starts
-    off = xp.zeros(len(idx) + 1, dtype=xp.int64)
+    off = _empty(xp, (len(idx) + 1,), xp.int64, alloc)
+    off[0] = 0
     xp.cumsum(lengths, out=off[1:])
     total = int(off[-1])
     if total == 0:
@@ -86,19 +92,22 @@ def _take_ragged(v: Ragged, idx):
     src[off[:-1][nonempty]] = jumps
     if xp is np:
         np.cumsum(src, out=src)
-    else:  # CuPy's scan does not promise in-place results
-        src = xp.cumsum(src)
+        return np.take(v.values, src, out=_empty(np, (total,), v.values.dtype, alloc)), off
+    src = xp.cumsum(src)  # CuPy's scan does not promise in-place results
     return xp.take(v.values, src), off
 
 
-def take(cols: dict, idx) -> dict:
-    """Rows ``idx`` (an integer index array) of a column set, gathered into new arrays."""
+def take(cols: dict, idx, alloc=None) -> dict:
+    """Rows ``idx`` (an integer index array) of a column set, gathered into new arrays
+    (from ``alloc(shape, dtype)`` when given, as in :func:`concat`)."""
     out = {}
     for k, v in cols.items():
         if isinstance(v, Ragged):
-            out[k] = Ragged(*_take_ragged(v, idx))
-        else:
+            out[k] = Ragged(*_take_ragged(v, idx, alloc))
+        elif alloc is None or _xp(v) is not np:
             out[k] = _xp(v).take(v, idx, axis=0)
+        else:
+            out[k] = np.take(v, idx, axis=0, out=alloc((len(idx),) + v.shape[1:], v.dtype))
     return out
 
 
@@ -135,17 +144,17 @@ class _Piece:
     """Rows waiting to be batched: a column set, optionally read through a permutation
     (which may take only some of its rows)."""
 
-    __slots__ = ("cols", "perm", "pos", "n")
+    __slots__ = ("cols", "perm", "pos", "n", "alloc")
 
-    def __init__(self, cols: dict, perm):
-        self.cols, self.perm, self.pos = cols, perm, 0
+    def __init__(self, cols: dict, perm, alloc=None):
+        self.cols, self.perm, self.pos, self.alloc = cols, perm, 0, alloc
         self.n = nrows(cols) if perm is None else len(perm)
 
     def take(self, k: int) -> dict:
         a, self.pos = self.pos, self.pos + k
         if self.perm is None:
             return rows(self.cols, a, a + k)
-        return take(self.cols, self.perm[a:a + k])
+        return take(self.cols, self.perm[a:a + k], self.alloc)
 
 
 class Batcher:
@@ -158,17 +167,19 @@ class Batcher:
     Parameters
     ----------
     sizes : the batch sizes this rank yields this epoch (from :func:`gpuload.plan.batch_sizes`).
+    alloc : ``alloc(shape, dtype)`` for the arrays of gathered or joined batches (NumPy
+        only; default: new arrays), e.g. a :class:`gpuload.memory.HostPool`'s ``array``.
     """
 
-    def __init__(self, sizes: Sequence[int]):
-        self._sizes, self._next = sizes, 0  # an index, not a copy: sizes may be long (plan.BatchSizes)
+    def __init__(self, sizes: Sequence[int], alloc=None):
+        self._sizes, self._next, self._alloc = sizes, 0, alloc  # an index: sizes may be long (plan.BatchSizes)
         self._pieces: deque[_Piece] = deque()
         self._available = 0
 
     def add(self, cols: dict, perm=None) -> Iterator[dict]:
         """Add a window (rows ``perm`` in that order if given: a permutation of its rows, or
         part of one) and yield every batch now complete."""
-        piece = _Piece(cols, perm)
+        piece = _Piece(cols, perm, self._alloc)
         if piece.n:
             self._pieces.append(piece)
             self._available += piece.n
@@ -177,7 +188,8 @@ class Batcher:
             yield self._cut(self._sizes[self._next - 1])
         # a shuffled window's rows still to come (fewer than a batch) are gathered now, so
         # the window itself is released before the next one is concatenated
-        self._pieces = deque(_Piece(p.take(p.n - p.pos), None) if p.perm is not None else p for p in self._pieces)
+        self._pieces = deque(_Piece(p.take(p.n - p.pos), None, self._alloc) if p.perm is not None else p
+                             for p in self._pieces)
 
     def _cut(self, size: int) -> dict:
         parts = []
@@ -189,7 +201,7 @@ class Batcher:
             self._available -= k
             if p.pos == p.n:
                 self._pieces.popleft()
-        return concat(parts)
+        return concat(parts, self._alloc)
 
     @property
     def done(self) -> bool:

@@ -18,7 +18,16 @@ import numpy as np
 
 __all__ = ["HostPool"]
 
-_ROUND = 1 << 20  # buffers are sized in whole MiB, so chunks of similar size share them
+_ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
+
+
+def _size_class(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole MiB and to the next of 8 steps per power of two
+    (at most 12.5% more), so arrays of similar sizes (windows of other chunks, a last
+    smaller batch) fit buffers made for one another."""
+    n = -(-nbytes // _ROUND) * _ROUND
+    step = max(_ROUND, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
 
 class HostPool:
@@ -53,7 +62,7 @@ class HostPool:
                     best = i
             if best >= 0:
                 return self._bufs[best][:nbytes]
-            buf = np.empty(-(-nbytes // _ROUND) * _ROUND, np.uint8)
+            buf = np.empty(_size_class(nbytes), np.uint8)
             if len(self._bufs) >= self.max_buffers:  # make room by forgetting a free buffer
                 free = [i for i in range(len(self._bufs)) if self._refs(self._bufs, i) <= self._free_refs]
                 if not free:

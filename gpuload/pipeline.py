@@ -1,9 +1,10 @@
 """Pipeline: background threads that load chunks ahead and assemble batches.
 
-The training thread only takes finished batches from a bounded queue. Behind it, one
-producer thread walks the epoch's windows in plan order, a thread pool loads chunks
-(cache reads or decodes) up to ``prefetch`` chunks ahead, and the
-producer permutes, slices and hands off each batch. Futures are consumed in plan
+The training thread only takes finished batches from a bounded queue. Behind it, a
+thread pool loads chunks (cache reads or decodes) up to ``prefetch`` chunks ahead, a
+window thread joins each shuffle window's chunks and draws its permutation while the
+window before it is being cut, and one producer thread gathers, slices and hands off
+each batch. Futures are consumed in plan
 order, so thread count and prefetch depth never change the order (invariant 1).
 Memory is bounded by the window, the chunks in flight and the batch queue.
 """
@@ -125,7 +126,8 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
                   permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
                   *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
                   enter: Callable[[], contextlib.AbstractContextManager] | None = None, metrics=None,
-                  warm: Callable[[int], bool] | None = None, forget: Callable[[], None] | None = None) -> Iterator:
+                  warm: Callable[[int], bool] | None = None, forget: Callable[[], None] | None = None,
+                  batch_alloc=None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -137,7 +139,8 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     handoff : column set -> what the consumer receives (tensors on the target device).
     threads, prefetch : loader threads; chunks loaded beyond the current window.
     stop : set when the consumer has gone away.
-    alloc : ``alloc(shape, dtype)`` for window buffers (default: new arrays).
+    alloc, batch_alloc : ``alloc(shape, dtype)`` for window buffers and for the arrays of
+        gathered or joined batches (default: new arrays; see :class:`gpuload.memory.HostPool`).
     enter : a context every loader thread runs inside (the GPU path's device, stream
         and allocator: :meth:`gpuload.gpu.DeviceContext.active`).
     metrics : a :class:`gpuload.Metrics`; records a ``batch`` span for each window's
@@ -149,7 +152,7 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     try:
         with enter():
             yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter,
-                                metrics, warm)
+                                metrics, warm, batch_alloc)
     finally:
         if forget is not None:
             forget()
@@ -173,37 +176,66 @@ def _timed(batches: Iterator, handoff, metrics) -> Iterator:
 
 
 def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter, metrics,
-             warm) -> Iterator:
+             warm, batch_alloc) -> Iterator:
     def load_in(i: int) -> dict:
         with enter():
             return load(i)
 
     segments = [s for w in windows for s in w]
-    ahead = prefetch
-    batcher = Batcher(sizes)
-    pos = 0
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool:
-        look = _Lookahead(pool, segments, load_in, ahead, warm)
-        try:
-            for w, window in enumerate(windows):
+    # what is assembled at once: a window (joined and permuted), or in file order one chunk piece
+    starts = list(range(len(segments) + 1)) if permutation is None else [0]
+    for window in windows if permutation is not None else ():
+        starts.append(starts[-1] + len(window))
+    batcher = Batcher(sizes, batch_alloc)
+    halt = threading.Event()  # the epoch ended early: the window being assembled is not wanted
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-window") as assembler:
+        look = _Lookahead(pool, segments, load_in, prefetch, warm)
+
+        def assemble(w: int):
+            """Group ``w``'s chunk pieces (in file order), or its rows joined with their permutation."""
+            with enter():
                 parts = []
-                for _ in window:
+                for pos in range(starts[w], starts[w + 1]):
                     parts.append(look.take(pos))
-                    pos += 1
-                    if stop.is_set():
-                        return
+                    if stop.is_set() or halt.is_set():
+                        return None
                 if permutation is None:
-                    for p in parts:
+                    return parts
+                with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
+                    cols = concat(parts, alloc)
+                    del parts
+                    perm = permutation(w, nrows(cols))
+                    if span is not None:
+                        span.nbytes = nbytes(cols)
+                return cols, perm
+
+        # window w + 1 is loaded and joined on its own thread while window w is cut into batches,
+        # so a window's join never stalls the batch queue (windows are still taken in plan order;
+        # one more window in memory: gpuload.ParquetDataset.device_bytes_bound counts it)
+        n = len(starts) - 1
+        ahead = assembler.submit(assemble, 0) if n else None
+        try:
+            for w in range(n):
+                got = ahead.result()
+                ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
+                if got is None:
+                    return
+                if permutation is None:
+                    for p in got:
                         yield from _timed(batcher.add(p), handoff, metrics)
                 else:
-                    with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
-                        cols = concat(parts, alloc)
-                        del parts
-                        perm = permutation(w, nrows(cols))
-                        if span is not None:
-                            span.nbytes = nbytes(cols)
+                    cols, perm = got
+                    del got
                     yield from _timed(batcher.add(cols, perm), handoff, metrics)
+                    del cols, perm
         finally:
+            if ahead is not None and not ahead.cancel():  # it is taking chunks: stop it, then the loads
+                halt.set()
+                try:
+                    ahead.result()
+                except BaseException:  # noqa: S110 - the window is abandoned with the epoch
+                    pass
             look.cancel()
     if not batcher.done:
         raise RuntimeError("gpuload internal error: the epoch ended before every planned batch was cut")

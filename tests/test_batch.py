@@ -61,6 +61,24 @@ def test_take_gathers_rows_in_index_order(n, data):
     assert_cols_are(take(cols, idx), idx + 5)  # repeats and any order
 
 
+@SETTINGS
+@given(st.integers(1, 40), st.data())
+def test_take_into_allocated_arrays(n, data):
+    """With ``alloc`` every output array (dense, values, offsets) comes from it, holding the same rows."""
+    cols = cols_of(np.arange(n) + 5)
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=50)), np.int64)
+    made = []
+
+    def alloc(shape, dtype):
+        made.append(np.full(shape, 77, dtype))  # garbage that must be overwritten
+        return made[-1]
+
+    out = take(cols, idx, alloc)
+    assert_cols_are(out, idx + 5)
+    owned = [out["x"], out["f"], out["r"].offsets] + ([out["r"].values] if len(out["r"].values) else [])
+    assert all(any(a is m for m in made) for a in owned)
+
+
 def test_take_where_every_row_is_empty_and_empty_index():
     r = ragged_of([[], [1, 2], [], []])
     out = take({"r": r}, np.array([0, 2, 3, 0]))["r"]

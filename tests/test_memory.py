@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpuload.memory import HostPool
+from gpuload.memory import HostPool, _size_class
 
 MiB = 1 << 20
 
@@ -36,3 +36,18 @@ def test_pool_is_bounded_and_small_requests_bypass_it():
     arr = pool.array((MiB, 3), np.float32)
     assert arr.shape == (MiB, 3) and arr.dtype == np.float32 and arr.flags.c_contiguous
     del held
+
+
+def test_size_classes_round_up_by_at_most_an_eighth():
+    """Similar sizes share a class (so windows of other chunks reuse each other's buffers)."""
+    mib = 1 << 20
+    assert _size_class(1) == mib and _size_class(mib) == mib and _size_class(mib + 1) == 2 * mib
+    for n in range(1, 3000, 7):
+        got = _size_class(n * mib // 3)
+        assert n * mib // 3 <= got <= max(mib, n * mib // 3 * 9 // 8 + mib)
+    assert _size_class(100 * mib) == _size_class(103 * mib) == 104 * mib
+    pool = HostPool()
+    a = pool.get(100 * mib)
+    address = a.__array_interface__["data"][0]
+    del a
+    assert pool.get(103 * mib).__array_interface__["data"][0] == address  # reused, not a new allocation
