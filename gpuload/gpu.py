@@ -150,6 +150,9 @@ def share_rmm_pool(initial_pool_bytes: int | None = None) -> None:
         from rmm.allocators.torch import rmm_torch_allocator
     except Exception as e:
         raise GpuloadError(f"share_rmm_pool needs rmm: {type(e).__name__}: {e}; {_EXTRA}") from None
+    if rmm_torch_allocator is None:  # rmm leaves it None where torch has no CUDA or sees no GPU
+        raise GpuloadError("share_rmm_pool(): rmm has no torch allocator here (this torch build has no CUDA, or no "
+                           "GPU is visible: check torch.cuda.is_available())")
     if torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 0:
         raise GpuloadError("share_rmm_pool() came after torch allocated CUDA memory; call it at the start of the "
                            "script, before any model or tensor is moved to the GPU")
