@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Callable, Sequence
 
 import pyarrow as pa
@@ -125,7 +126,8 @@ class GpuDecoder:
     is idle, and are waited for before returning, so the result is ready for the
     loader stream. A chunk that cuDF would not convert exactly as the CPU does (see
     :class:`gpuload.convert_gpu.Unsupported`) is decoded by ``fallback`` on the CPU
-    and returned as host arrays (the reader caches them and uploads them once).
+    and returned as host arrays (the reader caches them and uploads them once);
+    :attr:`fallbacks` counts such chunks.
     """
 
     name = "gpu"
@@ -135,6 +137,8 @@ class GpuDecoder:
         self.fallback = fallback or ArrowDecoder(metrics)
         self.metrics = metrics
         self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        self.fallbacks = 0  #: chunks decoded on the CPU because cuDF would not give the CPU path's bytes
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
         import cupy
@@ -171,8 +175,11 @@ class GpuDecoder:
             del raw
             return out
         except Unsupported as e:
-            if str(e) not in self._warned:
+            with self._lock:
+                self.fallbacks += 1
+                first = str(e) not in self._warned
                 self._warned.add(str(e))
+            if first:
                 log.info("gpuload: %s; decoding such chunks on the CPU so the bytes match the CPU path", e)
             return self.fallback(f, chunk, specs)
 
