@@ -2,6 +2,7 @@
 
 * the ``gpu`` marker skips cleanly where the GPU path cannot run (no driver, CuPy or KvikIO);
 * ``device``: runs a test once with ``"cpu"`` and once with ``"cuda"`` (marked ``gpu``);
+  ``device_decode``: ``(device, decode)`` for the CPU and both GPU decoders;
 * ``tmp_cache``: a fresh, empty cache directory under ``tmp_path`` (also set as
   ``$GPULOAD_CACHE_DIR``, so a dataset opened without ``cache_dir=`` never touches
   ``~/.cache``);
@@ -61,6 +62,15 @@ def _write_parquet_fixture():
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request) -> str:
     """Runs a test body on the CPU and, where the GPU path can run, on the GPU."""
+    return request.param
+
+
+@pytest.fixture(params=[("cpu", "auto"), pytest.param(("cuda", "gpu"), marks=pytest.mark.gpu),
+                        pytest.param(("cuda", "cpu"), marks=pytest.mark.gpu)], ids=["cpu", "cuda-cudf", "cuda-arrow"])
+def device_decode(request) -> tuple[str, str]:
+    """``(device, decode)``: the CPU path; on a GPU, cuDF decoding and pyarrow decoding + copies."""
+    if request.param == ("cuda", "gpu"):
+        pytest.importorskip("pylibcudf")
     return request.param
 
 

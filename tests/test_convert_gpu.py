@@ -27,6 +27,7 @@ from gpuload.schema import resolve_outputs
 
 from conftest import write_parquet
 from test_gpu import _COLUMNS, _FILL, _rich_table
+from typecases import DTYPES, FILL, NATIVE, every_type
 
 TypeId = enum.Enum("TypeId", "BOOL8 INT8 INT16 INT32 INT64 UINT8 UINT16 UINT32 UINT64 FLOAT32 FLOAT64 "
                    "TIMESTAMP_DAYS DURATION_DAYS TIMESTAMP_SECONDS TIMESTAMP_MILLISECONDS TIMESTAMP_MICROSECONDS "
@@ -122,10 +123,15 @@ def _col(arr: pa.Array) -> _Col:
             off, values = np.asarray(arr.offsets), arr.values
         offsets = _Col(TypeId.INT32, len(off), _bytes(off.astype(np.int32)))
         return _Col(TypeId.LIST, len(arr), None, _bitmask(arr), arr.null_count, [offsets, _col(values)])
-    if pa.types.is_timestamp(t):
-        tid = getattr(TypeId, "TIMESTAMP_" + {"s": "SECONDS", "ms": "MILLISECONDS", "us": "MICROSECONDS",
-                                             "ns": "NANOSECONDS"}[t.unit])
-        data = arr.view(pa.int64()).fill_null(12345).to_numpy()
+    if pa.types.is_float16(t):  # FLOAT16 is a 2-byte FIXED_LEN_BYTE_ARRAY that libcudf reads as strings
+        return _Col(TypeId.STRING, len(arr))
+    if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time(t):
+        # Parquet TIME and Arrow durations come back as DURATION_<unit> (int64), timestamps as TIMESTAMP_<unit>
+        kind = "TIMESTAMP_" if pa.types.is_timestamp(t) else "DURATION_"
+        tid = getattr(TypeId, kind + {"s": "SECONDS", "ms": "MILLISECONDS", "us": "MICROSECONDS",
+                                      "ns": "NANOSECONDS"}[t.unit])
+        data = arr.view(pa.int32()).cast(pa.int64()) if pa.types.is_time32(t) else arr.view(pa.int64())
+        data = data.fill_null(12345).to_numpy()
     elif pa.types.is_date64(t):  # Parquet DATE: days
         tid, data = TypeId.TIMESTAMP_DAYS, (arr.view(pa.int64()).fill_null(0).to_numpy() // 86_400_000).astype(np.int32)
     elif pa.types.is_date32(t):
@@ -166,6 +172,17 @@ def _assert_identical(cpu: dict, gpu: dict):
 def test_every_type_converts_to_the_same_bytes(tmp_path, numpy_as_cupy):
     for cpu, gpu in _both(tmp_path, _rich_table(20_000), _COLUMNS, _FILL):
         _assert_identical(cpu, gpu)
+
+
+def test_every_supported_type_converts_to_the_same_bytes(tmp_path, numpy_as_cupy):
+    from gpuload.convert_gpu import Unsupported
+
+    table, _ = every_type(6_000, seed=3)
+    dtypes = {k: v for k, v in DTYPES.items() if k in NATIVE}
+    for cpu, gpu in _both(tmp_path, table, NATIVE, FILL, dtypes, row_group_size=1_000):
+        _assert_identical(cpu, gpu)
+    with pytest.raises(Unsupported, match="'f16' is read by cuDF as STRING"):
+        _both(tmp_path, table, {"f16": "f16"}, None)
 
 
 def test_null_rows_fills_casts_and_groups_match(tmp_path, numpy_as_cupy):
