@@ -697,10 +697,10 @@ CONCURRENT_READER = r"""
 import json, os, sys, time
 import numpy as np
 import gpuload
-data, cache, out, go, columns, seed = sys.argv[1:7]
+data, cache, out, go, columns, seed, device = sys.argv[1:8]
 seed = int(seed)
 ds = gpuload.ParquetDataset(data, json.loads(columns), cache_dir=cache, batch_size=997, chunk_bytes=65536,
-                            device="cpu", shuffle=seed >= 2, seed=seed, num_threads=2)
+                            device=device, shuffle=seed >= 2, seed=seed, num_threads=2)
 open(out + ".ready", "w").close()
 while not os.path.exists(go):
     time.sleep(0.001)
@@ -708,11 +708,11 @@ parts = {}
 for b in ds:
     for k, v in b.items():
         if k == "history":
-            parts.setdefault("h_len", []).append(np.diff(v.offsets.numpy()))
-            parts.setdefault("h_val", []).append(v.values.numpy())
-            parts.setdefault("h_off0", []).append(v.offsets.numpy()[:1])
+            parts.setdefault("h_len", []).append(np.diff(v.offsets.cpu().numpy()))
+            parts.setdefault("h_val", []).append(v.values.cpu().numpy())
+            parts.setdefault("h_off0", []).append(v.offsets.cpu().numpy()[:1])
         else:
-            parts.setdefault(k, []).append(v.numpy())
+            parts.setdefault(k, []).append(v.cpu().numpy())
 ds.reader.cache.flush()
 np.savez(out + ".npz", **{k: np.concatenate(v) for k, v in parts.items()})
 with open(out + ".json", "w") as f:
@@ -721,14 +721,16 @@ with open(out + ".json", "w") as f:
 """
 
 
-def test_concurrent_processes_build_each_chunk_once(tmp_path):
+def test_concurrent_processes_build_each_chunk_once(tmp_path, device):
+    """4 processes (on a GPU: 4 processes on one GPU) fill one cache folder at once."""
     data = tmp_path / "data"
     files = _clicklog(data, rows=30_000, files=4, row_group_rows=400)
     ref = Reference(files)
     cache = tmp_path / "cache"
     go = tmp_path / "go"
     outs = [tmp_path / f"child{i}" for i in range(4)]
-    procs = [_spawn(CONCURRENT_READER, data, cache, out, go, json.dumps(COLUMNS), i) for i, out in enumerate(outs)]
+    procs = [_spawn(CONCURRENT_READER, data, cache, out, go, json.dumps(COLUMNS), i, device)
+             for i, out in enumerate(outs)]
     try:
         for out, p in zip(outs, procs):
             _wait_for(str(out) + ".ready", p)
