@@ -9,9 +9,16 @@ Measures, on one generated click log (cache on local disk):
 4. a simulated training step of ``--step-ms`` on the GPU at batch 65536: the fraction
    of wall time the training thread waited for data (target < 5%).
 
+Every gpuload pass also records where its time went, so a missed target can be
+explained from the same run: ``--details FILE`` gets each pass's per-stage stats and
+:func:`gpuload.diagnose` verdict, the KvikIO settings in effect, whether GPUDirect
+Storage is available and how many chunks cuDF left to the CPU; ``--trace DIR`` writes a
+Chrome trace (one track per loader thread, the training thread's waits) of the cold and
+the cached pass, to open in https://ui.perfetto.dev.
+
 Run on a GPU node with the gpu extra::
 
-    python benchmarks/bench_gpu.py --rows 20000000 --out docs/benchmarks.md
+    python benchmarks/bench_gpu.py --rows 8000000 --dir /local/nvme/bench --out docs/benchmarks.md
 
 Without a usable GPU it says why and exits with status 2.
 """
@@ -19,61 +26,86 @@ Without a usable GPU it says why and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 import torch
 
 import gpuload
+from gpuload.cachefile import read_header, region_span
 from gpuload.synth import write_clicklog
 
+COLUMNS = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(13)],
+           "cats": [f"cat_{i}" for i in range(8)], "history": "history"}
 
-def _epoch(ds, epoch: int, sync=True) -> tuple[float, int]:
+
+def cache_spans(files) -> list[tuple[Path, int, int]]:
+    """``(path, start, length)`` of the column regions of each cache file: what one read of it fetches."""
+    spans = []
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            header, start = read_header(fd, p)
+        finally:
+            os.close(fd)
+        spans.append((Path(p), start, region_span(header, start) - start))
+    return spans
+
+
+def _epoch(ds, epoch: int) -> tuple[float, int]:
     ds.set_epoch(epoch)
     t0 = time.perf_counter()
     rows = 0
     for b in ds:
         rows += len(b["row_id"])
-    if sync:
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return time.perf_counter() - t0, rows
 
 
-def _raw_kvikio(files: list[Path]) -> tuple[float, int]:
+def _raw_kvikio(spans) -> tuple[float, int]:
     """Every cache file's regions read with one KvikIO pread each into one reused device buffer."""
     import cupy
     import kvikio
 
-    from gpuload.cache import read_header, region_span
-
-    spans = []
-    for p in files:
-        with open(p, "rb") as f:
-            header, start = read_header(f, p)
-        spans.append((p, start, region_span(header, start) - start))
     buf = cupy.empty(max(s for _, _, s in spans), dtype=cupy.uint8)
     t0 = time.perf_counter()
     total = 0
     for p, start, span in spans:
         cf = kvikio.CuFile(p, "r")
-        total += cf.pread(buf[:span], span, start).get()
-        cf.close()
+        try:
+            total += cf.pread(buf[:span], span, start).get()
+        finally:
+            cf.close()
     return time.perf_counter() - t0, total
 
 
-def _host_plus_copy(data, cache, columns, epoch) -> float:
-    ds = gpuload.ParquetDataset(data, columns, cache_dir=cache, device="cpu", shuffle=True)
+def _warm_page_cache(files) -> None:
+    """Read every file once, so that both sides of a comparison start from the page cache
+    (this VM-like hosts drop idle file pages within a minute)."""
+    for p in files:
+        with open(p, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def _host_plus_copy(data, cache, epoch) -> float:
+    """The CPU path with a pageable host-to-device copy of every batch (what a CPU loader gives a GPU)."""
+    ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cpu", shuffle=True)
     ds.set_epoch(epoch)
     t0 = time.perf_counter()
     for b in ds:
         for v in b.values():
             (v.values if isinstance(v, gpuload.Ragged) else v).to("cuda", non_blocking=False)
     torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    ds.reader.cache.flush()  # its cache writes do not run into the next measurement
+    return seconds
 
 
 def _sleep_cycles_per_ms() -> float:
@@ -96,6 +128,46 @@ def _starvation(ds, step_ms: float, epoch: int) -> tuple[float, float]:
     return s.starvation, s.step_mean_s * 1e3
 
 
+class _Notes:
+    """What each gpuload pass spent its time on (``--details``) and its trace (``--trace``)."""
+
+    def __init__(self, trace_dir: str | None):
+        self.lines: list[str] = []
+        self.trace_dir = Path(trace_dir) if trace_dir else None
+
+    def add(self, name: str, ds) -> None:
+        s = ds.stats()
+        self.lines += [f"## {name}", "", str(s), "", f"diagnose: {gpuload.diagnose(s)}", ""]
+        decode = ds.reader.decode
+        if hasattr(decode, "fallbacks"):
+            self.lines.append(f"chunks decoded on the CPU because cuDF could not: {decode.fallbacks}\n")
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            ds.metrics.write_trace(self.trace_dir / f"{name.replace(' ', '_')}.json")
+
+
+def _versions() -> str:
+    import kvikio
+    import kvikio.cufile_driver
+
+    def dist(*names):
+        for n in names:
+            try:
+                return metadata.version(n)
+            except metadata.PackageNotFoundError:
+                continue
+        return "not installed"
+
+    try:
+        gds = kvikio.cufile_driver.get("is_gds_available")
+    except Exception as e:  # no cuFile library: compat mode only
+        gds = f"unknown ({type(e).__name__})"
+    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), cupy {dist('cupy-cuda13x', 'cupy-cuda12x', 'cupy')}, "
+            f"kvikio {kvikio.__version__}, pylibcudf {dist('pylibcudf-cu13', 'pylibcudf-cu12', 'pylibcudf')}, "
+            f"driver {_driver()}; KvikIO compat mode {kvikio.defaults.get('compat_mode')}, "
+            f"{kvikio.defaults.get('num_threads')} threads, GDS available: {gds}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8_000_000)
@@ -105,78 +177,95 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work folder on the local NVMe (default: a temporary one)")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this file")
+    ap.add_argument("--details", default=None, help="write each pass's stage stats and diagnosis to this file")
+    ap.add_argument("--trace", default=None, help="write Chrome traces of the cold and cached passes into this folder")
     a = ap.parse_args(argv)
     if not gpuload.gpu.gpu_usable():
         print("bench_gpu: no usable GPU here:", gpuload.gpu_status())
         return 2
-    import cupy
-    import kvikio
 
     work = Path(a.dir or tempfile.mkdtemp(prefix="gpuload-bench-"))
     data = work / "data"
-    write_clicklog(data, a.rows, files=a.files)
-    columns = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(13)],
-               "cats": [f"cat_{i}" for i in range(8)], "history": "history"}
+    parquet = write_clicklog(data, a.rows, files=a.files)
     kw = dict(batch_size=a.batch, shuffle=True, seed=0)
+    notes = _Notes(a.trace)
     res = {}
 
-    # 3. first epoch: cuDF decode vs pyarrow decode + copies (fresh cache each time)
+    # 3. first epoch: cuDF decode vs pyarrow decode + copies (fresh cache each time, files in the page cache)
     cold_gpu, cold_cpu = [], []
     for r in range(a.repeat):
-        for name, dev, out in (("gpu", "cuda", cold_gpu), ("cpu", "cpu", cold_cpu)):
+        for name, out in (("gpu", cold_gpu), ("cpu", cold_cpu)):
             cache = work / f"cold-{name}"
             shutil.rmtree(cache, ignore_errors=True)
-            if dev == "cuda":
-                ds = gpuload.ParquetDataset(data, columns, cache_dir=cache, device="cuda", decode="gpu", **kw)
+            _warm_page_cache(parquet)
+            if name == "gpu":
+                ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cuda", decode="gpu", **kw)
                 out.append(_epoch(ds, 0)[0])
+                if r == 0:
+                    notes.add("first epoch, cuDF decode", ds)
+                ds.reader.cache.flush()
             else:
-                out.append(_host_plus_copy(data, cache, columns, 0))
+                out.append(_host_plus_copy(data, cache, 0))
     res["first epoch: cuDF decode vs pyarrow decode + H2D copies"] = (min(cold_cpu) / min(cold_gpu), ">= 3x")
 
     # 1./2. cached epochs
     cache = work / "cold-gpu"
-    ds = gpuload.ParquetDataset(data, columns, cache_dir=cache, device="cuda", **kw)
-    _epoch(ds, 1)  # every file read once (verify-once) before timing
-    warm = [_epoch(ds, 2 + r) for r in range(a.repeat)]
     files = sorted(cache.rglob("*.glc"))
-    raw = [_raw_kvikio(files) for _ in range(a.repeat)]
-    cached_bytes = sum(p.stat().st_size for p in files)
-    gbps_gl = cached_bytes / min(t for t, _ in warm) / 1e9
+    spans = cache_spans(files)
+    ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cuda", **kw)
+    _epoch(ds, 1)  # every file read once (verify-once) before timing
+    warm = []
+    for r in range(a.repeat):
+        _warm_page_cache(files)
+        ds.reset_stats()
+        warm.append(_epoch(ds, 2 + r))
+    notes.add("cached epoch", ds)
+    raw = []
+    for _ in range(a.repeat):
+        _warm_page_cache(files)
+        raw.append(_raw_kvikio(spans))
+    region_bytes = sum(s for _, _, s in spans)
+    gbps_gl = region_bytes / min(t for t, _ in warm) / 1e9
     gbps_raw = max(n / t for t, n in raw) / 1e9
     res["cached epoch vs raw KvikIO reads of the cache files (GB/s)"] = (gbps_gl / gbps_raw, ">= 0.8x")
-    host = [_host_plus_copy(data, work / "cold-cpu", columns, 2 + r) for r in range(a.repeat)]
+    host = []
+    for r in range(a.repeat):
+        _warm_page_cache(sorted((work / "cold-cpu").rglob("*.glc")))
+        host.append(_host_plus_copy(data, work / "cold-cpu", 2 + r))
     res["cached epoch vs CPU path + H2D copies"] = (min(host) / min(t for t, _ in warm), "> 1x")
 
     # 4. starvation at a few ms per step
     frac, step = min((_starvation(ds, a.step_ms, 10 + r) for r in range(a.repeat)), key=lambda x: x[0])
     res[f"training thread waiting, {a.step_ms:g} ms GPU step, batch {a.batch}"] = (frac, "< 5%")
+    notes.add(f"cached epoch under a {a.step_ms:g} ms step", ds)
 
     props = torch.cuda.get_device_properties(0)
     lines = [f"\n## GPU: {props.name}\n",
-             f"{a.rows:,} rows in {a.files} files, {cached_bytes / 2**30:.2f} GiB cached, batch {a.batch}, best of "
-             f"{a.repeat}. torch {torch.__version__} (CUDA {torch.version.cuda}), cupy {cupy.__version__}, "
-             f"kvikio {kvikio.__version__}, cudf {_version('cudf')}, driver {_driver()}, "
-             f"kvikio compat mode {kvikio.defaults.get('compat_mode')}.\n",
+             f"{a.rows:,} rows in {a.files} files, {region_bytes / 2**30:.2f} GiB of cached columns, batch {a.batch}, "
+             f"best of {a.repeat}. {_versions()}.\n",
              "| measurement | result | target |", "|---|---|---|"]
     for k, (v, target) in res.items():
         lines.append(f"| {k} | {v:.1%} |" if "waiting" in k else f"| {k} | {v:.2f}x |")
         lines[-1] += f" {target} |"
-    lines.append(f"\ncached epoch {gbps_gl:.1f} GB/s; raw KvikIO {gbps_raw:.1f} GB/s; mean step {step:.2f} ms.")
+    lines.append(f"\ncached epoch {gbps_gl:.1f} GB/s; raw KvikIO {gbps_raw:.1f} GB/s; first epoch {min(cold_gpu):.2f} s "
+                 f"(cuDF) and {min(cold_cpu):.2f} s (pyarrow + copies); mean step {step:.2f} ms.")
     text = "\n".join(lines)
     print(text)
     if a.out:
         with open(a.out, "a") as f:
             f.write(text + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"device": props.name, "rows": a.rows, "results": res,
+                                            "gbps": {"gpuload": gbps_gl, "kvikio": gbps_raw},
+                                            "seconds": {"cold_gpu": cold_gpu, "cold_cpu": cold_cpu, "host": host,
+                                                        "warm": [t for t, _ in warm], "raw": [t for t, _ in raw]}},
+                                           indent=1))
+    if a.details:
+        Path(a.details).write_text("\n".join(notes.lines))
     if not a.dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def _version(mod: str) -> str:
-    try:
-        return __import__(mod).__version__
-    except Exception:
-        return "not installed"
 
 
 def _driver() -> str:
