@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +22,8 @@ from gpuload.batch import Ragged
 pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 from gpuload.testing import Faults, HttpServer, S3Server  # noqa: E402
+
+from typecases import DTYPES, FILL, NATIVE, write_every_type  # noqa: E402
 
 N_FILES, ROWS, RG = 3, 3000, 500
 
@@ -139,6 +143,33 @@ def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_reques
         ds.set_epoch(epoch)
         _check_equal(_rows_by_id(ds), tables)
     assert s3.count() == 0, dict(s3.requests)
+
+
+def test_every_type_from_s3_is_exact_on_every_device(s3, tmp_path, device_decode):
+    """Remote objects on each device; with cuDF, libcudf reads each chunk's fetched ranges (and the
+    footer) from a sparse staging file by itself, and must decode every chunk (no float16 here)."""
+    device, decode = device_decode
+    staged = set(Path(tempfile.gettempdir()).glob("gpuload-stage-*"))
+    folder = tmp_path / "src"
+    expected = write_every_type(folder, files=2, rows=4_000, row_group_size=1_000)
+    name = f"b{uuid.uuid4().hex[:12]}"
+    s3.upload_folder(folder, name, "data/")
+    ds = gpuload.ParquetDataset(f"s3://{name}/data/", NATIVE, fill_nulls=FILL,
+                                dtypes={k: v for k, v in DTYPES.items() if k in NATIVE}, batch_size=700,
+                                cache_dir=tmp_path / "cache", storage_options=s3.storage_options,
+                                chunk_bytes=1 << 17, device=device, decode=decode, seed=1)
+    assert len(ds.reader.chunks) > 2
+    for epoch in (0, 1):  # decoded from the objects, then read from the cache without a request
+        if epoch == 1:
+            ds.reader.cache.flush()
+            s3.reset_counts()
+        ds.set_epoch(epoch)
+        ids = np.concatenate([expected.check(b, NATIVE) for b in ds])
+        assert np.array_equal(np.sort(ids), np.arange(expected.n))
+    assert s3.count() == 0, dict(s3.requests)
+    if decode == "gpu":
+        assert ds.reader.decode.fallbacks == 0 and ds.reader.counters.decoded == len(ds.reader.chunks)
+    assert set(Path(tempfile.gettempdir()).glob("gpuload-stage-*")) <= staged  # staging files are deleted
 
 
 def test_first_epoch_fetches_only_the_requested_columns(s3, bucket, tmp_path):
