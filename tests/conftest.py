@@ -1,6 +1,8 @@
 """Shared test set-up.
 
 * the ``gpu`` marker skips cleanly where the GPU path cannot run (no driver, CuPy or KvikIO);
+  with ``GPULOAD_REQUIRE_GPU=1`` (a run on a GPU node) the session fails instead, and
+  also without pylibcudf;
 * ``device``: runs a test once with ``"cpu"`` and once with ``"cuda"`` (marked ``gpu``);
   ``device_decode``: ``(device, decode)`` for the CPU and both GPU decoders;
 * ``tmp_cache``: a fresh, empty cache directory under ``tmp_path`` (also set as
@@ -17,6 +19,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,6 +38,12 @@ def _gpu_reason() -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_reason()
+    if os.environ.get("GPULOAD_REQUIRE_GPU") == "1":  # a run on a GPU node: a skipped GPU test would prove nothing
+        from gpuload.gpu import gpu_status
+
+        reason = reason or gpu_status()["cudf"]
+        if reason is not None:
+            raise pytest.UsageError(f"GPULOAD_REQUIRE_GPU=1, but the GPU path cannot run here: {reason}")
     if reason is None:
         return
     skip = pytest.mark.skip(reason=f"gpu test: {reason}")

@@ -67,3 +67,14 @@ def test_bench_gpu_without_a_gpu_says_why(capsys):
 
     assert bench_gpu.main(["--rows", "1000"]) == 2
     assert "no usable GPU" in capsys.readouterr().out
+
+
+def test_gpu_node_runner_fails_where_the_gpu_tests_would_only_skip(tmp_path):
+    """On a GPU node the runner must not report a green run of skipped GPU tests."""
+    if gpuload.gpu.gpu_usable():
+        pytest.skip("a GPU is usable here")
+    import gpu_node
+
+    assert gpu_node.main(["run", "gpu", "--out", str(tmp_path), "--limit", "240"]) == 1
+    log = (tmp_path / "gpu.log").read_text()
+    assert "GPULOAD_REQUIRE_GPU=1, but the GPU path cannot run here" in log
