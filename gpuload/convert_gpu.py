@@ -7,8 +7,9 @@ value, temporals are their raw integers (dates in days), groups are stacked, and
 follow :func:`gpuload.convert.cast_values` (the same function, on CuPy arrays).
 
 Only one chunk's row groups are read at a time (``set_row_groups``), so device memory
-is bounded by ``chunk_bytes``. libcudf reads on the legacy default stream (the caller
-waits for it); the conversion runs on the caller's current CuPy stream.
+is bounded by ``chunk_bytes``. libcudf reads on the stream it is given (the loader's),
+and the conversion runs on the caller's current CuPy stream (the same one), so each
+step follows the last in stream order.
 
 Where cuDF's physical result does not match what the CPU path would produce (a
 dictionary column read as ``DICTIONARY32``, a temporal unit that differs from the
@@ -179,15 +180,19 @@ def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str):
     return out
 
 
-def read_row_groups(path: str, rg_start: int, rg_stop: int, columns: list[str]) -> dict:
-    """Read row groups ``[rg_start, rg_stop)`` of ``columns`` with libcudf: ``{name: plc.Column}``."""
+def read_row_groups(path: str, rg_start: int, rg_stop: int, columns: list[str], stream=None) -> dict:
+    """Read row groups ``[rg_start, rg_stop)`` of ``columns`` with libcudf: ``{name: plc.Column}``.
+
+    ``stream``: the CUDA stream libcudf decodes on, in stream order (an rmm ``Stream``;
+    default libcudf's default stream). Memory comes from RMM's current device resource.
+    """
     import pylibcudf as plc
 
     P = plc.io.parquet
     opts = (P.ParquetReaderOptions.builder(plc.io.SourceInfo([path])).column_names(columns)
             .use_pandas_metadata(False).build())
     opts.set_row_groups([list(range(rg_start, rg_stop))])
-    got = P.read_parquet(opts)
+    got = P.read_parquet(opts, stream=stream)
     return dict(zip(got.column_names(include_children=False), got.columns))
 
 

@@ -121,13 +121,14 @@ class GpuDecoder:
     """GPU decoder: libcudf reads the row groups, :mod:`gpuload.convert_gpu` converts.
 
     Returns a CuPy column set in the loader's memory of ``ctx`` (a
-    :class:`gpuload.gpu.DeviceContext`; call it inside ``ctx.active()``). libcudf and
-    the conversion kernels run on the legacy default stream after the loader stream
-    is idle, and are waited for before returning, so the result is ready for the
-    loader stream. A chunk that cuDF would not convert exactly as the CPU does (see
-    :class:`gpuload.convert_gpu.Unsupported`) is decoded by ``fallback`` on the CPU
-    and returned as host arrays (the reader caches them and uploads them once);
-    :attr:`fallbacks` counts such chunks.
+    :class:`gpuload.gpu.DeviceContext`; call it inside ``ctx.active()``). libcudf
+    decodes on the loader stream with stream-ordered memory
+    (:meth:`~gpuload.gpu.DeviceContext.decode_stream`), and the conversion kernels
+    follow on that stream, so decoding a chunk never waits for, nor holds up, the
+    training step's kernels on another stream. A chunk that cuDF would not convert
+    exactly as the CPU does (see :class:`gpuload.convert_gpu.Unsupported`) is decoded
+    by ``fallback`` on the CPU and returned as host arrays (the reader caches them and
+    uploads them once); :attr:`fallbacks` counts such chunks.
     """
 
     name = "gpu"
@@ -141,8 +142,6 @@ class GpuDecoder:
         self.fallbacks = 0  #: chunks decoded on the CPU because cuDF would not give the CPU path's bytes
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
-        import cupy
-
         from .convert_gpu import Unsupported, columns_to_set, read_row_groups
 
         where = _where(f, chunk)
@@ -150,9 +149,12 @@ class GpuDecoder:
         try:
             _check_gpu_names(f, specs)
             staged = _stage(f, chunk, specs, self.fallback.fetch) if f.remote else None
-            with cupy.cuda.Stream.null, (m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext()):  # libcudf decodes on the legacy default stream, into RMM memory
+            stream = self.ctx.decode_stream()
+            with m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext():
                 try:
-                    raw = read_row_groups(staged or f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs))
+                    raw = read_row_groups(staged or f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs),
+                                          stream=stream)
+                    self.ctx.stream.synchronize()  # libcudf's I/O and decoding are one call: both count as decode
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
                                       "pass decode='cpu'") from None
@@ -162,17 +164,14 @@ class GpuDecoder:
                 finally:
                     if staged is not None:
                         os.unlink(staged)
-                done = cupy.cuda.Event(disable_timing=True)
-                done.record(cupy.cuda.Stream.null)  # ordered after every blocking stream's work, cuDF's included
-                done.synchronize()  # libcudf's I/O and decoding are one call: both count as decode
-            # convert on the loader stream, into the loader's memory; cuDF's buffers go back to
-            # RMM only once the loader stream has finished reading them
+            # convert on the loader stream into the loader's memory; cuDF's buffers go back to their
+            # stream-ordered pool when `raw` is dropped, after the kernels that read them
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
                 out = _own(columns_to_set(raw, specs, f.schema, chunk.rows, where))
-                self.ctx.stream.synchronize()
+                del raw
+                self.ctx.stream.synchronize()  # so that the span times the kernels, not their launch
                 if span is not None:
                     span.nbytes = nbytes(out)
-            del raw
             return out
         except Unsupported as e:
             with self._lock:

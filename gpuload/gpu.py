@@ -14,9 +14,12 @@ Memory and stream rules of the GPU path (invariant 7 of the design):
   on the loader stream, through DLPack; batches reach torch with ``torch.from_dlpack``
   (no copy) and an event recorded on the loader stream, which the consumer's stream
   waits on before it can see the batch;
-* agents that do not run on the loader stream (KvikIO reads, cuDF decode on the legacy
-  default stream) only write memory after the loader stream is idle, and are waited
-  for on the host before their output is used.
+* libcudf decodes on the loader stream too, with a stream-ordered RMM resource (CUDA's
+  own pool unless the process chose another, e.g. :func:`share_rmm_pool`), so a decode
+  is ordered with the kernels that convert its output and never waits for the
+  training step's kernels (as work on the legacy default stream, or ``cudaFree``, would);
+* agents that do not run on any stream (KvikIO reads) only write memory after the
+  loader stream is idle, and are waited for on the host before their output is used.
 
 With :func:`share_rmm_pool` torch allocates from RMM, whose torch allocator ignores
 ``record_stream``; the loader stream then waits for the consumer's stream before it
@@ -194,6 +197,7 @@ class DeviceContext:
             self._cp_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, self.index)
         self._rmm = _state["rmm"]
         self._local = threading.local()
+        self._decode = None  # the loader stream for libcudf, made on first use
 
     # -- memory -------------------------------------------------------------------------
     def _alloc(self, size: int):
@@ -249,6 +253,16 @@ class DeviceContext:
             self.stream.wait_stream(self.consumer)
         self.stream.synchronize()
 
+    def decode_stream(self):
+        """The loader stream as an rmm ``Stream``, for libcudf. The first call also makes
+        RMM's resource for this device stream-ordered (:func:`_stream_ordered_rmm`)."""
+        if self._decode is None:
+            from rmm.pylibrmm.stream import Stream
+
+            _stream_ordered_rmm(self.index)
+            self._decode = Stream(self._cp_stream)
+        return self._decode
+
     # -- host <-> device ----------------------------------------------------------------
     def upload(self, cols: dict) -> dict:
         """Host column set -> device column set (inside :meth:`active`); a device set is returned as is.
@@ -296,6 +310,29 @@ class DeviceContext:
         import cupy
 
         return cupy.asarray(idx)
+
+
+_ORDERED: set[int] = set()
+_ORDERED_LOCK = threading.Lock()
+
+
+def _stream_ordered_rmm(index: int) -> None:
+    """Make RMM's memory resource for device ``index`` CUDA's stream-ordered pool
+    (``CudaAsyncMemoryResource``), unless one was chosen already (:func:`share_rmm_pool`,
+    or the user's own). libcudf allocates its decode temporaries from it: with RMM's
+    default (plain ``cudaMalloc``/``cudaFree``) every free would wait for all the work on
+    the device, the training step's included."""
+    with _ORDERED_LOCK:
+        if index in _ORDERED:
+            return
+        import rmm.mr
+
+        with torch.cuda.device(index):
+            if type(rmm.mr.get_current_device_resource()) is rmm.mr.CudaMemoryResource:
+                rmm.mr.set_current_device_resource(rmm.mr.CudaAsyncMemoryResource())
+                log.info("gpuload: RMM's memory resource for cuda:%d is now CUDA's stream-ordered pool "
+                         "(CudaAsyncMemoryResource), for decoding with cuDF", index)
+        _ORDERED.add(index)
 
 
 def open_device(device: torch.device, options, metrics=None) -> tuple[DeviceContext | None, bool]:
