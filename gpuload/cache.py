@@ -168,15 +168,18 @@ class ChunkCache:
                  metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
         given = Path(root).expanduser()
         if not given.is_dir():
-            if given.exists() or not create:
-                what = "is not a folder" if given.exists() else "does not exist"
-                raise CacheError(f"cache folder {given} {what}; check --cache-dir / cache_dir= "
-                                 "(or $GPULOAD_CACHE_DIR)")
+            what = None if create else "is not a folder" if given.exists() else "does not exist"
             try:
-                given.mkdir(parents=True, exist_ok=True)
+                if what is None:  # a folder another process (another rank) made meanwhile is fine
+                    given.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # something that is not a folder
+                what = "is not a folder"
             except OSError as e:
                 raise CacheError(f"cache_dir {given}: cannot create it ({e}); pass another cache_dir "
                                  "or set GPULOAD_CACHE_DIR") from None
+            if what is not None:
+                raise CacheError(f"cache folder {given} {what}; check --cache-dir / cache_dir= "
+                                 "(or $GPULOAD_CACHE_DIR)")
         self.root = CacheRoot(given)
         self.metrics = metrics
         self._read_fn = read or (lambda fd, p, want, v, s: read_regions(fd, p, want, v, s, alloc)[1])
