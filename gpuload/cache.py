@@ -2,9 +2,9 @@
 
 Layout of a cache directory::
 
-    <cache_dir>/v2/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
-    <cache_dir>/v2/<hash of source path>/<chunk file name>.lock        build lock
-    <cache_dir>/v2/specs/<spec>.json                                   the column set, last use = mtime
+    <cache_dir>/v3/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+    <cache_dir>/v3/<hash of source path>/<chunk file name>.lock        build lock
+    <cache_dir>/v3/specs/<spec>.json                                   the column set, last use = mtime
 
 The name covers every input that changes the bytes: the source path, its size and
 mtime (the file version), the columns, groups, dtypes and fill values (the spec), the

@@ -44,7 +44,7 @@ __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "A
            "check_identity", "pread_all", "pwrite_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity"]
 
 MAGIC = b"GPULOAD\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: cast float NaNs stored as one bit pattern (the same on the CPU and the GPU)
 LAYOUT_DIR = f"v{FORMAT_VERSION}"  #: the cache's folder for this format
 SPECS_DIR = "specs"  #: in LAYOUT_DIR: one JSON description per column set
 SUFFIX = ".glc"  #: chunk files' suffix

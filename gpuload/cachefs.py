@@ -81,7 +81,7 @@ def _lstat(name: str, dir_fd: int) -> os.stat_result | None:
 class CacheRoot:
     """The cache directory, and safe operations on the folders and files below it.
 
-    ``parts`` arguments name folders below the root (e.g. ``("v2", "ab12...")``).
+    ``parts`` arguments name folders below the root (e.g. ``("v3", "ab12...")``).
 
     Parameters
     ----------

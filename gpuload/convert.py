@@ -61,23 +61,44 @@ def null_error(column: str, count: int, where: str, lists: bool = False) -> Null
                            "or one number for every column) to replace them")
 
 
+_QUIET_NAN = {2: 0x7E00, 4: 0x7FC00000, 8: 0x7FF8000000000000}  # NumPy's NaN per float size (no sign, no payload)
+_BF16_NAN = 0x7FC0  # torch's bfloat16 NaN on the CPU
+
+
+def _xp(a):
+    if isinstance(a, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
 def _bfloat16_bits(values):
-    """``values`` (NumPy or CuPy) rounded to bfloat16 as torch does, as uint16 bit patterns."""
+    """``values`` (NumPy or CuPy) rounded to bfloat16 as torch does, as uint16 bit patterns
+    (every NaN as 0x7FC0: torch's CUDA rounding gives 0x7FFF where its CPU one gives 0x7FC0)."""
     import torch
 
     if isinstance(values, np.ndarray):
         t = torch.from_numpy(np.array(values, copy=not values.flags.writeable, order="C"))
-        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    import cupy  # on the GPU path torch's current stream is the loader's, as CuPy's
+        bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    else:
+        import cupy  # on the GPU path torch's current stream is the loader's, as CuPy's
 
-    bits = torch.from_dlpack(cupy.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16)
-    return cupy.from_dlpack(bits).view(cupy.uint16)
+        t = torch.from_dlpack(cupy.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16)
+        bits = cupy.from_dlpack(t).view(cupy.uint16)
+    if values.dtype.kind == "f":
+        bits[_xp(values).isnan(values)] = _BF16_NAN
+    return bits
 
 
 def cast_values(values, dtype: str, column: str, where: str):
     """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round; casts to integers
     or bool must keep every value exactly, else :class:`ConfigError` names the column and the value.
-    ``"bfloat16"`` gives the uint16 bit patterns of torch's rounding."""
+    ``"bfloat16"`` gives the uint16 bit patterns of torch's rounding.
+
+    The same bytes on the CPU and the GPU: a cast float NaN becomes the positive quiet NaN
+    of its new type (CUDA's conversions give other bit patterns than NumPy's), and a float
+    outside an integer type's range is refused (NumPy wraps it, CUDA saturates it)."""
     if dtype == BFLOAT16:
         return _bfloat16_bits(values)
     dst = np.dtype(dtype)
@@ -85,9 +106,16 @@ def cast_values(values, dtype: str, column: str, where: str):
         return values
     with np.errstate(invalid="ignore", over="ignore"):  # checked below for integers; floats may round
         out = values.astype(dst)
+    if dst.kind == "f" and values.dtype.kind == "f":
+        nan = _xp(values).isnan(values)
+        if bool(nan.any()):
+            out.view(f"u{dst.itemsize}")[nan] = _QUIET_NAN[dst.itemsize]
     if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
         with np.errstate(invalid="ignore"):  # a value must come back unchanged, with its sign (no wrap-around)
             bad = (out.astype(values.dtype) != values) | ((out < 0) != (values < 0))
+            if dst.kind in "iu" and values.dtype.kind == "f":  # and lie in the integer type's range
+                info = np.iinfo(dst)
+                bad |= (values < float(info.min)) | (values >= 2.0 ** (info.bits - (info.min < 0)))
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "

@@ -7,7 +7,7 @@ file's identity (path, size, mtime and, for remote objects, the store's version
 marker): an unchanged file is then not even opened, and a remote one costs no GET.
 A changed file has another identity, so its footer is read again.
 
-File format (``<cache>/v2/<source folder>/<version>.footer``), little-endian::
+File format (``<cache>/v3/<source folder>/<version>.footer``), little-endian::
 
     offset 0   8 bytes   magic b"GPULFTR\\0"
     offset 8   u32       format version (1)

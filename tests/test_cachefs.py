@@ -26,6 +26,7 @@ import pytest
 
 import gpuload
 from gpuload.cache import ChunkCache
+from gpuload.cachefile import LAYOUT_DIR
 from gpuload.cachefs import CacheRoot, ForeignEntry, Lock
 from gpuload.cli import main
 from gpuload.synth import clicklog_columns, write_clicklog
@@ -120,7 +121,7 @@ def test_clear_deletes_nothing_outside_its_own_files(data, tmp_path, plant, refe
     _built(data, cache)
     foreign = _foreign(tmp_path)
     before = _tree(foreign)
-    layout = cache / "v2"
+    layout = cache / LAYOUT_DIR
     folders = sorted(p for p in layout.iterdir() if p.name != "specs")
     chunk = sorted(folders[0].glob("*.glc"))[0]
     if plant == "folder_link":  # a source folder replaced by a link to someone else's folder
@@ -153,7 +154,7 @@ def test_clear_deletes_nothing_outside_its_own_files(data, tmp_path, plant, refe
     assert _tree(foreign) == before, "a file outside the cache root was changed"
     left = _tree(cache)
     if plant == "foreign_files":
-        for name in ("v2/README", f"v2/{folders[0].name}/notes.txt", f"v2/{folders[0].name}/sub/{chunk.name}"):
+        for name in (f"{LAYOUT_DIR}/README", f"{LAYOUT_DIR}/{folders[0].name}/notes.txt", f"{LAYOUT_DIR}/{folders[0].name}/sub/{chunk.name}"):
             assert left[name] == inside[name]
         assert len(r["foreign"]) >= 2
     elif plant == "folder_link":
@@ -185,7 +186,7 @@ def test_stale_versions_temporaries_and_corrupt_files_spare_foreign_entries(tmp_
     before = _tree(foreign)
     import xxhash
 
-    folder = cache / "v2" / xxhash.xxh64_hexdigest(str(Path(files[0]).resolve()).encode())
+    folder = cache / LAYOUT_DIR / xxhash.xxh64_hexdigest(str(Path(files[0]).resolve()).encode())
     chunks = sorted(folder.glob("*.glc"))
     spec = chunks[0].name[:16]
     # a link named like a temporary, a stale version that is a link, a corrupt chunk that is a hard link
@@ -207,16 +208,16 @@ def test_stale_versions_temporaries_and_corrupt_files_spare_foreign_entries(tmp_
 
 def test_unlink_refuses_non_matching_and_non_regular(tmp_path):
     root = CacheRoot(tmp_path)
-    (tmp_path / "v2" / "x").mkdir(parents=True)
+    (tmp_path / LAYOUT_DIR / "x").mkdir(parents=True)
     name = "0123456789abcdef-0123456789abcdef-0-1.glc"
-    (tmp_path / "v2" / "x" / "a.txt").write_text("x")
-    (tmp_path / "v2" / "x" / name).mkdir()
+    (tmp_path / LAYOUT_DIR / "x" / "a.txt").write_text("x")
+    (tmp_path / LAYOUT_DIR / "x" / name).mkdir()
     from gpuload.cachefs import CHUNK
-    assert root.unlink(("v2", "x"), "a.txt", CHUNK) is None and (tmp_path / "v2" / "x" / "a.txt").exists()
-    assert root.unlink(("v2", "x"), name, CHUNK) is None and (tmp_path / "v2" / "x" / name).is_dir()
-    (tmp_path / "v2" / "x" / name).rmdir()
-    (tmp_path / "v2" / "x" / name).write_bytes(b"12345")
-    assert root.unlink(("v2", "x"), name, CHUNK).st_size == 5 and not (tmp_path / "v2" / "x" / name).exists()
+    assert root.unlink((LAYOUT_DIR, "x"), "a.txt", CHUNK) is None and (tmp_path / LAYOUT_DIR / "x" / "a.txt").exists()
+    assert root.unlink((LAYOUT_DIR, "x"), name, CHUNK) is None and (tmp_path / LAYOUT_DIR / "x" / name).is_dir()
+    (tmp_path / LAYOUT_DIR / "x" / name).rmdir()
+    (tmp_path / LAYOUT_DIR / "x" / name).write_bytes(b"12345")
+    assert root.unlink((LAYOUT_DIR, "x"), name, CHUNK).st_size == 5 and not (tmp_path / LAYOUT_DIR / "x" / name).exists()
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ def _plant_odd(cache: Path, chunk: Path, kind: str, tmp_path: Path) -> None:
 def test_odd_entries_are_never_served_and_never_block(data, tmp_path, kind, reference, caplog):
     cache = tmp_path / "cache"
     _built(data, cache)
-    chunk = sorted((cache / "v2").rglob("*.glc"))[1]
+    chunk = sorted((cache / LAYOUT_DIR).rglob("*.glc"))[1]
     _plant_odd(cache, chunk, kind, tmp_path)
     caplog.set_level(logging.WARNING, logger="gpuload")
     result = {}
@@ -291,13 +292,13 @@ def test_lock_retries_when_its_file_is_removed(tmp_path):
     """A lock taken on a lock file that `cache clear` removed meanwhile does not count: the
     waiter locks the current file, so two builders never hold "the" lock at once."""
     root = CacheRoot(tmp_path)
-    first = Lock(root, ("v2", "ab"), "x.lock")
+    first = Lock(root, (LAYOUT_DIR, "ab"), "x.lock")
     assert first.acquire()
     waiting, holding, done = threading.Event(), threading.Event(), threading.Event()
     got = {}
 
     def second():
-        lock = Lock(root, ("v2", "ab"), "x.lock")
+        lock = Lock(root, (LAYOUT_DIR, "ab"), "x.lock")
         waiting.set()
         got["ok"] = lock.acquire()  # blocks on the old file, then must move to the new one
         got["ino"], got["links"] = os.fstat(lock._fd).st_ino, os.fstat(lock._fd).st_nlink
@@ -308,15 +309,15 @@ def test_lock_retries_when_its_file_is_removed(tmp_path):
     t = threading.Thread(target=second)
     t.start()
     waiting.wait(10)
-    os.unlink(tmp_path / "v2" / "ab" / "x.lock")  # a `cache clear` meanwhile
+    os.unlink(tmp_path / LAYOUT_DIR / "ab" / "x.lock")  # a `cache clear` meanwhile
     first.release()
     assert holding.wait(30)
     assert got["ok"] and got["links"] == 1  # not the removed file (inode numbers may be reused)
-    assert os.stat(tmp_path / "v2" / "ab" / "x.lock").st_ino == got["ino"]
-    assert not Lock(root, ("v2", "ab"), "x.lock").acquire(blocking=False)  # the current file is held
+    assert os.stat(tmp_path / LAYOUT_DIR / "ab" / "x.lock").st_ino == got["ino"]
+    assert not Lock(root, (LAYOUT_DIR, "ab"), "x.lock").acquire(blocking=False)  # the current file is held
     done.set()
     t.join(10)
-    assert Lock(root, ("v2", "ab"), "x.lock").acquire(blocking=False)
+    assert Lock(root, (LAYOUT_DIR, "ab"), "x.lock").acquire(blocking=False)
 
 
 def test_a_lock_held_by_a_stopped_process_never_blocks_a_reader(data, tmp_path, reference, caplog):
@@ -380,14 +381,14 @@ def test_delete_and_unlink_never_leave_the_cache(tmp_path):
     root = tmp_path / "cache"
     victim = tmp_path / "0123456789abcdef-0123456789abcdef-0-1.glc"
     victim.write_bytes(b"x" * 8)
-    (root / "v2" / "0123456789abcdef").mkdir(parents=True)
+    (root / LAYOUT_DIR / "0123456789abcdef").mkdir(parents=True)
     cache = ChunkCache(root, create=False)
-    for p in (root / "v2" / ".." / ".." / victim.name, root / "v2" / "0123456789abcdef" / ".." / ".." / ".." /
+    for p in (root / LAYOUT_DIR / ".." / ".." / victim.name, root / LAYOUT_DIR / "0123456789abcdef" / ".." / ".." / ".." /
               victim.name, str(victim), victim):
         assert cache.delete(p) == 0
     from gpuload.cachefs import CHUNK
 
-    for parts, name in ((("v2", ".."), victim.name), (("..",), victim.name), (("v2",), "../../" + victim.name)):
+    for parts, name in (((LAYOUT_DIR, ".."), victim.name), (("..",), victim.name), ((LAYOUT_DIR,), "../../" + victim.name)):
         with pytest.raises(ForeignEntry):
             cache.root.unlink(parts, name, CHUNK) if "/" not in name else cache.root.open_read(parts, name)
     assert victim.read_bytes() == b"x" * 8
@@ -403,7 +404,7 @@ def test_odd_layout_and_specs_entries(data, tmp_path, kind, reference):
     that is not one: data is exact, `build_cache` and the CLI report instead of crashing."""
     cache = tmp_path / "cache"
     _built(data, cache)
-    layout, specs = cache / "v2", cache / "v2" / "specs"
+    layout, specs = cache / LAYOUT_DIR, cache / LAYOUT_DIR / "specs"
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "keep.json").write_text("{}")
     spec_file = next(specs.glob("*.json"))
@@ -455,17 +456,17 @@ def test_odd_layout_and_specs_entries(data, tmp_path, kind, reference):
 
 def test_lock_refuses_a_link_or_folder(tmp_path):
     root = CacheRoot(tmp_path)
-    (tmp_path / "v2" / "ab").mkdir(parents=True)
+    (tmp_path / LAYOUT_DIR / "ab").mkdir(parents=True)
     (tmp_path / "t").write_text("x")
-    (tmp_path / "v2" / "ab" / "l.lock").symlink_to(tmp_path / "t")
-    (tmp_path / "v2" / "ab" / "d.lock").mkdir()
+    (tmp_path / LAYOUT_DIR / "ab" / "l.lock").symlink_to(tmp_path / "t")
+    (tmp_path / LAYOUT_DIR / "ab" / "d.lock").mkdir()
     for name in ("l.lock", "d.lock"):
         with pytest.raises(ForeignEntry):
-            Lock(root, ("v2", "ab"), name).acquire()
+            Lock(root, (LAYOUT_DIR, "ab"), name).acquire()
     assert (tmp_path / "t").read_text() == "x"
-    (tmp_path / "v2" / "cd").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / LAYOUT_DIR / "cd").symlink_to(tmp_path, target_is_directory=True)
     with pytest.raises(ForeignEntry):
-        Lock(root, ("v2", "cd"), "x.lock").acquire()
+        Lock(root, (LAYOUT_DIR, "cd"), "x.lock").acquire()
     assert not (tmp_path / "x.lock").exists()
 
 
@@ -557,7 +558,7 @@ def test_mode_000_chunk_and_folder_are_decoded_with_a_warning(data, shared, refe
     _built(d, cache)
     for p in [shared, *shared.rglob("*")]:
         p.chmod(0o777 if p.is_dir() else 0o666)
-    folders = sorted(p for p in (cache / "v2").iterdir() if p.name != "specs")
+    folders = sorted(p for p in (cache / LAYOUT_DIR).iterdir() if p.name != "specs")
     sorted(folders[0].glob("*.glc"))[0].chmod(0)
     folders[1].chmod(0)
     r = _as_nobody(d, cache, shared / "out.npz", cwd=shared)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from gpuload.cache import read_chunk
+from gpuload.cachefile import LAYOUT_DIR
 from gpuload.cli import main
 from gpuload.synth import write_clicklog
 
@@ -117,7 +118,7 @@ def test_info_shows_column_sets_and_clear_removes_one_or_the_unused(data, tmp_pa
     assert len(specs) == 2
     assert "label (int8), dense_0 (float32)" in out and "dense=[dense_0, dense_1] (bfloat16)" in out
     # the older column set was last used long ago
-    spec_files = {p.stem: p for p in (tmp_path / "cache" / "v2" / "specs").glob("*.json")}
+    spec_files = {p.stem: p for p in (tmp_path / "cache" / LAYOUT_DIR / "specs").glob("*.json")}
     old = next(h for h in specs if "dense_0 (float32)" in next(line for line in out.splitlines() if h in line))
     long_ago = time.time() - 90 * 86400
     os.utime(spec_files[old], (long_ago, long_ago))
@@ -172,7 +173,7 @@ def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, c
     cache = tmp_path / "cache"
     for cols in ("label", "dense_0", "dense_1", "label,dense_0", "label,dense_1"):
         assert main(["cache", "build", str(data), "--cache-dir", str(cache), "--columns", cols]) == 0
-    specs = sorted(p.stem for p in (cache / "v2" / "specs").glob("*.json"))
+    specs = sorted(p.stem for p in (cache / LAYOUT_DIR / "specs").glob("*.json"))
     prefixes = {h[:4] for h in specs}
     shared = next((p for p in prefixes if sum(h.startswith(p) for h in specs) > 1), None)
     if shared is None:  # no two hashes share 4 digits here: the API refuses an ambiguous prefix alike

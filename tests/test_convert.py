@@ -308,6 +308,47 @@ def test_lossy_integer_cast_is_refused(values, dtype):
         convert(pa.table({"x": pa.array(values)}), {"y": "x"}, dtypes={"y": dtype})
 
 
+class _Saturating(np.ndarray):
+    """Floats whose casts to integers saturate, as CUDA's do (NumPy's wrap around)."""
+
+    def astype(self, dtype, *args, **kwargs):
+        dtype = np.dtype(dtype)
+        if dtype.kind in "iu" and self.dtype.kind == "f":
+            info = np.iinfo(dtype)
+            return np.clip(np.asarray(self, np.float64), info.min, info.max).astype(dtype)
+        return np.asarray(self).astype(dtype, *args, **kwargs)
+
+
+@pytest.mark.parametrize("value, dtype", [(2.0**31, "int32"), (2.0**63, "int64"), (-(2.0**63) * 2, "int64"),
+                                          (2.0**64, "uint64"), (70000.0, "uint16")])
+def test_float_out_of_integer_range_is_refused_where_casts_saturate(value, dtype):
+    """On a GPU 2**31 as float32 becomes INT32_MAX, which comes back as 2**31: the round trip
+    alone would let it through."""
+    from gpuload.convert import cast_values
+
+    for src in (np.float32, np.float64):
+        values = np.array([1.0, value], src).view(_Saturating)
+        with pytest.raises(gpuload.ConfigError, match=f"'x' holds .* which {dtype} cannot represent"):
+            cast_values(values, np.dtype(dtype).str, "x", "w")
+    ok = np.array([1.0, 2.0**31 - 128, -(2.0**31)], np.float32).view(_Saturating)  # in range: kept
+    assert cast_values(ok, "<i4", "x", "w").tolist() == [1, 2**31 - 128, -(2**31)]
+
+
+def test_cast_nans_become_one_pattern():
+    """NaNs of either sign or any payload: the positive quiet NaN of the new float type (CUDA's
+    conversions give other patterns than NumPy's; the bytes must not depend on the device)."""
+    from gpuload.convert import cast_values
+
+    weird = np.array([0x7FF8000000000000, 0xFFF8000000000000, 0x7FF0000000000001, 0xFFF4000000000123],
+                     np.uint64).view(np.float64)
+    v = np.concatenate([weird, [1.5, -np.inf]])
+    assert cast_values(v, "<f2", "x", "w").view(np.uint16).tolist()[:4] == [0x7E00] * 4
+    assert cast_values(v, "<f4", "x", "w").view(np.uint32).tolist()[:4] == [0x7FC00000] * 4
+    assert cast_values(v, "bfloat16", "x", "w").tolist()[:4] == [0x7FC0] * 4
+    assert cast_values(v, "<f4", "x", "w")[4:].tolist() == [1.5, -np.inf]
+    assert cast_values(v, "<f8", "x", "w") is v  # no cast: the file's bytes, NaN payloads included
+
+
 def test_exact_narrowing_and_float_rounding_are_allowed():
     out = convert(pa.table({"x": pa.array([1, -5, 127]), "f": pa.array([0.1, 1e300, -2.5])}),
                   {"x": "x", "f": "f"}, dtypes={"x": "int8", "f": "float32"})

@@ -18,6 +18,7 @@ import pytest
 
 import gpuload
 from gpuload import decode as decode_mod
+from gpuload.cachefile import LAYOUT_DIR
 from gpuload.cli import main
 from gpuload.profile import disk_read_gbps, profile
 
@@ -171,11 +172,11 @@ def test_disk_read_speed_is_measured(tmp_path):
     # cache files are opened through the cache root: a linked folder in it is never followed
     from gpuload.cachefs import CacheRoot
 
-    (tmp_path / "cache" / "v2").mkdir(parents=True)
-    (tmp_path / "cache" / "v2" / "0123456789abcdef").symlink_to(tmp_path, target_is_directory=True)
+    (tmp_path / "cache" / LAYOUT_DIR).mkdir(parents=True)
+    (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").symlink_to(tmp_path, target_is_directory=True)
     root = CacheRoot(tmp_path / "cache")
-    assert disk_read_gbps([(root, ("v2", "0123456789abcdef"), "f.bin")]) is None
-    (tmp_path / "cache" / "v2" / "0123456789abcdef").unlink()
-    (tmp_path / "cache" / "v2" / "0123456789abcdef").mkdir()
-    os.link(p, tmp_path / "cache" / "v2" / "0123456789abcdef" / "f.bin")
-    assert disk_read_gbps([(root, ("v2", "0123456789abcdef"), "f.bin")]) > 0
+    assert disk_read_gbps([(root, (LAYOUT_DIR, "0123456789abcdef"), "f.bin")]) is None
+    (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").unlink()
+    (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").mkdir()
+    os.link(p, tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef" / "f.bin")
+    assert disk_read_gbps([(root, (LAYOUT_DIR, "0123456789abcdef"), "f.bin")]) > 0

@@ -9,7 +9,8 @@ on any device, in any order, row by row: :meth:`Expected.check`.
 The table has nulls to fill in scalars, lists and fixed-size lists, NaNs, the full
 range of unsigned integers, negative dates, timestamps with and without a time zone,
 durations and times, dictionary-encoded numbers, ragged lists with null lists and null
-elements, a stacked group of three types, and casts (float16, bfloat16, widening).
+elements, a stacked group of three types, and casts (float16, float32 and bfloat16 of
+float64 data with NaNs of both signs, widening integers).
 :data:`NATIVE` leaves out the outputs that libcudf cannot decode to the CPU path's bytes
 (float16, which it reads as strings), so a GPU decode of it falls back for no chunk.
 """
@@ -30,10 +31,12 @@ COLUMNS = {
     "d32": "d32", "d64": "d64", "ts_s": "ts_s", "ts_ms_ny": "ts_ms_ny", "ts_us": "ts_us", "ts_ns": "ts_ns",
     "dur_us": "dur_us", "t32": "t32", "t64": "t64", "cat": "cat", "catf": "catf",
     "hist": "hist", "lf": "lf", "emb": "emb", "dense": ["f32", "i8", "u16"],
-    "half": "g64", "brain": "h64", "wide": "i16w",
+    "half": "g64", "brain": "h64", "single": "k64", "wide": "i16w",
 }
 FILL = {"b": True, "i32": -7, "f64": -1.0, "d32": 0, "ts_us": 0, "hist": 0, "emb": 7.5}
-DTYPES = {"dense": "float32", "half": "float16", "brain": torch.bfloat16, "wide": "int64", "lf": "float16"}
+DTYPES = {"dense": "float32", "half": "float16", "brain": torch.bfloat16, "single": "float32", "wide": "int64",
+          "lf": "float16"}
+QUIET_NAN = {np.dtype(np.float16): 0x7E00, np.dtype(np.float32): 0x7FC00000}  # what a cast NaN becomes
 NATIVE = {k: v for k, v in COLUMNS.items() if k not in ("f16", "lf")}
 BFLOAT16_OUTPUTS = {"brain"}
 
@@ -77,6 +80,20 @@ class Expected:
 
 def _masked(rng, n: int, p: float) -> np.ndarray:
     return rng.random(n) < p
+
+
+def _with_nans(v: np.ndarray, every: int) -> np.ndarray:
+    """``v`` with NaNs and negative NaNs (sign bit set) sprinkled in."""
+    v[::every] = np.nan
+    v[1::every] = -np.nan
+    return v
+
+
+def _cast(v: np.ndarray, dtype) -> np.ndarray:
+    """``v.astype(dtype)`` with every NaN as the positive quiet NaN of ``dtype`` (gpuload's rule)."""
+    out = v.astype(dtype)
+    out.view(f"u{out.itemsize}")[np.isnan(v)] = QUIET_NAN[out.dtype]
+    return out
 
 
 def _ragged(rng, n: int, values_of, null_rows=None, null_elems: float = 0.0, fill=0):
@@ -150,24 +167,28 @@ def every_type(n: int, seed: int = 0, first_id: int = 0) -> tuple[pa.Table, Expe
     exp["catf"] = catf
     cols["hist"], rag["hist"] = _ragged(rng, n, lambda m: rng.integers(-10**12, 10**12, m),
                                         null_rows=_masked(rng, n, 0.1), null_elems=0.05, fill=0)
-    lf, (lens, starts, vals) = _ragged(rng, n, lambda m: rng.standard_normal(m) * 100)
-    cols["lf"], rag["lf"] = lf, (lens, starts, vals.astype(np.float16))
+    lf, (lens, starts, vals) = _ragged(rng, n, lambda m: _with_nans(rng.standard_normal(m) * 100, 53))
+    cols["lf"], rag["lf"] = lf, (lens, starts, _cast(vals, np.float16))
     emb = rng.standard_normal((n, 4)).astype(np.float32)
     null_emb = _masked(rng, n, 0.1)
     cols["emb"] = pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), 4, mask=pa.array(null_emb))
     exp["emb"] = np.where(null_emb[:, None], np.float32(7.5), emb)
     exp["dense"] = np.stack([exp["f32"], exp["i8"].astype(np.float32), exp["u16"].astype(np.float32)], axis=1)
-    g64 = rng.standard_normal(n) * 1e3
-    g64[::71] = np.nan
+    g64 = _with_nans(rng.standard_normal(n) * 1e3, 71)
     plain("g64", g64)
-    exp["half"] = g64.astype(np.float16)
-    h64 = rng.standard_normal(n) * 1e3
+    exp["half"] = _cast(g64, np.float16)
+    h64 = _with_nans(rng.standard_normal(n) * 1e3, 67)
     plain("h64", h64)
-    exp["brain"] = torch.from_numpy(h64).to(torch.bfloat16).view(torch.int16).numpy()
+    brain = torch.from_numpy(h64).to(torch.bfloat16).view(torch.int16).numpy()
+    brain[np.isnan(h64)] = 0x7FC0  # one NaN pattern for bfloat16 too
+    exp["brain"] = brain
+    k64 = _with_nans(rng.standard_normal(n) * 1e30, 61)
+    plain("k64", k64)
+    exp["single"] = _cast(k64, np.float32)
     i16w = rng.integers(-2**15, 2**15, n).astype(np.int16)
     plain("i16w", i16w)
     exp["wide"] = i16w.astype(np.int64)
-    for k in ("g64", "h64", "i16w"):
+    for k in ("g64", "h64", "k64", "i16w"):
         del exp[k]
     return pa.table(cols), Expected(exp, rag)
 
