@@ -22,8 +22,10 @@ Memory and stream rules of the GPU path (invariant 7 of the design):
   loader stream is idle, and are waited for on the host before their output is used.
 
 With :func:`share_rmm_pool` torch allocates from RMM, whose torch allocator ignores
-``record_stream``; the loader stream then waits for the consumer's stream before it
-writes a new buffer, which keeps the same guarantee at the cost of some overlap.
+``record_stream``: each loader buffer then has an owner that does by hand what
+``record_stream`` does. When the last view of the buffer goes, the loader stream waits
+for the work the consumer's stream has queued, and only then is the block freed, in
+loader-stream order (after gpuload's own kernels that read it).
 """
 
 from __future__ import annotations
@@ -139,8 +141,10 @@ def share_rmm_pool(initial_pool_bytes: int | None = None) -> None:
     """Make torch, CuPy and cuDF allocate from one RMM pool (opt-in).
 
     Call it once per process, **before anything allocates CUDA memory through torch**:
-    first thing in the training script, after ``import torch`` and before building the
-    model, moving anything ``.to("cuda")`` or creating a :class:`~gpuload.ParquetDataset`.
+    first thing in the training script, after ``import torch`` (and, under DDP, after
+    ``torch.cuda.set_device(local_rank)``: the pool is made on the current device) and
+    before building the model, moving anything ``.to("cuda")`` or creating a
+    :class:`~gpuload.ParquetDataset`.
     torch cannot change its allocator once it has allocated, so a late call raises
     :class:`GpuloadError`. Without it, torch and RAPIDS keep separate pools (both
     bounded; gpuload's own buffers always come from torch's).
@@ -164,7 +168,7 @@ def share_rmm_pool(initial_pool_bytes: int | None = None) -> None:
     except RuntimeError as e:
         raise GpuloadError(f"share_rmm_pool(): torch refused the RMM allocator ({e}); call it before torch's first "
                            "CUDA allocation") from None
-    rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_bytes)
+    rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_bytes, devices=torch.cuda.current_device())
     import cupy
 
     cupy.cuda.set_allocator(rmm_cupy_allocator)
@@ -204,15 +208,13 @@ class DeviceContext:
         """CuPy allocator hook: torch memory on the loader stream, guarded for the consumer."""
         import cupy
 
-        if self._rmm:  # RMM's torch allocator ignores record_stream: the block is freed in the
-            # consumer's stream order, and the loader waits for the consumer before writing it
-            with torch.cuda.stream(self.consumer):
-                t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
-            self.stream.wait_stream(self.consumer)
+        t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # on the loader stream
+        if self._rmm:  # RMM's torch allocator ignores record_stream: guard the block by hand
+            owner = _ReleasedAfterConsumer(t, self.stream, self.consumer)
         else:
-            t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)
             t.record_stream(self.consumer)
-        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, t, self.index), 0)
+            owner = t
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, owner, self.index), 0)
 
     @contextlib.contextmanager
     def active(self):
@@ -249,8 +251,6 @@ class DeviceContext:
 
         Call before an agent that ignores streams (KvikIO) writes into a new buffer.
         """
-        if self._rmm:
-            self.stream.wait_stream(self.consumer)
         self.stream.synchronize()
 
     def decode_stream(self):
@@ -323,7 +323,7 @@ def _stream_ordered_rmm(index: int) -> None:
     default (plain ``cudaMalloc``/``cudaFree``) every free would wait for all the work on
     the device, the training step's included."""
     with _ORDERED_LOCK:
-        if index in _ORDERED:
+        if index in _ORDERED or _state["rmm"]:  # never under share_rmm_pool: torch's blocks come from RMM
             return
         import rmm.mr
 
@@ -333,6 +333,23 @@ def _stream_ordered_rmm(index: int) -> None:
                 log.info("gpuload: RMM's memory resource for cuda:%d is now CUDA's stream-ordered pool "
                          "(CudaAsyncMemoryResource), for decoding with cuDF", index)
         _ORDERED.add(index)
+
+
+class _ReleasedAfterConsumer:
+    """Owner of a loader buffer when torch allocates from RMM (whose torch allocator ignores
+    ``record_stream``): dropped with the last view of the buffer, it makes the loader stream
+    wait for the consumer's queued work before the block is freed in loader-stream order."""
+
+    __slots__ = ("tensor", "loader", "consumer")
+
+    def __init__(self, tensor: torch.Tensor, loader, consumer):
+        self.tensor, self.loader, self.consumer = tensor, loader, consumer
+
+    def __del__(self):
+        try:
+            self.loader.wait_stream(self.consumer)
+        except Exception:  # noqa: S110 - at interpreter exit CUDA may already be gone
+            pass
 
 
 def open_device(device: torch.device, options, metrics=None) -> tuple[DeviceContext | None, bool]:
