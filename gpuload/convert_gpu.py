@@ -97,7 +97,10 @@ def _valid(col):
 
 
 def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str):
-    """Values of a non-list column as CuPy ``vt.dtype``: nulls filled, temporals as int64."""
+    """Values of a non-list column as CuPy ``vt.dtype``: nulls filled, temporals as int64.
+
+    Always in new memory (the caller's allocator), never a view of ``col``'s buffer: the
+    column set outlives the libcudf columns it was read from."""
     import cupy
 
     tid = col.type().id()
@@ -105,7 +108,7 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str)
     if phys is None:
         raise Unsupported(f"column {column!r} is read by cuDF as {tid.name}")
     off, n = col.offset(), col.size()
-    vals = _buffer(col, phys, off + n)[off:]
+    raw = vals = _buffer(col, phys, off + n)[off:]
     if vt.temporal:
         unit = _unit(tid)
         if vt.temporal == "date64" and unit == "ms":
@@ -121,7 +124,7 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str)
         if fill is None:
             raise null_error(column, nulls, where)
         vals = cupy.where(_valid(col), vals, vals.dtype.type(fill))
-    return vals.astype(vt.dtype, copy=False)
+    return vals.astype(vt.dtype, copy=vals is raw)
 
 
 def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str):

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .batch import Ragged, nbytes
+from .batch import nbytes
 from .cachefile import pwrite_all
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
@@ -164,10 +164,11 @@ class GpuDecoder:
                 finally:
                     if staged is not None:
                         os.unlink(staged)
-            # convert on the loader stream into the loader's memory; cuDF's buffers go back to their
-            # stream-ordered pool when `raw` is dropped, after the kernels that read them
+            # convert on the loader stream into the loader's memory (no view of cuDF's buffers is
+            # kept); they go back to their stream-ordered pool when `raw` is dropped, after the
+            # kernels that read them
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
-                out = _own(columns_to_set(raw, specs, f.schema, chunk.rows, where))
+                out = columns_to_set(raw, specs, f.schema, chunk.rows, where)
                 del raw
                 self.ctx.stream.synchronize()  # so that the span times the kernels, not their launch
                 if span is not None:
@@ -214,9 +215,3 @@ def _stage(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Call
     finally:
         os.close(fd)
     return path
-
-
-def _own(cols: dict) -> dict:
-    """Fresh copies (in the current allocator's memory) of every array of a CuPy column set."""
-    return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
-            for k, v in cols.items()}

@@ -18,8 +18,8 @@ Memory and stream rules of the GPU path (invariant 7 of the design):
   own pool unless the process chose another, e.g. :func:`share_rmm_pool`), so a decode
   is ordered with the kernels that convert its output and never waits for the
   training step's kernels (as work on the legacy default stream, or ``cudaFree``, would);
-* agents that do not run on any stream (KvikIO reads) only write memory after the
-  loader stream is idle, and are waited for on the host before their output is used.
+* cache reads are ordered on the loader stream as well: a GPUDirect Storage read
+  (KvikIO's ``raw_read_async``) or a copy from pinned memory (:mod:`gpuload.cache_gpu`).
 
 With :func:`share_rmm_pool` torch allocates from RMM, whose torch allocator ignores
 ``record_stream``: each loader buffer then has an owner that does by hand what
@@ -202,6 +202,10 @@ class DeviceContext:
         self._rmm = _state["rmm"]
         self._local = threading.local()
         self._decode = None  # the loader stream for libcudf, made on first use
+        import kvikio.defaults
+
+        #: cache reads by GPUDirect Storage (KvikIO not in compat mode): see gpuload.cache_gpu
+        self.gds = not kvikio.defaults.is_compat_mode_preferred()
 
     # -- memory -------------------------------------------------------------------------
     def _alloc(self, size: int):
@@ -245,13 +249,6 @@ class DeviceContext:
         import cupy
 
         return cupy.empty(nbytes, dtype=cupy.uint8)
-
-    def before_external_write(self) -> None:
-        """Wait until no loader-stream work can still touch memory handed out for reuse.
-
-        Call before an agent that ignores streams (KvikIO) writes into a new buffer.
-        """
-        self.stream.synchronize()
 
     def decode_stream(self):
         """The loader stream as an rmm ``Stream``, for libcudf. The first call also makes

@@ -48,9 +48,9 @@ class _Pointer:  # cupy.cuda.MemoryPointer
         self.mem, self.offset = mem, offset
 
 
-def _ndarray(shape, dtype, memptr):
+def _ndarray(shape, dtype, memptr):  # a view of the column's buffer, as on the GPU
     raw = memptr.mem.buf[memptr.offset:memptr.offset + memptr.mem.size]
-    return np.frombuffer(raw.tobytes(), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
 
 
 @pytest.fixture
@@ -154,8 +154,17 @@ def _both(tmp_path, table, columns, fill, dtypes=None, row_group_size=5000):
     for a, b in ((0, 1), (1, pf.num_row_groups)):
         t = pf.read_row_groups(range(a, b), columns=needed_columns(specs))
         cols = {c: _col(t.column(c).combine_chunks()) for c in needed_columns(specs)}
-        out.append((table_to_columns(t, specs, "w"), columns_to_set(cols, specs, pf.schema_arrow, t.num_rows, "w")))
+        gpu = columns_to_set(cols, specs, pf.schema_arrow, t.num_rows, "w")
+        buffers = [b for c in cols.values() for b in _buffers(c)]
+        for k, v in gpu.items():  # the column set outlives libcudf's columns: it must not view them
+            for a in (v.values, v.offsets) if isinstance(v, Ragged) else (v,):
+                assert not any(np.shares_memory(a, b) for b in buffers), k
+        out.append((table_to_columns(t, specs, "w"), gpu))
     return out
+
+
+def _buffers(col: _Col) -> list:
+    return [b for b in (col._data, col._mask) if b is not None] + [b for c in col._children for b in _buffers(c)]
 
 
 def _assert_identical(cpu: dict, gpu: dict):
