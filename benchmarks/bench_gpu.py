@@ -147,18 +147,21 @@ class _Notes:
             ds.metrics.write_trace(self.trace_dir / f"{name.replace(' ', '_')}.json")
 
 
+def dist_version(*names: str) -> str:
+    """Version of the first installed distribution of ``names`` (e.g. the cu13 and cu12 wheels), or "-"."""
+    for n in names:
+        try:
+            return metadata.version(n)
+        except metadata.PackageNotFoundError:
+            continue
+    return "-"
+
+
 def _versions() -> str:
     import kvikio
     import kvikio.cufile_driver
 
-    def dist(*names):
-        for n in names:
-            try:
-                return metadata.version(n)
-            except metadata.PackageNotFoundError:
-                continue
-        return "not installed"
-
+    dist = dist_version
     try:
         gds = kvikio.cufile_driver.get("is_gds_available")
     except Exception as e:  # no cuFile library: compat mode only

@@ -122,18 +122,11 @@ def _run(cmd: list[str], log: Path, seconds: float) -> int:
 
 ENV_CHECK = r"""
 import importlib, json, sys, tempfile
-from importlib import metadata
 import numpy as np, torch
 import gpuload
 from gpuload import gpu
-
-def v(*names):
-    for n in names:
-        try:
-            return metadata.version(n)
-        except metadata.PackageNotFoundError:
-            pass
-    return "-"
+sys.path.insert(0, "benchmarks")
+from bench_gpu import dist_version as v
 
 print("python", sys.version.split()[0], "| torch", torch.__version__, "CUDA", torch.version.cuda, "| numpy",
       np.__version__, "| pyarrow", v("pyarrow"), "| cupy", v("cupy-cuda13x", "cupy-cuda12x"), "| pylibcudf",
