@@ -107,7 +107,7 @@ def _env() -> dict:
 def _run(cmd: list[str], log: Path, seconds: float) -> int:
     """Run ``cmd`` in the repository root with output appended to ``log``; 124 when it ran out of time."""
     with open(log, "a") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
+        f.write("$ " + " ".join(c if len(c) < 200 else c.strip().splitlines()[0] + " ..." for c in cmd) + "\n")
         f.flush()
         try:
             return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
