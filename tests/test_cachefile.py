@@ -21,7 +21,7 @@ import xxhash
 
 import gpuload
 from gpuload.cache import ChunkCache
-from gpuload.cachefile import PREFIX, align
+from gpuload.cachefile import FORMAT_VERSION, PREFIX, align
 from gpuload.synth import clicklog_columns, write_clicklog
 
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}
@@ -208,7 +208,7 @@ def test_absurdly_nested_header_is_corrupt_not_a_crash(tmp_path):
 
     path = tmp_path / "c.glc"
     blob = b"[" * 200_000 + b"]" * 200_000
-    head = PREFIX.pack(b"GPULOAD\0", 2, len(blob), xxhash.xxh3_64_intdigest(blob)) + blob
+    head = PREFIX.pack(b"GPULOAD\0", FORMAT_VERSION, len(blob), xxhash.xxh3_64_intdigest(blob)) + blob
     path.write_bytes(head + b"\0" * (align(len(head)) - len(head)))
     with pytest.raises(gpuload.CorruptCacheError, match="not JSON"):
         read_chunk(path)
