@@ -6,8 +6,9 @@ one device buffer of the loader's memory, and the columns are CuPy views of that
 buffer by offset. Every read is ordered on the loader stream, so it neither waits for
 nor holds up the training step's kernels:
 
-* with GPUDirect Storage (KvikIO not in compat mode), one KvikIO ``raw_read_async`` on
-  the loader stream reads the span from disk straight into device memory;
+* with GPUDirect Storage (see :func:`gpuload.gpu._gds_usable`), one KvikIO
+  ``raw_read_async`` on the loader stream reads the span from disk straight into
+  device memory;
 * otherwise the span is read into pinned host memory and copied with one
   ``non_blocking`` copy on the loader stream. (KvikIO's compat mode would also go
   through host memory, but its copies are ordered with the legacy default stream, that
@@ -70,7 +71,5 @@ def _gds_read(fd: int, path, buf, span: int, start: int, ctx) -> None:
             cf.close()
     except RuntimeError as e:  # KvikIO's I/O errors: the cache falls back to decoding, like any OSError
         raise OSError(errno.EIO, f"{path}: KvikIO could not read it ({e})") from None
-    if got < 0:  # cuFile's error codes
-        raise OSError(errno.EIO, f"{path}: KvikIO could not read it (cuFile error {got})")
     if got != span:
         raise CorruptCacheError(f"{path}: truncated cache file ({got} of {span} bytes read)")

@@ -84,8 +84,11 @@ def _bfloat16_bits(values):
     else:
         import cupy  # on the GPU path torch's current stream is the loader's, as CuPy's
 
-        t = torch.from_dlpack(cupy.ascontiguousarray(values)).to(torch.bfloat16).view(torch.int16)
-        bits = cupy.from_dlpack(t).view(cupy.uint16)
+        # into CuPy's (the loader's) memory, guarded for the consumer like every loader buffer,
+        # not into a tensor torch allocates on its own, which nothing would guard
+        out = cupy.empty(values.shape, dtype=cupy.int16)
+        torch.from_dlpack(out).view(torch.bfloat16).copy_(torch.from_dlpack(cupy.ascontiguousarray(values)))
+        bits = out.view(cupy.uint16)
     if values.dtype.kind == "f":
         bits[_xp(values).isnan(values)] = _BF16_NAN
     return bits
@@ -111,7 +114,7 @@ def cast_values(values, dtype: str, column: str, where: str):
         if bool(nan.any()):
             out.view(f"u{dst.itemsize}")[nan] = _QUIET_NAN[dst.itemsize]
     if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
-        with np.errstate(invalid="ignore"):  # a value must come back unchanged, with its sign (no wrap-around)
+        with np.errstate(invalid="ignore", over="ignore"):  # a value must come back unchanged, with its sign
             bad = (out.astype(values.dtype) != values) | ((out < 0) != (values < 0))
             if dst.kind in "iu" and values.dtype.kind == "f":  # and lie in the integer type's range
                 info = np.iinfo(dst)

@@ -192,14 +192,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         queued for the consumer and being cut (``prefetch + 4``, with 16 bytes per row
         for the gather's index arrays). While cuDF decodes (the first epoch), two more
         chunks per loader thread (``num_threads``) for the converted columns packed into
-        the storage layout; cuDF's own decode buffers come from RMM and are not counted.
+        the storage layout, and 24 bytes per row for the index arrays of null masks;
+        cuDF's own decode buffers come from RMM and are not counted.
         Independent of the dataset's size.
         """
         o, r = self.options, self.reader
         chunk = r.max_chunk_bytes()
         row = chunk / max(1, max((c.rows for c in r.chunks), default=1))
-        decoding = 2 * o.num_threads if getattr(r.decode, "name", "") == "gpu" else 0
-        return int((3 * o.shuffle_window + o.prefetch + 1 + decoding) * chunk
+        rows = max((c.rows for c in r.chunks), default=0)
+        decoding = o.num_threads * (2 * chunk + 24 * rows) if getattr(r.decode, "name", "") == "gpu" else 0
+        return int((3 * o.shuffle_window + o.prefetch + 1) * chunk + decoding
                    + (o.prefetch + 4) * o.batch_size * (row + 16))
 
     def set_epoch(self, epoch: int) -> None:

@@ -168,8 +168,10 @@ class GpuDecoder:
             # kept); they go back to their stream-ordered pool when `raw` is dropped, after the
             # kernels that read them
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
-                out = columns_to_set(raw, specs, f.schema, chunk.rows, where)
-                del raw
+                try:
+                    out = columns_to_set(raw, specs, f.schema, chunk.rows, where)
+                finally:  # also before a fallback to the CPU: cuDF's buffers are not needed there
+                    del raw
                 self.ctx.stream.synchronize()  # so that the span times the kernels, not their launch
                 if span is not None:
                     span.nbytes = nbytes(out)

@@ -199,13 +199,10 @@ class DeviceContext:
             self._cp_stream = cupy.cuda.Stream.from_external(self.stream)  # CuPy >= 14
         else:
             self._cp_stream = cupy.cuda.ExternalStream(self.stream.cuda_stream, self.index)
-        self._rmm = _state["rmm"]
+        self._rmm = _torch_uses_rmm()
         self._local = threading.local()
         self._decode = None  # the loader stream for libcudf, made on first use
-        import kvikio.defaults
-
-        #: cache reads by GPUDirect Storage (KvikIO not in compat mode): see gpuload.cache_gpu
-        self.gds = not kvikio.defaults.is_compat_mode_preferred()
+        self.gds = _gds_usable()  #: cache reads by GPUDirect Storage: see gpuload.cache_gpu
 
     # -- memory -------------------------------------------------------------------------
     def _alloc(self, size: int):
@@ -320,8 +317,8 @@ def _stream_ordered_rmm(index: int) -> None:
     default (plain ``cudaMalloc``/``cudaFree``) every free would wait for all the work on
     the device, the training step's included."""
     with _ORDERED_LOCK:
-        if index in _ORDERED or _state["rmm"]:  # never under share_rmm_pool: torch's blocks come from RMM
-            return
+        if index in _ORDERED or _torch_uses_rmm():  # never when torch's blocks come from RMM: torch
+            return  # frees them through RMM's resource of the moment
         import rmm.mr
 
         with torch.cuda.device(index):
@@ -330,6 +327,34 @@ def _stream_ordered_rmm(index: int) -> None:
                 log.info("gpuload: RMM's memory resource for cuda:%d is now CUDA's stream-ordered pool "
                          "(CudaAsyncMemoryResource), for decoding with cuDF", index)
         _ORDERED.add(index)
+
+
+def _gds_usable() -> bool:
+    """Whether KvikIO will read into device memory by GPUDirect Storage, on a stream.
+
+    KvikIO's AUTO mode only asks whether libcufile loads (the wheels ship it), so this
+    also asks the cuFile driver whether GDS is available, and requires cuFile's
+    configuration file (``$CUFILE_ENV_PATH_JSON`` or ``/etc/cufile.json``): without it
+    KvikIO's stream-ordered reads fall back to synchronous ones that first wait for the
+    legacy default stream, i.e. for the training step.
+    """
+    import kvikio.cufile_driver
+    import kvikio.defaults
+
+    if kvikio.defaults.is_compat_mode_preferred():
+        return False
+    if not (os.environ.get("CUFILE_ENV_PATH_JSON") or os.path.exists("/etc/cufile.json")):
+        return False
+    try:
+        return bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception:  # noqa: BLE001 - no driver, no nvidia-fs: no GDS
+        return False
+
+
+def _torch_uses_rmm() -> bool:
+    """Whether torch's CUDA allocations come from RMM (share_rmm_pool, or the user's own
+    ``change_current_allocator``): its pluggable allocators ignore ``record_stream``."""
+    return _state["rmm"] or torch.cuda.get_allocator_backend() == "pluggable"
 
 
 class _ReleasedAfterConsumer:
