@@ -92,6 +92,39 @@ def test_share_rmm_pool_names_what_is_missing(monkeypatch):
     assert gpu._state["rmm"] is False
 
 
+def test_gds_is_used_only_where_it_really_works(monkeypatch, tmp_path):
+    """KvikIO's AUTO mode only checks that libcufile loads; gpuload also wants the driver's
+    word and cuFile's configuration file before it reads the cache by GPUDirect Storage."""
+    import types
+
+    state = {"compat": False, "gds": True}
+
+    def driver_get(name):
+        if state["gds"] is None:
+            raise RuntimeError("cuFile driver not loaded")
+        return state["gds"]
+
+    kvikio = types.ModuleType("kvikio")
+    kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: state["compat"])
+    kvikio.cufile_driver = types.SimpleNamespace(get=driver_get)
+    for name, mod in (("kvikio", kvikio), ("kvikio.defaults", kvikio.defaults),
+                      ("kvikio.cufile_driver", kvikio.cufile_driver)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    config = tmp_path / "cufile.json"
+    config.write_text("{}")
+    monkeypatch.setenv("CUFILE_ENV_PATH_JSON", str(config))
+    assert gpu._gds_usable() is True
+    state["gds"] = None
+    assert gpu._gds_usable() is False  # no driver
+    state["gds"] = False
+    assert gpu._gds_usable() is False  # no GDS
+    state.update(gds=True, compat=True)
+    assert gpu._gds_usable() is False  # compat mode
+    state["compat"] = False
+    monkeypatch.delenv("CUFILE_ENV_PATH_JSON")
+    assert gpu._gds_usable() is os.path.exists("/etc/cufile.json")  # no configuration, no GDS
+
+
 @pytest.mark.parametrize("kwargs, name", [({"decode": "fpga"}, "decode"), ({"kvikio_compat": "yes"}, "kvikio_compat"),
                                           ({"kvikio_threads": 0}, "kvikio_threads"),
                                           ({"max_device_bytes": 0}, "max_device_bytes")])
