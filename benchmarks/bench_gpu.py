@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 import gpuload
-from gpuload.cachefile import read_header, region_span
+from gpuload.cache.chunkfile import read_header, region_span
 from gpuload.synth import write_clicklog
 
 COLUMNS = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(13)],
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     ap.add_argument("--details", default=None, help="write each pass's stage stats and diagnosis to this file")
     ap.add_argument("--trace", default=None, help="write Chrome traces of the cold and cached passes into this folder")
     a = ap.parse_args(argv)
-    if not gpuload.gpu.gpu_usable():
+    if not gpuload.gpu.runtime.gpu_usable():
         print("bench_gpu: no usable GPU here:", gpuload.gpu_status())
         return 2
 

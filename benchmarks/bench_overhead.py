@@ -33,7 +33,7 @@ import torch
 
 import gpuload
 from gpuload.synth import clicklog_columns, write_clicklog
-from gpuload.watch import _measure
+from gpuload.observe.watch import _measure
 
 
 def epochs_rows_per_s(make_iterable, epochs: int) -> float:

@@ -2,7 +2,7 @@
 
 Fetches the column chunks of a click log (every 4th column, ranges not merged, so many
 requests) from a loopback S3 server (``gpuload.testing.S3Server``: moto, with per-request
-latency and a per-response bandwidth cap) through gpuload's :class:`~gpuload.fetch.Fetcher`
+latency and a per-response bandwidth cap) through gpuload's :class:`~gpuload.sources.fetch.Fetcher`
 over two clients: s3fs (fsspec; gpuload's default for ``s3://`` URLs) and pyarrow's C++
 ``S3FileSystem`` (``filesystem=``). Prints MB/s and request latency for each.
 
@@ -20,9 +20,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import s3fs
 
-from gpuload.fetch import Fetcher, RemoteSettings
-from gpuload.ranges import column_ranges
-from gpuload.remote import Store
+from gpuload.sources.fetch import Fetcher, RemoteSettings
+from gpuload.sources.ranges import column_ranges
+from gpuload.sources.remote import Store
 from gpuload.synth import write_clicklog
 from gpuload.testing import S3Server
 

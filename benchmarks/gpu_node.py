@@ -124,7 +124,7 @@ ENV_CHECK = r"""
 import importlib, json, sys, tempfile
 import numpy as np, torch
 import gpuload
-from gpuload import gpu
+from gpuload.gpu import runtime as gpu
 sys.path.insert(0, "benchmarks")
 from bench_gpu import dist_version as v
 

@@ -8,14 +8,14 @@ deterministically and sharded evenly across ranks.
 from .batch import Ragged
 from .build import CacheSummary, build_cache
 from .dataset import ParquetDataset
-from .diagnose import Diagnosis, diagnose
-from .fetch import RemoteSettings, RemoteStats
-from .gpu import gpu_status, share_rmm_pool
+from .observe.diagnose import Diagnosis, diagnose
+from .sources.fetch import RemoteSettings, RemoteStats
+from .gpu.runtime import gpu_status, share_rmm_pool
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
-from .metrics import Metrics
-from .stats import StageStats, Stats
-from .watch import Watched, watch
+from .observe.metrics import Metrics
+from .observe.stats import StageStats, Stats
+from .observe.watch import Watched, watch
 
 __version__ = "0.1.0"
 

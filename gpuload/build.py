@@ -13,7 +13,7 @@ from typing import Callable
 from .cluster import build_on_cluster
 from .config import Options
 from .errors import ConfigError
-from .gpu import open_device
+from .gpu.runtime import open_device
 from .handoff import resolve_device
 from .reader import ChunkReader
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from .convert import cast_values
 from .errors import NullValuesError, SchemaError, SourceError, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
-from .source import SourceFile
+from .sources.listing import SourceFile
 
 __all__ = ["check_consistent", "check_nulls", "check_casts"]
 

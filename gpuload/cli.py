@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import __version__
-from .cache import ChunkCache, default_cache_dir
+from .cache.store import ChunkCache, default_cache_dir
 from .errors import ConfigError, GpuloadError, set_style
 
 __all__ = ["main"]
@@ -117,7 +117,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from .profile import profile
+    from .observe.profile import profile
 
     if args.epochs < 1:
         raise ConfigError(f"--epochs {args.epochs}: profile at least one epoch")

@@ -35,7 +35,7 @@ _lock = threading.Lock()
 
 def _open_reader(token: str, spec: dict, fingerprint: int):
     from .config import Options
-    from .gpu import open_device
+    from .gpu.runtime import open_device
     from .handoff import resolve_device
     from .reader import ChunkReader
 

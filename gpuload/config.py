@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache import default_cache_dir
+from .cache.store import default_cache_dir
 from .errors import ConfigError
 
 __all__ = ["Options", "MiB"]

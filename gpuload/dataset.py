@@ -14,10 +14,10 @@ from . import plan, resume
 from .config import Options
 from .errors import ConfigError
 from .batch import nbytes, nrows
-from .gpu import open_device
+from .gpu.runtime import open_device
 from .handoff import DlpackHandoff, HostHandoff, resolve_device
-from .metrics import Metrics
-from .stats import Stats
+from .observe.metrics import Metrics
+from .observe.stats import Stats
 from .pipeline import Background, epoch_batches
 from .ranks import resolve_local_world, resolve_ranks
 from .reader import ChunkReader
@@ -50,7 +50,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         ``gs://``, ``az://``, ``http(s)://``, ``file://`` or any fsspec protocol: an object, a
         prefix or a glob), or a list of these. Hive-style folders (``day=1/...``) add their
         partition keys as columns. Remote objects are read once, column ranges only; later
-        epochs and reopenings read the cache and make no request (see :mod:`gpuload.fetch`).
+        epochs and reopenings read the cache and make no request (see :mod:`gpuload.sources.fetch`).
     columns : None (every column of a supported type that every file has, pandas index
         columns excepted; others are skipped with one log line), a list of names, or a
         dict ``{output: column}`` / ``{output: [columns]}``; a list of same-kind scalar

@@ -1,6 +1,6 @@
 """Decode: read one chunk's row groups from Parquet and convert them.
 
-A decoder turns a :class:`~gpuload.plan.Chunk` of a :class:`~gpuload.source.SourceFile`
+A decoder turns a :class:`~gpuload.plan.Chunk` of a :class:`~gpuload.sources.listing.SourceFile`
 into a column set (see :mod:`gpuload.convert`). The CPU decoder uses pyarrow; the GPU
 decoder (cuDF) returns the same column set in device memory, behind the same call.
 """
@@ -17,13 +17,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .batch import nbytes
-from .cachefile import pwrite_all
+from .cache.chunkfile import pwrite_all
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
-from .ranges import ReadOnlyFile
+from .sources.ranges import ReadOnlyFile
 from .plan import Chunk
 from .schema import OutputSpec
-from .source import SourceFile
+from .sources.listing import SourceFile
 
 __all__ = ["ArrowDecoder", "GpuDecoder"]
 
@@ -118,15 +118,15 @@ class ArrowDecoder:
 
 
 class GpuDecoder:
-    """GPU decoder: libcudf reads the row groups, :mod:`gpuload.convert_gpu` converts.
+    """GPU decoder: libcudf reads the row groups, :mod:`gpuload.gpu.cudf_decode` converts.
 
     Returns a CuPy column set in the loader's memory of ``ctx`` (a
-    :class:`gpuload.gpu.DeviceContext`; call it inside ``ctx.active()``). libcudf
+    :class:`gpuload.gpu.runtime.DeviceContext`; call it inside ``ctx.active()``). libcudf
     decodes on the loader stream with stream-ordered memory
-    (:meth:`~gpuload.gpu.DeviceContext.decode_stream`), and the conversion kernels
+    (:meth:`~gpuload.gpu.runtime.DeviceContext.decode_stream`), and the conversion kernels
     follow on that stream, so decoding a chunk never waits for, nor holds up, the
     training step's kernels on another stream. A chunk that cuDF would not convert
-    exactly as the CPU does (see :class:`gpuload.convert_gpu.Unsupported`) is decoded
+    exactly as the CPU does (see :class:`gpuload.gpu.cudf_decode.Unsupported`) is decoded
     by ``fallback`` on the CPU and returned as host arrays (the reader caches them and
     uploads them once); :attr:`fallbacks` counts such chunks.
     """
@@ -142,7 +142,7 @@ class GpuDecoder:
         self.fallbacks = 0  #: chunks decoded on the CPU because cuDF would not give the CPU path's bytes
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
-        from .convert_gpu import Unsupported, columns_to_set, read_row_groups
+        from .gpu.cudf_decode import Unsupported, columns_to_set, read_row_groups
 
         where = _where(f, chunk)
         m = self.metrics
@@ -189,7 +189,7 @@ class GpuDecoder:
 def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
     """libcudf selects nested fields by dotted path, and Hive keys are not in the file: decode
     such chunks on the CPU, where columns are selected by leaf index."""
-    from .convert_gpu import Unsupported
+    from .gpu.cudf_decode import Unsupported
 
     for c in needed_columns(specs):
         if "." in c:

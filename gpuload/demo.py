@@ -19,7 +19,7 @@ import torch
 
 from .batch import Ragged
 from .synth import clicklog_columns
-from .watch import watch
+from .observe.watch import watch
 
 __all__ = ["LoopResult", "timed_loop", "naive_batches", "simulated_step", "MlpStep", "run_demo", "report"]
 

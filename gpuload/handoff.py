@@ -1,7 +1,7 @@
 """Hand-off: column sets become torch tensors on the training device.
 
 CPU: ``torch.from_numpy`` shares the batch's memory (no copy). GPU: the batch is a set
-of CuPy arrays in the loader's device memory (see :mod:`gpuload.gpu`);
+of CuPy arrays in the loader's device memory (see :mod:`gpuload.gpu.runtime`);
 ``torch.from_dlpack`` wraps them without a copy, on the loader thread, and an event
 recorded on the loader stream after the kernels that made the batch travels with it.
 On the training thread :meth:`DlpackHandoff.receive` makes the current stream wait on
@@ -27,11 +27,11 @@ def resolve_device(device) -> torch.device:
     """Turn ``"auto" | "cpu" | "cuda" | "cuda:N"`` (or a torch.device) into a torch.device.
 
     ``"auto"`` picks the GPU when the GPU path can run (a driver, CuPy with
-    ``cupy.cuda.is_available()``, and KvikIO: :func:`gpuload.gpu.gpu_usable`), else the
+    ``cupy.cuda.is_available()``, and KvikIO: :func:`gpuload.gpu.runtime.gpu_usable`), else the
     CPU with one log line saying why. An explicit CUDA device without them raises
     :class:`GpuloadError` naming the missing piece (driver, cupy, kvikio).
     """
-    from .gpu import gpu_status, gpu_usable, require_gpu
+    from .gpu.runtime import gpu_status, gpu_usable, require_gpu
 
     text = str(device)
     if text == "auto":
@@ -104,7 +104,7 @@ class HostHandoff:
 class DlpackHandoff:
     """Device column set (CuPy) -> CUDA tensors through DLPack, with a ready event.
 
-    Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.DeviceContext`);
+    Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.runtime.DeviceContext`);
     ``views`` and ``layout`` as for :class:`HostHandoff`.
     """
 

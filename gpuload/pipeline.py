@@ -142,7 +142,7 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     alloc, batch_alloc : ``alloc(shape, dtype)`` for window buffers and for the arrays of
         gathered or joined batches (default: new arrays; see :class:`gpuload.memory.HostPool`).
     enter : a context every loader thread runs inside (the GPU path's device, stream
-        and allocator: :meth:`gpuload.gpu.DeviceContext.active`).
+        and allocator: :meth:`gpuload.gpu.runtime.DeviceContext.active`).
     metrics : a :class:`gpuload.Metrics`; records a ``batch`` span for each window's
         concatenation and for cutting (gathering) and handing off each batch.
     warm, forget : remote sources: ``warm(chunk)`` starts a chunk's fetch ahead of its load

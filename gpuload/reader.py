@@ -16,20 +16,20 @@ from typing import Callable
 import numpy as np
 
 from .batch import Ragged, _xp, take
-from .cache import ChunkCache, ChunkKey
-from .cachefile import spec_hash
+from .cache.store import ChunkCache, ChunkKey
+from .cache.chunkfile import spec_hash
 from .checks import check_casts, check_consistent, check_nulls
 from .config import Options
 from .convert import needed_columns
 from .decode import ArrowDecoder
 from .errors import SourceError
-from .fetch import Fetcher, Job, RemoteSettings, RemoteStats
-from .ranges import RangeFile, column_ranges
+from .sources.fetch import Fetcher, Job, RemoteSettings, RemoteStats
+from .sources.ranges import RangeFile, column_ranges
 from .memory import HostPool
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
-from .source import SourceFile, common_columns, fingerprint, list_files, open_files, row_group_sizes
+from .sources.listing import SourceFile, common_columns, fingerprint, list_files, open_files, row_group_sizes
 
 log = logging.getLogger("gpuload")
 
@@ -58,7 +58,7 @@ class ChunkReader:
     Opening lists the files, reads their footers and runs the checks of
     :mod:`gpuload.checks`; column data is read only where the footers cannot rule out
     nulls, and never for cached chunks. Raises the :class:`~gpuload.GpuloadError`
-    subclasses of :mod:`gpuload.source`, :mod:`gpuload.schema` and :mod:`gpuload.checks`.
+    subclasses of :mod:`gpuload.sources.listing`, :mod:`gpuload.schema` and :mod:`gpuload.checks`.
     """
 
     def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
@@ -77,8 +77,8 @@ class ChunkReader:
         if ctx is None:
             self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics,
                                     alloc=self.read_pool.get)
-        else:  # GPU path: chunks live in device memory (see gpuload.gpu)
-            from .cache_gpu import read_chunk_device
+        else:  # GPU path: chunks live in device memory (see gpuload.gpu.runtime)
+            from .gpu.kvikio_read import read_chunk_device
 
             self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
                                     read=lambda fd, p, want, verify, seen: read_chunk_device(fd, p, want, ctx, verify,

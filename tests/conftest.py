@@ -30,7 +30,7 @@ import pytest
 
 
 def _gpu_reason() -> str | None:
-    from gpuload.gpu import gpu_status
+    from gpuload.gpu.runtime import gpu_status
 
     missing = {k: v for k, v in gpu_status().items() if v is not None and k != "cudf"}
     return None if not missing else "; ".join(f"{k}: {v}" for k, v in missing.items())
@@ -39,7 +39,7 @@ def _gpu_reason() -> str | None:
 def pytest_collection_modifyitems(config, items):
     reason = _gpu_reason()
     if os.environ.get("GPULOAD_REQUIRE_GPU") == "1":  # a run on a GPU node: a skipped GPU test would prove nothing
-        from gpuload.gpu import gpu_status
+        from gpuload.gpu.runtime import gpu_status
 
         reason = reason or gpu_status()["cudf"]
         if reason is not None:
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason=f"gpu test: {reason}")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not item.keywords: it holds folder names (tests/gpu)
             item.add_marker(skip)
 
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import gpuload
-from gpuload.cachefile import ALIGN, columns_from_buffer, read_header
+from gpuload.cache.chunkfile import ALIGN, columns_from_buffer, read_header
 from gpuload.synth import write_clicklog
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -61,7 +60,7 @@ def test_bench_gpu_spans_are_the_cached_regions(tmp_path):
 
 
 def test_bench_gpu_without_a_gpu_says_why(capsys):
-    if gpuload.gpu.gpu_usable():
+    if gpuload.gpu.runtime.gpu_usable():
         pytest.skip("a GPU is usable here")
     import bench_gpu
 
@@ -71,7 +70,7 @@ def test_bench_gpu_without_a_gpu_says_why(capsys):
 
 def test_gpu_node_runner_fails_where_the_gpu_tests_would_only_skip(tmp_path):
     """On a GPU node the runner must not report a green run of skipped GPU tests."""
-    if gpuload.gpu.gpu_usable():
+    if gpuload.gpu.runtime.gpu_usable():
         pytest.skip("a GPU is usable here")
     import gpu_node
 

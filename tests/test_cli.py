@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from gpuload.cache import read_chunk
-from gpuload.cachefile import LAYOUT_DIR
+from gpuload.cache.store import read_chunk
+from gpuload.cache.chunkfile import LAYOUT_DIR
 from gpuload.cli import main
 from gpuload.synth import write_clicklog
 
@@ -179,7 +179,7 @@ def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, c
     if shared is None:  # no two hashes share 4 digits here: the API refuses an ambiguous prefix alike
         shared = specs[0][:4]
         import gpuload
-        from gpuload.cache import ChunkCache
+        from gpuload.cache.store import ChunkCache
 
         with pytest.raises(gpuload.ConfigError, match="not exactly one"):
             ChunkCache(cache, create=False).clear(spec="")

@@ -23,7 +23,7 @@ import pytest
 
 import gpuload
 import gpuload.decode
-from gpuload.cache import ChunkCache
+from gpuload.cache.store import ChunkCache
 
 from conftest import write_parquet
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import gpuload
-from gpuload.cache import ChunkCache
+from gpuload.cache.store import ChunkCache
 
-from test_cache import COLUMNS, Reference, _check_epoch, _clicklog, _wait_for
+from clicklog import COLUMNS, Reference, check_epoch, clicklog, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def _check_saved(out: Path, ref: Reference, epochs: int) -> int:
 def big(tmp_path_factory):
     """4 files, 40,000 rows in 400-row row groups: about 100 chunks of 32 KiB."""
     d = tmp_path_factory.mktemp("faults")
-    files = _clicklog(d, rows=40_000, files=4, row_group_rows=400)
+    files = clicklog(d, rows=40_000, files=4, row_group_rows=400)
     return d, Reference(files)
 
 
@@ -96,7 +96,7 @@ def test_builders_killed_at_random_moments(big, tmp_path):
                                 rng.choice(["none", "none", str(2 << 20)])))
         try:
             for out, p in zip(outs, procs):
-                _wait_for(str(out) + ".ready", p)
+                wait_for(str(out) + ".ready", p)
             # random moments by build progress, not by the clock: kill each child once the cache
             # holds a random number of its chunk files (a fast or a slow machine alike)
             targets = sorted((rng.randrange(1, int(0.8 * (total or 100))), p) for p in procs)
@@ -118,7 +118,7 @@ def test_builders_killed_at_random_moments(big, tmp_path):
         leftovers += len([p for p in cache.rglob("*") if ".tmp." in p.name])
         ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, batch_size=997, chunk_bytes=32768,
                                     device="cpu", seed=rnd)
-        rows += len(np.concatenate([ref.check(b) for b in _check_epoch(ds, ref)]))
+        rows += len(np.concatenate([ref.check(b) for b in check_epoch(ds, ref)]))
         ds.reader.cache.flush()
         total = len(ds.reader.chunks)
         assert ds.reader.cache.verify_all() == []
@@ -141,7 +141,7 @@ def test_four_readers_while_cache_clear_loops(big, tmp_path):
     clears = 0
     try:
         for out, p in zip(outs, procs):
-            _wait_for(str(out) + ".ready", p)
+            wait_for(str(out) + ".ready", p)
         while any(p.poll() is None for p in procs):
             if cache.exists():
                 ChunkCache(cache, create=False).clear()
@@ -166,7 +166,7 @@ def test_valid_chunk_files_swapped_between_names(big, tmp_path):
     data, ref = big
     cache = tmp_path / "cache"
     ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, batch_size=997, chunk_bytes=32768, device="cpu")
-    _check_epoch(ds, ref)
+    check_epoch(ds, ref)
     ds.reader.cache.flush()
     rng = random.Random(7)
     faults = 0
@@ -184,7 +184,7 @@ def test_valid_chunk_files_swapped_between_names(big, tmp_path):
         assert bad == {a, b, c}, bad
         ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, batch_size=997, chunk_bytes=32768,
                                     device="cpu", seed=rnd, verify_checksums=rng.choice([True, "always", False]))
-        _check_epoch(ds, ref)
+        check_epoch(ds, ref)
         ds.reader.cache.flush()
         assert ds.reader.counters.decoded == 3
     assert faults == 30

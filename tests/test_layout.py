@@ -13,7 +13,7 @@ import torch
 import gpuload
 from gpuload import plan
 from gpuload.batch import Ragged
-from gpuload.cachefile import PREFIX
+from gpuload.cache.chunkfile import PREFIX
 from gpuload.layout import Layout, stored_outputs
 from gpuload.schema import resolve_outputs, spec_description, storage_dtype
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 import gpuload
-from gpuload.cachefile import spec_hash
+from gpuload.cache.chunkfile import spec_hash
 from gpuload.schema import resolve_outputs, spec_description
 
 

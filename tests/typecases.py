@@ -213,3 +213,34 @@ def write_every_type(folder, files: int = 3, rows: int = 8_000, row_group_size: 
             base += len(p.ragged[k][2])
         ragged[k] = (lens, np.concatenate(starts), np.concatenate(values))
     return Expected(arrays, ragged)
+
+
+# -- a smaller table of the common kinds (the GPU tests' original case) ------------------------
+
+def rich_table(n: int, seed: int = 0) -> pa.Table:
+    """Every supported kind: scalars, nulls to fill, bool, uint, dictionary, temporals, lists."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 6, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    hist = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 1000, offsets[-1])),
+                                    mask=pa.array(rng.random(n) < 0.05))
+    emb = pa.FixedSizeListArray.from_arrays(pa.array(rng.standard_normal(n * 4).astype(np.float32)), 4)
+    f = rng.standard_normal(n)
+    return pa.table({
+        "row_id": pa.array(np.arange(n, dtype=np.int64)),
+        "f64": pa.array(f, mask=rng.random(n) < 0.1),
+        "f32": pa.array(rng.standard_normal(n).astype(np.float32)),
+        "flag": pa.array(rng.random(n) < 0.5),
+        "u16": pa.array(rng.integers(0, 60000, n).astype(np.uint16)),
+        "i8": pa.array(rng.integers(-100, 100, n).astype(np.int8)),
+        "cat": pa.array(rng.integers(0, 50, n)).dictionary_encode(),
+        "day": pa.array(rng.integers(0, 20000, n).astype(np.int32), type=pa.date32()),
+        "ts": pa.array(rng.integers(0, 2**40, n), type=pa.timestamp("us", tz="UTC")),
+        "hist": hist,
+        "emb": emb,
+    })
+
+
+RICH_COLUMNS = {"row_id": "row_id", "f64": "f64", "f32": "f32", "flag": "flag", "u16": "u16", "i8": "i8", "cat": "cat",
+            "day": "day", "ts": "ts", "hist": "hist", "emb": "emb", "dense": ["f32", "i8"]}
+RICH_FILL = {"f64": -1.0, "hist": 0}

@@ -1,0 +1,287 @@
+"""Cache maintenance: what ``gpuload cache info``, ``verify`` and ``clear`` do.
+
+Every function takes the :class:`gpuload.cache.fs.CacheRoot` of a cache directory and
+works through it, so it never leaves the root nor follows a link. Entries that
+gpuload did not write (a foreign file, a link, a FIFO, a folder where a chunk should
+be) are reported and never deleted; ``clear`` deletes only regular files with the
+names gpuload writes, and leaves a lock file alone while a builder holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import xxhash
+
+from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, read_header, read_regions, version_token
+from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
+from ..errors import ConfigError, CorruptCacheError
+from .footers import check_footer_file
+from ..schema import desc_outputs
+
+__all__ = ["Problem", "walk", "chunk_files", "temporaries", "specs", "summary", "verify_all", "delete", "clear"]
+
+_LAYOUT, _SPECS = LAYOUT_DIR, SPECS_DIR
+
+
+def _name_identity(folder: str, name: str, header: dict) -> Identity:
+    """The identity a chunk file named ``name`` in ``folder`` must have, given its own header."""
+    spec, version, a, b = name[:-len(SUFFIX)].split("-")
+    try:
+        src, desc = header["source"], header["spec"]
+        if (xxhash.xxh64_hexdigest(str(src["path"]).encode()) != folder
+                or version_token(src["size"], src["mtime_ns"], src.get("tag", "")) != version):
+            raise CorruptCacheError(f"its header names {src['path']}, another source file than its name")
+        return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, desc_outputs(desc),
+                        src.get("tag", ""))
+    except MALFORMED as e:
+        raise CorruptCacheError(f"malformed header ({type(e).__name__}: {e})") from None
+
+
+class Problem(NamedTuple):
+    """A cache entry that failed a check: its path, what is wrong, and ``kind``
+    (``"corrupt"``: rebuilt on next use, or ``"unreadable"``: no permission, a link...)."""
+
+    path: Path
+    problem: str
+    kind: str
+
+
+def _scan(root: CacheRoot, parts, problems: list | None) -> list:
+    try:
+        return root.scan(parts)
+    except OSError as e:  # no permission, or a link where a folder should be
+        if problems is not None:
+            problems.append(Problem(root.where(parts), f"{root.where(parts)}: cannot read this folder ({e})",
+                                    "unreadable"))
+        return []
+
+
+def walk(root: CacheRoot, layouts: bool = False, problems: list | None = None
+         ) -> Iterator[tuple[tuple, str, os.stat_result]]:
+    """(folder parts, name, lstat) of every entry in the source folders of the current
+    layout (every layout if ``layouts``); also yields foreign entries at those levels.
+    Folders that cannot be read are skipped, and added to ``problems`` if given."""
+    for lname, lst in ([(_LAYOUT, None)] if not layouts else _scan(root, (), problems)):
+        if layouts and not (LAYOUT.fullmatch(lname) and stat.S_ISDIR(lst.st_mode)):
+            continue
+        for fname, fst in _scan(root, (lname,), problems):
+            if fname == _SPECS and lname == _LAYOUT:
+                continue
+            if not (FOLDER.fullmatch(fname) and stat.S_ISDIR(fst.st_mode)):
+                yield (lname,), fname, fst  # the budget lock, or foreign: reported, never entered
+                continue
+            for name, st in _scan(root, (lname, fname), problems):
+                yield (lname, fname), name, st
+
+
+def chunk_files(root: CacheRoot, layouts: bool = False, problems: list | None = None
+                ) -> Iterator[tuple[tuple, str, os.stat_result]]:
+    """(folder parts, name, lstat) of every regular file with a chunk's name."""
+    for parts, name, st in walk(root, layouts, problems):
+        if len(parts) == 2 and CHUNK.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            yield parts, name, st
+
+
+def temporaries(root: CacheRoot) -> Iterator[Path]:
+    """Temporary files left by writers that were killed."""
+    specs = [((_LAYOUT, _SPECS), name, st) for name, st in _scan(root, (_LAYOUT, _SPECS), None)]
+    for parts, name, st in [*walk(root), *specs]:
+        if TEMP.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            yield root.where(parts, name)
+
+
+def _valid_desc(desc) -> list | None:
+    """``desc`` if it is a spec description (list of outputs with name, columns, kind, dtype, width), else None."""
+    try:
+        desc_outputs(desc)
+        if all(isinstance(d["columns"], list) and all(isinstance(c, str) for c in d["columns"]) for d in desc):
+            return desc
+    except MALFORMED:
+        pass
+    return None
+
+
+def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
+    """Per spec hash of the current format: ``desc`` (or None), ``last_used`` (epoch seconds: when a
+    dataset last opened it, from its ``specs/`` record, else its newest chunk file), chunks, bytes."""
+    out: dict[str, dict] = {}
+    for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
+        if SPEC.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            desc = None
+            with contextlib.suppress(OSError, ValueError, RecursionError):
+                fd = root.open_read((_LAYOUT, _SPECS), name)
+                with os.fdopen(fd, "rb") as f:
+                    desc = _valid_desc(json.loads(f.read(1 << 20)))
+            out[name[:-5]] = {"desc": desc, "last_used": st.st_mtime, "chunks": 0, "bytes": 0}
+    marked = set(out)
+    for parts, name, st in chunk_files(root, problems=problems):
+        e = out.setdefault(name[:16], {"desc": None, "last_used": 0.0, "chunks": 0, "bytes": 0})
+        e["chunks"] += 1
+        e["bytes"] += st.st_size
+        if name[:16] not in marked:  # no record of its use: its newest chunk stands in
+            e["last_used"] = max(e["last_used"], st.st_mtime)
+    return out
+
+
+def summary(root: CacheRoot) -> dict:
+    """Counts and bytes of the chunk files, per source file and per spec, plus leftovers."""
+    sources: dict[str, dict] = {}
+    total, foreign, old, problems, footers = 0, [], 0, [], 0
+    for parts, name, st in walk(root, layouts=True, problems=problems):
+        if len(parts) == 2 and CHUNK.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            if parts[0] != _LAYOUT:
+                old += 1
+                continue
+            total += st.st_size
+            src = "(unreadable header)"
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, CorruptCacheError):
+                fd = root.open_read(parts, name)
+                try:
+                    src = read_header(fd, name)[0]["source"]["path"]
+                finally:
+                    os.close(fd)
+            e = sources.setdefault(str(src), {"chunks": 0, "bytes": 0})
+            e["chunks"] += 1
+            e["bytes"] += st.st_size
+        elif len(parts) == 2 and FOOTER.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            footers += parts[0] == _LAYOUT
+        elif not ((TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
+    for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
+        if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
+    return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
+            "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
+            "old_format": old, "footers": footers, "foreign": foreign + sorted({p.problem for p in problems})}
+
+
+def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
+    """Check every chunk file: its name, header identity, sizes and checksums.
+
+    Returns a :class:`Problem` for each bad one, including entries at a chunk's name
+    that are not regular files and files or folders that cannot be read.
+    """
+    bad: list[Problem] = []
+    for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):
+        path = root.where(parts, name)
+        if len(parts) == 2 and FOOTER.fullmatch(name):
+            try:
+                problem = check_footer_file(root, parts, name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                bad.append(Problem(path, f"{path}: {e}", "unreadable"))
+                continue
+            if problem is not None:
+                bad.append(Problem(path, f"{path}: {problem}", "corrupt"))
+            continue
+        if not (len(parts) == 2 and CHUNK.fullmatch(name)):
+            continue
+        try:
+            fd = root.open_read(parts, name)
+            try:
+                header = read_header(fd, path)[0]
+                try:
+                    want = _name_identity(parts[1], name, header)
+                except CorruptCacheError as e:
+                    raise CorruptCacheError(f"{path}: {e}") from None
+                read_regions(fd, path, want, verify=True)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except (CorruptCacheError, OSError) as e:
+            text = str(e) if str(path) in str(e) else f"{path}: {e}"
+            bad.append(Problem(path, text, "corrupt" if isinstance(e, CorruptCacheError) else "unreadable"))
+        if progress is not None:
+            progress(path)
+    return bad
+
+
+def delete(root: CacheRoot, path: Path) -> int:
+    """Delete one chunk file given by its path (only a regular file with a chunk's name
+    inside this cache); returns the bytes freed."""
+    path = Path(path)
+    try:
+        rel = path.parent.relative_to(root.path).parts
+    except ValueError:
+        return 0
+    if len(rel) != 2 or not LAYOUT.fullmatch(rel[0]) or not FOLDER.fullmatch(rel[1]):
+        return 0  # not a source folder of this cache (".." included)
+    gone = root.unlink(rel, path.name, CHUNK)
+    return 0 if gone is None else gone.st_size
+
+
+def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None) -> dict:
+    """Delete gpuload's files: every chunk, footer, temporary and free lock file of every format
+    (or only those of spec hash ``spec``, or of the specs not used since
+    ``unused_since`` epoch seconds). Returns ``{"freed": bytes, "files": n,
+    "specs": removed spec hashes, "foreign": [entries left alone], "failed": [files that
+    could not be deleted, with why]}``.
+
+    Only regular files with names gpuload writes are deleted, only inside the root,
+    never through a link; lock files that a builder holds are left in place.
+    """
+    chosen = None
+    if spec is not None or unused_since is not None:
+        known = specs(root)
+        if spec is not None and len({h for h in known if h.startswith(spec)}) != 1:
+            raise ConfigError(f"spec {spec!r} names {len([h for h in known if h.startswith(spec)])} column sets, "
+                             "not exactly one; give more of its hash (`gpuload cache info` lists them)")
+        chosen = {h for h, e in known.items() if (spec is None or h.startswith(spec)) and (
+            unused_since is None or e["last_used"] < unused_since)}
+    freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
+    for parts, name, st in list(walk(root, layouts=True, problems=problems)):
+        if not stat.S_ISREG(st.st_mode) or not (CHUNK.fullmatch(name) or TEMP.fullmatch(name)
+                                                 or LOCK.fullmatch(name) or FOOTER.fullmatch(name)):
+            foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
+            continue
+        folders.update([parts, parts[:1]])
+        if chosen is not None and (name[:16] not in chosen or FOOTER.fullmatch(name)):
+            continue  # footers serve every column set: only a full clear removes them
+        try:
+            if LOCK.fullmatch(name):
+                gone = _drop_free_lock(root, parts, name)
+            else:
+                pattern = next(p for p in (CHUNK, FOOTER, TEMP) if p.fullmatch(name))
+                gone = root.unlink(parts, name, pattern)
+                freed += gone.st_size if gone is not None and CHUNK.fullmatch(name) else 0
+        except OSError as e:  # e.g. a read-only cache: say which, go on with the rest
+            failed.append(f"{root.where(parts, name)} ({e.strerror or e})")
+            continue
+        files += gone is not None
+    for parts in sorted(folders, key=len, reverse=True):  # only if empty (another process may be writing)
+        if len(parts) == 2 or parts[0] != _LAYOUT:  # source folders, and older formats' layout folders
+            root.rmdir(parts[:-1], parts[-1])
+    removed = []
+    for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
+        if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
+        elif chosen is None or name[:16] in chosen:
+            try:
+                if root.unlink((_LAYOUT, _SPECS), name, SPEC if SPEC.fullmatch(name) else TEMP) is not None:
+                    removed += [name[:16]] if SPEC.fullmatch(name) else []
+            except OSError as e:
+                failed.append(f"{root.where((_LAYOUT, _SPECS), name)} ({e.strerror or e})")
+    return {"freed": freed, "files": files, "specs": sorted(removed),
+            "foreign": foreign + sorted({p.problem for p in problems}), "failed": failed}
+
+
+def _drop_free_lock(root: CacheRoot, parts, name: str) -> os.stat_result | None:
+    """Delete lock file ``name`` unless a builder holds it; its lstat if deleted."""
+    lock = Lock(root, parts, name)
+    try:
+        if not lock.acquire(blocking=False):
+            return None
+    except OSError:
+        return None
+    try:
+        return root.unlink(parts, name, LOCK)
+    finally:
+        lock.release()

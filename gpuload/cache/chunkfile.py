@@ -1,0 +1,338 @@
+"""Cache file format: one converted chunk per file, self-describing, checked on every read.
+
+File format (version 2), little-endian::
+
+    offset 0   8 bytes   magic b"GPULOAD\\0"
+    offset 8   u32       format version (2)
+    offset 12  u32       header length H in bytes
+    offset 16  u64       xxh3-64 of the header bytes
+    offset 24  H bytes   header: UTF-8 JSON (below)
+    ...        zeros     up to the next multiple of 4096
+    regions    each starts at a multiple of 4096; the file ends on one too
+
+The header is the chunk's full identity plus its manifest::
+
+    {"format": 2, "rows": n,
+     "source": {"path", "size", "mtime_ns", "tag" (remote objects only)}, "row_groups": [start, stop],
+     "spec": [one entry per output: name, columns, kind, dtype, width, sources, fills],
+     "regions": [{"output", "part" ("data", "values" or "offsets"), "dtype", "shape",
+                  "offset", "nbytes", "xxh3"}, ...]}
+
+A read compares the header with the :class:`Identity` the plan expects (source path,
+size and mtime, row groups, rows, the spec's hash, and every output's dtype and shape);
+any difference makes the file corrupt (rebuilt, never served), whatever its checksums
+say, so a valid chunk file copied or linked under another chunk's name is refused.
+Every region is a C-contiguous array and the regions lie in one span, so a reader
+takes one ``pread`` (into host memory, or with KvikIO into device memory) and makes
+views by offset. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from ..batch import Ragged
+from ..errors import CorruptCacheError
+
+__all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
+           "check_identity", "pread_all", "pwrite_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity"]
+
+MAGIC = b"GPULOAD\0"
+FORMAT_VERSION = 3  # 3: cast float NaNs stored as one bit pattern (the same on the CPU and the GPU)
+LAYOUT_DIR = f"v{FORMAT_VERSION}"  #: the cache's folder for this format
+SPECS_DIR = "specs"  #: in LAYOUT_DIR: one JSON description per column set
+SUFFIX = ".glc"  #: chunk files' suffix
+ALIGN = 4096
+PREFIX = struct.Struct("<8sIIQ")
+_MAX_HEADER = 64 << 20
+MALFORMED = (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RecursionError)
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def spec_hash(spec: list) -> str:
+    """The 16-hex-digit hash of a spec description (a JSON-able list, see :func:`gpuload.schema.spec_description`)."""
+    return xxhash.xxh64_hexdigest(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode())
+
+
+def version_token(size: int, mtime_ns: int, tag: str = "") -> str:
+    """The token in a chunk file's name for one version of its source file: size and mtime,
+    and for a remote object the store's version marker ``tag`` (ETag, version id...)."""
+    return xxhash.xxh64_hexdigest(f"{size}:{mtime_ns}{':' + tag if tag else ''}".encode())
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a chunk file must say about itself to be served for one chunk of the plan.
+
+    ``outputs`` lists ``(name, kind, storage dtype, width)`` per output; ``rows`` may be
+    None (``cache verify`` knows the rows only from the header).
+    """
+
+    path: str
+    size: int
+    mtime_ns: int
+    rg_start: int
+    rg_stop: int
+    rows: int | None
+    spec: str
+    outputs: tuple
+    tag: str = ""  # a remote object's version marker; "" for local files
+
+
+def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
+    out = []
+    for name, v in cols.items():
+        if isinstance(v, Ragged):
+            out += [(name, "values", np.asarray(v.values)), (name, "offsets", np.asarray(v.offsets))]
+        else:
+            out.append((name, "data", np.asarray(v)))
+    return out
+
+
+def encode(cols: dict, ident: dict) -> tuple[bytes, list[dict], list[np.ndarray], int]:
+    """(prefix + header bytes, region entries, arrays, total file size) of a chunk file.
+
+    ``ident`` holds the identity fields of the header (``source``, ``row_groups``, ``spec``).
+    """
+    regions, arrays = [], []
+    for name, part, arr in _regions(cols):
+        arr = np.ascontiguousarray(arr)
+        regions.append({"output": name, "part": part, "dtype": arr.dtype.str, "shape": list(arr.shape),
+                        "offset": 0, "nbytes": arr.nbytes, "xxh3": xxhash.xxh3_64_hexdigest(arr)})
+        arrays.append(arr)
+    rows = next((len(v.offsets) - 1 if isinstance(v, Ragged) else len(v) for v in cols.values()), 0)
+    # no time, host or process in it: a chunk's file is the same bytes wherever and whenever it is built
+    header = {"format": FORMAT_VERSION, "rows": rows, **ident, "regions": regions}
+    # region offsets depend on the header's length, which depends on the offsets'
+    # digits: repeat until they agree (offsets only grow, so this ends quickly)
+    blob = b""
+    while True:
+        offset = align(PREFIX.size + len(blob))
+        for r in regions:
+            r["offset"], offset = offset, align(offset + r["nbytes"])
+        again = json.dumps(header, separators=(",", ":")).encode()
+        if again == blob:
+            total = max(offset, align(PREFIX.size + len(blob)))
+            head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob), xxhash.xxh3_64_intdigest(blob)) + blob
+            return head, regions, arrays, total
+        blob = again
+
+
+def pread_all(fd: int, buf, offset: int) -> int:
+    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes read."""
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:got + (1 << 30)]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (any buffer) to ``fd`` at ``offset``, however many calls it takes."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+
+
+def write_regions(fd: int, head: bytes, regions: list[dict], arrays: list, total: int) -> None:
+    """Write an encoded chunk (from :func:`encode`) to ``fd``."""
+    pwrite_all(fd, head, 0)
+    for r, arr in zip(regions, arrays):
+        if arr.nbytes:
+            pwrite_all(fd, arr, r["offset"])
+    os.ftruncate(fd, total)
+
+
+def read_header(fd: int, path) -> tuple[dict, int]:
+    """Read and check the prefix and header of an open cache file.
+
+    Returns (header dict, offset of the first region). Raises :class:`CorruptCacheError`.
+    """
+    prefix = os.pread(fd, PREFIX.size, 0)
+    if len(prefix) != PREFIX.size:
+        raise CorruptCacheError(f"{path}: truncated cache file (no header)")
+    magic, version, hlen, hsum = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise CorruptCacheError(f"{path}: not a gpuload cache file (bad magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptCacheError(f"{path}: cache format {version}, this gpuload reads {FORMAT_VERSION}")
+    if hlen > _MAX_HEADER:
+        raise CorruptCacheError(f"{path}: header length {hlen} is not plausible")
+    blob = os.pread(fd, hlen, PREFIX.size)
+    if len(blob) != hlen or xxhash.xxh3_64_intdigest(blob) != hsum:
+        raise CorruptCacheError(f"{path}: header checksum mismatch")
+    try:
+        header = json.loads(blob)
+    except (ValueError, RecursionError):
+        raise CorruptCacheError(f"{path}: header is not JSON (or absurdly nested)") from None
+    if not isinstance(header, dict):
+        raise CorruptCacheError(f"{path}: header is not a JSON object")
+    return header, align(PREFIX.size + hlen)
+
+
+def _expected_regions(outputs, rows: int) -> dict:
+    """``{(output, part): (dtype str, shape or None for any 1-D length)}`` for ``outputs``."""
+    want = {}
+    for name, kind, dtype, width in outputs:
+        if kind == "ragged":
+            want[(name, "values")] = (dtype, None)
+            want[(name, "offsets")] = (np.dtype(np.int64).str, [rows + 1])
+        elif kind in ("group", "fixed"):
+            want[(name, "data")] = (dtype, [rows, width])
+        else:
+            want[(name, "data")] = (dtype, [rows])
+    return want
+
+
+def check_identity(header: dict, want: Identity, path, size: int, start: int) -> None:
+    """Raise :class:`CorruptCacheError` unless ``header`` (of a file of ``size`` bytes whose
+    regions start at ``start``) describes exactly the chunk ``want`` and its regions fit the file."""
+    def bad(what: str):
+        return CorruptCacheError(f"{path}: {what}; this is not the chunk gpuload expects under this name")
+
+    try:
+        src = header["source"]
+        got = (src["path"], src["size"], src["mtime_ns"], src.get("tag", ""), *header["row_groups"])
+        if got != (want.path, want.size, want.mtime_ns, want.tag, want.rg_start, want.rg_stop):
+            raise bad(f"it holds {src['path']} (size {src['size']}, mtime {src['mtime_ns']}) row groups "
+                      f"{header['row_groups']}")
+        rows = header["rows"]
+        if type(rows) is not int or rows < 0 or (want.rows is not None and rows != want.rows):
+            raise bad(f"it holds {rows} rows, not {want.rows}")
+        if spec_hash(header["spec"]) != want.spec:
+            raise bad("its column spec differs")
+        expected = _expected_regions(want.outputs, rows)
+        regions = header["regions"]
+        seen, end = set(), start
+        for r in sorted(regions, key=lambda r: r["offset"]):
+            key = (r["output"], r["part"])
+            if key not in expected or key in seen:
+                raise bad(f"unexpected region {r['output']}/{r['part']}")
+            seen.add(key)
+            dtype, shape = expected[key]
+            s = r["shape"]
+            if np.dtype(r["dtype"]).str != dtype or not isinstance(s, list) or not all(
+                    type(x) is int and x >= 0 for x in s):
+                raise bad(f"region {r['output']}/{r['part']} is {r['dtype']} {s}, expected {dtype}")
+            if (shape is not None and s != shape) or (shape is None and len(s) != 1):
+                raise bad(f"region {r['output']}/{r['part']} has shape {s}, expected {shape or '[n]'}")
+            if not (isinstance(r["xxh3"], str) and len(r["xxh3"]) == 16 and set(r["xxh3"]) <= set("0123456789abcdef")):
+                raise bad(f"region {r['output']}/{r['part']} has no valid checksum")
+            off, n = r["offset"], r["nbytes"]
+            if type(off) is not int or type(n) is not int or n != int(np.prod(s, dtype=np.int64)) * np.dtype(
+                    dtype).itemsize or off % ALIGN or off < end:
+                raise bad(f"region {r['output']}/{r['part']} has a bad offset or size")
+            end = off + n
+        if seen != set(expected):
+            missing = sorted("/".join(k) for k in set(expected) - seen)
+            raise bad(f"regions {missing} are missing")
+        total = max([start] + [align(r["offset"] + r["nbytes"]) for r in regions])
+    except CorruptCacheError:
+        raise
+    except MALFORMED as e:
+        raise bad(f"malformed header ({type(e).__name__}: {e})") from None
+    if size != total:
+        raise CorruptCacheError(f"{path}: {size} bytes where its header describes {total}"
+                                + (" (truncated)" if size < total else ""))
+
+
+def region_span(header: dict, start: int) -> int:
+    """End offset of the last region of a chunk file whose regions begin at ``start``."""
+    return max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
+
+
+def file_identity(st: os.stat_result) -> tuple:
+    """What identifies one version of a file (for verify-once)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) -> dict:
+    """Views of each region of a chunk whose file, from byte ``base`` on, is in ``buf``.
+
+    ``buf`` is a uint8 NumPy or CuPy array; ``verify`` (NumPy only) compares checksums
+    and that ragged offsets never decrease; whatever ``verify`` says, ragged offsets
+    must start at 0 and end at the number of values.
+    """
+    cols: dict = {}
+    for r in header["regions"]:
+        raw = buf[r["offset"] - base: r["offset"] - base + r["nbytes"]]
+        if verify and xxhash.xxh3_64_hexdigest(raw) != r["xxh3"]:
+            raise CorruptCacheError(f"{path}: checksum mismatch in {r['output']}/{r['part']}")
+        arr = raw.view(np.dtype(r["dtype"])).reshape(r["shape"])
+        if r["part"] == "data":
+            cols[r["output"]] = arr
+        else:
+            cols.setdefault(r["output"], {})[r["part"]] = arr
+    out = {}
+    for k, v in cols.items():
+        if isinstance(v, dict):
+            off, values = v["offsets"], v["values"]
+            ordered = not verify or len(off) < 2 or not (np.diff(off) < 0).any()  # with the checksums, once a file
+            if int(off[0]) != 0 or int(off[-1]) != len(values) or not ordered:
+                raise CorruptCacheError(f"{path}: offsets of {k} do not describe its {len(values)} values")
+            v = Ragged(values, off)
+        out[k] = v
+    return out
+
+
+def open_chunk(fd: int, path, want: Identity | None, verify: bool, verified: set | None
+               ) -> tuple[dict, int, int, bool, tuple]:
+    """Check an open cache file's header: (header, offset of the regions, bytes of the regions,
+    whether checksums still need comparing, the file's identity for ``verified``).
+
+    ``want`` (None: not checked) is the identity the header must state; ``verify`` is
+    dropped for files in ``verified``. Raises :class:`CorruptCacheError`.
+    """
+    st = os.fstat(fd)
+    header, start = read_header(fd, path)
+    if want is not None:
+        check_identity(header, want, path, st.st_size, start)
+    else:
+        try:
+            end = region_span(header, start)
+        except MALFORMED as e:
+            raise CorruptCacheError(f"{path}: malformed header ({e})") from None
+        if st.st_size < end:
+            raise CorruptCacheError(f"{path}: truncated cache file ({st.st_size} of {end} bytes)")
+    ident = file_identity(st)
+    if verified is not None and ident in verified:
+        verify = False
+    return header, start, region_span(header, start) - start, verify, ident
+
+
+def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: set | None = None,
+                 alloc=None) -> tuple[dict, dict]:
+    """Read an open cache file into host memory: (header, column set of views into one buffer).
+
+    The bytes are copied (``preadv``) into a buffer of ``alloc(nbytes)`` (default: a new
+    array), never mapped, so nothing another process does to the file later (even
+    truncating it) can reach a batch. ``want`` (None: not checked) is the identity the
+    header must state. With ``verify`` every region's checksum is compared, except for
+    files in ``verified`` (identities of files already checked; a verified file's
+    identity is added to it). Raises :class:`CorruptCacheError`.
+    """
+    header, start, span, verify, ident = open_chunk(fd, path, want, verify, verified)
+    buf = alloc(span) if alloc is not None else np.empty(span, np.uint8)
+    got = pread_all(fd, buf, start)
+    if got != span:
+        raise CorruptCacheError(f"{path}: truncated cache file ({start + got} of {start + span} bytes)")
+    try:
+        cols = columns_from_buffer(buf, header, path, verify, base=start)
+    except MALFORMED as e:  # only without ``want``: a header nobody checked
+        raise CorruptCacheError(f"{path}: malformed header ({type(e).__name__}: {e})") from None
+    if verify and verified is not None:
+        verified.add(ident)
+    return header, cols

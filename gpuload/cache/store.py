@@ -1,0 +1,436 @@
+"""Cache: converted chunks on local disk, one file per chunk (format in :mod:`gpuload.cache.chunkfile`).
+
+Layout of a cache directory::
+
+    <cache_dir>/v3/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+    <cache_dir>/v3/<hash of source path>/<chunk file name>.lock        build lock
+    <cache_dir>/v3/specs/<spec>.json                                   the column set, last use = mtime
+
+The name covers every input that changes the bytes: the source path, its size and
+mtime (the file version), the columns, groups, dtypes and fill values (the spec), the
+row groups, and the format version; the header inside repeats all of it and a read
+compares the two. A changed source file changes only its own names; its stale chunks
+are deleted when its new chunks are written.
+
+Writes go to a temporary name in the same folder, are fsynced and renamed into place:
+a reader sees a complete file or none. Each chunk has a lock file (``flock``, released
+by the OS when a process dies) so concurrent builders build it once. Reads take no
+lock, so a read-only cache built by another user is served as it is.
+
+Failure never costs data: a cache file that cannot be read, locked or written (no
+permission, no space or inodes, a read-only cache, a concurrent ``cache clear``,
+something foreign at its name) is decoded from Parquet and served anyway, with one
+warning per kind of problem; a corrupt file is rebuilt, never served. Every path
+operation goes through :mod:`gpuload.cache.fs`, which never leaves the cache root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import xxhash
+
+from ..batch import Ragged, nbytes, nrows
+from . import admin
+from .admin import chunk_files
+from .chunkfile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
+    pwrite_all, write_regions
+from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
+from ..errors import CacheError, CorruptCacheError
+
+__all__ = ["ChunkKey", "ChunkCache", "default_cache_dir", "read_chunk", "write_chunk"]
+
+log = logging.getLogger("gpuload")
+
+_PENDING_WRITES = 2
+_LAYOUT, _SPECS = LAYOUT_DIR, SPECS_DIR
+
+
+def default_cache_dir() -> Path:
+    """``$GPULOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
+    env = os.environ.get("GPULOAD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gpuload"
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Identity of one cached chunk: where its file lives and what its header must say.
+
+    ``outputs`` lists ``(name, kind, storage dtype, width)`` per output and ``spec_desc``
+    the spec description whose hash is ``spec`` (:func:`gpuload.schema.spec_description`).
+    """
+
+    path: str  # absolute source path
+    size: int  # source file size in bytes
+    mtime_ns: int
+    spec: str  # hash of the output spec
+    rg_start: int
+    rg_stop: int
+    rows: int
+    outputs: tuple = ()
+    spec_desc: list = field(default_factory=list, compare=False, repr=False)
+    tag: str = ""  # a remote object's version marker (ETag, version id...); "" for local files
+
+    @property
+    def version(self) -> str:
+        return version_token(self.size, self.mtime_ns, self.tag)
+
+    @property
+    def folder(self) -> str:
+        return xxhash.xxh64_hexdigest(self.path.encode())
+
+    @property
+    def parts(self) -> tuple[str, str]:
+        return _LAYOUT, self.folder
+
+    @property
+    def name(self) -> str:
+        return f"{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
+
+    def relpath(self) -> str:
+        return f"{_LAYOUT}/{self.folder}/{self.name}"
+
+    @property
+    def identity(self) -> Identity:
+        return Identity(self.path, self.size, self.mtime_ns, self.rg_start, self.rg_stop, self.rows, self.spec,
+                        self.outputs, self.tag)
+
+    def header_fields(self) -> dict:
+        source = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+        if self.tag:
+            source["tag"] = self.tag
+        return {"source": source,
+                "row_groups": [self.rg_start, self.rg_stop], "spec": self.spec_desc}
+
+
+def write_chunk(path, cols: dict, key: ChunkKey) -> int:
+    """Write ``cols`` as the cache file of ``key`` at ``path`` (atomically); returns its size."""
+    path = Path(path)
+    head, regions, arrays, total = encode(cols, key.header_fields())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    CacheRoot(path.parent).write((), path.name, lambda fd: write_regions(fd, head, regions, arrays, total))
+    return total
+
+
+def read_chunk(path, verify: bool = True, verified: set | None = None, want: Identity | None = None
+               ) -> tuple[dict, dict]:
+    """Read the cache file at ``path``: (header, column set). ``want``: the identity it must state."""
+    path = Path(path)
+    fd = CacheRoot(path.parent).open_read((), path.name)
+    try:
+        return read_regions(fd, path, want, verify, verified)
+    finally:
+        os.close(fd)
+
+
+class ChunkCache:
+    """A cache directory: get-or-build chunks, with locking, a size budget and checks.
+
+    Parameters
+    ----------
+    root : the cache directory (created if missing and ``create``).
+    max_bytes : budget for chunk files in bytes; None means unbounded. When a new
+        chunk would exceed it, the chunk is not written (it is streamed from Parquet
+        every epoch instead) and nothing already cached is evicted.
+    verify : ``True`` (default): compare a file's checksums the first time this
+        process reads it (again whenever the file changes); ``"always"``: on every
+        read; ``False``: never (the header and identity are still checked).
+    read : ``read(fd, path, identity, verify, verified) -> column set`` (default:
+        :func:`gpuload.cache.chunkfile.read_regions` into host memory; the GPU path passes a
+        KvikIO reader into device memory).
+    to_host : ``to_host(column set) -> host column set`` the writer may keep (default:
+        a copy when ``shared``, else the columns themselves).
+    trust_writes : count files this process wrote as checked (default False).
+    metrics : a :class:`gpuload.Metrics` recording ``cache_read``/``cache_write`` spans.
+    alloc : ``alloc(nbytes) -> uint8 array`` for host reads (default: new arrays).
+    create : create ``root`` if missing (default True); else a missing root is a
+        :class:`CacheError` (the ``cache info/verify/clear`` commands).
+    lock_patience : seconds to wait for a chunk's lock held by another process (a
+        builder of the same chunk) before decoding the chunk here without caching it
+        (default 60; a stopped or hung holder never blocks a reader longer).
+    """
+
+    def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
+                 read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
+                 metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
+        given = Path(root).expanduser()
+        if not given.is_dir():
+            what = None if create else "is not a folder" if given.exists() else "does not exist"
+            try:
+                if what is None:  # a folder another process (another rank) made meanwhile is fine
+                    given.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # something that is not a folder
+                what = "is not a folder"
+            except OSError as e:
+                raise CacheError(f"cache_dir {given}: cannot create it ({e}); pass another cache_dir "
+                                 "or set GPULOAD_CACHE_DIR") from None
+            if what is not None:
+                raise CacheError(f"cache folder {given} {what}; check --cache-dir / cache_dir= "
+                                 "(or $GPULOAD_CACHE_DIR)")
+        self.root = CacheRoot(given)
+        self.metrics = metrics
+        self._read_fn = read or (lambda fd, p, want, v, s: read_regions(fd, p, want, v, s, alloc)[1])
+        self._to_host = to_host
+        self._trust_writes = trust_writes
+        self._verified: set[tuple] = set()
+        self._warned: set = set()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
+        self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
+        self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
+        self.max_bytes = max_bytes
+        self.verify = verify
+        self.full = False  # set once the budget refused a chunk
+        self.lock_patience = lock_patience
+        if create:
+            with contextlib.suppress(OSError):  # a read-only cache is still served
+                with self.root.folder((_LAYOUT,), create=True):
+                    pass
+
+    def path(self, key: ChunkKey) -> Path:
+        return self.root.where(key.parts, key.name)
+
+    def _warn(self, kind: str, text: str) -> None:
+        """Log ``text`` as a warning the first time a problem of ``kind`` happens, then at debug level."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(level, "gpuload: %s", text)
+
+    # -- get or build -------------------------------------------------------------------
+    def load(self, key: ChunkKey, build: Callable[[], dict], shared: bool = True) -> tuple[dict, bool]:
+        """The chunk's column set, and whether it came from the cache.
+
+        Reads the cached file if present and valid. Otherwise, holding the chunk's
+        lock, calls ``build()`` -> column set and writes it if the budget allows. A
+        corrupt file is rebuilt, never served; a file that cannot be read, locked or
+        written is decoded and served anyway (one warning per kind of problem).
+
+        Without a budget the write (and its fsync) happens on a background writer
+        thread that keeps the chunk's lock until the file is in place, so decoding
+        goes on meanwhile. :meth:`flush` waits for pending writes. ``shared=True``
+        (default) says the caller may hand views of the columns to code that changes
+        them in place, so the writer works on its own copy.
+        """
+        unreadable = None
+        try:
+            return self._read(key), True
+        except FileNotFoundError:
+            log.debug("gpuload: %s is not cached yet", self.path(key))
+        except CorruptCacheError as e:
+            log.warning("gpuload: %s; rebuilding it from its source", e)
+        except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
+            unreadable = e
+        lock = Lock(self.root, key.parts, key.name + ".lock")
+        built: list = []
+        before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
+
+        def built_meanwhile() -> bool:  # the holder may finish the chunk while we wait
+            now = self._inode(key)
+            if now is not None and now != before:  # a new file: writers rename complete files in place
+                try:
+                    built.append(self._read(key))
+                    return True
+                except (CorruptCacheError, OSError):
+                    pass
+            return False
+
+        try:
+            got = lock.acquire(timeout=self.lock_patience, meanwhile=built_meanwhile)
+        except OSError as e:
+            why = unreadable if unreadable is not None else e
+            self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
+                       "such chunks are decoded from Parquet every time and not cached")
+            return build(), False
+        if built:
+            return built[0], True
+        if not got:  # a stopped or hung process holds it: do not wait for it forever
+            self._warn("held", f"{self.path(key)} has been locked by another process for {self.lock_patience:g} s; "
+                       "decoding such chunks here without caching them")
+            return build(), False
+        if unreadable is not None:
+            self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
+                       "rebuilding it from its source")
+        try:
+            try:
+                return self._read(key), True  # another process built it meanwhile
+            except CorruptCacheError:
+                self.root.unlink(key.parts, key.name, CHUNK)
+            except OSError:
+                pass
+            for name, _ in self.root.scan(key.parts):  # temporaries left by a killed writer of this chunk
+                if name.startswith(key.name + ".tmp."):
+                    self.root.unlink(key.parts, name, TEMP)
+            cols = build()
+            self._drop_stale(key)
+            if self.max_bytes is None:
+                self._slots.acquire()
+                snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
+                try:
+                    self._writer.submit(self._write_and_release, key, snapshot, lock)
+                except BaseException:  # e.g. at interpreter shutdown: give the slot back
+                    self._slots.release()
+                    raise
+                lock = None  # the writer releases it
+            else:
+                self._write_within_budget(key, cols)
+            return cols, False
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _write_within_budget(self, key: ChunkKey, cols: dict) -> None:
+        budget = Lock(self.root, (_LAYOUT,), ".budget.lock")
+        try:
+            if not budget.acquire(timeout=self.lock_patience):
+                self._warn("held", f"the cache budget has been locked by another process for "
+                           f"{self.lock_patience:g} s; chunks are not cached meanwhile")
+                return
+        except OSError as e:
+            self._warn(f"lock{e.errno}", f"cannot lock the cache budget ({e}); this chunk is not cached")
+            return
+        try:
+            host = self._host(cols, copy=False)  # written before anyone else sees ``cols``
+            if not self.full:
+                used = sum(st.st_size for *_, st in chunk_files(self.root))
+                self.full = used + encode(host, key.header_fields())[3] > self.max_bytes
+            if not self.full:
+                self._write(key, host)
+        finally:
+            budget.release()
+
+    def _host(self, cols: dict, copy: bool) -> dict:
+        """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``."""
+        if self._to_host is not None:
+            return self._to_host(cols)
+        if not copy:
+            return cols
+        return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+                for k, v in cols.items()}
+
+    def _read(self, key: ChunkKey) -> dict:
+        verify, seen = (bool(self.verify), None) if self.verify == "always" or not self.verify else (True, self._verified)
+        path = self.path(key)
+        fd = self.root.open_read(key.parts, key.name)
+        try:
+            if self.metrics is None:
+                return self._read_fn(fd, path, key.identity, verify, seen)
+            with self.metrics.span("cache_read") as span:  # a missing or corrupt file records nothing
+                cols = self._read_fn(fd, path, key.identity, verify, seen)
+                span.nbytes, span.rows = nbytes(cols), nrows(cols)
+            return cols
+        finally:
+            os.close(fd)
+
+    def _write(self, key: ChunkKey, cols: dict) -> None:
+        try:
+            head, regions, arrays, total = encode(cols, key.header_fields())
+
+            def fill(fd):
+                write_regions(fd, head, regions, arrays, total)
+
+            if self.metrics is None:
+                st = self.root.write(key.parts, key.name, fill)
+            else:
+                with self.metrics.span("cache_write", rows=nrows(cols)) as span:
+                    st = self.root.write(key.parts, key.name, fill)
+                    span.nbytes = total
+            if self._trust_writes:
+                self._verified.add(file_identity(st))
+        except OSError as e:  # disk or inodes full, read-only, a clear meanwhile: the data is still served
+            self._warn(f"write{e.errno}", f"could not write cache file {self.path(key)} ({e.strerror or e}); "
+                       "chunks that are not cached are read from Parquet again")
+
+    def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
+        try:
+            self._write(key, cols)
+        finally:
+            lock.release()
+            self._slots.release()
+
+    def flush(self) -> None:
+        """Wait until every background write has finished (safe from several threads at once)."""
+        with self._flushing:
+            for _ in range(_PENDING_WRITES):
+                self._slots.acquire()
+            for _ in range(_PENDING_WRITES):
+                self._slots.release()
+
+    def _drop_stale(self, key: ChunkKey) -> None:
+        """Delete chunks (same spec) and footers of older versions of ``key``'s source file."""
+        for name, _ in self.root.scan(key.parts):
+            if CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
+                self.root.unlink(key.parts, name, CHUNK)
+            elif FOOTER.fullmatch(name) and name[:16] != key.version:
+                self.root.unlink(key.parts, name, FOOTER)
+
+    def _inode(self, key: ChunkKey) -> tuple | None:
+        """(device, inode) of the regular file at ``key``'s name, or None."""
+        with contextlib.suppress(OSError):
+            st = self.root.lstat(key.parts, key.name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                return st.st_dev, st.st_ino
+        return None
+
+    def exists(self, key: ChunkKey) -> bool:
+        """Whether chunk ``key`` has a regular file in the cache (not verified)."""
+        return self._inode(key) is not None
+
+    # -- specs --------------------------------------------------------------------------
+    def touch_spec(self, key_spec: str, desc: list) -> None:
+        """Record that column set ``desc`` (hash ``key_spec``) is in use now (best effort)."""
+        name = f"{key_spec}.json"
+        try:
+            st = self.root.lstat((_LAYOUT, _SPECS), name)
+            if st is None:
+                for tmp, tst in self.root.scan((_LAYOUT, _SPECS)):  # left by a writer killed a while ago
+                    if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
+                        self.root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
+                text = json.dumps(desc, indent=1).encode()
+                self.root.write((_LAYOUT, _SPECS), name, lambda fd: pwrite_all(fd, text, 0))
+            elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # never a file another name shares
+                with self.root.folder((_LAYOUT, _SPECS)) as d:
+                    os.utime(name, dir_fd=d, follow_symlinks=False)
+        except OSError as e:  # a read-only cache: nothing to record
+            log.debug("gpuload: could not record the use of spec %s (%s)", key_spec, e)
+
+    # -- inspection and maintenance (see gpuload.cache.admin) ------------------------------
+    def entries(self) -> Iterator[Path]:
+        """Every chunk file (regular file with a chunk's name) of the current format."""
+        for parts, name, _ in chunk_files(self.root):
+            yield self.root.where(parts, name)
+
+    def temporaries(self) -> Iterator[Path]:
+        """Temporary files left by writers that were killed."""
+        return admin.temporaries(self.root)
+
+    def specs(self) -> dict[str, dict]:
+        """Per spec hash: ``desc``, ``last_used`` (epoch seconds), ``chunks``, ``bytes`` (:func:`gpuload.cache.admin.specs`)."""
+        return admin.specs(self.root)
+
+    def summary(self) -> dict:
+        """What the cache holds (:func:`gpuload.cache.admin.summary`)."""
+        return admin.summary(self.root)
+
+    def verify_all(self, progress=None) -> list:
+        """Check every chunk file; a :class:`gpuload.cache.admin.Problem` per bad one."""
+        return admin.verify_all(self.root, progress)
+
+    def delete(self, path: Path) -> int:
+        """Delete one chunk file by path (:func:`gpuload.cache.admin.delete`); bytes freed."""
+        return admin.delete(self.root, path)
+
+    def clear(self, spec: str | None = None, unused_since: float | None = None) -> dict:
+        """Delete gpuload's files (:func:`gpuload.cache.admin.clear`)."""
+        return admin.clear(self.root, spec, unused_since)

@@ -1,0 +1,9 @@
+"""Observe: what the loader and the training loop spent their time on, and why.
+
+* :mod:`~gpuload.observe.metrics`: per-stage spans and the training thread's waits;
+* :mod:`~gpuload.observe.stats`: the summary of what was recorded (:class:`~gpuload.Stats`);
+* :mod:`~gpuload.observe.sampling`: CPU and GPU utilisation on a background thread;
+* :mod:`~gpuload.observe.watch`: :func:`gpuload.watch`, any loader timed from the training side;
+* :mod:`~gpuload.observe.diagnose`: :func:`gpuload.diagnose`, what limits a loop and what to do;
+* :mod:`~gpuload.observe.profile`: ``gpuload profile``.
+"""

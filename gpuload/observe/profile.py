@@ -1,0 +1,151 @@
+"""``gpuload profile``: run the loader under a training step and say what limits it.
+
+Each epoch runs with a simulated step (``step_ms`` of work per batch) or a small real
+model, under :class:`gpuload.observe.sampling.UtilSampler`, and is summarised on its own: the
+first epoch of a fresh cache decodes (and is usually decode-bound), the later ones
+read the cache. The disk's sequential read speed is measured once on the cache files (with
+their pages dropped from the page cache first) so that cache reads can be judged
+against it. All epochs go into one Chrome trace when ``trace`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..batch import Ragged
+from ..cache.fs import CacheRoot
+from ..dataset import ParquetDataset
+from ..errors import ConfigError
+from .diagnose import Diagnosis, diagnose
+from .stats import Stats
+from .sampling import UtilSampler
+
+__all__ = ["EpochReport", "MlpStep", "profile", "disk_read_gbps"]
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """One profiled epoch: its statistics, its diagnosis, and how many chunks it decoded."""
+
+    epoch: int
+    stats: Stats
+    diagnosis: Diagnosis
+    decoded_chunks: int
+    cached_chunks: int
+
+    def __str__(self) -> str:
+        s = self.stats
+        kind = "decodes and caches" if self.decoded_chunks else "reads the cache"
+        return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
+                f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows / max(s.wall_s, 1e-9):,.0f} rows/s, "
+                f"starvation {s.starvation:.1%}\n  {self.diagnosis}"
+                + (f"\n  remote source: {s.remote}" if s.remote is not None else ""))
+
+
+class MlpStep:
+    """A real training step for any dataset: an MLP over every dense output, one SGD update.
+
+    Scalar and 2-D outputs are cast to float32 and concatenated (ragged outputs are
+    skipped); the loss is the mean square of the output, read with ``.item()`` as a
+    training loop would. Built on the first batch, on the dataset's device.
+    """
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.net = self.opt = None
+
+    def __call__(self, batch: dict) -> None:
+        dense = [v.to(self.device).float().reshape(len(v), -1) for v in batch.values() if not isinstance(v, Ragged)]
+        if not dense:
+            raise ConfigError("--model mlp needs at least one scalar or 2-D output; these columns are all lists "
+                              "(use --step-ms instead)")
+        x = torch.cat(dense, 1)
+        if self.net is None:
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 256), torch.nn.ReLU(),
+                                           torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                           torch.nn.Linear(256, 1)).to(self.device)
+            self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-6)
+        loss = self.net(torch.nan_to_num(x)).square().mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        loss.item()
+
+
+def disk_read_gbps(files: list, limit_bytes: int = 1 << 30) -> float | None:
+    """Sequential read speed of ``files`` from the disk, in GB/s (None if nothing to read).
+
+    ``files``: paths, or ``(CacheRoot, folder parts, name)`` of cache files (opened
+    through the cache root, never through a link in it). Only regular files are read,
+    never through a link at the name, never blocking on a FIFO. Each file's pages are
+    dropped from the page cache first (``posix_fadvise`` DONTNEED), so this measures the
+    device, not memory; where the kernel keeps them anyway the result is an upper bound.
+    """
+    total, seconds = 0, 0.0
+    buf = bytearray(8 << 20)
+    for f in files:
+        if total >= limit_bytes:
+            break
+        try:
+            root, parts, name = f if isinstance(f, tuple) else (CacheRoot(Path(f).parent), (), Path(f).name)
+            fd = root.open_read(parts, name)
+        except OSError:
+            continue  # gone, or not a regular file
+        with open(fd, "rb", buffering=0) as fh:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while n := fh.readinto(buf):
+                total += n
+            seconds += time.perf_counter() - t0
+    return total / seconds / 1e9 if seconds > 0 and total else None
+
+
+def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.0, model: str | None = None,
+            trace=None, **dataset_kwargs) -> list[EpochReport]:
+    """Run ``epochs`` epochs of ``source`` under a training step; one :class:`EpochReport` each.
+
+    Parameters
+    ----------
+    source, columns, dataset_kwargs : as for :class:`gpuload.ParquetDataset`.
+    epochs : epochs to run (default 2: the first decodes when the cache is empty).
+    step_ms : simulated step per batch in milliseconds (default 5), when ``model`` is None.
+    model : ``"mlp"``: a small real MLP on the dataset's device (its float outputs as input).
+    trace : path of a Chrome trace-event JSON file covering every epoch (default None).
+    """
+    from ..demo import simulated_step
+
+    if model not in (None, "mlp"):
+        raise ConfigError(f"model={model!r}: the profiler knows 'mlp' (or give step_ms)")
+    ds = ParquetDataset(source, columns, **dataset_kwargs)
+    step = MlpStep(ds.device) if model == "mlp" else simulated_step(step_ms or 0.0)
+    threads = ds.options.num_threads
+    reports, events, origin, disk = [], [], None, None
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        ds.reset_stats()
+        before = (ds.reader.counters.decoded, ds.reader.counters.from_cache)
+        with UtilSampler(ds.metrics):
+            for batch in ds:
+                step(batch)
+        ds.reader.cache.flush()
+        stats = ds.stats()
+        if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
+            keys = [ds.reader.key(i) for i in range(len(ds.reader.chunks))]
+            disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
+        reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
+                                   ds.reader.counters.decoded - before[0], ds.reader.counters.from_cache - before[1]))
+        if trace is not None:
+            origin = origin if origin is not None else ds.metrics.first_time()
+            events += ds.metrics.trace_events(origin=origin)
+    if trace is not None:
+        Path(trace).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                           "otherData": {"producer": "gpuload profile"}}, separators=(",", ":")))
+    return reports

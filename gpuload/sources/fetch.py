@@ -1,0 +1,436 @@
+"""Fetch: the byte ranges of a chunk's columns from a remote store, many at once, retried.
+
+The first epoch of a remote source reads, per chunk, only the column chunks of the
+selected columns: their byte ranges come from the (cached) footer, nearby ranges are
+merged into one request, long ones are split, and the requests run on a thread pool
+bounded by the bytes in flight (:attr:`RemoteSettings.max_inflight_bytes`) and the
+number of requests (:attr:`RemoteSettings.max_requests`), not by files. The reader
+starts the fetches of chunks ahead of the one being decoded
+(:attr:`RemoteSettings.readahead_bytes`), so request latency overlaps with decoding.
+
+Transient failures (HTTP 5xx, 429 and 408, throttling, connection resets, timeouts,
+short bodies) are retried with exponential backoff and full jitter; after the last
+try a :class:`~gpuload.SourceError` names the object, the range and the last error. A
+chunk whose ranges could not all be fetched is never decoded, so never cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+import threading
+import time
+import itertools
+import queue
+import weakref
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from ..errors import ConfigError, SourceError
+from .ranges import coalesce
+
+__all__ = ["RemoteSettings", "RemoteStats", "Fetcher", "Job", "retry", "transient"]
+
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EINVAL}
+
+
+def _env(name: str, default, kind):
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"${name}={text!r} must be a {kind.__name__}") from None
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """How remote sources are read; each default comes from an environment variable.
+
+    Attributes
+    ----------
+    max_requests : requests in flight at once (``$GPULOAD_REMOTE_REQUESTS``, default 32).
+    max_inflight_bytes : bytes of requests in flight at once (``$GPULOAD_REMOTE_INFLIGHT_BYTES``,
+        default 256 MiB); a single larger range runs alone.
+    readahead_bytes : fetched bytes of chunks started ahead of decoding
+        (``$GPULOAD_REMOTE_READAHEAD_BYTES``, default 512 MiB; at least one chunk is started).
+    coalesce_bytes : ranges this close are merged into one request (default 1 MiB).
+    max_range_bytes : longer ranges are split into requests of at most this (default 16 MiB).
+    retries : tries per request after the first (``$GPULOAD_REMOTE_RETRIES``, default 6).
+    backoff_s, max_backoff_s : first and largest backoff in seconds (defaults 0.2 and 10); the
+        wait before try ``k`` is uniform in ``[0, min(max_backoff_s, backoff_s * 2**k)]``.
+    timeout_s : seconds before one request counts as stalled and is retried
+        (``$GPULOAD_REMOTE_TIMEOUT``, default 60; fsspec's async stores only; pyarrow's
+        filesystems use their own ``request_timeout``).
+    """
+
+    max_requests: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_REQUESTS", 32, int))
+    max_inflight_bytes: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_INFLIGHT_BYTES", 256 << 20, int))
+    readahead_bytes: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_READAHEAD_BYTES", 512 << 20, int))
+    coalesce_bytes: int = 1 << 20
+    max_range_bytes: int = 16 << 20
+    retries: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_RETRIES", 6, int))
+    backoff_s: float = 0.2
+    max_backoff_s: float = 10.0
+    timeout_s: float = field(default_factory=lambda: _env("GPULOAD_REMOTE_TIMEOUT", 60.0, float))
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"remote {f.name}={v!r} must be a non-negative number")
+        for name in ("max_requests", "max_inflight_bytes", "max_range_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"remote {name}={getattr(self, name)!r} must be at least 1")
+
+    @classmethod
+    def of(cls, value) -> "RemoteSettings":
+        """``value`` as settings: None (defaults), a :class:`RemoteSettings`, or a dict of its fields."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ConfigError(f"remote: unknown setting(s) {', '.join(sorted(unknown))}; known: "
+                                  f"{', '.join(f.name for f in fields(cls))}")
+            return cls(**value)
+        raise ConfigError(f"remote={value!r}: pass None, a dict or a gpuload.RemoteSettings")
+
+
+@dataclass(frozen=True)
+class RemoteStats:
+    """Requests made to a remote store. Sizes in bytes, times in seconds.
+
+    ``latency_p50_s`` / ``p90`` / ``p99``: per successful request, from its start to its
+    last byte (None without requests). ``retried``: requests tried again; ``failed``:
+    requests that failed on every try.
+    """
+
+    requests: int
+    bytes: int
+    retried: int
+    failed: int
+    latency_p50_s: float | None
+    latency_p90_s: float | None
+    latency_p99_s: float | None
+
+    def __str__(self) -> str:
+        if not self.requests:
+            return "no requests"
+        ms = [f"{v * 1e3:.0f}" for v in (self.latency_p50_s, self.latency_p90_s, self.latency_p99_s)]
+        return (f"{self.requests:,} requests, {self.bytes / 1e6:.1f} MB, latency p50/p90/p99 {'/'.join(ms)} ms, "
+                f"{self.retried} retried, {self.failed} failed")
+
+
+_TRANSIENT_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                    errno.ECONNREFUSED, errno.EPIPE, errno.EREMOTEIO, errno.ENETUNREACH, errno.EHOSTUNREACH}
+# connection-level failures of the stores' clients (botocore, aiohttp, urllib3, requests, google-auth), by class name
+_TRANSIENT_CLASSES = {"ConnectTimeoutError", "ReadTimeoutError", "EndpointConnectionError", "ConnectionClosedError",
+                      "ResponseStreamingError", "IncompleteReadError", "ProxyConnectionError", "ClientConnectionError",
+                      "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
+                      "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError", "ProtocolError",
+                      "ChunkedEncodingError", "TransportError", "FSTimeoutError"}
+
+
+def _status(e: BaseException) -> int | None:
+    """An HTTP status carried by a store's exception (aiohttp ``status``, gcsfs ``code``,
+    botocore ``response``), if any."""
+    for attr in ("status", "status_code", "code"):
+        v = getattr(e, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool) and 100 <= v < 600:
+            return v
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        v = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def transient(e: BaseException) -> bool:
+    """Whether a failed request is worth trying again: a 5xx, 429 or 408 answer,
+    throttling, a dropped or refused connection, a timeout, a truncated body. The
+    exception's causes (``__cause__``, ``__context__``) are looked at too, since stores
+    wrap their clients' errors (s3fs turns a 503 SlowDown into ``OSError(EBUSY)``)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+            return False
+        if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, _Truncated)):
+            return True
+        status = _status(e)
+        if status is not None:
+            return status in _TRANSIENT_STATUS or status >= 500
+        if type(e).__name__ in _TRANSIENT_CLASSES:
+            return True
+        if isinstance(e, OSError) and e.errno is not None:
+            if e.errno in _TRANSIENT_ERRNO:
+                return True
+            if e.errno in _PERMANENT_ERRNO:
+                return False
+        text = str(e).lower()
+        if any(w in text for w in ("slowdown", "slow down", "reduce your request rate", "throttl",
+                                   "service unavailable", "too many requests", "internal error")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _Truncated(Exception):
+    """A body shorter than the range asked for (a dropped connection): worth another try."""
+
+
+def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_retry: Callable[[], None] | None = None,
+          stop: threading.Event | None = None):
+    """``call()``, tried again on transient errors with backoff and jitter; a
+    :class:`SourceError` naming ``what`` when it fails for good."""
+    for attempt in range(settings.retries + 1):
+        try:
+            return call()
+        except SourceError:
+            raise
+        except Exception as e:  # classified below: a store's errors have no common base
+            if not transient(e):
+                raise SourceError(f"{what}: {type(e).__name__}: {e}" + _hint(e)) from None
+            if attempt == settings.retries or (stop is not None and stop.is_set()):
+                raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(e).__name__}: {e}; the "
+                                  "store may be down or throttling: try again later, or raise remote retries") from None
+            if on_retry is not None:
+                on_retry()
+            time.sleep(random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt)))
+    raise AssertionError("unreachable")
+
+
+def _hint(e: BaseException) -> str:
+    if isinstance(e, FileNotFoundError):
+        return "; the object is gone: open the dataset again to list the source anew"
+    if isinstance(e, PermissionError):
+        return "; check the credentials in storage_options (or the environment)"
+    return ""
+
+
+class _Budget:
+    """A counting limit on bytes, granted first come first served; a request larger than
+    the whole limit runs alone."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self._next, self._serving = limit, 0, 0, 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int) -> int:
+        n = min(n, self.limit)
+        with self._cond:
+            ticket, self._next = self._next, self._next + 1
+            self._cond.wait_for(lambda: self._serving == ticket and self.used + n <= self.limit)
+            self._serving += 1
+            self.used += n
+            self._cond.notify_all()
+        return n
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class Job:
+    """The fetch of one object's ranges: :meth:`result` waits for all of them."""
+
+    def __init__(self, futures: list[Future], ranges: list[tuple[int, int]], nbytes: int,
+                 check: Future | None = None):
+        self.futures, self.ranges, self.nbytes, self.check = futures, ranges, nbytes, check
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures) and (self.check is None or self.check.done())
+
+    def result(self) -> dict[int, bytes]:
+        """``{start: bytes}`` of the fetched spans (split requests joined again); the first
+        failure's :class:`SourceError` if any failed."""
+        out: dict[int, bytes] = {}
+        pending: list[bytes] = []
+        start = end = None
+        if self.check is not None:
+            _wait(self.check)
+        for (a, b), f in zip(self.ranges, self.futures):
+            data = _wait(f)
+            if a != end and pending:
+                out[start] = pending[0] if len(pending) == 1 else b"".join(pending)
+                pending = []
+            if not pending:
+                start = a
+            pending.append(data)
+            end = b
+        if pending:
+            out[start] = pending[0] if len(pending) == 1 else b"".join(pending)
+        return out
+
+    def cancel(self) -> None:
+        for f in [*self.futures, *([self.check] if self.check is not None else [])]:
+            f.cancel()
+
+
+def _wait(f: Future):
+    try:
+        return f.result()
+    except CancelledError:
+        raise SourceError("a remote fetch was cancelled: the dataset was closed while an epoch was running; "
+                          "start the epoch again") from None
+
+
+class _Requests:
+    """``workers`` threads running submitted calls in priority order (lowest first): requests
+    of earlier fetches before those of later ones, so the chunk decoding waits for is never
+    queued behind the read-ahead."""
+
+    def __init__(self, workers: int):
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._threads: list[threading.Thread] = []
+        self._workers, self._closed, self._lock = workers, False, threading.Lock()
+
+    def submit(self, priority: tuple, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("closed")
+            self._q.put((priority, next(self._order), fut, fn, args))
+            if len(self._threads) < self._workers and self._q.qsize() > 0:
+                t = threading.Thread(target=self._run, name=f"gpuload-fetch-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        return fut
+
+    def _run(self) -> None:
+        while self._one(self._q.get()):
+            pass
+
+    @staticmethod
+    def _one(item) -> bool:
+        """Run one queued call (False: the thread should end). Its own frame, so that an idle
+        thread keeps no reference to the last call (and so to its fetcher)."""
+        _, _, fut, fn, args = item
+        if fut is None:
+            return False
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter
+                fut.set_exception(e)
+        return True
+
+    def close(self) -> None:
+        """Cancel what is queued and let the threads end."""
+        with self._lock:
+            self._closed = True
+            threads = len(self._threads)
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if item[2] is not None:
+                item[2].cancel()
+        for _ in range(threads):
+            self._q.put(((float("inf"),), next(self._order), None, None, ()))
+
+
+class Fetcher:
+    """Runs range requests to one :class:`~gpuload.sources.remote.Store` on a bounded pool, retried and timed."""
+
+    def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
+        self.store, self.settings, self.clock = store, settings, clock
+        self._pool = _Requests(settings.max_requests)
+        weakref.finalize(self, self._pool.close)  # a dropped dataset's idle request threads end with it
+        self._jobs = itertools.count()
+        self._budget = _Budget(settings.max_inflight_bytes)
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the request statistics."""
+        with self._lock:
+            self._lat: list[float] = []
+            self._bytes = self._retried = self._failed = 0
+
+    def stats(self) -> RemoteStats:
+        """Requests made since creation or :meth:`reset`."""
+        with self._lock:
+            lat, nb, retried, failed = sorted(self._lat), self._bytes, self._retried, self._failed
+
+        def q(p: float) -> float | None:
+            return lat[min(len(lat) - 1, int(p * len(lat)))] if lat else None
+
+        return RemoteStats(len(lat), nb, retried, failed, q(0.5), q(0.9), q(0.99))
+
+    def _retried_once(self) -> None:
+        with self._lock:
+            self._retried += 1
+
+    def get(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path``, retried; on the calling thread."""
+        def once() -> bytes:
+            t0 = self.clock()
+            try:
+                data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None)
+            except asyncio.TimeoutError:  # fsspec's FSTimeoutError says nothing itself
+                raise TimeoutError(f"no answer within timeout_s={self.settings.timeout_s:g} s") from None
+            if len(data) > end - start:
+                raise SourceError(f"{self.store.url(path)}: asked for bytes {start}-{end - 1}, got {len(data)} "
+                                  "bytes: the server ignores Range requests, which gpuload needs; serve the "
+                                  "objects from a server that honours them")
+            if len(data) < end - start:
+                raise _Truncated(f"the body ended after {len(data)} of {end - start} bytes")
+            t1 = self.clock()
+            with self._lock:
+                self._lat.append(t1 - t0)
+                self._bytes += len(data)
+            return bytes(data)
+
+        try:
+            return retry(once, f"{self.store.url(path)} (bytes {start}-{end - 1})", self.settings,
+                         self._retried_once, self.stop)
+        except SourceError:
+            with self._lock:
+                self._failed += 1
+            raise
+
+    def _one(self, path: str, start: int, end: int) -> bytes:
+        granted = self._budget.acquire(end - start)
+        try:
+            return self.get(path, start, end)
+        finally:
+            self._budget.release(granted)
+
+    def start(self, path: str, ranges, check: Callable[[], None] | None = None) -> Job:
+        """Start fetching the (coalesced) ``ranges`` of ``path``; returns at once. ``check()``
+        runs once they have all arrived (the object's identity asked again: a rewrite
+        between listing and fetching must not be decoded as the listed version)."""
+        s = self.settings
+        merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
+        job = next(self._jobs)
+        futures = [self._pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
+        after = None
+        if check is not None:
+            def verify() -> None:  # queued after this fetch's ranges and before any later fetch's
+                for f in futures:  # all dequeued already, so running or done: this waits on no queue
+                    f.result()
+                retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
+                      self._retried_once, self.stop)
+
+            after = self._pool.submit((job, 2, 0), verify)
+        return Job(futures, merged, sum(b - a for a, b in merged), after)
+
+    def close(self) -> None:
+        """Stop retrying, drop queued requests and close the store's open files."""
+        self.stop.set()
+        self._pool.close()
+        self.store.close()

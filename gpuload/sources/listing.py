@@ -1,0 +1,415 @@
+"""Source: list Parquet files and objects, fingerprint them and read their footers.
+
+Everything here runs once, when a dataset is opened, and reads at most the Parquet
+footers, and only those not already in the cache (see :mod:`gpuload.cache.footers`): no
+column data. A source is a local file, a directory, a glob, a URL (``s3://``,
+``gs://``, ``az://``, ``http(s)://``, ``file://`` or any fsspec protocol; a prefix
+or folder is listed recursively), or a list of these; with ``filesystem=`` (an fsspec
+filesystem or a ``pyarrow.fs.FileSystem``) paths name objects in it. Anything else (a
+table, bytes, an open file) is refused with a :class:`SourceError` that says what to
+pass instead.
+
+Directories laid out Hive-style (``day=1/part-0.parquet``) give each file's partition
+keys as extra columns, typed as pyarrow's partition discovery types them (integers as
+int32, anything else as strings, ``__HIVE_DEFAULT_PARTITION__`` as null); they are
+cached like any other column, and the key's value is part of the file's path, so of
+its cache key.
+
+A file's identity is its path (a remote object's URL), size, and mtime or, for a
+remote object, the store's last-modified time and version marker (ETag, version id,
+generation): never a local time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field as _field
+from functools import cached_property
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from ..cache.chunkfile import version_token
+from ..errors import SchemaError, SourceError
+from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
+from .remote import Store, is_local_fs, is_url, store_for
+from ..schema import RAGGED, OutputSpec, storage_dtype
+
+__all__ = ["SourceFile", "Listed", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
+           "pandas_index_columns"]
+
+_GLOB_CHARS = set("*?[")
+_MAX_PAGE_VALUES = 2**31 - 1  # a Parquet page header counts its values in an i32
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One Parquet file: identity, footer, and Hive partition keys.
+
+    ``path`` is the real local path, or a remote object's URL; ``size``, ``mtime_ns``
+    and ``tag`` (a remote store's version marker, "" for local files) make its identity.
+    ``schema`` is the file's Arrow schema followed by its partition keys' fields;
+    ``partitions`` maps each partition key to its value (None for a null partition).
+    ``store`` (a :class:`gpuload.sources.remote.Store`) and ``key`` (the object's path in it)
+    are set for remote objects only.
+    """
+
+    path: str
+    size: int
+    mtime_ns: int
+    metadata: pq.FileMetaData
+    schema: pa.Schema
+    partitions: tuple = ()  # ((name, value), ...)
+    tag: str = ""
+    store: Store | None = _field(default=None, compare=False, repr=False)
+    key: str = ""
+
+    @property
+    def remote(self) -> bool:
+        return self.store is not None
+
+    @property
+    def version(self) -> str:
+        """A short token that changes whenever the file's identity (size, mtime, tag) does."""
+        return version_token(self.size, self.mtime_ns, self.tag)
+
+    def stat_matches(self) -> bool:
+        """True if a local file still has the size and mtime recorded here (remote objects:
+        their identity was taken from the listing at open, and is not asked again)."""
+        if self.remote:
+            return True
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return st.st_size == self.size and st.st_mtime_ns == self.mtime_ns
+
+    @property
+    def partition_names(self) -> set[str]:
+        return {k for k, _ in self.partitions}
+
+    def partition_scalar(self, name: str) -> pa.Scalar:
+        """The value of partition key ``name`` as an Arrow scalar of its field's type."""
+        return pa.scalar(dict(self.partitions)[name], type=self.schema.field(name).type)
+
+    @cached_property
+    def _leaf_ranges(self) -> dict[str, range]:
+        """Top-level file column -> its Parquet leaf column indices (exact for any name, dots included)."""
+        out, i = {}, 0
+        for field in self.metadata.schema.to_arrow_schema():
+            n = _leaf_count(field.type)
+            out[field.name] = range(i, i + n)
+            i += n
+        if i != len(self.metadata.schema):  # a layout we do not model: fall back to the leaves' paths
+            out = {}
+            for j in range(len(self.metadata.schema)):
+                name = self.metadata.schema.column(j).path.split(".")[0]
+                r = out.get(name)
+                out[name] = range(r.start if r else j, j + 1)
+        return out
+
+    def leaves(self, name: str) -> range:
+        """Parquet leaf column indices of top-level file column ``name``."""
+        return self._leaf_ranges[name]
+
+
+def _leaf_count(t: pa.DataType) -> int:
+    if isinstance(t, pa.ExtensionType):
+        return _leaf_count(t.storage_type)
+    if pa.types.is_struct(t):
+        return sum(_leaf_count(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_map(t):
+        return _leaf_count(t.key_type) + _leaf_count(t.item_type)
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return _leaf_count(t.value_type)
+    return 1
+
+
+def _is_data_file(p: Path) -> bool:
+    return p.is_file() and not p.name.startswith(("_", "."))
+
+
+def _refuse(item) -> None:
+    """Raise a :class:`SourceError` for a ``source`` item that is not a path or URL."""
+    kind = type(item).__name__
+    mod = type(item).__module__.split(".")[0]
+    if item is None:
+        raise SourceError("source is None: pass a Parquet file, a directory, a glob, a URL or a list of them")
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        raise SourceError(f"source is {kind}: gpuload reads Parquet files by path; write the bytes to a file "
+                          "and pass its path")
+    if mod in ("pyarrow", "pandas", "polars") and not hasattr(item, "open_input_file"):
+        raise SourceError(f"source is a {mod} {kind}: gpuload caches Parquet files; write it with "
+                          "pyarrow.parquet.write_table (or DataFrame.to_parquet) and pass the file's path")
+    if hasattr(item, "open_input_file") or (hasattr(item, "protocol") and hasattr(item, "ls")):
+        raise SourceError(f"source is a filesystem object ({kind}): pass it as filesystem= and the paths in it "
+                          "as source")
+    if hasattr(item, "read") or hasattr(item, "readinto"):
+        raise SourceError(f"source is an open file ({kind}): pass the file's path instead")
+    raise SourceError(f"source is a {kind}: pass a Parquet file path, a directory, a glob, a URL or a list of them")
+
+
+class Listed(NamedTuple):
+    """One listed Parquet file: identity path (real local path or URL), Hive partition base
+    (or None), the path as listed (for partition keys), size, mtime, version tag, and for
+    remote objects the store and the object's path in it."""
+
+    path: str
+    base: str | None
+    shown: str
+    size: int
+    mtime_ns: int
+    tag: str = ""
+    store: Store | None = None
+    key: str = ""
+
+
+def _items(source) -> list:
+    if isinstance(source, (str, os.PathLike)):
+        return [source]
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise SourceError("source is an empty list: pass a Parquet file, a directory, a glob or a URL")
+        return list(source)
+    _refuse(source)
+
+
+def list_files(source, filesystem=None, storage_options: dict | None = None, settings=None) -> list[Listed]:
+    """Each Parquet file or object named by ``source``, in a stable order (a local file
+    reached through a link has its real path as identity, and the listed one for its
+    Hive partition keys).
+
+    ``source`` is a file, a directory (searched recursively for ``*.parquet``, skipping
+    names that start with ``_`` or ``.``), a glob (``**`` recurses), a URL of an object,
+    prefix or glob, or a list of these. Directories and globs are the base of Hive
+    partition discovery for their files. ``filesystem`` (fsspec or pyarrow) makes every
+    item a path in it; ``storage_options`` configure the fsspec filesystems made from
+    URLs; ``settings`` (:class:`gpuload.RemoteSettings`) set the retries of listings.
+    """
+    from .fetch import RemoteSettings, retry
+
+    settings = settings or RemoteSettings()
+    if filesystem is not None and is_local_fs(filesystem):
+        filesystem = None  # the local disk: read directly, identities from stat
+    found: dict[str, Listed] = {}
+    stores: dict[str, Store] = {}
+    for item in _items(source):
+        if not isinstance(item, (str, os.PathLike)):
+            _refuse(item)
+        text = os.fspath(item)
+        if isinstance(text, bytes):
+            _refuse(text)
+        if filesystem is not None or is_url(text):
+            proto = text.split("://", 1)[0] if "://" in text else ""
+            store = stores.get(proto)
+            if store is None:
+                store = stores[proto] = store_for(text if "://" in text else None, filesystem, storage_options,
+                                                  settings.timeout_s or None)
+            infos, base = retry(lambda s=store, t=text: s.expand(t), f"{text}: listing", settings)
+            for i in infos:
+                url = store.url(i.path)
+                found.setdefault(url, Listed(url, base, i.path, i.size, i.mtime_ns, i.tag, store, i.path))
+            continue
+        for path, base, shown in _list_local(text):
+            st = os.stat(path)
+            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns))
+    return list(found.values())
+
+
+def _list_local(text: str) -> list[tuple[str, str | None, str]]:
+    text = text.removeprefix("file://")
+    p = Path(os.path.abspath(Path(text).expanduser()))  # absolute, links kept: partitions live in the names
+    base = None
+    if p.is_dir():
+        matches = sorted(q for q in p.rglob("*.parquet") if _is_data_file(q))
+        base = p
+    elif p.is_file():  # an existing name is a name, even with glob characters in it
+        matches = [p]
+    elif _GLOB_CHARS & set(text):
+        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if _is_data_file(Path(m)))
+        base = Path(*p.parts[:next(i for i, part in enumerate(p.parts) if _GLOB_CHARS & set(part))])
+    else:
+        raise SourceError(f"{text}: no such file or directory")
+    if not matches:
+        raise SourceError(f"{text}: matched no Parquet files")
+    # identity by the real file; partition keys from the name as listed
+    return [(str(m.resolve()), None if base is None else str(base), str(m)) for m in matches]
+
+
+def _hive_keys(path: str, base: str) -> set[str]:
+    """Names of the ``key=value`` folders between ``base`` and the file ``path``."""
+    return {seg.split("=", 1)[0] for seg in Path(path).relative_to(base).parts[:-1] if "=" in seg}
+
+
+def _partitions(listed: Sequence[Listed]) -> dict[str, tuple[pa.Schema, tuple]]:
+    """Per identity path with Hive partition folders: (partition fields, ((name, value), ...)),
+    as pyarrow discovers them from the listed paths (names only: no file is opened)."""
+    import pyarrow.dataset as pds
+    import pyarrow.fs as pafs
+
+    by_base: dict[str, list[tuple[str, str]]] = {}
+    for x in listed:
+        if x.base is not None and _hive_keys(x.shown, x.base):
+            by_base.setdefault(x.base, []).append((x.shown, x.path))
+    out = {}
+    for base, pairs in by_base.items():
+        real = dict(pairs)
+        opts = pds.FileSystemFactoryOptions(partition_base_dir=base)
+        opts.partitioning_factory = pds.HivePartitioning.discover(infer_dictionary=False)
+        try:  # a mock filesystem: discovery works on the names alone
+            factory = pds.FileSystemDatasetFactory(pafs._MockFileSystem(), [s for s, _ in pairs],
+                                                   pds.ParquetFileFormat(), opts)
+            dataset = factory.finish(factory.inspect(fragments=0))
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"{base}: cannot discover its partition folders ({e})") from None
+        fields = pa.schema(list(dataset.partitioning.schema)) if dataset.partitioning else pa.schema([])
+        for frag in dataset.get_fragments():
+            found = pds.get_partition_keys(frag.partition_expression)  # a null key may be absent here
+            present = _hive_keys(frag.path, base)
+            out[real[frag.path]] = (fields, tuple((f.name, found.get(f.name)) for f in fields if f.name in present))
+    return out
+
+
+def _check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
+    """Refuse footers whose row counts cannot be right: negative, not adding up, or more rows
+    than the file's pages could hold (a data page holds at most 2^31 - 1 values, and its
+    header alone takes more than 8 bytes)."""
+    total = 0
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        if n < 0:
+            raise SourceError(f"{path}: row group {g} declares {n} rows; the file is corrupt")
+        total += n
+    if total != meta.num_rows or total > (size // 8 + 1) * _MAX_PAGE_VALUES:
+        raise SourceError(f"{path}: its footer declares {meta.num_rows:,} rows ({total:,} in its row groups) in "
+                          f"{size:,} bytes, which cannot be right; the file is corrupt: rewrite it or remove it "
+                          "from the source")
+
+
+def _local_read(path: str):
+    def read(start: int, end: int) -> bytes:
+        with open(path, "rb", buffering=0) as fh:
+            return os.pread(fh.fileno(), end - start, start)
+    return read
+
+
+def _cached_footer(root, x: Listed, counts: dict) -> pq.FileMetaData | None:
+    """The footer of ``x`` from the cache, if it holds one for this version that parses."""
+    raw = load_footer(root, x.path, x.size, x.mtime_ns, x.tag)
+    if raw is None:
+        return None
+    try:
+        meta = parse_footer(raw, x.path)
+        _check_footer(x.path, meta, x.size)
+    except SourceError:  # a cached footer that does not parse: read the file's own again
+        return None
+    counts["footers_cached"] += 1
+    return meta
+
+
+def _read_footer(root, x: Listed, fetcher_for) -> pq.FileMetaData:
+    """The footer of ``x`` read from the file or object itself, then kept in the cache."""
+    if x.store is not None:
+        fetcher = fetcher_for(x.store)
+        raw = read_footer(lambda a, b: fetcher.get(x.key, a, b), x.size, x.path)
+    else:
+        try:
+            raw = read_footer(_local_read(x.path), x.size, x.path)
+        except OSError as e:
+            raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
+    meta = parse_footer(raw, x.path)
+    _check_footer(x.path, meta, x.size)
+    save_footer(root, x.path, x.size, x.mtime_ns, x.tag, raw)
+    return meta
+
+
+def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dict | None = None) -> list[SourceFile]:
+    """Read each file's footer (from the cache ``root`` when it holds this version's);
+    a :class:`SourceError` names a bad file.
+
+    ``fetcher_for(store)`` gives the :class:`gpuload.sources.fetch.Fetcher` that reads remote
+    footers (retried). ``stats``, if given, counts ``{"footers_cached", "footers_read"}``.
+    """
+    parts = _partitions(listed)
+    out = []
+    counts = stats if stats is not None else {}
+    counts.setdefault("footers_cached", 0)
+    counts.setdefault("footers_read", 0)
+    metas = [_cached_footer(root, x, counts) for x in listed]
+    missing = [i for i, m in enumerate(metas) if m is None]
+    remote = [i for i in missing if listed[i].store is not None]
+    if len(remote) > 1:  # many objects: their footers in parallel, one request each (two for long footers)
+        from concurrent.futures import ThreadPoolExecutor
+
+        workers = min(len(remote), fetcher_for(listed[remote[0]].store).settings.max_requests)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuload-footers") as pool:
+            for i, m in zip(remote, pool.map(lambda i: _read_footer(root, listed[i], fetcher_for), remote)):
+                metas[i] = m
+    for i in missing:
+        if metas[i] is None:
+            metas[i] = _read_footer(root, listed[i], fetcher_for)
+    counts["footers_read"] += len(missing)
+    for x, meta in zip(listed, metas):
+        try:
+            schema = meta.schema.to_arrow_schema()
+        except (OSError, pa.ArrowException) as e:
+            raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
+        fields, keys = parts.get(x.path, (pa.schema([]), ()))
+        for f in (f for f in fields if f.name in dict(keys)):
+            if f.name in schema.names:
+                raise SchemaError(f"{x.path}: column {f.name!r} is both in the file and a partition folder "
+                                  f"({f.name}=...); rename one of them")
+            schema = schema.append(f)
+        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, x.tag, x.store, x.key))
+    return out
+
+
+def pandas_index_columns(schema: pa.Schema) -> set[str]:
+    """Columns that pandas wrote to store a DataFrame's index (``__index_level_0__`` or named)."""
+    meta = schema.pandas_metadata or {}
+    names = {c for c in meta.get("index_columns", []) if isinstance(c, str)}
+    return names | {n for n in schema.names if n.startswith("__index_level_") and n.endswith("__")}
+
+
+def common_columns(files: Sequence[SourceFile]) -> tuple[pa.Schema, list[str]]:
+    """The first file's schema restricted to the columns every file has (pandas index
+    columns left out), and the names left out because some file lacks them."""
+    first = files[0].schema
+    shared = set(first.names)
+    for f in files[1:]:
+        shared &= set(f.schema.names)
+    everywhere = set().union(*(set(f.schema.names) for f in files))
+    index = set().union(*(pandas_index_columns(f.schema) for f in files))
+    keep = [f for f in first if f.name in shared and f.name not in index]
+    return pa.schema(keep, metadata=first.metadata), sorted(everywhere - shared - index)
+
+
+def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec]) -> list[tuple[int, int]]:
+    """Per row group of ``f``: (rows, estimated bytes once converted to ``specs``)."""
+    fixed_per_row = sum(storage_dtype(s.dtype).itemsize * s.width for s in specs if s.kind != RAGGED)
+    ragged = [(s, storage_dtype(s.dtype).itemsize) for s in specs if s.kind == RAGGED]
+    out = []
+    for g in range(f.metadata.num_row_groups):
+        rg = f.metadata.row_group(g)
+        n = rg.num_rows
+        size = n * fixed_per_row
+        for s, item in ragged:
+            c = s.columns[0]
+            values = rg.column(f.leaves(c)[0]).num_values if c not in f.partition_names else n
+            size += values * item + (n + 1) * 8
+        out.append((n, size))
+    return out
+
+
+def fingerprint(files: Sequence[SourceFile]) -> int:
+    """A 63-bit fingerprint of the files' identities (path, size, mtime, tag, rows)."""
+    h = xxhash.xxh64()
+    for f in files:
+        tag = f"\0{f.tag}" if f.tag else ""
+        h.update(f"{f.path}\0{f.size}\0{f.mtime_ns}{tag}\0{f.metadata.num_rows}\n".encode())
+    return h.intdigest() & (2**63 - 1)
+

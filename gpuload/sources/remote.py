@@ -1,0 +1,289 @@
+"""Remote sources: object stores reached through fsspec or a pyarrow filesystem.
+
+A :class:`Store` wraps one filesystem (``s3://``, ``gs://``, ``az://``, ``http(s)://``
+or any other fsspec protocol, or a ``pyarrow.fs.FileSystem``) behind three calls:
+list what a source item names (with each object's identity), read one byte range,
+and name an object in messages. Retries, concurrency and timing live in
+:mod:`gpuload.sources.fetch`; this module only talks to the store.
+
+An object's identity is its size plus whatever version marker the store gives:
+S3's version id or ETag, GCS's generation, Azure's ETag, HTTP's ETag and
+Last-Modified. A store that gives none of them is served with a warning: a change
+that keeps an object's size would not be noticed.
+
+Each protocol's package is an optional extra (``pip install gpuload[s3]`` for s3fs,
+``[gcs]`` for gcsfs, ``[azure]`` for adlfs, ``[http]`` for aiohttp); a missing one is
+a :class:`~gpuload.SourceError` that names the extra.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import posixpath
+import threading
+from dataclasses import dataclass
+
+from ..errors import SourceError
+
+__all__ = ["Store", "ObjectInfo", "is_url", "store_for"]
+
+log = logging.getLogger("gpuload")
+
+_GLOB_CHARS = set("*?[")
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
+           "adl": "azure", "http": "http", "https": "http"}
+# the same key wins in a listing and in a single object's info (s3fs lists ETags; its info adds VersionId)
+_VERSION_KEYS = ("ETag", "etag", "generation", "VersionId", "version_id", "md5Hash", "Content-MD5", "content_md5")
+_MTIME_KEYS = ("LastModified", "last_modified", "Last-Modified", "updated", "mtime", "modified", "created")
+
+
+def is_url(text: str) -> bool:
+    """Whether ``text`` names a remote object (``proto://...`` other than ``file://``)."""
+    return "://" in text and not text.startswith("file://")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its path in the store, size in bytes, last-modified time in ns
+    (0 when the store gives none) and version marker (``""`` when the store gives none)."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    tag: str
+
+
+def _to_ns(value) -> int:
+    """Last-modified as integer ns since the epoch, from what stores return (datetime, seconds, HTTP date)."""
+    if value is None:
+        return 0
+    if isinstance(value, _dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=_dt.timezone.utc)
+        return int(value.timestamp() * 1e9)
+    if isinstance(value, (int, float)):
+        return int(value * 1e9) if value < 1e12 else int(value)
+    text = str(value)
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return _to_ns(parsedate_to_datetime(text))
+    except (TypeError, ValueError):
+        pass
+    try:
+        return _to_ns(_dt.datetime.fromisoformat(text.replace("Z", "+00:00")))
+    except ValueError:
+        return 0
+
+
+def _identity(info: dict) -> tuple[int, str]:
+    mtime = next((_to_ns(info[k]) for k in _MTIME_KEYS if info.get(k) is not None), 0)
+    tag = next((str(info[k]).strip('"') for k in _VERSION_KEYS if info.get(k)), "")
+    return mtime, tag
+
+
+def _data_name(rel: str) -> bool:
+    """A Parquet data file below a listed folder: ``*.parquet``, no part starting with ``_`` or ``.``."""
+    parts = rel.split("/")
+    return rel.endswith(".parquet") and not any(p.startswith(("_", ".")) for p in parts if p)
+
+
+class Store:
+    """One filesystem of a remote source.
+
+    Parameters
+    ----------
+    fs : an fsspec ``AbstractFileSystem`` or a ``pyarrow.fs.FileSystem``.
+    protocol : the URL scheme objects are named with in messages and cache keys
+        (default: the filesystem's own).
+    timeout : seconds one single-object call (``info``) may take on an async fsspec
+        filesystem before it counts as stalled (default None: unbounded).
+    """
+
+    def __init__(self, fs, protocol: str | None = None, timeout: float | None = None):
+        self.fs = fs
+        self.arrow = _is_arrow_fs(fs)
+        if protocol is None:
+            protocol = fs.type_name if self.arrow else (fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0])
+        self.protocol = protocol
+        self._files: dict[str, object] = {}  # pyarrow: path -> open input file (read_at is thread-safe)
+        self._lock = threading.Lock()
+        self._warned = False
+        self.timeout = timeout  # seconds for one info() call (RemoteSettings.timeout_s)
+        self._async = not self.arrow and getattr(fs, "async_impl", False) and getattr(fs, "loop", None) is not None
+
+    # -- naming ---------------------------------------------------------------------------
+    def url(self, path: str) -> str:
+        """The object's name in messages and cache keys (``s3://bucket/key``, ``https://host/x``)."""
+        return path if "://" in path else f"{self.protocol}://{path}"
+
+    def strip(self, text: str) -> str:
+        """The store's own path for a URL or path."""
+        if self.arrow:
+            return text.split("://", 1)[1] if "://" in text else text
+        return self.fs._strip_protocol(text)
+
+    def _call(self, name: str, *args, **kwargs):
+        """fsspec method ``name``; a single-object call (``info``) is bounded by ``timeout`` seconds
+        on async filesystems, so a stalled one fails and is retried instead of hanging (a
+        recursive listing makes many requests, and is not bounded as a whole)."""
+        timeout = self.timeout if name == "info" else None
+        if self._async and timeout:
+            from fsspec.asyn import sync
+
+            return sync(self.fs.loop, getattr(self.fs, "_" + name), *args, timeout=timeout, **kwargs)
+        return getattr(self.fs, name)(*args, **kwargs)
+
+    # -- listing --------------------------------------------------------------------------
+    def expand(self, item: str) -> tuple[list[ObjectInfo], str | None]:
+        """The Parquet objects ``item`` names, in name order, and the Hive partition base
+        (the folder or glob base; None for a single object)."""
+        path = self.strip(item)
+        if not self.arrow:  # fsspec's listings cache would hide objects rewritten since it was filled
+            self.fs.invalidate_cache(path)
+        if _GLOB_CHARS & set(path) and not self._exists(path):
+            base = path[:min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
+            found = [i for i in self._glob(path) if _data_name(posixpath.relpath(i.path, base))]
+        else:
+            kind, info = self._kind(path)
+            if kind == "file":
+                return [info], None
+            if kind != "directory":
+                raise SourceError(f"{self.url(path)}: no such object or folder")
+            base = path.rstrip("/")
+            found = [i for i in self._find(base) if _data_name(posixpath.relpath(i.path, base))]
+        if not found:
+            raise SourceError(f"{self.url(path)}: matched no Parquet objects")
+        return sorted(found, key=lambda i: i.path), base
+
+    def _info(self, path: str, raw: dict) -> ObjectInfo:
+        if raw.get("size") is None or raw.get("size") == 0 and self.protocol.startswith("http"):
+            raw = self._call("info", path)  # an HTTP index page gives names only: ask each object (HEAD)
+            if raw.get("size") is None:
+                raise SourceError(f"{self.url(path)}: the store does not give its size; gpuload needs it to read "
+                                  "the Parquet footer")
+        mtime, tag = _identity(raw)
+        if not mtime and not tag and not self._warned:
+            self._warned = True
+            log.warning("gpuload: %s gives no ETag, version or last-modified time for %s: a change that keeps an "
+                        "object's size will not be noticed; clear the cache after rewriting objects",
+                        self.protocol, self.url(path))
+        return ObjectInfo(path, int(raw["size"]), mtime, tag)
+
+    def _key(self, name: str) -> str:
+        """A listed entry's path in the store (HTTP names are whole URLs: kept as they are)."""
+        return name if self.protocol.startswith("http") else self.strip(name)
+
+    def _infos(self, listed: dict) -> list[ObjectInfo]:
+        return [self._info(self._key(name), raw) for name, raw in listed.items() if raw.get("type", "file") == "file"]
+
+    def _exists(self, path: str) -> bool:
+        return self._kind(path)[0] != "missing"
+
+    def _kind(self, path: str) -> tuple[str, ObjectInfo | None]:
+        if self.arrow:
+            import pyarrow.fs as pafs
+
+            fi = self.fs.get_file_info(path)
+            if fi.type == pafs.FileType.File:
+                return "file", ObjectInfo(path, fi.size, fi.mtime_ns or 0, "")
+            return ("directory" if fi.type == pafs.FileType.Directory else "missing"), None
+        try:
+            raw = self._call("info", path)
+        except FileNotFoundError:
+            return "missing", None
+        if raw.get("type") == "directory" or (self.protocol.startswith("http") and (
+                path.endswith("/") or raw.get("mimetype") == "text/html")):  # an index page
+            return "directory", None
+        return "file", self._info(self._key(raw.get("name", path)), raw)
+
+    def _find(self, base: str) -> list[ObjectInfo]:
+        if self.arrow:
+            import pyarrow.fs as pafs
+
+            sel = pafs.FileSelector(base, recursive=True)
+            return [ObjectInfo(fi.path, fi.size, fi.mtime_ns or 0, "") for fi in self.fs.get_file_info(sel)
+                    if fi.type == pafs.FileType.File]
+        return self._infos(self._call("find", base, detail=True, withdirs=False))
+
+    def _glob(self, pattern: str) -> list[ObjectInfo]:
+        if self.arrow:
+            raise SourceError(f"{pattern}: globs need an fsspec filesystem; pass the folder, or a list of objects")
+        return self._infos(self._call("glob", pattern, detail=True))
+
+    def identity(self, path: str) -> tuple[int, int, str]:
+        """(size, mtime ns, tag) of object ``path`` as the store says now (not from a cache)."""
+        if self.arrow:
+            fi = self.fs.get_file_info(path)
+            return fi.size, fi.mtime_ns or 0, ""
+        self.fs.invalidate_cache(path)
+        raw = self._call("info", path)
+        mtime, tag = _identity(raw)
+        return int(raw["size"]), mtime, tag
+
+    # -- reading --------------------------------------------------------------------------
+    def read(self, path: str, start: int, end: int, timeout: float | None = None) -> bytes:
+        """Bytes ``[start, end)`` of object ``path``: one request (no retry here)."""
+        if self.arrow:
+            with self._lock:
+                f = self._files.get(path)
+                if f is None:
+                    f = self._files[path] = self.fs.open_input_file(path)
+            return f.read_at(end - start, start)
+        if self._async:
+            from fsspec.asyn import sync
+
+            return sync(self.fs.loop, self.fs._cat_file, path, start=start, end=end, timeout=timeout)
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def close(self) -> None:
+        """Close the open pyarrow input files (fsspec keeps its own sessions)."""
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        for f in files:
+            f.close()
+
+
+def _is_arrow_fs(fs) -> bool:
+    try:
+        import pyarrow.fs as pafs
+    except ImportError:  # pragma: no cover - pyarrow is a dependency
+        return False
+    return isinstance(fs, pafs.FileSystem)
+
+
+def is_local_fs(fs) -> bool:
+    """Whether a filesystem object is the local disk (then gpuload reads paths directly)."""
+    if _is_arrow_fs(fs):
+        return fs.type_name == "local"
+    proto = getattr(fs, "protocol", None)
+    protos = (proto,) if isinstance(proto, str) else tuple(proto or ())
+    return bool(set(protos) & {"file", "local"})
+
+
+def store_for(url: str | None, filesystem=None, storage_options: dict | None = None,
+              timeout: float | None = None) -> Store:
+    """The :class:`Store` for ``url`` (or for ``filesystem``), creating the fsspec
+    filesystem from the URL's protocol and ``storage_options`` when none is given;
+    ``timeout`` bounds each single-object call (seconds, None: unbounded)."""
+    if filesystem is not None:
+        if not (_is_arrow_fs(filesystem) or (hasattr(filesystem, "cat_file") and hasattr(filesystem, "info"))):
+            raise SourceError(f"filesystem={type(filesystem).__name__}: pass an fsspec filesystem or a "
+                              "pyarrow.fs.FileSystem")
+        proto = url.split("://", 1)[0] if url and "://" in url else None
+        return Store(filesystem, proto, timeout)
+    proto = url.split("://", 1)[0].lower()
+    import fsspec  # a dependency of gpuload; the protocols' packages are extras
+    try:
+        cls = fsspec.get_filesystem_class(proto)
+        fs = cls(**(storage_options or {}))
+    except ImportError as e:
+        extra = _EXTRAS.get(proto)
+        hint = f"pip install gpuload[{extra}]" if extra else f"install the fsspec package for {proto}://"
+        raise SourceError(f"{url}: reading {proto}:// needs a package that is not installed ({e}); {hint}") from None
+    except ValueError as e:
+        raise SourceError(f"{url}: {proto}:// is not a protocol fsspec knows ({e})") from None
+    except TypeError as e:
+        raise SourceError(f"storage_options={storage_options!r}: {proto}:// does not take them ({e})") from None
+    return Store(fs, proto, timeout)

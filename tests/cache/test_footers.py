@@ -1,0 +1,67 @@
+"""Footers kept in the cache: trusted only when they check out; listed, verified and cleared."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import gpuload
+from gpuload.cache import admin as cache_admin
+from gpuload.cache.fs import CacheRoot
+from gpuload.cache.footers import footer_name, load_footer
+
+
+def _dataset(tmp_path, cache):
+    if not (tmp_path / "a.parquet").exists():
+        pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "a.parquet", row_group_size=30)
+    return gpuload.ParquetDataset(tmp_path / "a.parquet", batch_size=10, cache_dir=cache)
+
+
+def _footer_files(cache):
+    return sorted(cache.rglob("*.footer"))
+
+
+def test_a_damaged_footer_file_is_ignored_and_rewritten(tmp_path):
+    cache = tmp_path / "cache"
+    ds = _dataset(tmp_path, cache)
+    assert ds.reader.open_counts == {"footers_cached": 0, "footers_read": 1}
+    (path,) = _footer_files(cache)
+    good = path.read_bytes()
+    for bad in (good[:-3], good[:30] + bytes([good[30] ^ 1]) + good[31:], b"", b"GPULFTR\0" + b"\xff" * 40):
+        path.write_bytes(bad)
+        ds = _dataset(tmp_path, cache)
+        assert ds.reader.open_counts == {"footers_cached": 0, "footers_read": 1}
+        assert path.read_bytes() == good
+        assert sorted(int(v) for b in ds for v in b["x"]) == list(range(100))
+
+
+def test_a_footer_under_another_files_name_is_not_served(tmp_path):
+    cache = tmp_path / "cache"
+    f = _dataset(tmp_path, cache).reader.files[0]
+    root = CacheRoot(cache)
+    assert load_footer(root, f.path, f.size, f.mtime_ns) is not None
+    assert load_footer(root, f.path, f.size + 1, f.mtime_ns) is None  # another version of the file
+    assert load_footer(root, f.path, f.size, f.mtime_ns, tag="etag") is None
+    (path,) = _footer_files(cache)
+    path.rename(path.with_name(footer_name(f.size, f.mtime_ns + 1)))  # copied under another version's name
+    assert load_footer(root, f.path, f.size, f.mtime_ns + 1) is None
+
+
+def test_cache_info_verify_and_clear_know_footers(tmp_path):
+    cache = tmp_path / "cache"
+    ds = _dataset(tmp_path, cache)
+    sum(1 for _ in ds)
+    ds.reader.cache.flush()
+    root = CacheRoot(cache)
+    s = cache_admin.summary(root)
+    assert s["footers"] == 1 and not s["foreign"]
+    assert cache_admin.verify_all(root) == []
+    (path,) = _footer_files(cache)
+    path.write_bytes(path.read_bytes()[:-1] + b"X")
+    (bad,) = cache_admin.verify_all(root)
+    assert bad.path == path and bad.kind == "corrupt" and "checksum" in bad.problem
+    spec = next(iter(cache_admin.specs(root)))
+    cache_admin.clear(root, spec=spec)  # a column set's clear keeps the footers: every set uses them
+    assert _footer_files(cache) == [path]
+    out = cache_admin.clear(root)
+    assert _footer_files(cache) == [] and not out["foreign"] and not out["failed"]

@@ -1,0 +1,199 @@
+"""diagnose: the right bottleneck and advice, from synthetic Stats and from a timed mini-pipeline.
+
+The timed cases run on a :class:`ManualClock` (``Metrics(clock=...)``): the figures diagnose
+sees are exact, not whatever a busy machine makes of real sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import gpuload
+from gpuload.observe.stats import StageStats, Stats
+
+from conftest import ManualClock
+
+
+def stage(name: str, seconds: float, threads: int = 1, nbytes: int = 0, rows: int = 0, wall: float = 10.0,
+          training_thread: bool = False):
+    return StageStats(name, seconds, 100, nbytes, rows, threads, nbytes / seconds / 1e9, rows / seconds,
+                      seconds / wall, training_thread)
+
+
+def make_stats(starvation: float = 0.5, wall: float = 10.0, stages=(), **kw) -> Stats:
+    batches = 100
+    wait = starvation * wall
+    base = dict(wall_s=wall, batches=batches, rows=batches * 65536, bytes=batches * 10**7, wait_s=wait,
+                starvation=starvation, passes=1, wait_mean_s=wait / batches, wait_max_s=2 * wait / batches,
+                step_mean_s=(wall - wait) / batches, step_max_s=2 * (wall - wait) / batches,
+                stages={s.name: s for s in stages})
+    return Stats(**{**base, **kw})
+
+
+def test_slow_decode():
+    d = gpuload.diagnose(make_stats(0.6, stages=[stage("read", 2.0, 2, 10**9), stage("decode", 18.0, 2, 4 * 10**9,
+                                                                                  6_553_600),
+                                                 stage("cache_write", 3.0, 2), stage("batch", 1.0)]))
+    assert d.limiting == "decode" and d.starvation == 0.6
+    assert d.message.startswith("first epoch is decode-bound on the CPU")
+    assert "busy 90% of the 10.00 s run" in d.message and "0.22 GB/s" in d.message and "60.0%" in d.message
+    assert "gpuload cache build" in d.action and "device=cuda" in d.action
+
+
+def test_throttled_reader():
+    d = gpuload.diagnose(make_stats(0.8, stages=[stage("read", 19.0, 2, 19 * 10**8), stage("decode", 4.0, 2)]))
+    assert d.limiting == "read" and "throttled at 0.20 GB/s" in d.message  # 0.1 GB/s per thread x 2
+    assert "local NVMe" in d.action
+
+
+def test_remote_bound_and_decode_bound_first_epochs_are_told_apart():
+    remote = gpuload.RemoteStats(400, 4 * 10**8, 3, 0, 0.045, 0.08, 0.2)
+    d = gpuload.diagnose(make_stats(0.8, remote=remote, stages=[stage("read", 19.0, 2, 4 * 10**8),
+                                                                stage("decode", 4.0, 2)]))
+    assert d.limiting == "read" and d.message.startswith("first epoch is remote-bound")
+    assert "400 requests" in d.message and "45/80/200 ms" in d.message
+    assert "max_requests" in d.action and "gpuload cache build" in d.action
+    d = gpuload.diagnose(make_stats(0.8, remote=remote, stages=[stage("read", 2.0, 2, 4 * 10**8),
+                                                                stage("decode", 19.0, 2)]))
+    assert d.limiting == "decode" and d.message.startswith("first epoch is decode-bound")
+
+
+def test_slow_cache_read_against_the_disk():
+    stats = make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 4 * 10**9), stage("batch", 3.0)])
+    d = gpuload.diagnose(stats, disk_gbps=3.0)
+    assert d.limiting == "cache_read"
+    assert "cache reads run at 0.50 GB/s against 3.00 GB/s the disk gives" in d.message
+    assert d.action.startswith("raise prefetch")
+    near = gpuload.diagnose(make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 23 * 10**9)]), disk_gbps=3.0)
+    assert "2.88 GB/s against 3.00" in near.message and "the disk is the limit" in near.action
+    unknown = gpuload.diagnose(stats)
+    assert "not measured" in unknown.message and "raise prefetch" in unknown.action
+
+
+def test_slow_consumer():
+    d = gpuload.diagnose(make_stats(0.02, stages=[stage("cache_read", 1.0, 2)]))
+    assert d.limiting == "step" and "the step itself is the bottleneck: the loader is not" in d.message
+    assert "2.0%" in d.message and "profile the step" in d.action
+
+
+def test_foreign_loader_without_stage_data():
+    d = gpuload.diagnose(make_stats(0.7, cpu_percent=98.0, util_samples=10))
+    assert d.limiting == "loader" and "cannot keep up with the step" in d.message
+    assert "70.0% of 10.00 s" in d.message and "70.0 ms per next()" in d.message and "CPU 98%" in d.message
+    assert "no per-stage timings" in d.message
+    assert "gpuload.ParquetDataset" in d.action and "num_workers" in d.action
+
+
+def test_busy_time_is_per_available_worker():
+    stats = make_stats(0.5, stages=[stage("decode", 8.0, 1), stage("batch", 5.0)])
+    assert gpuload.diagnose(stats).limiting == "decode"  # seen on one thread: 8 s per worker
+    shuffle = gpuload.diagnose(stats, threads=4)  # 2 s per pool worker; batching runs on one thread
+    assert shuffle.limiting == "batch" and "shuffle_window" in shuffle.action
+
+
+@pytest.mark.parametrize("name, words", [("h2d", "pinned"), ("cache_write", "gpuload cache build"),
+                                         ("list", "list of files"), ("convert", "device=cuda")])
+def test_every_stage_has_advice(name, words):
+    d = gpuload.diagnose(make_stats(0.3, stages=[stage(name, 9.0, 1, 10**9)]))
+    assert d.limiting == name and words in d.action and "9.00 s in all" in d.message
+
+
+def test_stage_on_the_training_thread():
+    stats = make_stats(0.6, stages=[stage("convert", 4.0, 1, training_thread=True), stage("decode", 2.0, 1,
+                                                                                            training_thread=True)])
+    d = gpuload.diagnose(stats, threads=4)  # the pool size does not apply to work done inside next()
+    # decode and convert of a chunk are one CPU job: named decode, their times added
+    assert d.limiting == "decode" and "runs on the training thread, 6.00 s of its 6.00 s of waiting" in d.message
+    assert "move the loading off the training thread" in d.action and "prefetch" not in d.action
+
+
+def test_inline_loader_measured_through_watch():
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock)
+
+    def loader():
+        for i in range(30):
+            with m.span("decode", rows=100):
+                clock.sleep(0.004)
+            yield i
+
+    w = gpuload.watch(loader(), metrics=m, sample_util=False)
+    for _ in w:
+        clock.sleep(0.001)
+    s = w.stats()
+    assert s.stages["decode"].training_thread and s.starvation == pytest.approx(0.8, rel=1e-9)  # 4 ms of each 5
+    d = gpuload.diagnose(s)
+    assert d.limiting == "decode" and "runs on the training thread, 0.12 s of its 0.12 s of waiting" in d.message
+
+
+def test_unsaturated_loader_is_told_to_prefetch():
+    d = gpuload.diagnose(make_stats(0.3, stages=[stage("cache_read", 2.0, 2, 10**9)]))
+    assert d.limiting == "cache_read" and d.action.startswith("raise prefetch first")
+    assert "not keeping enough work in flight" in d.message
+
+
+def test_str_and_errors():
+    d = gpuload.diagnose(make_stats(0.25, stages=[stage("decode", 9.0)]))
+    text = str(d)
+    assert text.startswith("starvation 25.0%; limited by: decode") and "action: build the cache" in text
+    with pytest.raises(ValueError, match="no batch"):
+        gpuload.diagnose(gpuload.Metrics().stats())
+
+
+def mini_pipeline(slow: str, n: int = 40) -> Stats:
+    """Two loader threads read (cache_read 1 ms) then decode (decode 1 ms) each chunk, the
+    ``slow`` stage taking 8 ms instead, and queue it; the training thread takes the chunks in
+    order, gathers each (batch, 0.25 ms) and steps 1.75 ms. In virtual time: chunk i is ready at
+    9 ms x (i // 2 + 1), with the queue (2 chunks) never full, the consumer being faster."""
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock)
+    ready = [0.009 * (i // 2 + 1) for i in range(n)]
+    turn, both = threading.Lock(), threading.Barrier(2)
+
+    def worker(w: int):
+        with turn:  # one thread at a time moves the clock
+            for i in range(w, n, 2):
+                clock.t = ready[i] - 0.009
+                for name in ("cache_read", "decode"):
+                    with m.span(name, nbytes=10**6, rows=1000):
+                        clock.sleep((8.0 if name == slow else 1.0) / 1000)
+        both.wait()  # alive together: a finished thread's ident may be reused
+
+    threads = [threading.Thread(target=worker, args=(w,), name=f"loader-{w}") for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    clock.t = 0.0
+    for i in range(n):
+        t0 = clock()
+        clock.t = max(clock.t, ready[i])
+        m.consumer_wait(t0, clock(), rows=1000)
+        with m.span("batch", rows=1000):
+            clock.sleep(0.00025)
+        clock.sleep(0.00175)
+    m.consumer_end(clock(), clock())  # both loaders were done with the last chunk
+    return m.stats()
+
+
+@pytest.mark.parametrize("slow", ["decode", "cache_read"])
+def test_measured_pipeline_names_the_injected_slow_stage(slow):
+    stats = mini_pipeline(slow)
+    # each pair of chunks takes 9 ms; the consumer waits for the first of a pair (9 ms for the
+    # first pair, then 9 - 2 x 2 = 5 ms), not the second; 2 ms after the last chunk the pass ends
+    wall, wait = 0.009 * 20 + 0.004, 0.009 + 19 * 0.005
+    assert stats.wall_s == pytest.approx(wall) and stats.starvation == pytest.approx(wait / wall)
+    assert stats.stages[slow].seconds == pytest.approx(40 * 0.008) and stats.stages[slow].threads == 2
+    d = gpuload.diagnose(stats, threads=2)
+    assert d.limiting == slow
+    assert f"busy {40 * 0.008 / 2 / wall:.0%}" in d.message and "busy 87%" in d.message
+
+
+def test_startup_wait_is_named_apart_from_steady_state():
+    # 1 s of waiting, 0.9 s of it in one next(): the first window, then the loader keeps up
+    d = gpuload.diagnose(make_stats(0.1, wait_max_s=0.9, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
+    assert d.limiting == "startup" and "0.90 of 1.00 s" in d.message and "shuffle_window" in d.action
+    spread = gpuload.diagnose(make_stats(0.1, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
+    assert spread.limiting == "batch"  # the same waiting spread over every batch is the gather

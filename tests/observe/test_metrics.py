@@ -1,0 +1,318 @@
+"""Metrics: starvation against its analytic value, exact sums, stage stats, trace format.
+
+Assertions on durations use a :class:`ManualClock` (``Metrics(clock=...)``), never the
+machine's timing: a busy machine stretches real sleeps by any amount.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import queue
+import threading
+import time
+import types
+
+import pytest
+
+from gpuload.observe.metrics import STAGES, Metrics
+from gpuload.observe.stats import Stats
+
+from conftest import ManualClock
+
+
+def run_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float, depth: int = 4) -> None:
+    """A background producer making an item every ``produce_ms`` into a bounded queue;
+    the calling thread takes ``n`` items, records each wait, and steps ``step_ms``.
+    Real threads and sleeps: for tests of what is recorded, not of how long it took."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+
+    def produce():
+        for i in range(n):
+            with m.span("decode", nbytes=1000, rows=10):
+                time.sleep(produce_ms / 1000)
+            q.put(i)
+            m.queue_depth(q.qsize())
+
+    threading.Thread(target=produce, name="test-producer", daemon=True).start()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        q.get()
+        m.consumer_wait(t0, time.perf_counter(), rows=10, nbytes=1000)
+        time.sleep(step_ms / 1000)
+    t0 = time.perf_counter()
+    m.consumer_end(t0, time.perf_counter())
+
+
+def simulate_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float, depth: int = 4) -> None:
+    """:func:`run_producer_consumer` in the virtual time of ``m.clock`` (a :class:`ManualClock`):
+    the producer thread's spans and queue samples, and the consumer's waits, at the times a
+    queue of ``depth`` items gives them."""
+    p, c, clock = produce_ms / 1000, step_ms / 1000, m.clock
+    put, take = [], []  # when item i entered the queue; when the consumer's next() returned it
+    for i in range(n):
+        made = (put[-1] if put else 0.0) + p
+        put.append(max(made, take[i - depth]) if i >= depth else made)  # a full queue holds the producer up
+        take.append(max(take[-1] + c if take else 0.0, put[i]))
+
+    def produce():
+        for i in range(n):
+            clock.t = put[i - 1] if i else 0.0
+            with m.span("decode", nbytes=1000, rows=10):
+                clock.sleep(p)
+            clock.t = put[i]
+            m.queue_depth(sum(t > put[i] for t in take[:i + 1]))
+
+    producer = threading.Thread(target=produce, name="test-producer")
+    producer.start()
+    producer.join()  # one thread at a time moves the clock
+    for i in range(n):
+        clock.t = take[i - 1] + c if i else 0.0
+        t0 = clock()
+        clock.t = take[i]
+        m.consumer_wait(t0, clock(), rows=10, nbytes=1000)
+    clock.t = take[-1] + c
+    m.consumer_end(clock(), clock())
+
+
+@pytest.mark.parametrize("produce_ms, step_ms", [(6.0, 2.0), (2.0, 6.0), (5.0, 3.0)])
+def test_starvation_matches_analytic_value(produce_ms, step_ms):
+    m = Metrics(clock=ManualClock())
+    n, p, c = 60, produce_ms / 1000, step_ms / 1000
+    simulate_producer_consumer(m, n, produce_ms, step_ms)
+    s = m.stats()
+    # the first next() waits p, each later one max(0, p - c); the pass ends one step after the last item
+    wait, wall = p + (n - 1) * max(0.0, p - c), n * max(p, c) + min(p, c)
+    assert s.wall_s == pytest.approx(wall, rel=1e-9) and s.wait_s == pytest.approx(wait, rel=1e-9)
+    assert s.starvation == pytest.approx(wait / wall, rel=1e-9)
+    # steady state: one item per max(p, c), of which the consumer waits max(0, p - c)
+    assert s.starvation == pytest.approx(max(0.0, p - c) / max(p, c), abs=0.01)
+    assert s.batches == 60 and s.rows == 600 and s.bytes == 60_000 and s.passes == 1
+    assert s.step_mean_s == pytest.approx(c, rel=1e-9) and s.wait_max_s == pytest.approx(p, rel=1e-9)
+    decode = s.stages["decode"]
+    assert decode.seconds == pytest.approx(n * p, rel=1e-9) and decode.share == pytest.approx(n * p / wall)
+    assert decode.threads == 1 and not decode.training_thread
+    # a slow producer leaves the queue empty; a fast one fills it after the first item
+    assert s.queue_samples == n and s.queue_empty == (1.0 if p > c else 1 / n)
+
+
+def test_wall_wait_and_steps_are_exact_over_passes():
+    m = Metrics()
+    m.consumer_wait(0.0, 1.0, rows=5, nbytes=50)  # pass 1
+    m.consumer_wait(3.0, 4.0, rows=5, nbytes=50)
+    m.consumer_end(6.0, 6.5)
+    m.consumer_wait(100.0, 102.0, rows=7, nbytes=70)  # pass 2: the 93.5 s between passes do not count
+    m.consumer_end(103.0, 103.0)
+    s = m.stats()
+    assert s.wall_s == pytest.approx(6.5 + 3.0)
+    assert s.wait_s == pytest.approx(1 + 1 + 0.5 + 2)
+    assert s.starvation == pytest.approx(4.5 / 9.5)
+    assert (s.batches, s.rows, s.bytes, s.passes) == (3, 17, 170, 2)
+    assert s.step_mean_s == pytest.approx((2 + 2 + 1) / 3) and s.step_max_s == pytest.approx(2.0)
+    assert s.wait_max_s == pytest.approx(2.0) and s.wait_mean_s == pytest.approx(4.5 / 5)
+    assert m.timeline() == {"start": [0.0, 3.0, 100.0], "wait": [1.0, 1.0, 2.0], "step": [2.0, 2.0, 1.0]}
+
+
+def test_open_pass_counts_up_to_the_last_delivered_batch():
+    m = Metrics()
+    m.consumer_wait(10.0, 11.0)
+    m.consumer_wait(13.0, 14.0)
+    s = m.stats()
+    assert s.wall_s == pytest.approx(4.0) and s.starvation == pytest.approx(0.5) and s.passes == 1
+
+
+def test_empty_metrics():
+    s = Metrics().stats()
+    assert (s.wall_s, s.starvation, s.batches, s.stages, s.queue_mean, s.cpu_percent) == (0.0, 0.0, 0, {}, None, None)
+    assert "0.0%" in str(s)
+
+
+def test_stage_stats_from_several_threads():
+    m = Metrics()
+    m.consumer_wait(0.0, 0.0)
+    m.consumer_wait(9.0, 10.0)  # wall 10 s
+
+    both = threading.Barrier(2)  # alive together: a finished thread's ident may be reused
+
+    def work():
+        m.record("cache_read", 1.0, 3.0, nbytes=4_000_000_000, rows=1000)
+        both.wait()
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m.record("batch", 0.0, 0.5, rows=2000)
+    s = m.stats()
+    assert list(s.stages) == ["cache_read", "batch"]  # pipeline order, recorded stages only
+    cr = s.stages["cache_read"]
+    assert (cr.seconds, cr.calls, cr.nbytes, cr.rows, cr.threads) == (4.0, 2, 8_000_000_000, 2000, 2)
+    assert cr.gbps == pytest.approx(2.0) and cr.rows_per_s == pytest.approx(500) and cr.share == pytest.approx(0.4)
+    assert s.stages["batch"].threads == 1 and s.stages["batch"].gbps == 0.0
+    assert s.stages["batch"].training_thread and not cr.training_thread  # recorded on the consumer's thread or not
+
+
+def test_span_records_and_accepts_sizes_set_inside():
+    assert Metrics().clock is time.perf_counter  # the default clock
+    clock = ManualClock(100.0)
+    m = Metrics(clock=clock)
+    with m.span("read") as sp:
+        clock.sleep(0.25)
+        sp.nbytes, sp.rows = 123, 4
+    with pytest.raises(RuntimeError):
+        with m.span("read", nbytes=7):
+            clock.sleep(1.0)
+            raise RuntimeError("boom")  # never swallowed; failed work is not counted
+    st = m.stats().stages["read"]
+    assert (st.calls, st.nbytes, st.rows, st.seconds) == (1, 123, 4, 0.25)
+    assert m.first_time() == 100.0 and m.trace_events()[-1]["dur"] == 250_000.0  # microseconds
+    with pytest.raises(ValueError, match="unknown stage 'decoding'"):
+        m.span("decoding")
+    with pytest.raises(ValueError):
+        m.record("nope", 0.0, 1.0)
+
+
+def test_queue_and_util_summaries_and_reset():
+    m = Metrics()
+    for d in (0, 2, 4, 0):
+        m.queue_depth(d)
+    m.util_sample(1.0, cpu_percent=150.0, system_cpu_percent=60.0)
+    m.util_sample(2.0, cpu_percent=50.0, system_cpu_percent=40.0, gpu_percent=30.0, gpu_memory_bytes=2**30)
+    s = m.stats()
+    assert (s.queue_mean, s.queue_min, s.queue_empty, s.queue_samples) == (1.5, 0, 0.5, 4)
+    assert (s.cpu_percent, s.system_cpu_percent, s.gpu_percent) == (100.0, 50.0, 30.0)
+    assert s.gpu_memory_bytes == 2**30 and s.util_samples == 2
+    assert m.util_samples()["gpu_percent"] == [None, 30.0]
+    m.reset()
+    s = m.stats()
+    assert s.queue_samples == 0 and s.util_samples == 0 and m.trace_events()[1:] == []
+
+
+def test_max_events_caps_the_trace_not_the_stats():
+    capped, full = Metrics(max_events=10), Metrics()
+    for m in (capped, full):
+        for i in range(100):
+            m.record("decode", i, i + 0.5, rows=1)
+            m.queue_depth(i % 3)
+            m.util_sample(i, cpu_percent=i, gpu_memory_bytes=i)
+            if i % 7 == 6:
+                m.consumer_end(i, i + 0.25)
+            else:
+                m.consumer_wait(i, i + 0.5, rows=i)
+        if m is capped:
+            m.stats()  # folding part of the events early changes nothing
+    assert capped.stats() == full.stats()
+    s = capped.stats()
+    assert s.stages["decode"].calls == 100 and s.rows == sum(i for i in range(100) if i % 7 != 6)
+    assert s.passes == 15 and s.queue_samples == 100 and s.util_samples == 100 and s.gpu_memory_bytes == 99
+    assert sum(e["name"] == "decode" for e in capped.trace_events()) == 10
+
+
+def test_recording_is_cheap():
+    m = Metrics()
+    n = 20_000
+    t0 = time.thread_time()  # this thread's CPU time: waiting for a busy machine's CPUs does not count
+    for _ in range(n):
+        with m.span("batch", nbytes=1, rows=1):
+            pass
+        m.record("h2d", 0.0, 0.0)
+    per_pair = (time.thread_time() - t0) / n
+    assert per_pair < 20e-6, f"{per_pair * 1e6:.1f} us per span + record"  # about 2 us here
+
+
+def test_stats_text_and_html_show_starvation():
+    m = Metrics()
+    run_producer_consumer(m, 10, 3.0, 1.0)
+    m.util_sample(time.perf_counter(), cpu_percent=42.0)
+    s = m.stats()
+    figure = f"{s.starvation:.1%}"
+    for text in (str(s), repr(s), s._repr_html_()):
+        assert figure in text and "decode" in text
+    assert s._repr_html_().startswith("<table>") and "process CPU 42%" in str(s)
+    assert isinstance(s, Stats) and json.loads(json.dumps(s.to_dict()))["stages"]["decode"]["calls"] == 10
+
+
+def check_trace(doc: dict) -> list[dict]:
+    """Assert the trace-event format; return the events."""
+    events = doc["traceEvents"]
+    assert isinstance(events, list) and events
+    named = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    last: dict = {}
+    for e in events:
+        assert {"name", "ph", "pid"} <= e.keys()
+        assert e["ph"] in ("X", "C", "M")
+        if e["ph"] == "X":
+            assert {"ts", "dur", "tid", "cat", "args"} <= e.keys()
+            assert e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in named
+        if e["ph"] in ("X", "C"):
+            key = (e["pid"], e["tid"], e["ph"])
+            assert e["ts"] >= last.get(key, 0.0), "timestamps go back on a track"
+            last[key] = e["ts"]
+    return events
+
+
+@pytest.mark.parametrize("name", ["trace.json", "trace.json.gz"])
+def test_trace_is_valid_trace_event_json(tmp_path, name):
+    m = Metrics()
+    run_producer_consumer(m, 12, 3.0, 1.0)
+    m.record("cache_read", time.perf_counter() - 0.002, time.perf_counter(), nbytes=10)
+    m.util_sample(time.perf_counter(), cpu_percent=80.0, system_cpu_percent=30.0)
+    path = m.write_trace(tmp_path / name)
+    raw = path.read_bytes()
+    doc = json.loads(gzip.decompress(raw) if name.endswith(".gz") else raw)
+    events = check_trace(doc)
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert "MainThread (training)" in names and "test-producer" in names
+    training = next(e["tid"] for e in events if e["name"] == "thread_name" and "training" in e["args"]["name"])
+    on_training = [e["name"] for e in events if e["ph"] == "X" and e["tid"] == training]
+    assert on_training.count("wait") == 12 and on_training.count("step") == 12
+    assert on_training.count("wait (end of pass)") == 1
+    decode = [e for e in events if e["name"] == "decode"]
+    assert len(decode) == 12 and decode[0]["args"] == {"bytes": 1000, "rows": 10} and decode[0]["cat"] == "gpuload"
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert {"queue depth", "CPU %"} <= counters
+    assert doc["otherData"]["stats"]["batches"] == 12
+
+
+def test_no_nvtx_on_cpu_only_machines(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert Metrics()._nvtx is None and Metrics(nvtx=False)._nvtx is None
+
+
+def test_nvtx_ranges_through_the_nvtx_package(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch.cuda.nvtx is used where torch sees a GPU")
+    calls = []
+    fake = types.SimpleNamespace(push_range=lambda message: calls.append(("push", message)),
+                                 pop_range=lambda: calls.append(("pop",)))
+    monkeypatch.setitem(__import__("sys").modules, "nvtx", fake)
+    m = Metrics(nvtx=True)
+    with m.span("decode"):
+        pass
+    assert calls == [("push", "gpuload:decode"), ("pop",)]
+    assert len(STAGES) == 8 and m.stats().stages["decode"].calls == 1
+
+
+def test_traces_of_several_epochs_share_one_timeline_and_stable_tracks():
+    epochs = []
+    for _ in range(2):  # an epoch: a fresh Metrics (or a reset one) and a new loader thread
+        m = Metrics()
+        run_producer_consumer(m, 5, 2.0, 1.0)
+        epochs.append(m)
+    origin = epochs[0].first_time()
+    assert origin is not None and origin <= epochs[1].first_time() and Metrics().first_time() is None
+    events = [e for m in epochs for e in m.trace_events(origin=origin)]
+    check_trace({"traceEvents": events})
+    names: dict = {}
+    for e in events:
+        if e["name"] == "thread_name":
+            assert names.setdefault(e["tid"], e["args"]["name"]) == e["args"]["name"]  # one name per track
+    training = [t for t, n in names.items() if "training" in n]
+    assert len(training) == 1 and sum(n == "test-producer" for n in names.values()) >= 1
+    assert min(e["ts"] for e in events if e["ph"] == "X") == 0.0

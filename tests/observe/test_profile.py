@@ -1,0 +1,182 @@
+"""Metrics of a real ParquetDataset, the diagnosis of injected slow stages, and `gpuload profile`.
+
+These run the real pipeline on the real clock, so no assertion compares figures that a busy
+machine could bring close: an injected delay is a lower bound on the stage it slows, and it
+outweighs every other stage's CPU work many times over (cache writes, whose fsync waits on
+the disk, are kept off the disk where a test compares stages).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import gpuload
+from gpuload import decode as decode_mod
+from gpuload.cache.chunkfile import LAYOUT_DIR
+from gpuload.cli import main
+from gpuload.observe.profile import disk_read_gbps, profile
+
+from conftest import write_parquet
+
+
+@pytest.fixture
+def data(tmp_path):
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        n = 20_000
+        write_parquet(tmp_path / "data" / f"p{i}.parquet",
+                      {"x": rng.standard_normal(n), "y": rng.integers(0, 100, n)}, row_group_size=5_000)
+    return tmp_path / "data"
+
+
+def _run(ds, step_s: float = 0.0, epoch: int = 0):
+    ds.set_epoch(epoch)
+    ds.reset_stats()
+    for _ in ds:
+        if step_s:
+            time.sleep(step_s)
+    return ds.stats()
+
+
+@pytest.fixture
+def no_fsync(monkeypatch):
+    """Cache writes without fsync: a shared disk's latency does not bear on what limits reads and decodes."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
+def _ds(data, tmp_path, **kw):
+    kw = {"batch_size": 2_000, "chunk_bytes": 80_000, "shuffle_window": 1, "device": "cpu",
+          "cache_dir": tmp_path / "cache", **kw}
+    return gpuload.ParquetDataset(data, **kw)
+
+
+def test_dataset_records_every_stage_it_runs(data, tmp_path):
+    ds = _ds(data, tmp_path)
+    cold = _run(ds)
+    assert cold.rows == ds.num_rows and cold.batches == len(ds)
+    for stage in ("read", "decode", "convert", "cache_write", "batch"):
+        assert cold.stages[stage].seconds > 0, stage
+    assert cold.stages["decode"].rows == ds.num_rows  # every chunk decoded once
+    assert "cache_read" not in cold.stages
+    warm = _run(ds, epoch=1)
+    assert warm.stages["cache_read"].rows == ds.num_rows and "decode" not in warm.stages
+    assert warm.stages["cache_read"].nbytes == ds.num_rows * 16  # float64 + int64 per row
+    assert 0 <= warm.starvation <= 1 and warm.passes == 1
+
+
+def test_starvation_of_a_slow_consumer_is_near_zero(data, tmp_path):
+    ds = _ds(data, tmp_path, batch_size=1_000)
+    _run(ds)
+    s = _run(ds, step_s=0.025, epoch=1)  # 25 ms per step; a cached batch takes well under 1 ms
+    assert s.starvation < 0.05  # only the first window's load is waited for
+    d = gpuload.diagnose(s, threads=ds.options.num_threads)
+    assert d.limiting == "step" and "the step itself is the bottleneck" in d.message
+
+
+class _SlowReader:
+    """pyarrow's Parquet reader (``ParquetFile.reader``) with each ``read_row_groups`` 80 ms slower."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def read_row_groups(self, *a, **k):
+        time.sleep(0.08)
+        return self._inner.read_row_groups(*a, **k)
+
+
+def test_injected_slow_decode_is_named(data, tmp_path, monkeypatch, no_fsync):
+    real = pq.ParquetFile.__init__
+
+    def slow(self, *a, **k):  # pyarrow's decoding, made slow (called as ParquetFile or through its .reader)
+        real(self, *a, **k)
+        self.reader = _SlowReader(self.reader)
+
+    monkeypatch.setattr(pq.ParquetFile, "__init__", slow)
+    ds = _ds(data, tmp_path, num_threads=1)
+    s = _run(ds, step_s=0.001)
+    d = gpuload.diagnose(s, threads=1)
+    assert s.starvation > 0.5  # 80 ms or more per chunk against a 1 ms step: about 0.95
+    assert s.stages["decode"].seconds >= 0.08 * len(ds.reader.chunks)
+    assert d.limiting == "decode" and "first epoch is decode-bound on the CPU" in d.message
+    assert "gpuload cache build" in d.action and "device=cuda" in d.action
+
+
+def test_injected_throttled_reader_is_named(data, tmp_path, monkeypatch, no_fsync):
+    real = decode_mod._TimedFile._pread
+
+    def throttled(self, start, end):
+        time.sleep(0.05)  # remote storage: every read waits (about 10x a chunk's decode on a loaded machine)
+        return real(self, start, end)
+
+    monkeypatch.setattr(decode_mod._TimedFile, "_pread", throttled)
+    ds = _ds(data, tmp_path, num_threads=1)
+    s = _run(ds, step_s=0.001)
+    d = gpuload.diagnose(s, threads=1)
+    assert d.limiting == "read" and "reader is throttled" in d.message
+    assert s.stages["read"].seconds >= 0.05 * s.stages["read"].calls > s.stages["decode"].seconds
+
+
+def test_profile_reports_each_epoch_and_writes_one_trace(data, tmp_path):
+    trace = tmp_path / "t.json"
+    reports = profile(data, epochs=2, step_ms=1.0, trace=trace, batch_size=2_000, chunk_bytes=80_000,
+                      device="cpu", cache_dir=tmp_path / "cache")
+    assert [r.decoded_chunks > 0 for r in reports] == [True, False]
+    assert reports[1].cached_chunks == len(gpuload.ParquetDataset(data, chunk_bytes=80_000, device="cpu",
+                                                                  cache_dir=tmp_path / "cache").reader.chunks)
+    assert "decodes and caches" in str(reports[0]) and "reads the cache" in str(reports[1])
+    doc = json.loads(trace.read_text())
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    assert {"decode", "cache_read", "wait", "step"} <= names
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    # the two epochs share one time line: cache reads come after every decode
+    assert min(e["ts"] for e in spans if e["name"] == "cache_read") > max(
+        e["ts"] for e in spans if e["name"] == "decode")
+
+
+def test_profile_cli_prints_a_diagnosis(data, tmp_path, capsys):
+    rc = main(["profile", str(data), "--device", "cpu", "--epochs", "2", "--step-ms", "1", "--batch-size", "2000",
+               "--cache-dir", str(tmp_path / "cache"), "--trace", str(tmp_path / "t.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.count("starvation") >= 2 and "limited by:" in out and "action:" in out
+    assert "trace written to" in out and json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("args, text", [(["--epochs", "0"], "--epochs"), (["--step-ms", "-1"], "--step-ms"),
+                                        (["--device", "tpu"], "device=")])
+def test_profile_cli_refuses_bad_settings(data, tmp_path, capsys, args, text):
+    rc = main(["profile", str(data), "--cache-dir", str(tmp_path / "c")] + args)
+    err = capsys.readouterr().err
+    assert rc == 2 and "gpuload: error:" in err and text in err and "Traceback" not in err
+
+
+def test_disk_read_speed_is_measured(tmp_path):
+    p = tmp_path / "f.bin"
+    p.write_bytes(b"\0" * (4 << 20))
+    assert disk_read_gbps([p]) > 0
+    assert disk_read_gbps([]) is None
+    # a FIFO or a link at a cache file's name is skipped, never read through, never blocks
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(p)
+    assert disk_read_gbps([tmp_path / "fifo", tmp_path / "link", tmp_path / "gone"]) is None
+    # cache files are opened through the cache root: a linked folder in it is never followed
+    from gpuload.cache.fs import CacheRoot
+
+    (tmp_path / "cache" / LAYOUT_DIR).mkdir(parents=True)
+    (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").symlink_to(tmp_path, target_is_directory=True)
+    root = CacheRoot(tmp_path / "cache")
+    assert disk_read_gbps([(root, (LAYOUT_DIR, "0123456789abcdef"), "f.bin")]) is None
+    (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").unlink()
+    (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").mkdir()
+    os.link(p, tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef" / "f.bin")
+    assert disk_read_gbps([(root, (LAYOUT_DIR, "0123456789abcdef"), "f.bin")]) > 0

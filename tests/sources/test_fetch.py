@@ -1,0 +1,153 @@
+"""The fetcher: the bytes-in-flight bound, request order, version checks, retries and their classification."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from gpuload import ConfigError, RemoteSettings, SourceError
+from gpuload.sources.fetch import Fetcher, retry, transient
+
+
+class _Store:
+    """A store whose reads take ``delay`` seconds and record how many bytes are in flight."""
+
+    def __init__(self, delay=0.01, fail=None):
+        self.delay, self.fail, self.lock = delay, fail, threading.Lock()
+        self.inflight = self.most = self.calls = 0
+
+    def url(self, path):
+        return f"mem://{path}"
+
+    def read(self, path, start, end, timeout=None):
+        with self.lock:
+            self.calls += 1
+            self.inflight += end - start
+            self.most = max(self.most, self.inflight)
+            fail = self.fail(self.calls) if self.fail else None
+        try:
+            time.sleep(self.delay)
+            if fail:
+                raise fail
+            return bytes(end - start)
+        finally:
+            with self.lock:
+                self.inflight -= end - start
+
+    def close(self):
+        pass
+
+
+def test_bytes_in_flight_stay_under_the_bound_with_many_requests():
+    store = _Store()
+    f = Fetcher(store, RemoteSettings(max_requests=16, max_inflight_bytes=4000, coalesce_bytes=0,
+                                      max_range_bytes=1000))
+    jobs = [f.start("k", [(i * 10_000, i * 10_000 + 3000)]) for i in range(10)]
+    for j in jobs:
+        parts = j.result()
+        assert [len(v) for v in parts.values()] == [3000]  # split requests joined again
+    assert 1000 < store.most <= 4000
+    assert f.stats().requests == 30 and f.stats().bytes == 30_000
+    f.close()
+
+
+def test_transient_errors_are_retried_and_permanent_ones_are_not():
+    store = _Store(delay=0, fail=lambda n: ConnectionResetError("reset by peer") if n < 3 else None)
+    f = Fetcher(store, RemoteSettings(retries=5, backoff_s=0.001))
+    assert f.get("k", 0, 10) == bytes(10) and f.stats().retried == 2
+    store = _Store(delay=0, fail=lambda n: FileNotFoundError("gone"))
+    f = Fetcher(store, RemoteSettings(retries=5, backoff_s=0.001))
+    with pytest.raises(SourceError, match=r"mem://k \(bytes 0-9\): FileNotFoundError.*list the source anew"):
+        f.get("k", 0, 10)
+    assert store.calls == 1
+    store = _Store(delay=0, fail=lambda n: TimeoutError("stalled"))
+    f = Fetcher(store, RemoteSettings(retries=2, backoff_s=0.001))
+    with pytest.raises(SourceError, match=r"bytes 5-9\): failed 3 times, last with TimeoutError"):
+        f.get("k", 5, 10)
+    assert f.stats().failed == 1
+
+
+class _Status(Exception):
+    def __init__(self, status):
+        super().__init__(f"status {status}")
+        self.status = status
+
+
+def _wrapped(cause: BaseException) -> OSError:
+    try:
+        raise OSError("the store said no") from cause
+    except OSError as e:
+        return e
+
+
+@pytest.mark.parametrize("err, expected", [(_Status(503), True), (_Status(429), True), (_Status(500), True),
+                                           (_Status(404), False), (_Status(403), False),
+                                           (OSError(5, "Input/output error"), False),
+                                           (OSError("SlowDown: please reduce your request rate"), True),
+                                           (PermissionError("denied"), False), (ValueError("bad"), False),
+                                           (OSError(16, "Please reduce your request rate."), True),  # s3fs SlowDown
+                                           (_wrapped(_Status(503)), True), (_wrapped(_Status(403)), False),
+                                           (type("NoCredentialsError", (Exception,), {})("none"), False),
+                                           (type("EndpointConnectionError", (Exception,), {})("x"), True)])
+def test_transient_classification(err, expected):
+    assert transient(err) is expected
+
+
+def test_backoff_grows_and_is_jittered(monkeypatch):
+    sleeps = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    with pytest.raises(SourceError):
+        retry(lambda: (_ for _ in ()).throw(_Status(503)), "x", RemoteSettings(retries=6, backoff_s=0.1,
+                                                                               max_backoff_s=1.0))
+    assert len(sleeps) == 6
+    caps = [min(1.0, 0.1 * 2 ** k) for k in range(6)]
+    assert all(0 <= s <= c for s, c in zip(sleeps, caps)) and len(set(sleeps)) > 1
+
+
+def test_settings_are_checked_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(ConfigError, match="max_requests"):
+        RemoteSettings(max_requests=0)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        RemoteSettings.of({"retry": 3})
+    monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "2")
+    assert RemoteSettings().retries == 2
+    monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "many")
+    with pytest.raises(ConfigError, match="GPULOAD_REMOTE_RETRIES"):
+        RemoteSettings()
+
+
+def test_a_fetchs_version_check_runs_before_later_fetches_requests():
+    """Read-ahead must not delay the chunk being decoded: requests run in the order their
+    fetches started, and a fetch's version check jumps ahead of later fetches' ranges."""
+    order = []
+
+    class Recording(_Store):
+        def read(self, path, start, end, timeout=None):
+            order.append(("get", path))
+            return bytes(end - start)
+
+    f = Fetcher(Recording(delay=0), RemoteSettings(max_requests=1, coalesce_bytes=0))
+    gate = threading.Event()
+    blocker = f.start("blocker", [(0, 1)], check=lambda: gate.wait(5) and order.append(("check", "blocker")))
+    jobs = [f.start(name, [(0, 10), (100, 110)], check=lambda n=name: order.append(("check", n)))
+            for name in ("a", "b", "c")]
+    gate.set()
+    blocker.result()
+    for j in jobs:
+        j.result()
+    assert order == [("get", "blocker"), ("check", "blocker"), ("get", "a"), ("get", "a"), ("check", "a"),
+                     ("get", "b"), ("get", "b"), ("check", "b"), ("get", "c"), ("get", "c"), ("check", "c")]
+    f.close()
+
+
+def test_a_failed_version_check_fails_the_fetch_with_its_message():
+    f = Fetcher(_Store(delay=0), RemoteSettings(retries=0))
+
+    def changed():
+        raise SourceError("mem://k changed after the dataset was opened")
+
+    with pytest.raises(SourceError, match="changed after the dataset was opened"):
+        f.start("k", [(0, 10)], check=changed).result()
+    f.close()
