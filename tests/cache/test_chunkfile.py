@@ -20,8 +20,8 @@ import pytest
 import xxhash
 
 import gpuload
-from gpuload.cache.store import ChunkCache
 from gpuload.cache.chunkfile import FORMAT_VERSION, PREFIX, align
+from gpuload.cache.store import ChunkCache
 from gpuload.synth import clicklog_columns, write_clicklog
 
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}

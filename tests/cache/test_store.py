@@ -27,6 +27,7 @@ import pytest
 import gpuload
 from gpuload.batch import Ragged
 from gpuload.cache.store import read_chunk, write_chunk
+
 from clicklog import CHILD_TIMEOUT, COLUMNS, Reference, check_epoch, clicklog, key_for, sample_cols, wait_for
 
 CHUNK_BYTES = 64 << 10

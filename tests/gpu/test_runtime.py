@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import gpuload
-from gpuload.gpu import runtime as gpu
 from gpuload.batch import Ragged
-from gpuload.cache.store import ChunkCache, ChunkKey, read_chunk, write_chunk
 from gpuload.cache.chunkfile import columns_from_buffer, read_regions
+from gpuload.cache.store import ChunkCache, ChunkKey, read_chunk, write_chunk
+from gpuload.gpu import runtime as gpu
 from gpuload.handoff import resolve_device
 
 from conftest import write_parquet
