@@ -36,7 +36,7 @@ import xxhash
 from ..cache.chunkfile import version_token
 from ..errors import SchemaError, SourceError
 from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
-from .remote import Store, is_local_fs, is_url, store_for
+from .remote import Store, hidden, is_local_fs, is_url, store_for
 from ..schema import RAGGED, OutputSpec, storage_dtype
 
 __all__ = ["SourceFile", "Listed", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
@@ -129,10 +129,6 @@ def _leaf_count(t: pa.DataType) -> int:
     return 1
 
 
-def _is_data_file(p: Path) -> bool:
-    return p.is_file() and not p.name.startswith(("_", "."))
-
-
 def _refuse(item) -> None:
     """Raise a :class:`SourceError` for a ``source`` item that is not a path or URL."""
     kind = type(item).__name__
@@ -183,9 +179,10 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
     reached through a link has its real path as identity, and the listed one for its
     Hive partition keys).
 
-    ``source`` is a file, a directory (searched recursively for ``*.parquet``, skipping
-    names that start with ``_`` or ``.``), a glob (``**`` recurses), a URL of an object,
-    prefix or glob, or a list of these. Directories and globs are the base of Hive
+    ``source`` is a file, a directory (searched recursively for ``*.parquet``), a glob
+    (``**`` recurses), a URL of an object, prefix or glob, or a list of these; below a
+    directory or a glob's base, hidden paths are left out (:func:`~gpuload.sources.remote.hidden`:
+    a part starting with ``_`` or ``.``), locally and remotely alike. Directories and globs are the base of Hive
     partition discovery for their files. ``filesystem`` (fsspec or pyarrow) makes every
     item a path in it; ``storage_options`` configure the fsspec filesystems made from
     URLs; ``settings`` (:class:`gpuload.RemoteSettings`) set the retries of listings.
@@ -225,13 +222,14 @@ def _list_local(text: str) -> list[tuple[str, str | None, str]]:
     p = Path(os.path.abspath(Path(text).expanduser()))  # absolute, links kept: partitions live in the names
     base = None
     if p.is_dir():
-        matches = sorted(q for q in p.rglob("*.parquet") if _is_data_file(q))
+        matches = sorted(q for q in p.rglob("*.parquet") if q.is_file() and not hidden(q.relative_to(p).as_posix()))
         base = p
     elif p.is_file():  # an existing name is a name, even with glob characters in it
         matches = [p]
     elif _GLOB_CHARS & set(text):
-        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if _is_data_file(Path(m)))
         base = Path(*p.parts[:next(i for i, part in enumerate(p.parts) if _GLOB_CHARS & set(part))])
+        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True)
+                         if Path(m).is_file() and not hidden(Path(m).relative_to(base).as_posix()))
     else:
         raise SourceError(f"{text}: no such file or directory")
     if not matches:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import SourceError
 
-__all__ = ["Store", "ObjectInfo", "is_url", "store_for"]
+__all__ = ["Store", "ObjectInfo", "is_url", "store_for", "hidden"]
 
 log = logging.getLogger("gpuload")
 
@@ -83,10 +83,13 @@ def _identity(info: dict) -> tuple[int, str]:
     return mtime, tag
 
 
-def _data_name(rel: str) -> bool:
-    """A Parquet data file below a listed folder: ``*.parquet``, no part starting with ``_`` or ``.``."""
-    parts = rel.split("/")
-    return rel.endswith(".parquet") and not any(p.startswith(("_", ".")) for p in parts if p)
+def hidden(rel: str) -> bool:
+    """Whether a path below a listed folder or glob base is left out of the dataset: one of
+    its parts starts with ``.`` or ``_`` (Spark's ``_temporary/`` and ``.spark-staging-*``,
+    ``_SUCCESS``, ``_delta_log/``, NFS's ``.snapshot/``, editors' ``.~lock`` files), the rule
+    of Spark and ``pyarrow.dataset``; like Spark, a partition folder ``_key=value`` is kept.
+    Every listing, local or remote, uses it."""
+    return any(p.startswith(".") or (p.startswith("_") and "=" not in p) for p in rel.split("/") if p)
 
 
 class Store:
@@ -144,7 +147,7 @@ class Store:
             self.fs.invalidate_cache(path)
         if _GLOB_CHARS & set(path) and not self._exists(path):
             base = path[:min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
-            found = [i for i in self._glob(path) if _data_name(posixpath.relpath(i.path, base))]
+            found = [i for i in self._glob(path) if not hidden(posixpath.relpath(i.path, base))]
         else:
             kind, info = self._kind(path)
             if kind == "file":
@@ -152,7 +155,8 @@ class Store:
             if kind != "directory":
                 raise SourceError(f"{self.url(path)}: no such object or folder")
             base = path.rstrip("/")
-            found = [i for i in self._find(base) if _data_name(posixpath.relpath(i.path, base))]
+            found = [i for i in self._find(base)
+                     if i.path.endswith(".parquet") and not hidden(posixpath.relpath(i.path, base))]
         if not found:
             raise SourceError(f"{self.url(path)}: matched no Parquet objects")
         return sorted(found, key=lambda i: i.path), base

@@ -309,3 +309,37 @@ def test_legitimate_files_with_many_rows_per_byte_are_accepted(tmp_path):
     assert n / p.stat().st_size > 1 << 16  # more rows per byte than an earlier, too tight bound allowed
     ds = _ds(p, tmp_path, ["c"], batch_size=n)
     assert ds.num_rows == n
+
+
+# ---------------------------------------------------------------------------------------
+# what a folder holds besides its data
+# ---------------------------------------------------------------------------------------
+
+_HIDDEN = ["_temporary/0/_temporary/attempt_1/day=1/part-9.parquet", ".spark-staging-42/day=1/part-8.parquet",
+           ".snapshot/hourly/day=1/part-0.parquet", "day=1/.part-0.parquet.crc.parquet", "day=1/_SUCCESS.parquet",
+           "_delta_log/00000.checkpoint.parquet"]
+
+
+def _with_hidden(root):
+    write_parquet(root / "day=1" / "part-0.parquet", {"x": np.arange(10, dtype=np.int64)})
+    write_parquet(root / "_key=3" / "part-1.parquet", {"x": np.arange(10, 15, dtype=np.int64)})  # Spark keeps it
+    for i, rel in enumerate(_HIDDEN):  # each would add rows (or fail to parse) if it were read
+        write_parquet(root / rel, {"x": np.full(7, 100 + i, dtype=np.int64)})
+    return root
+
+
+@pytest.mark.parametrize("how", ["folder", "glob", "s3 prefix", "s3 glob"])
+def test_hidden_paths_are_left_out_by_every_listing(tmp_path, how):
+    root = _with_hidden(tmp_path / "t")
+    if how.startswith("s3"):
+        from gpuload.testing import S3Server
+
+        with S3Server() as s3:
+            s3.upload_folder(root, "bucket")
+            src = "s3://bucket/" if how == "s3 prefix" else "s3://bucket/**/*.parquet"
+            ds = gpuload.ParquetDataset(src, ["x"], cache_dir=tmp_path / "c", device="cpu", shuffle=False,
+                                        batch_size=50, storage_options=s3.storage_options)
+            got = sorted(_all(ds)["x"])
+    else:
+        got = sorted(_all(_ds(root if how == "folder" else str(root / "**" / "*.parquet"), tmp_path, ["x"]))["x"])
+    assert got == list(range(15))
