@@ -37,6 +37,7 @@ from ..cache.chunkfile import version_token
 from ..errors import SchemaError, SourceError
 from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
 from .remote import Store, hidden, is_local_fs, is_url, store_for
+from .tables import local_table_files, remote_table_files
 from ..schema import RAGGED, OutputSpec, storage_dtype
 
 __all__ = ["SourceFile", "Listed", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
@@ -162,6 +163,7 @@ class Listed(NamedTuple):
     tag: str = ""
     store: Store | None = None
     key: str = ""
+    table: tuple | None = None  # a table format's file: (partition fields, ((name, value), ...)) from its log
 
 
 def _items(source) -> list:
@@ -206,18 +208,25 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
             if store is None:
                 store = stores[proto] = store_for(text if "://" in text else None, filesystem, storage_options,
                                                   settings.timeout_s or None)
-            infos, base = retry(lambda s=store, t=text: s.expand(t), f"{text}: listing", settings)
+            infos, base, below = retry(lambda s=store, t=text: s.expand(t), f"{text}: listing", settings)
+            tables = None if base is None else remote_table_files(
+                store, base, [i.path for i in infos], below, whole=below is not None,
+                read=lambda path, size, s=store: retry(lambda: s.read(path, 0, size), f"{s.url(path)}: reading",
+                                                       settings))
             for i in infos:
+                if tables is not None and i.path not in tables:
+                    continue  # a file the table has removed
                 url = store.url(i.path)
-                found.setdefault(url, Listed(url, base, i.path, i.size, i.mtime_ns, i.tag, store, i.path))
+                found.setdefault(url, Listed(url, None if tables is not None else base, i.path, i.size, i.mtime_ns,
+                                             i.tag, store, i.path, None if tables is None else tables[i.path]))
             continue
-        for path, base, shown in _list_local(text):
+        for path, base, shown, table in _list_local(text):
             st = os.stat(path)
-            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns))
+            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns, table=table))
     return list(found.values())
 
 
-def _list_local(text: str) -> list[tuple[str, str | None, str]]:
+def _list_local(text: str) -> list[tuple[str, str | None, str, tuple | None]]:
     text = text.removeprefix("file://")
     p = Path(os.path.abspath(Path(text).expanduser()))  # absolute, links kept: partitions live in the names
     base = None
@@ -232,10 +241,14 @@ def _list_local(text: str) -> list[tuple[str, str | None, str]]:
                          if Path(m).is_file() and not hidden(Path(m).relative_to(base).as_posix()))
     else:
         raise SourceError(f"{text}: no such file or directory")
+    tables = None if base is None else local_table_files(str(base), [str(m) for m in matches], whole=p.is_dir())
+    if tables is not None:  # a Delta table: its live files, with the partition values of its log
+        matches, base = [m for m in matches if str(m) in tables], None
     if not matches:
         raise SourceError(f"{text}: matched no Parquet files")
     # identity by the real file; partition keys from the name as listed
-    return [(str(m.resolve()), None if base is None else str(base), str(m)) for m in matches]
+    return [(str(m.resolve()), None if base is None else str(base), str(m), tables and tables[str(m)])
+            for m in matches]
 
 
 def _hive_keys(path: str, base: str) -> set[str]:
@@ -250,10 +263,10 @@ def _partitions(listed: Sequence[Listed]) -> dict[str, tuple[pa.Schema, tuple]]:
     import pyarrow.fs as pafs
 
     by_base: dict[str, list[tuple[str, str]]] = {}
+    out = {x.path: x.table for x in listed if x.table is not None}  # a table's files: keys from its log
     for x in listed:
         if x.base is not None and _hive_keys(x.shown, x.base):
             by_base.setdefault(x.base, []).append((x.shown, x.path))
-    out = {}
     for base, pairs in by_base.items():
         real = dict(pairs)
         opts = pds.FileSystemFactoryOptions(partition_base_dir=base)

@@ -139,27 +139,38 @@ class Store:
         return getattr(self.fs, name)(*args, **kwargs)
 
     # -- listing --------------------------------------------------------------------------
-    def expand(self, item: str) -> tuple[list[ObjectInfo], str | None]:
-        """The Parquet objects ``item`` names, in name order, and the Hive partition base
-        (the folder or glob base; None for a single object)."""
+    def expand(self, item: str) -> tuple[list[ObjectInfo], str | None, list[str] | None]:
+        """The Parquet objects ``item`` names, in name order; the Hive partition base (the
+        folder or glob base; None for a single object); and for a folder, the path of
+        everything listed below it, hidden objects included (to find a table's log)."""
         path = self.strip(item)
         if not self.arrow:  # fsspec's listings cache would hide objects rewritten since it was filled
             self.fs.invalidate_cache(path)
+        below = None
         if _GLOB_CHARS & set(path) and not self._exists(path):
             base = path[:min(path.index(c) for c in _GLOB_CHARS if c in path)].rsplit("/", 1)[0]
             found = [i for i in self._glob(path) if not hidden(posixpath.relpath(i.path, base))]
         else:
             kind, info = self._kind(path)
             if kind == "file":
-                return [info], None
+                return [info], None, None
             if kind != "directory":
                 raise SourceError(f"{self.url(path)}: no such object or folder")
             base = path.rstrip("/")
-            found = [i for i in self._find(base)
-                     if i.path.endswith(".parquet") and not hidden(posixpath.relpath(i.path, base))]
+            listed = self._find(base)
+            below = [posixpath.relpath(i.path, base) for i in listed]
+            found = [i for i, rel in zip(listed, below) if i.path.endswith(".parquet") and not hidden(rel)]
         if not found:
             raise SourceError(f"{self.url(path)}: matched no Parquet objects")
-        return sorted(found, key=lambda i: i.path), base
+        return sorted(found, key=lambda i: i.path), base, below
+
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a folder (a prefix with objects below it) in the store."""
+        return self._kind(path)[0] == "directory"
+
+    def find(self, folder: str) -> list[ObjectInfo]:
+        """Every object below ``folder``, hidden ones included."""
+        return self._find(folder.rstrip("/"))
 
     def _info(self, path: str, raw: dict) -> ObjectInfo:
         if raw.get("size") is None or raw.get("size") == 0 and self.protocol.startswith("http"):
