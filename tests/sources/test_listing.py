@@ -317,7 +317,7 @@ def test_legitimate_files_with_many_rows_per_byte_are_accepted(tmp_path):
 
 _HIDDEN = ["_temporary/0/_temporary/attempt_1/day=1/part-9.parquet", ".spark-staging-42/day=1/part-8.parquet",
            ".snapshot/hourly/day=1/part-0.parquet", "day=1/.part-0.parquet.crc.parquet", "day=1/_SUCCESS.parquet",
-           "_delta_log/00000.checkpoint.parquet"]
+           "_committed_7/day=1/part-3.parquet"]
 
 
 def _with_hidden(root):
