@@ -29,7 +29,7 @@ from .errors import NullValuesError, SchemaError, SourceError, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
 from .sources.listing import SourceFile
 
-__all__ = ["check_consistent", "check_nulls", "check_casts"]
+__all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error"]
 
 
 def _logical(t: pa.DataType) -> pa.DataType:
@@ -160,3 +160,71 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
                     v = _bounds(st, vt, src) if st is not None and st.has_min_max else None
                     if v is not None:
                         cast_values(v, s.dtype, c, f"{f.path} (row group {g}, by its statistics)")
+
+
+def stored_key_error(f: SourceFile, column: str, values, where: str) -> SourceError | None:
+    """The error for partition key ``column`` stored in file ``f`` when its ``values`` (an Arrow
+    array) are not all the value of the file's partition folder; None when they are."""
+    value = dict(f.file_keys)[column]
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    if value is None:  # a null partition (__HIVE_DEFAULT_PARTITION__): every row null
+        bad = len(values) - values.null_count
+    else:
+        try:
+            want = pa.scalar(value).cast(values.type)
+            equal = pc.equal(values, want)
+        except (pa.ArrowException, TypeError, ValueError):
+            bad = len(values)
+        else:
+            bad = len(values) - (pc.sum(equal.fill_null(False)).as_py() or 0)
+    if not bad:
+        return None
+    return SourceError(f"{f.path}: column {column!r} holds {bad} of {len(values)} values other than its partition "
+                       f"folder's ({column}={value}) in {where}; the file and the folder disagree: rewrite the file, "
+                       "move it to the right folder, or leave the column out of columns=")
+
+
+def _stats_agree(st, value, num_rows: int) -> bool:
+    """Whether a row group's statistics show every value of a column equal to ``value``
+    (False: they cannot tell, or show otherwise; the values are then read)."""
+    if st is None or not st.has_null_count:
+        return False
+    if value is None:
+        return st.null_count == num_rows
+    if st.null_count or not st.has_min_max:
+        return False
+    try:
+        return bool(st.min == value and st.max == value)
+    except (TypeError, ValueError):
+        return False
+
+
+def check_partition_keys(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
+                         cached: Callable[[int, int], bool] = lambda f, g: False) -> None:
+    """Raise :class:`SourceError` naming the file and key when a partition key that a file also
+    stores as a column (and that is loaded) holds another value than its folder says.
+
+    The footers' statistics answer for most files; where they cannot, the column is read
+    (local files; row groups whose chunks are cached are skipped). A remote object's
+    column is checked by the decoder instead (:func:`stored_key_error`), as it is converted.
+    """
+    needed = {c for s in specs for c in s.columns}
+    for i, f in enumerate(files):
+        for column, value in f.file_keys:
+            if column not in needed:
+                continue
+            leaves = list(f.leaves(column))
+            unknown = [g for g in range(f.metadata.num_row_groups) if not cached(i, g) and not _stats_agree(
+                f.metadata.row_group(g).column(leaves[0]).statistics, value, f.metadata.row_group(g).num_rows)]
+            if not unknown or f.remote:
+                continue
+            try:
+                reader = pq.ParquetFile(f.path, metadata=f.metadata).reader
+                for g in unknown:
+                    col = reader.read_row_groups([g], column_indices=leaves, use_threads=False).column(0)
+                    err = stored_key_error(f, column, col.combine_chunks(), f"row group {g}")
+                    if err is not None:
+                        raise err
+            except (OSError, pa.ArrowException) as e:
+                raise SourceError(f"{f.path}: cannot be read ({e}); the file may be truncated or corrupt") from None

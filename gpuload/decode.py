@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from .batch import nbytes
 from .cache.chunkfile import pwrite_all
+from .checks import stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError
 from .sources.ranges import ReadOnlyFile
@@ -106,6 +107,10 @@ class ArrowDecoder:
         for c in needed:
             if c in f.partition_names:  # a Hive partition key: the same value in every row
                 table = table.append_column(c, pa.repeat(f.partition_scalar(c), chunk.rows))
+            elif c in dict(f.file_keys):  # a key the file stores too: it must hold the folder's value
+                err = stored_key_error(f, c, table.column(c).combine_chunks(), where)
+                if err is not None:
+                    raise err
         if m is None:
             return table_to_columns(table, specs, where)
         t1 = m.clock()
@@ -196,6 +201,8 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
         if c in f.partition_names:
             raise Unsupported(f"column {c!r} is a partition key")
+        if f.remote and c in dict(f.file_keys):  # a local file's stored key was checked at open
+            raise Unsupported(f"column {c!r} is a partition key stored in the file, checked on the CPU")
 
 
 def _stage(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from .batch import Ragged, _xp, take
 from .cache.store import ChunkCache, ChunkKey
 from .cache.chunkfile import spec_hash
-from .checks import check_casts, check_consistent, check_nulls
+from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options
 from .convert import needed_columns
 from .decode import ArrowDecoder
@@ -123,6 +123,7 @@ class ChunkReader:
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
         if scan_nulls:  # else (a cluster worker: its caller checked these files) conversion still refuses nulls
             check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+            check_partition_keys(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
 

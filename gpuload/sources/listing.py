@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..cache.chunkfile import version_token
-from ..errors import SchemaError, SourceError
+from ..errors import SourceError
 from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
 from .remote import Store, hidden, is_local_fs, is_url, store_for
 from .tables import local_table_files, remote_table_files
@@ -54,7 +54,10 @@ class SourceFile:
     ``path`` is the real local path, or a remote object's URL; ``size``, ``mtime_ns``
     and ``tag`` (a remote store's version marker, "" for local files) make its identity.
     ``schema`` is the file's Arrow schema followed by its partition keys' fields;
-    ``partitions`` maps each partition key to its value (None for a null partition).
+    ``partitions`` maps each partition key the file does not store to its value (None for
+    a null partition); ``file_keys`` each key the file also stores as a column (as Polars'
+    ``partition_by`` and DuckDB's ``WRITE_PARTITION_COLUMNS`` write them) to the folder's
+    value, which every row of that column must hold (see :func:`gpuload.checks.check_partition_keys`).
     ``store`` (a :class:`gpuload.sources.remote.Store`) and ``key`` (the object's path in it)
     are set for remote objects only.
     """
@@ -65,6 +68,7 @@ class SourceFile:
     metadata: pq.FileMetaData
     schema: pa.Schema
     partitions: tuple = ()  # ((name, value), ...)
+    file_keys: tuple = ()  # ((name, value), ...): partition keys also stored in the file
     tag: str = ""
     store: Store | None = _field(default=None, compare=False, repr=False)
     key: str = ""
@@ -370,12 +374,12 @@ def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dic
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
         fields, keys = parts.get(x.path, (pa.schema([]), ()))
-        for f in (f for f in fields if f.name in dict(keys)):
-            if f.name in schema.names:
-                raise SchemaError(f"{x.path}: column {f.name!r} is both in the file and a partition folder "
-                                  f"({f.name}=...); rename one of them")
+        stored = tuple((k, v) for k, v in keys if k in schema.names)  # the file's column is the key's values
+        for f in (f for f in fields if f.name in dict(keys) and f.name not in schema.names):
             schema = schema.append(f)
-        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, x.tag, x.store, x.key))
+        keys = tuple((k, v) for k, v in keys if k not in dict(stored))
+        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, tag=x.tag, store=x.store, key=x.key,
+                              file_keys=stored))
     return out
 
 

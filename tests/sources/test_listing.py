@@ -200,10 +200,56 @@ def test_hive_null_partition_needs_a_fill(tmp_path):
     assert (got["day"] == -1).sum() == 5
 
 
-def test_hive_key_that_is_also_a_file_column_is_refused(tmp_path):
-    write_parquet(tmp_path / "h" / "x=1" / "p.parquet", {"x": np.arange(5)})
-    with pytest.raises(gpuload.SchemaError, match="both in the file and a partition"):
-        _ds(tmp_path / "h", tmp_path)
+@pytest.mark.parametrize("writer", ["polars", "duckdb"])
+def test_partition_keys_also_stored_in_the_files_are_read(tmp_path, writer):
+    """Polars' partition_by and DuckDB's WRITE_PARTITION_COLUMNS keep the key in each file too."""
+    n = 500
+    df = pd.DataFrame({"id": np.arange(n, dtype=np.int64), "day": np.arange(n, dtype=np.int64) % 4,
+                       "v": np.arange(n) * 0.25})
+    root = tmp_path / writer
+    if writer == "polars":
+        pl = pytest.importorskip("polars")
+        pl.from_pandas(df).write_parquet(root, partition_by=["day"])
+    else:
+        duckdb = pytest.importorskip("duckdb")
+        duckdb.sql(f"COPY (SELECT * FROM df) TO '{root}' (FORMAT PARQUET, PARTITION_BY (day), "
+                   "WRITE_PARTITION_COLUMNS true)")
+    assert "day" in pq.read_schema(next(root.rglob("*.parquet"))).names
+    want = pq.read_table(next(root.rglob("*.parquet"))).schema.field("day").type
+    ds = _ds(root, tmp_path, ["id", "day", "v"])
+    got = _all(ds)
+    order = np.argsort(got["id"])
+    np.testing.assert_array_equal(got["id"][order], df["id"])
+    np.testing.assert_array_equal(got["day"][order], df["day"])  # the file's values, in the file's type
+    np.testing.assert_array_equal(got["v"][order], df["v"])
+    assert got["day"].dtype == np.dtype(want.to_pandas_dtype())
+    assert _ds(root, tmp_path).outputs == ["id", "day", "v"]  # columns=None: the key once
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_a_stored_key_that_disagrees_with_its_folder_is_refused_naming_file_and_key(tmp_path, stats):
+    write_parquet(tmp_path / "h" / "day=1" / "a.parquet", {"x": np.arange(5), "day": np.full(5, 1)},
+                  write_statistics=stats)
+    bad = write_parquet(tmp_path / "h" / "day=2" / "b.parquet", {"x": np.arange(5), "day": [2, 2, 3, 2, 2]},
+                        write_statistics=stats)
+    with pytest.raises(gpuload.SourceError, match=rf"{bad}: column 'day' holds 1 of 5 values other than its "
+                                                  r"partition folder's \(day=2\)"):
+        _ds(tmp_path / "h", tmp_path, ["x", "day"])
+    assert sorted(_all(_ds(tmp_path / "h", tmp_path, ["x"]))["x"]) == sorted([*range(5)] * 2)  # key not loaded
+
+
+def test_a_stored_key_that_disagrees_is_refused_when_a_remote_chunk_is_decoded(tmp_path):
+    from gpuload.testing import S3Server
+
+    write_parquet(tmp_path / "h" / "day=1" / "a.parquet", {"x": np.arange(5), "day": [1, 1, 1, 1, 7]},
+                  write_statistics=False)
+    with S3Server() as s3:
+        s3.upload_folder(tmp_path / "h", "bkt")
+        ds = gpuload.ParquetDataset("s3://bkt/", ["x", "day"], cache_dir=tmp_path / "c", device="cpu", batch_size=5,
+                                    storage_options=s3.storage_options)
+        with pytest.raises(gpuload.SourceError, match="column 'day' holds 1 of 5 values other than"):
+            list(ds)
+    assert not list((tmp_path / "c").rglob("*.glc"))  # nothing cached
 
 
 # ---------------------------------------------------------------------------------------
