@@ -290,14 +290,24 @@ def _partitions(listed: Sequence[Listed]) -> dict[str, tuple[pa.Schema, tuple]]:
 
 
 def _check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
-    """Refuse footers whose row counts cannot be right: negative, not adding up, or more rows
+    """Refuse footers whose row counts cannot be right: negative, not adding up, more rows
     than the file's pages could hold (a data page holds at most 2^31 - 1 values, and its
-    header alone takes more than 8 bytes)."""
+    header alone takes more than 8 bytes), or a row group whose column chunks hold another
+    number of values than its rows (a flat column one per row, a repeated one at least one
+    per row): which rows a reader then delivers depends on how it cuts the file."""
     total = 0
+    repeated = [meta.schema.column(j).max_repetition_level > 0 for j in range(meta.num_columns)]
     for g in range(meta.num_row_groups):
-        n = meta.row_group(g).num_rows
+        rg = meta.row_group(g)
+        n = rg.num_rows
         if n < 0:
             raise SourceError(f"{path}: row group {g} declares {n} rows; the file is corrupt")
+        for j, rep in enumerate(repeated):
+            v = rg.column(j).num_values
+            if v < n if rep else v != n:
+                raise SourceError(f"{path}: row group {g} declares {n:,} rows, but its column "
+                                  f"{meta.schema.column(j).path!r} holds {v:,} values; the file is corrupt: rewrite "
+                                  "it or remove it from the source")
         total += n
     if total != meta.num_rows or total > (size // 8 + 1) * _MAX_PAGE_VALUES:
         raise SourceError(f"{path}: its footer declares {meta.num_rows:,} rows ({total:,} in its row groups) in "

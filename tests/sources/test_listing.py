@@ -389,3 +389,35 @@ def test_hidden_paths_are_left_out_by_every_listing(tmp_path, how):
     else:
         got = sorted(_all(_ds(root if how == "folder" else str(root / "**" / "*.parquet"), tmp_path, ["x"]))["x"])
     assert got == list(range(15))
+
+
+def test_a_row_group_whose_columns_hold_another_count_of_values_is_refused_at_open(tmp_path):
+    """Row groups of 150 and 100 rows whose footer says 140 and 110 (the file's total stays 250):
+    the column chunks still hold 150 and 100 values."""
+    p = write_parquet(tmp_path / "x.parquet", {"x": np.arange(250, dtype=np.int64)}, row_group_size=150)
+    meta = pq.read_metadata(p)
+    assert [meta.row_group(g).num_rows for g in range(2)] == [150, 100]
+    raw = bytearray(p.read_bytes())
+    flen = struct.unpack("<I", raw[-8:-4])[0]
+    footer = bytes(raw[-8 - flen:-8])
+
+    def i64(field_delta_byte, v):  # a thrift compact i64 field: header byte, zigzag varint
+        v = v << 1
+        out = bytearray([field_delta_byte])
+        while True:
+            out.append((v & 0x7F) | (0x80 if v >> 7 else 0))
+            v >>= 7
+            if not v:
+                return bytes(out)
+
+    for old, new in ((150, 140), (100, 110)):  # the 2nd occurrence: RowGroup.num_rows (the 1st: num_values)
+        pat = i64(0x16, old)
+        first = footer.index(pat)
+        second = footer.index(pat, first + 1)
+        footer = footer[:second] + i64(0x16, new) + footer[second + len(pat):]
+    raw[-8 - flen:-8] = footer
+    p.write_bytes(bytes(raw))
+    meta = pq.read_metadata(p)
+    assert [meta.row_group(g).num_rows for g in range(2)] == [140, 110] and meta.num_rows == 250
+    with pytest.raises(gpuload.SourceError, match=rf"{p}: row group 0 declares 140 rows, but its column 'x' holds 150"):
+        _ds(p, tmp_path, ["x"])
