@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Callable, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -64,6 +65,33 @@ class _TimedFile(ReadOnlyFile):
             self.closed = True
 
 
+def _read(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit: str = "us") -> pa.Table:
+    """The chunk's row groups of Parquet leaf columns ``leaves`` of ``f`` (read from ``src``), on
+    the calling thread; INT96 timestamps in ``int96_unit``."""
+    # remote: one read per fetched column chunk (pre-buffering would merge reads across holes)
+    reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote,
+                            coerce_int96_timestamp_unit=int96_unit).reader
+    return reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
+                                  use_threads=False)
+
+
+def _check_int96(micros: pa.Table, seconds: pa.Table, where: str) -> None:
+    """Refuse INT96 timestamps that microseconds since 1970 in an int64 cannot hold (beyond about
+    year 294,000; pyarrow wraps them around): read again in seconds, they must agree."""
+    for name in seconds.column_names:
+        us, s = micros.column(name).combine_chunks(), seconds.column(name).combine_chunks()
+        while pa.types.is_list(us.type) or pa.types.is_large_list(us.type) or pa.types.is_fixed_size_list(us.type):
+            us, s = us.flatten(), s.flatten()
+        us = np.asarray(us.cast(pa.int64()).fill_null(0))
+        s = np.asarray(s.cast(pa.int64()).fill_null(0))
+        bad = np.flatnonzero(np.floor_divide(us, 1_000_000) != s)
+        if bad.size:
+            raise SourceError(f"{where}: column {name!r} holds INT96 timestamps that int64 microseconds cannot "
+                              f"represent ({bad.size} values, the first {int(s[bad[0]])} s after 1970-01-01); "
+                              "gpuload reads INT96 in microseconds: fix the values, or leave the column out of "
+                              "columns=")
+
+
 class ArrowDecoder:
     """CPU decoder: pyarrow reads the row groups, :func:`table_to_columns` converts.
 
@@ -93,10 +121,10 @@ class ArrowDecoder:
             else:
                 src = f.path if m is None else _TimedFile(f.path, m)
             try:  # by leaf index: a name with dots never selects a struct's child
-                # remote: one read per fetched column chunk (pre-buffering would merge reads across holes)
-                reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote).reader
-                table = reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
-                                               use_threads=False)
+                table = _read(src, f, chunk, leaves)
+                int96 = [c for c in stored if c in f.int96]
+                if int96:  # microseconds may not hold them all: seconds always do
+                    _check_int96(table, _read(src, f, chunk, [i for c in int96 for i in f.leaves(c)], "s"), where)
             finally:
                 if m is not None and not f.remote:
                     src.close()
@@ -201,6 +229,8 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
         if c in f.partition_names:
             raise Unsupported(f"column {c!r} is a partition key")
+        if c in f.int96:
+            raise Unsupported(f"column {c!r} holds INT96 timestamps, read in microseconds and range-checked on the CPU")
         if f.remote and c in dict(f.file_keys):  # a local file's stored key was checked at open
             raise Unsupported(f"column {c!r} is a partition key stored in the file, checked on the CPU")
 

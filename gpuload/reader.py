@@ -95,7 +95,8 @@ class ChunkReader:
             if left_out:
                 log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
                             "only what every file has, or fix the files", ", ".join(left_out))
-        self.specs: list[OutputSpec] = resolve_outputs(schema, columns, fill_nulls, dtypes, file=first.path)
+        self.specs: list[OutputSpec] = resolve_outputs(schema, columns, fill_nulls, dtypes, file=first.path,
+                                                       int96=frozenset().union(*(f.int96 for f in self.files)))
         check_consistent(self.files, self.specs)
         check_casts(self.files, self.specs)
         self.spec_desc = spec_description(self.specs, opts.layout, permuted=opts.block_rows is not None)

@@ -15,6 +15,7 @@ int8..int64, uint8..uint64      the same integer dtype
 float16, float32, float64       the same float dtype
 date32, date64                  int64, days since 1970-01-01
 timestamp[unit, tz]             int64, ``unit`` since 1970-01-01 UTC (tz dropped)
+INT96 timestamps (Spark, Hive)  int64, microseconds since 1970-01-01 UTC
 duration[unit], time32/64[unit] int64 in ``unit``
 dictionary<numeric>             decoded to the value type
 fixed_size_list<numeric, k>     2-D tensor ``[rows, k]``
@@ -91,7 +92,8 @@ class ValueType:
     """How one Arrow value type is stored: numpy dtype plus the temporal conversion."""
 
     dtype: str  # numpy dtype string of the converted values, e.g. "<i8"
-    temporal: str = ""  # "" (plain), "date64" (ms -> days) or "int" (other temporals: raw integer)
+    temporal: str = ""  # "" (plain), "date64" (ms -> days), "int" (other temporals: raw integer) or
+    # "int96" (an INT96 timestamp, read in microseconds: its own name, so caches of nanoseconds are not used)
 
 
 @dataclass(frozen=True)
@@ -226,7 +228,7 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
 
 
 def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=None,
-                    *, file: str = "") -> list[OutputSpec]:
+                    *, file: str = "", int96=frozenset()) -> list[OutputSpec]:
     """Resolve the user's column selection against ``schema`` (of ``file``).
 
     Parameters
@@ -238,6 +240,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     dtypes : optional ``{output: dtype}`` casts; a stacked group defaults to the
         numpy result type of its members.
     file : the file the schema came from, named in errors.
+    int96 : columns some file stores as INT96 timestamps (read in microseconds).
     """
     requested = _normalise_request(columns, schema)
     if not requested:
@@ -264,6 +267,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             if c not in names:
                 raise SchemaError(f"column {c!r} is not in {file} (columns there: {', '.join(schema.names)})")
             k, vt, w = _classify(c, schema.field(c).type)
+            if c in int96 and vt.temporal:
+                vt = ValueType(vt.dtype, "int96")
             kinds.append(k), vts.append(vt), widths.append(w)
         if is_group:
             if any(k != SCALAR for k in kinds):

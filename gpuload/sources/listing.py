@@ -69,6 +69,7 @@ class SourceFile:
     schema: pa.Schema
     partitions: tuple = ()  # ((name, value), ...)
     file_keys: tuple = ()  # ((name, value), ...): partition keys also stored in the file
+    int96: frozenset = frozenset()  # columns stored as INT96 timestamps (read as microseconds)
     tag: str = ""
     store: Store | None = _field(default=None, compare=False, repr=False)
     key: str = ""
@@ -120,6 +121,35 @@ class SourceFile:
     def leaves(self, name: str) -> range:
         """Parquet leaf column indices of top-level file column ``name``."""
         return self._leaf_ranges[name]
+
+
+def _int96_columns(meta: pq.FileMetaData, schema: pa.Schema) -> frozenset:
+    """Top-level columns of ``schema`` (the footer's Arrow schema) with a leaf stored as INT96."""
+    leaves = [meta.schema.column(j).physical_type == "INT96" for j in range(len(meta.schema))]
+    if not any(leaves):
+        return frozenset()
+    out, i = set(), 0
+    for field in schema:
+        n = _leaf_count(field.type)
+        if any(leaves[i:i + n]):
+            out.add(field.name)
+        i += n
+    return frozenset(out)
+
+
+def _micros(t: pa.DataType) -> pa.DataType:
+    """``t`` with its nanosecond timestamps (how pyarrow types INT96 by default) in microseconds."""
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", t.tz)
+    if pa.types.is_large_list(t):
+        return pa.large_list(t.value_field.with_type(_micros(t.value_type)))
+    if pa.types.is_fixed_size_list(t):
+        return pa.list_(t.value_field.with_type(_micros(t.value_type)), t.list_size)
+    if pa.types.is_list(t):
+        return pa.list_(t.value_field.with_type(_micros(t.value_type)))
+    if pa.types.is_struct(t):
+        return pa.struct([t.field(i).with_type(_micros(t.field(i).type)) for i in range(t.num_fields)])
+    return t
 
 
 def _leaf_count(t: pa.DataType) -> int:
@@ -383,13 +413,16 @@ def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dic
             schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
+        int96 = _int96_columns(meta, schema)  # Spark's, Impala's and Hive's timestamps: read in microseconds
+        for i in [i for i, f in enumerate(schema) if f.name in int96]:
+            schema = schema.set(i, schema.field(i).with_type(_micros(schema.field(i).type)))
         fields, keys = parts.get(x.path, (pa.schema([]), ()))
         stored = tuple((k, v) for k, v in keys if k in schema.names)  # the file's column is the key's values
         for f in (f for f in fields if f.name in dict(keys) and f.name not in schema.names):
             schema = schema.append(f)
         keys = tuple((k, v) for k, v in keys if k not in dict(stored))
         out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, tag=x.tag, store=x.store, key=x.key,
-                              file_keys=stored))
+                              file_keys=stored, int96=int96))
     return out
 
 

@@ -1,0 +1,71 @@
+"""Decode: what pyarrow reads from the files, as gpuload reads it (INT96 timestamps at
+microsecond precision, range-checked) and what a read error says."""
+
+from __future__ import annotations
+
+import datetime as dt
+import struct
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gpuload
+
+from conftest import write_parquet
+
+SENTINELS = [dt.datetime(1, 1, 1), dt.datetime(1677, 9, 21), dt.datetime(1970, 1, 1), dt.datetime(2024, 2, 29, 12, 30, 1, 123456),
+             dt.datetime(2262, 4, 12), dt.datetime(9999, 12, 31, 23, 59, 59, 999999)]
+
+
+def _ds(source, tmp_path, columns, **kw):
+    kw.setdefault("batch_size", 4)
+    return gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "cache", device="cpu", shuffle=False, **kw)
+
+
+def _micros(values) -> list[int]:
+    epoch = dt.datetime(1970, 1, 1)
+    return [None if v is None else (v - epoch) // dt.timedelta(microseconds=1) for v in values]
+
+
+def _all(ds, name) -> list:
+    out = []
+    for b in ds:
+        v = b[name]
+        out += (v.values if isinstance(v, gpuload.Ragged) else v).tolist()
+    return out
+
+
+def test_int96_timestamps_are_microseconds_without_wrapping_even_for_sentinel_dates(tmp_path):
+    values = SENTINELS * 3
+    t = pa.table({"ts": pa.array(values, pa.timestamp("us")),
+                  "tl": pa.array([[v, v] for v in values], pa.list_(pa.timestamp("us")))})
+    p = write_parquet(tmp_path / "spark.parquet", t, use_deprecated_int96_timestamps=True, row_group_size=5)
+    assert pq.read_metadata(p).schema.column(0).physical_type == "INT96"
+    ds = _ds(p, tmp_path, ["ts", "tl"])
+    assert _all(ds, "ts") == _micros(values)  # pyarrow's default (nanoseconds) wraps the first and last
+    assert _all(ds, "tl") == [m for m in _micros(values) for _ in (0, 1)]
+    # the same values as a TIMESTAMP_MICROS column: switching Spark's outputTimestampType changes nothing
+    q = write_parquet(tmp_path / "micros" / "a.parquet", t)
+    assert pq.read_metadata(q).schema.column(0).physical_type == "INT64"
+    write_parquet(tmp_path / "micros" / "b.parquet", t, use_deprecated_int96_timestamps=True)
+    assert _all(_ds(tmp_path / "micros", tmp_path, ["ts"]), "ts") == _micros(values) * 2
+    # a cache of the wrapped nanoseconds that an older gpuload wrote is never taken for these
+    assert ds.reader.spec_desc[0]["sources"] == [["<i8", "int96"]]
+
+
+def test_int96_beyond_int64_microseconds_is_refused_naming_the_column(tmp_path):
+    t = pa.table({"id": pa.array([1, 2], pa.int64()),
+                  "ts": pa.array([dt.datetime(2020, 1, 1, 0, 0, 0, 123456)] * 2, pa.timestamp("us"))})
+    p = write_parquet(tmp_path / "x.parquet", t, use_deprecated_int96_timestamps=True, use_dictionary=False,
+                      compression="none", write_statistics=False)
+    raw = bytearray(p.read_bytes())
+    julian = 2440588 + 18262  # 2020-01-01
+    at = raw.index(struct.pack("<qI", 123456000, julian))
+    raw[at + 8:at + 12] = struct.pack("<I", 2**31 + 5)  # a Julian day about 5.9 million years ahead
+    p.write_bytes(bytes(raw))
+    with pytest.raises(gpuload.SourceError, match=r"column 'ts' holds INT96 timestamps that int64 microseconds "
+                                                  r"cannot represent \(1 values"):
+        list(_ds(p, tmp_path, ["id", "ts"]))
+    assert _all(_ds(p, tmp_path, ["id"]), "id") == [1, 2]  # the rest of the file is fine
