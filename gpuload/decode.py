@@ -34,10 +34,16 @@ log = logging.getLogger("gpuload")
 
 def _where(f: SourceFile, chunk: Chunk) -> str:
     """The chunk's name in messages; also refuses a file that changed since it was opened."""
-    if not f.stat_matches():
-        raise SourceError(f"{f.path} changed or disappeared after the dataset was opened; "
-                          "open the dataset again to pick up the new file")
+    _unchanged(f)
     return f"{f.path} (row groups {chunk.rg_start}-{chunk.rg_stop - 1})"
+
+
+def _unchanged(f: SourceFile, during: bool = False) -> None:
+    """Refuse a local file that changed since it was opened (before a chunk is read) or while it
+    was read (after): a chunk is cached only under an identity checked after it was read."""
+    if not f.stat_matches():
+        raise SourceError(f"{f.path} changed or disappeared {'while a chunk was read' if during else 'after'} "
+                          "the dataset was opened; open the dataset again to pick up the new file")
 
 
 class _TimedFile(ReadOnlyFile):
@@ -130,6 +136,7 @@ class ArrowDecoder:
                     src.close()
         except (OSError, pa.ArrowException) as e:
             raise SourceError(f"{where}: cannot be read ({e}); the file may be truncated or corrupt") from None
+        _unchanged(f, during=True)
         if table.num_rows != chunk.rows:
             raise SourceError(f"{where}: read {table.num_rows} rows where the footer promises {chunk.rows}")
         for c in needed:
@@ -187,6 +194,7 @@ class GpuDecoder:
                 try:
                     raw = read_row_groups(staged or f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs),
                                           stream=stream)
+                    _unchanged(f, during=True)
                     self.ctx.stream.synchronize()  # libcudf's I/O and decoding are one call: both count as decode
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "

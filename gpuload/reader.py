@@ -29,7 +29,9 @@ from .memory import HostPool
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
-from .sources.listing import SourceFile, common_columns, fingerprint, list_files, open_files, row_group_sizes
+from .sources.listing import SourceFile, common_columns, fingerprint, list_files, row_group_sizes
+from .sources.opening import open_files
+from .sources.remote import same_version
 
 log = logging.getLogger("gpuload")
 
@@ -207,10 +209,10 @@ class ChunkReader:
 
         def unchanged() -> None:
             size, mtime, tag = f.store.identity(f.key)
-            if size != f.size or tag != f.tag or (not tag and mtime != f.mtime_ns):
+            if not same_version((f.size, f.mtime_ns, f.tag), (size, mtime, tag)):
                 raise SourceError(f"{f.path} changed after the dataset was opened (size {f.size:,} -> {size:,}, "
-                                  f"version {f.tag or f.mtime_ns} -> {tag or mtime}); open the dataset again to "
-                                  "pick up the new object")
+                                  f"version {f.tag or '-'} -> {tag or '-'}, last modified {f.mtime_ns} -> {mtime} "
+                                  "ns); open the dataset again to pick up the new object")
 
         return self._fetcher(f.store).start(f.key, ranges, check=unchanged)
 

@@ -35,16 +35,14 @@ import xxhash
 
 from ..cache.chunkfile import version_token
 from ..errors import SourceError
-from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
 from .remote import Store, hidden, is_local_fs, is_url, store_for
 from .tables import local_table_files, remote_table_files
 from ..schema import RAGGED, OutputSpec, storage_dtype
 
-__all__ = ["SourceFile", "Listed", "list_files", "open_files", "row_group_sizes", "fingerprint", "common_columns",
+__all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint", "common_columns",
            "pandas_index_columns"]
 
 _GLOB_CHARS = set("*?[")
-_MAX_PAGE_VALUES = 2**31 - 1  # a Parquet page header counts its values in an i32
 
 
 @dataclass(frozen=True)
@@ -70,6 +68,7 @@ class SourceFile:
     partitions: tuple = ()  # ((name, value), ...)
     file_keys: tuple = ()  # ((name, value), ...): partition keys also stored in the file
     int96: frozenset = frozenset()  # columns stored as INT96 timestamps (read as microseconds)
+    ctime_ns: int = _field(default=0, compare=False)  # a local file's ctime when its footer was read
     tag: str = ""
     store: Store | None = _field(default=None, compare=False, repr=False)
     key: str = ""
@@ -84,15 +83,17 @@ class SourceFile:
         return version_token(self.size, self.mtime_ns, self.tag)
 
     def stat_matches(self) -> bool:
-        """True if a local file still has the size and mtime recorded here (remote objects:
-        their identity was taken from the listing at open, and is not asked again)."""
+        """True if a local file still has the size, mtime and ctime recorded when its footer was
+        read (ctime changes with any write, and no tool can set it back; remote objects: their
+        identity was checked at open, and is asked again after each chunk's fetch)."""
         if self.remote:
             return True
         try:
             st = os.stat(self.path)
         except OSError:
             return False
-        return st.st_size == self.size and st.st_mtime_ns == self.mtime_ns
+        return (st.st_size, st.st_mtime_ns) == (self.size, self.mtime_ns) and (
+            not self.ctime_ns or st.st_ctime_ns == self.ctime_ns)
 
     @property
     def partition_names(self) -> set[str]:
@@ -121,35 +122,6 @@ class SourceFile:
     def leaves(self, name: str) -> range:
         """Parquet leaf column indices of top-level file column ``name``."""
         return self._leaf_ranges[name]
-
-
-def _int96_columns(meta: pq.FileMetaData, schema: pa.Schema) -> frozenset:
-    """Top-level columns of ``schema`` (the footer's Arrow schema) with a leaf stored as INT96."""
-    leaves = [meta.schema.column(j).physical_type == "INT96" for j in range(len(meta.schema))]
-    if not any(leaves):
-        return frozenset()
-    out, i = set(), 0
-    for field in schema:
-        n = _leaf_count(field.type)
-        if any(leaves[i:i + n]):
-            out.add(field.name)
-        i += n
-    return frozenset(out)
-
-
-def _micros(t: pa.DataType) -> pa.DataType:
-    """``t`` with its nanosecond timestamps (how pyarrow types INT96 by default) in microseconds."""
-    if pa.types.is_timestamp(t):
-        return pa.timestamp("us", t.tz)
-    if pa.types.is_large_list(t):
-        return pa.large_list(t.value_field.with_type(_micros(t.value_type)))
-    if pa.types.is_fixed_size_list(t):
-        return pa.list_(t.value_field.with_type(_micros(t.value_type)), t.list_size)
-    if pa.types.is_list(t):
-        return pa.list_(t.value_field.with_type(_micros(t.value_type)))
-    if pa.types.is_struct(t):
-        return pa.struct([t.field(i).with_type(_micros(t.field(i).type)) for i in range(t.num_fields)])
-    return t
 
 
 def _leaf_count(t: pa.DataType) -> int:
@@ -198,6 +170,7 @@ class Listed(NamedTuple):
     store: Store | None = None
     key: str = ""
     table: tuple | None = None  # a table format's file: (partition fields, ((name, value), ...)) from its log
+    ctime_ns: int = 0  # a local file's ctime
 
 
 def _items(source) -> list:
@@ -214,6 +187,8 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
     """Each Parquet file or object named by ``source``, in a stable order (a local file
     reached through a link has its real path as identity, and the listed one for its
     Hive partition keys).
+
+    :func:`gpuload.sources.opening.open_files` then reads their footers.
 
     ``source`` is a file, a directory (searched recursively for ``*.parquet``), a glob
     (``**`` recurses), a URL of an object, prefix or glob, or a list of these; below a
@@ -256,7 +231,8 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
             continue
         for path, base, shown, table in _list_local(text):
             st = os.stat(path)
-            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns, table=table))
+            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns, table=table,
+                                          ctime_ns=st.st_ctime_ns))
     return list(found.values())
 
 
@@ -316,113 +292,6 @@ def _partitions(listed: Sequence[Listed]) -> dict[str, tuple[pa.Schema, tuple]]:
             found = pds.get_partition_keys(frag.partition_expression)  # a null key may be absent here
             present = _hive_keys(frag.path, base)
             out[real[frag.path]] = (fields, tuple((f.name, found.get(f.name)) for f in fields if f.name in present))
-    return out
-
-
-def _check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
-    """Refuse footers whose row counts cannot be right: negative, not adding up, more rows
-    than the file's pages could hold (a data page holds at most 2^31 - 1 values, and its
-    header alone takes more than 8 bytes), or a row group whose column chunks hold another
-    number of values than its rows (a flat column one per row, a repeated one at least one
-    per row): which rows a reader then delivers depends on how it cuts the file."""
-    total = 0
-    repeated = [meta.schema.column(j).max_repetition_level > 0 for j in range(meta.num_columns)]
-    for g in range(meta.num_row_groups):
-        rg = meta.row_group(g)
-        n = rg.num_rows
-        if n < 0:
-            raise SourceError(f"{path}: row group {g} declares {n} rows; the file is corrupt")
-        for j, rep in enumerate(repeated):
-            v = rg.column(j).num_values
-            if v < n if rep else v != n:
-                raise SourceError(f"{path}: row group {g} declares {n:,} rows, but its column "
-                                  f"{meta.schema.column(j).path!r} holds {v:,} values; the file is corrupt: rewrite "
-                                  "it or remove it from the source")
-        total += n
-    if total != meta.num_rows or total > (size // 8 + 1) * _MAX_PAGE_VALUES:
-        raise SourceError(f"{path}: its footer declares {meta.num_rows:,} rows ({total:,} in its row groups) in "
-                          f"{size:,} bytes, which cannot be right; the file is corrupt: rewrite it or remove it "
-                          "from the source")
-
-
-def _local_read(path: str):
-    def read(start: int, end: int) -> bytes:
-        with open(path, "rb", buffering=0) as fh:
-            return os.pread(fh.fileno(), end - start, start)
-    return read
-
-
-def _cached_footer(root, x: Listed, counts: dict) -> pq.FileMetaData | None:
-    """The footer of ``x`` from the cache, if it holds one for this version that parses."""
-    raw = load_footer(root, x.path, x.size, x.mtime_ns, x.tag)
-    if raw is None:
-        return None
-    try:
-        meta = parse_footer(raw, x.path)
-        _check_footer(x.path, meta, x.size)
-    except SourceError:  # a cached footer that does not parse: read the file's own again
-        return None
-    counts["footers_cached"] += 1
-    return meta
-
-
-def _read_footer(root, x: Listed, fetcher_for) -> pq.FileMetaData:
-    """The footer of ``x`` read from the file or object itself, then kept in the cache."""
-    if x.store is not None:
-        fetcher = fetcher_for(x.store)
-        raw = read_footer(lambda a, b: fetcher.get(x.key, a, b), x.size, x.path)
-    else:
-        try:
-            raw = read_footer(_local_read(x.path), x.size, x.path)
-        except OSError as e:
-            raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
-    meta = parse_footer(raw, x.path)
-    _check_footer(x.path, meta, x.size)
-    save_footer(root, x.path, x.size, x.mtime_ns, x.tag, raw)
-    return meta
-
-
-def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dict | None = None) -> list[SourceFile]:
-    """Read each file's footer (from the cache ``root`` when it holds this version's);
-    a :class:`SourceError` names a bad file.
-
-    ``fetcher_for(store)`` gives the :class:`gpuload.sources.fetch.Fetcher` that reads remote
-    footers (retried). ``stats``, if given, counts ``{"footers_cached", "footers_read"}``.
-    """
-    parts = _partitions(listed)
-    out = []
-    counts = stats if stats is not None else {}
-    counts.setdefault("footers_cached", 0)
-    counts.setdefault("footers_read", 0)
-    metas = [_cached_footer(root, x, counts) for x in listed]
-    missing = [i for i, m in enumerate(metas) if m is None]
-    remote = [i for i in missing if listed[i].store is not None]
-    if len(remote) > 1:  # many objects: their footers in parallel, one request each (two for long footers)
-        from concurrent.futures import ThreadPoolExecutor
-
-        workers = min(len(remote), fetcher_for(listed[remote[0]].store).settings.max_requests)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuload-footers") as pool:
-            for i, m in zip(remote, pool.map(lambda i: _read_footer(root, listed[i], fetcher_for), remote)):
-                metas[i] = m
-    for i in missing:
-        if metas[i] is None:
-            metas[i] = _read_footer(root, listed[i], fetcher_for)
-    counts["footers_read"] += len(missing)
-    for x, meta in zip(listed, metas):
-        try:
-            schema = meta.schema.to_arrow_schema()
-        except (OSError, pa.ArrowException) as e:
-            raise SourceError(f"{x.path}: not a readable Parquet file ({e}); remove it or narrow the source") from None
-        int96 = _int96_columns(meta, schema)  # Spark's, Impala's and Hive's timestamps: read in microseconds
-        for i in [i for i, f in enumerate(schema) if f.name in int96]:
-            schema = schema.set(i, schema.field(i).with_type(_micros(schema.field(i).type)))
-        fields, keys = parts.get(x.path, (pa.schema([]), ()))
-        stored = tuple((k, v) for k, v in keys if k in schema.names)  # the file's column is the key's values
-        for f in (f for f in fields if f.name in dict(keys) and f.name not in schema.names):
-            schema = schema.append(f)
-        keys = tuple((k, v) for k, v in keys if k not in dict(stored))
-        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, tag=x.tag, store=x.store, key=x.key,
-                              file_keys=stored, int96=int96))
     return out
 
 

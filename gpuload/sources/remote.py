@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import SourceError
 
-__all__ = ["Store", "ObjectInfo", "is_url", "store_for", "hidden"]
+__all__ = ["Store", "ObjectInfo", "is_url", "store_for", "hidden", "same_version"]
 
 log = logging.getLogger("gpuload")
 
@@ -90,6 +90,22 @@ def hidden(rel: str) -> bool:
     of Spark and ``pyarrow.dataset``; like Spark, a partition folder ``_key=value`` is kept.
     Every listing, local or remote, uses it."""
     return any(p.startswith(".") or (p.startswith("_") and "=" not in p) for p in rel.split("/") if p)
+
+
+def same_version(listed: tuple[int, int, str], now: tuple[int, int, str]) -> bool:
+    """Whether an object's ``(size, last-modified ns, version marker)`` asked again is the version
+    listed: the same size and marker, and where the store gave a last-modified time both
+    times, the same time (to the second where one of them is in whole seconds: S3 lists
+    milliseconds, its HEAD answers seconds). Every field counts, so a store whose ETag does
+    not follow the content (or that gives none) still tells a rewritten object by its time."""
+    (size, mtime, tag), (size2, mtime2, tag2) = listed, now
+    if size != size2 or tag != tag2:
+        return False
+    if not (mtime and mtime2):
+        return True
+    if mtime % 10**9 == 0 or mtime2 % 10**9 == 0:
+        return mtime // 10**9 == mtime2 // 10**9
+    return mtime == mtime2
 
 
 class Store:
