@@ -95,17 +95,23 @@ class _Middleware:
                     pass
             raise _Reset()
         out = self.app(environ, start_response)
-        if not f.bandwidth:
-            return out
-        return self._throttled(out, f.bandwidth)
+        return self._sent(out, f.bandwidth, key)
 
-    @staticmethod
-    def _throttled(chunks, rate: float):
-        for chunk in chunks:
-            for i in range(0, len(chunk), 1 << 16):
-                part = chunk[i:i + (1 << 16)]
-                time.sleep(len(part) / rate)
-                yield part
+    def _sent(self, chunks, rate: float | None, key: str):
+        """The body in 64 KiB parts (each sent counted, so a client that hangs up stops it), at most
+        ``rate`` bytes per second."""
+        try:
+            for chunk in chunks:
+                for i in range(0, len(chunk), 1 << 16):
+                    part = chunk[i:i + (1 << 16)]
+                    if rate:
+                        time.sleep(len(part) / rate)
+                    yield part
+                    with self.server._lock:
+                        self.server.sent_bytes[key] += len(part)
+        finally:
+            if hasattr(chunks, "close"):
+                chunks.close()
 
 
 class _Server:
@@ -115,6 +121,7 @@ class _Server:
         self.faults = faults or Faults()
         self.requests: collections.Counter = collections.Counter()  # (method, key) -> count
         self.range_bytes: collections.Counter = collections.Counter()  # key -> bytes asked by Range GETs
+        self.sent_bytes: collections.Counter = collections.Counter()  # key -> body bytes handed to the socket
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._srv = None
@@ -139,6 +146,7 @@ class _Server:
         with self._lock:
             self.requests.clear()
             self.range_bytes.clear()
+            self.sent_bytes.clear()
 
     def start(self):
         from werkzeug.serving import WSGIRequestHandler, make_server

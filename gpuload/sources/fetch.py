@@ -205,7 +205,12 @@ def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_re
                                   "store may be down or throttling: try again later, or raise remote retries") from None
             if on_retry is not None:
                 on_retry()
-            time.sleep(random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt)))
+            pause = random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt))
+            if stop is None:
+                time.sleep(pause)
+            elif stop.wait(pause):  # closed while waiting to try again
+                raise SourceError(f"{what}: abandoned after {attempt + 1} tries (last {type(e).__name__}: {e}): "
+                                  "the dataset was closed or its epoch ended") from None
     raise AssertionError("unreachable")
 
 
@@ -380,7 +385,7 @@ class Fetcher:
         def once() -> bytes:
             t0 = self.clock()
             try:
-                data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None)
+                data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None, stop=self.stop)
             except asyncio.TimeoutError:  # fsspec's FSTimeoutError says nothing itself
                 raise TimeoutError(f"no answer within timeout_s={self.settings.timeout_s:g} s") from None
             if len(data) > end - start:

@@ -19,7 +19,7 @@ INT96 timestamps (Spark's, Hive's, Impala's) are typed in microseconds, as they 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Sequence
 
 import pyarrow as pa
@@ -166,8 +166,11 @@ def _read_all(root, listed: list[Listed], todo: list[int], fetcher_for) -> dict[
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuload-footers")
         try:
             futures = {i: pool.submit(_read_footer, root, listed[i], fetcher_for) for i in remote}
-            for i, fut in futures.items():
-                out[i] = fut.result()
+            done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
+            failed = next((f for f in done if f.exception() is not None), None)
+            if failed is not None:  # the first failure: what is queued is dropped, what runs is waited for
+                raise failed.exception()
+            out = {i: fut.result() for i, fut in futures.items()}
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
     for i in todo:

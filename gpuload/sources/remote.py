@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import SourceError
 
-__all__ = ["Store", "ObjectInfo", "is_url", "store_for", "hidden", "same_version"]
+__all__ = ["Store", "ObjectInfo", "Stopped", "is_url", "store_for", "hidden", "same_version"]
 
 log = logging.getLogger("gpuload")
 
@@ -254,8 +254,15 @@ class Store:
         return int(raw["size"]), mtime, tag
 
     # -- reading --------------------------------------------------------------------------
-    def read(self, path: str, start: int, end: int, timeout: float | None = None) -> bytes:
-        """Bytes ``[start, end)`` of object ``path``: one request (no retry here)."""
+    def read(self, path: str, start: int, end: int, timeout: float | None = None,
+             stop: threading.Event | None = None) -> bytes:
+        """Bytes ``[start, end)`` of object ``path``: one request (no retry here).
+
+        ``timeout``: seconds the request may take (async fsspec stores). ``stop``: once set, a
+        request in flight on an async store is abandoned within 0.1 s (raising
+        :class:`Stopped`). An HTTP server that ignores ``Range`` is refused as soon as its
+        answer's headers arrive, before its body is read (a :class:`~gpuload.SourceError`).
+        """
         if self.arrow:
             with self._lock:
                 f = self._files.get(path)
@@ -263,10 +270,31 @@ class Store:
                     f = self._files[path] = self.fs.open_input_file(path)
             return f.read_at(end - start, start)
         if self._async:
-            from fsspec.asyn import sync
-
-            return sync(self.fs.loop, self.fs._cat_file, path, start=start, end=end, timeout=timeout)
+            if self.protocol.startswith("http"):
+                return self._await(_http_range(self, path, start, end), path, timeout, stop)
+            return self._await(self.fs._cat_file(path, start=start, end=end), path, timeout, stop)
         return self.fs.cat_file(path, start=start, end=end)
+
+    def _await(self, coro, path: str, timeout: float | None, stop: threading.Event | None):
+        """Run ``coro`` on the filesystem's event loop; give up after ``timeout`` seconds, or
+        when ``stop`` is set (the request is cancelled on the loop, its connection closed)."""
+        import asyncio
+        import concurrent.futures
+
+        async def bounded():
+            return await (asyncio.wait_for(coro, timeout) if timeout else coro)
+
+        fut = asyncio.run_coroutine_threadsafe(bounded(), self.fs.loop)
+        while True:
+            try:
+                return fut.result(timeout=None if stop is None else 0.1)
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                if fut.done():  # the request's own timeout
+                    raise
+                if stop.is_set():
+                    fut.cancel()
+                    raise Stopped(f"{self.url(path)}: the request was abandoned: the dataset was closed "
+                                  "or its epoch ended") from None
 
     def close(self) -> None:
         """Close the open pyarrow input files (fsspec keeps its own sessions)."""
@@ -274,6 +302,35 @@ class Store:
             files, self._files = list(self._files.values()), {}
         for f in files:
             f.close()
+
+
+class Stopped(Exception):
+    """A request abandoned because its dataset was closed or its epoch ended (not retried)."""
+
+
+async def _http_range(store: Store, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of an HTTP object by one ranged GET (fsspec's HTTP filesystem's
+    session and settings), reading at most one byte more than asked: a server that ignores
+    ``Range`` is refused from its status and headers, before its body."""
+    fs = store.fs
+    kw = dict(fs.kwargs)
+    headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+        fs._raise_not_found_for_status(r, path)
+        whole = r.status == 200 and start == 0 and r.content_length == end
+        if r.status != 206 and not whole:
+            raise SourceError(f"{store.url(path)}: asked for bytes {start}-{end - 1}, the server answered "
+                              f"{r.status} with {r.content_length if r.content_length is not None else 'unknown'} "
+                              "bytes: it ignores Range requests, which gpuload needs; serve the objects from a server "
+                              "that honours them")
+        want, data = end - start, bytearray()
+        while len(data) <= want:
+            part = await r.content.read(want + 1 - len(data))
+            if not part:
+                break
+            data += part
+    return bytes(data)
 
 
 def _is_arrow_fs(fs) -> bool:

@@ -21,7 +21,7 @@ class _Store:
     def url(self, path):
         return f"mem://{path}"
 
-    def read(self, path, start, end, timeout=None):
+    def read(self, path, start, end, timeout=None, stop=None):
         with self.lock:
             self.calls += 1
             self.inflight += end - start
@@ -124,7 +124,7 @@ def test_a_fetchs_version_check_runs_before_later_fetches_requests():
     order = []
 
     class Recording(_Store):
-        def read(self, path, start, end, timeout=None):
+        def read(self, path, start, end, timeout=None, stop=None):
             order.append(("get", path))
             return bytes(end - start)
 

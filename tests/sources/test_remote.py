@@ -23,6 +23,7 @@ pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 from gpuload.testing import Faults, HttpServer, S3Server  # noqa: E402
 
+from conftest import write_parquet  # noqa: E402
 from typecases import DTYPES, FILL, NATIVE, write_every_type  # noqa: E402
 
 N_FILES, ROWS, RG = 3, 3000, 500
@@ -475,3 +476,22 @@ def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
         while any(t.name.startswith("gpuload-fetch") for t in threading.enumerate()) and time.monotonic() - t0 < 5:
             time.sleep(0.02)
         assert not [t.name for t in threading.enumerate() if t.name.startswith("gpuload-fetch")]
+
+
+def test_a_server_that_ignores_ranges_costs_no_whole_objects_before_the_error(tmp_path):
+    """40 objects of 2 MB on a server that answers every ranged GET with the whole object (at 4 MB/s
+    each, so that what it sends is what the client reads, not what socket buffers absorb): the
+    footer reads stop at each answer's headers, and after the first the queued ones never start."""
+    folder = tmp_path / "big"
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        write_parquet(folder / f"part-{i:02d}.parquet", {"x": rng.integers(0, 2**62, 250_000)}, compression="none")
+    size = (folder / "part-00.parquet").stat().st_size
+    assert size > 2_000_000
+    with HttpServer(folder, ranges=False, bandwidth=4e6) as srv:
+        urls = [srv.url(f"part-{i:02d}.parquet") for i in range(40)]
+        with pytest.raises(SourceError, match=r"part-\d\d.parquet: asked for bytes \d+-\d+, .*ignores Range requests"):
+            gpuload.ParquetDataset(urls, ["x"], cache_dir=tmp_path / "c", remote=FAST_RETRY)
+        sent = sum(srv.sent_bytes.values())
+        gets = srv.count("GET")
+    assert sent < 40 * size / 20, (sent, gets)  # before: all 40 whole objects (80 MB)
