@@ -334,6 +334,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             handoff = HostHandoff(self._views, self.reader.layout, self.reader.batch_pool.array)
         pos = self._begin()
         taken = pos.runs[-1]
+        self.reader.resume()
         producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2)
         m = self.metrics
         t0 = m.clock()
@@ -353,6 +354,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             raise
         finally:
             pos.running = False
+            if not producer.finished:  # left early: no load goes on, none waits on a stalled store
+                producer.stop.set()
+                self.reader.interrupt()
             producer.close()
 
     def _begin(self) -> _Position:

@@ -41,6 +41,7 @@ class Background:
     def __init__(self, make: Callable[[threading.Event], Iterator], depth: int, name: str = "gpuload-producer"):
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
+        self.finished = False  # the consumer took the last item
         self._thread = threading.Thread(target=self._run, args=(make,), name=name, daemon=True)
         self._thread.start()
 
@@ -69,6 +70,7 @@ class Background:
         item = self._q.get()
         if item is _END:
             self._q.put(_END)
+            self.finished = True
             raise StopIteration
         if isinstance(item, _Failure):
             self._q.put(item)
@@ -178,6 +180,8 @@ def _timed(batches: Iterator, handoff, metrics) -> Iterator:
 def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter, metrics,
              warm, batch_alloc) -> Iterator:
     def load_in(i: int) -> dict:
+        if stop.is_set():  # the consumer left: queued loads are not run
+            raise RuntimeError("gpuload: the epoch was stopped")
         with enter():
             return load(i)
 

@@ -297,10 +297,26 @@ class ChunkReader:
         for f in fetchers:
             f.reset()
 
-    def close(self) -> None:
-        """Stop remote fetches and close their connections' files."""
+    def interrupt(self) -> None:
+        """Abandon remote fetches in flight and queued, and refuse new ones until :meth:`resume`
+        (an epoch left early: its loads must not wait on a stalled store)."""
         self.forget_ahead()
         with self._lock:
-            fetchers, self._fetchers = list(self._fetchers.values()), {}
+            fetchers = list(self._fetchers.values())
+        for f in fetchers:
+            f.interrupt()
+
+    def resume(self) -> None:
+        """Fetch again after :meth:`interrupt` or :meth:`close` (an epoch begins)."""
+        with self._lock:
+            fetchers = list(self._fetchers.values())
+        for f in fetchers:
+            f.resume()
+
+    def close(self) -> None:
+        """:meth:`interrupt`, and close the stores' open files."""
+        self.forget_ahead()
+        with self._lock:
+            fetchers = list(self._fetchers.values())
         for f in fetchers:
             f.close()

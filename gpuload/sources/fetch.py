@@ -17,6 +17,8 @@ chunk whose ranges could not all be fetched is never decoded, so never cached.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures.thread
 import errno
 import os
 import random
@@ -26,6 +28,7 @@ import itertools
 import queue
 import weakref
 from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -250,8 +253,9 @@ class Job:
     """The fetch of one object's ranges: :meth:`result` waits for all of them."""
 
     def __init__(self, futures: list[Future], ranges: list[tuple[int, int]], nbytes: int,
-                 check: Future | None = None):
+                 check: Future | None = None, stop: threading.Event | None = None):
         self.futures, self.ranges, self.nbytes, self.check = futures, ranges, nbytes, check
+        self.stop = stop  # set: the fetcher was closed, and result() gives up at once
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures) and (self.check is None or self.check.done())
@@ -263,9 +267,9 @@ class Job:
         pending: list[bytes] = []
         start = end = None
         if self.check is not None:
-            _wait(self.check)
+            _wait(self.check, self.stop)
         for (a, b), f in zip(self.ranges, self.futures):
-            data = _wait(f)
+            data = _wait(f, self.stop)
             if a != end and pending:
                 out[start] = pending[0] if len(pending) == 1 else b"".join(pending)
                 pending = []
@@ -282,12 +286,21 @@ class Job:
             f.cancel()
 
 
-def _wait(f: Future):
-    try:
-        return f.result()
-    except CancelledError:
-        raise SourceError("a remote fetch was cancelled: the dataset was closed while an epoch was running; "
-                          "start the epoch again") from None
+def _wait(f: Future, stop: threading.Event | None = None):
+    """``f``'s result; a :class:`SourceError` as soon as ``stop`` is set (checked every 0.1 s)
+    or ``f`` is cancelled, so a load never waits on a stalled request of a closed fetcher."""
+    while True:
+        try:
+            return f.result(timeout=None if stop is None else 0.1)
+        except CancelledError:
+            break
+        except (TimeoutError, FutureTimeout):
+            if f.done():  # the request's own timeout
+                raise
+            if stop.is_set():
+                break
+    raise SourceError("a remote fetch was abandoned: the dataset was closed, or its epoch ended early (an exception, "
+                      "Ctrl-C, the loop left); start the epoch again") from None
 
 
 class _Requests:
@@ -347,8 +360,25 @@ class _Requests:
             self._q.put(((float("inf"),), next(self._order), None, None, ()))
 
 
+_LIVE: "weakref.WeakSet[Fetcher]" = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    """At interpreter exit, before Python joins the loader threads: stop every fetcher, so that
+    no load waits on a stalled request (Ctrl-C during a remote first epoch exits at once)."""
+    for fetcher in list(_LIVE):
+        fetcher.interrupt()
+
+
+concurrent.futures.thread  # noqa: B018 - imported first, so its exit hook (joining pool threads) runs after ours
+getattr(threading, "_register_atexit", atexit.register)(_stop_all)
+
+
 class Fetcher:
-    """Runs range requests to one :class:`~gpuload.sources.remote.Store` on a bounded pool, retried and timed."""
+    """Runs range requests to one :class:`~gpuload.sources.remote.Store` on a bounded pool, retried and timed.
+
+    :meth:`close` (called by the dataset's ``close()``, when an epoch ends early, and at
+    interpreter exit) abandons requests in flight and queued within 0.1 s."""
 
     def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
         self.store, self.settings, self.clock = store, settings, clock
@@ -359,6 +389,7 @@ class Fetcher:
         self._lock = threading.Lock()
         self.stop = threading.Event()
         self.reset()
+        _LIVE.add(self)
 
     def reset(self) -> None:
         """Forget the request statistics."""
@@ -382,10 +413,12 @@ class Fetcher:
 
     def get(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path``, retried; on the calling thread."""
+        self._refuse_if_stopped(path)
+        stop = self.stop
         def once() -> bytes:
             t0 = self.clock()
             try:
-                data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None, stop=self.stop)
+                data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None, stop=stop)
             except asyncio.TimeoutError:  # fsspec's FSTimeoutError says nothing itself
                 raise TimeoutError(f"no answer within timeout_s={self.settings.timeout_s:g} s") from None
             if len(data) > end - start:
@@ -402,7 +435,7 @@ class Fetcher:
 
         try:
             return retry(once, f"{self.store.url(path)} (bytes {start}-{end - 1})", self.settings,
-                         self._retried_once, self.stop)
+                         self._retried_once, stop)
         except SourceError:
             with self._lock:
                 self._failed += 1
@@ -419,23 +452,46 @@ class Fetcher:
         """Start fetching the (coalesced) ``ranges`` of ``path``; returns at once. ``check()``
         runs once they have all arrived (the object's identity asked again: a rewrite
         between listing and fetching must not be decoded as the listed version)."""
-        s = self.settings
+        self._refuse_if_stopped(path)
+        s, stop, pool = self.settings, self.stop, self._pool
         merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
         job = next(self._jobs)
-        futures = [self._pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
-        after = None
-        if check is not None:
-            def verify() -> None:  # queued after this fetch's ranges and before any later fetch's
-                for f in futures:  # all dequeued already, so running or done: this waits on no queue
-                    f.result()
-                retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
-                      self._retried_once, self.stop)
+        try:
+            futures = [pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
+            after = None
+            if check is not None:
+                def verify() -> None:  # queued after this fetch's ranges and before any later fetch's
+                    for f in futures:  # all dequeued already, so running or done: this waits on no queue
+                        f.result()
+                    retry(check, f"{self.store.url(path)}: asking its version again", self.settings,
+                          self._retried_once, stop)
 
-            after = self._pool.submit((job, 2, 0), verify)
-        return Job(futures, merged, sum(b - a for a, b in merged), after)
+                after = pool.submit((job, 2, 0), verify)
+        except RuntimeError:  # interrupted meanwhile: the pool is closed
+            self._refuse_if_stopped(path)
+            raise
+        return Job(futures, merged, sum(b - a for a, b in merged), after, stop)
 
-    def close(self) -> None:
-        """Stop retrying, drop queued requests and close the store's open files."""
+    def interrupt(self) -> None:
+        """Abandon the requests in flight and queued (each within 0.1 s) and refuse new ones with a
+        :class:`SourceError` until :meth:`resume`: an epoch that ended early, or a closed dataset."""
         self.stop.set()
         self._pool.close()
+
+    def resume(self) -> None:
+        """Take requests again after :meth:`interrupt` (a new epoch); what was abandoned stays so."""
+        with self._lock:
+            if self.stop.is_set():
+                self.stop = threading.Event()
+                self._pool = _Requests(self.settings.max_requests)
+                weakref.finalize(self, self._pool.close)
+
+    def _refuse_if_stopped(self, what: str) -> None:
+        if self.stop.is_set():
+            raise SourceError(f"{self.store.url(what)}: not fetched: the dataset was closed, or its epoch ended "
+                              "early (an exception, Ctrl-C, the loop left); start the epoch again")
+
+    def close(self) -> None:
+        """:meth:`interrupt`, and close the store's open files (:meth:`resume` takes requests again)."""
+        self.interrupt()
         self.store.close()

@@ -495,3 +495,79 @@ def test_a_server_that_ignores_ranges_costs_no_whole_objects_before_the_error(tm
         sent = sum(srv.sent_bytes.values())
         gets = srv.count("GET")
     assert sent < 40 * size / 20, (sent, gets)  # before: all 40 whole objects (80 MB)
+
+
+def _stalling(s3, bucket, cache):
+    """The bucket's footers cached (an opening makes no GET), then every GET of an object stalls 120 s:
+    a first epoch whose store hangs. Requests time out after the default 60 s."""
+    name, _, _ = bucket
+    _open(f"s3://{name}/data/", s3, cache)
+    s3.faults = Faults(rate=1.0, kinds=("stall",), stall_s=120)
+    return f"s3://{name}/data/"
+
+
+def test_close_during_a_stalled_remote_epoch_stops_it_at_once(s3, bucket, tmp_path):
+    import threading
+    import time
+
+    src = _stalling(s3, bucket, tmp_path / "c")
+    try:
+        ds = gpuload.ParquetDataset(src, COLUMNS, batch_size=256, cache_dir=tmp_path / "c", shuffle=False,
+                                    storage_options=s3.storage_options)
+        it = iter(ds)
+        threading.Timer(1.0, ds.close).start()
+        t0 = time.monotonic()
+        with pytest.raises(SourceError, match="the dataset was closed"):
+            next(it)
+        assert time.monotonic() - t0 < 20  # before: 60 s per request, then its retries
+        # an exception in the training step while later chunks' requests stall: the epoch ends at once
+        s3.faults = Faults(rate=1.0, kinds=("stall",), stall_s=120, only="part-1")
+        t1 = time.monotonic()
+        with pytest.raises(ZeroDivisionError):
+            for batch in ds:  # part-0's rows come first, part-1's are being fetched
+                assert batch["id"].max() < ROWS
+                1 / 0
+        assert time.monotonic() - t1 < 20
+        # and a new epoch works once the store answers again
+        s3.faults = Faults()
+        assert sum(len(b["id"]) for b in ds) == N_FILES * ROWS
+    finally:
+        s3.faults = Faults()
+
+
+_CTRL_C = """
+import json, sys, gpuload
+ds = gpuload.ParquetDataset(sys.argv[1], ["id", "f32"], batch_size=256, cache_dir=sys.argv[2],
+                            storage_options=json.loads(sys.argv[3]))
+print("iterating", flush=True)
+for batch in ds:
+    pass
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_stalled_remote_epoch_exits_at_once(s3, bucket, tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = _stalling(s3, bucket, tmp_path / "c")
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", _CTRL_C, src, str(tmp_path / "c"),
+                                 json.dumps(s3.storage_options)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "iterating"
+        time.sleep(2)  # its first chunks' requests are stalled now
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("the process still ran 30 s after Ctrl-C")
+        assert time.monotonic() - t0 < 20
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    finally:
+        s3.faults = Faults()
