@@ -98,6 +98,26 @@ def _check_int96(micros: pa.Table, seconds: pa.Table, where: str) -> None:
                               "columns=")
 
 
+def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, error: Exception,
+                fetch: Callable | None) -> SourceError:
+    """The error for a chunk that pyarrow cannot read: the columns that fail on their own named
+    (each read alone), with the advice to leave them out."""
+    bad = []
+    if len(stored) > 1:
+        for c in stored:
+            try:
+                src = fetch(f, chunk, list(f.leaves(c))) if f.remote else f.path
+                _read(src, f, chunk, list(f.leaves(c)))
+            except (OSError, pa.ArrowException, SourceError):
+                bad.append(c)
+    error = " ".join(str(error).split())  # one line: pyarrow's messages hold line breaks
+    if not bad or len(bad) == len(stored):
+        return SourceError(f"{where}: cannot be read ({error}); the file may be truncated or corrupt")
+    names = ", ".join(repr(c) for c in bad)
+    return SourceError(f"{where}: column{'s' if len(bad) > 1 else ''} {names} cannot be read ({error}); the file "
+                       f"may be corrupt there: rewrite it, or leave {names} out of columns= to load the rest")
+
+
 class ArrowDecoder:
     """CPU decoder: pyarrow reads the row groups, :func:`table_to_columns` converts.
 
@@ -135,7 +155,7 @@ class ArrowDecoder:
                 if m is not None and not f.remote:
                     src.close()
         except (OSError, pa.ArrowException) as e:
-            raise SourceError(f"{where}: cannot be read ({e}); the file may be truncated or corrupt") from None
+            raise _read_error(f, chunk, stored, where, e, self.fetch) from None
         _unchanged(f, during=True)
         if table.num_rows != chunk.rows:
             raise SourceError(f"{where}: read {table.num_rows} rows where the footer promises {chunk.rows}")
@@ -199,9 +219,9 @@ class GpuDecoder:
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
                                       "pass decode='cpu'") from None
-                except (OSError, RuntimeError, ValueError) as e:
-                    raise SourceError(f"{where}: cannot be read on the GPU ({type(e).__name__}: {e}); the file "
-                                      "may be truncated or corrupt, or pass decode='cpu'") from None
+                except (OSError, RuntimeError, ValueError) as e:  # pyarrow reads it, or names the failing column
+                    raise Unsupported(f"{where}: libcudf cannot read it ({type(e).__name__}: "
+                                      f"{' '.join(str(e).split())})") from None
                 finally:
                     if staged is not None:
                         os.unlink(staged)

@@ -69,3 +69,18 @@ def test_int96_beyond_int64_microseconds_is_refused_naming_the_column(tmp_path):
                                                   r"cannot represent \(1 values"):
         list(_ds(p, tmp_path, ["id", "ts"]))
     assert _all(_ds(p, tmp_path, ["id"]), "id") == [1, 2]  # the rest of the file is fine
+
+
+def test_a_column_that_cannot_be_decoded_is_named_with_what_to_do(tmp_path):
+    rng = np.random.default_rng(0)
+    t = pa.table({"a": np.arange(20_000, dtype=np.int64), "b": rng.random(20_000), "c": rng.random(20_000)})
+    p = write_parquet(tmp_path / "x.parquet", t, compression="snappy", use_dictionary=False)
+    col = pq.read_metadata(p).row_group(0).column(1)
+    raw = bytearray(p.read_bytes())
+    raw[col.data_page_offset:col.data_page_offset + 8] = b"\xff" * 8  # b's page header damaged
+    p.write_bytes(bytes(raw))
+    with pytest.raises(gpuload.SourceError, match=r"column 'b' cannot be read \(.*\); the file may be corrupt there: "
+                                                  r"rewrite it, or leave 'b' out of columns= to load the rest"):
+        list(_ds(p, tmp_path, ["a", "b", "c"], batch_size=5000))
+    got = _all(_ds(p, tmp_path, ["a", "c"], batch_size=5000), "a")  # and the rest loads
+    assert got == list(range(20_000))
