@@ -58,6 +58,8 @@ class Stats:
     gpu_percent : mean GPU utilisation, 0 to 100; gpu_memory_bytes: most GPU memory used.
         The four are None without samples; util_samples: their number.
     remote : requests to a remote source's store (:class:`gpuload.RemoteStats`), or None.
+    events_not_kept : events counted here but no longer kept for the trace (a run longer than
+        the Metrics' ``max_events``; the trace marks where they were left out).
     """
 
     wall_s: float
@@ -82,6 +84,7 @@ class Stats:
     gpu_memory_bytes: int | None = None
     util_samples: int = 0
     remote: object = None  # a gpuload.RemoteStats: requests to a remote source's store
+    events_not_kept: int = 0
 
     @property
     def rows_per_s(self) -> float:
