@@ -62,7 +62,18 @@ class SchemaError(GpuloadError):
 
 
 class NullValuesError(GpuloadError):
-    """A selected column holds nulls and no ``fill_nulls`` value was given for it."""
+    """Selected columns hold nulls and no ``fill_nulls`` value was given for them.
+
+    ``columns``: ``{column: nulls found}`` for every such column found (all of them at
+    open; those of one chunk when found while converting).
+    """
+
+    def __init__(self, message: str = "", columns: dict | None = None):
+        super().__init__(message)
+        self.columns = dict(columns or {})
+
+    def __reduce__(self):  # keeps ``columns`` through pickling (errors raised on Dask workers)
+        return type(self), (self.args[0] if self.args else "", self.columns)
 
 
 class CacheError(GpuloadError):

@@ -248,3 +248,21 @@ def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data, tmp_path, flag
     assert sum(len(b["label"]) for b in ds) == 20_000
     assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache == len(ds.reader.chunks)
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
+
+
+def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_them(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"a": pa.array([1.0, None]), "ok": pa.array([1, 2]), "b": pa.array([None, 2]),
+                             "c": pa.array([[1], None], pa.list_(pa.int64()))}), tmp_path / "n.parquet")
+    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
+    lines = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "3 columns" in lines[0]
+    fix = """--fill-nulls '{"a": 0, "b": 0, "c": 0}'"""
+    assert fix in lines[0] and "fill_nulls=" not in lines[0]
+    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"), "--fill-nulls",
+            json.dumps({"a": 0, "b": 0, "c": 0}))
+    assert r.returncode == 0, r.stderr
