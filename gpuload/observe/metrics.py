@@ -144,7 +144,7 @@ class Metrics:
             self._names, self._consumers = {}, []  # {ident: thread name}, consumer idents
             self._stage = [[0.0, 0, 0, 0, set()] for _ in STAGES]  # seconds, calls, nbytes, rows, threads
             self._c = dict(batches=0, rows=0, bytes=0, wait=0.0, wait_max=0.0, waits=0, step=0.0, steps=0,
-                           step_max=0.0, wall=0.0, passes=0)
+                           step_max=0.0, wall=0.0, passes=0, first_wait=0.0)
             self._pass_start = self._last_end = None  # open pass: start, end of its last batch's next()
             self._q = [0, 0, None, 0]  # depth sum, samples, min, zeros
             self._u = [[0.0, 0] for _ in range(3)]  # cpu, system cpu, gpu: (sum, samples)
@@ -231,6 +231,7 @@ class Metrics:
             if self._pass_start is None:
                 self._pass_start = t0
                 c["passes"] += 1
+                c["first_wait"] += t1 - t0
             elif self._last_end is not None:
                 step = t0 - self._last_end
                 c["step"], c["steps"], c["step_max"] = c["step"] + step, c["steps"] + 1, max(c["step_max"], step)
@@ -284,6 +285,7 @@ class Metrics:
         return Stats(wall_s=wall, batches=c["batches"], rows=c["rows"], bytes=c["bytes"], wait_s=c["wait"],
                      starvation=min(1.0, c["wait"] / wall) if wall > 0 else 0.0, passes=c["passes"],
                      wait_mean_s=c["wait"] / c["waits"] if c["waits"] else 0.0, wait_max_s=c["wait_max"],
+                     first_wait_s=c["first_wait"],
                      step_mean_s=c["step"] / c["steps"] if c["steps"] else 0.0, step_max_s=c["step_max"],
                      stages=stages, queue_mean=qsum / qn if qn else None, queue_min=qmin,
                      queue_empty=qzero / qn if qn else None, queue_samples=qn, cpu_percent=u[0],
