@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged
-from .errors import ConfigError, NullValuesError, setting
+from .errors import ConfigError, NullValuesError, flag, setting
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
@@ -152,7 +152,7 @@ def cast_values(values, dtype: str, column: str, where: str):
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
-                              f"choose a wider dtype in dtypes= (or none)")
+                              f"choose a wider dtype in {flag('dtypes')} (or none)")
     return out
 
 

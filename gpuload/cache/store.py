@@ -46,7 +46,7 @@ from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
     pwrite_all, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
-from ..errors import CacheError, CorruptCacheError
+from ..errors import CacheError, CorruptCacheError, flag
 
 __all__ = ["ChunkKey", "ChunkCache", "default_cache_dir", "read_chunk", "write_chunk"]
 
@@ -175,10 +175,10 @@ class ChunkCache:
             except FileExistsError:  # something that is not a folder
                 what = "is not a folder"
             except OSError as e:
-                raise CacheError(f"cache_dir {given}: cannot create it ({e}); pass another cache_dir "
-                                 "or set GPULOAD_CACHE_DIR") from None
+                raise CacheError(f"cache folder {given}: cannot create it ({e.strerror or e}); pass another "
+                                 f"{flag('cache_dir').rstrip('=')} or set $GPULOAD_CACHE_DIR") from None
             if what is not None:
-                raise CacheError(f"cache folder {given} {what}; check --cache-dir / cache_dir= "
+                raise CacheError(f"cache folder {given} {what}; check {flag('cache_dir').rstrip('=')} "
                                  "(or $GPULOAD_CACHE_DIR)")
         self.root = CacheRoot(given)
         self.metrics = metrics
