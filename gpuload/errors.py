@@ -46,9 +46,19 @@ def set_style(style: str) -> None:
     _style = style
 
 
+def _in_unit(nbytes, unit: int) -> str:
+    """``nbytes`` in ``unit``, as the shortest number that gives these bytes back (the command
+    turns ``--max-gib 0.0001`` into ``int(0.0001 * 2**30)`` bytes: say ``0.0001`` again)."""
+    for digits in range(1, 18):
+        text = f"{nbytes / unit:.{digits}g}"
+        if int(float(text) * unit) == nbytes:
+            return text
+    return f"{nbytes / unit:g}"
+
+
 def _cli_value(name: str, value):
     if name in _UNITS and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"{value / _UNITS[name]:g}"
+        return _in_unit(value, _UNITS[name])
     if isinstance(value, (dict, list)):
         return f"'{json.dumps(value)}'"
     return value

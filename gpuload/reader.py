@@ -153,17 +153,23 @@ class ChunkReader:
             cols = self.ctx.upload(cols)
         return cols
 
-    def build(self, i: int) -> bool:
+    def build(self, i: int, check: bool = False) -> bool:
         """Make sure chunk ``i`` is in the cache, decoding it if it is not; True if this call
-        decoded it (a chunk cached already, or by another process meanwhile, is not read).
+        decoded it. A chunk cached already is not read (``check=True``: it is read and
+        verified, and rebuilt if corrupt); one cached by another process meanwhile is not
+        decoded. What became of the file is in ``cache.outcomes`` when that is on.
 
         On the GPU path, call it inside ``ctx.active()``.
         """
-        if self.is_cached(i):
-            self.counters.add(True)
-            return False
-        _, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=False)
+        c = self.chunks[i]
+        if not check and self.is_cached(i):
+            self.cache.note(self.key(i), "cached")
+            cached = True
+        else:
+            _, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=False)
         self.counters.add(cached)
+        if cached and self.files[c.file].remote:  # a fetch started ahead is not needed
+            self._drop_ahead((c.file, c.rg_start, c.rg_stop))
         return not cached
 
     def _convert(self, i: int) -> dict:
