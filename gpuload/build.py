@@ -95,11 +95,12 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
     i, e = failed[0]
     if isinstance(e, OSError):
         e = (e.errno, e.strerror or str(e), e.filename)
-    code, text, _ = e
+    code, text, path = e
+    path = path if path and not isinstance(failed[0][1], OSError) else path_of(i)  # a worker's: its own path
     cached = counts["built"] + counts["already_cached"] + counts["built_elsewhere"]
     name = errno.errorcode.get(code, "") if code else ""
     return CacheError(
-        f"cannot write cache files in {cache_dir}: {text}{f' ({name})' if name else ''}, at {path_of(i)}; "
+        f"cannot write cache files in {cache_dir}: {text}{f' ({name})' if name else ''}, at {path}; "
         f"{cached} of {chunks} chunks cached ({counts['built']} built, {counts['already_cached']} already there); "
         f"make the folder writable or free space on its disk, or pass another {flag('cache_dir')}")
 
