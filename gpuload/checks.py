@@ -82,7 +82,7 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
     fetch their columns twice): where their footers cannot tell, the first epoch's
     conversion raises the same :class:`NullValuesError`, naming the chunk.
     """
-    found, seen = [], set()
+    found, seen, scanned = [], set(), False
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
         for c, fill in zip(s.columns, s.fills):
@@ -106,11 +106,14 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 if unknown and f.remote:
                     continue  # not fetched twice: the first epoch's conversion raises the same error, naming the chunk
                 if unknown:
+                    scanned = True
                     n = _scan(f, c, unknown, lists)
                     if n:
                         nulls, where = nulls + n, where + [f.path]
             if nulls:
                 found.append((c, nulls, lists, _files_text(where)))
+    if scanned:  # what Arrow's allocator kept of the columns read goes back to the OS
+        pa.default_memory_pool().release_unused()
     if found:  # every such column at once: one run finds them all
         raise nulls_error(found)
 
