@@ -217,7 +217,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         converted and the packed arrays; 4 C with block shuffling), the cache writer's 2
         chunks, and for a remote source the read-ahead and requests in flight
         (``RemoteSettings.readahead_bytes + max_inflight_bytes``) plus ``num_threads + 1``
-        chunks' fetched ranges, and what :attr:`metrics` keeps for the trace (71 MB at most).
+        chunks' fetched ranges, and what :attr:`metrics` keeps for the trace (68 MB at most).
         Pooled buffers count up to 12.5% and 1 MiB over their size, and the pools never keep
         more than their terms; measured peaks were 51-84% of it (``benchmarks/bench_memory.py``,
         above the opened dataset's RSS). Independent of the dataset's size;

@@ -23,7 +23,7 @@ import numpy as np
 __all__ = ["EventLog", "BLOCK", "PENDING_EVENT_BYTES"]
 
 #: Events packed into one array at a time (fewer for small capacities).
-BLOCK = 4096
+BLOCK = 1024
 #: Upper estimate of the bytes of one event not packed yet (a tuple of up to six Python numbers).
 PENDING_EVENT_BYTES = 280
 

@@ -5,7 +5,7 @@ spans (:data:`STAGES`), each ``next()`` of the training thread, ready-queue dept
 CPU/GPU utilisation samples (:class:`gpuload.observe.sampling.UtilSampler`), as running sums
 under one lock, exact over any run, plus the events themselves for the trace, in bounded
 memory: up to ``max_events`` of each kind, the first half kept for good and the latest in
-a ring, packed in NumPy arrays (:mod:`gpuload.observe.events`; about 71 MB at most by
+a ring, packed in NumPy arrays (:mod:`gpuload.observe.events`; about 68 MB at most by
 default, whatever the run's length). :meth:`Metrics.stats` summarises them;
 :meth:`Metrics.write_trace` writes Chrome trace-event JSON for Perfetto, event by event.
 
@@ -115,7 +115,7 @@ class Metrics:
     nvtx : None (default: NVTX ranges when torch sees a CUDA device, unless
         ``$GPULOAD_NVTX=0``), True (also through the ``nvtx`` package), False (never).
     max_events : events of each kind (spans, waits, queue and utilisation samples) kept for
-        the trace (default 500,000: the first 250,000 and the latest 250,000 or so, about 71 MB
+        the trace (default 500,000: the first 250,000 and the latest 250,000 or so, about 68 MB
         at most in all, see :meth:`max_trace_nbytes`); every event counts in :meth:`stats`,
         kept or not, and the trace says how many were not kept.
     clock : returns the time in seconds, as a float (default ``time.perf_counter``; kept as
@@ -159,7 +159,7 @@ class Metrics:
     def max_trace_nbytes(self) -> int:
         """The most the events kept for the trace can take, in bytes: ``max_events`` of each
         kind at 41 (span), 41 (wait), 12 (queue sample) and 40 (utilisation sample) bytes, plus
-        up to 4,095 events of each kind not packed yet (about 280 bytes each)."""
+        up to 1,023 events of each kind not packed yet (about 280 bytes each)."""
         return sum(log.max_nbytes() for log in self._logs)
 
     @property
