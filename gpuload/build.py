@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import stat
 import time
 from collections import deque
@@ -12,7 +13,7 @@ from typing import Callable
 
 from .cluster import build_on_cluster
 from .config import Options
-from .errors import ConfigError
+from .errors import CacheError, ConfigError, flag, setting
 from .gpu.runtime import open_device
 from .handoff import resolve_device
 from .reader import ChunkReader
@@ -22,7 +23,16 @@ __all__ = ["build_cache", "CacheSummary"]
 
 @dataclass(frozen=True)
 class CacheSummary:
-    """What :func:`build_cache` did. Sizes in bytes, time in seconds."""
+    """What :func:`build_cache` did. Sizes in bytes, time in seconds.
+
+    Every chunk counts once: ``built`` (decoded and written by this build),
+    ``already_cached`` (in the cache when this build looked), ``built_elsewhere``
+    (written meanwhile by another build of the same cache, run at the same time), or
+    ``not_cached`` (decoded but not written: ``over_budget`` of them did not fit
+    ``max_cache_bytes``; ``held`` of them were locked by another process for over a minute).
+    A chunk that could not be written for another reason fails the build
+    (:class:`~gpuload.CacheError` naming the reason), so it is never in a summary.
+    """
 
     cache_dir: str
     files: int
@@ -34,14 +44,65 @@ class CacheSummary:
     cached_bytes: int
     seconds: float
     outputs: tuple[str, ...]
+    built_elsewhere: int = 0
+    over_budget: int = 0
+    held: int = 0
+    max_cache_bytes: int | None = None
 
     def __str__(self) -> str:
         gib = self.cached_bytes / 2**30
+        elsewhere = f", {self.built_elsewhere} built meanwhile by another build" if self.built_elsewhere else ""
         text = (f"{self.chunks} chunks of {self.rows:,} rows from {self.files} files: {self.built} built, "
-                f"{self.already_cached} already cached; {gib:.2f} GiB in {self.cache_dir} ({self.seconds:.1f} s)")
-        if self.not_cached:
-            text += f"; {self.not_cached} chunks did not fit max_cache_bytes and will be read from Parquet"
+                f"{self.already_cached} already cached{elsewhere}; {gib:.2f} GiB in {self.cache_dir} "
+                f"({self.seconds:.1f} s)")
+        if self.over_budget:
+            text += (f"; {self.over_budget} chunks did not fit {setting('max_cache_bytes', self.max_cache_bytes)} "
+                     "and will be read from Parquet")
+        if self.held:
+            text += (f"; {self.held} chunks were locked by another process for over a minute and are not cached "
+                     "(build again once it is done)")
         return text
+
+
+_UNSET = object()
+
+
+def _tally(outcomes: list, at_open) -> tuple[dict, list]:
+    """Counts of what became of each chunk, and the failures: ``outcomes`` holds
+    ``(chunk, outcome)``, outcome as :attr:`gpuload.cache.store.ChunkCache.outcomes` says it
+    (an ``OSError`` or its ``(errno, text, path)``), plus ``"ours"`` for a chunk this build wrote
+    before a worker was lost; ``at_open(chunk)``: it was cached when this build looked first."""
+    n = dict(built=0, already_cached=0, built_elsewhere=0, over_budget=0, held=0)
+    failed = []
+    for i, outcome in outcomes:
+        if outcome in ("written", "ours"):
+            n["built"] += 1
+        elif outcome == "cached" and at_open(i):
+            n["already_cached"] += 1
+        elif outcome in ("cached", "other"):
+            n["built_elsewhere"] += 1
+        elif outcome == "budget":
+            n["over_budget"] += 1
+        elif outcome == "held":
+            n["held"] += 1
+        else:
+            failed.append((i, outcome))
+    return n, failed
+
+
+def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of) -> CacheError:
+    """The error of a build whose chunk files could not be written: the first reason, where."""
+    i, e = failed[0]
+    if isinstance(e, OSError):
+        e = (e.errno, e.strerror or str(e), e.filename)
+    code, text, path = e
+    path = path if path and not isinstance(failed[0][1], OSError) else path_of(i)  # a worker's: its own path
+    cached = counts["built"] + counts["already_cached"] + counts["built_elsewhere"]
+    name = errno.errorcode.get(code, "") if code else ""
+    return CacheError(
+        f"cannot write cache files in {cache_dir}: {text}{f' ({name})' if name else ''}, at {path}; "
+        f"{cached} of {chunks} chunks cached ({counts['built']} built, {counts['already_cached']} already there); "
+        f"make the folder writable or free space on its disk, or pass another {flag('cache_dir')}")
 
 
 def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
@@ -102,59 +163,74 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
 
 
 def _build(reader: ChunkReader, opts: Options, ctx, progress, client, nodes, seed: int, spec: dict) -> CacheSummary:
-    """build_cache's work on an opened reader: on ``client``'s workers, else on threads here."""
+    """build_cache's work on an opened reader: on ``client``'s workers, else on threads here.
+    Raises :class:`CacheError` when chunk files could not be written (the reason, where)."""
     enter = contextlib.nullcontext if ctx is None else ctx.active
     cache_dir = spec["options"]["cache_dir"]
     t0 = time.perf_counter()
-    already = len(reader.cached_at_open)
+    n = len(reader.chunks)
+    at_open = set(reader.cached_at_open)
+    shared = client is None or (cache_dir is not None and nodes is None)  # one cache, seen from here too
+    where = str(opts.cache_dir) if shared else "each worker's $GPULOAD_CACHE_DIR"
+    todo = [i for i in range(n) if i not in at_open]
+    if todo and shared:  # a cache this build cannot write fails now, not after decoding everything
+        try:
+            reader.cache.probe(reader.key(todo[0]))
+        except OSError as e:
+            reader.close()
+            raise _unwritable(where, [(todo[0], e)], dict(built=0, already_cached=len(at_open), built_elsewhere=0),
+                              n, lambda i: reader.cache.path(reader.key(i))) from None
     if client is not None:
         started = time.time()
         try:
             done = build_on_cluster(client, spec, reader, progress, nodes=nodes, seed=seed)
         finally:
             reader.close()
+        mtimes = {i: mtime for i, _, _, mtime in done}
+        # node-local caches: as each worker found them (its file older than this build), not as seen from here
+        found = at_open.__contains__ if shared else (lambda i: mtimes[i] is not None and mtimes[i] < started)
+        outcomes = [(i, outcome) for i, outcome, _, _ in done]
         sizes = [size for _, _, size, _ in done if size is not None]
-        if cache_dir is not None and nodes is None:  # one cache, seen from here too: what was in it at the start
-            # (a task rerun after its worker died finds its own file, and would count it as found)
-            was = set(reader.cached_at_open)
-        else:  # node-local caches: as each worker found them, less files written since the build began
-            was = {i for i, decoded, _, mtime in done if not decoded and (mtime is None or mtime < started)}
-        return CacheSummary(
-            cache_dir=str(opts.cache_dir) if cache_dir is not None else "each worker's $GPULOAD_CACHE_DIR",
-            files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
-            built=sum(1 for i, _, size, _ in done if i not in was and size is not None), already_cached=len(was),
-            not_cached=len(done) - len(sizes), cached_bytes=sum(sizes), seconds=time.perf_counter() - t0,
-            outputs=tuple(s.name for s in reader.specs))
+    else:
+        reader.cache.outcomes = {}
 
-    def one(i: int) -> None:
-        with enter():
-            reader.load(i)
-        if progress is not None:
-            progress(reader.chunks[i].rows)
+        def one(i: int) -> None:
+            with enter():
+                reader.build(i, check=True)  # cached files are read and verified; corrupt ones rebuilt
+            if progress is not None:
+                progress(reader.chunks[i].rows)
 
-    try:
-        with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
-            futures: deque = deque()
-            n, submitted, warmed = len(reader.chunks), 0, 0
-            while submitted < n or futures:
-                while submitted < n and len(futures) < 2 * opts.num_threads:
-                    futures.append(pool.submit(one, submitted))
-                    submitted += 1
-                warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
-                while reader.has_remote and warmed < n and reader.warm(warmed):
-                    warmed += 1
-                futures.popleft().result()
-    finally:
-        reader.close()
-    reader.cache.flush()
-    present = []
-    for k in (reader.key(i) for i in range(len(reader.chunks))):
-        with contextlib.suppress(OSError):  # a folder gpuload cannot read, or a link: not cached
-            st = reader.cache.root.lstat(k.parts, k.name)
-            if st is not None and stat.S_ISREG(st.st_mode):
-                present.append(st)
+        try:
+            with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
+                futures: deque = deque()
+                submitted, warmed = 0, 0
+                while submitted < n or futures:
+                    while submitted < n and len(futures) < 2 * opts.num_threads:
+                        futures.append(pool.submit(one, submitted))
+                        submitted += 1
+                    warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
+                    while reader.has_remote and warmed < n and reader.warm(warmed):
+                        warmed += 1
+                    futures.popleft().result()
+        finally:
+            reader.close()
+        reader.cache.flush()
+        recorded = reader.cache.outcomes
+        outcomes = [(i, recorded.get(reader.key(i).relpath(), "cached")) for i in range(n)]
+        found = at_open.__contains__
+        sizes = []
+        for i, outcome in outcomes:
+            k = reader.key(i)
+            with contextlib.suppress(OSError):  # a folder gpuload cannot read, or a link: not cached
+                st = reader.cache.root.lstat(k.parts, k.name)
+                if st is not None and stat.S_ISREG(st.st_mode) and outcome in ("written", "cached", "other"):
+                    sizes.append(st.st_size)
+    counts, failed = _tally(outcomes, found)
+    if failed:
+        raise _unwritable(where, failed, counts, n, lambda i: reader.cache.path(reader.key(i)) if shared
+                          else f"chunk {i} on a worker")
     return CacheSummary(
-        cache_dir=str(opts.cache_dir), files=len(reader.files), rows=reader.num_rows, chunks=len(reader.chunks),
-        built=reader.counters.decoded - (len(reader.chunks) - len(present)), already_cached=already,
-        not_cached=len(reader.chunks) - len(present), cached_bytes=sum(st.st_size for st in present),
-        seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs))
+        cache_dir=where, files=len(reader.files), rows=reader.num_rows, chunks=n,
+        not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
+        cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs),
+        max_cache_bytes=opts.max_cache_bytes, **counts)

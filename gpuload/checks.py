@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .convert import cast_values
-from .errors import NullValuesError, SchemaError, SourceError, setting
+from .convert import cast_values, nulls_error
+from .errors import SchemaError, SourceError, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
 from .sources.listing import SourceFile
 
@@ -52,16 +52,10 @@ def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -
                                       "rewrite the files with one type for it")
 
 
-def _null_message(column: str, nulls: int, lists: bool, where: list[str]) -> NullValuesError:
-    files = ", ".join(dict.fromkeys(where))
-    if lists:
-        return NullValuesError(
-            f"column {column!r} has {nulls} null lists or null list elements (in {files}); pass "
-            f"{setting('fill_nulls', {column: 0})} to make null lists empty and null elements 0 "
-            "(fixed-size lists: rows of the fill value), or another fill value")
-    return NullValuesError(f"column {column!r} has {nulls} null values (in {files}); pass "
-                           f"{setting('fill_nulls', {column: 0})} (or another value, or one number for every "
-                           "column) to replace them")
+def _files_text(where: list[str], shown: int = 3) -> str:
+    files = list(dict.fromkeys(where))
+    more = f" and {len(files) - shown} more files" if len(files) > shown else ""
+    return f"(in {', '.join(files[:shown])}{more})"
 
 
 def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
@@ -80,18 +74,21 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
 
 def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 cached: Callable[[int, int], bool] = lambda f, g: False) -> None:
-    """Raise :class:`NullValuesError` for a column without a fill value that holds nulls.
+    """Raise :class:`NullValuesError` naming every column without a fill value that holds
+    nulls, with the one ``fill_nulls`` that covers them all.
 
     ``cached(file index, row group)`` says whether a row group's chunk is cached: such
     row groups are not read. Remote objects' row groups are not read either (that would
     fetch their columns twice): where their footers cannot tell, the first epoch's
     conversion raises the same :class:`NullValuesError`, naming the chunk.
     """
+    found, seen, scanned = [], set(), False
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
         for c, fill in zip(s.columns, s.fills):
-            if fill is not None:
+            if fill is not None or c in seen:
                 continue
+            seen.add(c)
             nulls, where = 0, []
             for i, f in enumerate(files):
                 if c in f.partition_names:
@@ -109,11 +106,16 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 if unknown and f.remote:
                     continue  # not fetched twice: the first epoch's conversion raises the same error, naming the chunk
                 if unknown:
+                    scanned = True
                     n = _scan(f, c, unknown, lists)
                     if n:
                         nulls, where = nulls + n, where + [f.path]
             if nulls:
-                raise _null_message(c, nulls, lists, where)
+                found.append((c, nulls, lists, _files_text(where)))
+    if scanned:  # what Arrow's allocator kept of the columns read goes back to the OS
+        pa.default_memory_pool().release_unused()
+    if found:  # every such column at once: one run finds them all
+        raise nulls_error(found)
 
 
 def _bounds(st, vt, src: np.dtype) -> np.ndarray | None:

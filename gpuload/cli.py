@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .cache.store import ChunkCache, default_cache_dir
-from .errors import ConfigError, GpuloadError, set_style
+from .errors import ConfigError, GpuloadError, as_flags, set_style
 
 __all__ = ["main"]
 
@@ -126,11 +126,10 @@ def cmd_profile(args) -> int:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
     kwargs = dict(batch_size=args.batch_size, device=args.device, num_threads=args.threads, prefetch=args.prefetch,
                   fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
-                  storage_options=_storage(args.storage_options))
-    _finite("--chunk-mib", args.chunk_mib, strict=True)
-    kwargs["chunk_bytes"] = int(args.chunk_mib * 2**20)
+                  storage_options=_storage(args.storage_options), chunk_bytes=_chunk_bytes(args))
     if args.cache_dir:
         kwargs["cache_dir"] = args.cache_dir
+    _check_options(kwargs)  # before anything is printed
     step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms if args.step_ms is not None else 5:g} ms step"
     print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {args.batch_size:,} rows",
           file=sys.stderr)
@@ -147,6 +146,24 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _chunk_bytes(args) -> int:
+    """--chunk-mib in bytes, refused (as typed) below the smallest chunk a cache holds."""
+    _finite("--chunk-mib", args.chunk_mib, strict=True)
+    if args.chunk_mib * 2**20 < 4096:
+        raise ConfigError(f"--chunk-mib {args.chunk_mib:g}: a chunk is at least 4096 bytes (--chunk-mib 0.00390625)")
+    return int(args.chunk_mib * 2**20)
+
+
+def _check_options(kwargs: dict) -> None:
+    """Refuse bad loader settings (as flags) before a command prints or opens anything."""
+    from .config import Options
+    from .handoff import resolve_device
+
+    Options(**{k: v for k, v in kwargs.items() if k in ("batch_size", "num_threads", "prefetch", "chunk_bytes",
+                                                          "device", "cache_dir", "layout", "block_rows")})
+    resolve_device(kwargs.get("device", "auto"))
+
+
 def _finite(flag: str, value: float | None, minimum: float = 0.0, strict: bool = False) -> None:
     """Refuse NaN, infinities and values below ``minimum`` for a numeric flag."""
     if value is not None and (not math.isfinite(value) or value < minimum or (strict and value == minimum)):
@@ -156,8 +173,10 @@ def _finite(flag: str, value: float | None, minimum: float = 0.0, strict: bool =
 def cmd_build(args) -> int:
     from .build import build_cache
 
-    _finite("--chunk-mib", args.chunk_mib, strict=True)
+    chunk_bytes = _chunk_bytes(args)
     _finite("--max-gib", args.max_gib)
+    _check_options(dict(num_threads=args.threads, chunk_bytes=chunk_bytes, device=args.device,
+                        cache_dir=args.cache_dir, layout=args.layout, block_rows=args.block_rows))
 
     if args.nodes is not None and args.scheduler is None:
         raise ConfigError("--nodes says on which node (host) each chunk is built: give --scheduler too (a local "
@@ -172,13 +191,13 @@ def cmd_build(args) -> int:
         try:
             summary = build_cache(args.source, cache_dir=args.cache_dir, columns=_columns(args.columns),
                                   fill_nulls=_fill(args.fill_nulls), dtypes=_dtypes(args.dtypes),
-                                  chunk_bytes=int(args.chunk_mib * 2**20),
+                                  chunk_bytes=chunk_bytes,
                                   num_threads=args.threads,
                                   max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
                                   progress=progress, storage_options=_storage(args.storage_options),
                                   device=args.device, client=client, nodes=args.nodes, seed=args.seed,
-                                  layout=args.layout, shuffle="block" if args.block_rows else True,
-                                  block_rows=args.block_rows or 256)
+                                  layout=args.layout, shuffle="block" if args.block_rows is not None else True,
+                                  block_rows=256 if args.block_rows is None else args.block_rows)
         finally:
             bar.close()
     print(summary)
@@ -241,6 +260,7 @@ def _left_alone(foreign: list[str]) -> None:
 
 
 def cmd_info(args) -> int:
+    opts = _share_options(args) if args.source else None  # bad flags are refused before anything is printed
     cache = _cache(args)
     s = cache.summary()
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
@@ -264,20 +284,25 @@ def cmd_info(args) -> int:
         print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
               + "; ".join(s["foreign"][:5]))
     if args.source:
-        _node_shares(args)
+        _node_shares(args, opts)
     return 0
 
 
-def _node_shares(args) -> None:
-    """Per node share of a source (shard='node' with --nodes nodes): chunks owned, and cached here."""
+def _share_options(args):
+    """The Options `cache info SOURCE --nodes N` opens the source with."""
     from .config import Options
-    from .plan import node_chunks
-    from .reader import ChunkReader
 
     if args.nodes is None or args.nodes < 1:
         raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
-    opts = Options(cache_dir=args.cache_dir, chunk_bytes=int(args.chunk_mib * 2**20), device="cpu",
+    return Options(cache_dir=args.cache_dir, chunk_bytes=_chunk_bytes(args), device="cpu",
                    layout=args.layout, block_rows=args.block_rows)
+
+
+def _node_shares(args, opts) -> None:
+    """Per node share of a source (shard='node' with --nodes nodes): chunks owned, and cached here."""
+    from .plan import node_chunks
+    from .reader import ChunkReader
+
     reader = ChunkReader(args.source, opts, _columns(args.columns), _fill(args.fill_nulls), _dtypes(args.dtypes),
                          storage_options=_storage(args.storage_options))
     try:
@@ -443,8 +468,8 @@ def main(argv=None) -> int:
     set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
     try:
         return args.fn(args)
-    except GpuloadError as e:
-        print(f"gpuload: error: {e}", file=sys.stderr)
+    except GpuloadError as e:  # as flags, whatever module phrased it
+        print(f"gpuload: error: {as_flags(' '.join(str(e).split()))}", file=sys.stderr)
         return 2
     except OSError as e:  # the machine's, not gpuload's: one line, not a traceback
         print(f"gpuload: error: {e}", file=sys.stderr)

@@ -52,13 +52,16 @@ def _open_reader(token: str, spec: dict, fingerprint: int):
             if reader.fingerprint != fingerprint:
                 raise SourceError(f"{spec['source']}: a worker sees other files than build_cache listed (changed "
                                   "since, or another path on this worker); make the source the same everywhere")
+            reader.cache.outcomes = {}  # what became of each chunk file here, for the build's summary
             got = _readers[token] = (reader, ctx)  # closed by _forget when the build ends
     return got
 
 
-def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, bool, int | None, float | None]:
-    """On a worker: make sure chunk ``i`` is cached; (i, decoded here, cache file size and
-    modification time, or None)."""
+def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, object, int | None, float | None]:
+    """On a worker: make sure chunk ``i`` is cached; ``(i, outcome, cache file size, its
+    modification time)`` (None, None where it is not cached). ``outcome``: what became of the
+    file here (:attr:`gpuload.cache.store.ChunkCache.outcomes`), an ``OSError`` as
+    ``(errno, text, path)``."""
     import contextlib
 
     reader, ctx = _open_reader(token, spec, fingerprint)
@@ -66,7 +69,7 @@ def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, 
     where = f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
     try:
         with contextlib.nullcontext() if ctx is None else ctx.active():
-            decoded = reader.build(i)
+            reader.build(i)
         reader.cache.flush()  # on disk before the task reports it done
     except GpuloadError as e:
         e.args = (f"{where}: {e}",) + e.args[1:]
@@ -74,10 +77,13 @@ def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, 
     except Exception as e:
         raise CacheError(f"{where}: {type(e).__name__}: {e}") from e
     key = reader.key(i)
+    outcome = reader.cache.outcomes.pop(key.relpath(), "cached")
+    if isinstance(outcome, OSError):
+        outcome = (outcome.errno, outcome.strerror or str(outcome), str(reader.cache.path(key)))
     st = reader.cache.root.lstat(key.parts, key.name)
     if st is None or not stat.S_ISREG(st.st_mode):
-        return i, decoded, None, None
-    return i, decoded, st.st_size, st.st_mtime
+        return i, outcome, None, None
+    return i, outcome, st.st_size, st.st_mtime
 
 
 def _workers(client) -> dict:
@@ -120,12 +126,14 @@ def node_workers(client, nodes) -> list[list[str]]:
 
 
 def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None] | None = None, nodes=None,
-                     seed: int = 0) -> list[tuple[int, bool, int | None, float | None]]:
+                     seed: int = 0) -> list[tuple[int, object, int | None, float | None]]:
     """Build every chunk of ``reader`` (the caller's listing) on ``client``'s workers.
 
     ``spec`` holds the arguments to open the same dataset on a worker. Returns one
-    ``(chunk, decoded, cache file size, its mtime)`` per chunk (None, None where it is
-    not cached). See the module doc.
+    ``(chunk, outcome, cache file size, its mtime)`` per chunk (None, None where it is
+    not cached; outcome as :func:`build_chunk` says it). A chunk found cached by a task
+    that ran again because its worker was lost is ``"ours"``: the lost worker wrote it
+    (its task had run there). See the module doc.
     """
     from concurrent.futures import CancelledError
 
@@ -176,7 +184,24 @@ def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None]
         with lock:
             client.cancel(list(futures))
         client.run(_forget, token)
-    return sorted(results)
+    found = [r[0] for r in results if r[1] in ("cached", "other")]
+    rerun = _ran_on_lost_workers(client, {f"gpuload-build-{token}-{i}" for i in found}) if found else set()
+    return sorted((i, "ours" if f"gpuload-build-{token}-{i}" in rerun else outcome, size, mtime)
+                  for i, outcome, size, mtime in results)
+
+
+def _ran_on_lost_workers(client, keys: set) -> set:
+    """Which of ``keys`` were running, or done, on a worker the cluster lost (the scheduler's
+    ``remove-worker`` events): their first run may have written the file their rerun found."""
+    try:
+        events = client.get_events("all")
+    except Exception:  # an old scheduler without events: count such chunks as another build's
+        return set()
+    lost = set()
+    for _, msg in events:
+        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
+            lost.update(str(k) for k in (*msg.get("processing-tasks", ()), *msg.get("lost-computed-tasks", ())))
+    return keys & lost
 
 
 def _where(reader, i: int) -> str:

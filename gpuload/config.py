@@ -13,17 +13,21 @@ from typing import Any
 import numpy as np
 
 from .cache.store import default_cache_dir
-from .errors import ConfigError
+from .errors import ConfigError, setting, value
 
 __all__ = ["Options", "MiB"]
 
 MiB = 1 << 20
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-    return value
+def _positive_int(name: str, given: Any, minimum: int = 1) -> int:
+    """``given``, an integer of at least ``minimum``, else a :class:`ConfigError` naming the
+    setting as the user gave it (``num_threads=0`` in Python, ``--threads 0`` from the command)."""
+    if isinstance(given, bool) or not isinstance(given, int) or given < minimum:
+        raise ConfigError(f"{setting(name, given)} must be an integer >= {value(name, minimum)}"
+                          if isinstance(given, int) and not isinstance(given, bool) else
+                          f"{setting(name, given)} must be an integer")
+    return given
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ class Options:
         _positive_int("num_threads", self.num_threads)
         _positive_int("chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ConfigError(f"seed={self.seed!r} must be an integer")
+            raise ConfigError(f"{setting('seed', self.seed)} must be an integer")
         if self.verify_checksums not in (True, False, "always"):
             raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")
         if self.max_cache_bytes is not None:
@@ -79,7 +83,7 @@ class Options:
         if self.kvikio_compat not in ("auto", "on", "off"):
             raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
         if self.layout not in ("rows", "columns"):
-            raise ConfigError(f"layout={self.layout!r} must be 'rows' or 'columns'")
+            raise ConfigError(f"{setting('layout', self.layout)} must be 'rows' or 'columns'")
         if self.block_rows is not None:
             _positive_int("block_rows", self.block_rows)
             if not self.shuffle:

@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged
-from .errors import ConfigError, NullValuesError, setting
+from .errors import ConfigError, NullValuesError, flag, setting
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
 
-__all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error"]
+__all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
 
 _DAY_MS = 86_400_000
 
@@ -51,14 +51,44 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
 
 
 def null_error(column: str, count: int, where: str, lists: bool = False) -> NullValuesError:
-    """The error for ``count`` nulls in ``column`` with no fill value."""
-    fix = setting("fill_nulls", {column: 0})
-    if lists:
-        return NullValuesError(
-            f"column {column!r} has {count} null lists or null list elements in {where}; pass {fix} to make "
-            "null lists empty and null elements 0 (fixed-size lists: rows of the fill value), or another fill value")
-    return NullValuesError(f"column {column!r} has {count} null values in {where}; pass {fix} (or another value, "
-                           "or one number for every column) to replace them")
+    """The error for ``count`` nulls in ``column`` (in ``where``) with no fill value."""
+    return nulls_error([(column, count, lists, f"in {where}")])
+
+
+def nulls_error(found: Sequence[tuple[str, int, bool, str]]) -> NullValuesError:
+    """One error for every column that holds nulls and has no fill value, with the one
+    ``fill_nulls`` that covers them all. ``found``: ``(column, nulls, is a list column,
+    where: "in ...")`` per column, in the order to report them."""
+    fix = setting("fill_nulls", {c: 0 for c, *_ in found})
+    parts = [f"{c!r} has {n} {'null lists or null list elements' if lists else 'null values'} {where}"
+             for c, n, lists, where in found]
+    any_lists = any(lists for _, _, lists, _ in found)
+    if len(found) == 1:
+        text = f"column {parts[0]}; pass {fix}" + (
+            " to make null lists empty and null elements 0 (fixed-size lists: rows of the fill value), or another "
+            "fill value" if any_lists else " (or another value, or one number for every column) to replace them")
+    else:
+        text = (f"{len(found)} columns hold nulls and have no fill value: {'; '.join(parts)}; pass {fix} (or other "
+                "values, or one number for every column) to replace them")
+        if any_lists:
+            text += "; null lists become empty, null list elements the value (fixed-size lists: rows of it)"
+    return NullValuesError(text, columns={c: n for c, n, _, _ in found})
+
+
+def _null_counts(arrays: dict, specs: Sequence[OutputSpec]) -> list[tuple[str, int, bool]]:
+    """``(column, nulls, is a list)`` of every source column without a fill value that holds
+    nulls (for lists: null lists, and null elements of the other lists)."""
+    found: dict[str, tuple[str, int, bool]] = {}
+    for s in specs:
+        lists = s.kind in (RAGGED, FIXED)
+        for c, fill in zip(s.columns, s.fills):
+            if fill is not None or c in found:
+                continue
+            arr = arrays[c]
+            n = arr.null_count + (pc.list_flatten(arr).null_count if lists else 0)  # flatten skips null lists
+            if n:
+                found[c] = (c, n, lists)
+    return list(found.values())
 
 
 _QUIET_NAN = {2: 0x7E00, 4: 0x7FC00000, 8: 0x7FF8000000000000}  # NumPy's NaN per float size (no sign, no payload)
@@ -122,7 +152,7 @@ def cast_values(values, dtype: str, column: str, where: str):
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
-                              f"choose a wider dtype in dtypes= (or none)")
+                              f"choose a wider dtype in {flag('dtypes')} (or none)")
     return out
 
 
@@ -182,6 +212,9 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
         if pa.types.is_dictionary(col.type):
             col = col.cast(col.type.value_type)
         arrays[c] = col.combine_chunks()
+    nulls = _null_counts(arrays, specs)
+    if nulls:  # every column of the chunk at once, not one per run
+        raise nulls_error([(c, k, lists, f"in {where}" if where else "") for c, k, lists in nulls])
     for s in specs:
         if s.kind == RAGGED:
             cols[s.name] = _ragged(arrays[s.columns[0]], s, where)

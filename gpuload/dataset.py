@@ -204,6 +204,31 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return int((3 * o.shuffle_window + o.prefetch + 1) * chunk + decoding
                    + (o.prefetch + 4) * o.batch_size * (row + 16))
 
+    @property
+    def host_bytes_bound(self) -> int:
+        """Upper bound of the host memory the loader holds at once, in bytes (CPU path).
+
+        With C the largest chunk's converted bytes (``chunk_bytes`` at most): the window
+        being cut and the next one joined (2 x ``shuffle_window`` C), the next window's
+        chunks and those loaded ahead (``shuffle_window + prefetch + 1`` cache files of
+        about C; in file order, ``2 x prefetch + 6``, batches being views of them), the
+        batches queued, held and being cut (``prefetch + 6`` of ``batch_size`` rows), per
+        loader thread (``num_threads``) a chunk being decoded (3 C: the Arrow table, the
+        converted and the packed arrays; 4 C with block shuffling), the cache writer's 2
+        chunks, and for a remote source the read-ahead and requests in flight
+        (``RemoteSettings.readahead_bytes + max_inflight_bytes``) plus ``num_threads + 1``
+        chunks' fetched ranges, and what :attr:`metrics` keeps for the trace (68 MB at most).
+        Pooled buffers count up to 12.5% and 1 MiB over their size, and the pools never keep
+        more than their terms; measured peaks were 51-84% of it (``benchmarks/bench_memory.py``,
+        above the opened dataset's RSS). Independent of the dataset's size;
+        batches the training loop keeps, and the dataset's metadata (footers, the plan), are
+        not in it. Lower it with ``chunk_bytes``, ``shuffle_window``, ``prefetch``,
+        ``num_threads`` and, for remote sources, ``remote={"readahead_bytes": ...}``;
+        ``self.reader.host_budget()`` gives the terms. On a GPU, windows and batches live in
+        device memory (:attr:`device_bytes_bound`) and this bound is not tight.
+        """
+        return self.reader.host_budget().total
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows (call before each epoch).
 

@@ -12,6 +12,7 @@ from the ``gpuload`` command (which calls :func:`set_style`).
 from __future__ import annotations
 
 import json
+import re
 
 __all__ = [
     "GpuloadError",
@@ -23,11 +24,20 @@ __all__ = [
     "CorruptCacheError",
     "setting",
     "set_style",
+    "flag",
+    "as_flags",
 ]
 
 _style = "python"
+#: The ``gpuload`` command's flag for each setting it takes (``num_threads`` is ``--threads``).
 _FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtypes", "batch_size": "--batch-size",
-          "cache_dir": "--cache-dir", "device": "--device", "num_threads": "--threads", "prefetch": "--prefetch"}
+          "cache_dir": "--cache-dir", "device": "--device", "num_threads": "--threads", "prefetch": "--prefetch",
+          "chunk_bytes": "--chunk-mib", "max_cache_bytes": "--max-gib", "storage_options": "--storage-options",
+          "layout": "--layout", "block_rows": "--block-rows", "seed": "--seed", "nodes": "--nodes",
+          "step_ms": "--step-ms", "model": "--model", "epochs": "--epochs", "workers": "--workers",
+          "scheduler": "--scheduler"}
+#: Settings whose flag takes another unit than the Python argument: (divisor, flag's unit).
+_UNITS = {"chunk_bytes": 2**20, "max_cache_bytes": 2**30}
 
 
 def set_style(style: str) -> None:
@@ -36,13 +46,92 @@ def set_style(style: str) -> None:
     _style = style
 
 
+def _in_unit(nbytes, unit: int) -> str:
+    """``nbytes`` in ``unit``, as the shortest number that gives these bytes back (the command
+    turns ``--max-gib 0.0001`` into ``int(0.0001 * 2**30)`` bytes: say ``0.0001`` again)."""
+    for digits in range(1, 18):
+        text = f"{nbytes / unit:.{digits}g}"
+        if int(float(text) * unit) == nbytes:
+            return text
+    return f"{nbytes / unit:g}"
+
+
+def _cli_value(name: str, value):
+    if name in _UNITS and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _in_unit(value, _UNITS[name])
+    if isinstance(value, (dict, list)):
+        return f"'{json.dumps(value)}'"
+    return value
+
+
 def setting(name: str, value) -> str:
-    """How to pass ``value`` for setting ``name``, in the language the user is speaking."""
+    """How to pass ``value`` for setting ``name``, in the language the user is speaking:
+    ``num_threads=0`` in Python, ``--threads 0`` from the ``gpuload`` command (sizes in the
+    flag's unit: ``chunk_bytes=1048576`` is ``--chunk-mib 1``)."""
     if _style == "cli" and name in _FLAGS:
-        if isinstance(value, (dict, list)):
-            return f"{_FLAGS[name]} '{json.dumps(value)}'"
-        return f"{_FLAGS[name]} {value}"
+        return f"{_FLAGS[name]} {_cli_value(name, value)}"
     return f"{name}={value!r}"
+
+
+def value(name: str, value) -> str:
+    """``value`` of setting ``name`` alone, in the unit the user gives it (``--chunk-mib``: MiB)."""
+    return str(_cli_value(name, value)) if _style == "cli" and name in _FLAGS else repr(value)
+
+
+def flag(name: str) -> str:
+    """The setting ``name`` itself, without a value: ``--dtypes`` from the command, ``dtypes=`` in Python."""
+    return _FLAGS[name] if _style == "cli" and name in _FLAGS else f"{name}="
+
+
+_NAMED = re.compile(r"(?<![\w.$-])(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")=")
+
+
+def as_flags(message: str) -> str:
+    """``message`` with the settings it names as Python arguments (``fill_nulls={'a': 1}``,
+    ``dtypes=``) written as the command's flags (``--fill-nulls '{"a": 1}'``, ``--dtypes``):
+    the command's last resort for messages not made with :func:`setting`."""
+    out, pos = [], 0
+    for m in _NAMED.finditer(message):
+        if m.start() < pos:
+            continue
+        name, start = m.group(1), m.end()
+        literal, end = _literal(message, start)
+        out.append(message[pos:m.start()])
+        out.append(f"{_FLAGS[name]} {_cli_value(name, literal)}" if end > start else _FLAGS[name])
+        pos = end
+    return "".join(out) + message[pos:]
+
+
+def _literal(text: str, start: int):
+    """The Python literal (a number, string, dict or list) at ``text[start:]`` and where it ends;
+    ``(None, start)`` if there is none."""
+    import ast
+
+    if start >= len(text):
+        return None, start
+    opening = text[start]
+    if opening in "{[(":
+        closing, depth = {"{": "}", "[": "]", "(": ")"}[opening], 0
+        for i in range(start, len(text)):
+            depth += (text[i] == opening) - (text[i] == closing)
+            if depth == 0:
+                end = i + 1
+                break
+        else:
+            return None, start
+    elif opening in "'\"":
+        end = text.find(opening, start + 1) + 1
+        if end == 0:
+            return None, start
+    else:
+        m = re.match(r"-?[\w.]+", text[start:])
+        if m is None:
+            return None, start
+        end = start + m.end()
+    try:
+        return ast.literal_eval(text[start:end]), end
+    except (ValueError, SyntaxError):
+        return text[start:end], end if opening not in "{[('\"" else start
 
 
 class GpuloadError(Exception):
@@ -62,7 +151,18 @@ class SchemaError(GpuloadError):
 
 
 class NullValuesError(GpuloadError):
-    """A selected column holds nulls and no ``fill_nulls`` value was given for it."""
+    """Selected columns hold nulls and no ``fill_nulls`` value was given for them.
+
+    ``columns``: ``{column: nulls found}`` for every such column found (all of them at
+    open; those of one chunk when found while converting).
+    """
+
+    def __init__(self, message: str = "", columns: dict | None = None):
+        super().__init__(message)
+        self.columns = dict(columns or {})
+
+    def __reduce__(self):  # keeps ``columns`` through pickling (errors raised on Dask workers)
+        return type(self), (self.args[0] if self.args else "", self.columns)
 
 
 class CacheError(GpuloadError):

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .batch import Ragged
-from .errors import ConfigError, GpuloadError
+from .errors import ConfigError, GpuloadError, setting
 
 __all__ = ["resolve_device", "HostHandoff", "DlpackHandoff"]
 
@@ -44,15 +44,15 @@ def resolve_device(device) -> torch.device:
     try:
         dev = torch.device(text)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"device={device!r} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ConfigError(f"{setting('device', device)} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
     if dev.type == "cpu":
         return dev
     if dev.type != "cuda":
-        raise ConfigError(f"device={device!r}: gpuload loads to 'cpu' or 'cuda' devices only")
+        raise ConfigError(f"{setting('device', device)}: gpuload loads to 'cpu' or 'cuda' devices only")
     require_gpu(text, "cpu")  # names the first missing piece
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
-        raise GpuloadError(f"device={device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
+        raise GpuloadError(f"{setting('device', device)}: only {torch.cuda.device_count()} CUDA devices are visible")
     return torch.device("cuda", index)
 
 

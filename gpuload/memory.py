@@ -1,4 +1,7 @@
-"""Host buffers reused across chunks, so steady-state epochs do not fault in fresh pages.
+"""Host memory: buffers reused across chunks, and the bound of what the CPU path holds.
+
+:class:`HostPool`: host buffers reused across chunks, so steady-state epochs do not
+fault in fresh pages.
 
 Reading a 64 MiB chunk into a newly allocated buffer costs more in page faults than in
 copying (we measured 4-5 GB/s into fresh buffers against 14 GB/s into reused ones on
@@ -6,17 +9,25 @@ our CI machine). :class:`HostPool` hands out views of buffers it keeps, and take
 buffer back only once nothing refers to it any more: every view (and every
 ``torch.from_numpy`` tensor made from one) holds a reference to the buffer, so a
 buffer whose reference count is back to the pool's own is free. Batches a user keeps
-therefore stay valid; the pool simply allocates another buffer meanwhile.
+therefore stay valid; the pool simply allocates another buffer meanwhile. A pool keeps
+at most ``max_buffers`` buffers and ``max_bytes`` bytes: beyond them, it forgets free
+buffers (the OS gets their memory back) or hands out buffers it does not keep.
+
+:func:`host_budget`: what the CPU path can hold at once, term by term
+(:attr:`gpuload.ParquetDataset.host_bytes_bound` is its total); the pools of a
+:class:`gpuload.reader.ChunkReader` are capped at their terms, so what they keep for
+reuse never adds to it.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["HostPool"]
+__all__ = ["HostPool", "HostBudget", "host_budget"]
 
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
 
@@ -36,10 +47,13 @@ class HostPool:
     Parameters
     ----------
     max_buffers : buffers kept for reuse (default 16); beyond it, allocations are not kept.
+    max_bytes : bytes of the buffers kept (default None: no limit but ``max_buffers``); a
+        new buffer that would go beyond it first makes room by forgetting free buffers,
+        else is handed out without being kept.
     """
 
-    def __init__(self, max_buffers: int = 16):
-        self.max_buffers = max_buffers
+    def __init__(self, max_buffers: int = 16, max_bytes: int | None = None):
+        self.max_buffers, self.max_bytes = max_buffers, max_bytes
         self._bufs: list[np.ndarray] = []
         self._lock = threading.Lock()
         probe = [np.empty(1, np.uint8)]
@@ -62,14 +76,35 @@ class HostPool:
                     best = i
             if best >= 0:
                 return self._bufs[best][:nbytes]
-            buf = np.empty(_size_class(nbytes), np.uint8)
-            if len(self._bufs) >= self.max_buffers:  # make room by forgetting a free buffer
-                free = [i for i in range(len(self._bufs)) if self._refs(self._bufs, i) <= self._free_refs]
-                if not free:
-                    return buf[:nbytes]
-                del self._bufs[min(free, key=lambda i: self._bufs[i].nbytes)]
+            size = _size_class(nbytes)
+            if not self._make_room(size):
+                return np.empty(nbytes, np.uint8)  # not kept: freed with its last user
+            buf = np.empty(size, np.uint8)
             self._bufs.append(buf)
             return buf[:nbytes]
+
+    def _make_room(self, size: int) -> bool:
+        """Forget free buffers until one more of ``size`` bytes fits both limits (smallest
+        first for the count, largest first for the bytes); False if it cannot fit."""
+        free = [i for i in range(len(self._bufs)) if self._refs(self._bufs, i) <= self._free_refs]
+        drop = set()
+        held = sum(b.nbytes for b in self._bufs)
+        if self.max_bytes is not None and size > self.max_bytes:
+            return False
+        for i in sorted(free, key=lambda i: -self._bufs[i].nbytes):
+            if self.max_bytes is None or held + size <= self.max_bytes:
+                break
+            drop.add(i)
+            held -= self._bufs[i].nbytes
+        if self.max_bytes is not None and held + size > self.max_bytes:
+            return False
+        if len(self._bufs) - len(drop) >= self.max_buffers:
+            left = [i for i in free if i not in drop]
+            if not left:
+                return False
+            drop.add(min(left, key=lambda i: self._bufs[i].nbytes))
+        self._bufs = [b for i, b in enumerate(self._bufs) if i not in drop]
+        return True
 
     def array(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool."""
@@ -81,3 +116,65 @@ class HostPool:
     def held_bytes(self) -> int:
         """Bytes of the buffers the pool keeps (free or in use)."""
         return sum(b.nbytes for b in self._bufs)
+
+
+def _kept(nbytes: float) -> int:
+    """The most a pool buffer for ``nbytes`` bytes takes: its size class (12.5% and a MiB more at most)."""
+    return int(nbytes * 9 / 8) + (1 << 20)
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """What the CPU path can hold at once, in bytes, term by term (see :func:`host_budget`)."""
+
+    windows: int  #: joined shuffle windows: the one being cut and the next one (window pool)
+    chunks: int  #: chunks loaded and not joined yet: the next window's and those ahead (read pool)
+    batches: int  #: batches queued, held by the consumer, being cut or handed off (batch pool)
+    decode: int  #: per loader thread, a chunk being decoded: Arrow table, converted and packed arrays
+    writes: int  #: decoded chunks waiting for the cache writer
+    remote: int  #: remote sources: read-ahead, requests in flight, and the ranges being decoded
+    trace: int = 0  #: the events the dataset's Metrics keeps for its trace (Metrics.max_trace_nbytes)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: int, shuffle_window: int,
+                prefetch: int, num_threads: int, shuffle: bool = True, block: bool = False, remote=None,
+                pending_writes: int = 2, trace_bytes: int = 0) -> HostBudget:
+    """The host memory the CPU path of a dataset can hold at once, in bytes, by term.
+
+    Parameters
+    ----------
+    chunk_bytes : converted bytes of the largest chunk (``ChunkReader.max_chunk_bytes()``).
+    row_bytes : converted bytes of the widest row (a chunk's bytes over its rows, largest).
+    arrays : arrays stored per chunk (outputs, plus offsets of list outputs).
+    batch_size, shuffle_window, prefetch, num_threads, shuffle, block : the dataset's settings
+        (``block``: block shuffling, whose chunks are permuted once more when decoded).
+    remote : the :class:`gpuload.RemoteSettings` of a remote source, or None (local files).
+    pending_writes : chunks the cache writer may hold (``gpuload.cache.store._PENDING_WRITES``).
+    trace_bytes : the most the dataset's :class:`gpuload.Metrics` keeps for its trace.
+
+    Terms (C: ``chunk_bytes``; a chunk file is C plus its header and 4 KiB alignment; a
+    pooled buffer up to 12.5% and 1 MiB larger than asked): shuffled, 2 windows of
+    ``shuffle_window`` chunks and ``shuffle_window + prefetch + 1`` chunks not joined yet;
+    in file order, no windows but ``2 x prefetch + 6`` chunks (loaded ahead, and kept by the
+    batches that are views of them); ``prefetch + 6`` batches of ``batch_size`` rows; per
+    loader thread 3 C being decoded (4 with block shuffling); ``pending_writes`` C; and for a
+    remote source ``readahead_bytes + max_inflight_bytes`` plus ``num_threads + 1`` chunks'
+    fetched ranges (their compressed bytes, taken as at most C).
+    """
+    c = int(chunk_bytes)
+    file = _kept(c + 4096 * (arrays + 2) + (64 << 10))
+    batch = _kept(batch_size * row_bytes) + arrays * (1 << 20)
+    if shuffle:
+        windows = 2 * (_kept(shuffle_window * c) + arrays * (1 << 20))
+        chunks = (shuffle_window + prefetch + 1) * file
+    else:
+        windows, chunks = 0, (2 * prefetch + 6) * file
+    remote_bytes = 0 if remote is None else (remote.readahead_bytes + remote.max_inflight_bytes
+                                             + (num_threads + 1) * c)
+    return HostBudget(windows=windows, chunks=chunks, batches=(prefetch + 6) * batch,
+                      decode=num_threads * (4 if block else 3) * c, writes=pending_writes * c, remote=remote_bytes,
+                      trace=int(trace_bytes))

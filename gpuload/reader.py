@@ -25,7 +25,7 @@ from .decode import ArrowDecoder
 from .errors import SourceError
 from .sources.fetch import Fetcher, Job, RemoteSettings, RemoteStats
 from .sources.ranges import RangeFile, column_ranges
-from .memory import HostPool
+from .memory import HostBudget, HostPool, host_budget
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -110,9 +110,14 @@ class ChunkReader:
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         stored = len(self._outputs) + sum(1 for s in self.specs if s.kind == "ragged")  # arrays per chunk
-        self.pool = HostPool(max_buffers=4 * stored + 4)  # shuffle windows: 2 per stored array
+        self.arrays_per_chunk = stored
+        # each pool keeps at most its term of the host memory bound (gpuload.memory.host_budget)
+        budget = self.host_budget()
+        self.read_pool.max_bytes = budget.chunks
+        self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=budget.windows)  # shuffle windows: 2 per array
         # batches gathered or joined, and blocks unpacked: those queued, held by the consumer and being cut
-        self.batch_pool = HostPool(max_buffers=(opts.prefetch + 6) * (stored + len(self.layout.blocks)))
+        self.batch_pool = HostPool(max_buffers=(opts.prefetch + 6) * (stored + len(self.layout.blocks)),
+                                   max_bytes=budget.batches)
         cpu = decoder or ArrowDecoder(metrics, fetch=self.fetch)
         if ctx is not None and gpu_decode:
             from .decode import GpuDecoder
@@ -141,6 +146,17 @@ class ChunkReader:
         """Estimated converted bytes of the largest chunk."""
         return max((c.nbytes for c in self.chunks), default=0)
 
+    def host_budget(self) -> HostBudget:
+        """What the CPU path of this dataset can hold at once, term by term (see
+        :func:`gpuload.memory.host_budget`)."""
+        o = self.opts
+        row = max((c.nbytes / c.rows for c in self.chunks if c.rows), default=0.0)
+        return host_budget(self.max_chunk_bytes(), row, self.arrays_per_chunk, batch_size=o.batch_size,
+                           shuffle_window=o.shuffle_window, prefetch=o.prefetch, num_threads=o.num_threads,
+                           shuffle=o.shuffle, block=o.block_rows is not None,
+                           remote=self.remote if self.has_remote else None,
+                           trace_bytes=self.metrics.max_trace_nbytes() if self.metrics is not None else 0)
+
     def load(self, i: int) -> dict:
         """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows).
 
@@ -157,17 +173,23 @@ class ChunkReader:
             cols = self.ctx.upload(cols)
         return cols
 
-    def build(self, i: int) -> bool:
+    def build(self, i: int, check: bool = False) -> bool:
         """Make sure chunk ``i`` is in the cache, decoding it if it is not; True if this call
-        decoded it (a chunk cached already, or by another process meanwhile, is not read).
+        decoded it. A chunk cached already is not read (``check=True``: it is read and
+        verified, and rebuilt if corrupt); one cached by another process meanwhile is not
+        decoded. What became of the file is in ``cache.outcomes`` when that is on.
 
         On the GPU path, call it inside ``ctx.active()``.
         """
-        if self.is_cached(i):
-            self.counters.add(True)
-            return False
-        _, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=False)
+        c = self.chunks[i]
+        if not check and self.is_cached(i):
+            self.cache.note(self.key(i), "cached")
+            cached = True
+        else:
+            _, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=False)
         self.counters.add(cached)
+        if cached and self.files[c.file].remote:  # a fetch started ahead is not needed
+            self._drop_ahead((c.file, c.rg_start, c.rg_stop))
         return not cached
 
     def _convert(self, i: int) -> dict:

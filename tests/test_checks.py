@@ -144,3 +144,58 @@ def test_fitting_temporal_casts_are_not_refused(tmp_path):
                                 shuffle=False, dtypes={"s": "int32", "d": "int8", "t": "int32"})
     (b,) = list(ds)
     assert b["s"].tolist() == [0, 100_000] and b["d"].tolist() == [1, 2] and b["t"].tolist() == [1000, 50_000]
+
+
+def _five_null_columns(root):
+    """Five columns with nulls, found in five different ways: statistics of a scalar column,
+    a file without statistics, a list column (read once), a column in a group, a fixed-size
+    list; and a clean column."""
+    n = 200
+    ok = np.arange(n, dtype=np.int64)
+    with_null = pa.array([None] + list(range(1, n)), pa.int64())
+    write_parquet(root / "a.parquet", pa.table({
+        "id": ok, "s": with_null, "g1": ok, "g2": ok, "h": _lists(n), "fx": pa.array([[1, 2]] * n, pa.list_(pa.int8(), 2)),
+        "ns": ok}), row_group_size=50)
+    write_parquet(root / "b.parquet", pa.table({
+        "id": ok, "s": ok, "g1": ok, "g2": with_null, "h": _lists(n, null_at=7),
+        "fx": pa.array([[1, 2]] * (n - 1) + [None], pa.list_(pa.int8(), 2)), "ns": ok}), row_group_size=50)
+    write_parquet(root / "c.parquet", pa.table({
+        "id": ok, "s": ok, "g1": ok, "g2": ok, "h": _lists(n), "fx": pa.array([[1, 2]] * n, pa.list_(pa.int8(), 2)),
+        "ns": with_null}), row_group_size=50, write_statistics=False)
+    return {"id": "id", "s": "s", "g": ["g1", "g2"], "h": "h", "fx": "fx", "ns": "ns"}
+
+
+def test_every_column_with_nulls_is_reported_at_once(tmp_path):
+    """Five columns with nulls and no fill value: one error names them all, with the
+    fill_nulls that covers every one; passing it opens the dataset."""
+    columns = _five_null_columns(tmp_path / "d")
+    with pytest.raises(gpuload.NullValuesError) as info:
+        gpuload.ParquetDataset(tmp_path / "d", columns, cache_dir=tmp_path / "c", device="cpu")
+    msg = str(info.value)
+    fix = {"s": 0, "g2": 0, "h": 0, "fx": 0, "ns": 0}
+    assert f"fill_nulls={fix!r}" in msg and msg.count("fill_nulls=") == 1
+    for column, where in (("s", "a.parquet"), ("g2", "b.parquet"), ("h", "b.parquet"), ("fx", "b.parquet"),
+                          ("ns", "c.parquet")):
+        assert f"'{column}'" in msg and where in msg
+    assert "'id'" not in msg and "'g1'" not in msg and "5 columns" in msg
+    assert info.value.columns == {"s": 1, "g2": 1, "h": 1, "fx": 1, "ns": 1}
+    ds = gpuload.ParquetDataset(tmp_path / "d", columns, cache_dir=tmp_path / "c", device="cpu", fill_nulls=fix)
+    assert sum(len(b["id"]) for b in ds) == 600
+
+
+def test_conversion_reports_every_column_with_nulls_of_its_chunk():
+    """Where nulls are found only while converting (remote files without statistics), the
+    error names every column of the chunk that holds nulls, with one fill_nulls for all."""
+    from gpuload.convert import table_to_columns
+    from gpuload.schema import resolve_outputs
+
+    t = pa.table({"a": pa.array([1, None, 3]), "b": pa.array([1.0, 2.0, 3.0]), "c": pa.array([None, None, 1.0]),
+                  "l": pa.array([[1], None, [2, None]], pa.list_(pa.int64()))})
+    specs = resolve_outputs(t.schema, None, None, None, file="x")
+    with pytest.raises(gpuload.NullValuesError) as info:
+        table_to_columns(t, specs, "s3://b/x.parquet, row groups 0-0")
+    msg = str(info.value)
+    assert "fill_nulls={'a': 0, 'c': 0, 'l': 0}" in msg and msg.count("fill_nulls=") == 1
+    assert "'a' has 1 null values" in msg and "'c' has 2 null values" in msg and "'l' has 2 null lists" in msg
+    assert "s3://b/x.parquet, row groups 0-0" in msg and "'b'" not in msg
+    assert info.value.columns == {"a": 1, "c": 2, "l": 2}

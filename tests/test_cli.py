@@ -29,7 +29,7 @@ def run(*args):
     (["cache", "build", "DATA", "--columns", "dense_0,nope"], "'nope'"),
     (["cache", "build", "DATA", "--columns", "{bad json"], "--columns"),
     (["demo", "--rows", "10"], "--rows"),
-    (["demo", "--device", "cuda:0", "--rows", "2000"], "device="),
+    (["demo", "--device", "cuda:0", "--rows", "2000"], "--device cuda:0"),
     (["cache", "build", "DATA", "--storage-options", "[1]"], "--storage-options"),
     (["cache", "build", "DATA", "--nodes", "2"], "give --scheduler too"),
     (["cache", "build", "DATA", "--nodes", "2", "--workers", "2"], "give --scheduler too"),
@@ -248,3 +248,62 @@ def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data, tmp_path, flag
     assert sum(len(b["label"]) for b in ds) == 20_000
     assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache == len(ds.reader.chunks)
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
+
+
+def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_them(tmp_path):
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"a": pa.array([1.0, None]), "ok": pa.array([1, 2]), "b": pa.array([None, 2]),
+                             "c": pa.array([[1], None], pa.list_(pa.int64()))}), tmp_path / "n.parquet")
+    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
+    lines = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "3 columns" in lines[0]
+    fix = """--fill-nulls '{"a": 0, "b": 0, "c": 0}'"""
+    assert fix in lines[0] and "fill_nulls=" not in lines[0]
+    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"), "--fill-nulls",
+            json.dumps({"a": 0, "b": 0, "c": 0}))
+    assert r.returncode == 0, r.stderr
+
+
+PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "dtypes=", "fill_nulls=", "columns=",
+                "cache_dir", "block_rows", "prefetch=", "device=", "layout=", "storage_options")
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["cache", "build", "DATA", "--threads", "0"], "--threads 0"),
+    (["cache", "build", "DATA", "--chunk-mib", "0.001"], "--chunk-mib 0.001"),
+    (["cache", "build", "DATA", "--block-rows", "-4"], "--block-rows -4"),
+    (["cache", "build", "DATA", "--columns", "label,dense_0", "--dtypes", '{"dense_0": "int8"}'], "--dtypes"),
+    (["cache", "build", "DATA", "--columns", "label", "--fill-nulls", '{"label": 1.5}'], "--fill-nulls"),
+    (["cache", "build", "DATA", "--device", "tpu"], "--device tpu"),
+    (["cache", "build", "DATA", "--cache-dir", "FILE/cache"], "--cache-dir"),
+    (["profile", "DATA", "--threads", "0"], "--threads 0"),
+    (["profile", "DATA", "--batch-size", "0"], "--batch-size 0"),
+    (["profile", "DATA", "--prefetch", "-1"], "--prefetch -1"),
+    (["profile", "DATA", "--chunk-mib", "0.001"], "--chunk-mib 0.001"),
+    (["profile", "DATA", "--device", "cuda:0"], "--device cuda:0"),
+    (["cache", "info", "DATA", "--nodes", "2", "--block-rows", "0"], "--block-rows 0"),
+    (["demo", "--device", "cuda:0", "--rows", "2000"], "--device cuda:0"),
+])
+def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tmp_path, capsys):
+    """Through the real command: a non-zero exit, one line, the flag as the user typed it,
+    and nothing printed before the error (profile used to announce 'batches of 0 rows')."""
+    import torch
+
+    if "cuda:0" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (tmp_path / "FILE").write_text("not a folder")
+    args = [str(data) if a == "DATA" else str(tmp_path / a) if a.startswith("FILE") else a for a in args]
+    if args[0] in ("cache", "profile") and "--cache-dir" not in args:
+        args += ["--cache-dir", str(tmp_path / "c")]
+        (tmp_path / "c").mkdir()  # `cache info` needs one
+    capsys.readouterr()
+    rc = main(args)
+    out, err = capsys.readouterr()
+    assert rc != 0 and out == "", out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpuload: error:") and flag in lines[0], err
+    assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]

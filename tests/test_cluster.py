@@ -197,3 +197,26 @@ def test_progress_bar_counts_every_row(source, tmp_path, cluster, capsys):
     summary = gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK, client=cluster, progress=True)
     err = capsys.readouterr().err
     assert "building cache" in err and "75.0k/75.0k" in err and summary.built == summary.chunks
+
+
+def test_two_cluster_builds_at_once_count_what_each_did(source, tmp_path, cluster):
+    """Two cluster builds of one cache at the same time (they used to both report every
+    chunk as built): each chunk is built by one of them, and each says how many the other built."""
+    summaries, start = [None, None], threading.Barrier(2)
+
+    def build(k):
+        start.wait()
+        summaries[k] = gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK // 4, client=cluster)
+
+    threads = [threading.Thread(target=build, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = summaries
+    n = a.chunks
+    assert a.built + b.built == n and a.built_elsewhere == b.built and b.built_elsewhere == a.built
+    for s in (a, b):
+        assert s.already_cached == 0 and s.not_cached == 0
+        assert s.built + s.built_elsewhere == n, str(s)
+    assert ChunkCache(tmp_path / "c", create=False).verify_all() == []

@@ -1,8 +1,11 @@
-"""HostPool reuses a buffer only once nothing (array view or tensor) refers to it."""
+"""HostPool reuses a buffer only once nothing refers to it, within its caps; the host memory bound holds."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
 from gpuload.memory import HostPool, _size_class
@@ -51,3 +54,109 @@ def test_size_classes_round_up_by_at_most_an_eighth():
     address = a.__array_interface__["data"][0]
     del a
     assert pool.get(103 * mib).__array_interface__["data"][0] == address  # reused, not a new allocation
+
+
+def test_pool_keeps_at_most_max_bytes():
+    """A byte cap: free buffers are forgotten to make room, and what cannot fit is handed
+    out without being kept (freed with its last user)."""
+    pool = HostPool(max_buffers=16, max_bytes=10 * MiB)
+    a = pool.get(4 * MiB)
+    b = pool.get(4 * MiB)
+    assert pool.held_bytes == 8 * MiB
+    c = pool.get(4 * MiB)  # 12 MiB would go beyond the cap, and nothing is free: not kept
+    assert pool.held_bytes == 8 * MiB and c.base is None and c.nbytes == 4 * MiB  # its own memory
+    del a, b, c
+    d = pool.get(8 * MiB)  # two free 4 MiB buffers cannot serve it: they are forgotten to make room
+    assert pool.held_bytes == 8 * MiB and d.nbytes == 8 * MiB
+    e = pool.get(12 * MiB)  # larger than the cap itself
+    assert pool.held_bytes == 8 * MiB and e.nbytes == 12 * MiB
+    del d
+    assert pool.get(5 * MiB).ctypes.data == pool._bufs[0].ctypes.data  # the kept one is reused
+
+
+def test_host_budget_terms():
+    from gpuload.memory import host_budget
+
+    c, row = 16 * MiB, 200.0
+    b = host_budget(c, row, 5, batch_size=65536, shuffle_window=4, prefetch=2, num_threads=2)
+    assert b.windows >= 2 * 4 * c and b.chunks >= 7 * c and b.batches >= 8 * 65536 * row
+    assert b.decode == 2 * 3 * c and b.writes == 2 * c and b.remote == 0 and b.trace == 0
+    assert b.total == sum(vars(b).values())
+    flat = host_budget(c, row, 5, batch_size=65536, shuffle_window=4, prefetch=2, num_threads=2, shuffle=False)
+    assert flat.windows == 0 and flat.chunks >= 10 * c  # batches are views of the chunks they come from
+    import gpuload
+
+    remote = host_budget(c, row, 5, batch_size=65536, shuffle_window=4, prefetch=2, num_threads=2,
+                         remote=gpuload.RemoteSettings(readahead_bytes=100 * MiB, max_inflight_bytes=50 * MiB))
+    assert remote.remote == 150 * MiB + 3 * c
+
+
+def test_dataset_pools_are_capped_at_their_terms(tmp_path):
+    import gpuload
+    from gpuload.synth import clicklog_columns, write_clicklog
+
+    write_clicklog(tmp_path / "d", rows=50_000, files=2, row_group_rows=2048)
+    ds = gpuload.ParquetDataset(tmp_path / "d", clicklog_columns(), cache_dir=tmp_path / "c", device="cpu",
+                                chunk_bytes=MiB, batch_size=4096)
+    terms = ds.reader.host_budget()
+    assert ds.host_bytes_bound == terms.total > 0 and terms.trace == ds.metrics.max_trace_nbytes()
+    assert ds.reader.read_pool.max_bytes == terms.chunks and ds.reader.pool.max_bytes == terms.windows
+    assert ds.reader.batch_pool.max_bytes == terms.batches
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        assert sum(len(b["label"]) for b in ds) == 50_000
+        for pool, term in ((ds.reader.read_pool, terms.chunks), (ds.reader.pool, terms.windows),
+                           (ds.reader.batch_pool, terms.batches)):
+            assert pool.held_bytes <= term
+
+
+CHILD = r"""
+import json, sys, threading
+import psutil
+import numpy, pyarrow, torch
+import gpuload
+from gpuload.synth import clicklog_columns
+data, cache = sys.argv[1:3]
+proc = psutil.Process()
+base = proc.memory_info().rss
+peak = [base]
+stop = threading.Event()
+def sample():
+    while not stop.wait(0.002):
+        peak[0] = max(peak[0], proc.memory_info().rss)
+threading.Thread(target=sample, daemon=True).start()
+ds = gpuload.ParquetDataset(data, clicklog_columns(), cache_dir=cache, device="cpu", chunk_bytes=1 << 20,
+                            batch_size=8192, shuffle_window=4, prefetch=2, num_threads=2)
+opened = proc.memory_info().rss
+for epoch in range(3):  # the first decodes into the empty cache, the next read it
+    ds.set_epoch(epoch)
+    assert sum(len(b["label"]) for b in ds) == ds.num_rows
+    ds.reader.cache.flush()
+stop.set()
+hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"base": base, "opened": opened, "peak": max(peak[0], hwm), "bound": ds.host_bytes_bound,
+                  "trace": ds.metrics.trace_nbytes, "max_trace": ds.metrics.max_trace_nbytes()}))
+"""
+
+
+@pytest.mark.slow
+def test_peak_rss_stays_under_host_bytes_bound(tmp_path):
+    """A small-chunk dataset (1 MiB chunks, 8192-row batches) over a cold and two cached
+    epochs, in a fresh process: its RSS never rises above the opened dataset's by more than
+    host_bytes_bound (less the trace's share, which these few batches do not fill)."""
+    import json
+    import subprocess
+    import sys
+
+    from gpuload.synth import write_clicklog
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("needs Linux's /proc (VmHWM)")
+    write_clicklog(tmp_path / "d", rows=400_000, files=4, row_group_rows=2048)
+    r = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "d"), str(tmp_path / "c")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    used = got["peak"] - got["opened"]
+    bound = got["bound"] - got["max_trace"] + got["trace"]
+    assert 0 < used <= bound, f"peak {used / MiB:.0f} MiB above the opened dataset, bound {bound / MiB:.0f} MiB"

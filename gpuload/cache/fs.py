@@ -204,6 +204,17 @@ class CacheRoot:
                 pass
             return st
 
+    def probe_write(self, parts, name: str) -> None:
+        """Raise the ``OSError`` that writing ``name`` would meet now (no permission, a
+        read-only file system, no inodes, something not a folder on the way): creates the
+        folders and an empty temporary file of the name :meth:`write` would use, then removes it."""
+        _plain_name(name)
+        with self.folder(parts, create=True) as d:
+            tmp = f"{name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                             dir_fd=d))
+            os.unlink(tmp, dir_fd=d)
+
     def unlink(self, parts, name: str, pattern: re.Pattern) -> os.stat_result | None:
         """Delete ``name`` if it is a regular file whose name matches ``pattern``; returns
         its ``lstat`` if it was deleted, else None."""

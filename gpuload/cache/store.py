@@ -46,7 +46,7 @@ from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
     pwrite_all, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
-from ..errors import CacheError, CorruptCacheError
+from ..errors import CacheError, CorruptCacheError, flag
 
 __all__ = ["ChunkKey", "ChunkCache", "default_cache_dir", "read_chunk", "write_chunk"]
 
@@ -161,6 +161,15 @@ class ChunkCache:
     lock_patience : seconds to wait for a chunk's lock held by another process (a
         builder of the same chunk) before decoding the chunk here without caching it
         (default 60; a stopped or hung holder never blocks a reader longer).
+
+    Attributes
+    ----------
+    outcomes : None (default), or a dict that then receives, per chunk file (its
+        :meth:`ChunkKey.relpath`), what became of it here: ``"cached"`` (read from the
+        cache), ``"other"`` (another process wrote it while this one waited for its lock),
+        ``"written"`` (built and written here), ``"budget"`` (built, not written: the budget
+        is full), ``"held"`` (built, not written: another process held its lock too long) or
+        the ``OSError`` that kept it from being written (builds count what they did with it).
     """
 
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
@@ -175,10 +184,10 @@ class ChunkCache:
             except FileExistsError:  # something that is not a folder
                 what = "is not a folder"
             except OSError as e:
-                raise CacheError(f"cache_dir {given}: cannot create it ({e}); pass another cache_dir "
-                                 "or set GPULOAD_CACHE_DIR") from None
+                raise CacheError(f"cache folder {given}: cannot create it ({e.strerror or e}); pass another "
+                                 f"{flag('cache_dir').rstrip('=')} or set $GPULOAD_CACHE_DIR") from None
             if what is not None:
-                raise CacheError(f"cache folder {given} {what}; check --cache-dir / cache_dir= "
+                raise CacheError(f"cache folder {given} {what}; check {flag('cache_dir').rstrip('=')} "
                                  "(or $GPULOAD_CACHE_DIR)")
         self.root = CacheRoot(given)
         self.metrics = metrics
@@ -194,6 +203,7 @@ class ChunkCache:
         self.verify = verify
         self.full = False  # set once the budget refused a chunk
         self.lock_patience = lock_patience
+        self.outcomes: dict | None = None
         if create:
             with contextlib.suppress(OSError):  # a read-only cache is still served
                 with self.root.folder((_LAYOUT,), create=True):
@@ -201,6 +211,16 @@ class ChunkCache:
 
     def path(self, key: ChunkKey) -> Path:
         return self.root.where(key.parts, key.name)
+
+    def note(self, key: ChunkKey, outcome) -> None:
+        """Record what became of ``key``'s file here, when :attr:`outcomes` is on."""
+        if self.outcomes is not None:
+            self.outcomes[key.relpath()] = outcome
+
+    def probe(self, key: ChunkKey) -> None:
+        """Raise the ``OSError`` that writing ``key``'s file would meet now (see
+        :meth:`gpuload.cache.fs.CacheRoot.probe_write`); nothing is left behind."""
+        self.root.probe_write(key.parts, key.name)
 
     def _warn(self, kind: str, text: str) -> None:
         """Log ``text`` as a warning the first time a problem of ``kind`` happens, then at debug level."""
@@ -225,7 +245,9 @@ class ChunkCache:
         """
         unreadable = None
         try:
-            return self._read(key), True
+            cols = self._read(key)
+            self.note(key, "cached")
+            return cols, True
         except FileNotFoundError:
             log.debug("gpuload: %s is not cached yet", self.path(key))
         except CorruptCacheError as e:
@@ -252,19 +274,24 @@ class ChunkCache:
             why = unreadable if unreadable is not None else e
             self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
                        "such chunks are decoded from Parquet every time and not cached")
+            self.note(key, why)
             return build(), False
         if built:
+            self.note(key, "other")
             return built[0], True
         if not got:  # a stopped or hung process holds it: do not wait for it forever
             self._warn("held", f"{self.path(key)} has been locked by another process for {self.lock_patience:g} s; "
                        "decoding such chunks here without caching them")
+            self.note(key, "held")
             return build(), False
         if unreadable is not None:
             self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
                        "rebuilding it from its source")
         try:
             try:
-                return self._read(key), True  # another process built it meanwhile
+                cols = self._read(key)  # another process built it meanwhile
+                self.note(key, "other")
+                return cols, True
             except CorruptCacheError:
                 self.root.unlink(key.parts, key.name, CHUNK)
             except OSError:
@@ -296,9 +323,11 @@ class ChunkCache:
             if not budget.acquire(timeout=self.lock_patience):
                 self._warn("held", f"the cache budget has been locked by another process for "
                            f"{self.lock_patience:g} s; chunks are not cached meanwhile")
+                self.note(key, "held")
                 return
         except OSError as e:
             self._warn(f"lock{e.errno}", f"cannot lock the cache budget ({e}); this chunk is not cached")
+            self.note(key, e)
             return
         try:
             host = self._host(cols, copy=False)  # written before anyone else sees ``cols``
@@ -307,6 +336,8 @@ class ChunkCache:
                 self.full = used + encode(host, key.header_fields())[3] > self.max_bytes
             if not self.full:
                 self._write(key, host)
+            else:
+                self.note(key, "budget")
         finally:
             budget.release()
 
@@ -348,9 +379,11 @@ class ChunkCache:
                     span.nbytes = total
             if self._trust_writes:
                 self._verified.add(file_identity(st))
+            self.note(key, "written")
         except OSError as e:  # disk or inodes full, read-only, a clear meanwhile: the data is still served
             self._warn(f"write{e.errno}", f"could not write cache file {self.path(key)} ({e.strerror or e}); "
                        "chunks that are not cached are read from Parquet again")
+            self.note(key, e)
 
     def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
         try:

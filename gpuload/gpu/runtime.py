@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..batch import Ragged, nbytes, nrows
-from ..errors import ConfigError, GpuloadError
+from ..errors import ConfigError, GpuloadError, setting
 
 __all__ = ["gpu_status", "require_gpu", "gpu_usable", "configure_kvikio", "share_rmm_pool", "DeviceContext",
            "open_device"]
@@ -108,8 +108,8 @@ def require_gpu(device: str, decode: str) -> bool:
     s = gpu_status()
     for piece in ("driver", "cupy", "kvikio"):
         if s[piece] is not None:
-            advice = "use device='cpu' (or 'auto')" if piece == "driver" else _EXTRA
-            raise GpuloadError(f"device={device!r} needs {piece}: {s[piece]}; {advice}")
+            advice = f"use {setting('device', 'cpu')} (or 'auto')" if piece == "driver" else _EXTRA
+            raise GpuloadError(f"{setting('device', device)} needs {piece}: {s[piece]}; {advice}")
     if decode == "cpu":
         return False
     if s["cudf"] is not None:

@@ -4,9 +4,10 @@ The rules, in order (thresholds are the module constants below):
 
 1. ``starvation < STARVED`` (5%): the step is the bottleneck (``limiting="step"``):
    the training thread almost never waits, so a faster loader would not help.
-2. The longest ``next()`` of each pass holds ``STARTUP`` (60%) of the waiting or more:
+2. The first ``next()`` of each pass holds ``STARTUP`` (60%) of the waiting or more (summed
+   over passes, :attr:`gpuload.Stats.first_wait_s`, so never more than the waiting):
    ``limiting="startup"``: the loader keeps up once running, and the wait is the start
-   of the pass (the first shuffle window being filled).
+   of the pass (the first shuffle window being filled; a DataLoader's workers starting).
 3. No stage spans (a loader that is not gpuload, timed by :func:`gpuload.watch`):
    ``limiting="loader"``: the loader cannot keep up with the step.
 4. Otherwise the limiting stage is the loader stage with the largest busy time per
@@ -31,10 +32,15 @@ The rules, in order (thresholds are the module constants below):
    and the advice starts with raising ``prefetch``. A stage that ran on the training
    thread itself (inside ``next()``, as in a hand-written loop) is measured against
    the waiting time instead, and the advice adds moving it off that thread.
+
+The advice fits the loader measured (:attr:`gpuload.Stats.loader`): ``gpuload cache
+build``, ``shuffle_window`` and the other gpuload settings only for gpuload's datasets;
+``num_workers``, ``pin_memory`` and ``persistent_workers`` for a torch DataLoader.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from .stats import StageStats, Stats
@@ -86,7 +92,8 @@ def _rate(rows_per_s: float) -> str:
 
 
 def _workers(s: StageStats, threads: int | None) -> int:
-    return threads if threads and s.name in _POOL and not s.training_thread else max(1, s.threads)
+    """Threads the stage's time is shared by: the pool (or more, if more were seen running it)."""
+    return max(threads, s.threads) if threads and s.name in _POOL and not s.training_thread else max(1, s.threads)
 
 
 def _candidates(stats: Stats) -> list[StageStats]:
@@ -102,12 +109,81 @@ def _candidates(stats: Stats) -> list[StageStats]:
     return [x for x in (*stages.values(), d or c) if x is not None]
 
 
+def _kind(stats: Stats) -> str | None:
+    """The loader the stats measured: as they say, else gpuload's when they have stage timings."""
+    return stats.loader if stats.loader is not None else ("gpuload" if stats.stages else None)
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+def _startup(stats: Stats, kind: str | None) -> tuple[str, str]:
+    """(what the first next() of a pass waits for, what to do about it), for the loader ``kind``."""
+    steady = "nothing to fix in steady state, and longer epochs amortise it"
+    if kind == "gpuload":
+        return (", while the loader fills its first shuffle window",
+                f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes, and build the cache ahead "
+                "(`gpuload cache build`) so the first window is read rather than decoded")
+    if kind == "DataLoader":
+        workers = (stats.loader_settings or {}).get("num_workers") or 0
+        what = (f", while the DataLoader starts its {workers} worker processes and they load their first batches"
+                if workers else ", while the DataLoader loads its first batch")
+        return what, (f"{steady}; to shorten it, persistent_workers=True (with num_workers > 0) keeps the workers, "
+                      "and what they opened, from one epoch to the next; a dataset that opens its files and "
+                      "connections lazily, once per worker, starts faster")
+    return (": the loader's own start-up (opening files or connections, starting workers, filling buffers)",
+            f"{steady}; to shorten it, keep what the loader opens at the start of each pass open across passes, "
+            "if it can")
+
+
+def _no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
+    """(message, action) for a loader that cannot keep up, measured without stage timings."""
+    cpu = f"; process CPU {stats.cpu_percent:.0f}%" if stats.cpu_percent is not None else ""
+    gpu = f", GPU {stats.gpu_percent:.0f}%" if stats.gpu_percent is not None else ""
+    settings = stats.loader_settings or {}
+    message = f"the loader cannot keep up with the step: {waited}{cpu}{gpu}"
+    if kind == "gpuload":
+        threads, prefetch = settings.get("num_threads", "?"), settings.get("prefetch", "?")
+        return (message + "; these stats (of a watch() around a gpuload dataset) have no per-stage timings: the "
+                "dataset's own have",
+                "run gpuload.diagnose(ds.stats()) on the dataset itself to name the stage that limits it; until "
+                f"then: raise prefetch (now {prefetch}) and num_threads (now {threads}), and build the cache ahead "
+                "with `gpuload cache build` so that no epoch decodes")
+    if kind == "DataLoader":
+        workers, cores = settings.get("num_workers") or 0, _cores()
+        pin = "" if settings.get("pin_memory") else ", pin_memory=True when batches go to a GPU"
+        keep = "" if settings.get("persistent_workers") else ", persistent_workers=True to keep the workers " \
+                                                              "between epochs"
+        parquet = ("; for Parquet data, gpuload.ParquetDataset converts each chunk once, caches the converted "
+                   "columns and loads them on background threads")
+        if not workers:
+            return (message + "; the DataLoader loads every batch on the training thread (num_workers=0), "
+                    "inside next()",
+                    f"set num_workers (this machine has {cores} CPU cores) so that worker processes load batches "
+                    f"while the step runs{pin}{keep}{parquet}")
+        factor = settings.get("prefetch_factor")
+        return (message + f"; its {workers} worker processes do not load batches as fast as the step takes them",
+                f"raise num_workers (now {workers}, of {cores} CPU cores) and prefetch_factor (now {factor}){pin}"
+                f"{keep}; if the workers are busy converting (process CPU near {100 * workers}%), the conversion "
+                f"is the cost{parquet}")
+    return (message + "; these stats have no per-stage timings to name the stage that limits it",
+            "load ahead of the step on background threads or processes (for instance a torch DataLoader with "
+            "num_workers > 0 and prefetch_factor; a ParquetDataset's num_threads and prefetch), or load Parquet "
+            "with gpuload.ParquetDataset, which caches converted columns and loads them on background threads")
+
+
 def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | None = None) -> Diagnosis:
     """Name the bottleneck of a measured loop and the action that addresses it.
 
+    The advice fits the loader measured (:attr:`gpuload.Stats.loader`): gpuload's settings
+    and commands for gpuload's datasets, a DataLoader's for a DataLoader, and neither for
+    other loaders. Every share the message prints is at most its whole.
+
     Parameters
     ----------
-    stats : from :meth:`gpuload.Watched.stats` or :meth:`gpuload.Metrics.stats`.
+    stats : from :meth:`gpuload.Watched.stats`, :meth:`gpuload.ParquetDataset.stats` or
+        :meth:`gpuload.Metrics.stats`.
     disk_gbps : sequential read speed of the cache's disk in GB/s (1e9 bytes/s), e.g.
         from ``fio``; None (default): not measured, and said so.
     threads : loader threads available to the pool stages (the dataset's
@@ -124,78 +200,86 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     """
     if stats.wall_s <= 0:
         raise ValueError("these stats timed no batch: iterate the watched loader before diagnosing it")
-    st, wall = stats.starvation, stats.wall_s
+    st, wall, kind = stats.starvation, stats.wall_s, _kind(stats)
     waited = (f"the training thread waited {st:.1%} of {wall:.2f} s ({_ms(stats.wait_mean_s)} per next() "
               f"against {_ms(stats.step_mean_s)} of step per batch)")
     if st < STARVED:
         return Diagnosis(st, "step", f"the step itself is the bottleneck: the loader is not; {waited}",
                          "nothing to gain in the loader; to go faster, profile the step (torch.profiler, nsys)")
-    if stats.batches > 1 and stats.wait_max_s * max(stats.passes, 1) >= STARTUP * stats.wait_s:
-        first = stats.wait_max_s * max(stats.passes, 1)
+    # the first next() of each pass, summed (Stats made by hand: the longest next(), one of them)
+    first = min(stats.wait_s, stats.first_wait_s if stats.first_wait_s is not None else stats.wait_max_s)
+    if stats.batches > 1 and stats.wait_s > 0 and first >= STARTUP * stats.wait_s:
+        what, action = _startup(stats, kind)
+        each = "of each pass" if stats.passes > 1 else "of the pass"
         return Diagnosis(st, "startup", f"most of the waiting ({first:.2f} of {stats.wait_s:.2f} s) is the first "
-                         f"next() of each pass, while the loader fills its first shuffle window; in between it keeps "
-                         f"up with the step; {waited}",
-                         "nothing to fix in steady state, and longer epochs amortise it; to shorten it, use a smaller "
-                         "shuffle_window or chunk_bytes, and build the cache ahead (`gpuload cache build`) so the "
-                         "first window is read rather than decoded")
+                         f"next() {each}{what}; in between it keeps up with the step; {waited}", action)
     if not stats.stages:
-        cpu = f"; process CPU {stats.cpu_percent:.0f}%" if stats.cpu_percent is not None else ""
-        gpu = f", GPU {stats.gpu_percent:.0f}%" if stats.gpu_percent is not None else ""
-        return Diagnosis(st, "loader", f"the loader cannot keep up with the step: {waited}{cpu}{gpu}; "
-                         "these stats have no per-stage timings to name the stage that limits it",
-                         "give the loader more workers and prefetch (DataLoader num_workers and prefetch_factor; "
-                         "ParquetDataset num_threads and prefetch), or load with gpuload.ParquetDataset, which "
-                         "caches converted columns and loads them on background threads")
+        return Diagnosis(st, "loader", *_no_stages(stats, kind, waited))
     s = max(_candidates(stats), key=lambda s: s.seconds / _workers(s, threads))
     n = _workers(s, threads)
-    busy = s.seconds / n / wall
+    busy = min(1.0, s.seconds / n / wall)  # work outside the passes (listing at open) can exceed the wall time
     total_gbps = s.gbps * n
     if s.training_thread:  # inside next(): the time it can use is the wait, not the wall
-        where = (f"{s.name} runs on the training thread, {s.seconds:.2f} s of its {stats.wait_s:.2f} s of "
-                 f"waiting ({s.gbps:.2f} GB/s, {_rate(s.rows_per_s)} rows/s)")
+        share = (f"{s.seconds:.2f} s of its {stats.wait_s:.2f} s of waiting" if s.seconds <= stats.wait_s else
+                 f"{s.seconds:.2f} s in all, more than the {stats.wait_s:.2f} s it waited inside next()")
+        where = f"{s.name} runs on the training thread, {share} ({s.gbps:.2f} GB/s, {_rate(s.rows_per_s)} rows/s)"
     else:
         where = (f"{s.name} kept {n} thread{'s' * (n != 1)} busy {busy:.0%} of the {wall:.2f} s run "
                  f"({s.seconds:.2f} s in all, {s.gbps:.2f} GB/s and {_rate(s.rows_per_s)} rows/s per thread)")
-    if s.name in ("decode", "convert"):
-        message = f"first epoch is decode-bound on the CPU: {where}"
-        action = "build the cache ahead with `gpuload cache build`, or use device=cuda"
-    elif s.name == "cache_read":
-        if disk_gbps:
-            message = f"cache reads run at {total_gbps:.2f} GB/s against {disk_gbps:.2f} GB/s the disk gives: {where}"
-            action = ("the disk is the limit: put the cache on faster local NVMe" if total_gbps >= DISK_NEAR * disk_gbps
-                      else f"raise prefetch (and num_threads): the disk has {disk_gbps - total_gbps:.2f} GB/s to spare")
-        else:
-            message = (f"cache reads run at {total_gbps:.2f} GB/s (the disk's speed was not measured: pass "
-                       f"disk_gbps= from fio or dd): {where}")
-            action = "raise prefetch (and num_threads); if reads do not get faster, the disk is the limit"
-    elif s.name == "read" and stats.remote is not None and stats.remote.requests:
-        message = (f"first epoch is remote-bound: decoding waits on the object store ({stats.remote}): {where}")
-        action = ("keep more requests in flight (remote={'max_requests': 64, 'readahead_bytes': 1 << 30}), run "
-                  "the job in the store's region, or build the cache ahead with `gpuload cache build URL`: "
-                  "later epochs read only the local cache and make no request")
-    elif s.name == "read":
-        message = f"the Parquet source reader is throttled at {total_gbps:.2f} GB/s: {where}"
-        action = ("copy the source to local NVMe, raise num_threads for more reads in flight, or build the "
-                  "cache ahead with `gpuload cache build` so that epochs read the cache instead")
-    elif s.name == "cache_write":
-        message = f"first-epoch cache writes are the limit at {total_gbps:.2f} GB/s: {where}"
-        action = "build the cache ahead with `gpuload cache build`, or put the cache on faster local disk"
-    elif s.name == "h2d":
-        message = f"host-to-device copies are the limit at {total_gbps:.2f} GB/s: {where}"
-        action = ("copy batches from pinned memory with non_blocking=True on a side stream (gpuload's CUDA "
-                  "hand-off does), or keep the whole pipeline on the GPU (device=cuda with the gpu extra: "
-                  "GPU decode and cache reads into device memory), so that no per-batch copy remains")
-    elif s.name == "batch":
-        message = f"the shuffle gather is the limit at {_rate(s.rows_per_s)} rows/s on the producer thread: {where}"
-        action = "use a smaller shuffle_window (fewer rows gathered per window), or device=cuda to shuffle on the GPU"
-    else:  # list
-        message = f"listing the source files is the limit: {where}"
-        action = "pass a list of files instead of a directory or glob on slow storage"
+    message, action = _stage_advice(s, stats, kind, where, total_gbps, disk_gbps)
     message += f"; {waited}"
     if s.training_thread:
-        action += "; and move the loading off the training thread (gpuload loads on background threads)"
+        action += ("; and move the loading off the training thread (gpuload loads on background threads)"
+                   if kind == "gpuload" else "; and move the loading off the training thread (DataLoader "
+                   "num_workers > 0, or a background thread)")
     elif busy < SATURATED:
         message += (f"; no stage is busy more than {SATURATED:.0%} of the run per thread, so the loader is not "
                     "keeping enough work in flight")
-        action = f"raise prefetch first; then: {action}"
+        action = (f"raise prefetch first; then: {action}" if kind == "gpuload" else
+                  f"keep more work in flight first (more workers, a deeper prefetch); then: {action}")
     return Diagnosis(st, s.name, message, action)
+
+
+def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, total_gbps: float,
+                  disk_gbps: float | None) -> tuple[str, str]:
+    """(message, action) for the limiting stage ``s``; gpuload's commands only for gpuload's loaders."""
+    ours = kind == "gpuload"
+    if s.name in ("decode", "convert"):
+        return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
+                "build the cache ahead with `gpuload cache build`, or use device=cuda" if ours else
+                "decode ahead of the step on more workers, or cache the converted columns: gpuload.ParquetDataset "
+                "converts each chunk once and reads its cache in later epochs")
+    if s.name == "cache_read":
+        if disk_gbps:
+            return (f"cache reads run at {total_gbps:.2f} GB/s against {disk_gbps:.2f} GB/s the disk gives: {where}",
+                    "the disk is the limit: put the cache on faster local NVMe" if total_gbps >= DISK_NEAR * disk_gbps
+                    else f"raise prefetch (and num_threads): the disk has {disk_gbps - total_gbps:.2f} GB/s to spare")
+        return (f"cache reads run at {total_gbps:.2f} GB/s (the disk's speed was not measured: pass disk_gbps= "
+                f"from fio or dd): {where}",
+                "raise prefetch (and num_threads); if reads do not get faster, the disk is the limit")
+    if s.name == "read" and stats.remote is not None and stats.remote.requests:
+        return (f"first epoch is remote-bound: decoding waits on the object store ({stats.remote}): {where}",
+                "keep more requests in flight (remote={'max_requests': 64, 'readahead_bytes': 1 << 30}), run "
+                "the job in the store's region, or build the cache ahead with `gpuload cache build URL`: later "
+                "epochs read only the local cache and make no request" if ours else
+                "keep more requests in flight, run the job in the store's region, or cache the data locally")
+    if s.name == "read":
+        return (f"the Parquet source reader is throttled at {total_gbps:.2f} GB/s: {where}",
+                "copy the source to local NVMe, raise num_threads for more reads in flight, or build the cache "
+                "ahead with `gpuload cache build` so that epochs read the cache instead" if ours else
+                "copy the source to local NVMe, or keep more reads in flight")
+    if s.name == "cache_write":
+        return (f"first-epoch cache writes are the limit at {total_gbps:.2f} GB/s: {where}",
+                "build the cache ahead with `gpuload cache build`, or put the cache on faster local disk" if ours
+                else "put the cache on faster local disk")
+    if s.name == "h2d":
+        return (f"host-to-device copies are the limit at {total_gbps:.2f} GB/s: {where}",
+                "copy batches from pinned memory with non_blocking=True on a side stream (gpuload's CUDA "
+                "hand-off does), or keep the whole pipeline on the GPU (device=cuda with the gpu extra: "
+                "GPU decode and cache reads into device memory), so that no per-batch copy remains")
+    if s.name == "batch":
+        return (f"the shuffle gather is the limit at {_rate(s.rows_per_s)} rows/s on the producer thread: {where}",
+                "use a smaller shuffle_window (fewer rows gathered per window), or device=cuda to shuffle on the GPU"
+                if ours else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")
+    return (f"listing the source files is the limit: {where}",
+            "pass a list of files instead of a directory or glob on slow storage")

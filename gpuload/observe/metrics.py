@@ -3,8 +3,11 @@
 A :class:`Metrics` records, from any thread (in seconds of its ``clock``): stage
 spans (:data:`STAGES`), each ``next()`` of the training thread, ready-queue depth, and
 CPU/GPU utilisation samples (:class:`gpuload.observe.sampling.UtilSampler`), as running sums
-under one lock plus a tuple per event for the trace. :meth:`Metrics.stats` summarises
-them; :meth:`Metrics.write_trace` writes Chrome trace-event JSON for Perfetto.
+under one lock, exact over any run, plus the events themselves for the trace, in bounded
+memory: up to ``max_events`` of each kind, the first half kept for good and the latest in
+a ring, packed in NumPy arrays (:mod:`gpuload.observe.events`; about 68 MB at most by
+default, whatever the run's length). :meth:`Metrics.stats` summarises them;
+:meth:`Metrics.write_trace` writes Chrome trace-event JSON for Perfetto, event by event.
 
 Starvation is the fraction of wall time the training thread spent inside ``next()``.
 Wall time is measured per *pass* (one iteration over the loader): from the start of
@@ -19,6 +22,7 @@ Where torch sees a CUDA device, spans also push NVTX ranges ``gpuload:<stage>`` 
 from __future__ import annotations
 
 import gzip
+import heapq
 import json
 import os
 import threading
@@ -26,10 +30,12 @@ from itertools import chain
 from pathlib import Path
 from threading import get_ident
 from time import perf_counter
-from typing import Callable
+from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
+from .events import EventLog
 from .stats import StageStats, Stats
 
 __all__ = ["STAGES", "Metrics"]
@@ -38,6 +44,26 @@ __all__ = ["STAGES", "Metrics"]
 STAGES = ("list", "read", "decode", "convert", "cache_write", "cache_read", "h2d", "batch")
 _INDEX = {s: i for i, s in enumerate(STAGES)}
 _NVTX_NAMES = tuple(f"gpuload:{s}" for s in STAGES)
+
+# packed events of each kind (see gpuload.observe.events): 41, 41, 12 and 40 bytes
+_DTYPES = ([("stage", "u1"), ("tid", "u8"), ("t0", "f8"), ("t1", "f8"), ("nbytes", "i8"), ("rows", "i8")],
+           [("tid", "u8"), ("t0", "f8"), ("t1", "f8"), ("rows", "i8"), ("nbytes", "i8"), ("batch", "?")],
+           [("t", "f8"), ("depth", "i4")],
+           [("t", "f8"), ("cpu", "f8"), ("system", "f8"), ("gpu", "f8"), ("memory", "i8")])
+_NAN = float("nan")
+
+
+def _pack_util(e: tuple) -> tuple:  # None (not measured) as NaN, or -1 bytes
+    t, cpu, system, gpu, mem = e
+    return (t, _NAN if cpu is None else cpu, _NAN if system is None else system, _NAN if gpu is None else gpu,
+            -1 if mem is None else mem)
+
+
+def _unpack_util(e: tuple) -> tuple:
+    return (e[0], *(None if v != v else v for v in e[1:4]), None if e[4] < 0 else e[4])
+
+
+_CODECS = ((), (), (), (_pack_util, _unpack_util))
 
 
 def _nvtx_backend(enabled: bool | None):
@@ -88,8 +114,10 @@ class Metrics:
     ----------
     nvtx : None (default: NVTX ranges when torch sees a CUDA device, unless
         ``$GPULOAD_NVTX=0``), True (also through the ``nvtx`` package), False (never).
-    max_events : events of each kind kept for the trace (default 1,000,000, about 100 MB at
-        most); later ones still count in :meth:`stats`.
+    max_events : events of each kind (spans, waits, queue and utilisation samples) kept for
+        the trace (default 500,000: the first 250,000 and the latest 250,000 or so, about 68 MB
+        at most in all, see :meth:`max_trace_nbytes`); every event counts in :meth:`stats`,
+        kept or not, and the trace says how many were not kept.
     clock : returns the time in seconds, as a float (default ``time.perf_counter``; kept as
         ``.clock``). Spans, queue samples, :func:`gpuload.watch` and :class:`~gpuload.observe.sampling.UtilSampler`
         read it; timestamps given to :meth:`record` and the others must come from it. Only
@@ -98,7 +126,7 @@ class Metrics:
     One training thread consumes per Metrics; :meth:`consumer_end` closes each of its passes.
     """
 
-    def __init__(self, *, nvtx: bool | None = None, max_events: int = 1_000_000,
+    def __init__(self, *, nvtx: bool | None = None, max_events: int = 500_000,
                  clock: Callable[[], float] = perf_counter):
         self._nvtx, self.clock = _nvtx_backend(nvtx), clock
         self.max_events, self._lock = int(max_events), threading.Lock()
@@ -109,16 +137,36 @@ class Metrics:
         with self._lock:
             # events: spans (stage, tid, t0, t1, nbytes, rows), waits (tid, t0, t1, rows, nbytes, delivered
             # a batch), depths (t, depth), utils (t, cpu %, system cpu %, gpu %, gpu memory bytes)
-            self._spans, self._waits, self._depths, self._utils = [], [], [], []
-            self._folded = [0, 0, 0, 0]  # events of each list already added to the sums below
-            self._names, self._consumers, self._dropped = {}, [], 0  # {ident: thread name}, consumer idents
+            self._spans, self._waits, self._depths, self._utils = (
+                EventLog(dtype, self.max_events, fold.__get__(self), *codec)
+                for dtype, fold, codec in zip(_DTYPES, self._folders, _CODECS))
+            self._logs = (self._spans, self._waits, self._depths, self._utils)
+            self._names, self._consumers = {}, []  # {ident: thread name}, consumer idents
             self._stage = [[0.0, 0, 0, 0, set()] for _ in STAGES]  # seconds, calls, nbytes, rows, threads
             self._c = dict(batches=0, rows=0, bytes=0, wait=0.0, wait_max=0.0, waits=0, step=0.0, steps=0,
-                           step_max=0.0, wall=0.0, passes=0)
+                           step_max=0.0, wall=0.0, passes=0, first_wait=0.0)
             self._pass_start = self._last_end = None  # open pass: start, end of its last batch's next()
             self._q = [0, 0, None, 0]  # depth sum, samples, min, zeros
             self._u = [[0.0, 0] for _ in range(3)]  # cpu, system cpu, gpu: (sum, samples)
             self._u_n, self._u_mem = 0, None  # samples, most gpu memory
+
+    @property
+    def trace_nbytes(self) -> int:
+        """Bytes the events kept for the trace take now (at most :meth:`max_trace_nbytes`)."""
+        with self._lock:
+            return sum(log.nbytes for log in self._logs)
+
+    def max_trace_nbytes(self) -> int:
+        """The most the events kept for the trace can take, in bytes: ``max_events`` of each
+        kind at 41 (span), 41 (wait), 12 (queue sample) and 40 (utilisation sample) bytes, plus
+        up to 1,023 events of each kind not packed yet (about 280 bytes each)."""
+        return sum(log.max_nbytes() for log in self._logs)
+
+    @property
+    def events_not_kept(self) -> int:
+        """Events counted in :meth:`stats` but no longer kept for the trace (``max_events``)."""
+        with self._lock:
+            return sum(log.dropped for log in self._logs)
 
     # -- recording: under the lock, append a tuple; sums are folded in by stats() ------------
     def span(self, stage: str, *, nbytes: int = 0, rows: int = 0) -> _Span:
@@ -134,23 +182,15 @@ class Metrics:
     def _add(self, stage: int, t0: float, t1: float, nbytes: int, rows: int) -> None:
         tid = get_ident()
         with self._lock:
-            self._push(0, (stage, tid, t0, t1, nbytes, rows))
+            self._spans.push((stage, tid, t0, t1, nbytes, rows))
             if tid not in self._names:
                 self._names[tid] = threading.current_thread().name
-
-    def _push(self, kind: int, event: tuple) -> None:
-        events = (self._spans, self._waits, self._depths, self._utils)[kind]
-        if len(events) < self.max_events:
-            return events.append(event)
-        self._dropped += 1  # not kept for the trace; in the sums, in order (the pass logic needs it)
-        self._fold()
-        self._folders[kind](self, (event,))
 
     def queue_depth(self, depth: int) -> None:
         """Sample the number of ready batches waiting in the queue, now."""
         t = self.clock()
         with self._lock:
-            self._push(2, (t, depth))
+            self._depths.push((t, depth))
 
     def consumer_wait(self, t0: float, t1: float, *, rows: int = 0, nbytes: int = 0) -> None:
         """One ``next()`` on the training thread from ``t0`` to ``t1`` (:attr:`clock` seconds)
@@ -165,7 +205,7 @@ class Metrics:
     def _consumer(self, event: tuple) -> None:
         tid = event[0]
         with self._lock:
-            self._push(1, event)
+            self._waits.push(event)
             if tid not in self._names:
                 self._names[tid] = threading.current_thread().name
             if tid not in self._consumers:
@@ -176,7 +216,7 @@ class Metrics:
         """One utilisation sample at :attr:`clock` time ``t``: this process's CPU (percent of one
         core), the machine's CPU (0-100), GPU use (0-100), GPU memory used (bytes); None: not measured."""
         with self._lock:
-            self._push(3, (t, cpu_percent, system_cpu_percent, gpu_percent, gpu_memory_bytes))
+            self._utils.push((t, cpu_percent, system_cpu_percent, gpu_percent, gpu_memory_bytes))
 
     # -- folding events into sums (under the lock) -------------------------------------------
     def _fold_spans(self, events) -> None:
@@ -191,6 +231,7 @@ class Metrics:
             if self._pass_start is None:
                 self._pass_start = t0
                 c["passes"] += 1
+                c["first_wait"] += t1 - t0
             elif self._last_end is not None:
                 step = t0 - self._last_end
                 c["step"], c["steps"], c["step_max"] = c["step"] + step, c["steps"] + 1, max(c["step_max"], step)
@@ -219,10 +260,8 @@ class Metrics:
     _folders = (_fold_spans, _fold_waits, _fold_depths, _fold_utils)
 
     def _fold(self) -> None:
-        for kind, events in enumerate((self._spans, self._waits, self._depths, self._utils)):
-            if self._folded[kind] < len(events):
-                self._folders[kind](self, events[self._folded[kind]:])
-                self._folded[kind] = len(events)
+        for log in self._logs:
+            log.fold()
 
     # -- reading ----------------------------------------------------------------------------
     def stats(self) -> Stats:
@@ -242,103 +281,196 @@ class Metrics:
             qsum, qn, qmin, qzero = self._q
             u = [(s / n if n else None) for s, n in self._u]
             umem, un = self._u_mem, self._u_n
+            dropped = sum(log.dropped for log in self._logs)
         return Stats(wall_s=wall, batches=c["batches"], rows=c["rows"], bytes=c["bytes"], wait_s=c["wait"],
                      starvation=min(1.0, c["wait"] / wall) if wall > 0 else 0.0, passes=c["passes"],
                      wait_mean_s=c["wait"] / c["waits"] if c["waits"] else 0.0, wait_max_s=c["wait_max"],
+                     first_wait_s=c["first_wait"],
                      step_mean_s=c["step"] / c["steps"] if c["steps"] else 0.0, step_max_s=c["step_max"],
                      stages=stages, queue_mean=qsum / qn if qn else None, queue_min=qmin,
                      queue_empty=qzero / qn if qn else None, queue_samples=qn, cpu_percent=u[0],
-                     system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un)
+                     system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un,
+                     events_not_kept=dropped)
 
     def timeline(self) -> dict:
-        """Per delivered batch, for plots: ``{"start": [...], "wait": [...], "step": [...]}``: when its
-        ``next()`` began (seconds since the first ``next()``), its duration, and the time to the
-        following ``next()`` (NaN for the last batch of an unfinished pass)."""
+        """Per delivered batch whose wait is kept for the trace, for plots: ``{"start": [...],
+        "wait": [...], "step": [...]}``: when its ``next()`` began (seconds since the first
+        ``next()``), its duration, and the time to the following ``next()`` (NaN for the last
+        batch of an unfinished pass, and for the last one before events were not kept)."""
         with self._lock:
-            waits = list(self._waits)
-        origin, after, rows = (waits[0][1] if waits else 0.0), {}, []
-        for tid, t0, t1, _, _, batch in reversed(waits):
-            if batch:
-                rows.append((t0 - origin, t1 - t0, after[tid] - t1 if tid in after else float("nan")))
-            after[tid] = t0
+            head, rest = self._waits.parts()
+        origin = head[0][1] if head else rest[0][1] if rest else 0.0
+        after, rows = {}, []
+        for part in (rest, head):
+            for tid, t0, t1, _, _, batch in reversed(part):
+                if batch:
+                    rows.append((t0 - origin, t1 - t0, after[tid] - t1 if tid in after else float("nan")))
+                after[tid] = t0
+            after = {}  # the next() after the last one of the head may not be kept
         rows.reverse()
         return {k: [r[i] for r in rows] for i, k in enumerate(("start", "wait", "step"))}
 
     def util_samples(self) -> dict:
-        """Utilisation samples as lists: ``t`` (seconds since the first ``next()``, else the
-        first sample), ``cpu_percent``, ``system_cpu_percent``, ``gpu_percent``, ``gpu_memory_bytes``."""
+        """Utilisation samples kept for the trace as lists: ``t`` (seconds since the first
+        ``next()``, else the first sample), ``cpu_percent``, ``system_cpu_percent``,
+        ``gpu_percent``, ``gpu_memory_bytes``."""
         with self._lock:
-            utils = list(self._utils)
-            origin = self._waits[0][1] if self._waits else (utils[0][0] if utils else 0.0)
+            utils = self._utils.events()
+            first_wait = self._waits.field_min("t0", 1)
+        origin = first_wait if first_wait is not None else (utils[0][0] if utils else 0.0)
         keys = ("t", "cpu_percent", "system_cpu_percent", "gpu_percent", "gpu_memory_bytes")
         return {k: [u[i] - origin if i == 0 else u[i] for u in utils] for i, k in enumerate(keys)}
 
     def first_time(self) -> float | None:
         """Earliest :attr:`clock` time among the events kept (None without events)."""
         with self._lock:
-            return min(chain((e[2] for e in self._spans), (e[1] for e in self._waits),
-                             (e[0] for e in self._depths), (e[0] for e in self._utils)), default=None)
+            found = (self._spans.field_min("t0", 2), self._waits.field_min("t0", 1),
+                     self._depths.field_min("t", 0), self._utils.field_min("t", 0))
+        return min((t for t in found if t is not None), default=None)
 
     def trace_events(self, origin: float | None = None) -> list[dict]:
-        """Chrome trace events (``ph`` X, C, M; microseconds since ``origin``, a :attr:`clock` time,
-        default :meth:`first_time`; see :meth:`write_trace`). Track ids are stable in a process, so
-        events of several calls (epochs, Metrics) with one ``origin`` concatenate into one trace."""
+        """Chrome trace events (``ph`` X, C, M, and an instant ``i`` where events were not kept;
+        microseconds since ``origin``, a :attr:`clock` time, default :meth:`first_time`; see
+        :meth:`write_trace`), sorted by time. Track ids are stable in a process, so events of
+        several calls (epochs, Metrics) with one ``origin`` concatenate into one trace."""
+        return list(self.iter_trace_events(origin))
+
+    def iter_trace_events(self, origin: float | None = None) -> Iterator[dict]:
+        """The events of :meth:`trace_events`, made one at a time, so that a trace is written
+        without holding them all."""
         if origin is None:
             origin = self.first_time() or 0.0
         with self._lock:
-            spans, waits = list(self._spans), list(self._waits)
-            depths, utils = list(self._depths), list(self._utils)
+            spans = {k: self._spans.field_array(k, i) for i, k in enumerate(("stage", "tid", "t0", "t1", "nbytes",
+                                                                              "rows"))}
+            waits, depths, utils = self._waits.parts(), self._depths.parts(), self._utils.parts()
+            dropped = [log.dropped for log in self._logs]
+            span_head = self._spans.head_len
             names, consumers = dict(self._names), list(self._consumers)
         pid = os.getpid()
 
         def us(t: float) -> float:
             return round((t - origin) * 1e6, 3)
 
-        order = consumers + [t for t in dict.fromkeys(e[1] for e in spans) if t not in consumers]
+        span_tids = [int(t) for t in dict.fromkeys(spans["tid"].tolist())]
+        order = consumers + [t for t in span_tids if t not in consumers]
         small = {tid: _track(tid, names.get(tid, str(tid))) for tid in order}
-        meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "gpuload"}}]
+        yield {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "gpuload"}}
         for tid in order:
             label = names.get(tid, str(tid)) + (" (training)" if tid in consumers else "")
-            meta += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": small[tid], "args": {"name": label}},
-                     {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": small[tid],
-                      "args": {"sort_index": 0 if tid in consumers else small[tid]}}]
+            yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": small[tid], "args": {"name": label}}
+            yield {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": small[tid],
+                   "args": {"sort_index": 0 if tid in consumers else small[tid]}}
 
         def span(name, cat, tid, t0, t1, args) -> dict:
             a, b = us(t0), us(t1)
             return {"name": name, "cat": cat, "ph": "X", "ts": a, "dur": max(0.0, round(b - a, 3)), "pid": pid,
                     "tid": small[tid], "args": args}
 
-        events = [span(STAGES[s], "gpuload", tid, t0, t1, {"bytes": nb, "rows": r})
-                  for s, tid, t0, t1, nb, r in spans]
-        last: dict[int, tuple] = {}
-        for tid, t0, t1, rows, nb, batch in waits:
-            prev = last.get(tid)
-            if prev is not None and prev[5]:
-                events.append(span("step", "consumer", tid, prev[2], t0, {}))
-            events.append(span("wait" if batch else "wait (end of pass)", "consumer", tid, t0, t1,
-                               {"bytes": nb, "rows": rows}))
-            last[tid] = (tid, t0, t1, rows, nb, batch)
-        events += [{"name": "queue depth", "ph": "C", "ts": us(t), "pid": pid, "tid": 0, "args": {"batches": d}}
-                   for t, d in depths]
-        for t, cpu, scpu, gpu, gmem in utils:
-            for name, args in (("CPU %", {"process": cpu, "system": scpu}), ("GPU %", {"gpu": gpu}),
-                               ("GPU memory MiB", {"used": None if gmem is None else round(gmem / 2**20, 1)})):
-                args = {k: v for k, v in args.items() if v is not None}
-                if args:
-                    events.append({"name": name, "ph": "C", "ts": us(t), "pid": pid, "tid": 0, "args": args})
-        events.sort(key=lambda e: (e["ts"], -e.get("dur", 0.0)))
-        return meta + events
+        def gap(kind: int, t: float | None) -> Iterator[dict]:
+            """Where the events kept for good end, when later ones were not kept."""
+            if dropped[kind] and t is not None:
+                yield {"name": f"{dropped[kind]:,} {_KINDS[kind]} not kept (Metrics max_events)", "ph": "i",
+                       "s": "g", "ts": us(t), "pid": pid, "tid": 0, "args": {"events_not_kept": dropped[kind]}}
+
+        def span_events() -> Iterator[dict]:  # by start time, outer spans first
+            by_start = np.lexsort((spans["t0"] - spans["t1"], spans["t0"]))
+            cols = [spans[k][by_start].tolist() for k in ("stage", "tid", "t0", "t1", "nbytes", "rows")]
+            for s, tid, t0, t1, nb, r in zip(*cols):
+                yield span(STAGES[s], "gpuload", tid, t0, t1, {"bytes": nb, "rows": r})
+
+        def wait_events(consumer: int) -> Iterator[dict]:  # one training thread's waits and steps, in order
+            for part in waits:
+                last = None  # no step across the events not kept
+                for tid, t0, t1, rows, nb, batch in part:
+                    if tid != consumer:
+                        continue
+                    if last is not None and last[5]:
+                        yield span("step", "consumer", tid, last[2], t0, {})
+                    yield span("wait" if batch else "wait (end of pass)", "consumer", tid, t0, t1,
+                               {"bytes": nb, "rows": rows})
+                    last = (tid, t0, t1, rows, nb, batch)
+
+        def counter_events() -> Iterator[dict]:
+            for dpart, upart in zip(depths, utils):
+                yield from heapq.merge(
+                    ({"name": "queue depth", "ph": "C", "ts": us(t), "pid": pid, "tid": 0, "args": {"batches": d}}
+                     for t, d in sorted(dpart)),
+                    (e for u in sorted(upart, key=lambda u: u[0]) for e in _util_events(u, us(u[0]), pid)),
+                    key=lambda e: e["ts"])
+
+        ends = (float(spans["t1"][span_head - 1]) if span_head else None,
+                *(part[0][-1][i] if part[0] else None for part, i in ((waits, 2), (depths, 0), (utils, 0))))
+        gaps = sorted((e for kind, t in enumerate(ends) for e in gap(kind, t)), key=lambda e: e["ts"])
+        yield from heapq.merge(span_events(), counter_events(), gaps, *(wait_events(c) for c in consumers),
+                               key=lambda e: (e["ts"], -e.get("dur", 0.0)))
 
     def write_trace(self, path) -> Path:
         """Write the trace as Chrome trace-event JSON (gzip-compressed if ``path`` ends in
-        ``.gz``) to open in https://ui.perfetto.dev or ``chrome://tracing``; returns the path."""
-        path = Path(os.fspath(path))
-        doc = {"traceEvents": self.trace_events(), "displayTimeUnit": "ms",
-               "otherData": {"producer": "gpuload", "events_not_kept": self._dropped,
-                             "stats": self.stats().to_dict()}}
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
-        return path
+        ``.gz``) to open in https://ui.perfetto.dev or ``chrome://tracing``; returns the path.
+        Written event by event: the file, not memory, holds the whole trace."""
+        with TraceFile(path, {"producer": "gpuload", "events_not_kept": self.events_not_kept,
+                              "stats": self.stats().to_dict()}) as out:
+            out.add(self.iter_trace_events())
+        return out.path
+
+
+_KINDS = ("spans", "waits", "queue samples", "utilisation samples")
+
+
+def _util_events(u: tuple, ts: float, pid: int) -> Iterator[dict]:
+    t, cpu, scpu, gpu, gmem = u
+    for name, args in (("CPU %", {"process": cpu, "system": scpu}), ("GPU %", {"gpu": gpu}),
+                       ("GPU memory MiB", {"used": None if gmem is None else round(gmem / 2**20, 1)})):
+        args = {k: v for k, v in args.items() if v is not None}
+        if args:
+            yield {"name": name, "ph": "C", "ts": ts, "pid": pid, "tid": 0, "args": args}
+
+
+class TraceFile:
+    """A Chrome trace-event JSON file written event by event (gzip-compressed for ``.gz``).
+
+    ``with TraceFile(path, other_data) as t: t.add(events); t.add(more)``: the events of
+    every :meth:`add`, then ``otherData`` (a JSON-serialisable dict), written as they come.
+    """
+
+    def __init__(self, path, other_data: dict | None = None):
+        self.path = Path(os.fspath(path))
+        self.other_data = dict(other_data or {})
+        self._file = None
+        self._first = True
+
+    def __enter__(self) -> TraceFile:
+        raw = open(self.path, "wb")
+        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
+        self._raw = raw
+        self._file.write(b'{"traceEvents":[')
+        return self
+
+    def add(self, events) -> None:
+        """Write ``events`` (an iterable of trace-event dicts)."""
+        dumps, batch = json.JSONEncoder(separators=(",", ":")).encode, []
+        for e in events:
+            batch.append(dumps(e))
+            if len(batch) >= 4096:
+                self._write(batch)
+                batch = []
+        self._write(batch)
+
+    def _write(self, parts: list[str]) -> None:
+        if parts:
+            self._file.write(((b"" if self._first else b",") + ",".join(parts).encode()))
+            self._first = False
+
+    def __exit__(self, kind, *exc) -> None:
+        try:
+            if kind is None:
+                tail = json.dumps({"displayTimeUnit": "ms", "otherData": self.other_data}, separators=(",", ":"))
+                self._file.write(b"]," + tail[1:].encode())
+        finally:
+            if self._file is not self._raw:
+                self._file.close()
+            self._raw.close()
 
 
 _TRACKS: dict[tuple[int, str], int] = {}  # (thread ident, name) -> trace tid, for this process

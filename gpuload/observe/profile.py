@@ -10,7 +10,7 @@ against it. All epochs go into one Chrome trace when ``trace`` is given.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from ..cache.fs import CacheRoot
 from ..dataset import ParquetDataset
 from ..errors import ConfigError
 from .diagnose import Diagnosis, diagnose
+from .metrics import TraceFile
 from .stats import Stats
 from .sampling import UtilSampler
 
@@ -127,25 +128,25 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
     ds = ParquetDataset(source, columns, **dataset_kwargs)
     step = MlpStep(ds.device) if model == "mlp" else simulated_step(step_ms or 0.0)
     threads = ds.options.num_threads
-    reports, events, origin, disk = [], [], None, None
-    for epoch in range(epochs):
-        ds.set_epoch(epoch)
-        ds.reset_stats()
-        before = (ds.reader.counters.decoded, ds.reader.counters.from_cache)
-        with UtilSampler(ds.metrics):
-            for batch in ds:
-                step(batch)
-        ds.reader.cache.flush()
-        stats = ds.stats()
-        if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
-            keys = [ds.reader.key(i) for i in range(len(ds.reader.chunks))]
-            disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
-        reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
-                                   ds.reader.counters.decoded - before[0], ds.reader.counters.from_cache - before[1]))
-        if trace is not None:
-            origin = origin if origin is not None else ds.metrics.first_time()
-            events += ds.metrics.trace_events(origin=origin)
-    if trace is not None:
-        Path(trace).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
-                                           "otherData": {"producer": "gpuload profile"}}, separators=(",", ":")))
+    reports, origin, disk = [], None, None
+    with contextlib.ExitStack() as stack:
+        out = None if trace is None else stack.enter_context(TraceFile(trace, {"producer": "gpuload profile"}))
+        for epoch in range(epochs):
+            ds.set_epoch(epoch)
+            ds.reset_stats()
+            before = (ds.reader.counters.decoded, ds.reader.counters.from_cache)
+            with UtilSampler(ds.metrics):
+                for batch in ds:
+                    step(batch)
+            ds.reader.cache.flush()
+            stats = ds.stats()
+            if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
+                keys = [ds.reader.key(i) for i in range(len(ds.reader.chunks))]
+                disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
+            reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
+                                       ds.reader.counters.decoded - before[0],
+                                       ds.reader.counters.from_cache - before[1]))
+            if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
+                origin = origin if origin is not None else ds.metrics.first_time()
+                out.add(ds.metrics.iter_trace_events(origin=origin))
     return reports

@@ -49,6 +49,8 @@ class Stats:
     wait_s : time spent inside ``next()`` (within ``wall_s``).
     starvation : ``wait_s / wall_s``, 0 to 1 (0 when nothing was timed).
     passes : iterations over the loader (started ones). wait_mean_s, wait_max_s: per ``next()``.
+    first_wait_s : the first ``next()`` of each pass, summed over passes (within ``wait_s``):
+        the loader's start-up; None where not measured (Stats made by hand).
     step_mean_s, step_max_s : from a batch's delivery to the next ``next()`` (the step).
     stages : ``{stage: StageStats}`` for the stages that recorded a span, in pipeline order.
     queue_mean, queue_min, queue_empty : ready-batch queue depth: mean, minimum, fraction of
@@ -58,6 +60,14 @@ class Stats:
     gpu_percent : mean GPU utilisation, 0 to 100; gpu_memory_bytes: most GPU memory used.
         The four are None without samples; util_samples: their number.
     remote : requests to a remote source's store (:class:`gpuload.RemoteStats`), or None.
+    events_not_kept : events counted here but no longer kept for the trace (a run longer than
+        the Metrics' ``max_events``; the trace marks where they were left out).
+    loader : what was measured, for advice that fits it: ``"gpuload"`` (a
+        :class:`gpuload.ParquetDataset`, or a DataLoader over one), ``"DataLoader"`` (a torch
+        DataLoader over another dataset), ``"iterable"`` (anything else), None (not said;
+        stats with stage timings are gpuload's). loader_settings: what the advice may refer to
+        (a DataLoader's ``num_workers``, ``pin_memory``, ``persistent_workers``,
+        ``prefetch_factor``; a dataset's ``num_threads`` and ``prefetch``; else ``type``).
     """
 
     wall_s: float
@@ -82,6 +92,10 @@ class Stats:
     gpu_memory_bytes: int | None = None
     util_samples: int = 0
     remote: object = None  # a gpuload.RemoteStats: requests to a remote source's store
+    events_not_kept: int = 0
+    first_wait_s: float | None = None
+    loader: str | None = None
+    loader_settings: dict | None = None
 
     @property
     def rows_per_s(self) -> float:

@@ -21,6 +21,7 @@ batch of 0 rows and 0 bytes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Iterable, Iterator
 
@@ -31,7 +32,7 @@ from .metrics import Metrics
 from .stats import Stats
 from .sampling import UtilSampler
 
-__all__ = ["watch", "Watched"]
+__all__ = ["watch", "Watched", "describe_loader"]
 
 
 def _measure(batch, depth: int = 0) -> tuple[int, int]:
@@ -74,6 +75,21 @@ def _measure(batch, depth: int = 0) -> tuple[int, int]:
         r, b = _measure(item, depth + 1)
         rows, nbytes = rows or r, nbytes + b
     return rows, nbytes
+
+
+def describe_loader(loader) -> tuple[str, dict]:
+    """``(kind, settings)`` of a loader, as :attr:`gpuload.Stats.loader` and ``loader_settings`` say them."""
+    from ..dataset import ParquetDataset
+
+    dataset = getattr(loader, "dataset", None) if isinstance(loader, torch.utils.data.DataLoader) else None
+    for ds in (loader, dataset):
+        if isinstance(ds, ParquetDataset):
+            return "gpuload", {"num_threads": ds.options.num_threads, "prefetch": ds.options.prefetch}
+    if isinstance(loader, torch.utils.data.DataLoader):
+        return "DataLoader", {"num_workers": loader.num_workers, "pin_memory": bool(loader.pin_memory),
+                              "persistent_workers": bool(loader.persistent_workers),
+                              "prefetch_factor": loader.prefetch_factor}
+    return "iterable", {"type": type(loader).__name__}
 
 
 class Watched:
@@ -158,8 +174,10 @@ class Watched:
         return getattr(self.inner, name)
 
     def stats(self) -> Stats:
-        """:meth:`Metrics.stats` of what was recorded so far (``starvation`` and the rest)."""
-        return self.metrics.stats()
+        """:meth:`Metrics.stats` of what was recorded so far (``starvation`` and the rest), with
+        what kind of loader was watched (``loader``, ``loader_settings``) for :func:`gpuload.diagnose`."""
+        kind, settings = describe_loader(self.inner)
+        return dataclasses.replace(self.metrics.stats(), loader=kind, loader_settings=settings)
 
     def write_trace(self, path):
         """Write a Chrome trace-event JSON file (see :meth:`Metrics.write_trace`); returns its path."""

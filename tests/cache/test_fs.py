@@ -401,7 +401,8 @@ LAYOUT_ODD = ["layout_file", "layout_link", "layout_fifo", "specs_link", "specs_
 @pytest.mark.parametrize("kind", LAYOUT_ODD)
 def test_odd_layout_and_specs_entries(data, tmp_path, kind, reference):
     """The format's folder or the specs folder replaced by something else, or a spec record
-    that is not one: data is exact, `build_cache` and the CLI report instead of crashing."""
+    that is not one: data is exact, `build_cache` and the CLI report instead of crashing (a
+    build that cannot write its chunk files fails with a CacheError naming why)."""
     cache = tmp_path / "cache"
     _built(data, cache)
     layout, specs = cache / LAYOUT_DIR, cache / LAYOUT_DIR / "specs"
@@ -435,14 +436,23 @@ def test_odd_layout_and_specs_entries(data, tmp_path, kind, reference):
     if kind == "layout_000":  # file modes must apply: a separate, unprivileged process
         script = ("import sys, gpuload\nfrom gpuload.synth import clicklog_columns\n"
                   "cols = {**clicklog_columns(2, 2), 'row_id': 'row_id'}\n"
-                  "print(gpuload.build_cache(sys.argv[1], sys.argv[2], cols, chunk_bytes=1 << 14))")
+                  "try:\n    print(gpuload.build_cache(sys.argv[1], sys.argv[2], cols, chunk_bytes=1 << 14))\n"
+                  "except gpuload.CacheError as e:\n    sys.exit(f'error: {e}')")
         runs = [[sys.executable, "-c", script, str(data), str(cache)]]
         runs += [[sys.executable, "-m", "gpuload.cli", "cache", a, "--cache-dir", str(cache)]
                  for a in ("info", "verify", "clear")]
-        for cmd in runs:
+        for n, cmd in enumerate(runs):
             r = _unprivileged(*cmd)
             assert "Traceback" not in r.stderr, (cmd, r.stderr)
-            assert r.returncode in (0, 1), (cmd, r.stdout, r.stderr)
+            if n == 0:  # the build cannot write its chunks: it fails, saying why
+                assert r.returncode == 1 and "Permission denied" in r.stderr, (r.stdout, r.stderr)
+            else:
+                assert r.returncode in (0, 1), (cmd, r.stdout, r.stderr)
+    elif kind.startswith("layout_"):  # no chunk file can be written: the build fails, saying why
+        with pytest.raises(gpuload.CacheError, match="cannot write cache files .*not a folder gpuload made"):
+            gpuload.build_cache(data, cache, COLUMNS, chunk_bytes=CHUNK_BYTES)
+        for action in ("info", "verify", "clear"):
+            assert main(["cache", action, "--cache-dir", str(cache)]) in (0, 1)
     else:  # in this process: any exception would fail the test
         gpuload.build_cache(data, cache, COLUMNS, chunk_bytes=CHUNK_BYTES)
         for action in ("info", "verify", "clear"):

@@ -6,11 +6,17 @@ sees are exact, not whatever a busy machine makes of real sleeps.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import threading
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpuload
+import gpuload.observe.metrics
 from gpuload.observe.stats import StageStats, Stats
 
 from conftest import ManualClock
@@ -197,3 +203,137 @@ def test_startup_wait_is_named_apart_from_steady_state():
     assert d.limiting == "startup" and "0.90 of 1.00 s" in d.message and "shuffle_window" in d.action
     spread = gpuload.diagnose(make_stats(0.1, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
     assert spread.limiting == "batch"  # the same waiting spread over every batch is the gather
+
+
+def _watched_passes(passes, loader=None, threads=None) -> Stats:
+    """Stats of a watched loop in virtual time: ``passes`` is a list of passes, each a list of
+    ``(wait, step)`` seconds per batch."""
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock, nvtx=False)
+    for p in passes:
+        for wait, step in p:
+            t0 = clock.t
+            clock.sleep(wait)
+            m.consumer_wait(t0, clock.t, rows=1)
+            clock.sleep(step)
+        m.consumer_end(clock.t, clock.t)
+        clock.sleep(100.0)  # between passes: not counted
+    return m.stats()
+
+
+def test_startup_share_never_exceeds_the_waiting_over_several_passes():
+    """A watched loader over 3 epochs whose first next() took 5 s once (the longest next()
+    times the passes was printed as 15.00 of 8.07 s): the start-up share is what the first
+    next() of each pass waited, never more than the waiting itself."""
+    first = [(5.0, 0.02)] + [(0.01, 0.02)] * 99
+    later = [(0.05, 0.02)] + [(0.01, 0.02)] * 99
+    s = _watched_passes([first, later, later])
+    assert s.passes == 3 and s.wait_s == pytest.approx(5.0 + 0.1 + 3 * 0.99)
+    assert s.first_wait_s == pytest.approx(5.1)
+    d = gpuload.diagnose(s)
+    check_shares(d.message)
+    assert d.limiting == "startup" and "(5.10 of 8.07 s)" in d.message
+    # the same first next() in a longer run is no longer most of the waiting: not start-up
+    assert gpuload.diagnose(_watched_passes([first, later, later, later, later])).limiting == "loader"
+
+
+SHARES = (r"\((\d+\.\d+) of (\d+\.\d+) s\)", r"(\d+\.\d+) s of its (\d+\.\d+) s")
+
+
+def check_shares(text: str) -> None:
+    """Every share printed in ``text`` is at most its whole."""
+    for pattern in SHARES:
+        for part, whole in re.findall(pattern, text):
+            assert float(part) <= float(whole), text
+    for pct in re.findall(r"(?:busy|waited) (\d+(?:\.\d+)?)%", text):
+        assert float(pct) <= 100.0, text
+
+
+@settings(max_examples=150, deadline=None)
+@given(passes=st.lists(st.lists(st.tuples(st.floats(0, 3), st.floats(0, 1)), min_size=1, max_size=8),
+                       min_size=1, max_size=4),
+       spans=st.lists(st.tuples(st.sampled_from(gpuload.observe.metrics.STAGES), st.floats(0.001, 50),
+                                st.booleans()), max_size=6),
+       threads=st.one_of(st.none(), st.integers(1, 8)), disk=st.one_of(st.none(), st.floats(0.1, 10)),
+       loader=st.sampled_from([None, "gpuload", "DataLoader", "iterable"]))
+def test_no_printed_share_exceeds_its_whole(passes, spans, threads, disk, loader):
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock, nvtx=False)
+    for stage_name, seconds, training in spans:  # stage work, on the training thread or on a loader thread
+        record = lambda n=stage_name, sec=seconds: m.record(n, 0.0, sec, nbytes=10**6, rows=10)  # noqa: E731
+        if training:
+            m.consumer_wait(0.0, 0.0)  # makes this thread the training thread
+            record()
+        else:
+            t = threading.Thread(target=record)
+            t.start()
+            t.join()
+    m.reset() if not spans else None
+    for p in passes:
+        for wait, step in p:
+            t0 = clock.t
+            clock.sleep(wait)
+            m.consumer_wait(t0, clock.t, rows=1)
+            clock.sleep(step)
+        m.consumer_end(clock.t, clock.t)
+    s = dataclasses.replace(m.stats(), loader=loader)
+    if s.wall_s <= 0:
+        return
+    check_shares(str(gpuload.diagnose(s, threads=threads, disk_gbps=disk)))
+
+
+class _SlowItems(torch.utils.data.Dataset):
+    """A map-style dataset whose items take ``seconds`` of virtual time (the first ``first``)."""
+
+    def __init__(self, clock, n=40, seconds=0.01, first=None):
+        self.clock, self.n, self.seconds, self.first = clock, n, seconds, first
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.clock.sleep(self.first if i == 0 and self.first is not None else self.seconds)
+        return torch.zeros(4)
+
+
+def test_advice_fits_a_watched_dataloader():
+    clock = ManualClock()
+    loader = torch.utils.data.DataLoader(_SlowItems(clock), batch_size=4, num_workers=0)
+    w = gpuload.watch(loader, metrics=gpuload.Metrics(clock=clock, nvtx=False), sample_util=False)
+    for _ in w:
+        clock.sleep(0.001)
+    s = w.stats()
+    assert s.loader == "DataLoader" and s.loader_settings["num_workers"] == 0
+    d = gpuload.diagnose(s)
+    assert d.limiting == "loader" and "num_workers" in d.action and "pin_memory" in d.action
+    assert "gpuload cache build" not in d.action and "training thread" in d.message
+    # a slow start: the first batch of each pass (workers starting, files opening)
+    w = gpuload.watch(torch.utils.data.DataLoader(_SlowItems(clock, first=5.0), batch_size=4),
+                      metrics=gpuload.Metrics(clock=clock, nvtx=False), sample_util=False)
+    for _ in range(2):
+        for _ in w:
+            clock.sleep(0.05)
+    d = gpuload.diagnose(w.stats())
+    assert d.limiting == "startup" and "persistent_workers" in d.action
+    assert "gpuload cache build" not in d.action and "shuffle_window" not in d.action
+
+
+def test_advice_fits_any_watched_iterable():
+    clock = ManualClock()
+
+    def slow():
+        for i in range(30):
+            clock.sleep(3.0 if i == 0 else 0.002)
+            yield i
+
+    w = gpuload.watch(slow(), metrics=gpuload.Metrics(clock=clock, nvtx=False), sample_util=False)
+    for _ in w:
+        clock.sleep(0.001)
+    s = w.stats()
+    assert s.loader == "iterable"
+    d = gpuload.diagnose(s)
+    assert d.limiting == "startup" and "gpuload cache build" not in d.action and "shuffle_window" not in d.action
+    w = gpuload.watch([1, 2, 3], metrics=gpuload.Metrics(clock=clock, nvtx=False), sample_util=False)
+    for _ in w:
+        clock.sleep(0.0001)
+    assert w.stats().loader == "iterable" and w.stats().loader_settings == {"type": "list"}

@@ -6,8 +6,10 @@ machine's timing: a busy machine stretches real sleeps by any amount.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
+import math
 import queue
 import threading
 import time
@@ -202,11 +204,40 @@ def test_max_events_caps_the_trace_not_the_stats():
                 m.consumer_wait(i, i + 0.5, rows=i)
         if m is capped:
             m.stats()  # folding part of the events early changes nothing
-    assert capped.stats() == full.stats()
+    assert dataclasses.replace(capped.stats(), events_not_kept=0) == full.stats()
     s = capped.stats()
     assert s.stages["decode"].calls == 100 and s.rows == sum(i for i in range(100) if i % 7 != 6)
     assert s.passes == 15 and s.queue_samples == 100 and s.util_samples == 100 and s.gpu_memory_bytes == 99
-    assert sum(e["name"] == "decode" for e in capped.trace_events()) == 10
+    assert s.events_not_kept == capped.events_not_kept == 4 * 90 and full.stats().events_not_kept == 0
+    events = capped.trace_events(origin=0.0)
+    decode = [e["ts"] / 1e6 for e in events if e["name"] == "decode"]
+    assert decode == [0, 1, 2, 3, 4, 95, 96, 97, 98, 99]  # how it started, and the latest
+    gaps = [e for e in events if e["ph"] == "i"]
+    assert len(gaps) == 4 and all(e["args"]["events_not_kept"] == 90 for e in gaps)
+    assert [e["ts"] / 1e6 for e in gaps if "spans" in e["name"]] == [4.5]  # where the kept head ends
+    # no step spans across the gap: the steps are those between kept waits of one stretch
+    steps = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in events if e["name"] == "step"]
+    assert all(d == 0.5 for _, d in steps) and [t for t, _ in steps] == [0.5, 1.5, 2.5, 3.5, 95.5, 96.5, 98.5]
+    assert capped.util_samples()["cpu_percent"] == [0, 1, 2, 3, 4, 95, 96, 97, 98, 99]
+    assert capped.util_samples()["gpu_percent"] == [None] * 10
+    line = capped.timeline()
+    assert line["start"] == [0, 1, 2, 3, 4, 95, 96, 98, 99] and math.isnan(line["step"][4]) and line["step"][5] == 0.5
+
+
+def test_two_million_spans_stay_within_max_trace_nbytes_and_stats_stay_exact():
+    """The events kept for the trace are bounded by max_events, in bytes too; the sums are
+    exact however many were dropped."""
+    clock = ManualClock()
+    m = Metrics(clock=clock, max_events=100_000, nvtx=False)
+    n = 2_000_000
+    for i in range(n):
+        m.record("cache_read", i * 1e-3, i * 1e-3 + 2.5e-4, nbytes=3, rows=1)
+    bound = m.max_trace_nbytes()
+    assert m.trace_nbytes <= bound < 100_000 * (41 + 41 + 12 + 40) + 4 * 4096 * 280
+    assert len(m._spans) <= 100_000 and m.events_not_kept == n - len(m._spans) > 1_800_000
+    cr = m.stats().stages["cache_read"]
+    assert (cr.calls, cr.nbytes, cr.rows) == (n, 3 * n, n) and cr.seconds == pytest.approx(500.0, rel=1e-9)
+    assert Metrics().max_trace_nbytes() < 100e6  # the default: the documented bound
 
 
 def test_recording_is_cheap():
@@ -316,3 +347,42 @@ def test_traces_of_several_epochs_share_one_timeline_and_stable_tracks():
     training = [t for t, n in names.items() if "training" in n]
     assert len(training) == 1 and sum(n == "test-producer" for n in names.values()) >= 1
     assert min(e["ts"] for e in events if e["ph"] == "X") == 0.0
+
+
+def _record_batches(m: Metrics, clock: ManualClock, n: int) -> None:
+    """``n`` batches of a training loop in virtual time: per batch a cache read on a loader
+    thread's span, a ``next()`` that waits 1 ms, a queue sample and a 2 ms step; a utilisation
+    sample every 100 batches; one pass."""
+    for i in range(n):
+        t = clock.t
+        m.record("batch", t, t + 0.0005, nbytes=4096, rows=64)
+        m.consumer_wait(t, t + 0.001, rows=64, nbytes=4096)
+        m.queue_depth(i % 3)
+        if i % 100 == 0:
+            m.util_sample(t, cpu_percent=100.0, system_cpu_percent=50.0)
+        clock.t = t + 0.003
+    m.consumer_end(clock.t, clock.t)
+
+
+@pytest.mark.slow  # tracemalloc follows every allocation: about 30 s
+def test_a_million_batches_keep_the_trace_under_its_documented_bound():
+    """A million batches (3 million events and more) hold at most the documented 100 MB
+    for the trace (measured by tracemalloc: what the Metrics keeps), and the stats stay exact."""
+    import tracemalloc
+
+    clock = ManualClock()
+    m = Metrics(clock=clock, nvtx=False)
+    n = 1_000_000
+    tracemalloc.start()
+    try:
+        _record_batches(m, clock, n)
+        m.stats()
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 100e6, f"{held / 1e6:.0f} MB held for the trace of {n:,} batches"
+    s = m.stats()
+    assert (s.batches, s.rows, s.bytes, s.passes) == (n, 64 * n, 4096 * n, 1)
+    assert s.stages["batch"].calls == n and s.queue_samples == n and s.util_samples == n // 100
+    assert s.wait_s == pytest.approx(0.001 * n, rel=1e-9) and s.wall_s == pytest.approx(0.003 * n, rel=1e-9)
+    assert s.queue_mean == pytest.approx(1.0, abs=1e-5) and s.step_mean_s == pytest.approx(0.002, rel=1e-6)

@@ -1,0 +1,163 @@
+"""build_cache and `gpuload cache build`: what a build did, said exactly.
+
+* a cache the build cannot write (not a folder, no permission, no space) fails the build
+  with the real cause and the setting to change, never a summary blaming the budget;
+* a budget that is full is not an error: the summary says so;
+* two builds of one cache at once each count what they did: chunks decoded and written,
+  chunks cached before they looked, chunks the other build wrote meanwhile.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import gpuload
+import gpuload.reader
+from gpuload.cache.chunkfile import LAYOUT_DIR
+from gpuload.cache.fs import CacheRoot
+from gpuload.cli import main
+from gpuload.synth import write_clicklog
+
+COLUMNS = ["label", "dense_0", "dense_1"]
+CHUNK = 1 << 14
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("build") / "data"
+    write_clicklog(d, rows=20_000, files=2, row_group_rows=1024)
+    return d
+
+
+def _cli(capsys, *args):
+    capsys.readouterr()
+    rc = main(["cache", "build", *map(str, args)])
+    out, err = capsys.readouterr()
+    return rc, out, [line for line in err.splitlines() if line.startswith("gpuload: error:")]
+
+
+def test_a_cache_that_is_not_a_folder_fails_the_build_naming_it(data, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / LAYOUT_DIR).write_text("not a folder")  # where gpuload keeps its chunk folders
+    rc, out, errors = _cli(capsys, data, "--cache-dir", cache, "--columns", ",".join(COLUMNS), "--chunk-mib", 1 / 64)
+    assert rc != 0 and out == "" and len(errors) == 1, (out, errors)
+    assert "not a folder" in errors[0] and "--cache-dir" in errors[0] and str(cache) in errors[0]
+    assert "max_cache_bytes" not in errors[0] and "--max-gib" not in errors[0]
+    with pytest.raises(gpuload.CacheError, match="not a folder.*cache_dir="):
+        gpuload.build_cache(data, cache, COLUMNS, chunk_bytes=CHUNK)
+
+
+def test_the_real_command_exits_non_zero_in_one_line(data, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / LAYOUT_DIR).write_text("not a folder")
+    r = subprocess.run([sys.executable, "-m", "gpuload.cli", "cache", "build", str(data), "--cache-dir", str(cache)],
+                       capture_output=True, text=True, timeout=300)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr
+    assert "not a folder" in errors[0] and "--cache-dir" in errors[0] and "max" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("code,words", [(errno.EACCES, "Permission denied"), (errno.ENOSPC, "No space left"),
+                                        (errno.EROFS, "Read-only file system")])
+@pytest.mark.parametrize("after", [0, 3])
+def test_chunk_writes_that_fail_fail_the_build_with_their_cause(data, tmp_path, capsys, monkeypatch, code, words,
+                                                                after):
+    """Writes refused from the first chunk, or after 3: the build exits non-zero naming the
+    OS's reason and --cache-dir, and says how many chunks it did cache."""
+    real, written = CacheRoot.write, []
+
+    def write(self, parts, name, fill):
+        if name.endswith(".glc"):
+            if len(written) >= after:
+                raise OSError(code, os.strerror(code))
+            written.append(name)
+        return real(self, parts, name, fill)
+
+    monkeypatch.setattr(CacheRoot, "write", write)
+    rc, out, errors = _cli(capsys, data, "--cache-dir", tmp_path / "c", "--columns", ",".join(COLUMNS),
+                           "--chunk-mib", 1 / 64)
+    assert rc != 0 and len(errors) == 1 and out == "", (out, errors)
+    assert words in errors[0] and "--cache-dir" in errors[0] and "max_cache_bytes" not in errors[0]
+    n = int(re.search(r"of (\d+) chunks", errors[0])[1])
+    assert f"{after} of {n} chunks" in errors[0] and n > 3
+
+
+def test_a_full_budget_is_not_an_error_and_is_said_as_a_flag(data, tmp_path, capsys):
+    rc, out, errors = _cli(capsys, data, "--cache-dir", tmp_path / "c", "--columns", ",".join(COLUMNS),
+                           "--chunk-mib", 1 / 64, "--max-gib", 0.0001)
+    assert rc == 0 and not errors
+    assert re.search(r"\d+ chunks did not fit --max-gib 0.0001 and will be read from Parquet", out), out
+    summary = gpuload.build_cache(data, tmp_path / "p", COLUMNS, chunk_bytes=CHUNK, max_cache_bytes=100_000)
+    assert summary.not_cached > 0 and "did not fit max_cache_bytes=100000" in str(summary)
+
+
+def _slow_decoding(monkeypatch, seconds=0.02):
+    real = gpuload.reader.ChunkReader._convert
+
+    def slow(self, i):
+        time.sleep(seconds)
+        return real(self, i)
+
+    monkeypatch.setattr(gpuload.reader.ChunkReader, "_convert", slow)
+
+
+def test_two_builds_at_once_count_what_each_did(data, tmp_path, monkeypatch):
+    """Two builds of one cache at once (threads; each chunk's lock is a file lock, as between
+    processes): each chunk is built by one of them, and each summary says which it built,
+    which it found and which the other one built meanwhile."""
+    _slow_decoding(monkeypatch)
+    summaries, start = [None, None], threading.Barrier(2)
+
+    def build(k):
+        start.wait()
+        summaries[k] = gpuload.build_cache(data, tmp_path / "c", COLUMNS, chunk_bytes=CHUNK, num_threads=2)
+
+    threads = [threading.Thread(target=build, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    a, b = summaries
+    n = a.chunks
+    assert n == b.chunks > 8
+    assert a.built + b.built == n  # each chunk decoded and written once, by one of them
+    for s in (a, b):
+        assert s.built + s.already_cached + s.built_elsewhere + s.not_cached == n, str(s)
+        assert s.already_cached == 0 and s.not_cached == 0
+    assert a.built_elsewhere == b.built and b.built_elsewhere == a.built
+    later = b if b.built_elsewhere else a
+    assert f"{later.built_elsewhere} built meanwhile by another build" in str(later)
+    again = gpuload.build_cache(data, tmp_path / "c", COLUMNS, chunk_bytes=CHUNK)
+    assert (again.built, again.already_cached, again.built_elsewhere) == (0, n, 0)
+
+
+def test_a_build_that_starts_while_another_runs(data, tmp_path, monkeypatch):
+    """The second build opens when the first has cached some chunks: those are 'already
+    cached', the ones the first writes while the second runs are the other build's."""
+    _slow_decoding(monkeypatch, 0.05)
+    first, started = [], threading.Event()
+    progress = lambda rows: started.set()  # noqa: E731
+    t = threading.Thread(target=lambda: first.append(gpuload.build_cache(data, tmp_path / "c", COLUMNS,
+                                                                         chunk_bytes=CHUNK, progress=progress)))
+    t.start()
+    started.wait(60)
+    deadline = time.monotonic() + 30
+    while not list((tmp_path / "c").rglob("*.glc")) and time.monotonic() < deadline:  # on disk (written in the
+        time.sleep(0.005)                                                             # background)
+    second = gpuload.build_cache(data, tmp_path / "c", COLUMNS, chunk_bytes=CHUNK)
+    t.join()
+    (a,) = first
+    n = a.chunks
+    assert second.already_cached >= 1 and a.built + second.built == n
+    assert second.built + second.already_cached + second.built_elsewhere == n
+    assert a.built_elsewhere == second.built and a.already_cached == 0
