@@ -9,7 +9,9 @@
   counts, and the next epoch in the ``W2`` order;
 * only the chunks still needed are read; the footguns (a state from another dataset,
   ``load_state_dict`` while iterating, ``iter()`` before ``load_state_dict``);
-* torchdata's ``StatefulDataLoader`` round trip, and a restore in a fresh process.
+* torchdata's ``StatefulDataLoader`` round trip, and a restore in a fresh process;
+* a state that cannot exist (node layouts, runs, outputs) is refused by
+  ``load_state_dict`` with a ``ConfigError``, never accepted to fail in a loader thread.
 """
 
 from __future__ import annotations
@@ -402,6 +404,10 @@ def test_state_from_other_files_is_refused(source, tmp_path):
     (lambda s: {**s, "runs": [[0, 1]]}, "runs="),
     (lambda s: {**s, "runs": [[1, 10_000]]}, "took 10000 batches"),
     (lambda s: {k: v for k, v in s.items() if k != "dataset"}, "no 'dataset'"),
+    (lambda s: {**s, "dataset": {**s["dataset"], "outputs": {"row_id": [1]}}}, "outputs"),
+    (lambda s: {**s, "dataset": {**s["dataset"], "outputs": {"row_id": "row_id"}}}, "outputs"),
+    (lambda s: {**s, "dataset": {**s["dataset"], "outputs": ["row_id"]}}, "outputs"),
+    (lambda s: {**s, "runs": [[1, 5], [10**9, 0], [2, 1]]}, "run 2 .* took 1 batches"),  # and in no time
 ])
 def test_malformed_states_are_refused(source, tmp_path, mutate, match):
     ds = _open(source, tmp_path / "c")
@@ -635,3 +641,64 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     assert split  # some window had rows taken from its middle by the 3-rank run
     ids = np.concatenate(seen)
     assert len(np.unique(ids)) == len(ids) == sum(ROWS)
+
+
+# ---------------------------------------------------------------------------------------
+# states that cannot exist
+# ---------------------------------------------------------------------------------------
+
+def _node_open(source, cache, rank=3):
+    return _open(source, cache, 4, rank, shard="node", local_world_size=2)
+
+
+@pytest.mark.parametrize("runs, match", [
+    ([[4, 3, 3]], "4 ranks cannot be nodes of 3"),
+    ([[2, 1, 4]], "2 ranks cannot be nodes of 4"),
+    ([[6, 1, 4]], "6 ranks cannot be nodes of 4"),
+    ([[64, 0, 2]], "32 nodes"),  # nodes too many for the chunks: a layout of another dataset
+])
+def test_impossible_node_layouts_are_refused(source, tmp_path, runs, match):
+    for rank in (0, 3):
+        ds = _node_open(source, tmp_path / "c", rank)
+        with pytest.raises(gpuload.ConfigError, match=match):
+            ds.load_state_dict({**ds.state_dict(), "runs": runs})
+        assert len(list(ds)) == len(ds)  # nothing restored
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats(allow_nan=True)
+                    | st.text(max_size=4), lambda c: st.lists(c, max_size=3)
+                    | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+RUNS = st.lists(st.lists(st.integers(-1, 70) | st.sampled_from([2**40, 10**9]), min_size=0, max_size=4),
+                min_size=0, max_size=4)
+
+
+def test_any_state_is_refused_or_works(source, tmp_path):
+    """Any JSON put in a state's fields (or any runs) is refused with a ConfigError, or restores a
+    position that iterates; never a raw exception, in load_state_dict or in the loader."""
+    ds = _node_open(source, tmp_path / "c")  # rank 3 of 2 nodes x 2 ranks, for every example
+    list(ds)
+    valid = json.dumps(ds.state_dict())
+
+    @settings(max_examples=200, deadline=None)
+    @given(data=st.data())
+    def check(data):
+        state = json.loads(valid)
+        where = data.draw(st.sampled_from(["runs", "epoch", "format", "version", "dataset", "dataset.outputs",
+                                           "dataset.outputs.row_id", "dataset.rows", "dataset.seed"]))
+        keys = where.split(".")
+        target = state
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] = data.draw(RUNS if where == "runs" else JSON)
+        try:
+            ds.load_state_dict(state)
+        except gpuload.ConfigError:
+            return
+        it = iter(ds)
+        try:
+            for _ in itertools.islice(it, 3):
+                pass
+        finally:
+            it.close()
+
+    check()
