@@ -19,7 +19,7 @@ from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .observe.metrics import Metrics
 from .observe.stats import Stats
 from .pipeline import Background, epoch_batches
-from .ranks import resolve_local_world, resolve_ranks
+from .ranks import RankLayout, Ranks
 from .reader import ChunkReader
 from .schema import BFLOAT16
 
@@ -29,10 +29,13 @@ log = logging.getLogger("gpuload")
 
 
 class _Position:
-    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`)."""
+    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`),
+    and the ranks that run it (None: a restored position, not begun on this dataset's ranks yet)."""
 
-    def __init__(self, epoch: int, runs: list[list[int]]):
-        self.epoch, self.runs, self.running = epoch, runs, False
+    def __init__(self, epoch: int, runs: list[list[int]], ranks: Ranks | None = None):
+        self.epoch, self.runs, self.ranks, self.running = epoch, runs, ranks, False
+        # a restored position: its runs as saved, whether its epoch was over, the world size its resume was logged for
+        self.raw, self.complete, self.warned = runs, False, None
 
 
 class ParquetDataset(torch.utils.data.IterableDataset):
@@ -72,8 +75,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).
     cache_dir : cache folder; None: ``$GPULOAD_CACHE_DIR``, else ``~/.cache/gpuload``.
     device : ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
-    rank, world_size : this process's shard; default from ``torch.distributed`` when
-        initialised, else 0 and 1.
+    rank, world_size : this process's shard; passed, they are fixed. By default they come from
+        ``torch.distributed``, asked when each iteration begins (also by ``len()``,
+        :meth:`state_dict` and the other methods that need them), so the dataset may be made
+        before ``init_process_group`` (under torchrun, in a LightningModule's ``__init__``);
+        without a process group, 0 and 1. Iterating where a launcher set ``WORLD_SIZE>1`` but
+        no process group exists raises :class:`~gpuload.ConfigError` (each rank would read
+        every row).
     shard : how chunks are shared by ranks (default ``"global"``: each epoch permutes every
         chunk and every rank may read any of them; right for one node, or a cache shared by
         all nodes). ``"node"``: chunks are assigned to nodes once, balanced by rows, and each
@@ -81,7 +89,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         its node's share and is warm from the second epoch; a few rows per node and epoch
         are not delivered (see :mod:`gpuload.plan`).
     local_world_size : ranks per node with ``shard="node"`` (default: torchrun's
-        ``LOCAL_WORLD_SIZE``); global rank ``r`` is on node ``r // local_world_size``.
+        ``LOCAL_WORLD_SIZE``, checked against ``GROUP_RANK``, ``LOCAL_RANK`` and ``RANK``);
+        global rank ``r`` is on node ``r // local_world_size``.
     fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
         Null lists become empty lists; null fixed-size lists rows of the value.
     dtypes : ``{output: dtype}`` to cast outputs, as NumPy or torch dtypes (or their
@@ -140,11 +149,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums, decode=decode,
                                max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
                                kvikio_compat=kvikio_compat, layout=layout, block_rows=block)
-        self.rank, self.world_size = resolve_ranks(rank, world_size)
-        if shard not in ("global", "node"):
-            raise ConfigError(f"shard={shard!r} must be 'global' or 'node'")
-        self.local_world_size = resolve_local_world(local_world_size, self.rank, self.world_size) \
-            if shard == "node" else None
+        self._layout = RankLayout(rank, world_size, shard, local_world_size)
+        self._checked: set[tuple[int, int | None]] = set()  # (world, local) layouts this dataset can run
         self._node_plans: dict[tuple[int, int], tuple] = {}
         self.device = resolve_device(device)
         self.metrics = Metrics()
@@ -154,10 +160,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                   gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
                                   storage_options=storage_options, remote=remote)
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
-        if self.local_world_size is None:
-            plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
-        else:
-            self._node_plan(self.world_size, self.local_world_size)  # refuses a node share too small
+        if self._layout.known:  # refuse now what these ranks cannot run
+            self._check(self._layout.resolve())
+        elif not self._layout.node:  # ranks come later: what no number of ranks can run
+            plan.check_balance(self.reader.num_rows, 1, batch_size, self.options.drop_last)
         o = self.options
         if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
             raise ConfigError(
@@ -181,6 +187,22 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def outputs(self) -> list[str]:
         """Names of the tensors in each batch."""
         return [s.name for s in self.reader.specs]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: the one passed, else ``torch.distributed``'s now (the running epoch's while
+        an iteration runs)."""
+        return self._ranks().rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks sharing each epoch: the number passed, else ``torch.distributed``'s now (see :attr:`rank`)."""
+        return self._ranks().world
+
+    @property
+    def local_world_size(self) -> int | None:
+        """Ranks per node with ``shard="node"``, else None."""
+        return self._layout.local
 
     @property
     def device_bytes_bound(self) -> int:
@@ -232,11 +254,19 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         far. It is the same on every rank (DDP ranks take the same number of batches),
         so saving rank 0's is enough. See :mod:`gpuload.resume` for its fields.
         """
-        p = self._position
-        if p is None or not (p.running or (self._pending is None and p.epoch == self.epoch)):
-            p = self._pending or _Position(self.epoch, self._first_run())
+        p, runs = self._position, None
+        if p is not None and (p.running or (self._pending is None and p.epoch == self.epoch)):
+            runs = p.runs
+        elif self._pending is not None:
+            p = self._pending
+            ranks = self._layout.resolve(strict=False)  # the restored runs as these ranks will go on with them
+            runs = p.raw if ranks is None else p.runs if ranks == p.ranks else \
+                self._continue(p, self._check(ranks), warn=False)
+        else:
+            p = _Position(self.epoch, [])
+            runs = self._first_run(self._ranks())
         return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
-                "runs": [list(r) for r in p.runs], "dataset": self._signature()}
+                "runs": [list(r) for r in runs], "dataset": self._signature()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, here or in another process).
@@ -256,61 +286,76 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature())
-        complete = self._complete(_Position(epoch, runs))  # also checks that the runs are possible
+        pending = _Position(epoch, runs)
+        pending.complete = self._complete(pending)  # also checks that the runs are possible
         while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
             runs.pop()
-        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as this dataset's ranks run it
-            runs = self._first_run()
+        ranks = self._layout.resolve(strict=False)
+        if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
+            pending.runs, pending.ranks = self._continue(pending, self._check(ranks), warn=True), ranks
         self._position = None
-        # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
-        same = runs[-1][0] == self.world_size and (len(runs) > 1 or runs[0][2:] == self._first_run()[0][2:])
-        if not same and not complete:  # elastic: a new run over the rest of the epoch
-            if len(runs[0]) == 3 or self.local_world_size is not None:
-                was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
-                now = "global" if self.local_world_size is None else \
-                    f"{self.world_size // self.local_world_size} nodes x {self.local_world_size}"
-                log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
-                            "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
-                            "cached on its node yet: decoded from the source); later epochs give each node its "
-                            "share of the new layout, cached as it is first read", epoch, was, now)
-            runs.append([self.world_size, 0])
-            dropped = resume.dropped_rows(self._runs(_Position(epoch, runs)))
-            if dropped:
-                log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
-                            "evenly (equal batch counts per rank) and are not delivered", epoch,
-                            self.world_size, dropped)
-        if self._epoch_set and self.epoch != epoch:
-            if complete and self.epoch == epoch + 1:  # set_epoch(next) came first (a StatefulDataLoader defers us)
-                self._pending, self._epoch_set = None, False
+        was_set, self._epoch_set = self._epoch_set, False
+        if was_set and self.epoch != epoch:
+            if pending.complete and self.epoch == epoch + 1:  # set_epoch(next) came first (a StatefulDataLoader
+                self._pending = None  # restores the dataset inside iter()): that epoch begins
                 return
             log.warning("gpuload: load_state_dict resumes epoch %d at batch %d, not epoch %d given to set_epoch",
                         epoch, runs[-1][1], self.epoch)
-        self.epoch, self._epoch_set = epoch, False
-        self._pending = _Position(epoch, runs)
+        self.epoch, self._pending = epoch, pending
+
+    def _continue(self, p: _Position, ranks: Ranks, warn: bool) -> list[list[int]]:
+        """The runs with which ``ranks`` go on with the restored position ``p``: its last run (the same
+        ranks and plan), else a new run over the rest of its epoch (elastic), logged once with ``warn``."""
+        runs = [list(r) for r in p.raw]
+        first = self._first_run(ranks)
+        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as these ranks run it
+            return first
+        # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
+        same = runs[-1][0] == ranks.world and (len(runs) > 1 or runs[0][2:] == first[0][2:])
+        if same or p.complete:
+            return runs
+        runs.append([ranks.world, 0])  # elastic: a new run over the rest of the epoch
+        if not warn or p.warned == ranks.world:
+            return runs
+        p.warned = ranks.world
+        if len(runs[0]) == 3 or ranks.local is not None:
+            was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
+            now = "global" if ranks.local is None else f"{ranks.world // ranks.local} nodes x {ranks.local}"
+            log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
+                        "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
+                        "cached on its node yet: decoded from the source); later epochs give each node its "
+                        "share of the new layout, cached as it is first read", p.epoch, was, now)
+        dropped = resume.dropped_rows(self._runs(_Position(p.epoch, runs)))
+        if dropped:
+            log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
+                        "evenly (equal batch counts per rank) and are not delivered", p.epoch, ranks.world, dropped)
+        return runs
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
-        only the rest)."""
-        return self._runs(_Position(0, self._first_run()))[0].batches
+        only the rest), for the ranks of now (see ``rank``)."""
+        return self._runs(_Position(0, self._first_run(self._ranks())))[0].batches
 
     @property
     def shard(self) -> str:
         """``"global"`` or ``"node"`` (see the class docstring)."""
-        return "global" if self.local_world_size is None else "node"
+        return "node" if self._layout.node else "global"
 
     def node_chunks(self) -> list[list[int]]:
         """With ``shard="node"``: the chunks (indices into ``reader.chunks``) each node owns, in
         every epoch; node ``n`` holds global ranks ``n * local_world_size`` and on."""
-        if self.local_world_size is None:
+        if not self._layout.node:
             raise ConfigError("node_chunks() is for shard='node'")
-        return [o.tolist() for o in self._node_plan(self.world_size, self.local_world_size)[0]]
+        ranks = self._ranks()
+        return [o.tolist() for o in self._node_plan(ranks.world, ranks.local)[0]]
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows delivered per epoch over all ranks (``num_rows`` less what ``drop_last`` or
         node-affine sharding leaves out)."""
-        return sum(self._runs(_Position(0, self._first_run()))[0].sizes(r).rows_before(len(self))
-                   for r in range(self.world_size))
+        ranks = self._ranks()
+        run = self._runs(_Position(0, self._first_run(ranks)))[0]
+        return sum(run.sizes(r).rows_before(run.batches) for r in range(ranks.world))
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
@@ -357,20 +402,41 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def _begin(self) -> _Position:
         """The position the iteration starting now follows: the restored one, else the epoch's start."""
+        ranks = self._check(self._layout.resolve())  # each epoch asks torch.distributed again
         p = self._pending
-        if p is None or p.epoch != self.epoch:
-            p = _Position(self.epoch, self._first_run())
+        runs = self._first_run(ranks) if p is None or p.epoch != self.epoch else \
+            p.runs if p.ranks == ranks else self._continue(p, ranks, warn=True)
+        pos = _Position(self.epoch, runs, ranks)
         self._pending, self._epoch_set = None, False
-        p.running = True
-        self._position = p
-        return p
+        pos.running = True
+        self._position = pos
+        return pos
+
+    def _ranks(self) -> Ranks:
+        """The ranks of now: the running epoch's while an iteration runs (a process group changed
+        since it began is the next epoch's concern), else the layout's."""
+        p = self._position
+        if p is not None and p.running and p.ranks is not None:
+            return p.ranks
+        return self._check(self._layout.resolve())
+
+    def _check(self, ranks: Ranks) -> Ranks:
+        """Refuse ranks that cannot share this dataset (once per layout); returns them."""
+        if (ranks.world, ranks.local) not in self._checked:
+            if ranks.local is None:
+                plan.check_balance(self.reader.num_rows, ranks.world, self.options.batch_size, self.options.drop_last)
+            else:
+                self._node_plan(ranks.world, ranks.local)  # refuses a node share too small
+            self._checked.add((ranks.world, ranks.local))
+        return ranks
 
     def _complete(self, p: _Position) -> bool:
         return self._runs(p)[-1].complete
 
-    def _first_run(self) -> list[list[int]]:
-        """The runs of an epoch not started yet: one run of this dataset's ranks."""
-        return [[self.world_size, 0] + ([] if self.local_world_size is None else [self.local_world_size])]
+    @staticmethod
+    def _first_run(ranks: Ranks) -> list[list[int]]:
+        """The runs of an epoch not started yet: one run of these ranks."""
+        return [[ranks.world, 0] + ([] if ranks.local is None else [ranks.local])]
 
     def _runs(self, p: _Position) -> list[resume.Run]:
         o = self.options
@@ -420,9 +486,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         epoch = self.epoch if epoch is None else epoch
-        first = self._first_run()[0]
-        sizes = self._runs(_Position(epoch, [first]))[0].sizes(self.rank)
-        return self._windows(epoch, first[0], self.rank, *first[2:]), sizes
+        ranks = self._ranks()
+        first = self._first_run(ranks)[0]
+        sizes = self._runs(_Position(epoch, [first]))[0].sizes(ranks.rank)
+        return self._windows(epoch, first[0], ranks.rank, *first[2:]), sizes
 
     # -- internals ----------------------------------------------------------------------
     def _windows(self, epoch: int, world: int, rank: int, local: int | None = None) -> list[list[plan.Segment]]:
@@ -456,8 +523,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 base[q] = self._windows(p.epoch, runs[0].world, q, *p.runs[0][2:])
             return base[q]
 
+        rank = self._ranks().rank if p.ranks is None else p.ranks.rank
         pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],
-                                             runs, self.rank)
+                                             runs, rank)
         takes: list[tuple[int, int, list]] = []  # pieces of one window come one after another: read it once
         for c in pieces:
             if takes and takes[-1][:2] == (c.rank, c.window):
@@ -491,6 +559,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 
     def __repr__(self) -> str:
+        ranks = self._layout.resolve(strict=False)
+        where = "rank=? (no process group yet)" if ranks is None else f"rank={ranks.rank}/{ranks.world}"
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
                 f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
-                f"rank={self.rank}/{self.world_size}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
+                f"{where}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")

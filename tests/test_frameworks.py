@@ -1,0 +1,101 @@
+"""gpuload under real training frameworks, 2 processes on the CPU (gloo).
+
+Each test runs ``tests/frameworks_train.py`` (the README's recipe for that framework) over
+3 epochs and checks, from the ``row_id`` of every batch each rank trained on: every row
+exactly once per epoch across the 2 ranks, the same number of batches on both ranks
+(and as many as ``len(ds)`` said), a different order in each epoch, and that the job
+ended (a hung rank fails the test after ``TIMEOUT`` seconds, every process killed).
+
+* torchrun: the dataset is made before ``init_process_group`` (ranks resolve when
+  iteration begins) and an iteration tried before it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import free_port, run_launch, write_parquet
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("frameworks_train.py")
+ROWS = 3001
+BATCH = 50
+EPOCHS = 3
+TIMEOUT = 240  # seconds a job may take before it counts as hung (a run takes 10-40 s on 2 busy cores)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((ROWS, 2)).astype(np.float32)
+    cols = {"row_id": np.arange(ROWS), "x0": x[:, 0], "x1": x[:, 1], "y": (x @ [1.0, -2.0]).astype(np.float32)}
+    d = tmp_path_factory.mktemp("frameworks_source")
+    write_parquet(d / "a.parquet", {k: v[:1700] for k, v in cols.items()}, row_group_size=100)
+    write_parquet(d / "b.parquet", {k: v[1700:] for k, v in cols.items()}, row_group_size=100)
+    return d
+
+
+def _script_args(framework: str, source: Path, out: Path) -> list[str]:
+    return [str(SCRIPT), framework, "--source", str(source), "--cache", str(out / "cache"), "--out", str(out),
+            "--epochs", str(EPOCHS), "--batch-size", str(BATCH)]
+
+
+def _launch(cmd: list[str], out: Path, world: int = 2) -> list[dict]:
+    t0 = time.monotonic()
+    rc, log = run_launch(cmd, TIMEOUT)
+    took = time.monotonic() - t0
+    assert rc == 0, f"the job failed (exit {rc}):\n{log[-8000:]}"
+    missing = [r for r in range(world) if not (out / f"done.{r}.json").exists()]
+    assert not missing, f"ranks {missing} did not finish:\n{log[-8000:]}"
+    (out / "took.txt").write_text(f"{took:.1f}")
+    return [json.loads((out / f"done.{r}.json").read_text()) for r in range(world)]
+
+
+def _batches(out: Path, world: int = 2) -> dict[str, list[list[np.ndarray]]]:
+    """``{epoch: [[ids of each batch] for each rank]}`` as the ranks logged them."""
+    got: dict[str, list[list[np.ndarray]]] = {}
+    for r in range(world):
+        for line in (out / f"rows.{r}.txt").read_text().splitlines():
+            epoch, ids = line.split(" ")
+            got.setdefault(epoch, [[] for _ in range(world)])[r].append(np.array(ids.split(","), dtype=np.int64))
+    return got
+
+
+def _each_row_once(per_rank: list[list[np.ndarray]], where) -> np.ndarray:
+    """Asserts every row exactly once across the ranks and equal batch counts; returns the ids in order."""
+    assert len({len(b) for b in per_rank}) == 1, (where, "batch counts differ between ranks",
+                                                   [len(b) for b in per_rank])
+    ids = np.concatenate([np.concatenate(b) for b in per_rank])
+    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS)), (
+        where, f"not every row once across ranks: {len(ids)} rows, {len(np.unique(ids))} distinct")
+    return ids
+
+
+def _check_training(out: Path, done: list[dict]) -> dict[str, list[list[np.ndarray]]]:
+    batches = _batches(out)
+    orders = []
+    for e in range(EPOCHS):
+        orders.append(_each_row_once(batches[str(e)], f"epoch {e}"))
+        assert len(batches[str(e)][0]) == done[0]["len"], (e, "len(ds) is not the batches each rank got")
+    for a in range(EPOCHS):
+        for b in range(a + 1, EPOCHS):
+            assert not np.array_equal(orders[a], orders[b]), f"epochs {a} and {b} have the same order"
+    assert all(d["counts"] == done[0]["counts"] for d in done)
+    return batches
+
+
+def test_torchrun_dataset_made_before_init_process_group(source, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *_script_args("torchrun", source, tmp_path)]
+    done = _launch(cmd, tmp_path)
+    _check_training(tmp_path, done)
+    for d in done:  # an iteration before the process group exists is refused, naming the fixes
+        assert d["refused_before_init"] is not None, "iterating before init_process_group was not refused"
+        assert "init_process_group" in d["refused_before_init"] and "rank=" in d["refused_before_init"]
