@@ -47,6 +47,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     gpuload batches and runs its own background threads, and refuses a DataLoader that
     would batch again).
 
+    Each iteration is one epoch. ``set_epoch(e)`` selects the epoch the next iteration
+    follows; a new iteration begun without ``set_epoch`` since the previous one began
+    (as under Lightning, which never calls it) follows the next epoch: the first
+    iteration is epoch 0 (or a restored state's epoch), then 1, 2... The epoch is part of
+    :meth:`state_dict`, so a restored dataset goes on counting from it.
+
     Parameters
     ----------
     source : a Parquet file, a directory (``*.parquet`` below it), a glob, a URL (``s3://``,
@@ -176,6 +182,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self._pending: _Position | None = None  # restored by load_state_dict, not iterated yet
         self._position: _Position | None = None  # the latest iteration's
         self._epoch_set = False  # set_epoch called since the last load_state_dict or iteration
+        self._advance = False  # the next iteration begins epoch + 1 (no set_epoch since the last began)
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -227,11 +234,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                    + (o.prefetch + 4) * o.batch_size * (row + 16))
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (call before each epoch).
+        """Select the epoch whose order the next iteration follows.
 
-        After :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps its
-        position, and of the next epoch (when the restored one was complete) starts it;
-        another epoch drops the restored position, with a warning.
+        Optional: an iteration begun without ``set_epoch`` follows the epoch after the
+        previous iteration's (see the class docstring). After :meth:`load_state_dict`,
+        ``set_epoch`` of the restored epoch keeps its position, and of the next epoch (when
+        the restored one was complete) starts it; another epoch drops the restored position,
+        with a warning.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
@@ -244,7 +253,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             self._pending = None
         if self._position is not None and not self._position.running:
             self._position = None  # the next iteration starts this epoch afresh (or where a state put it)
-        self.epoch, self._epoch_set = epoch, True
+        self.epoch, self._epoch_set, self._advance = epoch, True, False
 
     def state_dict(self) -> dict:
         """Where this dataset stands: a small JSON-serialisable dict for :meth:`load_state_dict`.
@@ -253,6 +262,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         after an exception in the training step) and counts the batches handed out so
         far. It is the same on every rank (DDP ranks take the same number of batches),
         so saving rank 0's is enough. See :mod:`gpuload.resume` for its fields.
+
+        A state taken after an epoch's last batch restores to the next epoch; one taken
+        within an epoch (in the loop, or after it was left or failed) restores to the rest
+        of that epoch.
         """
         p, runs = self._position, None
         if p is not None and (p.running or (self._pending is None and p.epoch == self.epoch)):
@@ -302,6 +315,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             log.warning("gpuload: load_state_dict resumes epoch %d at batch %d, not epoch %d given to set_epoch",
                         epoch, runs[-1][1], self.epoch)
         self.epoch, self._pending = epoch, pending
+        self._advance = pending.complete and not was_set  # an epoch that was over: the next iteration begins the next
 
     def _continue(self, p: _Position, ranks: Ranks, warn: bool) -> list[list[int]]:
         """The runs with which ``ranks`` go on with the restored position ``p``: its last run (the same
@@ -401,13 +415,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             producer.close()
 
     def _begin(self) -> _Position:
-        """The position the iteration starting now follows: the restored one, else the epoch's start."""
+        """The position the iteration starting now follows: the next epoch's start if no set_epoch
+        came since the previous iteration began, else the restored position, else the epoch's start."""
         ranks = self._check(self._layout.resolve())  # each epoch asks torch.distributed again
+        if self._advance:
+            self.epoch, self._pending = self.epoch + 1, None
         p = self._pending
         runs = self._first_run(ranks) if p is None or p.epoch != self.epoch else \
             p.runs if p.ranks == ranks else self._continue(p, ranks, warn=True)
         pos = _Position(self.epoch, runs, ranks)
-        self._pending, self._epoch_set = None, False
+        self._pending, self._epoch_set, self._advance = None, False, True
         pos.running = True
         self._position = pos
         return pos

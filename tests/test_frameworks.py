@@ -1,4 +1,5 @@
-"""gpuload under real training frameworks, 2 processes on the CPU (gloo).
+"""gpuload under real training frameworks, 2 processes on the CPU (gloo): torchrun,
+Lightning's DDP and ``accelerate launch``.
 
 Each test runs ``tests/frameworks_train.py`` (the README's recipe for that framework) over
 3 epochs and checks, from the ``row_id`` of every batch each rank trained on: every row
@@ -7,7 +8,10 @@ exactly once per epoch across the 2 ranks, the same number of batches on both ra
 ended (a hung rank fails the test after ``TIMEOUT`` seconds, every process killed).
 
 * torchrun: the dataset is made before ``init_process_group`` (ranks resolve when
-  iteration begins) and an iteration tried before it is refused.
+  iteration begins) and an iteration tried before it is refused;
+* Lightning: the datasets are made in the LightningModule's ``__init__``; Lightning
+  never calls ``set_epoch``, so each new iteration begins the next epoch; the validation
+  set's sanity check (2 batches) and per-epoch runs.
 """
 
 from __future__ import annotations
@@ -99,3 +103,14 @@ def test_torchrun_dataset_made_before_init_process_group(source, tmp_path):
     for d in done:  # an iteration before the process group exists is refused, naming the fixes
         assert d["refused_before_init"] is not None, "iterating before init_process_group was not refused"
         assert "init_process_group" in d["refused_before_init"] and "rank=" in d["refused_before_init"]
+
+
+def test_lightning_ddp_dataset_made_in_module_init(source, tmp_path):
+    done = _launch([sys.executable, *_script_args("lightning", source, tmp_path)], tmp_path)
+    assert all(d["world"] == 2 and d["train_len"] == d["len"] for d in done)
+    batches = _check_training(tmp_path, done)
+    # validation: the sanity check's 2 batches per rank, then one whole run per epoch
+    assert [len(b) for b in batches["val0"]] == [2, 2]
+    for run in range(1, EPOCHS + 1):
+        _each_row_once(batches[f"val{run}"], f"validation {run}")
+    assert f"val{EPOCHS + 1}" not in batches

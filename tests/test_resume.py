@@ -10,6 +10,8 @@
 * only the chunks still needed are read; the footguns (a state from another dataset,
   ``load_state_dict`` while iterating, ``iter()`` before ``load_state_dict``);
 * torchdata's ``StatefulDataLoader`` round trip, and a restore in a fresh process;
+* iterations without ``set_epoch`` (Lightning never calls it): each begins the next
+  epoch, alone, after a restore and through a ``StatefulDataLoader``;
 * a state that cannot exist (node layouts, runs, outputs) is refused by
   ``load_state_dict`` with a ``ConfigError``, never accepted to fail in a loader thread.
 """
@@ -312,6 +314,7 @@ def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
     windows, sizes = ref.plan_epoch(1)
     k = len(sizes) // 2
     pos = sizes.rows_before(k)
+    ref.set_epoch(1)  # again (without it, the next iteration would be epoch 2)
     it = iter(ref)
     list(itertools.islice(it, k))
     state = ref.state_dict()
@@ -641,6 +644,90 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     assert split  # some window had rows taken from its middle by the 3-rank run
     ids = np.concatenate(seen)
     assert len(np.unique(ids)) == len(ids) == sum(ROWS)
+
+
+# ---------------------------------------------------------------------------------------
+# iterations without set_epoch
+# ---------------------------------------------------------------------------------------
+
+def _epochs(source, cache, n: int) -> dict[int, list]:
+    """Batches of epochs ``0..n-1``, each selected with set_epoch."""
+    ds, out = _open(source, cache), {}
+    for e in range(n):
+        ds.set_epoch(e)
+        out[e] = list(ds)
+    return out
+
+
+def _same_epoch(got: list, want: list, where) -> None:
+    _assert_same_run([(0, b) for b in got], [(0, b) for b in want], where)
+
+
+def test_a_new_iteration_without_set_epoch_begins_the_next_epoch(source, tmp_path):
+    cache = tmp_path / "c"
+    ref = _epochs(source, cache, 5)
+    ds = _open(source, cache)
+    assert ds.state_dict()["epoch"] == 0
+    _same_epoch(list(ds), ref[0], "the first iteration: epoch 0")
+    _same_epoch(list(ds), ref[1], "the second: epoch 1")
+    assert ds.epoch == 1 and ds.state_dict()["epoch"] == 1
+    iter(ds), iter(ds)  # iterators made but never started are no epoch
+    it = iter(ds)
+    part = [next(it) for _ in range(5)]  # epoch 2, left after 5 batches
+    it.close()
+    _same_epoch(part, ref[2][:5], "epoch 2, begun")
+    assert ds.state_dict()["epoch"] == 2 and ds.state_dict()["runs"] == [[1, 5]]
+    _same_epoch(list(ds), ref[3], "after an iteration was left: the next epoch")
+    ds.set_epoch(1)  # set_epoch works as it always did
+    _same_epoch(list(ds), ref[1], "set_epoch(1)")
+    ds.set_epoch(1)
+    _same_epoch(list(ds), ref[1], "set_epoch(1) again")
+    _same_epoch(list(ds), ref[2], "then no set_epoch: epoch 2")
+
+
+def test_restore_then_iterate_without_set_epoch(source, tmp_path):
+    cache = tmp_path / "c"
+    ref = _epochs(source, cache, 3)
+    ds = _open(source, cache)
+    list(ds)
+    end_of_0 = ds.state_dict()
+    it = iter(ds)
+    [next(it) for _ in range(7)]
+    mid_1 = ds.state_dict()
+    it.close()
+    assert end_of_0["runs"] == [[1, len(ds)]] and (mid_1["epoch"], mid_1["runs"]) == (1, [[1, 7]])
+    a = _open(source, cache)
+    a.load_state_dict(end_of_0)  # a complete epoch: the next iteration begins epoch 1
+    _same_epoch(list(a), ref[1], "after the end of epoch 0")
+    _same_epoch(list(a), ref[2], "then epoch 2")
+    b = _open(source, cache)
+    b.load_state_dict(mid_1)  # within an epoch: the next iteration goes on with it
+    _same_epoch(list(b), ref[1][7:], "the rest of epoch 1")
+    _same_epoch(list(b), ref[2], "then epoch 2")
+
+
+def test_stateful_dataloader_without_set_epoch(source, tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    cache = tmp_path / "c"
+    ref = _epochs(source, cache, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torchdata's own 'set_vital is deprecated'
+        loader = StatefulDataLoader(_open(source, cache), batch_size=None, num_workers=0)
+        _same_epoch(list(loader), ref[0], "loader, epoch 0")
+        end_of_0 = json.loads(json.dumps(loader.state_dict()))  # after StopIteration
+        got = []
+        for i, b in enumerate(loader):
+            got.append(b)
+            if i == 9:
+                break
+        mid_1 = json.loads(json.dumps(loader.state_dict()))
+        _same_epoch(got, ref[1][:10], "loader, epoch 1 begun")
+        for state, epoch, skip in ((end_of_0, 1, 0), (mid_1, 1, 10)):
+            again = StatefulDataLoader(_open(source, cache), batch_size=None, num_workers=0)
+            again.load_state_dict(state)
+            _same_epoch(list(again), ref[epoch][skip:], ("restored", epoch, skip))
+            _same_epoch(list(again), ref[epoch + 1], ("then", epoch + 1))
 
 
 # ---------------------------------------------------------------------------------------
