@@ -12,6 +12,7 @@ import torch
 
 from . import plan, resume
 from .config import Options
+from .consumers import check_iter_caller, check_set_epoch_caller
 from .errors import ConfigError
 from .batch import nbytes, nrows
 from .gpu.runtime import open_device
@@ -45,7 +46,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     dtypes and writes it to the cache; later epochs read the cache only. Iterate it
     directly (or through a ``DataLoader`` with ``batch_size=None, num_workers=0``:
     gpuload batches and runs its own background threads, and refuses a DataLoader that
-    would batch again).
+    would batch again, or accelerate's ``prepare``, which would shard again).
 
     Each iteration is one epoch. ``set_epoch(e)`` selects the epoch the next iteration
     follows; a new iteration begun without ``set_epoch`` since the previous one began
@@ -242,6 +243,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         the restored one was complete) starts it; another epoch drops the restored position,
         with a warning.
         """
+        check_set_epoch_caller(sys._getframe(1))
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
         p = self._pending
@@ -376,13 +378,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if info is not None and info.num_workers > 0:
             raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
                               "batch_size=None), or iterate it directly")
-        caller = sys._getframe(1)  # a DataLoader's fetcher calls iter() in its __init__
-        # only that frame's locals are read: reading f_locals snapshots every local of the caller
-        # (the training loop's own frame, most often) and keeps them alive after a `del`
-        fetcher = caller.f_locals.get("self") if caller.f_code.co_name == "__init__" else None
-        if type(fetcher).__name__ == "_IterableDatasetFetcher" and getattr(fetcher, "auto_collation", False):
-            raise ConfigError("DataLoader(ds) would batch gpuload's batches again (a leading [1, ...] dimension): "
-                              "pass DataLoader(ds, batch_size=None), or iterate the dataset directly")
+        check_iter_caller(sys._getframe(1))
         return self._iterate()
 
     def _iterate(self) -> Iterator[dict]:

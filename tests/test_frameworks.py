@@ -11,7 +11,13 @@ ended (a hung rank fails the test after ``TIMEOUT`` seconds, every process kille
   iteration begins) and an iteration tried before it is refused;
 * Lightning: the datasets are made in the LightningModule's ``__init__``; Lightning
   never calls ``set_epoch``, so each new iteration begins the next epoch; the validation
-  set's sanity check (2 batches) and per-epoch runs.
+  set's sanity check (2 batches) and per-epoch runs;
+* accelerate: ``accelerator.prepare(DataLoader(ds))`` would re-shard gpuload's batches
+  (dispatched from rank 0, or every other batch kept): refused with a ``ConfigError`` on
+  every rank, with accelerate's default settings and with ``dispatch_batches=False``;
+  the recommended pattern (prepare the model and optimizer, iterate the dataset) works,
+  and ``accelerator.save_state`` holds the dataset's position: restored, each rank gets
+  the rest of the epoch it had.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+
+import gpuload
 
 from conftest import free_port, run_launch, write_parquet
+from frameworks_train import COLUMNS, OPTIONS
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +124,25 @@ def test_lightning_ddp_dataset_made_in_module_init(source, tmp_path):
     for run in range(1, EPOCHS + 1):
         _each_row_once(batches[f"val{run}"], f"validation {run}")
     assert f"val{EPOCHS + 1}" not in batches
+
+
+def test_accelerate_launch(source, tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+           "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}",
+           *_script_args("accelerate", source, tmp_path)]
+    done = _launch(cmd, tmp_path)
+    for d in done:  # accelerator.prepare(dataloader) would re-shard what gpuload already shards
+        for mode in ("dispatch", "shard"):
+            got = d["prepared"][mode]
+            assert got["refused"], f"prepare(DataLoader(ds)) ({mode}) was not refused: {got}"
+            assert "accelerator.prepare" in got["message"], got
+    batches = _check_training(tmp_path, done)
+    state = torch.load(tmp_path / "checkpoint" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert (state["epoch"], state["runs"]) == (1, [[2, 5]])  # saved after 5 batches of epoch 1
+    for rank in (0, 1):
+        ds = gpuload.ParquetDataset(source, COLUMNS, batch_size=BATCH, cache_dir=tmp_path / "cache", device="cpu",
+                                    rank=rank, world_size=2, **OPTIONS)
+        ds.load_state_dict(state)
+        rest = [b["row_id"].numpy() for b in ds]
+        want = batches["1"][rank][5:]
+        assert len(rest) == len(want) and all(np.array_equal(a, b) for a, b in zip(rest, want)), rank
