@@ -13,6 +13,7 @@ import torch
 from . import plan, resume
 from .config import Options
 from .consumers import check_iter_caller, check_set_epoch_caller
+from .epochs import EpochPlan, Position
 from .errors import ConfigError
 from .batch import nbytes, nrows
 from .gpu.runtime import open_device
@@ -27,16 +28,6 @@ from .schema import BFLOAT16
 __all__ = ["ParquetDataset"]
 
 log = logging.getLogger("gpuload")
-
-
-class _Position:
-    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`),
-    and the ranks that run it (None: a restored position, not begun on this dataset's ranks yet)."""
-
-    def __init__(self, epoch: int, runs: list[list[int]], ranks: Ranks | None = None):
-        self.epoch, self.runs, self.ranks, self.running = epoch, runs, ranks, False
-        # a restored position: its runs as saved, whether its epoch was over, the world size its resume was logged for
-        self.raw, self.complete, self.warned = runs, False, None
 
 
 class ParquetDataset(torch.utils.data.IterableDataset):
@@ -157,8 +148,6 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
                                kvikio_compat=kvikio_compat, layout=layout, block_rows=block)
         self._layout = RankLayout(rank, world_size, shard, local_world_size)
-        self._checked: set[tuple[int, int | None]] = set()  # (world, local) layouts this dataset can run
-        self._node_plans: dict[tuple[int, int], tuple] = {}
         self.device = resolve_device(device)
         self.metrics = Metrics()
         self._ctx, gpu_decode = open_device(self.device, self.options, self.metrics)
@@ -167,8 +156,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                   gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
                                   storage_options=storage_options, remote=remote)
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
+        self._plan = EpochPlan([c.rows for c in self.reader.chunks], self.reader.fingerprint, self.options)
         if self._layout.known:  # refuse now what these ranks cannot run
-            self._check(self._layout.resolve())
+            self._plan.check(self._layout.resolve())
         elif not self._layout.node:  # ranks come later: what no number of ranks can run
             plan.check_balance(self.reader.num_rows, 1, batch_size, self.options.drop_last)
         o = self.options
@@ -180,8 +170,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 "or prefetch")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
         self.epoch = 0
-        self._pending: _Position | None = None  # restored by load_state_dict, not iterated yet
-        self._position: _Position | None = None  # the latest iteration's
+        self._pending: Position | None = None  # restored by load_state_dict, not iterated yet
+        self._position: Position | None = None  # the latest iteration's
         self._epoch_set = False  # set_epoch called since the last load_state_dict or iteration
         self._advance = False  # the next iteration begins epoch + 1 (no set_epoch since the last began)
 
@@ -248,7 +238,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
         p = self._pending
         if p is not None and epoch != p.epoch:
-            if not (epoch == p.epoch + 1 and self._complete(p)):
+            if not (epoch == p.epoch + 1 and p.complete):
                 log.warning("gpuload: set_epoch(%d) after load_state_dict: the restored position (epoch %d, "
                             "batch %d) is dropped, and epoch %d starts from its first batch",
                             epoch, p.epoch, p.runs[-1][1], epoch)
@@ -276,10 +266,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             p = self._pending
             ranks = self._layout.resolve(strict=False)  # the restored runs as these ranks will go on with them
             runs = p.raw if ranks is None else p.runs if ranks == p.ranks else \
-                self._continue(p, self._check(ranks), warn=False)
+                self._plan.go_on(p, self._plan.check(ranks), warn=False)
         else:
-            p = _Position(self.epoch, [])
-            runs = self._first_run(self._ranks())
+            p = Position(self.epoch, [])
+            runs = self._plan.first_run(self._ranks())
         return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
                 "runs": [list(r) for r in runs], "dataset": self._signature()}
 
@@ -301,13 +291,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature())
-        pending = _Position(epoch, runs)
-        pending.complete = self._complete(pending)  # also checks that the runs are possible
+        pending = Position(epoch, runs)
+        pending.complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
         while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
             runs.pop()
         ranks = self._layout.resolve(strict=False)
         if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
-            pending.runs, pending.ranks = self._continue(pending, self._check(ranks), warn=True), ranks
+            pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
         self._position = None
         was_set, self._epoch_set = self._epoch_set, False
         if was_set and self.epoch != epoch:
@@ -319,38 +309,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.epoch, self._pending = epoch, pending
         self._advance = pending.complete and not was_set  # an epoch that was over: the next iteration begins the next
 
-    def _continue(self, p: _Position, ranks: Ranks, warn: bool) -> list[list[int]]:
-        """The runs with which ``ranks`` go on with the restored position ``p``: its last run (the same
-        ranks and plan), else a new run over the rest of its epoch (elastic), logged once with ``warn``."""
-        runs = [list(r) for r in p.raw]
-        first = self._first_run(ranks)
-        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as these ranks run it
-            return first
-        # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
-        same = runs[-1][0] == ranks.world and (len(runs) > 1 or runs[0][2:] == first[0][2:])
-        if same or p.complete:
-            return runs
-        runs.append([ranks.world, 0])  # elastic: a new run over the rest of the epoch
-        if not warn or p.warned == ranks.world:
-            return runs
-        p.warned = ranks.world
-        if len(runs[0]) == 3 or ranks.local is not None:
-            was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
-            now = "global" if ranks.local is None else f"{ranks.world // ranks.local} nodes x {ranks.local}"
-            log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
-                        "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
-                        "cached on its node yet: decoded from the source); later epochs give each node its "
-                        "share of the new layout, cached as it is first read", p.epoch, was, now)
-        dropped = resume.dropped_rows(self._runs(_Position(p.epoch, runs)))
-        if dropped:
-            log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
-                        "evenly (equal batch counts per rank) and are not delivered", p.epoch, ranks.world, dropped)
-        return runs
-
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
         only the rest), for the ranks of now (see ``rank``)."""
-        return self._runs(_Position(0, self._first_run(self._ranks())))[0].batches
+        return self._plan.first(self._ranks()).batches
 
     @property
     def shard(self) -> str:
@@ -363,14 +325,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         if not self._layout.node:
             raise ConfigError("node_chunks() is for shard='node'")
         ranks = self._ranks()
-        return [o.tolist() for o in self._node_plan(ranks.world, ranks.local)[0]]
+        return [o.tolist() for o in self._plan.node_plan(ranks.world, ranks.local)[0]]
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows delivered per epoch over all ranks (``num_rows`` less what ``drop_last`` or
         node-affine sharding leaves out)."""
         ranks = self._ranks()
-        run = self._runs(_Position(0, self._first_run(ranks)))[0]
+        run = self._plan.first(ranks)
         return sum(run.sizes(r).rows_before(run.batches) for r in range(ranks.world))
 
     def __iter__(self) -> Iterator[dict]:
@@ -410,16 +372,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             pos.running = False
             producer.close()
 
-    def _begin(self) -> _Position:
+    def _begin(self) -> Position:
         """The position the iteration starting now follows: the next epoch's start if no set_epoch
         came since the previous iteration began, else the restored position, else the epoch's start."""
-        ranks = self._check(self._layout.resolve())  # each epoch asks torch.distributed again
+        ranks = self._plan.check(self._layout.resolve())  # each epoch asks torch.distributed again
         if self._advance:
             self.epoch, self._pending = self.epoch + 1, None
         p = self._pending
-        runs = self._first_run(ranks) if p is None or p.epoch != self.epoch else \
-            p.runs if p.ranks == ranks else self._continue(p, ranks, warn=True)
-        pos = _Position(self.epoch, runs, ranks)
+        runs = self._plan.first_run(ranks) if p is None or p.epoch != self.epoch else \
+            p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=True)
+        pos = Position(self.epoch, runs, ranks)
         self._pending, self._epoch_set, self._advance = None, False, True
         pos.running = True
         self._position = pos
@@ -431,39 +393,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         p = self._position
         if p is not None and p.running and p.ranks is not None:
             return p.ranks
-        return self._check(self._layout.resolve())
-
-    def _check(self, ranks: Ranks) -> Ranks:
-        """Refuse ranks that cannot share this dataset (once per layout); returns them."""
-        if (ranks.world, ranks.local) not in self._checked:
-            if ranks.local is None:
-                plan.check_balance(self.reader.num_rows, ranks.world, self.options.batch_size, self.options.drop_last)
-            else:
-                self._node_plan(ranks.world, ranks.local)  # refuses a node share too small
-            self._checked.add((ranks.world, ranks.local))
-        return ranks
-
-    def _complete(self, p: _Position) -> bool:
-        return self._runs(p)[-1].complete
-
-    @staticmethod
-    def _first_run(ranks: Ranks) -> list[list[int]]:
-        """The runs of an epoch not started yet: one run of these ranks."""
-        return [[ranks.world, 0] + ([] if ranks.local is None else [ranks.local])]
-
-    def _runs(self, p: _Position) -> list[resume.Run]:
-        o = self.options
-        return resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last,
-                              lambda world, local: self._node_plan(world, local)[1])
-
-    def _node_plan(self, world: int, local: int) -> tuple:
-        """(chunks per node, rows per rank, rows undelivered per node) for ``world`` ranks, ``local`` per node."""
-        if (world, local) not in self._node_plans:
-            o, r = self.options, self.reader
-            self._node_plans[world, local] = plan.node_shares(
-                [c.rows for c in r.chunks], world // local, local, o.batch_size, o.drop_last,
-                fingerprint=r.fingerprint, seed=o.seed)
-        return self._node_plans[world, local]
+        return self._plan.check(self._layout.resolve())
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -500,59 +430,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         epoch = self.epoch if epoch is None else epoch
         ranks = self._ranks()
-        first = self._first_run(ranks)[0]
-        sizes = self._runs(_Position(epoch, [first]))[0].sizes(ranks.rank)
-        return self._windows(epoch, first[0], ranks.rank, *first[2:]), sizes
+        first = self._plan.first_run(ranks)[0]
+        return self._plan.windows(epoch, first[0], ranks.rank, *first[2:]), self._plan.first(ranks).sizes(ranks.rank)
 
-    # -- internals ----------------------------------------------------------------------
-    def _windows(self, epoch: int, world: int, rank: int, local: int | None = None) -> list[list[plan.Segment]]:
-        """Rank ``rank``'s windows in an epoch run by ``world`` ranks (node-affine: ``local`` per node)."""
+    def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
-        rows = [c.rows for c in r.chunks]
-        if local is not None:
-            owned, per, _ = self._node_plan(world, local)
-            segments = plan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
-                                          per_rank=per, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                          shuffle=o.shuffle)
-        else:
-            order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                     shuffle=o.shuffle)
-            start, stop = plan.rank_range(r.num_rows, world, rank, o.batch_size, o.drop_last)
-            segments = plan.rank_segments(rows, order, start, stop)
-        return plan.windows(segments, o.shuffle_window)
-
-    def _rest(self, p: _Position) -> tuple[list[list[plan.Segment]], list[tuple[int, int, list]], plan.BatchSizes]:
-        """What this rank yields from position ``p``: per window it reads, the chunk segments
-        to load and ``(rank, window, [(lo, hi), ...])`` (the window's key in the epoch's
-        first run and the positions taken from it), and the batch sizes."""
-        o = self.options
-        runs = self._runs(p)
-        if runs[-1].complete:
-            return [], [], plan.BatchSizes(0, o.batch_size, ())
-        base: dict[int, list[list[plan.Segment]]] = {}  # windows of ranks of the epoch's first run
-
-        def windows_of(q: int) -> list[list[plan.Segment]]:
-            if q not in base:
-                base[q] = self._windows(p.epoch, runs[0].world, q, *p.runs[0][2:])
-            return base[q]
-
-        rank = self._ranks().rank if p.ranks is None else p.ranks.rank
-        pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],
-                                             runs, rank)
-        takes: list[tuple[int, int, list]] = []  # pieces of one window come one after another: read it once
-        for c in pieces:
-            if takes and takes[-1][:2] == (c.rank, c.window):
-                takes[-1][2].append((c.lo, c.hi))
-            else:
-                takes.append((c.rank, c.window, [(c.lo, c.hi)]))
-        # shuffled, a window is loaded whole to permute it; in file order, only the rows taken
-        loads = [windows_of(q)[w] if o.shuffle else [s for lo, hi in spans for s in plan.trim(windows_of(q)[w], lo, hi)]
-                 for q, w, spans in takes]
-        return loads, takes, sizes
-
-    def _batches(self, pos: _Position, handoff: Callable, stop) -> Iterator:
-        o, r = self.options, self.reader
-        windows, takes, sizes = self._rest(pos)
+        windows, takes, sizes = self._plan.rest(pos, pos.ranks.rank)
         ctx = self._ctx
         permutation = None
         if o.shuffle:

@@ -637,7 +637,7 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     for r in range(2):
         ds = _open(source, cache, 2, r)
         ds.load_state_dict(state)
-        windows, takes, _ = ds._rest(ds._pending)
+        windows, takes, _ = ds._plan.rest(ds._pending, r)
         assert len({(q, w) for q, w, _ in takes}) == len(takes)  # one load per window
         split += sum(len(spans) > 1 for _, _, spans in takes)
         seen.append(_ids(list(ds)))
