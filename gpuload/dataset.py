@@ -455,8 +455,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 
     def __repr__(self) -> str:
-        ranks = self._layout.resolve(strict=False)
-        where = "rank=? (no process group yet)" if ranks is None else f"rank={ranks.rank}/{ranks.world}"
+        try:
+            ranks = self._layout.resolve(strict=False)
+        except ConfigError:  # shown where it is used (iteration, len())
+            ranks = None
+        where = "rank=? (not known yet)" if ranks is None else f"rank={ranks.rank}/{ranks.world}"
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
                 f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
                 f"{where}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")

@@ -285,12 +285,32 @@ def test_world_size_from_a_launcher_without_a_process_group_is_refused(source, t
     for call in (lambda: next(iter(ds)), lambda: len(ds), lambda: ds.state_dict(), lambda: ds.rows_per_epoch):
         with pytest.raises(gpuload.ConfigError, match=r"WORLD_SIZE=2 .*init_process_group.* rank=.*world_size="):
             call()
-    assert "ParquetDataset(" in repr(ds)
+    assert "rank=? (not known yet)" in repr(ds)
     process_group(1, 2)  # once the group exists, the same dataset works
     assert len(ds) == len(_open(source, tmp_path / "c", 1, world=2, shard="global"))
     assert len(list(ds)) == len(ds)
     explicit = _open(source, tmp_path / "c", 1, world=2, shard="global")  # or the ranks are passed
     assert len(list(explicit)) == len(explicit)
+
+
+def test_a_state_loaded_before_the_process_group(source, tmp_path, process_group, monkeypatch):
+    """A state restored before init_process_group goes on as the group's ranks will (here: 1 rank's
+    state, elastic onto rank 1 of 2)."""
+    one = _open(source, tmp_path / "c", 0, world=1, shard="global")
+    it = iter(one)
+    taken = [next(it) for _ in range(5)]
+    state = one.state_dict()
+    it.close()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = _lazy(source, tmp_path / "c")
+    ds.load_state_dict(state)
+    assert ds.state_dict() == state  # as saved: the ranks are not known yet
+    process_group(1, 2)
+    want = _open(source, tmp_path / "c", 1, world=2, shard="global")
+    want.load_state_dict(state)
+    assert ds.state_dict() == want.state_dict() and ds.state_dict()["runs"] == [[1, 5], [2, 0]]
+    assert np.array_equal(_ids(list(ds)), _ids(list(want)))
+    assert len(taken) == 5
 
 
 # ---------------------------------------------------------------------------------------
