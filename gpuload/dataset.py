@@ -12,6 +12,8 @@ import torch
 
 from . import plan, resume
 from .config import Options
+from .consumers import check_iter_caller, check_set_epoch_caller
+from .epochs import EpochPlan, Position
 from .errors import ConfigError
 from .batch import nbytes, nrows
 from .gpu.runtime import open_device
@@ -19,20 +21,13 @@ from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .observe.metrics import Metrics
 from .observe.stats import Stats
 from .pipeline import Background, epoch_batches
-from .ranks import resolve_local_world, resolve_ranks
+from .ranks import RankLayout, Ranks
 from .reader import ChunkReader
 from .schema import BFLOAT16
 
 __all__ = ["ParquetDataset"]
 
 log = logging.getLogger("gpuload")
-
-
-class _Position:
-    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`)."""
-
-    def __init__(self, epoch: int, runs: list[list[int]]):
-        self.epoch, self.runs, self.running = epoch, runs, False
 
 
 class ParquetDataset(torch.utils.data.IterableDataset):
@@ -42,7 +37,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     dtypes and writes it to the cache; later epochs read the cache only. Iterate it
     directly (or through a ``DataLoader`` with ``batch_size=None, num_workers=0``:
     gpuload batches and runs its own background threads, and refuses a DataLoader that
-    would batch again).
+    would batch again, or accelerate's ``prepare``, which would shard again).
+
+    Each iteration is one epoch. ``set_epoch(e)`` selects the epoch the next iteration
+    follows; a new iteration begun without ``set_epoch`` since the previous one began
+    (as under Lightning, which never calls it) follows the next epoch: the first
+    iteration is epoch 0 (or a restored state's epoch), then 1, 2... The epoch is part of
+    :meth:`state_dict`, so a restored dataset goes on counting from it.
 
     Parameters
     ----------
@@ -72,8 +73,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).
     cache_dir : cache folder; None: ``$GPULOAD_CACHE_DIR``, else ``~/.cache/gpuload``.
     device : ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
-    rank, world_size : this process's shard; default from ``torch.distributed`` when
-        initialised, else 0 and 1.
+    rank, world_size : this process's shard; passed, they are fixed. By default they come from
+        ``torch.distributed``, asked when each iteration begins (also by ``len()``,
+        :meth:`state_dict` and the other methods that need them), so the dataset may be made
+        before ``init_process_group`` (under torchrun, in a LightningModule's ``__init__``);
+        without a process group, 0 and 1. Iterating where a launcher set ``WORLD_SIZE>1`` but
+        no process group exists raises :class:`~gpuload.ConfigError` (each rank would read
+        every row).
     shard : how chunks are shared by ranks (default ``"global"``: each epoch permutes every
         chunk and every rank may read any of them; right for one node, or a cache shared by
         all nodes). ``"node"``: chunks are assigned to nodes once, balanced by rows, and each
@@ -81,7 +87,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         its node's share and is warm from the second epoch; a few rows per node and epoch
         are not delivered (see :mod:`gpuload.plan`).
     local_world_size : ranks per node with ``shard="node"`` (default: torchrun's
-        ``LOCAL_WORLD_SIZE``); global rank ``r`` is on node ``r // local_world_size``.
+        ``LOCAL_WORLD_SIZE``, checked against ``GROUP_RANK``, ``LOCAL_RANK`` and ``RANK``);
+        global rank ``r`` is on node ``r // local_world_size``.
     fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
         Null lists become empty lists; null fixed-size lists rows of the value.
     dtypes : ``{output: dtype}`` to cast outputs, as NumPy or torch dtypes (or their
@@ -140,12 +147,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums, decode=decode,
                                max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
                                kvikio_compat=kvikio_compat, layout=layout, block_rows=block)
-        self.rank, self.world_size = resolve_ranks(rank, world_size)
-        if shard not in ("global", "node"):
-            raise ConfigError(f"shard={shard!r} must be 'global' or 'node'")
-        self.local_world_size = resolve_local_world(local_world_size, self.rank, self.world_size) \
-            if shard == "node" else None
-        self._node_plans: dict[tuple[int, int], tuple] = {}
+        self._layout = RankLayout(rank, world_size, shard, local_world_size)
         self.device = resolve_device(device)
         self.metrics = Metrics()
         self._ctx, gpu_decode = open_device(self.device, self.options, self.metrics)
@@ -154,10 +156,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                   gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
                                   storage_options=storage_options, remote=remote)
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
-        if self.local_world_size is None:
-            plan.check_balance(self.reader.num_rows, self.world_size, batch_size, self.options.drop_last)
-        else:
-            self._node_plan(self.world_size, self.local_world_size)  # refuses a node share too small
+        self._plan = EpochPlan([c.rows for c in self.reader.chunks], self.reader.fingerprint, self.options)
+        if self._layout.known:  # refuse now what these ranks cannot run
+            self._plan.check(self._layout.resolve())
+        elif not self._layout.node:  # ranks come later: what no number of ranks can run
+            plan.check_balance(self.reader.num_rows, 1, batch_size, self.options.drop_last)
         o = self.options
         if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
             raise ConfigError(
@@ -167,9 +170,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 "or prefetch")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
         self.epoch = 0
-        self._pending: _Position | None = None  # restored by load_state_dict, not iterated yet
-        self._position: _Position | None = None  # the latest iteration's
+        self._pending: Position | None = None  # restored by load_state_dict, not iterated yet
+        self._position: Position | None = None  # the latest iteration's
         self._epoch_set = False  # set_epoch called since the last load_state_dict or iteration
+        self._advance = False  # the next iteration begins epoch + 1 (no set_epoch since the last began)
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -181,6 +185,22 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def outputs(self) -> list[str]:
         """Names of the tensors in each batch."""
         return [s.name for s in self.reader.specs]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: the one passed, else ``torch.distributed``'s now (the running epoch's while
+        an iteration runs)."""
+        return self._ranks().rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks sharing each epoch: the number passed, else ``torch.distributed``'s now (see :attr:`rank`)."""
+        return self._ranks().world
+
+    @property
+    def local_world_size(self) -> int | None:
+        """Ranks per node with ``shard="node"``, else None."""
+        return self._layout.local
 
     @property
     def device_bytes_bound(self) -> int:
@@ -230,24 +250,27 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return self.reader.host_budget().total
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows (call before each epoch).
+        """Select the epoch whose order the next iteration follows.
 
-        After :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps its
-        position, and of the next epoch (when the restored one was complete) starts it;
-        another epoch drops the restored position, with a warning.
+        Optional: an iteration begun without ``set_epoch`` follows the epoch after the
+        previous iteration's (see the class docstring). After :meth:`load_state_dict`,
+        ``set_epoch`` of the restored epoch keeps its position, and of the next epoch (when
+        the restored one was complete) starts it; another epoch drops the restored position,
+        with a warning.
         """
+        check_set_epoch_caller(sys._getframe(1))
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
         p = self._pending
         if p is not None and epoch != p.epoch:
-            if not (epoch == p.epoch + 1 and self._complete(p)):
+            if not (epoch == p.epoch + 1 and p.complete):
                 log.warning("gpuload: set_epoch(%d) after load_state_dict: the restored position (epoch %d, "
                             "batch %d) is dropped, and epoch %d starts from its first batch",
                             epoch, p.epoch, p.runs[-1][1], epoch)
             self._pending = None
         if self._position is not None and not self._position.running:
             self._position = None  # the next iteration starts this epoch afresh (or where a state put it)
-        self.epoch, self._epoch_set = epoch, True
+        self.epoch, self._epoch_set, self._advance = epoch, True, False
 
     def state_dict(self) -> dict:
         """Where this dataset stands: a small JSON-serialisable dict for :meth:`load_state_dict`.
@@ -256,12 +279,24 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         after an exception in the training step) and counts the batches handed out so
         far. It is the same on every rank (DDP ranks take the same number of batches),
         so saving rank 0's is enough. See :mod:`gpuload.resume` for its fields.
+
+        A state taken after an epoch's last batch restores to the next epoch; one taken
+        within an epoch (in the loop, or after it was left or failed) restores to the rest
+        of that epoch.
         """
-        p = self._position
-        if p is None or not (p.running or (self._pending is None and p.epoch == self.epoch)):
-            p = self._pending or _Position(self.epoch, self._first_run())
+        p, runs = self._position, None
+        if p is not None and (p.running or (self._pending is None and p.epoch == self.epoch)):
+            runs = p.runs
+        elif self._pending is not None:
+            p = self._pending
+            ranks = self._layout.resolve(strict=False)  # the restored runs as these ranks will go on with them
+            runs = p.raw if ranks is None else p.runs if ranks == p.ranks else \
+                self._plan.go_on(p, self._plan.check(ranks), warn=False)
+        else:
+            p = Position(self.epoch, [])
+            runs = self._plan.first_run(self._ranks())
         return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
-                "runs": [list(r) for r in p.runs], "dataset": self._signature()}
+                "runs": [list(r) for r in runs], "dataset": self._signature()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, here or in another process).
@@ -281,74 +316,56 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature())
-        complete = self._complete(_Position(epoch, runs))  # also checks that the runs are possible
+        pending = Position(epoch, runs)
+        pending.complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
         while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
             runs.pop()
-        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as this dataset's ranks run it
-            runs = self._first_run()
+        ranks = self._layout.resolve(strict=False)
+        if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
+            pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
         self._position = None
-        # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
-        same = runs[-1][0] == self.world_size and (len(runs) > 1 or runs[0][2:] == self._first_run()[0][2:])
-        if not same and not complete:  # elastic: a new run over the rest of the epoch
-            if len(runs[0]) == 3 or self.local_world_size is not None:
-                was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
-                now = "global" if self.local_world_size is None else \
-                    f"{self.world_size // self.local_world_size} nodes x {self.local_world_size}"
-                log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
-                            "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
-                            "cached on its node yet: decoded from the source); later epochs give each node its "
-                            "share of the new layout, cached as it is first read", epoch, was, now)
-            runs.append([self.world_size, 0])
-            dropped = resume.dropped_rows(self._runs(_Position(epoch, runs)))
-            if dropped:
-                log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
-                            "evenly (equal batch counts per rank) and are not delivered", epoch,
-                            self.world_size, dropped)
-        if self._epoch_set and self.epoch != epoch:
-            if complete and self.epoch == epoch + 1:  # set_epoch(next) came first (a StatefulDataLoader defers us)
-                self._pending, self._epoch_set = None, False
+        was_set, self._epoch_set = self._epoch_set, False
+        if was_set and self.epoch != epoch:
+            if pending.complete and self.epoch == epoch + 1:  # set_epoch(next) came first (a StatefulDataLoader
+                self._pending = None  # restores the dataset inside iter()): that epoch begins
                 return
             log.warning("gpuload: load_state_dict resumes epoch %d at batch %d, not epoch %d given to set_epoch",
                         epoch, runs[-1][1], self.epoch)
-        self.epoch, self._epoch_set = epoch, False
-        self._pending = _Position(epoch, runs)
+        self.epoch, self._pending = epoch, pending
+        self._advance = pending.complete and not was_set  # an epoch that was over: the next iteration begins the next
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
-        only the rest)."""
-        return self._runs(_Position(0, self._first_run()))[0].batches
+        only the rest), for the ranks of now (see ``rank``)."""
+        return self._plan.first(self._ranks()).batches
 
     @property
     def shard(self) -> str:
         """``"global"`` or ``"node"`` (see the class docstring)."""
-        return "global" if self.local_world_size is None else "node"
+        return "node" if self._layout.node else "global"
 
     def node_chunks(self) -> list[list[int]]:
         """With ``shard="node"``: the chunks (indices into ``reader.chunks``) each node owns, in
         every epoch; node ``n`` holds global ranks ``n * local_world_size`` and on."""
-        if self.local_world_size is None:
+        if not self._layout.node:
             raise ConfigError("node_chunks() is for shard='node'")
-        return [o.tolist() for o in self._node_plan(self.world_size, self.local_world_size)[0]]
+        ranks = self._ranks()
+        return [o.tolist() for o in self._plan.node_plan(ranks.world, ranks.local)[0]]
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows delivered per epoch over all ranks (``num_rows`` less what ``drop_last`` or
         node-affine sharding leaves out)."""
-        return sum(self._runs(_Position(0, self._first_run()))[0].sizes(r).rows_before(len(self))
-                   for r in range(self.world_size))
+        ranks = self._ranks()
+        run = self._plan.first(ranks)
+        return sum(run.sizes(r).rows_before(run.batches) for r in range(ranks.world))
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         if info is not None and info.num_workers > 0:
             raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
                               "batch_size=None), or iterate it directly")
-        caller = sys._getframe(1)  # a DataLoader's fetcher calls iter() in its __init__
-        # only that frame's locals are read: reading f_locals snapshots every local of the caller
-        # (the training loop's own frame, most often) and keeps them alive after a `del`
-        fetcher = caller.f_locals.get("self") if caller.f_code.co_name == "__init__" else None
-        if type(fetcher).__name__ == "_IterableDatasetFetcher" and getattr(fetcher, "auto_collation", False):
-            raise ConfigError("DataLoader(ds) would batch gpuload's batches again (a leading [1, ...] dimension): "
-                              "pass DataLoader(ds, batch_size=None), or iterate the dataset directly")
+        check_iter_caller(sys._getframe(1))
         return self._iterate()
 
     def _iterate(self) -> Iterator[dict]:
@@ -384,36 +401,28 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 self.reader.interrupt()
             producer.close()
 
-    def _begin(self) -> _Position:
-        """The position the iteration starting now follows: the restored one, else the epoch's start."""
+    def _begin(self) -> Position:
+        """The position the iteration starting now follows: the next epoch's start if no set_epoch
+        came since the previous iteration began, else the restored position, else the epoch's start."""
+        ranks = self._plan.check(self._layout.resolve())  # each epoch asks torch.distributed again
+        if self._advance:
+            self.epoch, self._pending = self.epoch + 1, None
         p = self._pending
-        if p is None or p.epoch != self.epoch:
-            p = _Position(self.epoch, self._first_run())
-        self._pending, self._epoch_set = None, False
-        p.running = True
-        self._position = p
-        return p
+        runs = self._plan.first_run(ranks) if p is None or p.epoch != self.epoch else \
+            p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=True)
+        pos = Position(self.epoch, runs, ranks)
+        self._pending, self._epoch_set, self._advance = None, False, True
+        pos.running = True
+        self._position = pos
+        return pos
 
-    def _complete(self, p: _Position) -> bool:
-        return self._runs(p)[-1].complete
-
-    def _first_run(self) -> list[list[int]]:
-        """The runs of an epoch not started yet: one run of this dataset's ranks."""
-        return [[self.world_size, 0] + ([] if self.local_world_size is None else [self.local_world_size])]
-
-    def _runs(self, p: _Position) -> list[resume.Run]:
-        o = self.options
-        return resume.runs_of(self.num_rows, p.runs, o.batch_size, o.drop_last,
-                              lambda world, local: self._node_plan(world, local)[1])
-
-    def _node_plan(self, world: int, local: int) -> tuple:
-        """(chunks per node, rows per rank, rows undelivered per node) for ``world`` ranks, ``local`` per node."""
-        if (world, local) not in self._node_plans:
-            o, r = self.options, self.reader
-            self._node_plans[world, local] = plan.node_shares(
-                [c.rows for c in r.chunks], world // local, local, o.batch_size, o.drop_last,
-                fingerprint=r.fingerprint, seed=o.seed)
-        return self._node_plans[world, local]
+    def _ranks(self) -> Ranks:
+        """The ranks of now: the running epoch's while an iteration runs (a process group changed
+        since it began is the next epoch's concern), else the layout's."""
+        p = self._position
+        if p is not None and p.running and p.ranks is not None:
+            return p.ranks
+        return self._plan.check(self._layout.resolve())
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -449,58 +458,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         epoch = self.epoch if epoch is None else epoch
-        first = self._first_run()[0]
-        sizes = self._runs(_Position(epoch, [first]))[0].sizes(self.rank)
-        return self._windows(epoch, first[0], self.rank, *first[2:]), sizes
+        ranks = self._ranks()
+        first = self._plan.first_run(ranks)[0]
+        return self._plan.windows(epoch, first[0], ranks.rank, *first[2:]), self._plan.first(ranks).sizes(ranks.rank)
 
-    # -- internals ----------------------------------------------------------------------
-    def _windows(self, epoch: int, world: int, rank: int, local: int | None = None) -> list[list[plan.Segment]]:
-        """Rank ``rank``'s windows in an epoch run by ``world`` ranks (node-affine: ``local`` per node)."""
+    def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
-        rows = [c.rows for c in r.chunks]
-        if local is not None:
-            owned, per, _ = self._node_plan(world, local)
-            segments = plan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
-                                          per_rank=per, fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                          shuffle=o.shuffle)
-        else:
-            order = plan.chunk_order(len(r.chunks), fingerprint=r.fingerprint, seed=o.seed, epoch=epoch,
-                                     shuffle=o.shuffle)
-            start, stop = plan.rank_range(r.num_rows, world, rank, o.batch_size, o.drop_last)
-            segments = plan.rank_segments(rows, order, start, stop)
-        return plan.windows(segments, o.shuffle_window)
-
-    def _rest(self, p: _Position) -> tuple[list[list[plan.Segment]], list[tuple[int, int, list]], plan.BatchSizes]:
-        """What this rank yields from position ``p``: per window it reads, the chunk segments
-        to load and ``(rank, window, [(lo, hi), ...])`` (the window's key in the epoch's
-        first run and the positions taken from it), and the batch sizes."""
-        o = self.options
-        runs = self._runs(p)
-        if runs[-1].complete:
-            return [], [], plan.BatchSizes(0, o.batch_size, ())
-        base: dict[int, list[list[plan.Segment]]] = {}  # windows of ranks of the epoch's first run
-
-        def windows_of(q: int) -> list[list[plan.Segment]]:
-            if q not in base:
-                base[q] = self._windows(p.epoch, runs[0].world, q, *p.runs[0][2:])
-            return base[q]
-
-        pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],
-                                             runs, self.rank)
-        takes: list[tuple[int, int, list]] = []  # pieces of one window come one after another: read it once
-        for c in pieces:
-            if takes and takes[-1][:2] == (c.rank, c.window):
-                takes[-1][2].append((c.lo, c.hi))
-            else:
-                takes.append((c.rank, c.window, [(c.lo, c.hi)]))
-        # shuffled, a window is loaded whole to permute it; in file order, only the rows taken
-        loads = [windows_of(q)[w] if o.shuffle else [s for lo, hi in spans for s in plan.trim(windows_of(q)[w], lo, hi)]
-                 for q, w, spans in takes]
-        return loads, takes, sizes
-
-    def _batches(self, pos: _Position, handoff: Callable, stop) -> Iterator:
-        o, r = self.options, self.reader
-        windows, takes, sizes = self._rest(pos)
+        windows, takes, sizes = self._plan.rest(pos, pos.ranks.rank)
         ctx = self._ctx
         permutation = None
         if o.shuffle:
@@ -520,6 +484,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 
     def __repr__(self) -> str:
+        try:
+            ranks = self._layout.resolve(strict=False)
+        except ConfigError:  # shown where it is used (iteration, len())
+            ranks = None
+        where = "rank=? (not known yet)" if ranks is None else f"rank={ranks.rank}/{ranks.world}"
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
                 f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
-                f"rank={self.rank}/{self.world_size}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
+                f"{where}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")

@@ -1,15 +1,39 @@
 """Ranks: this process's rank, the world size and the node layout, from arguments,
-``torch.distributed`` or torchrun's environment."""
+``torch.distributed`` or torchrun's environment.
+
+Ranks passed as arguments are fixed. Those not passed come from ``torch.distributed``,
+asked again each time a dataset needs them (when an iteration begins, ``len()``,
+``state_dict()``...), so a dataset made before ``init_process_group`` (under torchrun,
+or in a LightningModule's ``__init__``) shards like one made after it. Without a process
+group a process is rank 0 of 1, except under a launcher that says otherwise
+(``WORLD_SIZE>1``): reading every row on every rank would break "every row once", so
+that is refused with a :class:`~gpuload.ConfigError`.
+
+torchrun's node variables (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``LOCAL_RANK``, and
+``RANK``), read for ``shard="node"``, must be integers that agree with each other and
+with the rank: they are checked when the dataset is made, and against the rank when it
+is known.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["resolve_ranks", "resolve_local_world"]
+__all__ = ["Ranks", "RankLayout", "resolve_ranks", "resolve_local_world"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's ``rank`` of ``world`` ranks; ``local``: ranks per node (``shard="node"``), else None."""
+
+    rank: int
+    world: int
+    local: int | None = None
 
 
 def _check_int(name: str, v) -> int:
@@ -18,18 +42,141 @@ def _check_int(name: str, v) -> int:
     return v
 
 
+def _env_int(name: str, low: int) -> int | None:
+    """The environment variable ``name`` as an integer of at least ``low``; None when unset."""
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} in the environment is not an integer: unset it, or start the job "
+                          "with a launcher (torchrun) that sets it") from None
+    if value < low:
+        raise ConfigError(f"{name}={value} in the environment must be at least {low}")
+    return value
+
+
+def _group() -> tuple[int, int] | None:
+    """(rank, world size) of torch.distributed's default process group, None when there is none."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+class RankLayout:
+    """Where a dataset's ranks come from (see the module doc).
+
+    Parameters
+    ----------
+    rank, world_size : fixed values, or None to take them from ``torch.distributed``.
+    shard : ``"global"`` or ``"node"``.
+    local_world_size : ranks per node with ``shard="node"`` (None: torchrun's ``LOCAL_WORLD_SIZE``).
+    """
+
+    def __init__(self, rank: int | None, world_size: int | None, shard: str, local_world_size: int | None):
+        if shard not in ("global", "node"):
+            raise ConfigError(f"shard={shard!r} must be 'global' or 'node'")
+        self.rank = None if rank is None else _check_int("rank", rank)
+        self.world = None if world_size is None else _check_int("world_size", world_size)
+        if self.world is not None and self.world < 1:
+            raise ConfigError(f"world_size={self.world} must be at least 1")
+        if self.rank is not None and not 0 <= self.rank < (self.world or 1 << 62):
+            raise ConfigError(f"rank={self.rank} and world_size={self.world}: need 0 <= rank < world_size")
+        self.node = shard == "node"
+        self.local: int | None = None
+        self.node_env: tuple[int | None, int | None] = (None, None)  # torchrun's (GROUP_RANK, LOCAL_RANK)
+        if not self.node:
+            return
+        if local_world_size is not None:  # explicit: the caller says where each rank is
+            self.local = _check_int("local_world_size", local_world_size)
+            if self.local < 1:
+                raise ConfigError(f"local_world_size={self.local} must be at least 1")
+            return
+        self.local = _env_int("LOCAL_WORLD_SIZE", 1)
+        if self.local is None:
+            raise ConfigError("shard='node' needs the number of ranks per node: run under torchrun (which sets "
+                              "LOCAL_WORLD_SIZE), or pass local_world_size=")
+        group, local_rank = _env_int("GROUP_RANK", 0), _env_int("LOCAL_RANK", 0)
+        if local_rank is not None and local_rank >= self.local:
+            raise ConfigError(f"LOCAL_RANK={local_rank} in the environment must be below "
+                              f"LOCAL_WORLD_SIZE={self.local}")
+        self.node_env = (group, local_rank)
+        env_rank = _env_int("RANK", 0)
+        if env_rank is not None and group is not None and local_rank is not None \
+                and env_rank != group * self.local + local_rank:
+            raise ConfigError(f"RANK={env_rank} is not GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK ({group} * "
+                              f"{self.local} + {local_rank}) in the environment: shard='node' needs torchrun's "
+                              "rank layout; pass rank=, world_size= and local_world_size= to say where each rank is")
+        if self.known:
+            self.resolve()  # the rank is known now: check it against the node variables
+
+    @property
+    def fixed(self) -> bool:
+        """Whether both the rank and the world size were passed."""
+        return self.rank is not None and self.world is not None
+
+    @property
+    def known(self) -> bool:
+        """Whether the ranks can be told now (passed, or a process group exists)."""
+        return self.fixed or _group() is not None
+
+    def resolve(self, strict: bool = True) -> Ranks | None:
+        """The ranks now: the arguments, else the process group's, else rank 0 of 1.
+
+        Raises :class:`ConfigError` where the environment says ``WORLD_SIZE>1`` but no process
+        group exists to tell this process's rank (with ``strict=False``: returns None).
+        """
+        rank, world = self.rank, self.world
+        if rank is None or world is None:
+            group = _group()
+            if group is not None:
+                rank = group[0] if rank is None else rank
+                world = group[1] if world is None else world
+            else:
+                launched = _env_int("WORLD_SIZE", 1)
+                if launched is not None and launched > 1:
+                    if not strict:
+                        return None
+                    raise ConfigError(
+                        f"WORLD_SIZE={launched} in the environment (a launcher started this process: torchrun, "
+                        "Lightning, accelerate), but torch.distributed has no process group yet, so this rank "
+                        "would read every row: call torch.distributed.init_process_group() before iterating "
+                        "the dataset (it may be made before), or pass rank= and world_size=")
+        rank = 0 if rank is None else rank
+        world = 1 if world is None else world
+        if not 0 <= rank < world:
+            raise ConfigError(f"rank={rank} and world_size={world}: need 0 <= rank < world_size")
+        if self.local is None:
+            return Ranks(rank, world)
+        local = self.local
+        if world % local:
+            raise ConfigError(f"local_world_size={local} must divide world_size={world} (the same number of "
+                              "ranks on every node)")
+        group_rank, local_rank = self.node_env
+        fix = ("shard='node' needs torchrun's rank layout; pass rank= and local_world_size= to say which node "
+               "a rank is on")
+        if group_rank is not None and group_rank >= world // local:
+            raise ConfigError(f"GROUP_RANK={group_rank} in the environment: world_size={world} with "
+                              f"LOCAL_WORLD_SIZE={local} has {world // local} nodes (0 to {world // local - 1})")
+        if group_rank is not None and local_rank is not None:
+            if group_rank * local + local_rank != rank:
+                raise ConfigError(f"rank {rank} is not GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK ({group_rank} "
+                                  f"* {local} + {local_rank}): {fix}")
+        elif group_rank is not None and rank // local != group_rank:
+            raise ConfigError(f"rank {rank} is not on node GROUP_RANK={group_rank} (ranks {group_rank * local} to "
+                              f"{group_rank * local + local - 1} with LOCAL_WORLD_SIZE={local}): {fix}")
+        elif local_rank is not None and rank % local != local_rank:
+            raise ConfigError(f"rank {rank} is not LOCAL_RANK={local_rank} of its node (rank % "
+                              f"LOCAL_WORLD_SIZE = {rank % local}): {fix}")
+        return Ranks(rank, world, local)
+
+
 def resolve_ranks(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """(rank, world_size): the arguments, else ``torch.distributed`` when initialised, else 0 and 1."""
-    if rank is None or world_size is None:
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world_size = dist.get_world_size() if world_size is None else world_size
-    rank = _check_int("rank", 0 if rank is None else rank)
-    world_size = _check_int("world_size", 1 if world_size is None else world_size)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"rank={rank} and world_size={world_size}: need 0 <= rank < world_size")
-    return rank, world_size
+    """(rank, world_size) now: the arguments, else ``torch.distributed`` when initialised, else 0 and 1."""
+    r = RankLayout(rank, world_size, "global", None).resolve()
+    return r.rank, r.world
 
 
 def resolve_local_world(local_world_size: int | None, rank: int, world_size: int) -> int:
@@ -39,23 +186,4 @@ def resolve_local_world(local_world_size: int | None, rank: int, world_size: int
     same number of ranks on every node); where torchrun's ``GROUP_RANK`` and ``LOCAL_RANK`` are
     set, they are checked against it.
     """
-    from_env = local_world_size is None
-    if from_env:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None:
-            raise ConfigError("shard='node' needs the number of ranks per node: run under torchrun (which sets "
-                              "LOCAL_WORLD_SIZE), or pass local_world_size=")
-        try:
-            local_world_size = int(env)
-        except ValueError:
-            raise ConfigError(f"LOCAL_WORLD_SIZE={env!r} in the environment is not an integer") from None
-    local = _check_int("local_world_size", local_world_size)
-    if local < 1 or world_size % local:
-        raise ConfigError(f"local_world_size={local} must divide world_size={world_size} (the same number of "
-                          "ranks on every node)")
-    group, local_rank = os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_RANK")
-    if from_env and group is not None and local_rank is not None and int(group) * local + int(local_rank) != rank:
-        raise ConfigError(f"rank {rank} is not GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK ({group} * {local} + "
-                          f"{local_rank}): shard='node' needs torchrun's rank layout; pass rank= and "
-                          "local_world_size= to say which node a rank is on")
-    return local
+    return RankLayout(rank, world_size, "node", local_world_size).resolve().local

@@ -118,6 +118,11 @@ class Run:
         start, stop = self.span(rank)
         return stop - start - self.taken_rows(rank)
 
+    def left(self) -> int:
+        """Rows of the run not taken yet, over all its ranks (a run with no rows has any number
+        of ranks: a state's world sizes are not trusted to be small)."""
+        return sum(self.rest(r) for r in range(self.world)) if self.total else 0
+
     @property
     def complete(self) -> bool:
         return self.taken == self.batches
@@ -138,7 +143,11 @@ def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_las
         if i == 0 and local:
             if node_rows is None:
                 raise ConfigError("state: its epoch ran node-affine (shard='node'), which this dataset cannot plan")
-            per = node_rows(world, local[0])
+            try:
+                per = node_rows(world, local[0])
+            except ConfigError as e:
+                raise ConfigError(f"state: its epoch ran on {world // local[0]} nodes of {local[0]} ranks, which "
+                                  f"this dataset cannot have ({e}); the state was not saved from this dataset") from None
             rows = world * per
         elif i == 0:
             if not plan.feasible(total, world, batch_size, drop_last):
@@ -146,8 +155,7 @@ def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_las
                                   f"batch_size={batch_size}; the state was not saved from this dataset")
             rows = total
         else:
-            prev = out[-1]
-            offered = sum(prev.rest(r) for r in range(prev.world))
+            offered = out[-1].left()
             rows = _deliverable(offered, world, batch_size, drop_last)
         run = Run(world, taken, rows, batch_size, drop_last, per)
         if not 0 <= taken <= run.batches:
@@ -161,8 +169,7 @@ def dropped_rows(runs: Sequence[Run]) -> int:
     """Rows of the rest of the epoch that the last run cannot give out evenly (0 for one run)."""
     if len(runs) < 2:
         return 0
-    prev = runs[-2]
-    return sum(prev.rest(r) for r in range(prev.world)) - runs[-1].total
+    return runs[-2].left() - runs[-1].total
 
 
 def _slice_windows(rows: Sequence[int], rank: int, a: int, b: int) -> list[Piece]:
@@ -185,6 +192,8 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
     """
 
     def pieces(i: int, q: int, a: int, b: int) -> list[Piece]:  # rows [a, b) of rank q's stream in run i
+        if a >= b:
+            return []
         if i == 0:
             return _slice_windows(window_rows(q), q, a, b)
         prev, start = runs[i - 1], runs[i].span(q)[0]
@@ -276,8 +285,17 @@ def check_state(sd) -> tuple[int, list[list[int]], dict]:
                        and is_int(r[1], 0) and (len(r) == 2 or i == 0) for i, r in enumerate(runs))):
         raise ConfigError(f"load_state_dict: runs={runs!r} must be a non-empty list of [world_size, batches] "
                           "(the first one may add its local_world_size)")
+    if len(runs[0]) == 3 and runs[0][0] % runs[0][2]:
+        raise ConfigError(f"load_state_dict: runs[0]={list(runs[0])!r}: {runs[0][0]} ranks cannot be nodes of "
+                          f"{runs[0][2]} ranks each (the same number on every node); the state was not saved by "
+                          "gpuload")
     if not isinstance(dataset, dict):
         raise ConfigError("load_state_dict: the state has no 'dataset' description")
+    outputs = dataset.get("outputs")
+    if not (isinstance(outputs, dict) and all(isinstance(k, str) and isinstance(v, list) and v
+                                              and all(isinstance(c, str) for c in v) for k, v in outputs.items())):
+        raise ConfigError(f"load_state_dict: dataset.outputs={outputs!r} must map each output's name to the list "
+                          "of its column names; the state was not saved by gpuload")
     return epoch, [[int(v) for v in r] for r in runs], dataset
 
 

@@ -13,13 +13,19 @@
 * ``no_leftover_threads``: fails a test that passed but left a gpuload thread running
   (``pytestmark = pytest.mark.usefixtures("no_leftover_threads")`` in a module);
 * ``record_loads(ds)``: the chunk indices a dataset loads from now on, in order;
-* ``ManualClock``: a clock for ``Metrics(clock=...)`` that moves only when a test moves it.
+* ``ManualClock``: a clock for ``Metrics(clock=...)`` that moves only when a test moves it;
+* ``free_port()``: a free TCP port on localhost; ``run_launch(cmd, timeout)``: runs a launcher
+  (torchrun, ``accelerate launch``, a Lightning script) in its own session and, past
+  ``timeout`` seconds, kills it and every process it started, then fails the test.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import signal
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -141,3 +147,40 @@ def record_loads(ds) -> list[int]:
 
     ds.reader.load = recording
     return loaded
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a launcher's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_launch(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """Run ``cmd`` (a launcher and the processes it starts) in a new session; return its exit
+    status and output. Past ``timeout`` seconds every process of the session (and any child
+    that left it) is killed and the test fails: a hung rank must not hang the suite."""
+    import psutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            children = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd[:4])}...: still running after {timeout} s (a rank hung?)\n"
+                    + out.decode(errors="replace")[-6000:])
+    return proc.returncode, out.decode(errors="replace")

@@ -6,7 +6,11 @@
   pyarrow's, each node reading only its own chunks, so a node-local cache holds only its
   share and later epochs decode nothing (the default mode, for contrast, fills each
   node's cache with more than its share);
-* resume in node mode, on the same layout (exact) and on others (exactly once).
+* resume in node mode, on the same layout (exact) and on others (exactly once);
+* ranks not passed are resolved from ``torch.distributed`` when an iteration begins (a
+  dataset made before ``init_process_group`` shards like one made after it), and an
+  iteration under a launcher's ``WORLD_SIZE>1`` with no process group is refused;
+  torchrun's node variables are checked when the dataset is made.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import itertools
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 import gpuload
 from gpuload.ranks import resolve_local_world
@@ -193,3 +198,160 @@ def test_node_mode_resume_on_other_layouts_delivers_the_rest_once(source, tmp_pa
         fresh = _open(source, tmp_path / "c", ds.rank, world=world, local=local or 1, shard=shard)
         fresh.set_epoch(1)
         assert np.array_equal(_ids(list(ds)), _ids(list(fresh)))
+
+
+# ---------------------------------------------------------------------------------------
+# ranks resolved when iteration begins
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def process_group(monkeypatch):
+    """``start(rank, world)``: this process becomes rank ``rank`` of a fake process group of
+    ``world`` (torch's ``fake`` backend: no peers, no collectives); destroyed after the test.
+    The launcher's variables are cleared first (a test run under torchrun has them)."""
+    dist = torch.distributed
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    def start(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _lazy(source, cache, shard="global", **kw):
+    """A dataset opened without rank= and world_size=."""
+    kw = {"batch_size": BATCH, "chunk_bytes": 4 << 10, "shuffle_window": 2, **kw}
+    return gpuload.ParquetDataset(source, ["row_id", "x"], cache_dir=cache, device="cpu", shard=shard, **kw)
+
+
+@pytest.mark.parametrize("shard", ["global", "node"])
+def test_a_dataset_made_before_the_process_group_follows_it(source, tmp_path, process_group, shard):
+    cache = tmp_path / "c"
+    local = {"local_world_size": 2} if shard == "node" else {}
+    ds = _lazy(source, cache, shard, **local)  # no process group yet: rank 0 of 1 for now
+    if shard == "global":
+        assert (ds.rank, ds.world_size) == (0, 1)
+    process_group(3, 4)
+    want = _open(source, cache, 3, world=4, local=2, shard=shard)
+    assert (ds.rank, ds.world_size) == (3, 4)
+    assert len(ds) == len(want) and ds.rows_per_epoch == want.rows_per_epoch
+    assert ds.state_dict() == want.state_dict()
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        want.set_epoch(epoch)
+        assert np.array_equal(_ids(list(ds)), _ids(list(want)))
+    if shard == "node":
+        assert ds.node_chunks() == want.node_chunks()
+    # a later epoch follows the process group of its own start
+    process_group(1, 2)
+    want2 = _open(source, cache, 1, world=2, local=2, shard=shard)
+    ds.set_epoch(2)
+    want2.set_epoch(2)
+    assert len(ds) == len(want2)
+    assert np.array_equal(_ids(list(ds)), _ids(list(want2)))
+
+
+def test_an_epoch_keeps_the_ranks_it_began_with(source, tmp_path, process_group):
+    process_group(0, 2)
+    ds = _lazy(source, tmp_path / "c")
+    want = _open(source, tmp_path / "c", 0, world=2, shard="global")
+    it = iter(ds)
+    got = [next(it)]
+    process_group(0, 3)  # the group changes mid-epoch: the next epoch's concern
+    assert len(ds) == len(want) and ds.state_dict()["runs"] == [[2, 1]]
+    got += list(it)
+    assert np.array_equal(_ids(got), _ids(list(want)))
+    assert ds.world_size == 3 and ds.state_dict()["runs"] == [[2, len(want)]]  # the epoch that ran
+
+
+def test_explicit_ranks_are_fixed(source, tmp_path, process_group):
+    process_group(1, 4)
+    ds = _open(source, tmp_path / "c", 0, world=2, shard="global")
+    assert (ds.rank, ds.world_size) == (0, 2)
+    assert ds.state_dict()["runs"] == [[2, 0]]
+
+
+def test_world_size_from_a_launcher_without_a_process_group_is_refused(source, tmp_path, process_group,
+                                                                        monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    ds = _lazy(source, tmp_path / "c")  # made before init_process_group: fine
+    for call in (lambda: next(iter(ds)), lambda: len(ds), lambda: ds.state_dict(), lambda: ds.rows_per_epoch):
+        with pytest.raises(gpuload.ConfigError, match=r"WORLD_SIZE=2 .*init_process_group.* rank=.*world_size="):
+            call()
+    assert "rank=? (not known yet)" in repr(ds)
+    process_group(1, 2)  # once the group exists, the same dataset works
+    assert len(ds) == len(_open(source, tmp_path / "c", 1, world=2, shard="global"))
+    assert len(list(ds)) == len(ds)
+    explicit = _open(source, tmp_path / "c", 1, world=2, shard="global")  # or the ranks are passed
+    assert len(list(explicit)) == len(explicit)
+
+
+def test_a_state_loaded_before_the_process_group(source, tmp_path, process_group, monkeypatch):
+    """A state restored before init_process_group goes on as the group's ranks will (here: 1 rank's
+    state, elastic onto rank 1 of 2)."""
+    one = _open(source, tmp_path / "c", 0, world=1, shard="global")
+    it = iter(one)
+    taken = [next(it) for _ in range(5)]
+    state = one.state_dict()
+    it.close()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = _lazy(source, tmp_path / "c")
+    ds.load_state_dict(state)
+    assert ds.state_dict() == state  # as saved: the ranks are not known yet
+    process_group(1, 2)
+    want = _open(source, tmp_path / "c", 1, world=2, shard="global")
+    want.load_state_dict(state)
+    assert ds.state_dict() == want.state_dict() and ds.state_dict()["runs"] == [[1, 5], [2, 0]]
+    assert np.array_equal(_ids(list(ds)), _ids(list(want)))
+    assert len(taken) == 5
+
+
+# ---------------------------------------------------------------------------------------
+# torchrun's node variables
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env, match", [
+    ({"GROUP_RANK": "one"}, "GROUP_RANK='one'"),
+    ({"LOCAL_RANK": "1.5"}, "LOCAL_RANK='1.5'"),
+    ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1"),
+    ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 .*LOCAL_WORLD_SIZE=2"),
+    ({"GROUP_RANK": "-1"}, "GROUP_RANK=-1"),
+    ({"GROUP_RANK": "2"}, "GROUP_RANK=2 .*2 nodes"),  # world_size=4 with 2 per node: nodes 0 and 1
+    ({"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE='two'"),
+    ({"GROUP_RANK": "1"}, "rank 0 is not"),  # rank 0 is on node 0
+    ({"LOCAL_RANK": "1"}, "rank 0 is not"),  # and is its local rank 0
+])
+def test_bad_node_variables_are_refused_when_the_dataset_is_made(source, tmp_path, monkeypatch, env, match):
+    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(gpuload.ConfigError, match=match):
+        _open(source, tmp_path / "c", 0, world=4, local=None)
+    for name in env:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert len(_open(source, tmp_path / "c", 0, world=4, local=None)) > 0
+
+
+def test_node_variables_are_checked_before_the_process_group_exists(source, tmp_path, process_group, monkeypatch):
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "LOCAL_RANK": "1", "RANK": "3"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(gpuload.ConfigError, match=r"RANK=3 is not GROUP_RANK \* LOCAL_WORLD_SIZE \+ LOCAL_RANK"):
+        _lazy(source, tmp_path / "c", "node")
+    monkeypatch.setenv("RANK", "1")
+    ds = _lazy(source, tmp_path / "c", "node")  # consistent: rank 1 is node 0's local rank 1
+    process_group(1, 4)
+    assert ds.local_world_size == 2 and len(ds) == len(_open(source, tmp_path / "c", 1, world=4, local=2))
+    process_group(2, 4)  # a process group that puts this process elsewhere than torchrun said
+    with pytest.raises(gpuload.ConfigError, match="rank 2 is not"):
+        next(iter(ds))

@@ -9,7 +9,11 @@
   counts, and the next epoch in the ``W2`` order;
 * only the chunks still needed are read; the footguns (a state from another dataset,
   ``load_state_dict`` while iterating, ``iter()`` before ``load_state_dict``);
-* torchdata's ``StatefulDataLoader`` round trip, and a restore in a fresh process.
+* torchdata's ``StatefulDataLoader`` round trip, and a restore in a fresh process;
+* iterations without ``set_epoch`` (Lightning never calls it): each begins the next
+  epoch, alone, after a restore and through a ``StatefulDataLoader``;
+* a state that cannot exist (node layouts, runs, outputs) is refused by
+  ``load_state_dict`` with a ``ConfigError``, never accepted to fail in a loader thread.
 """
 
 from __future__ import annotations
@@ -310,6 +314,7 @@ def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
     windows, sizes = ref.plan_epoch(1)
     k = len(sizes) // 2
     pos = sizes.rows_before(k)
+    ref.set_epoch(1)  # again (without it, the next iteration would be epoch 2)
     it = iter(ref)
     list(itertools.islice(it, k))
     state = ref.state_dict()
@@ -402,6 +407,10 @@ def test_state_from_other_files_is_refused(source, tmp_path):
     (lambda s: {**s, "runs": [[0, 1]]}, "runs="),
     (lambda s: {**s, "runs": [[1, 10_000]]}, "took 10000 batches"),
     (lambda s: {k: v for k, v in s.items() if k != "dataset"}, "no 'dataset'"),
+    (lambda s: {**s, "dataset": {**s["dataset"], "outputs": {"row_id": [1]}}}, "outputs"),
+    (lambda s: {**s, "dataset": {**s["dataset"], "outputs": {"row_id": "row_id"}}}, "outputs"),
+    (lambda s: {**s, "dataset": {**s["dataset"], "outputs": ["row_id"]}}, "outputs"),
+    (lambda s: {**s, "runs": [[1, 5], [10**9, 0], [2, 1]]}, "run 2 .* took 1 batches"),  # and in no time
 ])
 def test_malformed_states_are_refused(source, tmp_path, mutate, match):
     ds = _open(source, tmp_path / "c")
@@ -628,10 +637,155 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     for r in range(2):
         ds = _open(source, cache, 2, r)
         ds.load_state_dict(state)
-        windows, takes, _ = ds._rest(ds._pending)
+        windows, takes, _ = ds._plan.rest(ds._pending, r)
         assert len({(q, w) for q, w, _ in takes}) == len(takes)  # one load per window
         split += sum(len(spans) > 1 for _, _, spans in takes)
         seen.append(_ids(list(ds)))
     assert split  # some window had rows taken from its middle by the 3-rank run
     ids = np.concatenate(seen)
     assert len(np.unique(ids)) == len(ids) == sum(ROWS)
+
+
+# ---------------------------------------------------------------------------------------
+# iterations without set_epoch
+# ---------------------------------------------------------------------------------------
+
+def _epochs(source, cache, n: int) -> dict[int, list]:
+    """Batches of epochs ``0..n-1``, each selected with set_epoch."""
+    ds, out = _open(source, cache), {}
+    for e in range(n):
+        ds.set_epoch(e)
+        out[e] = list(ds)
+    return out
+
+
+def _same_epoch(got: list, want: list, where) -> None:
+    _assert_same_run([(0, b) for b in got], [(0, b) for b in want], where)
+
+
+def test_a_new_iteration_without_set_epoch_begins_the_next_epoch(source, tmp_path):
+    cache = tmp_path / "c"
+    ref = _epochs(source, cache, 5)
+    ds = _open(source, cache)
+    assert ds.state_dict()["epoch"] == 0
+    _same_epoch(list(ds), ref[0], "the first iteration: epoch 0")
+    _same_epoch(list(ds), ref[1], "the second: epoch 1")
+    assert ds.epoch == 1 and ds.state_dict()["epoch"] == 1
+    iter(ds), iter(ds)  # iterators made but never started are no epoch
+    it = iter(ds)
+    part = [next(it) for _ in range(5)]  # epoch 2, left after 5 batches
+    it.close()
+    _same_epoch(part, ref[2][:5], "epoch 2, begun")
+    assert ds.state_dict()["epoch"] == 2 and ds.state_dict()["runs"] == [[1, 5]]
+    _same_epoch(list(ds), ref[3], "after an iteration was left: the next epoch")
+    ds.set_epoch(1)  # set_epoch works as it always did
+    _same_epoch(list(ds), ref[1], "set_epoch(1)")
+    ds.set_epoch(1)
+    _same_epoch(list(ds), ref[1], "set_epoch(1) again")
+    _same_epoch(list(ds), ref[2], "then no set_epoch: epoch 2")
+
+
+def test_restore_then_iterate_without_set_epoch(source, tmp_path):
+    cache = tmp_path / "c"
+    ref = _epochs(source, cache, 3)
+    ds = _open(source, cache)
+    list(ds)
+    end_of_0 = ds.state_dict()
+    it = iter(ds)
+    [next(it) for _ in range(7)]
+    mid_1 = ds.state_dict()
+    it.close()
+    assert end_of_0["runs"] == [[1, len(ds)]] and (mid_1["epoch"], mid_1["runs"]) == (1, [[1, 7]])
+    a = _open(source, cache)
+    a.load_state_dict(end_of_0)  # a complete epoch: the next iteration begins epoch 1
+    _same_epoch(list(a), ref[1], "after the end of epoch 0")
+    _same_epoch(list(a), ref[2], "then epoch 2")
+    b = _open(source, cache)
+    b.load_state_dict(mid_1)  # within an epoch: the next iteration goes on with it
+    _same_epoch(list(b), ref[1][7:], "the rest of epoch 1")
+    _same_epoch(list(b), ref[2], "then epoch 2")
+
+
+def test_stateful_dataloader_without_set_epoch(source, tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    cache = tmp_path / "c"
+    ref = _epochs(source, cache, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torchdata's own 'set_vital is deprecated'
+        loader = StatefulDataLoader(_open(source, cache), batch_size=None, num_workers=0)
+        _same_epoch(list(loader), ref[0], "loader, epoch 0")
+        end_of_0 = json.loads(json.dumps(loader.state_dict()))  # after StopIteration
+        got = []
+        for i, b in enumerate(loader):
+            got.append(b)
+            if i == 9:
+                break
+        mid_1 = json.loads(json.dumps(loader.state_dict()))
+        _same_epoch(got, ref[1][:10], "loader, epoch 1 begun")
+        for state, epoch, skip in ((end_of_0, 1, 0), (mid_1, 1, 10)):
+            again = StatefulDataLoader(_open(source, cache), batch_size=None, num_workers=0)
+            again.load_state_dict(state)
+            _same_epoch(list(again), ref[epoch][skip:], ("restored", epoch, skip))
+            _same_epoch(list(again), ref[epoch + 1], ("then", epoch + 1))
+
+
+# ---------------------------------------------------------------------------------------
+# states that cannot exist
+# ---------------------------------------------------------------------------------------
+
+def _node_open(source, cache, rank=3):
+    return _open(source, cache, 4, rank, shard="node", local_world_size=2)
+
+
+@pytest.mark.parametrize("runs, match", [
+    ([[4, 3, 3]], "4 ranks cannot be nodes of 3"),
+    ([[2, 1, 4]], "2 ranks cannot be nodes of 4"),
+    ([[6, 1, 4]], "6 ranks cannot be nodes of 4"),
+    ([[64, 0, 2]], "32 nodes"),  # nodes too many for the chunks: a layout of another dataset
+])
+def test_impossible_node_layouts_are_refused(source, tmp_path, runs, match):
+    for rank in (0, 3):
+        ds = _node_open(source, tmp_path / "c", rank)
+        with pytest.raises(gpuload.ConfigError, match=match):
+            ds.load_state_dict({**ds.state_dict(), "runs": runs})
+        assert len(list(ds)) == len(ds)  # nothing restored
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats(allow_nan=True)
+                    | st.text(max_size=4), lambda c: st.lists(c, max_size=3)
+                    | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=6)
+RUNS = st.lists(st.lists(st.integers(-1, 70) | st.sampled_from([2**40, 10**9]), min_size=0, max_size=4),
+                min_size=0, max_size=4)
+
+
+def test_any_state_is_refused_or_works(source, tmp_path):
+    """Any JSON put in a state's fields (or any runs) is refused with a ConfigError, or restores a
+    position that iterates; never a raw exception, in load_state_dict or in the loader."""
+    ds = _node_open(source, tmp_path / "c")  # rank 3 of 2 nodes x 2 ranks, for every example
+    list(ds)
+    valid = json.dumps(ds.state_dict())
+
+    @settings(max_examples=200, deadline=None)
+    @given(data=st.data())
+    def check(data):
+        state = json.loads(valid)
+        where = data.draw(st.sampled_from(["runs", "epoch", "format", "version", "dataset", "dataset.outputs",
+                                           "dataset.outputs.row_id", "dataset.rows", "dataset.seed"]))
+        keys = where.split(".")
+        target = state
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] = data.draw(RUNS if where == "runs" else JSON)
+        try:
+            ds.load_state_dict(state)
+        except gpuload.ConfigError:
+            return
+        it = iter(ds)
+        try:
+            for _ in itertools.islice(it, 3):
+                pass
+        finally:
+            it.close()
+
+    check()

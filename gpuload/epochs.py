@@ -1,0 +1,150 @@
+"""Epochs: what a rank reads in an epoch, from the plan of the dataset's chunks and the
+runs of an epoch (restored ones included).
+
+:class:`EpochPlan` ties :mod:`gpuload.plan` (order, shards, node shares) and
+:mod:`gpuload.resume` (runs of an epoch, its rest) to one dataset's chunks and options;
+:class:`Position` is where an epoch stands. Everything here is pure: the same inputs
+give the same windows and batch sizes on every rank, run and device.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import plan, resume
+from .ranks import Ranks
+
+__all__ = ["Position", "EpochPlan"]
+
+log = logging.getLogger("gpuload")
+
+
+class Position:
+    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`),
+    and the ranks that run them (None: a restored position not yet fitted to this dataset's ranks).
+
+    A restored position also keeps ``raw`` (its runs as saved), ``complete`` (whether its epoch
+    was over) and ``warned`` (the world size its resume was logged for).
+    """
+
+    def __init__(self, epoch: int, runs: list[list[int]], ranks: Ranks | None = None):
+        self.epoch, self.runs, self.ranks, self.running = epoch, runs, ranks, False
+        self.raw, self.complete, self.warned = runs, False, None
+
+
+class EpochPlan:
+    """The epochs of one dataset: ``chunk_rows`` rows per chunk (``reader.chunks``), its
+    ``fingerprint`` and :class:`gpuload.config.Options`."""
+
+    def __init__(self, chunk_rows: list[int], fingerprint: int, options):
+        self.rows, self.fingerprint, self.options = chunk_rows, fingerprint, options
+        self.num_rows = sum(chunk_rows)
+        self._checked: set[tuple[int, int | None]] = set()  # (world, local) layouts checked
+        self._node_plans: dict[tuple[int, int], tuple] = {}
+
+    def check(self, ranks: Ranks) -> Ranks:
+        """Refuse ranks that cannot share the dataset (once per layout); returns them."""
+        if (ranks.world, ranks.local) not in self._checked:
+            o = self.options
+            if ranks.local is None:
+                plan.check_balance(self.num_rows, ranks.world, o.batch_size, o.drop_last)
+            else:
+                self.node_plan(ranks.world, ranks.local)  # refuses a node share too small
+            self._checked.add((ranks.world, ranks.local))
+        return ranks
+
+    def node_plan(self, world: int, local: int) -> tuple:
+        """(chunks per node, rows per rank, rows undelivered per node) for ``world`` ranks, ``local`` per node."""
+        if (world, local) not in self._node_plans:
+            o = self.options
+            self._node_plans[world, local] = plan.node_shares(
+                self.rows, world // local, local, o.batch_size, o.drop_last, fingerprint=self.fingerprint,
+                seed=o.seed)
+        return self._node_plans[world, local]
+
+    @staticmethod
+    def first_run(ranks: Ranks) -> list[list[int]]:
+        """The runs of an epoch not started yet: one run of these ranks."""
+        return [[ranks.world, 0] + ([] if ranks.local is None else [ranks.local])]
+
+    def runs(self, runs: list[list[int]]) -> list[resume.Run]:
+        """The :class:`gpuload.resume.Run` objects of an epoch's runs (refuses impossible ones)."""
+        o = self.options
+        return resume.runs_of(self.num_rows, runs, o.batch_size, o.drop_last,
+                              lambda world, local: self.node_plan(world, local)[1])
+
+    def first(self, ranks: Ranks) -> resume.Run:
+        """The run of a whole epoch on these ranks."""
+        return self.runs(self.first_run(ranks))[0]
+
+    def go_on(self, p: Position, ranks: Ranks, warn: bool) -> list[list[int]]:
+        """The runs with which ``ranks`` go on with the restored position ``p``: its last run (the same
+        ranks and plan), else a new run over the rest of its epoch (elastic), logged once with ``warn``."""
+        runs = [list(r) for r in p.raw]
+        first = self.first_run(ranks)
+        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as these ranks run it
+            return first
+        # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
+        same = runs[-1][0] == ranks.world and (len(runs) > 1 or runs[0][2:] == first[0][2:])
+        if same or p.complete:
+            return runs
+        runs.append([ranks.world, 0])  # elastic: a new run over the rest of the epoch
+        if not warn or p.warned == ranks.world:
+            return runs
+        p.warned = ranks.world
+        if len(runs[0]) == 3 or ranks.local is not None:
+            was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
+            now = "global" if ranks.local is None else f"{ranks.world // ranks.local} nodes x {ranks.local}"
+            log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
+                        "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
+                        "cached on its node yet: decoded from the source); later epochs give each node its "
+                        "share of the new layout, cached as it is first read", p.epoch, was, now)
+        dropped = resume.dropped_rows(self.runs(runs))
+        if dropped:
+            log.warning("gpuload: epoch %d resumes on %d ranks: the last %d of its rows left cannot be shared "
+                        "evenly (equal batch counts per rank) and are not delivered", p.epoch, ranks.world, dropped)
+        return runs
+
+    def windows(self, epoch: int, world: int, rank: int, local: int | None = None) -> list[list[plan.Segment]]:
+        """Rank ``rank``'s windows in an epoch run by ``world`` ranks (node-affine: ``local`` per node)."""
+        o, rows = self.options, self.rows
+        if local is not None:
+            owned, per, _ = self.node_plan(world, local)
+            segments = plan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
+                                          per_rank=per, fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
+                                          shuffle=o.shuffle)
+        else:
+            order = plan.chunk_order(len(rows), fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
+                                     shuffle=o.shuffle)
+            start, stop = plan.rank_range(self.num_rows, world, rank, o.batch_size, o.drop_last)
+            segments = plan.rank_segments(rows, order, start, stop)
+        return plan.windows(segments, o.shuffle_window)
+
+    def rest(self, p: Position, rank: int) -> tuple[list[list[plan.Segment]], list[tuple[int, int, list]],
+                                                    plan.BatchSizes]:
+        """What rank ``rank`` of ``p``'s last run yields from ``p``: per window it reads, the chunk
+        segments to load and ``(rank, window, [(lo, hi), ...])`` (the window's key in the epoch's
+        first run and the positions taken from it), and the batch sizes."""
+        o = self.options
+        runs = self.runs(p.runs)
+        if runs[-1].complete:
+            return [], [], plan.BatchSizes(0, o.batch_size, ())
+        base: dict[int, list[list[plan.Segment]]] = {}  # windows of ranks of the epoch's first run
+
+        def windows_of(q: int) -> list[list[plan.Segment]]:
+            if q not in base:
+                base[q] = self.windows(p.epoch, runs[0].world, q, *p.runs[0][2:])
+            return base[q]
+
+        pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],
+                                             runs, rank)
+        takes: list[tuple[int, int, list]] = []  # pieces of one window come one after another: read it once
+        for c in pieces:
+            if takes and takes[-1][:2] == (c.rank, c.window):
+                takes[-1][2].append((c.lo, c.hi))
+            else:
+                takes.append((c.rank, c.window, [(c.lo, c.hi)]))
+        # shuffled, a window is loaded whole to permute it; in file order, only the rows taken
+        loads = [windows_of(q)[w] if o.shuffle else [s for lo, hi in spans for s in plan.trim(windows_of(q)[w], lo, hi)]
+                 for q, w, spans in takes]
+        return loads, takes, sizes

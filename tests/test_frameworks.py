@@ -1,0 +1,148 @@
+"""gpuload under real training frameworks, 2 processes on the CPU (gloo): torchrun,
+Lightning's DDP and ``accelerate launch``.
+
+Each test runs ``tests/frameworks_train.py`` (the README's recipe for that framework) over
+3 epochs and checks, from the ``row_id`` of every batch each rank trained on: every row
+exactly once per epoch across the 2 ranks, the same number of batches on both ranks
+(and as many as ``len(ds)`` said), a different order in each epoch, and that the job
+ended (a hung rank fails the test after ``TIMEOUT`` seconds, every process killed).
+
+* torchrun: the dataset is made before ``init_process_group`` (ranks resolve when
+  iteration begins) and an iteration tried before it is refused;
+* Lightning: the datasets are made in the LightningModule's ``__init__``; Lightning
+  never calls ``set_epoch``, so each new iteration begins the next epoch; the validation
+  set's sanity check (2 batches) and per-epoch runs;
+* accelerate: ``accelerator.prepare(DataLoader(ds))`` would re-shard gpuload's batches
+  (dispatched from rank 0, or every other batch kept): refused with a ``ConfigError`` on
+  every rank, with accelerate's default settings and with ``dispatch_batches=False``;
+  the recommended pattern (prepare the model and optimizer, iterate the dataset) works,
+  and ``accelerator.save_state`` holds the dataset's position: restored, each rank gets
+  the rest of the epoch it had.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gpuload
+
+from conftest import free_port, run_launch, write_parquet
+from frameworks_train import COLUMNS, OPTIONS
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("frameworks_train.py")
+ROWS = 3001
+BATCH = 50
+EPOCHS = 3
+TIMEOUT = 240  # seconds a job may take before it counts as hung (a run takes 10-40 s on 2 busy cores)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((ROWS, 2)).astype(np.float32)
+    cols = {"row_id": np.arange(ROWS), "x0": x[:, 0], "x1": x[:, 1], "y": (x @ [1.0, -2.0]).astype(np.float32)}
+    d = tmp_path_factory.mktemp("frameworks_source")
+    write_parquet(d / "a.parquet", {k: v[:1700] for k, v in cols.items()}, row_group_size=100)
+    write_parquet(d / "b.parquet", {k: v[1700:] for k, v in cols.items()}, row_group_size=100)
+    return d
+
+
+def _script_args(framework: str, source: Path, out: Path) -> list[str]:
+    return [str(SCRIPT), framework, "--source", str(source), "--cache", str(out / "cache"), "--out", str(out),
+            "--epochs", str(EPOCHS), "--batch-size", str(BATCH)]
+
+
+def _launch(cmd: list[str], out: Path, world: int = 2) -> list[dict]:
+    t0 = time.monotonic()
+    rc, log = run_launch(cmd, TIMEOUT)
+    took = time.monotonic() - t0
+    assert rc == 0, f"the job failed (exit {rc}):\n{log[-8000:]}"
+    missing = [r for r in range(world) if not (out / f"done.{r}.json").exists()]
+    assert not missing, f"ranks {missing} did not finish:\n{log[-8000:]}"
+    (out / "took.txt").write_text(f"{took:.1f}")
+    return [json.loads((out / f"done.{r}.json").read_text()) for r in range(world)]
+
+
+def _batches(out: Path, world: int = 2) -> dict[str, list[list[np.ndarray]]]:
+    """``{epoch: [[ids of each batch] for each rank]}`` as the ranks logged them."""
+    got: dict[str, list[list[np.ndarray]]] = {}
+    for r in range(world):
+        for line in (out / f"rows.{r}.txt").read_text().splitlines():
+            epoch, ids = line.split(" ")
+            got.setdefault(epoch, [[] for _ in range(world)])[r].append(np.array(ids.split(","), dtype=np.int64))
+    return got
+
+
+def _each_row_once(per_rank: list[list[np.ndarray]], where) -> np.ndarray:
+    """Asserts every row exactly once across the ranks and equal batch counts; returns the ids in order."""
+    assert len({len(b) for b in per_rank}) == 1, (where, "batch counts differ between ranks",
+                                                   [len(b) for b in per_rank])
+    ids = np.concatenate([np.concatenate(b) for b in per_rank])
+    assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS)), (
+        where, f"not every row once across ranks: {len(ids)} rows, {len(np.unique(ids))} distinct")
+    return ids
+
+
+def _check_training(out: Path, done: list[dict]) -> dict[str, list[list[np.ndarray]]]:
+    batches = _batches(out)
+    orders = []
+    for e in range(EPOCHS):
+        orders.append(_each_row_once(batches[str(e)], f"epoch {e}"))
+        assert len(batches[str(e)][0]) == done[0]["len"], (e, "len(ds) is not the batches each rank got")
+    for a in range(EPOCHS):
+        for b in range(a + 1, EPOCHS):
+            assert not np.array_equal(orders[a], orders[b]), f"epochs {a} and {b} have the same order"
+    assert all(d["counts"] == done[0]["counts"] for d in done)
+    return batches
+
+
+def test_torchrun_dataset_made_before_init_process_group(source, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *_script_args("torchrun", source, tmp_path)]
+    done = _launch(cmd, tmp_path)
+    _check_training(tmp_path, done)
+    for d in done:  # an iteration before the process group exists is refused, naming the fixes
+        assert d["refused_before_init"] is not None, "iterating before init_process_group was not refused"
+        assert "init_process_group" in d["refused_before_init"] and "rank=" in d["refused_before_init"]
+
+
+def test_lightning_ddp_dataset_made_in_module_init(source, tmp_path):
+    done = _launch([sys.executable, *_script_args("lightning", source, tmp_path)], tmp_path)
+    assert all(d["world"] == 2 and d["train_len"] == d["len"] for d in done)
+    batches = _check_training(tmp_path, done)
+    # validation: the sanity check's 2 batches per rank, then one whole run per epoch
+    assert [len(b) for b in batches["val0"]] == [2, 2]
+    for run in range(1, EPOCHS + 1):
+        _each_row_once(batches[f"val{run}"], f"validation {run}")
+    assert f"val{EPOCHS + 1}" not in batches
+
+
+def test_accelerate_launch(source, tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
+           "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}",
+           *_script_args("accelerate", source, tmp_path)]
+    done = _launch(cmd, tmp_path)
+    for d in done:  # accelerator.prepare(dataloader) would re-shard what gpuload already shards
+        for mode in ("dispatch", "shard"):
+            got = d["prepared"][mode]
+            assert got["refused"], f"prepare(DataLoader(ds)) ({mode}) was not refused: {got}"
+            assert "accelerator.prepare" in got["message"], got
+    batches = _check_training(tmp_path, done)
+    state = torch.load(tmp_path / "checkpoint" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert (state["epoch"], state["runs"]) == (1, [[2, 5]])  # saved after 5 batches of epoch 1
+    for rank in (0, 1):
+        ds = gpuload.ParquetDataset(source, COLUMNS, batch_size=BATCH, cache_dir=tmp_path / "cache", device="cpu",
+                                    rank=rank, world_size=2, **OPTIONS)
+        ds.load_state_dict(state)
+        rest = [b["row_id"].numpy() for b in ds]
+        want = batches["1"][rank][5:]
+        assert len(rest) == len(want) and all(np.array_equal(a, b) for a, b in zip(rest, want)), rank
