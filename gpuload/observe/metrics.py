@@ -26,7 +26,6 @@ import heapq
 import json
 import os
 import threading
-from itertools import chain
 from pathlib import Path
 from threading import get_ident
 from time import perf_counter

@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures.thread
-import errno
 import os
-import random
 import threading
 import time
 import itertools
@@ -34,11 +32,10 @@ from typing import Callable
 
 from ..errors import ConfigError, SourceError
 from .ranges import coalesce
+from .retry import Truncated, retry, transient
 
 __all__ = ["RemoteSettings", "RemoteStats", "Fetcher", "Job", "retry", "transient"]
 
-_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
-_PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EINVAL}
 
 
 def _env(name: str, default, kind):
@@ -130,99 +127,6 @@ class RemoteStats:
         ms = [f"{v * 1e3:.0f}" for v in (self.latency_p50_s, self.latency_p90_s, self.latency_p99_s)]
         return (f"{self.requests:,} requests, {self.bytes / 1e6:.1f} MB, latency p50/p90/p99 {'/'.join(ms)} ms, "
                 f"{self.retried} retried, {self.failed} failed")
-
-
-_TRANSIENT_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
-                    errno.ECONNREFUSED, errno.EPIPE, errno.EREMOTEIO, errno.ENETUNREACH, errno.EHOSTUNREACH}
-# connection-level failures of the stores' clients (botocore, aiohttp, urllib3, requests, google-auth), by class name
-_TRANSIENT_CLASSES = {"ConnectTimeoutError", "ReadTimeoutError", "EndpointConnectionError", "ConnectionClosedError",
-                      "ResponseStreamingError", "IncompleteReadError", "ProxyConnectionError", "ClientConnectionError",
-                      "ClientConnectorError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
-                      "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError", "ProtocolError",
-                      "ChunkedEncodingError", "TransportError", "FSTimeoutError"}
-
-
-def _status(e: BaseException) -> int | None:
-    """An HTTP status carried by a store's exception (aiohttp ``status``, gcsfs ``code``,
-    botocore ``response``), if any."""
-    for attr in ("status", "status_code", "code"):
-        v = getattr(e, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool) and 100 <= v < 600:
-            return v
-    response = getattr(e, "response", None)
-    if isinstance(response, dict):
-        v = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(v, int):
-            return v
-    return None
-
-
-def transient(e: BaseException) -> bool:
-    """Whether a failed request is worth trying again: a 5xx, 429 or 408 answer,
-    throttling, a dropped or refused connection, a timeout, a truncated body. The
-    exception's causes (``__cause__``, ``__context__``) are looked at too, since stores
-    wrap their clients' errors (s3fs turns a 503 SlowDown into ``OSError(EBUSY)``)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-            return False
-        if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, _Truncated)):
-            return True
-        status = _status(e)
-        if status is not None:
-            return status in _TRANSIENT_STATUS or status >= 500
-        if type(e).__name__ in _TRANSIENT_CLASSES:
-            return True
-        if isinstance(e, OSError) and e.errno is not None:
-            if e.errno in _TRANSIENT_ERRNO:
-                return True
-            if e.errno in _PERMANENT_ERRNO:
-                return False
-        text = str(e).lower()
-        if any(w in text for w in ("slowdown", "slow down", "reduce your request rate", "throttl",
-                                   "service unavailable", "too many requests", "internal error")):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class _Truncated(Exception):
-    """A body shorter than the range asked for (a dropped connection): worth another try."""
-
-
-def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_retry: Callable[[], None] | None = None,
-          stop: threading.Event | None = None):
-    """``call()``, tried again on transient errors with backoff and jitter; a
-    :class:`SourceError` naming ``what`` when it fails for good."""
-    for attempt in range(settings.retries + 1):
-        try:
-            return call()
-        except SourceError:
-            raise
-        except Exception as e:  # classified below: a store's errors have no common base
-            if not transient(e):
-                raise SourceError(f"{what}: {type(e).__name__}: {e}" + _hint(e)) from None
-            if attempt == settings.retries or (stop is not None and stop.is_set()):
-                raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(e).__name__}: {e}; the "
-                                  "store may be down or throttling: try again later, or raise remote retries") from None
-            if on_retry is not None:
-                on_retry()
-            pause = random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt))
-            if stop is None:
-                time.sleep(pause)
-            elif stop.wait(pause):  # closed while waiting to try again
-                raise SourceError(f"{what}: abandoned after {attempt + 1} tries (last {type(e).__name__}: {e}): "
-                                  "the dataset was closed or its epoch ended") from None
-    raise AssertionError("unreachable")
-
-
-def _hint(e: BaseException) -> str:
-    if isinstance(e, FileNotFoundError):
-        return "; the object is gone: open the dataset again to list the source anew"
-    if isinstance(e, PermissionError):
-        return "; check the credentials in storage_options (or the environment)"
-    return ""
 
 
 class _Budget:
@@ -426,7 +330,7 @@ class Fetcher:
                                   "bytes: the server ignores Range requests, which gpuload needs; serve the "
                                   "objects from a server that honours them")
             if len(data) < end - start:
-                raise _Truncated(f"the body ended after {len(data)} of {end - start} bytes")
+                raise Truncated(f"the body ended after {len(data)} of {end - start} bytes")
             t1 = self.clock()
             with self._lock:
                 self._lat.append(t1 - t0)

@@ -8,7 +8,6 @@ import os
 import shutil
 import uuid
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pytest
