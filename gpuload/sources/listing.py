@@ -1,8 +1,7 @@
-"""Source: list Parquet files and objects, fingerprint them and read their footers.
+"""Source: list Parquet files and objects, their partition keys, and fingerprint them.
 
-Everything here runs once, when a dataset is opened, and reads at most the Parquet
-footers, and only those not already in the cache (see :mod:`gpuload.cache.footers`): no
-column data. A source is a local file, a directory, a glob, a URL (``s3://``,
+Everything here runs once, when a dataset is opened, and reads no Parquet bytes (the
+footers are read by :mod:`gpuload.sources.opening`, from the cache where it holds them). A source is a local file, a directory, a glob, a URL (``s3://``,
 ``gs://``, ``az://``, ``http(s)://``, ``file://`` or any fsspec protocol; a prefix
 or folder is listed recursively), or a list of these; with ``filesystem=`` (an fsspec
 filesystem or a ``pyarrow.fs.FileSystem``) paths name objects in it. Anything else (a
