@@ -149,6 +149,28 @@ def record_loads(ds) -> list[int]:
     return loaded
 
 
+def at_once(*calls) -> list:
+    """Run each of ``calls`` on its own thread, all released together; their results, in order
+    (the first exception, if any, raised here)."""
+    results, errors, start = [None] * len(calls), [], threading.Barrier(len(calls))
+
+    def run(k):
+        start.wait()
+        try:
+            results[k] = calls[k]()
+        except BaseException as e:  # raised on the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a launcher's rendezvous)."""
     with socket.socket() as sock:

@@ -26,6 +26,8 @@ from gpuload.cache.fs import CacheRoot
 from gpuload.cli import main
 from gpuload.synth import write_clicklog
 
+from conftest import at_once
+
 COLUMNS = ["label", "dense_0", "dense_1"]
 CHUNK = 1 << 14
 
@@ -116,18 +118,10 @@ def test_two_builds_at_once_count_what_each_did(data, tmp_path, monkeypatch):
     processes): each chunk is built by one of them, and each summary says which it built,
     which it found and which the other one built meanwhile."""
     _slow_decoding(monkeypatch)
-    summaries, start = [None, None], threading.Barrier(2)
+    def build():
+        return gpuload.build_cache(data, tmp_path / "c", COLUMNS, chunk_bytes=CHUNK, num_threads=2)
 
-    def build(k):
-        start.wait()
-        summaries[k] = gpuload.build_cache(data, tmp_path / "c", COLUMNS, chunk_bytes=CHUNK, num_threads=2)
-
-    threads = [threading.Thread(target=build, args=(k,)) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    a, b = summaries
+    a, b = at_once(build, build)
     n = a.chunks
     assert n == b.chunks > 8
     assert a.built + b.built == n  # each chunk decoded and written once, by one of them

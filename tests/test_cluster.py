@@ -25,7 +25,7 @@ import gpuload
 import gpuload.decode
 from gpuload.cache.store import ChunkCache
 
-from conftest import write_parquet
+from conftest import at_once, write_parquet
 
 distributed = pytest.importorskip("distributed")  # the dask extra; in [dev], so CI runs these
 
@@ -202,18 +202,10 @@ def test_progress_bar_counts_every_row(source, tmp_path, cluster, capsys):
 def test_two_cluster_builds_at_once_count_what_each_did(source, tmp_path, cluster):
     """Two cluster builds of one cache at the same time (they used to both report every
     chunk as built): each chunk is built by one of them, and each says how many the other built."""
-    summaries, start = [None, None], threading.Barrier(2)
+    def build():
+        return gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK // 4, client=cluster)
 
-    def build(k):
-        start.wait()
-        summaries[k] = gpuload.build_cache(source, tmp_path / "c", chunk_bytes=CHUNK // 4, client=cluster)
-
-    threads = [threading.Thread(target=build, args=(k,)) for k in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    a, b = summaries
+    a, b = at_once(build, build)
     n = a.chunks
     assert a.built + b.built == n and a.built_elsewhere == b.built and b.built_elsewhere == a.built
     for s in (a, b):
