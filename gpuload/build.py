@@ -165,7 +165,7 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
 def _build(reader: ChunkReader, opts: Options, ctx, progress, client, nodes, seed: int, spec: dict) -> CacheSummary:
     """build_cache's work on an opened reader: on ``client``'s workers, else on threads here.
     Raises :class:`CacheError` when chunk files could not be written (the reason, where)."""
-    enter = contextlib.nullcontext if ctx is None else ctx.active
+    enter = contextlib.nullcontext if ctx is None else ctx.reading
     cache_dir = spec["options"]["cache_dir"]
     t0 = time.perf_counter()
     n = len(reader.chunks)

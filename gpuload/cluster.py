@@ -68,7 +68,7 @@ def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, 
     c = reader.chunks[i]
     where = f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
     try:
-        with contextlib.nullcontext() if ctx is None else ctx.active():
+        with contextlib.nullcontext() if ctx is None else ctx.reading():
             reader.build(i)
         reader.cache.flush()  # on disk before the task reports it done
     except GpuloadError as e:

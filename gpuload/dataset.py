@@ -480,7 +480,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
                                  batch_alloc=r.batch_pool.array if ctx is None else None,
-                                 enter=None if ctx is None else ctx.active, metrics=self.metrics,
+                                 stages=ctx, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 
     def __repr__(self) -> str:

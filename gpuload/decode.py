@@ -181,9 +181,9 @@ class GpuDecoder:
     """GPU decoder: libcudf reads the row groups, :mod:`gpuload.gpu.cudf_decode` converts.
 
     Returns a CuPy column set in the loader's memory of ``ctx`` (a
-    :class:`gpuload.gpu.runtime.DeviceContext`; call it inside ``ctx.active()``). libcudf
-    decodes on the loader stream with stream-ordered memory
-    (:meth:`~gpuload.gpu.runtime.DeviceContext.decode_stream`), and the conversion kernels
+    :class:`gpuload.gpu.streams.DeviceContext`; call it inside ``ctx.reading()``). libcudf
+    decodes on the read stream with stream-ordered memory
+    (:meth:`~gpuload.gpu.streams.DeviceContext.decode_stream`), and the conversion kernels
     follow on that stream, so decoding a chunk never waits for, nor holds up, the
     training step's kernels on another stream. A chunk that cuDF would not convert
     exactly as the CPU does (see :class:`gpuload.gpu.cudf_decode.Unsupported`) is decoded
@@ -215,7 +215,7 @@ class GpuDecoder:
                     raw = read_row_groups(staged or f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs),
                                           stream=stream)
                     _unchanged(f, during=True)
-                    self.ctx.stream.synchronize()  # libcudf's I/O and decoding are one call: both count as decode
+                    self.ctx.read_done()  # libcudf's I/O and decoding are one call: both count as decode
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
                                       "pass decode='cpu'") from None
@@ -225,7 +225,7 @@ class GpuDecoder:
                 finally:
                     if staged is not None:
                         os.unlink(staged)
-            # convert on the loader stream into the loader's memory (no view of cuDF's buffers is
+            # convert on the read stream into the loader's memory (no view of cuDF's buffers is
             # kept); they go back to their stream-ordered pool when `raw` is dropped, after the
             # kernels that read them
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
@@ -233,7 +233,7 @@ class GpuDecoder:
                     out = columns_to_set(raw, specs, f.schema, chunk.rows, where)
                 finally:  # also before a fallback to the CPU: cuDF's buffers are not needed there
                     del raw
-                self.ctx.stream.synchronize()  # so that the span times the kernels, not their launch
+                self.ctx.read_done()  # so that the span times the kernels, not their launch (this chunk's, not later ones)
                 if span is not None:
                     span.nbytes = nbytes(out)
             return out

@@ -2,8 +2,10 @@
 
 CPU: ``torch.from_numpy`` shares the batch's memory (no copy). GPU: the batch is a set
 of CuPy arrays in the loader's device memory (see :mod:`gpuload.gpu.runtime`);
-``torch.from_dlpack`` wraps them without a copy, on the loader thread, and an event
-recorded on the loader stream after the kernels that made the batch travels with it.
+``torch.from_dlpack`` wraps them without a copy, on the producer thread, and an event
+recorded on the batch stream after the kernels that made the batch travels with it (the
+batch stream has waited for each chunk's read or decode already: see
+:mod:`gpuload.gpu.runtime`).
 On the training thread :meth:`DlpackHandoff.receive` makes the current stream wait on
 that event, so the batch is never visible before it is complete.
 """
@@ -26,18 +28,18 @@ log = logging.getLogger("gpuload")
 def resolve_device(device) -> torch.device:
     """Turn ``"auto" | "cpu" | "cuda" | "cuda:N"`` (or a torch.device) into a torch.device.
 
-    ``"auto"`` picks the GPU when the GPU path can run (a driver, CuPy with
-    ``cupy.cuda.is_available()``, and KvikIO: :func:`gpuload.gpu.runtime.gpu_usable`), else the
-    CPU with one log line saying why. An explicit CUDA device without them raises
-    :class:`GpuloadError` naming the missing piece (driver, cupy, kvikio).
+    ``"auto"`` picks the GPU when the GPU path can run (a driver and CuPy with
+    ``cupy.cuda.is_available()``: :func:`gpuload.gpu.runtime.gpu_usable`; KvikIO and cuDF are
+    optional), else the CPU with one log line saying why. An explicit CUDA device without
+    them raises :class:`GpuloadError` naming the missing piece (driver, cupy).
     """
-    from .gpu.runtime import gpu_status, gpu_usable, require_gpu
+    from .gpu.runtime import gpu_usable, missing_pieces, require_gpu
 
     text = str(device)
     if text == "auto":
         if gpu_usable():
             return torch.device("cuda", torch.cuda.current_device())
-        missing = {k: v for k, v in gpu_status().items() if v is not None and k != "cudf"}
+        missing = missing_pieces()
         log.info("gpuload: loading on the CPU (GPU path unavailable: %s)",
                  "; ".join(f"{k}: {v}" for k, v in missing.items()))
         return torch.device("cpu")
@@ -104,8 +106,8 @@ class HostHandoff:
 class DlpackHandoff:
     """Device column set (CuPy) -> CUDA tensors through DLPack, with a ready event.
 
-    Called on the loader thread inside ``ctx.active()`` (a :class:`gpuload.gpu.runtime.DeviceContext`);
-    ``views`` and ``layout`` as for :class:`HostHandoff`.
+    Called on the producer thread inside ``ctx.batching()`` (a
+    :class:`gpuload.gpu.streams.DeviceContext`); ``views`` and ``layout`` as for :class:`HostHandoff`.
     """
 
     def __init__(self, ctx, views: dict | None = None, layout=None):
@@ -114,11 +116,11 @@ class DlpackHandoff:
         self.layout = layout
 
     def __call__(self, cols: dict):
-        if self.layout is not None:  # kernels on the loader's stream (CuPy's current one), before the event
+        if self.layout is not None:  # kernels on the batch stream (CuPy's current one), before the event
             cols = self.layout.unpack(cols)
-        out = _map(cols, torch.from_dlpack, self.views)  # CuPy's current stream is the loader's: no extra ordering
+        out = _map(cols, torch.from_dlpack, self.views)  # CuPy's and torch's current stream: both the batch stream
         event = torch.cuda.Event()
-        event.record(self.ctx.stream)
+        event.record(self.ctx.batch_stream)  # after every kernel that made the batch
         return out, event
 
     def receive(self, item) -> dict:

@@ -7,6 +7,11 @@ window before it is being cut, and one producer thread gathers, slices and hands
 each batch. Futures are consumed in plan
 order, so thread count and prefetch depth never change the order (invariant 1).
 Memory is bounded by the window, the chunks in flight and the batch queue.
+
+On the GPU path the loader threads run on one CUDA stream and the window and producer
+threads on another (:class:`Stages`, implemented by
+:class:`gpuload.gpu.streams.DeviceContext`): each loaded chunk crosses from the first to
+the second with an event, received before the chunk's first use.
 """
 
 from __future__ import annotations
@@ -21,9 +26,35 @@ from typing import Callable, Iterator, Sequence
 from .batch import Batcher, concat, nbytes, nrows, rows
 from .plan import Segment
 
-__all__ = ["Background", "epoch_batches"]
+__all__ = ["Background", "epoch_batches", "Stages"]
 
 _END = object()
+
+
+class Stages:
+    """Where the two sides of the pipeline run, and how a chunk crosses between them (here:
+    the CPU path, where nothing is needed).
+
+    * :meth:`reading`: the context every loader thread loads a chunk in;
+    * :meth:`batching`: the context the window thread and the producer thread run in;
+    * :meth:`handover`: on the loader thread, inside :meth:`reading`, right after a chunk is
+      loaded: what travels to the taking side (the GPU path adds the chunk's ready event);
+    * :meth:`receive`: on the taking thread, inside :meth:`batching`, before the chunk's
+      first use (slicing included): the column set (the GPU path makes the batch stream
+      wait for the chunk's event first).
+    """
+
+    def reading(self):
+        return contextlib.nullcontext()
+
+    def batching(self):
+        return contextlib.nullcontext()
+
+    def handover(self, cols: dict):
+        return cols
+
+    def receive(self, item) -> dict:
+        return item
 
 
 class _Failure:
@@ -95,9 +126,10 @@ class Background:
 class _Lookahead:
     """Loads segments' chunks on a pool, ``ahead`` segments beyond the one being taken."""
 
-    def __init__(self, pool: ThreadPoolExecutor, segments: Sequence[Segment], load: Callable[[int], dict],
-                 ahead: int, warm: Callable[[int], bool] | None = None):
+    def __init__(self, pool: ThreadPoolExecutor, segments: Sequence[Segment], load: Callable[[int], object],
+                 ahead: int, warm: Callable[[int], bool] | None = None, receive: Callable[[object], dict] = None):
         self._pool, self._segments, self._load, self._ahead, self._warm = pool, segments, load, ahead, warm
+        self._receive = receive or (lambda item: item)
         self._futures: deque[Future] = deque()
         self._next = self._warmed = 0
 
@@ -113,9 +145,10 @@ class _Lookahead:
             self._warmed += 1
 
     def take(self, index: int) -> dict:
-        """Column set of segment ``index`` (segments must be taken in order)."""
+        """Column set of segment ``index`` (segments must be taken in order), received (see
+        :meth:`Stages.receive`) before it is sliced."""
         self._fill(index + 1 + self._ahead)
-        cols = self._futures.popleft().result()
+        cols = self._receive(self._futures.popleft().result())
         s = self._segments[index]
         return cols if s.lo == 0 and s.hi == nrows(cols) else rows(cols, s.lo, s.hi)
 
@@ -127,7 +160,7 @@ class _Lookahead:
 def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], load: Callable[[int], dict],
                   permutation: Callable[[int, int], object] | None, handoff: Callable[[dict], object],
                   *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
-                  enter: Callable[[], contextlib.AbstractContextManager] | None = None, metrics=None,
+                  stages: Stages | None = None, metrics=None,
                   warm: Callable[[int], bool] | None = None, forget: Callable[[], None] | None = None,
                   batch_alloc=None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
@@ -143,17 +176,18 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     stop : set when the consumer has gone away.
     alloc, batch_alloc : ``alloc(shape, dtype)`` for window buffers and for the arrays of
         gathered or joined batches (default: new arrays; see :class:`gpuload.memory.HostPool`).
-    enter : a context every loader thread runs inside (the GPU path's device, stream
-        and allocator: :meth:`gpuload.gpu.runtime.DeviceContext.active`).
+    stages : where loads and batching run and how chunks cross between them (default
+        :class:`Stages`: the CPU path; the GPU path passes its
+        :class:`gpuload.gpu.streams.DeviceContext`).
     metrics : a :class:`gpuload.Metrics`; records a ``batch`` span for each window's
         concatenation and for cutting (gathering) and handing off each batch.
     warm, forget : remote sources: ``warm(chunk)`` starts a chunk's fetch ahead of its load
         (False: not now, the read-ahead is full); ``forget()`` drops unused ones at the end.
     """
-    enter = enter or contextlib.nullcontext
+    stages = stages or Stages()
     try:
-        with enter():
-            yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter,
+        with stages.batching():  # the producer thread: cuts, gathers and hands off batches
+            yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, stages,
                                 metrics, warm, batch_alloc)
     finally:
         if forget is not None:
@@ -177,13 +211,13 @@ def _timed(batches: Iterator, handoff, metrics) -> Iterator:
         yield out
 
 
-def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, enter, metrics,
+def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, stages, metrics,
              warm, batch_alloc) -> Iterator:
-    def load_in(i: int) -> dict:
+    def load_in(i: int):
         if stop.is_set():  # the consumer left: queued loads are not run
             raise RuntimeError("gpuload: the epoch was stopped")
-        with enter():
-            return load(i)
+        with stages.reading():  # a loader thread: reads or decodes the chunk
+            return stages.handover(load(i))
 
     segments = [s for w in windows for s in w]
     # what is assembled at once: a window (joined and permuted), or in file order one chunk piece
@@ -194,11 +228,11 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
     halt = threading.Event()  # the epoch ended early: the window being assembled is not wanted
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-window") as assembler:
-        look = _Lookahead(pool, segments, load_in, prefetch, warm)
+        look = _Lookahead(pool, segments, load_in, prefetch, warm, stages.receive)
 
         def assemble(w: int):
             """Group ``w``'s chunk pieces (in file order), or its rows joined with their permutation."""
-            with enter():
+            with stages.batching():  # the window thread
                 parts = []
                 for pos in range(starts[w], starts[w + 1]):
                     parts.append(look.take(pos))

@@ -160,7 +160,7 @@ class ChunkReader:
     def load(self, i: int) -> dict:
         """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows).
 
-        On the GPU path, call it inside ``ctx.active()``; the columns are then CuPy arrays.
+        On the GPU path, call it inside ``ctx.reading()``; the columns are then CuPy arrays, ordered on the read stream.
         """
         c = self.chunks[i]
         f = self.files[c.file]
@@ -179,7 +179,7 @@ class ChunkReader:
         verified, and rebuilt if corrupt); one cached by another process meanwhile is not
         decoded. What became of the file is in ``cache.outcomes`` when that is on.
 
-        On the GPU path, call it inside ``ctx.active()``.
+        On the GPU path, call it inside ``ctx.reading()``.
         """
         c = self.chunks[i]
         if not check and self.is_cached(i):

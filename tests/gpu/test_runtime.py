@@ -1,6 +1,6 @@
 """The GPU path: device selection everywhere; decode, cache reads, batching and hand-off on a GPU.
 
-Tests marked ``gpu`` run where a driver, CuPy and KvikIO are usable (cuDF for the GPU
+Tests marked ``gpu`` run where a driver and CuPy are usable (pylibcudf for the GPU
 decode tests) and skip cleanly elsewhere. The others check, on any machine, what a
 user without a GPU meets: the error that names the missing piece, the CPU fallback,
 and the shared pieces the GPU path is built from.
@@ -36,19 +36,26 @@ def _status(**missing):
     return lambda: base
 
 
-@pytest.mark.parametrize("piece", ["driver", "cupy", "kvikio"])
+@pytest.mark.parametrize("piece", ["driver", "cupy"])
 def test_cuda_without_a_piece_names_it(monkeypatch, piece):
     monkeypatch.setattr(gpu, "gpu_status", _status(**{piece: "not here"}))
     with pytest.raises(gpuload.GpuloadError, match=f"device='cuda' needs {piece}: not here"):
         gpu.require_gpu("cuda", "auto")
 
 
+def test_cuda_without_kvikio_runs(monkeypatch):
+    """KvikIO only serves GPUDirect Storage: without it every cache read goes through pinned memory."""
+    monkeypatch.setattr(gpu, "gpu_status", _status(kvikio="optional, only for GPUDirect Storage reads"))
+    assert gpu.require_gpu("cuda", "auto") is True
+    assert gpu.require_gpu("cuda", "cpu") is False
+
+
 def test_missing_cudf_decodes_on_the_cpu_unless_gpu_decode_is_asked(monkeypatch, caplog):
     monkeypatch.setattr(gpu, "gpu_status", _status(cudf="ImportError: no cudf"))
     with caplog.at_level(logging.INFO, logger="gpuload"):
         assert gpu.require_gpu("cuda", "auto") is False
-    assert [r for r in caplog.records if "cudf is not importable" in r.getMessage()]
-    with pytest.raises(gpuload.GpuloadError, match="decode='gpu' needs cudf"):
+    assert [r for r in caplog.records if "pylibcudf is not importable" in r.getMessage()]
+    with pytest.raises(gpuload.GpuloadError, match="decode='gpu' needs pylibcudf"):
         gpu.require_gpu("cuda", "gpu")
     assert gpu.require_gpu("cuda", "cpu") is False
     monkeypatch.setattr(gpu, "gpu_status", _status())
@@ -67,7 +74,7 @@ def test_auto_without_gpu_path_is_cpu_with_one_info_line(monkeypatch, caplog):
 def test_this_machine_reports_why_cuda_is_unusable():
     if gpu.gpu_usable():
         pytest.skip("the GPU path can run here")
-    with pytest.raises(gpuload.GpuloadError, match="needs (driver|cupy|kvikio)"):
+    with pytest.raises(gpuload.GpuloadError, match="needs (driver|cupy)"):
         gpuload.ParquetDataset([], device="cuda")
 
 
@@ -76,28 +83,33 @@ def test_share_rmm_pool_names_what_is_missing(monkeypatch):
     sees no GPU): a GpuloadError saying so, and nothing changed."""
     import types
 
-    monkeypatch.setattr(gpu, "_state", {"rmm": False})
+    from gpuload.gpu import rmm_pool
+
+    monkeypatch.setattr(rmm_pool, "_state", {"device": None, "initial": None})
     monkeypatch.setitem(sys.modules, "rmm", None)
     with pytest.raises(gpuload.GpuloadError, match="share_rmm_pool needs rmm"):
         gpuload.share_rmm_pool()
     rmm = types.ModuleType("rmm")
+    rmm.mr = types.ModuleType("rmm.mr")
     rmm.allocators = types.ModuleType("rmm.allocators")
     rmm.allocators.cupy = types.SimpleNamespace(rmm_cupy_allocator=object())
     rmm.allocators.torch = types.SimpleNamespace(rmm_torch_allocator=None)
-    for name, mod in (("rmm", rmm), ("rmm.allocators", rmm.allocators), ("rmm.allocators.cupy", rmm.allocators.cupy),
+    for name, mod in (("rmm", rmm), ("rmm.mr", rmm.mr), ("rmm.allocators", rmm.allocators),
+                      ("rmm.allocators.cupy", rmm.allocators.cupy),
                       ("rmm.allocators.torch", rmm.allocators.torch)):
         monkeypatch.setitem(sys.modules, name, mod)
     with pytest.raises(gpuload.GpuloadError, match="rmm has no torch allocator"):
         gpuload.share_rmm_pool()
-    assert gpu._state["rmm"] is False
+    assert rmm_pool.shared_device() is None
 
 
 def test_gds_is_used_only_where_it_really_works(monkeypatch, tmp_path):
     """KvikIO's AUTO mode only checks that libcufile loads; gpuload also wants the driver's
-    word and cuFile's configuration file before it reads the cache by GPUDirect Storage."""
+    word and cuFile's configuration file before it reads the cache by GPUDirect Storage
+    (and gives libcudf compat mode otherwise: tests/gpu/test_requirements.py)."""
     import types
 
-    state = {"compat": False, "gds": True}
+    state = {"gds": True}
 
     def driver_get(name):
         if state["gds"] is None:
@@ -105,10 +117,8 @@ def test_gds_is_used_only_where_it_really_works(monkeypatch, tmp_path):
         return state["gds"]
 
     kvikio = types.ModuleType("kvikio")
-    kvikio.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: state["compat"])
     kvikio.cufile_driver = types.SimpleNamespace(get=driver_get)
-    for name, mod in (("kvikio", kvikio), ("kvikio.defaults", kvikio.defaults),
-                      ("kvikio.cufile_driver", kvikio.cufile_driver)):
+    for name, mod in (("kvikio", kvikio), ("kvikio.cufile_driver", kvikio.cufile_driver)):
         monkeypatch.setitem(sys.modules, name, mod)
     config = tmp_path / "cufile.json"
     config.write_text("{}")
@@ -118,9 +128,7 @@ def test_gds_is_used_only_where_it_really_works(monkeypatch, tmp_path):
     assert gpu._gds_usable() is False  # no driver
     state["gds"] = False
     assert gpu._gds_usable() is False  # no GDS
-    state.update(gds=True, compat=True)
-    assert gpu._gds_usable() is False  # compat mode
-    state["compat"] = False
+    state["gds"] = True
     monkeypatch.delenv("CUFILE_ENV_PATH_JSON")
     assert gpu._gds_usable() is os.path.exists("/etc/cufile.json")  # no configuration, no GDS
 
@@ -299,7 +307,9 @@ def test_kvikio_settings_survive_cudf_reads(tmp_path):
     ds = _ds(data, tmp_path / "c", "cuda", decode="gpu", kvikio_threads=3, kvikio_compat="auto")
     _epoch(ds, 0)
     assert kvikio.defaults.get("num_threads") == 3
-    assert kvikio.defaults.get("compat_mode") == kvikio.CompatMode.AUTO
+    # "auto": AUTO only where GPUDirect Storage really works, else compat mode (POSIX reads)
+    assert kvikio.defaults.get("compat_mode") == (kvikio.CompatMode.AUTO if ds._ctx.gds else kvikio.CompatMode.ON)
+    assert os.environ["KVIKIO_COMPAT_MODE"] == ("AUTO" if ds._ctx.gds else "ON")
 
 
 @pytest.mark.gpu
@@ -320,9 +330,9 @@ def test_corrupt_cache_is_rebuilt_on_the_gpu(tmp_path):
 _BUSY_CONSUMER = textwrap.dedent("""
     import sys, numpy as np, torch, gpuload
     allocator, device, data, cache = sys.argv[1:5]
+    if allocator == "rmm":  # first: torch.cuda.set_device initialises torch's allocator, which then stays
+        gpuload.share_rmm_pool(device=torch.device(device).index)
     torch.cuda.set_device(torch.device(device))
-    if allocator == "rmm":
-        gpuload.share_rmm_pool()
     kw = dict(batch_size=256, shuffle=True, seed=3, chunk_bytes=1 << 19)
     cpu = gpuload.ParquetDataset(data, device="cpu", cache_dir=cache + "-cpu", **kw)
     ds = gpuload.ParquetDataset(data, device=device, cache_dir=cache, **kw)
@@ -363,7 +373,7 @@ def test_batches_hold_still_under_a_busy_consumer(tmp_path, allocator, index):
     stream and a side stream, while the consumer allocates and writes memory of its own: every
     value equals the CPU path's. With torch's caching allocator (record_stream) and with the
     RMM pool shared by share_rmm_pool (whose torch allocator ignores record_stream), on the
-    first GPU and, where there is one, on a second (the pool is made on the current device)."""
+    first GPU and, where there is one, on a second (the pool is made on the device given)."""
     if allocator == "rmm":
         pytest.importorskip("rmm")
     if index >= torch.cuda.device_count():
@@ -384,6 +394,7 @@ def test_share_rmm_pool_after_torch_allocated_is_refused():
     torch.zeros(1, device="cuda")
     with pytest.raises(gpuload.GpuloadError, match="share_rmm_pool"):
         gpuload.share_rmm_pool()
+
 
 
 def test_every_row_once_and_same_order_on_each_device(tmp_path, device):
