@@ -23,8 +23,9 @@ The streams of one dataset (:class:`gpuload.gpu.streams.DeviceContext`; invarian
 * the **batch stream** carries the window concatenation, the permutation gathers, the
   batch slices and the storage-layout unpacking. Before it touches a chunk it waits for
   that chunk's ready event (on the GPU: the host does not block), so a batch's event,
-  recorded on the batch stream and waited on by the consumer's stream, covers only the
-  work of batches and windows, never a prefetch read or decode still running;
+  recorded on the batch stream and waited on by the consumer's stream, covers the work of
+  batches and windows and the read-stream work queued up to its chunks' events (one read
+  stream serves every loader thread), never reads or decodes queued after them;
 * the consumer's stream (the one current when iteration began) waits on each batch's
   event before it can see the batch.
 
