@@ -96,7 +96,9 @@ def share_rmm_pool(initial_pool_bytes: int | None = None, device=None) -> None:
         memory, RMM's default); it grows on demand.
     device : the CUDA device for the pool: an index, ``"cuda:N"`` or a ``torch.device``.
         Default: ``$LOCAL_RANK`` when set (0 where the process sees one device only), else 0.
-        The device is selected with CUDA runtime calls (RMM's), never through torch.
+        It is selected with the CUDA runtime (``cudaSetDevice`` through CuPy), never through
+        torch, and stays the current device, as after ``torch.cuda.set_device(device)``: going
+        back to device 0 would create a CUDA context there, in every rank of a DDP job.
 
     Without it, torch and RAPIDS keep separate pools (both bounded; gpuload's own buffers
     always come from torch's). A second call with the same device does nothing; with another
@@ -133,10 +135,13 @@ def share_rmm_pool(initial_pool_bytes: int | None = None, device=None) -> None:
         except RuntimeError as e:
             raise GpuloadError(f"share_rmm_pool(): torch refused the RMM allocator ({e}); call it before anything "
                                "initialises torch's CUDA state") from None
-        # RMM selects the device itself (cudaSetDevice), then restores the previous one
-        rmm.reinitialize(pool_allocator=True, initial_pool_size=initial_pool_bytes, devices=index)
         import cupy
 
+        # what rmm.reinitialize(pool_allocator=True, devices=index) does, but without going back
+        # to the previous device (0) afterwards, which would make a CUDA context there
+        cupy.cuda.runtime.setDevice(index)  # RMM makes a device's resource with that device current
+        rmm.mr.set_per_device_resource(index, rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(),
+                                                                       initial_pool_size=initial_pool_bytes))
         cupy.cuda.set_allocator(rmm_cupy_allocator)
         _state.update(device=index, initial=initial_pool_bytes)
         _ORDERED.add(index)  # the pool is stream-ordered already

@@ -34,7 +34,7 @@ _RAPIDS = ("kvikio", "kvikio.defaults", "kvikio.cufile_driver", "pylibcudf", "rm
 
 def _fake_cupy(devices: list | None = None) -> types.ModuleType:
     """A ``cupy`` whose ``cuda.is_available()`` is True; ``cuda.Device(i)`` appends ``i`` to
-    ``devices`` on entry and ``-i - 1`` on exit."""
+    ``devices`` on entry and ``-i - 1`` on exit, ``cuda.runtime.setDevice(i)`` ("setDevice", i)."""
     cp = types.ModuleType("cupy")
 
     class Device:
@@ -50,7 +50,12 @@ def _fake_cupy(devices: list | None = None) -> types.ModuleType:
             if devices is not None:
                 devices.append(-self.index - 1)
 
+    def set_device(index):
+        if devices is not None:
+            devices.append(("setDevice", index))
+
     cp.cuda = types.SimpleNamespace(is_available=lambda: True, Device=Device,
+                                    runtime=types.SimpleNamespace(setDevice=set_device),
                                     set_allocator=lambda fn: cp.__dict__.setdefault("allocators", []).append(fn))
     return cp
 
@@ -210,7 +215,7 @@ def fake_rmm(monkeypatch):
     devices: list = []
     resources: dict = {}
     rmm = types.ModuleType("rmm")
-    rmm.reinitialize = rec("rmm.reinitialize")
+    rmm.reinitialize = rec("rmm.reinitialize")  # would go back to device 0 afterwards: must not be used
     mr = types.ModuleType("rmm.mr")
     mr.CudaMemoryResource, mr.CudaAsyncMemoryResource = _MR.CudaMemoryResource, _MR.CudaAsyncMemoryResource
     mr.PoolMemoryResource = _MR.PoolMemoryResource
@@ -245,9 +250,11 @@ def fake_rmm(monkeypatch):
 def test_share_rmm_pool_swaps_torch_first_then_makes_the_pool_on_the_given_device(fake_rmm):
     gpuload.share_rmm_pool(1 << 30, device="cuda:1")
     names = [c[0] for c in fake_rmm.calls]
-    assert names == ["change_current_allocator", "rmm.reinitialize"]
+    assert names == ["change_current_allocator", "set_per_device_resource"]
     assert fake_rmm.calls[0][1] == (fake_rmm.alloc.rmm_torch_allocator,)
-    assert fake_rmm.calls[1][2] == {"pool_allocator": True, "initial_pool_size": 1 << 30, "devices": 1}
+    # made with cuda:1 current (selected by the CUDA runtime, not torch), which stays current
+    assert fake_rmm.calls[1][1] == (1, "PoolMemoryResource", [("setDevice", 1)])
+    assert fake_rmm.resources[1].initial == 1 << 30
     assert rmm_pool.shared_device() == 1 and rmm_pool.torch_uses_rmm()
     assert sys.modules["cupy"].allocators == [sys.modules["rmm.allocators.cupy"].rmm_cupy_allocator]
     gpuload.share_rmm_pool(device=1)  # again on the same device: nothing more
@@ -278,7 +285,7 @@ def test_share_rmm_pool_when_torch_refuses_changes_nothing(fake_rmm, monkeypatch
 def test_share_rmm_pool_takes_local_rank_by_default(fake_rmm, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "1")
     gpuload.share_rmm_pool()
-    assert fake_rmm.calls[1][2]["devices"] == 1
+    assert fake_rmm.calls[1][1][0] == 1
 
 
 @pytest.mark.parametrize("count, local_rank, want", [(2, None, 0), (4, "3", 3), (1, "3", 0), (8, "0", 0)])
@@ -303,11 +310,11 @@ def test_a_dataset_on_another_device_gets_a_pool_there_while_nothing_ran_on_it(f
     monkeypatch.setattr(rmm_pool, "_has_context", lambda i: False)
     rmm_pool.prepare_device(0)  # the shared pool's device: nothing to do
     rmm_pool.prepare_device(1)
-    made = [c for c in fake_rmm.calls if c[0] == "set_per_device_resource"]
-    assert made == [("set_per_device_resource", (1, "PoolMemoryResource", [1]), {})]  # made with cuda:1 current
+    made = [c for c in fake_rmm.calls if c[0] == "set_per_device_resource"][1:]  # after share_rmm_pool's
+    assert made == [("set_per_device_resource", (1, "PoolMemoryResource", [("setDevice", 0), 1]), {})]  # cuda:1 current
     assert fake_rmm.resources[1].initial == 123
     rmm_pool.prepare_device(1)
-    assert len([c for c in fake_rmm.calls if c[0] == "set_per_device_resource"]) == 1
+    assert len([c for c in fake_rmm.calls if c[0] == "set_per_device_resource"]) == 2
 
 
 def test_a_dataset_on_another_device_where_cuda_ran_is_refused(fake_rmm, monkeypatch):
@@ -315,7 +322,7 @@ def test_a_dataset_on_another_device_where_cuda_ran_is_refused(fake_rmm, monkeyp
     monkeypatch.setattr(rmm_pool, "_has_context", lambda i: True)
     with pytest.raises(gpuload.GpuloadError, match=r"share_rmm_pool\(device=1\)"):
         rmm_pool.prepare_device(1)
-    assert not [c for c in fake_rmm.calls if c[0] == "set_per_device_resource"]
+    assert [c[1][0] for c in fake_rmm.calls if c[0] == "set_per_device_resource"] == [0]  # share_rmm_pool's only
 
 
 def test_without_a_shared_pool_opening_a_device_needs_no_rmm(monkeypatch):
@@ -381,6 +388,8 @@ _RMM_ORDER = textwrap.dedent("""
         sys.exit(0)
     gpuload.share_rmm_pool(device=index)
     assert not torch.cuda.is_initialized()
+    if index:  # the pool was made on its device without a CUDA context on device 0
+        assert not torch._C._cuda_hasPrimaryContext(0)
     torch.cuda.set_device(index)
     x = torch.ones(1 << 20, device="cuda") * 2
     assert torch.cuda.get_allocator_backend() == "pluggable" and float(x.sum()) == 2 << 20
