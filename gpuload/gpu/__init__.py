@@ -1,6 +1,8 @@
 """GPU: the device adapters (CUDA runtime, cuDF decode, KvikIO cache reads).
 
-* :mod:`~gpuload.gpu.runtime`: what the node has; the loader's device memory, streams and events;
+* :mod:`~gpuload.gpu.runtime`: what the node has, what ``device="cuda"`` needs, KvikIO's mode, opening a device;
+* :mod:`~gpuload.gpu.streams`: the loader's read and batch streams, the events between them, its device memory;
+* :mod:`~gpuload.gpu.rmm_pool`: the opt-in RMM pool shared with torch, RMM's resource per device;
 * :mod:`~gpuload.gpu.cudf_decode`: Parquet row groups decoded and converted on the GPU with pylibcudf;
 * :mod:`~gpuload.gpu.kvikio_read`: cache files read into device memory, in stream order.
 
