@@ -94,10 +94,11 @@ def skip_reasons(status: dict, usable: bool, required: tuple[str, ...]) -> tuple
     return gpu, cudf
 
 
-def pytest_collection_modifyitems(config, items):
-    from gpuload.gpu.runtime import gpu_usable
+_SKIPS = pytest.StashKey[tuple]()
 
-    gpu, cudf = skip_reasons(_status(), gpu_usable(), required_pieces())
+
+def pytest_collection_modifyitems(config, items):
+    gpu, cudf = config.stash[_SKIPS]
     for item in items:
         # get_closest_marker, not item.keywords: keywords hold folder names (tests/gpu)
         if gpu is not None and item.get_closest_marker("gpu") is not None:
@@ -169,6 +170,11 @@ GUARD = DeviceGuard()
 
 
 def pytest_configure(config):
+    """Before collection, and before pytest-xdist starts workers: a required piece that is missing
+    ends the session here, in one line, instead of in every worker's collection."""
+    from gpuload.gpu.runtime import gpu_usable
+
+    config.stash[_SKIPS] = skip_reasons(_status(), gpu_usable(), required_pieces())
     GUARD.install()
 
 
