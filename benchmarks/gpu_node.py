@@ -5,16 +5,16 @@ docs/gpu-testing.md has the whole sequence, with each call's carry and expected 
 
 First, with nothing carried (the node's torch and CuPy alone; no cuDF, RMM or KvikIO)::
 
-    python3 benchmarks/gpu_node.py run proof            # about 4 minutes, stops by --limit (390 s)
+    python3 benchmarks/gpu_node.py run proof            # about 4 minutes, stops by --limit (330 s)
 
 ``proof`` runs, each part with its own time cap and log: ``env`` (versions, the device,
 ``gpuload.gpu_status()``, and the first device use: a tensor through CuPy and DLPack and
 back; the proof stops here, saying why, if it fails), ``identity`` (every type bit for bit
 against pyarrow on the GPU with ``decode="cpu"``: 1 and 3 ranks, shuffled, lists, stacked
 groups), ``memory`` (20 cached epochs with flat device memory), ``streams`` (a consumer
-running kernels on two streams while batches arrive, every value checked), ``gpu`` (every
-other test marked ``gpu`` and not ``cudf``) and ``bench`` (``bench_gpu.py --quick``: cached
-epoch GB/s against raw pinned-memory reads, starvation at a 4 ms step). It writes
+running kernels on two streams while batches arrive, every value checked), ``bench``
+(``bench_gpu.py --quick``: cached epoch GB/s against raw pinned-memory reads, starvation at
+a 4 ms step) and ``gpu`` (every other test marked ``gpu`` and not ``cudf``). It writes
 ``proof.log`` (the summary), ``proof-<part>.log`` and ``proof.json`` (pass, fail and skip
 counts, seconds, the bench numbers, versions, device) to ``$OUT`` or ``--out``.
 ``--keep-going`` runs every part even when ``env`` failed (a rehearsal on a machine
@@ -27,8 +27,8 @@ test wheels the GPU tests of remote objects need; here, on a machine with PyPI::
 
 and there, once the bundle is installed, any steps in order::
 
-    python3 benchmarks/gpu_node.py run install env gpu --limit 240
-    python3 benchmarks/gpu_node.py run bench suite --limit 240
+    python3 benchmarks/gpu_node.py run install env gpu --limit 210
+    python3 benchmarks/gpu_node.py run bench suite --limit 270
 
 Steps: ``install`` (the test wheels into the site folder), ``env`` (versions, the GPU,
 ``gpuload.gpu_status()``, KvikIO's settings and a one-file check that the CPU, cuDF and
@@ -117,7 +117,7 @@ def wheels(a) -> int:
 
 # -- on the node -------------------------------------------------------------------------------
 RAPIDS = ["pylibcudf", "rmm", "kvikio"]  # what the steps after `proof` need (the bundle installs them)
-STEP_CAP = {"install": 120, "env": 90, "gpu": 300, "bench": 150, "suite": 600}  # seconds, each at most
+STEP_CAP = {"install": 60, "env": 60, "gpu": 180, "bench": 150, "suite": 600}  # seconds, each at most
 
 
 def _env(require: str = "cudf") -> dict:
@@ -278,19 +278,19 @@ _BUSY = "tests/gpu/test_runtime.py::test_batches_hold_still_under_a_busy_consume
 _MEMORY = "tests/gpu/test_runtime.py::test_gpu_memory_is_bounded_and_does_not_grow"
 _IDENTITY = "tests/test_equivalence.py::test_every_type_is_exact_on_every_device"
 _NOT_CUDF = ["-m", "gpu and not cudf"]
-# (part, what it proves, its cap in seconds, how: "env", "bench" or pytest arguments)
+# (part, what it proves, its cap in seconds, how: "env", "bench" or pytest arguments); the catch-all last
 PROOF = [
-    ("env", "versions, the device, gpu_status(); a tensor through CuPy and DLPack and back", 60, "env"),
+    ("env", "versions, the device, gpu_status(); a tensor through CuPy and DLPack and back", 45, "env"),
     ("identity", "every type bit for bit against pyarrow on the GPU with decode='cpu': 1 and 3 ranks, shuffled "
-                 "(rows, columns, blocks), ordered, lists and stacked groups, cold and cached", 100,
+                 "(rows, columns, blocks), ordered, lists and stacked groups, cold and cached", 75,
      [_IDENTITY, *_NOT_CUDF, "-v", "-n", "4"]),
-    ("memory", "20 cached epochs: device memory flat, the bound held", 60, [_MEMORY, "-v"]),
-    ("streams", "a consumer running kernels on two streams while batches arrive: every value checked", 60,
+    ("memory", "20 cached epochs: device memory flat, the bound held", 45, [_MEMORY, "-v"]),
+    ("streams", "a consumer running kernels on two streams while batches arrive: every value checked", 45,
      [_BUSY, *_NOT_CUDF, "-v"]),
-    ("gpu", "every other test marked gpu and not cudf", 120,
-     ["tests", *_NOT_CUDF, "-v", "-n", "4", *(x for t in (_IDENTITY, _MEMORY, _BUSY) for x in ("--deselect", t))]),
     ("bench", "bench_gpu.py --quick: cached epoch GB/s against raw pinned-memory reads, starvation at a 4 ms step",
-     150, "bench"),
+     100, "bench"),
+    ("gpu", "every other test marked gpu and not cudf", 90,
+     ["tests", *_NOT_CUDF, "-v", "-n", "4", *(x for t in (_IDENTITY, _MEMORY, _BUSY) for x in ("--deselect", t))]),
 ]
 
 
@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     r.add_argument("steps", nargs="+", help="proof (alone), or any of install, env, gpu, bench, suite")
     r.add_argument("--out", default=None, help="log folder (default: $OUT, else gpu-node-logs/)")
     r.add_argument("--limit", type=float, default=None,
-                   help="seconds for all the steps of this call (default: 390 for proof, else 570)")
+                   help="seconds for all the steps of this call (default: 330 for proof, else 570)")
     r.add_argument("--keep-going", action="store_true", help="proof: run every part even if env failed")
     r.add_argument("--proof-rows", type=int, default=4_000_000, help="proof: bench_gpu --quick rows")
     r.add_argument("--wheels", default=".gpu-test-wheels", help="the 'install' step's wheel folder")
@@ -472,7 +472,7 @@ def main(argv=None) -> int:
     if a.cmd == "wheels":
         return wheels(a)
     if a.limit is None:
-        a.limit = 390.0 if a.steps == ["proof"] else 570.0
+        a.limit = 330.0 if a.steps == ["proof"] else 570.0
     return run(a)
 
 
