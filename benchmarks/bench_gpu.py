@@ -2,13 +2,19 @@
 
 Measures, on one generated click log (cache on local disk):
 
-1. cached epoch (device="cuda", batches on the GPU) against raw KvikIO reads of the
-   same cache files into device memory (GB/s ratio; target >= 0.8x);
+1. cached epoch (device="cuda", batches on the GPU) against raw reads of the same cache
+   files into device memory (GB/s ratio; target >= 0.8x): through pinned host memory
+   (what gpuload does without GPUDirect Storage) and, where KvikIO is installed, with
+   KvikIO;
 2. cached epoch against the CPU path plus a host-to-device copy of every batch;
-3. first epoch with cuDF decode against pyarrow decode plus copies (target >= 3x);
+3. first epoch with cuDF decode against pyarrow decode plus copies (target >= 3x; only
+   with cuDF: ``--decode cpu``, the default without pylibcudf, leaves it out);
 4. a simulated training step of ``--step-ms`` on the GPU at batch 65536: the fraction
    of wall time the training thread waited for data (target < 5%), for a cached epoch
-   and (no target) for a first epoch, whose cuDF decoding shares the GPU with the step.
+   and (no target; with cuDF) for a first epoch, whose decoding shares the GPU with the step.
+
+``--quick`` measures only 1 and 4 (the cache filled by one first epoch): the short
+bench of the first step on a GPU node with torch and CuPy alone (docs/gpu-testing.md).
 
 Every gpuload pass also records where its time went, so a missed target can be
 explained from the same run: ``--details FILE`` gets each pass's per-stage stats and
@@ -17,9 +23,10 @@ Storage is available and how many chunks cuDF left to the CPU; ``--trace DIR`` w
 Chrome trace (one track per loader thread, the training thread's waits) of the cold and
 the cached pass, to open in https://ui.perfetto.dev.
 
-Run on a GPU node with the gpu extra::
+Run on a GPU node (torch and CuPy; cuDF and KvikIO where installed)::
 
     python benchmarks/bench_gpu.py --rows 8000000 --dir /local/nvme/bench --out docs/benchmarks.md
+    python benchmarks/bench_gpu.py --quick --rows 4000000 --json quick.json   # about a minute
 
 Without a usable GPU it says why and exits with status 2.
 """
@@ -39,7 +46,7 @@ from pathlib import Path
 import torch
 
 import gpuload
-from gpuload.cache.chunkfile import read_header, region_span
+from gpuload.cache.chunkfile import pread_all, read_header, region_span
 from gpuload.synth import write_clicklog
 
 COLUMNS = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(13)],
@@ -83,6 +90,33 @@ def _raw_kvikio(spans) -> tuple[float, int]:
             total += cf.pread(buf[:span], span, start).get()
         finally:
             cf.close()
+    return time.perf_counter() - t0, total
+
+
+def _raw_pinned(spans) -> tuple[float, int]:
+    """Every cache file's regions read with ``preadv`` into pinned host memory and copied to one
+    reused device buffer on a side stream: what gpuload does without GPUDirect Storage, with
+    nothing else. Two host buffers take turns, so a read overlaps the previous copy."""
+    size = max(s for _, _, s in spans)
+    host = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    copied = [torch.cuda.Event(), torch.cuda.Event()]
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    total = 0
+    for k, (p, start, span) in enumerate(spans):
+        buf, event = host[k % 2], copied[k % 2]
+        event.synchronize()  # this buffer's previous copy is done (an event not recorded yet: at once)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            total += pread_all(fd, buf.numpy()[:span], start)
+        finally:
+            os.close(fd)
+        with torch.cuda.stream(stream):
+            dev[:span].copy_(buf[:span], non_blocking=True)
+            event.record(stream)
+    torch.cuda.synchronize()
     return time.perf_counter() - t0, total
 
 
@@ -158,18 +192,31 @@ def dist_version(*names: str) -> str:
 
 
 def _versions() -> str:
+    dist = dist_version
+    text = (f"torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"cupy {dist('cupy-cuda13x', 'cupy-cuda12x', 'cupy')}, "
+            f"pylibcudf {dist('pylibcudf-cu13', 'pylibcudf-cu12', 'pylibcudf')}, "
+            f"kvikio {dist('kvikio-cu13', 'kvikio-cu12', 'kvikio')}, driver {_driver()}")
+    if not _has("kvikio"):
+        return text + "; no KvikIO: cache reads through pinned memory"
     import kvikio
     import kvikio.cufile_driver
 
-    dist = dist_version
     try:
         gds = kvikio.cufile_driver.get("is_gds_available")
     except Exception as e:  # no cuFile library: compat mode only
         gds = f"unknown ({type(e).__name__})"
-    return (f"torch {torch.__version__} (CUDA {torch.version.cuda}), cupy {dist('cupy-cuda13x', 'cupy-cuda12x', 'cupy')}, "
-            f"kvikio {kvikio.__version__}, pylibcudf {dist('pylibcudf-cu13', 'pylibcudf-cu12', 'pylibcudf')}, "
-            f"driver {_driver()}; KvikIO compat mode {kvikio.defaults.get('compat_mode')}, "
+    return (text + f"; KvikIO compat mode {kvikio.defaults.get('compat_mode')}, "
             f"{kvikio.defaults.get('num_threads')} threads, GDS available: {gds}")
+
+
+def _has(module: str) -> bool:
+    """Whether ``module`` imports (pylibcudf, kvikio): what this run can measure."""
+    try:
+        __import__(module)
+        return True
+    except Exception:  # not installed, or broken: either way not measured
+        return False
 
 
 def main(argv=None) -> int:
@@ -179,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=65536)
     ap.add_argument("--step-ms", type=float, default=4.0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--decode", choices=["auto", "gpu", "cpu"], default="auto",
+                    help="first-epoch decode on the GPU: gpu (cuDF), cpu (pyarrow + copies), auto (cuDF if installed)")
+    ap.add_argument("--quick", action="store_true", help="only the cached epoch against raw reads, and starvation")
     ap.add_argument("--dir", default=None, help="work folder on the local NVMe (default: a temporary one)")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
@@ -188,6 +238,8 @@ def main(argv=None) -> int:
     if not gpuload.gpu.runtime.gpu_usable():
         print("bench_gpu: no usable GPU here:", gpuload.gpu_status())
         return 2
+    cudf = a.decode == "gpu" or (a.decode == "auto" and _has("pylibcudf"))
+    decode = "gpu" if cudf else "cpu"
 
     work = Path(a.dir or tempfile.mkdtemp(prefix="gpuload-bench-"))
     data = work / "data"
@@ -195,23 +247,28 @@ def main(argv=None) -> int:
     kw = dict(batch_size=a.batch, shuffle=True, seed=0)
     notes = _Notes(a.trace)
     res = {}
+    seconds: dict[str, list] = {}
 
-    # 3. first epoch: cuDF decode vs pyarrow decode + copies (fresh cache each time, files in the page cache)
+    # 3. first epoch: cuDF decode vs pyarrow decode + copies (fresh cache each time, files in the page cache);
+    # without cuDF once each, to fill the caches the cached epochs read (--quick: the GPU's only)
     cold_gpu, cold_cpu = [], []
-    for r in range(a.repeat):
-        for name, out in (("gpu", cold_gpu), ("cpu", cold_cpu)):
+    compare = cudf and not a.quick
+    for r in range(a.repeat if compare else 1):
+        for name, out in (("gpu", cold_gpu),) if a.quick else (("gpu", cold_gpu), ("cpu", cold_cpu)):
             cache = work / f"cold-{name}"
             shutil.rmtree(cache, ignore_errors=True)
             _warm_page_cache(parquet)
             if name == "gpu":
-                ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cuda", decode="gpu", **kw)
+                ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cuda", decode=decode, **kw)
                 out.append(_epoch(ds, 0)[0])
                 if r == 0:
-                    notes.add("first epoch, cuDF decode", ds)
+                    notes.add(f"first epoch, {'cuDF' if cudf else 'pyarrow'} decode", ds)
                 ds.reader.cache.flush()
             else:
                 out.append(_host_plus_copy(data, cache, 0))
-    res["first epoch: cuDF decode vs pyarrow decode + H2D copies"] = (min(cold_cpu) / min(cold_gpu), ">= 3x")
+    seconds.update(cold_gpu=cold_gpu, cold_cpu=cold_cpu)
+    if compare:
+        res["first epoch: cuDF decode vs pyarrow decode + H2D copies"] = (min(cold_cpu) / min(cold_gpu), ">= 3x")
 
     # 1./2. cached epochs
     cache = work / "cold-gpu"
@@ -225,55 +282,66 @@ def main(argv=None) -> int:
         ds.reset_stats()
         warm.append(_epoch(ds, 2 + r))
     notes.add("cached epoch", ds)
-    raw = []
-    for _ in range(a.repeat):
-        _warm_page_cache(files)
-        raw.append(_raw_kvikio(spans))
     region_bytes = sum(s for _, _, s in spans)
     gbps_gl = region_bytes / min(t for t, _ in warm) / 1e9
-    gbps_raw = max(n / t for t, n in raw) / 1e9
-    res["cached epoch vs raw KvikIO reads of the cache files (GB/s)"] = (gbps_gl / gbps_raw, ">= 0.8x")
-    host = []
-    for r in range(a.repeat):
-        _warm_page_cache(sorted((work / "cold-cpu").rglob("*.glc")))
-        host.append(_host_plus_copy(data, work / "cold-cpu", 2 + r))
-    res["cached epoch vs CPU path + H2D copies"] = (min(host) / min(t for t, _ in warm), "> 1x")
+    gbps = {"gpuload": gbps_gl}
+    raws = {"pinned": _raw_pinned, **({"kvikio": _raw_kvikio} if _has("kvikio") else {})}
+    for name, read in raws.items():
+        raw = []
+        for _ in range(a.repeat):
+            _warm_page_cache(files)
+            raw.append(read(spans))
+        gbps[name] = max(n / t for t, n in raw) / 1e9
+        seconds[f"raw_{name}"] = [t for t, _ in raw]
+        what = "pinned-memory reads" if name == "pinned" else "KvikIO reads"
+        res[f"cached epoch vs raw {what} of the cache files (GB/s)"] = (gbps_gl / gbps[name], ">= 0.8x")
+    seconds["warm"] = [t for t, _ in warm]
+    if not a.quick:
+        host = []
+        for r in range(a.repeat):
+            _warm_page_cache(sorted((work / "cold-cpu").rglob("*.glc")))
+            host.append(_host_plus_copy(data, work / "cold-cpu", 2 + r))
+        seconds["host"] = host
+        res["cached epoch vs CPU path + H2D copies"] = (min(host) / min(t for t, _ in warm), "> 1x")
 
     # 4. starvation at a few ms per step
     frac, step = min((_starvation(ds, a.step_ms, 10 + r) for r in range(a.repeat)), key=lambda x: x[0])
     res[f"training thread waiting, {a.step_ms:g} ms GPU step, batch {a.batch}"] = (frac, "< 5%")
     notes.add(f"cached epoch under a {a.step_ms:g} ms step", ds)
-    # the first epoch under the same step: cuDF decodes on the loader stream, beside the step's kernels
-    cold = work / "cold-step"
-    shutil.rmtree(cold, ignore_errors=True)
-    _warm_page_cache(parquet)
-    ds_cold = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cold, device="cuda", decode="gpu", **kw)
-    frac_cold, _ = _starvation(ds_cold, a.step_ms, 0)
-    res[f"first epoch (cuDF decode): training thread waiting, {a.step_ms:g} ms GPU step"] = (frac_cold, "-")
-    notes.add(f"first epoch under a {a.step_ms:g} ms step", ds_cold)
-    ds_cold.reader.cache.flush()
+    if cudf and not a.quick:
+        # the first epoch under the same step: cuDF decodes on the loader stream, beside the step's kernels
+        cold = work / "cold-step"
+        shutil.rmtree(cold, ignore_errors=True)
+        _warm_page_cache(parquet)
+        ds_cold = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cold, device="cuda", decode="gpu", **kw)
+        frac_cold, _ = _starvation(ds_cold, a.step_ms, 0)
+        res[f"first epoch (cuDF decode): training thread waiting, {a.step_ms:g} ms GPU step"] = (frac_cold, "-")
+        notes.add(f"first epoch under a {a.step_ms:g} ms step", ds_cold)
+        ds_cold.reader.cache.flush()
 
     props = torch.cuda.get_device_properties(0)
-    lines = [f"\n## GPU: {props.name}\n",
+    lines = [f"\n## GPU: {props.name}{' (quick)' if a.quick else ''}\n",
              f"{a.rows:,} rows in {a.files} files, {region_bytes / 2**30:.2f} GiB of cached columns, batch {a.batch}, "
              f"best of {a.repeat}. {_versions()}.\n",
              "| measurement | result | target |", "|---|---|---|"]
     for k, (v, target) in res.items():
         lines.append(f"| {k} | {v:.1%} |" if "waiting" in k else f"| {k} | {v:.2f}x |")
         lines[-1] += f" {target} |"
-    lines.append(f"\ncached epoch {gbps_gl:.1f} GB/s; raw KvikIO {gbps_raw:.1f} GB/s; first epoch {min(cold_gpu):.2f} s "
-                 f"(cuDF) and {min(cold_cpu):.2f} s (pyarrow + copies); mean step {step:.2f} ms.")
+    raw_text = "; ".join(f"raw {k} {v:.1f} GB/s" for k, v in gbps.items() if k != "gpuload")
+    cold_text = f"{min(cold_gpu):.2f} s ({'cuDF' if cudf else 'pyarrow + copies'})"
+    if cold_cpu:
+        cold_text += f" and {min(cold_cpu):.2f} s (CPU path + H2D copies)"
+    lines.append(f"\ncached epoch {gbps_gl:.1f} GB/s; {raw_text}; first epoch {cold_text}; mean step {step:.2f} ms.")
     text = "\n".join(lines)
     print(text)
     if a.out:
         with open(a.out, "a") as f:
             f.write(text + "\n")
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": props.name, "rows": a.rows, "results": res,
-                                            "gbps": {"gpuload": gbps_gl, "kvikio": gbps_raw},
-                                            "seconds": {"cold_gpu": cold_gpu, "cold_cpu": cold_cpu, "host": host,
-                                                        "warm": [t for t, _ in warm], "raw": [t for t, _ in raw]}},
-                                           indent=1))
+        Path(a.json).write_text(json.dumps({"device": props.name, "rows": a.rows, "quick": a.quick, "decode": decode,
+                                            "cached_bytes": region_bytes, "results": res, "gbps": gbps,
+                                            "starvation": frac, "step_ms": step, "versions": _versions(),
+                                            "seconds": seconds}, indent=1))
     if a.details:
         Path(a.details).write_text("\n".join(notes.lines))
     if not a.dir:

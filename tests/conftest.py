@@ -1,8 +1,16 @@
 """Shared test set-up.
 
-* the ``gpu`` marker skips cleanly where the GPU path cannot run (no driver, CuPy or KvikIO);
-  with ``GPULOAD_REQUIRE_GPU=1`` (a run on a GPU node) the session fails instead, and
-  also without pylibcudf;
+* the ``gpu`` marker skips cleanly where the GPU path cannot run (no driver or CuPy, or
+  whatever else :func:`gpuload.gpu.runtime.gpu_usable` wants); the ``cudf`` marker (with
+  ``gpu``) also skips without the RAPIDS stack (pylibcudf, RMM, KvikIO). A run on a GPU
+  node that must not pass by skipping sets ``GPULOAD_REQUIRE_GPU=1`` (the session fails
+  without a driver or CuPy) or ``GPULOAD_REQUIRE_GPU=cudf`` (also without the RAPIDS stack;
+  ``GPULOAD_REQUIRE_CUDF=1`` means the same): :func:`required_pieces`;
+* the device guard: a test not marked ``gpu`` fails if a dataset (or anything else calling
+  :func:`gpuload.handoff.resolve_device`) gets a CUDA device, or resolves ``device="auto"``
+  (the default) at all, unless the test is marked ``auto_device``: on a GPU node ``"auto"``
+  means CUDA tensors and cuDF decoding, so a test that reads values on the host passes
+  ``device="cpu"`` (or the ``device`` fixture). :class:`DeviceGuard`;
 * ``device``: runs a test once with ``"cpu"`` and once with ``"cuda"`` (marked ``gpu``);
   ``device_decode``: ``(device, decode)`` for the CPU and both GPU decoders;
 * ``tmp_cache``: a fresh, empty cache directory under ``tmp_path`` (also set as
@@ -22,6 +30,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import signal
 import socket
@@ -34,28 +43,153 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+pytest_plugins = ["pytester"]  # tests/test_conftest.py runs this set-up in sessions of its own
 
-def _gpu_reason() -> str | None:
+RAPIDS = ("cudf", "kvikio", "rmm")  # what the `cudf` marker needs: pylibcudf (gpu_status's "cudf"), KvikIO, RMM
+
+
+def required_pieces(environ=os.environ) -> tuple[str, ...]:
+    """The pieces a session must have instead of skipping tests that need them: ``()`` (skip
+    cleanly), ``("driver", "cupy")`` for ``GPULOAD_REQUIRE_GPU=1``, and the RAPIDS stack too for
+    ``GPULOAD_REQUIRE_GPU=cudf`` or ``GPULOAD_REQUIRE_CUDF=1``."""
+    gpu, cudf = environ.get("GPULOAD_REQUIRE_GPU", ""), environ.get("GPULOAD_REQUIRE_CUDF", "")
+    if gpu not in ("", "0", "1", "cudf") or cudf not in ("", "0", "1"):
+        raise pytest.UsageError(f"GPULOAD_REQUIRE_GPU={gpu!r}, GPULOAD_REQUIRE_CUDF={cudf!r}: "
+                                "use GPULOAD_REQUIRE_GPU=1 (driver and CuPy) or =cudf (also pylibcudf, RMM, KvikIO)")
+    if gpu == "cudf" or cudf == "1":
+        return ("driver", "cupy") + RAPIDS
+    return ("driver", "cupy") if gpu == "1" else ()
+
+
+def _status() -> dict:
+    """gpuload's own report (driver, cupy, kvikio, cudf; None = usable), plus rmm: whether it is installed
+    (not imported: importing RAPIDS modules has process-wide side effects a collection must not have)."""
     from gpuload.gpu.runtime import gpu_status
 
-    missing = {k: v for k, v in gpu_status().items() if v is not None and k != "cudf"}
-    return None if not missing else "; ".join(f"{k}: {v}" for k, v in missing.items())
+    status = dict(gpu_status())
+    for name in ("kvikio", "rmm"):  # kvikio: where gpuload no longer reports it (optional for the GPU path)
+        if name not in status:
+            status[name] = None if importlib.util.find_spec(name) is not None else f"{name} is not installed"
+    return status
+
+
+def _why(status: dict, pieces) -> str | None:
+    missing = {k: status.get(k) for k in pieces if status.get(k) is not None}
+    return "; ".join(f"{k}: {v}" for k, v in missing.items()) or None
+
+
+def skip_reasons(status: dict, usable: bool, required: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """``(reason to skip gpu tests, reason to skip cudf tests)`` (None: they run) from
+    :func:`_status`, :func:`gpuload.gpu.runtime.gpu_usable` and :func:`required_pieces`.
+    Raises :class:`pytest.UsageError` where a required piece is missing: a run on a GPU node
+    that skipped its GPU tests would prove nothing."""
+    missing = _why(status, required)
+    if missing is not None:
+        flag = "GPULOAD_REQUIRE_GPU=cudf" if "cudf" in required else "GPULOAD_REQUIRE_GPU=1"
+        raise pytest.UsageError(f"{flag}, but the GPU path cannot run here: {missing}")
+    # gpuload decides what the GPU path needs (KvikIO is optional once gpu_usable() says so); a
+    # required run does not skip because of a piece it does not require: the tests fail instead
+    gpu = None if usable or required else (_why(status, ("driver", "cupy")) or "gpu_usable() is False")
+    cudf = gpu or (None if "cudf" in required else _why(status, RAPIDS))
+    return gpu, cudf
+
+
+_SKIPS = pytest.StashKey[tuple]()
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = _gpu_reason()
-    if os.environ.get("GPULOAD_REQUIRE_GPU") == "1":  # a run on a GPU node: a skipped GPU test would prove nothing
-        from gpuload.gpu.runtime import gpu_status
-
-        reason = reason or gpu_status()["cudf"]
-        if reason is not None:
-            raise pytest.UsageError(f"GPULOAD_REQUIRE_GPU=1, but the GPU path cannot run here: {reason}")
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    gpu, cudf = config.stash[_SKIPS]
     for item in items:
-        if item.get_closest_marker("gpu") is not None:  # not item.keywords: it holds folder names (tests/gpu)
-            item.add_marker(skip)
+        # get_closest_marker, not item.keywords: keywords hold folder names (tests/gpu)
+        if gpu is not None and item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=f"gpu test: {gpu}"))
+        elif cudf is not None and item.get_closest_marker("cudf") is not None:
+            item.add_marker(pytest.mark.skip(reason=f"cudf test: {cudf}"))
+
+
+class DeviceGuard:
+    """Wraps :func:`gpuload.handoff.resolve_device` (wherever gpuload imported it) for the whole
+    session, and checks each resolution against the test running (:attr:`item`).
+
+    A test not marked ``gpu`` may not get a CUDA device, nor resolve ``device="auto"`` unless it is
+    marked ``auto_device`` (it means to run on whatever "auto" picks and copes with CUDA tensors).
+    On the training thread the resolution fails the test at once; on any other thread it is
+    recorded, and the test fails at teardown (the ``_device_guard`` fixture).
+    """
+
+    def __init__(self):
+        self.item = None
+        self.original = None
+        self.violations: list[str] = []
+
+    @staticmethod
+    def problem(item, requested, resolved) -> str | None:
+        """Why ``item`` may not resolve ``requested`` to ``resolved`` (a torch.device), or None."""
+        if item is None or item.get_closest_marker("gpu") is not None:
+            return None
+        auto = str(requested) == "auto"
+        marked_auto = item.get_closest_marker("auto_device") is not None
+        if auto and marked_auto:
+            return None
+        if resolved.type == "cuda":
+            return (f"{item.nodeid}: not marked gpu, but device={str(requested)!r} gave {resolved}: pass "
+                    "device='cpu' (or use the `device` fixture), or mark the test gpu")
+        if auto:
+            return (f"{item.nodeid}: resolves device='auto' (the default): on a GPU node its batches would be "
+                    "CUDA tensors decoded by cuDF. Pass device='cpu' (or use the `device` fixture), or mark the "
+                    "test auto_device if it means to run on whatever device 'auto' picks")
+        return None
+
+    def install(self) -> None:
+        import sys
+
+        import gpuload.handoff
+
+        if self.original is not None:
+            return
+        self.original = original = gpuload.handoff.resolve_device
+
+        def resolve_device(device):
+            resolved = original(device)
+            why = self.problem(self.item, device, resolved)
+            if why is not None:
+                self.violations.append(why)
+                if threading.current_thread() is threading.main_thread():
+                    pytest.fail(why, pytrace=False)
+            return resolved
+
+        resolve_device.__wrapped__ = original
+        resolve_device.__doc__ = original.__doc__
+        for name, module in list(sys.modules.items()):  # modules that did `from .handoff import resolve_device`
+            ours = name == "gpuload" or name.startswith("gpuload.")
+            if ours and getattr(module, "resolve_device", None) is original:
+                module.resolve_device = resolve_device
+
+
+GUARD = DeviceGuard()
+
+
+def pytest_configure(config):
+    """Before collection, and before pytest-xdist starts workers: a required piece that is missing
+    ends the session here, in one line, instead of in every worker's collection."""
+    from gpuload.gpu.runtime import gpu_usable
+
+    config.stash[_SKIPS] = skip_reasons(_status(), gpu_usable(), required_pieces())
+    GUARD.install()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    GUARD.item, GUARD.violations = item, []
+
+
+@pytest.fixture(autouse=True)
+def _device_guard(request):
+    """Fails a test that passed while a thread of it resolved a device it may not have (see DeviceGuard)."""
+    failed = request.session.testsfailed
+    yield
+    if GUARD.violations and request.session.testsfailed == failed:
+        pytest.fail("\n".join(dict.fromkeys(GUARD.violations)), pytrace=False)
 
 
 def write_parquet(path, table, row_group_size: int | None = None, **kwargs) -> Path:
@@ -80,12 +214,11 @@ def device(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=[("cpu", "auto"), pytest.param(("cuda", "gpu"), marks=pytest.mark.gpu),
+@pytest.fixture(params=[("cpu", "auto"), pytest.param(("cuda", "gpu"), marks=[pytest.mark.gpu, pytest.mark.cudf]),
                         pytest.param(("cuda", "cpu"), marks=pytest.mark.gpu)], ids=["cpu", "cuda-cudf", "cuda-arrow"])
 def device_decode(request) -> tuple[str, str]:
-    """``(device, decode)``: the CPU path; on a GPU, cuDF decoding and pyarrow decoding + copies."""
-    if request.param == ("cuda", "gpu"):
-        pytest.importorskip("pylibcudf")
+    """``(device, decode)``: the CPU path; on a GPU, cuDF decoding (marked ``cudf``) and pyarrow
+    decoding + copies (which needs only torch and CuPy)."""
     return request.param
 
 

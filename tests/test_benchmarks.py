@@ -7,11 +7,16 @@ scarce), so a helper renamed in the package must break here, not there.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import gpuload
 from gpuload.cache.chunkfile import ALIGN, columns_from_buffer, read_header
@@ -68,12 +73,122 @@ def test_bench_gpu_without_a_gpu_says_why(capsys):
     assert "no usable GPU" in capsys.readouterr().out
 
 
-def test_gpu_node_runner_fails_where_the_gpu_tests_would_only_skip(tmp_path):
-    """On a GPU node the runner must not report a green run of skipped GPU tests."""
-    if gpuload.gpu.runtime.gpu_usable():
-        pytest.skip("a GPU is usable here")
+def test_gpu_node_cudf_steps_fail_fast_without_the_rapids_stack(tmp_path):
+    """The steps after `proof` need pylibcudf, RMM and KvikIO: without them they start nothing and
+    say so in one line (on a GPU node a skipped GPU test must never read as a pass)."""
+    if gpuload.gpu_status()["cudf"] is None:
+        pytest.skip("pylibcudf is installed here")
     import gpu_node
 
-    assert gpu_node.main(["run", "gpu", "--out", str(tmp_path), "--limit", "240"]) == 1
-    log = (tmp_path / "gpu.log").read_text()
-    assert "GPULOAD_REQUIRE_GPU=1, but the GPU path cannot run here" in log
+    assert gpu_node.main(["run", "env", "gpu", "--out", str(tmp_path), "--limit", "240"]) == 1
+    for step in ("env", "gpu"):
+        log = (tmp_path / f"{step}.log").read_text()
+        assert log.startswith(f"{step} needs the RAPIDS stack") and "pylibcudf" in log and "\n$ " not in log
+
+
+def _gpu_unusable():
+    if gpuload.gpu.runtime.gpu_usable():
+        pytest.skip("a GPU is usable here")
+
+
+def test_gpu_node_proof_stops_at_the_first_device_use(tmp_path, capsys):
+    """The rehearsal of the first call: it runs, writes its summary and JSON, and stops at the first
+    device use, saying why, without starting the other parts."""
+    _gpu_unusable()
+    import gpu_node
+
+    assert gpu_node.main(["run", "proof", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("PROOF STOPPED at env: the first device use failed: ")
+    assert [line.split(":")[0] for line in out[:-1]] == [f"proof {name}" for name, *_ in gpu_node.PROOF]
+    assert all(line.endswith("not run (stopped at env)") for line in out[1:-1])
+    assert (tmp_path / "proof.log").read_text().splitlines() == out
+    summary = json.loads((tmp_path / "proof.json").read_text())
+    assert summary["ok"] is False and summary["stopped"].startswith("the first device use failed")
+    assert summary["versions"]["torch"] == torch.__version__ and summary["device"] is None
+    assert summary["parts"]["env"]["rc"] == 3 and summary["parts"]["bench"]["rc"] == "not run"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proof-env.log", "proof.json", "proof.log"]
+
+
+def test_gpu_node_proof_parts_fail_where_they_would_only_skip(tmp_path):
+    """--keep-going runs every part here: each pytest part fails (GPULOAD_REQUIRE_GPU=1) instead of
+    passing with its GPU tests skipped, the bench exits 2; at most 8 files, as the lent node returns."""
+    _gpu_unusable()
+    import gpu_node
+
+    assert gpu_node.main(["run", "proof", "--out", str(tmp_path), "--keep-going"]) == 1
+    summary = json.loads((tmp_path / "proof.json").read_text())
+    parts = summary["parts"]
+    assert list(parts) == [name for name, *_ in gpu_node.PROOF] and not any(p["ok"] for p in parts.values())
+    for name, p in parts.items():
+        log = (tmp_path / p["log"]).read_text()
+        if name not in ("env", "bench"):
+            assert p["rc"] == 4 and "GPULOAD_REQUIRE_GPU=1, but the GPU path cannot run here: driver" in log, name
+            assert "cudf" not in log.split("cannot run here:")[1].split(";")[0]  # not demanded
+    assert parts["bench"]["rc"] == 2 and "no usable GPU" in (tmp_path / "proof-bench.log").read_text()
+    assert len(list(tmp_path.iterdir())) <= 8
+
+
+def _collected(args: list[str]) -> list[str]:
+    args = [a for k, a in enumerate(args) if a not in ("-n", "-v") and (k == 0 or args[k - 1] != "-n")]  # ids only
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                       cwd=BENCH.parent, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "GPULOAD_REQUIRE_GPU": "0"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return [line for line in r.stdout.splitlines() if "::" in line]
+
+
+def test_gpu_node_proof_parts_select_what_they_claim():
+    """Each pytest part of the proof collects the tests it names, none that needs cuDF, and the
+    `gpu` part everything else marked gpu (none of the named ones twice)."""
+    import gpu_node
+
+    from test_equivalence import CONFIGS
+
+    parts = {name: _collected(how) for name, _, _, how in gpu_node.PROOF if isinstance(how, list)}
+    assert sorted(parts["identity"]) == sorted(f"{gpu_node._IDENTITY}[cuda-arrow-{c}]" for c in CONFIGS)
+    assert parts["memory"] == [gpu_node._MEMORY]
+    assert parts["streams"] == [f"{gpu_node._BUSY}[{i}-torch]" for i in (0, 1)]
+    rest = parts["gpu"]
+    assert "tests/cache/test_store.py::test_concurrent_processes_build_each_chunk_once[cuda]" in rest
+    assert "tests/gpu/test_runtime.py::test_caches_are_shared_between_cpu_and_gpu" in rest
+    named = {t for name in ("identity", "memory", "streams") for t in parts[name]}
+    assert not named & set(rest)
+    everything = [t for p in parts.values() for t in p]
+    assert not [t for t in everything if "cudf" in t or "rmm" in t or "[cpu" in t], everything
+
+
+def test_gpu_node_counts_come_from_junit(tmp_path):
+    import gpu_node
+
+    (tmp_path / "r.xml").write_text(
+        '<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
+        '<testcase classname="tests.a" name="t1"/><testcase classname="tests.a" name="t2"><failure/></testcase>'
+        '</testsuite></testsuites>')
+    assert gpu_node._junit_counts(tmp_path / "r.xml") == {"passed": 2, "failed": 1, "errors": 1, "skipped": 1,
+                                                         "first_failure": "tests.a::t2"}
+    assert gpu_node._junit_counts(tmp_path / "none.xml") is None
+
+
+def test_gpu_node_stops_a_step_and_everything_it_started(tmp_path):
+    import gpu_node
+
+    pid_file = tmp_path / "pid"
+    t0 = time.monotonic()
+    rc = gpu_node._run(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], tmp_path / "x.log", 1.5)
+    assert rc == 124 and time.monotonic() - t0 < 30
+    assert "stopped after 2 s" in (tmp_path / "x.log").read_text()
+    stat = Path(f"/proc/{pid_file.read_text().strip()}/stat")
+    for _ in range(50):  # the grandchild went with it: gone, or a zombie nobody has reaped yet
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"still running: {stat.read_text()}")
+
+
+def test_gpu_node_proof_is_a_call_of_its_own(tmp_path):
+    import gpu_node
+
+    with pytest.raises(SystemExit, match="'proof' is a call of its own"):
+        gpu_node.main(["run", "proof", "env", "--out", str(tmp_path)])

@@ -36,6 +36,10 @@ def run(*args):
     (["cache", "build", "DATA", "--workers", "0"], "--workers 0"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path):
+    import torch
+
+    if "cuda:0" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
     args = [str(data) if a == "DATA" else a for a in args]
     r = run(*args, *(["--cache-dir", str(tmp_path / "c")] if args[0] == "cache" else []))
     assert r.returncode == 2
@@ -69,7 +73,7 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
 
 def test_demo_runs_small(tmp_path):
     r = run("demo", "--rows", "30000", "--files", "2", "--batch-size", "4096", "--step-ms", "1",
-            "--workdir", str(tmp_path / "w"))
+            "--workdir", str(tmp_path / "w"), "--device", "cpu")
     assert r.returncode == 0, r.stderr
     for name in ("epoch 1", "epoch 2", "naive"):
         assert name in r.stdout
@@ -163,7 +167,7 @@ def test_readme_cache_build_example_matches_the_training_example():
 def test_bad_numbers_and_prefixes_are_one_line_errors(args, needle, data, tmp_path, capsys):
     cache = tmp_path / "c"
     cache.mkdir()
-    args = [str(data) if a == "DATA" else a for a in args]
+    args = [str(data) if a == "DATA" else a for a in args] + (["--device", "cpu"] if args[0] == "profile" else [])
     rc = main([*args, "--cache-dir", str(cache)])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err and "Traceback" not in err, err
@@ -211,7 +215,8 @@ def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
         s3.reset_counts()
         r = subprocess.run([sys.executable, "-m", "gpuload.cli", "profile", "s3://clibkt/clicks/", "--storage-options",
                             opts, "--cache-dir", cache, "--chunk-mib", "1", "--epochs", "1", "--step-ms", "1",
-                            "--batch-size", "4096"], capture_output=True, text=True, timeout=300, env=env)
+                            "--batch-size", "4096", "--device", "cpu"], capture_output=True, text=True, timeout=300,
+                           env=env)
         assert r.returncode == 0, r.stderr
         assert "remote source: no requests" in r.stdout  # built ahead: the profiled epoch reads the cache
         assert s3.count("GET", ".parquet") == 0

@@ -11,6 +11,7 @@ from gpuload.batch import Ragged
 from gpuload.handoff import HostHandoff, resolve_device
 
 
+@pytest.mark.auto_device
 def test_auto_is_cpu_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")

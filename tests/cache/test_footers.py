@@ -14,7 +14,7 @@ from gpuload.cache.footers import footer_name, load_footer
 def _dataset(tmp_path, cache):
     if not (tmp_path / "a.parquet").exists():
         pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "a.parquet", row_group_size=30)
-    return gpuload.ParquetDataset(tmp_path / "a.parquet", batch_size=10, cache_dir=cache)
+    return gpuload.ParquetDataset(tmp_path / "a.parquet", batch_size=10, cache_dir=cache, device="cpu")
 
 
 def _footer_files(cache):

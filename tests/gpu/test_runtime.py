@@ -1,7 +1,8 @@
 """The GPU path: device selection everywhere; decode, cache reads, batching and hand-off on a GPU.
 
-Tests marked ``gpu`` run where a driver and CuPy are usable (pylibcudf for the GPU
-decode tests) and skip cleanly elsewhere. The others check, on any machine, what a
+Tests marked ``gpu`` run where the GPU path can run (a driver and CuPy) and skip cleanly
+elsewhere; those also marked ``cudf`` need the RAPIDS stack (pylibcudf, RMM, KvikIO). The
+others check, on any machine, what a
 user without a GPU meets: the error that names the missing piece, the CPU fallback,
 and the shared pieces the GPU path is built from.
 """
@@ -62,6 +63,7 @@ def test_missing_cudf_decodes_on_the_cpu_unless_gpu_decode_is_asked(monkeypatch,
     assert gpu.require_gpu("cuda", "auto") is True
 
 
+@pytest.mark.auto_device
 def test_auto_without_gpu_path_is_cpu_with_one_info_line(monkeypatch, caplog):
     monkeypatch.setattr(gpu, "gpu_usable", lambda: False)
     monkeypatch.setattr(gpu, "gpu_status", _status(driver="no driver"))
@@ -299,8 +301,8 @@ def test_gpu_memory_is_bounded_and_does_not_grow(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.cudf
 def test_kvikio_settings_survive_cudf_reads(tmp_path):
-    pytest.importorskip("pylibcudf")  # what gpuload decodes with (`import cudf` needs numba, gpuload does not)
     import kvikio.defaults
 
     data = _write_rich(tmp_path)
@@ -366,7 +368,7 @@ _BUSY_CONSUMER = textwrap.dedent("""
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("allocator", ["torch", "rmm"])
+@pytest.mark.parametrize("allocator", ["torch", pytest.param("rmm", marks=pytest.mark.cudf)])
 @pytest.mark.parametrize("index", [0, 1])
 def test_batches_hold_still_under_a_busy_consumer(tmp_path, allocator, index):
     """Thousands of batches used without host synchronisation, after a delay, by the current
@@ -374,8 +376,6 @@ def test_batches_hold_still_under_a_busy_consumer(tmp_path, allocator, index):
     value equals the CPU path's. With torch's caching allocator (record_stream) and with the
     RMM pool shared by share_rmm_pool (whose torch allocator ignores record_stream), on the
     first GPU and, where there is one, on a second (the pool is made on the device given)."""
-    if allocator == "rmm":
-        pytest.importorskip("rmm")
     if index >= torch.cuda.device_count():
         pytest.skip(f"needs {index + 1} GPUs")
     n = 400_000
@@ -389,8 +389,8 @@ def test_batches_hold_still_under_a_busy_consumer(tmp_path, allocator, index):
 
 
 @pytest.mark.gpu
+@pytest.mark.cudf
 def test_share_rmm_pool_after_torch_allocated_is_refused():
-    pytest.importorskip("rmm")
     torch.zeros(1, device="cuda")
     with pytest.raises(gpuload.GpuloadError, match="share_rmm_pool"):
         gpuload.share_rmm_pool()

@@ -128,7 +128,7 @@ def bucket(s3, tmp_path):
 
 def _open(url, s3, cache, **kw):
     return gpuload.ParquetDataset(url, COLUMNS, batch_size=700, cache_dir=cache, storage_options=s3.storage_options,
-                                  chunk_bytes=120_000, **kw)
+                                  chunk_bytes=120_000, **{"device": "cpu", **kw})
 
 
 def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_request(s3, bucket, tmp_path):
@@ -182,7 +182,8 @@ def test_first_epoch_fetches_only_the_requested_columns(s3, bucket, tmp_path):
     size = os.path.getsize(folder / "part-0.parquet")
     remote = {"coalesce_bytes": 0}  # no merging across the unwanted columns' bytes
     ds = gpuload.ParquetDataset(f"s3://{name}/data/part-0.parquet", sorted(wanted), batch_size=512,
-                                cache_dir=tmp_path / "c", storage_options=s3.storage_options, remote=remote)
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options, remote=remote,
+                                device="cpu")
     s3.reset_counts()
     n = sum(len(b["id"]) for b in ds)
     assert n == ROWS
@@ -229,12 +230,14 @@ def test_filesystem_objects_fsspec_and_pyarrow(s3, bucket, tmp_path):
 
     name, tables, _ = bucket
     fs = s3fs.S3FileSystem(**s3.storage_options)
-    ds = gpuload.ParquetDataset(f"{name}/data", COLUMNS, filesystem=fs, batch_size=900, cache_dir=tmp_path / "a")
+    ds = gpuload.ParquetDataset(f"{name}/data", COLUMNS, filesystem=fs, batch_size=900, cache_dir=tmp_path / "a",
+                                device="cpu")
     _check_equal(_rows_by_id(ds), tables)
     assert ds.reader.files[0].path.startswith("s3://") and ds.reader.files[0].tag  # the ETag
     pfs = pafs.S3FileSystem(access_key="testing", secret_key="testing", endpoint_override=s3.endpoint,
                             scheme="http", region="us-east-1")
-    ds = gpuload.ParquetDataset(f"{name}/data/", COLUMNS, filesystem=pfs, batch_size=900, cache_dir=tmp_path / "b")
+    ds = gpuload.ParquetDataset(f"{name}/data/", COLUMNS, filesystem=pfs, batch_size=900, cache_dir=tmp_path / "b",
+                                device="cpu")
     _check_equal(_rows_by_id(ds), tables)
 
 
@@ -245,7 +248,7 @@ def test_missing_objects_and_protocols_say_what_to_do(s3, bucket, tmp_path):
     with pytest.raises(SourceError, match="matched no Parquet"):
         _open(f"s3://{name}/data/*.csv", s3, tmp_path / "c")
     with pytest.raises(SourceError, match="not a protocol fsspec knows|needs a package"):
-        gpuload.ParquetDataset("nosuchproto://x/y.parquet", cache_dir=tmp_path / "c")
+        gpuload.ParquetDataset("nosuchproto://x/y.parquet", cache_dir=tmp_path / "c", device="cpu")
 
 
 # -- plain HTTP, with latency and faults --------------------------------------------------------
@@ -269,7 +272,7 @@ def test_http_with_latency_and_faults_still_yields_exactly_pyarrows_rows(http_fi
     with HttpServer(folder, faults) as srv:
         urls = [srv.url(f"d/part-{i}.parquet") for i in range(N_FILES)]
         ds = gpuload.ParquetDataset(urls, COLUMNS, batch_size=800, cache_dir=tmp_path / "c", chunk_bytes=120_000,
-                                    remote=FAST_RETRY)
+                                    remote=FAST_RETRY, device="cpu")
         _check_equal(_rows_by_id(ds), tables)
         st = ds.stats().remote
         assert st.retried > 0 and st.failed == 0, st
@@ -286,7 +289,8 @@ def test_a_store_that_fails_every_request_ends_in_a_clear_error_and_caches_nothi
     cache = tmp_path / "c"
     with HttpServer(folder) as srv:
         urls = [srv.url(f"d/part-{i}.parquet") for i in range(N_FILES)]
-        ds = gpuload.ParquetDataset(urls, COLUMNS, batch_size=800, cache_dir=cache, remote=FAST_RETRY | {"retries": 2})
+        ds = gpuload.ParquetDataset(urls, COLUMNS, batch_size=800, cache_dir=cache, remote=FAST_RETRY | {"retries": 2},
+                                    device="cpu")
         srv.faults = Faults(rate=1.0, kinds=("503", "reset"))
         with pytest.raises(SourceError) as e:
             for _ in ds:
@@ -295,7 +299,8 @@ def test_a_store_that_fails_every_request_ends_in_a_clear_error_and_caches_nothi
         assert "part-" in text and "bytes " in text and "failed 3 times" in text, text
         assert not list(cache.rglob("*.glc"))
         with pytest.raises(SourceError, match="failed 3 times"):  # at open too: footers are fetched
-            gpuload.ParquetDataset(urls, COLUMNS, cache_dir=tmp_path / "other", remote=FAST_RETRY | {"retries": 2})
+            gpuload.ParquetDataset(urls, COLUMNS, cache_dir=tmp_path / "other", remote=FAST_RETRY | {"retries": 2},
+                                   device="cpu")
 
 
 def test_a_stalled_server_times_out_instead_of_hanging(http_files, tmp_path):
@@ -303,13 +308,13 @@ def test_a_stalled_server_times_out_instead_of_hanging(http_files, tmp_path):
     with HttpServer(folder, Faults(rate=1.0, kinds=("stall",), stall_s=30)) as srv:
         with pytest.raises(SourceError, match="failed 2 times.*Timeout"):
             gpuload.ParquetDataset([srv.url("d/part-0.parquet")], ["id"], cache_dir=tmp_path / "c",
-                                   remote={"retries": 1, "backoff_s": 0.01, "timeout_s": 0.5})
+                                   remote={"retries": 1, "backoff_s": 0.01, "timeout_s": 0.5}, device="cpu")
 
 
 def test_http_folder_listing(http_files, tmp_path):
     folder, tables = http_files
     with HttpServer(folder) as srv:
-        ds = gpuload.ParquetDataset(srv.url("d/"), COLUMNS, batch_size=1000, cache_dir=tmp_path / "c")
+        ds = gpuload.ParquetDataset(srv.url("d/"), COLUMNS, batch_size=1000, cache_dir=tmp_path / "c", device="cpu")
         assert len(ds.reader.files) == N_FILES
         _check_equal(_rows_by_id(ds), tables)
 
@@ -321,13 +326,13 @@ def test_local_files_with_the_same_size_and_mtime_are_not_opened_again(tmp_path)
     for p, t in zip(paths, tables):
         pq.write_table(t, p, row_group_size=RG)
     cache = tmp_path / "cache"
-    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000)
+    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000, device="cpu")
     _check_equal(_rows_by_id(ds), tables)
     for p in paths:  # scramble every byte but keep size and mtime: only a reader that opens it can tell
         st = p.stat()
         p.write_bytes(b"\0" * st.st_size)
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
-    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000)
+    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000, device="cpu")
     assert ds.reader.open_counts == {"footers_cached": 2, "footers_read": 0}
     _check_equal(_rows_by_id(ds), tables)
 
@@ -340,7 +345,8 @@ def test_any_fsspec_protocol_memory(tmp_path):
     for i, t in enumerate(tables):
         with fs.open(f"/gl-{tmp_path.name}/part-{i}.parquet", "wb") as fh:
             pq.write_table(t, fh, row_group_size=RG)
-    ds = gpuload.ParquetDataset(f"memory://gl-{tmp_path.name}/", COLUMNS, batch_size=1000, cache_dir=tmp_path / "c")
+    ds = gpuload.ParquetDataset(f"memory://gl-{tmp_path.name}/", COLUMNS, batch_size=1000, cache_dir=tmp_path / "c",
+                                device="cpu")
     assert [f.path for f in ds.reader.files] == [f"memory:///gl-{tmp_path.name}/part-{i}.parquet" for i in range(2)]
     _check_equal(_rows_by_id(ds), tables)
 
@@ -352,7 +358,8 @@ def test_gpu_staging_file_holds_the_chunks_columns_and_footer_only(s3, bucket, t
 
     name, tables, folder = bucket
     ds = gpuload.ParquetDataset(f"s3://{name}/data/part-2.parquet", ["id", "hist", "f32"], cache_dir=tmp_path / "c",
-                                storage_options=s3.storage_options, chunk_bytes=40_000, remote={"coalesce_bytes": 0})
+                                storage_options=s3.storage_options, chunk_bytes=40_000, remote={"coalesce_bytes": 0},
+                                device="cpu")
     r = ds.reader
     c = r.chunks[1]
     f = r.files[c.file]
@@ -391,11 +398,13 @@ def test_a_shared_filesystem_sees_rewrites_made_after_its_listing(s3, bucket, tm
     name, tables, folder = bucket
     fs = s3fs.S3FileSystem(**s3.storage_options)
     cols = ["id", "f64"]
-    gpuload.ParquetDataset(f"{name}/data", cols, filesystem=fs, cache_dir=tmp_path / "c")  # fills fsspec's cache
+    gpuload.ParquetDataset(f"{name}/data", cols, filesystem=fs, cache_dir=tmp_path / "c",
+                           device="cpu")  # fills fsspec's cache
     new = _table(1, rows=ROWS + 10, seed=5)
     pq.write_table(new, folder / "v2.parquet", row_group_size=RG)
     s3.client().upload_file(str(folder / "v2.parquet"), name, "data/part-1.parquet")
-    ds = gpuload.ParquetDataset(f"{name}/data/part-1.parquet", cols, filesystem=fs, cache_dir=tmp_path / "c")
+    ds = gpuload.ParquetDataset(f"{name}/data/part-1.parquet", cols, filesystem=fs, cache_dir=tmp_path / "c",
+                                device="cpu")
     assert ds.num_rows == ROWS + 10
     got = np.sort(np.concatenate([b["f64"].numpy() for b in ds]))
     assert np.array_equal(got, np.sort(new.column("f64").to_numpy()))
@@ -418,7 +427,7 @@ def test_a_server_that_ignores_ranges_is_named(http_files, tmp_path):
     with HttpServer(folder, ranges=False) as srv:
         with pytest.raises(SourceError, match="ignores Range requests"):
             gpuload.ParquetDataset([srv.url("d/part-0.parquet")], ["id"], cache_dir=tmp_path / "c",
-                                   remote=FAST_RETRY)
+                                   remote=FAST_RETRY, device="cpu")
         assert srv.count("GET") == 1  # not retried: it cannot get better
 
 
@@ -431,13 +440,13 @@ def test_nulls_in_a_remote_list_column_are_found_by_the_first_epoch_not_by_a_sec
     pq.write_table(t, folder / "n.parquet", row_group_size=250)
     s3.upload_folder(folder, name, "")
     ds = gpuload.ParquetDataset(f"s3://{name}/n.parquet", ["id", "hist"], batch_size=100, shuffle=False,
-                                cache_dir=tmp_path / "c", storage_options=s3.storage_options)
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options, device="cpu")
     assert s3.count("GET", ".parquet") == 1  # the footer only
     with pytest.raises(gpuload.NullValuesError, match=r"'hist' has 1 null.*n.parquet \(row groups 0-3\)"):
         for _ in ds:
             pass
     ds = gpuload.ParquetDataset(f"s3://{name}/n.parquet", ["id", "hist"], batch_size=100, fill_nulls={"hist": 0},
-                                cache_dir=tmp_path / "c", storage_options=s3.storage_options)
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options, device="cpu")
     assert sum(len(b["id"]) for b in ds) == 1000
 
 
@@ -451,12 +460,12 @@ def test_hive_partitions_of_a_remote_prefix_and_a_mixed_list(s3, tmp_path):
     local = tmp_path / "local.parquet"
     pq.write_table(pa.table({"id": np.arange(1000, 1010)}), local)
     ds = gpuload.ParquetDataset(f"s3://{name}/t/", ["id", "day"], batch_size=20, cache_dir=tmp_path / "c",
-                                storage_options=s3.storage_options)
+                                storage_options=s3.storage_options, device="cpu")
     got = sorted((int(i), int(d)) for b in ds for i, d in zip(b["id"], b["day"]))
     assert got == [(i, 1) for i in range(100, 150)] + [(i, 2) for i in range(200, 250)]
     s3.reset_counts()
     ds = gpuload.ParquetDataset([f"s3://{name}/t/day=1/p.parquet", str(local)], ["id"], batch_size=20,
-                                cache_dir=tmp_path / "c", storage_options=s3.storage_options)
+                                cache_dir=tmp_path / "c", storage_options=s3.storage_options, device="cpu")
     assert sorted(int(i) for b in ds for i in b["id"]) == list(range(100, 150)) + list(range(1000, 1010))
 
 
@@ -467,7 +476,7 @@ def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
 
     folder, tables = http_files
     with HttpServer(folder) as srv:
-        ds = gpuload.ParquetDataset([srv.url("d/part-0.parquet")], COLUMNS, cache_dir=tmp_path / "c")
+        ds = gpuload.ParquetDataset([srv.url("d/part-0.parquet")], COLUMNS, cache_dir=tmp_path / "c", device="cpu")
         rows = sum(len(b["id"]) for b in ds)  # not inside an assert: pytest would keep the iterator alive
         del ds
         assert rows == ROWS
@@ -491,7 +500,7 @@ def test_a_server_that_ignores_ranges_costs_no_whole_objects_before_the_error(tm
     with HttpServer(folder, ranges=False, bandwidth=4e6) as srv:
         urls = [srv.url(f"part-{i:02d}.parquet") for i in range(40)]
         with pytest.raises(SourceError, match=r"part-\d\d.parquet: asked for bytes \d+-\d+, .*ignores Range requests"):
-            gpuload.ParquetDataset(urls, ["x"], cache_dir=tmp_path / "c", remote=FAST_RETRY)
+            gpuload.ParquetDataset(urls, ["x"], cache_dir=tmp_path / "c", remote=FAST_RETRY, device="cpu")
         sent = dict(srv.sent_bytes)
     assert max(sent.values()) < size / 4, sent  # no object sent whole (before: 33 of them, 75 MB)
     assert sum(sent.values()) < 40 * size / 8, sent
@@ -513,7 +522,7 @@ def test_close_during_a_stalled_remote_epoch_stops_it_at_once(s3, bucket, tmp_pa
     src = _stalling(s3, bucket, tmp_path / "c")
     try:
         ds = gpuload.ParquetDataset(src, COLUMNS, batch_size=256, cache_dir=tmp_path / "c", shuffle=False,
-                                    storage_options=s3.storage_options)
+                                    storage_options=s3.storage_options, device="cpu")
         it = iter(ds)
         threading.Timer(1.0, ds.close).start()
         t0 = time.monotonic()
@@ -538,7 +547,7 @@ def test_close_during_a_stalled_remote_epoch_stops_it_at_once(s3, bucket, tmp_pa
 _CTRL_C = """
 import json, sys, gpuload
 ds = gpuload.ParquetDataset(sys.argv[1], ["id", "f32"], batch_size=256, cache_dir=sys.argv[2],
-                            storage_options=json.loads(sys.argv[3]))
+                            storage_options=json.loads(sys.argv[3]), device="cpu")
 print("iterating", flush=True)
 for batch in ds:
     pass
