@@ -5,7 +5,7 @@ docs/gpu-testing.md has the whole sequence, with each call's carry and expected 
 
 First, with nothing carried (the node's torch and CuPy alone; no cuDF, RMM or KvikIO)::
 
-    python3 benchmarks/gpu_node.py run proof            # about 4 minutes, stops by --limit (300 s)
+    python3 benchmarks/gpu_node.py run proof            # about 4 minutes, stops by --limit (270 s)
 
 ``proof`` runs, each part with its own time cap and log: ``env`` (versions, the device,
 ``gpuload.gpu_status()``, and the first device use: a tensor through CuPy and DLPack and
@@ -27,8 +27,8 @@ test wheels the GPU tests of remote objects need; here, on a machine with PyPI::
 
 and there, once the bundle is installed, any steps in order::
 
-    python3 benchmarks/gpu_node.py run install env gpu --limit 180
-    python3 benchmarks/gpu_node.py run bench suite --limit 210
+    python3 benchmarks/gpu_node.py run install env gpu --limit 150
+    python3 benchmarks/gpu_node.py run bench suite --limit 180
 
 Steps: ``install`` (the test wheels into the site folder), ``env`` (versions, the GPU,
 ``gpuload.gpu_status()``, KvikIO's settings and a one-file check that the CPU, cuDF and
@@ -461,7 +461,7 @@ def main(argv=None) -> int:
     r.add_argument("steps", nargs="+", help="proof (alone), or any of install, env, gpu, bench, suite")
     r.add_argument("--out", default=None, help="log folder (default: $OUT, else gpu-node-logs/)")
     r.add_argument("--limit", type=float, default=None,
-                   help="seconds for all the steps of this call (default: 300 for proof, else 570)")
+                   help="seconds for all the steps of this call (default: 270 for proof, else 570)")
     r.add_argument("--keep-going", action="store_true", help="proof: run every part even if env failed")
     r.add_argument("--proof-rows", type=int, default=4_000_000, help="proof: bench_gpu --quick rows")
     r.add_argument("--wheels", default=".gpu-test-wheels", help="the 'install' step's wheel folder")
@@ -472,7 +472,7 @@ def main(argv=None) -> int:
     if a.cmd == "wheels":
         return wheels(a)
     if a.limit is None:
-        a.limit = 300.0 if a.steps == ["proof"] else 570.0
+        a.limit = 270.0 if a.steps == ["proof"] else 570.0
     return run(a)
 
 

@@ -112,7 +112,9 @@ class DeviceGuard:
     session, and checks each resolution against the test running (:attr:`item`).
 
     A test not marked ``gpu`` may not get a CUDA device, nor resolve ``device="auto"`` unless it is
-    marked ``auto_device`` (it means to run on whatever "auto" picks and copes with CUDA tensors).
+    marked ``auto_device`` (it means to run on whatever "auto" picks and copes with CUDA tensors)
+    or ``fake_gpu`` (it stands in a GPU node on purpose, with torch and CuPy patched, and stops
+    at the first real device call).
     On the training thread the resolution fails the test at once; on any other thread it is
     recorded, and the test fails at teardown (the ``_device_guard`` fixture).
     """
@@ -125,7 +127,7 @@ class DeviceGuard:
     @staticmethod
     def problem(item, requested, resolved) -> str | None:
         """Why ``item`` may not resolve ``requested`` to ``resolved`` (a torch.device), or None."""
-        if item is None or item.get_closest_marker("gpu") is not None:
+        if item is None or item.get_closest_marker("gpu") is not None or item.get_closest_marker("fake_gpu"):
             return None
         auto = str(requested) == "auto"
         marked_auto = item.get_closest_marker("auto_device") is not None

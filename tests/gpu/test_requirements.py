@@ -77,6 +77,7 @@ def torch_and_cupy_only(monkeypatch):
 
 
 # -- item 1: device="cuda" needs only torch and CuPy -----------------------------------------
+@pytest.mark.fake_gpu
 @pytest.mark.parametrize("decode", ["cpu", "auto"])
 def test_cuda_without_kvikio_or_cudf_reaches_its_first_device_call(tmp_path, torch_and_cupy_only, decode):
     """Every import and availability check passes; what fails is torch's first CUDA call (this
@@ -93,12 +94,14 @@ def test_cuda_without_kvikio_or_cudf_reaches_its_first_device_call(tmp_path, tor
     assert os.environ["KVIKIO_NTHREADS"] == "4"
 
 
+@pytest.mark.fake_gpu
 def test_gpu_decode_without_pylibcudf_names_what_it_needs(tmp_path, torch_and_cupy_only):
     path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(100, dtype=np.int64)})
     with pytest.raises(gpuload.GpuloadError, match=r"decode='gpu' needs pylibcudf \(and, through it, RMM and KvikIO\)"):
         gpuload.ParquetDataset(path, device="cuda", decode="gpu", cache_dir=tmp_path / "c")
 
 
+@pytest.mark.fake_gpu
 def test_status_calls_kvikio_optional_and_nothing_requires_it(torch_and_cupy_only, caplog):
     status = gpu.gpu_status()
     assert status["driver"] is None and status["cupy"] is None
@@ -400,6 +403,7 @@ _RMM_ORDER = textwrap.dedent("""
 
 
 @pytest.mark.gpu
+@pytest.mark.cudf  # RMM
 @pytest.mark.parametrize("order", ["share first", "set_device first"])
 @pytest.mark.parametrize("index", [0, 1])
 def test_share_rmm_pool_goes_before_set_device(tmp_path, order, index):
