@@ -360,8 +360,13 @@ def node_shares(chunk_rows: Sequence[int], nodes: int, local_world: int, batch_s
                 fingerprint: int, seed: int) -> tuple[list[np.ndarray], int, list[int]]:
     """(chunks per node, rows per rank, rows each node leaves undelivered per epoch).
 
-    Raises :class:`ConfigError` when some rank would get no batch.
+    Raises :class:`ConfigError` when some rank would get no batch (at once when there are more
+    nodes than chunks: a node without a chunk has no rows, and nothing is computed per node).
     """
+    if nodes > len(chunk_rows):
+        raise ConfigError(f"shard='node': {nodes:,} nodes for {len(chunk_rows):,} chunks, so the smallest of {nodes} "
+                          f"nodes' shares holds 0 rows; use fewer nodes, smaller chunks (chunk_bytes), or "
+                          "shard='global'")
     owned = node_chunks(chunk_rows, nodes, fingerprint=fingerprint, seed=seed)
     totals = [int(np.asarray(chunk_rows, dtype=np.int64)[o].sum()) for o in owned]
     per = node_rank_rows(totals, local_world, batch_size, drop_last)

@@ -789,3 +789,21 @@ def test_any_state_is_refused_or_works(source, tmp_path):
             it.close()
 
     check()
+
+
+@pytest.mark.parametrize("world", [10**9, 2**40])
+def test_a_node_layout_of_a_billion_ranks_is_refused_without_planning_it(source, tmp_path, world):
+    """Found by test_any_state_is_refused_or_works under pytest-xdist: [[10**9, 0, 2]] made a node
+    plan for 5e8 nodes (22 GB, the worker killed) before refusing it."""
+    import resource
+
+    ds = _node_open(source, tmp_path / "c")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    now = next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    cap = now + (4 << 30)  # a MemoryError here instead of the machine's OOM killer, if the plan is made
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    try:
+        with pytest.raises(gpuload.ConfigError, match="nodes for .* chunks"):
+            ds.load_state_dict({**ds.state_dict(), "runs": [[world, 0, 2]]})
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
