@@ -364,9 +364,9 @@ def node_shares(chunk_rows: Sequence[int], nodes: int, local_world: int, batch_s
     nodes than chunks: a node without a chunk has no rows, and nothing is computed per node).
     """
     if nodes > len(chunk_rows):
-        raise ConfigError(f"shard='node': {nodes:,} nodes for {len(chunk_rows):,} chunks, so the smallest of {nodes} "
-                          f"nodes' shares holds 0 rows; use fewer nodes, smaller chunks (chunk_bytes), or "
-                          "shard='global'")
+        raise ConfigError(f"shard='node': the smallest of {nodes:,} nodes' shares holds 0 rows ({nodes:,} nodes for "
+                          f"{len(chunk_rows):,} chunks), too few for {local_world} local ranks; use fewer nodes or "
+                          "ranks, smaller chunks (chunk_bytes), or shard='global'")
     owned = node_chunks(chunk_rows, nodes, fingerprint=fingerprint, seed=seed)
     totals = [int(np.asarray(chunk_rows, dtype=np.int64)[o].sum()) for o in owned]
     per = node_rank_rows(totals, local_world, batch_size, drop_last)
