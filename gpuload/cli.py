@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import __version__
 from .cache.store import ChunkCache, default_cache_dir
-from .errors import ConfigError, GpuloadError, as_flags, set_style
+from .errors import ConfigError, GpuloadError, set_style
 
 __all__ = ["main"]
 
@@ -468,8 +468,8 @@ def main(argv=None) -> int:
     set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
     try:
         return args.fn(args)
-    except GpuloadError as e:  # as flags, whatever module phrased it
-        print(f"gpuload: error: {as_flags(' '.join(str(e).split()))}", file=sys.stderr)
+    except GpuloadError as e:  # one line; messages name settings as flags (errors.setting)
+        print(f"gpuload: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except OSError as e:  # the machine's, not gpuload's: one line, not a traceback
         print(f"gpuload: error: {e}", file=sys.stderr)

@@ -21,7 +21,7 @@ from .batch import nbytes
 from .cache.chunkfile import pwrite_all
 from .checks import stored_key_error
 from .convert import needed_columns, table_to_columns
-from .errors import SourceError
+from .errors import SourceError, flag
 from .sources.ranges import ReadOnlyFile
 from .plan import Chunk
 from .schema import OutputSpec
@@ -115,7 +115,7 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
         return SourceError(f"{where}: cannot be read ({error}); the file may be truncated or corrupt")
     names = ", ".join(repr(c) for c in bad)
     return SourceError(f"{where}: column{'s' if len(bad) > 1 else ''} {names} cannot be read ({error}); the file "
-                       f"may be corrupt there: rewrite it, or leave {names} out of columns= to load the rest")
+                       f"may be corrupt there: rewrite it, or leave {names} out of {flag('columns')} to load the rest")
 
 
 class ArrowDecoder:

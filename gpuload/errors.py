@@ -12,7 +12,6 @@ from the ``gpuload`` command (which calls :func:`set_style`).
 from __future__ import annotations
 
 import json
-import re
 
 __all__ = [
     "GpuloadError",
@@ -25,7 +24,7 @@ __all__ = [
     "setting",
     "set_style",
     "flag",
-    "as_flags",
+    "value",
 ]
 
 _style = "python"
@@ -81,57 +80,6 @@ def value(name: str, value) -> str:
 def flag(name: str) -> str:
     """The setting ``name`` itself, without a value: ``--dtypes`` from the command, ``dtypes=`` in Python."""
     return _FLAGS[name] if _style == "cli" and name in _FLAGS else f"{name}="
-
-
-_NAMED = re.compile(r"(?<![\w.$-])(" + "|".join(sorted(_FLAGS, key=len, reverse=True)) + r")=")
-
-
-def as_flags(message: str) -> str:
-    """``message`` with the settings it names as Python arguments (``fill_nulls={'a': 1}``,
-    ``dtypes=``) written as the command's flags (``--fill-nulls '{"a": 1}'``, ``--dtypes``):
-    the command's last resort for messages not made with :func:`setting`."""
-    out, pos = [], 0
-    for m in _NAMED.finditer(message):
-        if m.start() < pos:
-            continue
-        name, start = m.group(1), m.end()
-        literal, end = _literal(message, start)
-        out.append(message[pos:m.start()])
-        out.append(f"{_FLAGS[name]} {_cli_value(name, literal)}" if end > start else _FLAGS[name])
-        pos = end
-    return "".join(out) + message[pos:]
-
-
-def _literal(text: str, start: int):
-    """The Python literal (a number, string, dict or list) at ``text[start:]`` and where it ends;
-    ``(None, start)`` if there is none."""
-    import ast
-
-    if start >= len(text):
-        return None, start
-    opening = text[start]
-    if opening in "{[(":
-        closing, depth = {"{": "}", "[": "]", "(": ")"}[opening], 0
-        for i in range(start, len(text)):
-            depth += (text[i] == opening) - (text[i] == closing)
-            if depth == 0:
-                end = i + 1
-                break
-        else:
-            return None, start
-    elif opening in "'\"":
-        end = text.find(opening, start + 1) + 1
-        if end == 0:
-            return None, start
-    else:
-        m = re.match(r"-?[\w.]+", text[start:])
-        if m is None:
-            return None, start
-        end = start + m.end()
-    try:
-        return ast.literal_eval(text[start:end]), end
-    except (ValueError, SyntaxError):
-        return text[start:end], end if opening not in "{[('\"" else start
 
 
 class GpuloadError(Exception):

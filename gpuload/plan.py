@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, setting
 
 __all__ = [
     "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
@@ -171,7 +171,7 @@ def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> N
     divide; with ``drop_last=True``, fewer rows than ``world * batch_size``.
     """
     if batch_size < 1:
-        raise ConfigError(f"batch_size={batch_size} must be at least 1")
+        raise ConfigError(f"{setting('batch_size', batch_size)} must be at least 1")
     if world < 1:
         raise ConfigError(f"world_size={world} must be at least 1")
     if total == 0:
@@ -180,29 +180,29 @@ def check_balance(total: int, world: int, batch_size: int, drop_last: bool) -> N
         return
     fixes = []
     if drop_last and total // world >= 1:
-        fixes.append(f"batch_size={total // world:,} or less")
+        fixes.append(f"{setting('batch_size', total // world)} or less")
     for w in (total // batch_size if drop_last else total, total):
         if 1 <= w < world and feasible(total, w, batch_size, drop_last):
             fixes.append(f"at most {w:,} ranks")
             break
     if not drop_last and batch_size == 1 and feasible(total, world, 2, False):
-        fixes.append("batch_size=2 or more (a short rank's last batch is then split in two)")
+        fixes.append(f"{setting('batch_size', 2)} or more (a short rank's last batch is then split in two)")
     if not drop_last and feasible(total, world, batch_size, True):
         fixes.append(f"drop_last=True (drops {total % world} rows)")
     if drop_last and feasible(total, world, batch_size, False):
         fixes.append("drop_last=False")
     if drop_last and not fixes and feasible(total, min(world, total), 1, True):
-        fixes.append(f"batch_size=1 on at most {min(world, total):,} ranks")
+        fixes.append(f"{setting('batch_size', 1)} on at most {min(world, total):,} ranks")
     if not drop_last and batch_size == 1 and total >= world:
         fixes.append(f"a world_size that divides {total:,}")
     if drop_last:
-        why = (f"{total:,} rows give no full batch of batch_size={batch_size:,} to each of world_size={world} "
+        why = (f"{total:,} rows give no full batch of {setting('batch_size', batch_size)} to each of world_size={world} "
                f"ranks, so drop_last=True would drop them all")
     elif total < world:
         why = (f"{total:,} rows cannot be split over world_size={world} ranks: every rank needs at least one row "
                "whatever the batch_size")
     else:
-        why = f"{total:,} rows over {world} ranks with batch_size=1 leave some ranks one batch short"
+        why = f"{total:,} rows over {world} ranks with {setting('batch_size', 1)} leave some ranks one batch short"
     raise ConfigError(f"{why}; use " + ", or ".join(fixes) if fixes else why + "; use more data")
 
 
@@ -374,7 +374,7 @@ def node_shares(chunk_rows: Sequence[int], nodes: int, local_world: int, batch_s
         smallest = min(totals)
         raise ConfigError(
             f"shard='node': the smallest of {nodes} nodes' shares holds {smallest:,} rows, too few for "
-            f"{local_world} local ranks" + (f" with batch_size={batch_size} and drop_last=True" if drop_last else "")
+            f"{local_world} local ranks" + (f" with {setting('batch_size', batch_size)} and drop_last=True" if drop_last else "")
             + "; use fewer nodes or ranks, smaller chunks (chunk_bytes), or shard='global'")
     return owned, per, [t - local_world * per for t in totals]
 

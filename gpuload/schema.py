@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .errors import ConfigError, SchemaError
+from .errors import ConfigError, SchemaError, flag, setting
 from .layout import stored_outputs
 
 __all__ = ["OutputSpec", "ValueType", "value_type", "resolve_outputs", "spec_description", "desc_outputs",
@@ -156,14 +156,14 @@ def _classify(name: str, t: pa.DataType) -> tuple[str, ValueType, int]:
             what = "a list of lists" if _list_value(inner) is not None else f"a list of {inner}"
             raise SchemaError(
                 f"column {name!r} is {what} ({t}); gpuload supports lists of numbers only. "
-                "Leave it out of columns= or convert it to numbers before writing the Parquet.")
+                f"Leave it out of {flag('columns')} or convert it to numbers before writing the Parquet.")
         if pa.types.is_fixed_size_list(t):
             return FIXED, ivt, t.list_size
         return RAGGED, ivt, 1
     raise SchemaError(
         f"column {name!r} has type {t}, which gpuload cannot turn into a tensor "
         "(supported: bool, integers, floats, dates, timestamps, durations, dictionary-encoded "
-        "numbers, lists of numbers). Leave it out of columns= or encode it as numbers first.")
+        f"numbers, lists of numbers). Leave it out of {flag('columns')} or encode it as numbers first.")
 
 
 def _supported(t: pa.DataType) -> bool:
@@ -182,17 +182,17 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
         raise ConfigError(f"fill_nulls for column {column!r} must be a number, got {value!r}")
     if dtype.kind in "iu":
         if not float(value).is_integer():
-            raise ConfigError(f"fill_nulls={value!r} for integer column {column!r} is not an integer")
+            raise ConfigError(f"{setting('fill_nulls', {column: value})}: column {column!r} holds integers, and {value!r} is not one")
         info = np.iinfo(dtype)
         if not info.min <= int(value) <= info.max:
-            raise ConfigError(f"fill_nulls={value!r} does not fit column {column!r} ({dtype})")
+            raise ConfigError(f"{setting('fill_nulls', {column: value})} does not fit column {column!r} ({dtype})")
         return int(value)
     if dtype.kind == "b":
         if value not in (0, 1):
-            raise ConfigError(f"fill_nulls={value!r} for bool column {column!r} must be 0/1/True/False")
+            raise ConfigError(f"{setting('fill_nulls', {column: value})}: bool column {column!r} takes 0/1/True/False")
         return bool(value)
     if np.isfinite(value) and abs(float(value)) > float(np.finfo(dtype).max):
-        raise ConfigError(f"fill_nulls={value!r} does not fit column {column!r} ({dtype})")
+        raise ConfigError(f"{setting('fill_nulls', {column: value})} does not fit column {column!r} ({dtype})")
     return float(value)
 
 
@@ -222,9 +222,9 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
     if isinstance(columns, Sequence) and all(isinstance(c, str) for c in columns):
         dup = sorted({c for c in columns if list(columns).count(c) > 1})
         if dup:
-            raise ConfigError(f"columns= names {dup} more than once")
+            raise ConfigError(f"{flag('columns')} names {dup} more than once")
         return [(c, (c,), False) for c in columns]
-    raise ConfigError(f"columns= must be None, a list of names or a dict, got {type(columns).__name__}")
+    raise ConfigError(f"{flag('columns')} must be None, a list of names or a dict, got {type(columns).__name__}")
 
 
 def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=None,
@@ -312,7 +312,7 @@ def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permu
             if s.kind == SCALAR and share[dt] > 1:
                 d["block"] = "#" + dt
     elif layout != "columns":
-        raise ConfigError(f"layout={layout!r} must be 'rows' or 'columns'")
+        raise ConfigError(f"{setting('layout', layout)} must be 'rows' or 'columns'")
     if permuted:
         for d in desc:
             d["rows"] = "permuted"

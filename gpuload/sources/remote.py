@@ -24,7 +24,7 @@ import posixpath
 import threading
 from dataclasses import dataclass
 
-from ..errors import SourceError
+from ..errors import SourceError, setting
 
 __all__ = ["Store", "ObjectInfo", "Stopped", "is_url", "store_for", "hidden", "same_version"]
 
@@ -373,5 +373,5 @@ def store_for(url: str | None, filesystem=None, storage_options: dict | None = N
     except ValueError as e:
         raise SourceError(f"{url}: {proto}:// is not a protocol fsspec knows ({e})") from None
     except TypeError as e:
-        raise SourceError(f"storage_options={storage_options!r}: {proto}:// does not take them ({e})") from None
+        raise SourceError(f"{setting('storage_options', storage_options)}: {proto}:// does not take them ({e})") from None
     return Store(fs, proto, timeout)
