@@ -314,31 +314,25 @@ class ChunkReader:
                            best.latency_p50_s, best.latency_p90_s, best.latency_p99_s)
 
     def reset_remote(self) -> None:
+        self._each_fetcher("reset")
+
+    def _each_fetcher(self, call: str) -> None:
         with self._lock:
             fetchers = list(self._fetchers.values())
         for f in fetchers:
-            f.reset()
+            getattr(f, call)()
 
     def interrupt(self) -> None:
         """Abandon remote fetches in flight and queued, and refuse new ones until :meth:`resume`
         (an epoch left early: its loads must not wait on a stalled store)."""
         self.forget_ahead()
-        with self._lock:
-            fetchers = list(self._fetchers.values())
-        for f in fetchers:
-            f.interrupt()
+        self._each_fetcher("interrupt")
 
     def resume(self) -> None:
         """Fetch again after :meth:`interrupt` or :meth:`close` (an epoch begins)."""
-        with self._lock:
-            fetchers = list(self._fetchers.values())
-        for f in fetchers:
-            f.resume()
+        self._each_fetcher("resume")
 
     def close(self) -> None:
         """:meth:`interrupt`, and close the stores' open files."""
         self.forget_ahead()
-        with self._lock:
-            fetchers = list(self._fetchers.values())
-        for f in fetchers:
-            f.close()
+        self._each_fetcher("close")

@@ -9,3 +9,6 @@
 Nothing here imports CuPy, cuDF, KvikIO or RMM at import time: without them gpuload runs
 on the CPU.
 """
+
+#: What an error about a missing piece of the GPU stack advises.
+INSTALL_HINT = "install the gpu extra (pip install 'gpuload[gpu]') or use device='cpu'"

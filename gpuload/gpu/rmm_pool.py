@@ -25,13 +25,13 @@ import threading
 
 import torch
 
+from . import INSTALL_HINT
 from ..errors import GpuloadError
 
 __all__ = ["share_rmm_pool", "stream_ordered", "prepare_device", "torch_uses_rmm", "shared_device"]
 
 log = logging.getLogger("gpuload")
 
-_EXTRA = "install the gpu extra (pip install 'gpuload[gpu]') or use device='cpu'"
 _state: dict = {"device": None, "initial": None}  # the device share_rmm_pool made its pool on, and its size
 _lock = threading.Lock()
 _ORDERED: set[int] = set()  # devices whose RMM resource was checked (and made stream-ordered) for decoding
@@ -111,7 +111,7 @@ def share_rmm_pool(initial_pool_bytes: int | None = None, device=None) -> None:
         from rmm.allocators.cupy import rmm_cupy_allocator
         from rmm.allocators.torch import rmm_torch_allocator
     except Exception as e:
-        raise GpuloadError(f"share_rmm_pool needs rmm: {type(e).__name__}: {e}; {_EXTRA}") from None
+        raise GpuloadError(f"share_rmm_pool needs rmm: {type(e).__name__}: {e}; {INSTALL_HINT}") from None
     if rmm_torch_allocator is None:  # rmm leaves it None where torch has no CUDA or sees no GPU
         raise GpuloadError("share_rmm_pool(): rmm has no torch allocator here (this torch build has no CUDA, or no "
                            "GPU is visible: check torch.cuda.is_available())")

@@ -46,6 +46,7 @@ import os
 
 import torch
 
+from . import INSTALL_HINT
 from ..errors import ConfigError, GpuloadError, setting
 from .rmm_pool import prepare_device, share_rmm_pool
 from .streams import DeviceContext
@@ -58,7 +59,6 @@ log = logging.getLogger("gpuload")
 _COMPAT = {"auto": "AUTO", "on": "ON", "off": "OFF"}
 REQUIRED = ("driver", "cupy")  #: the pieces of :func:`gpu_status` that ``device="cuda"`` cannot run without
 KVIKIO_OPTIONAL = "optional, only for GPUDirect Storage reads of the cache"
-_EXTRA = "install the gpu extra (pip install 'gpuload[gpu]') or use device='cpu'"
 
 
 def _importable(name: str) -> str | None:
@@ -125,14 +125,14 @@ def require_gpu(device: str, decode: str) -> bool:
     """
     s = gpu_status()
     for piece, reason in missing_pieces(s).items():
-        advice = f"use {setting('device', 'cpu')} (or 'auto')" if piece == "driver" else _EXTRA
+        advice = f"use {setting('device', 'cpu')} (or 'auto')" if piece == "driver" else INSTALL_HINT
         raise GpuloadError(f"{setting('device', device)} needs {piece}: {reason}; {advice}")
     if decode == "cpu":
         return False
     if s["cudf"] is not None:
         if decode == "gpu":
             raise GpuloadError(f"decode='gpu' needs pylibcudf (and, through it, RMM and KvikIO): {s['cudf']}; "
-                               f"{_EXTRA}, or pass decode='cpu' (pyarrow decodes, the rest runs on the GPU)")
+                               f"{INSTALL_HINT}, or pass decode='cpu' (pyarrow decodes, the rest runs on the GPU)")
         log.info("gpuload: pylibcudf is not importable (%s); decoding Parquet on the CPU and copying to the GPU",
                  s["cudf"])
         return False

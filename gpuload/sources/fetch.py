@@ -287,7 +287,8 @@ class Fetcher:
     def __init__(self, store, settings: RemoteSettings, clock: Callable[[], float] = time.perf_counter):
         self.store, self.settings, self.clock = store, settings, clock
         self._pool = _Requests(settings.max_requests)
-        weakref.finalize(self, self._pool.close)  # a dropped dataset's idle request threads end with it
+        self._pools = [self._pool]  # the current pool, for the finalizer (which may not hold self)
+        weakref.finalize(self, lambda pools: pools[0].close(), self._pools)  # a dropped dataset's threads end
         self._jobs = itertools.count()
         self._budget = _Budget(settings.max_inflight_bytes)
         self._lock = threading.Lock()
@@ -387,8 +388,7 @@ class Fetcher:
         with self._lock:
             if self.stop.is_set():
                 self.stop = threading.Event()
-                self._pool = _Requests(self.settings.max_requests)
-                weakref.finalize(self, self._pool.close)
+                self._pool = self._pools[0] = _Requests(self.settings.max_requests)
 
     def _refuse_if_stopped(self, what: str) -> None:
         if self.stop.is_set():
