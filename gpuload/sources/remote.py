@@ -155,10 +155,10 @@ class Store:
         return getattr(self.fs, name)(*args, **kwargs)
 
     # -- listing --------------------------------------------------------------------------
-    def expand(self, item: str) -> tuple[list[ObjectInfo], str | None, list[str] | None]:
+    def expand(self, item: str) -> tuple[list[ObjectInfo], str | None, list[ObjectInfo] | None]:
         """The Parquet objects ``item`` names, in name order; the Hive partition base (the
-        folder or glob base; None for a single object); and for a folder, the path of
-        everything listed below it, hidden objects included (to find a table's log)."""
+        folder or glob base; None for a single object); and for a folder, every object listed
+        below it, hidden ones included (to find a table's log)."""
         path = self.strip(item)
         if not self.arrow:  # fsspec's listings cache would hide objects rewritten since it was filled
             self.fs.invalidate_cache(path)
@@ -174,8 +174,8 @@ class Store:
                 raise SourceError(f"{self.url(path)}: no such object or folder")
             base = path.rstrip("/")
             listed = self._find(base)
-            below = [posixpath.relpath(i.path, base) for i in listed]
-            found = [i for i, rel in zip(listed, below) if i.path.endswith(".parquet") and not hidden(rel)]
+            below = listed
+            found = [i for i in listed if i.path.endswith(".parquet") and not hidden(posixpath.relpath(i.path, base))]
         if not found:
             raise SourceError(f"{self.url(path)}: matched no Parquet objects")
         return sorted(found, key=lambda i: i.path), base, below

@@ -202,20 +202,21 @@ def local_table_files(base: str, listed: list[str], whole: bool) -> dict[str, tu
     return _select(table.root, base, live, fields, listed, whole, table.root)
 
 
-def remote_table_files(store, base: str, listed: list[str], below: list[str] | None, whole: bool,
+def remote_table_files(store, base: str, listed: list[str], below: list | None, whole: bool,
                        read: Callable[[str, int], bytes]) -> dict[str, tuple] | None:
     """:func:`local_table_files` for the objects ``listed`` (store paths) below ``base`` of
     ``store`` (a :class:`gpuload.sources.remote.Store`); ``below`` is what the listing of
-    ``base`` found (see :meth:`Store.expand`), ``read(path, size)`` an object's bytes."""
+    ``base`` found (objects, see :meth:`Store.expand`), ``read(path, size)`` an object's bytes."""
     table = find_table(base, store.is_dir, lambda folder: [posixpath.basename(i.path) for i in store.find(folder)],
-                       below)
+                       None if below is None else [posixpath.relpath(i.path, base) for i in below])
     if table is None:
         return None
     shown = store.url(table.root)
     if table.kind == "iceberg":
         raise refuse_iceberg(table, shown)
     log = posixpath.join(table.root, _DELTA_LOG)
-    objects = {posixpath.relpath(i.path, log): (i.path, i.size) for i in store.find(log)}  # one more listing
+    in_log = [i for i in below if i.path.startswith(log + "/")] if table.root == base and below else store.find(log)
+    objects = {posixpath.relpath(i.path, log): (i.path, i.size) for i in in_log}
     with copy_log(delta_log_names(objects), lambda n: read(*objects[n])) as folder:
         live, fields = delta_files(folder, shown)
     return _select(table.root, base, live, fields, listed, whole, shown)
