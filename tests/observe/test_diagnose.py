@@ -205,11 +205,9 @@ def test_startup_wait_is_named_apart_from_steady_state():
     assert spread.limiting == "batch"  # the same waiting spread over every batch is the gather
 
 
-def _watched_passes(passes, loader=None, threads=None) -> Stats:
-    """Stats of a watched loop in virtual time: ``passes`` is a list of passes, each a list of
-    ``(wait, step)`` seconds per batch."""
-    clock = ManualClock()
-    m = gpuload.Metrics(clock=clock, nvtx=False)
+def _run_passes(m, clock, passes, between: float = 0.0) -> None:
+    """A watched loop in virtual time: ``passes`` is a list of passes, each a list of ``(wait,
+    step)`` seconds per batch; ``between`` seconds (not counted) separate the passes."""
     for p in passes:
         for wait, step in p:
             t0 = clock.t
@@ -217,7 +215,14 @@ def _watched_passes(passes, loader=None, threads=None) -> Stats:
             m.consumer_wait(t0, clock.t, rows=1)
             clock.sleep(step)
         m.consumer_end(clock.t, clock.t)
-        clock.sleep(100.0)  # between passes: not counted
+        clock.sleep(between)
+
+
+def _watched_passes(passes) -> Stats:
+    """Stats of :func:`_run_passes` with 100 s between passes."""
+    clock = ManualClock()
+    m = gpuload.Metrics(clock=clock, nvtx=False)
+    _run_passes(m, clock, passes, between=100.0)
     return m.stats()
 
 
@@ -269,13 +274,7 @@ def test_no_printed_share_exceeds_its_whole(passes, spans, threads, disk, loader
             t.start()
             t.join()
     m.reset() if not spans else None
-    for p in passes:
-        for wait, step in p:
-            t0 = clock.t
-            clock.sleep(wait)
-            m.consumer_wait(t0, clock.t, rows=1)
-            clock.sleep(step)
-        m.consumer_end(clock.t, clock.t)
+    _run_passes(m, clock, passes)
     s = dataclasses.replace(m.stats(), loader=loader)
     if s.wall_s <= 0:
         return
