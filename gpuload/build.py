@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import errno
-import stat
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -12,11 +11,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .cluster import build_on_cluster
-from .config import Options
+from .config import Options, Source
 from .errors import CacheError, ConfigError, flag, setting
-from .gpu.runtime import open_device
-from .handoff import resolve_device
-from .reader import ChunkReader
+from .reader import ChunkReader, open_reader
 
 __all__ = ["build_cache", "CacheSummary"]
 
@@ -64,9 +61,6 @@ class CacheSummary:
         return text
 
 
-_UNSET = object()
-
-
 def _tally(outcomes: list, at_open) -> tuple[dict, list]:
     """Counts of what became of each chunk, and the failures: ``outcomes`` holds
     ``(chunk, outcome)``, outcome as :attr:`gpuload.cache.store.ChunkCache.outcomes` says it
@@ -105,11 +99,13 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
         f"make the folder writable or free space on its disk, or pass another {flag('cache_dir')}")
 
 
-def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
-                num_threads: int = 2, max_cache_bytes: int | None = None,
-                progress: Callable[[int], None] | bool | None = None, device="cpu", decode: str = "auto",
-                filesystem=None, storage_options: dict | None = None, remote=None, client=None, nodes=None,
-                seed: int = 0, layout: str = "rows", shuffle=True, block_rows: int = 256) -> CacheSummary:
+def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
+                dtypes=Source.dtypes, chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
+                max_cache_bytes: int | None = Options.max_cache_bytes,
+                progress: Callable[[int], None] | bool | None = None, device="cpu", decode: str = Options.decode,
+                filesystem=Source.filesystem, storage_options: dict | None = Source.storage_options,
+                remote=Source.remote, client=None, nodes=None, seed: int = Options.seed, layout: str = Options.layout,
+                shuffle: bool | str = Options.shuffle, block_rows: int = Options.block_rows) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
     Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``chunk_bytes`` and ``layout``
@@ -135,14 +131,10 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
     """
     if nodes is not None and client is None:
         raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
-    _, block = Options.shuffle_mode(shuffle, block_rows)
-    opts = Options(cache_dir=cache_dir, chunk_bytes=chunk_bytes, num_threads=num_threads,
-                   max_cache_bytes=max_cache_bytes, device=str(device), decode=decode, layout=layout,
-                   block_rows=block)
+    given = dict(locals(), device=str(device))
+    src, opts = Source.of(given), Options.of(given)
     # with a cluster this process only lists the source: the workers decode, on their own devices
-    ctx, gpu_decode = open_device(resolve_device("cpu" if client is not None else device), opts)
-    reader = ChunkReader(source, opts, columns, fill_nulls, dtypes, ctx=ctx, gpu_decode=gpu_decode,
-                         filesystem=filesystem, storage_options=storage_options, remote=remote)
+    reader = open_reader(src, opts if client is None else dataclasses.replace(opts, device="cpu"))
     bar = None
     if progress is True:
         from tqdm.auto import tqdm
@@ -150,27 +142,22 @@ def build_cache(source, cache_dir=None, columns=None, *, fill_nulls=None, dtypes
         bar = tqdm(total=reader.num_rows, unit="row", unit_scale=True, desc="building cache")
         progress = bar.update
     try:
-        return _build(reader, opts, ctx, progress, client, nodes, seed,
-                      spec={"source": source, "columns": columns, "fill_nulls": fill_nulls, "dtypes": dtypes,
-                            "filesystem": filesystem, "storage_options": storage_options, "remote": remote,
-                            "options": {"cache_dir": cache_dir, "chunk_bytes": chunk_bytes,
-                                        "num_threads": num_threads, "max_cache_bytes": max_cache_bytes,
-                                        "device": str(device), "decode": decode, "layout": layout,
-                                        "block_rows": block}})
+        return _build(reader, src, opts, progress, client, nodes, explicit_dir=cache_dir is not None)
     finally:
         if bar is not None:
             bar.close()
 
 
-def _build(reader: ChunkReader, opts: Options, ctx, progress, client, nodes, seed: int, spec: dict) -> CacheSummary:
-    """build_cache's work on an opened reader: on ``client``'s workers, else on threads here.
-    Raises :class:`CacheError` when chunk files could not be written (the reason, where)."""
-    enter = contextlib.nullcontext if ctx is None else ctx.reading
-    cache_dir = spec["options"]["cache_dir"]
+def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, nodes,
+           explicit_dir: bool) -> CacheSummary:
+    """build_cache's work on an opened reader: on ``client``'s workers (which open ``src``
+    under ``opts`` themselves), else on threads here; ``explicit_dir``: ``cache_dir`` was
+    given (on a cluster: one folder every worker shares, unless ``nodes``). Raises
+    :class:`CacheError` when chunk files could not be written (the reason, where)."""
     t0 = time.perf_counter()
     n = len(reader.chunks)
     at_open = set(reader.cached_at_open)
-    shared = client is None or (cache_dir is not None and nodes is None)  # one cache, seen from here too
+    shared = client is None or (explicit_dir and nodes is None)  # one cache, seen from here too
     where = str(opts.cache_dir) if shared else "each worker's $GPULOAD_CACHE_DIR"
     todo = [i for i in range(n) if i not in at_open]
     if todo and shared:  # a cache this build cannot write fails now, not after decoding everything
@@ -181,50 +168,9 @@ def _build(reader: ChunkReader, opts: Options, ctx, progress, client, nodes, see
             raise _unwritable(where, [(todo[0], e)], dict(built=0, already_cached=len(at_open), built_elsewhere=0),
                               n, lambda i: reader.cache.path(reader.key(i))) from None
     if client is not None:
-        started = time.time()
-        try:
-            done = build_on_cluster(client, spec, reader, progress, nodes=nodes, seed=seed)
-        finally:
-            reader.close()
-        mtimes = {i: mtime for i, _, _, mtime in done}
-        # node-local caches: as each worker found them (its file older than this build), not as seen from here
-        found = at_open.__contains__ if shared else (lambda i: mtimes[i] is not None and mtimes[i] < started)
-        outcomes = [(i, outcome) for i, outcome, _, _ in done]
-        sizes = [size for _, _, size, _ in done if size is not None]
+        outcomes, found, sizes = _on_cluster(reader, src, opts, progress, client, nodes, shared, explicit_dir)
     else:
-        reader.cache.outcomes = {}
-
-        def one(i: int) -> None:
-            with enter():
-                reader.build(i, check=True)  # cached files are read and verified; corrupt ones rebuilt
-            if progress is not None:
-                progress(reader.chunks[i].rows)
-
-        try:
-            with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
-                futures: deque = deque()
-                submitted, warmed = 0, 0
-                while submitted < n or futures:
-                    while submitted < n and len(futures) < 2 * opts.num_threads:
-                        futures.append(pool.submit(one, submitted))
-                        submitted += 1
-                    warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
-                    while reader.has_remote and warmed < n and reader.warm(warmed):
-                        warmed += 1
-                    futures.popleft().result()
-        finally:
-            reader.close()
-        reader.cache.flush()
-        recorded = reader.cache.outcomes
-        outcomes = [(i, recorded.get(reader.key(i).relpath(), "cached")) for i in range(n)]
-        found = at_open.__contains__
-        sizes = []
-        for i, outcome in outcomes:
-            k = reader.key(i)
-            with contextlib.suppress(OSError):  # a folder gpuload cannot read, or a link: not cached
-                st = reader.cache.root.lstat(k.parts, k.name)
-                if st is not None and stat.S_ISREG(st.st_mode) and outcome in ("written", "cached", "other"):
-                    sizes.append(st.st_size)
+        outcomes, found, sizes = _here(reader, opts, progress)
     counts, failed = _tally(outcomes, found)
     if failed:
         raise _unwritable(where, failed, counts, n, lambda i: reader.cache.path(reader.key(i)) if shared
@@ -234,3 +180,52 @@ def _build(reader: ChunkReader, opts: Options, ctx, progress, client, nodes, see
         not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
         cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs),
         max_cache_bytes=opts.max_cache_bytes, **counts)
+
+
+def _on_cluster(reader: ChunkReader, src: Source, opts: Options, progress, client, nodes, shared: bool,
+                explicit_dir: bool) -> tuple[list, Callable[[int], bool], list[int]]:
+    """Every chunk built on ``client``'s workers: ``(chunk, outcome)`` pairs, whether a chunk
+    was cached before this build, and the cache files' sizes."""
+    started = time.time()
+    try:
+        done = build_on_cluster(client, src, opts, reader, progress, nodes=nodes, own_dirs=not explicit_dir)
+    finally:
+        reader.close()
+    mtimes = {i: mtime for i, _, _, mtime in done}
+    # node-local caches: as each worker found them (its file older than this build), not as seen from here
+    at_open = set(reader.cached_at_open)
+    found = at_open.__contains__ if shared else (lambda i: mtimes[i] is not None and mtimes[i] < started)
+    return [(i, outcome) for i, outcome, _, _ in done], found, [size for _, _, size, _ in done if size is not None]
+
+
+def _here(reader: ChunkReader, opts: Options, progress) -> tuple[list, Callable[[int], bool], list[int]]:
+    """Every chunk built on ``opts.num_threads`` threads of this process (remote chunks
+    fetched ahead while others decode); what :func:`_on_cluster` returns."""
+    n = len(reader.chunks)
+    reader.cache.outcomes = {}
+
+    def one(i: int) -> None:
+        with reader.device.reading():
+            reader.build(i, check=True)  # cached files are read and verified; corrupt ones rebuilt
+        if progress is not None:
+            progress(reader.chunks[i].rows)
+
+    try:
+        with ThreadPoolExecutor(max_workers=opts.num_threads, thread_name_prefix="gpuload-build") as pool:
+            futures: deque = deque()
+            submitted, warmed = 0, 0
+            while submitted < n or futures:
+                while submitted < n and len(futures) < 2 * opts.num_threads:
+                    futures.append(pool.submit(one, submitted))
+                    submitted += 1
+                warmed = max(warmed, submitted)  # remote: fetch the next chunks while these decode
+                while reader.has_remote and warmed < n and reader.warm(warmed):
+                    warmed += 1
+                futures.popleft().result()
+    finally:
+        reader.close()
+    reader.cache.flush()
+    recorded = reader.cache.outcomes
+    outcomes = [(i, recorded.get(reader.key(i).relpath(), "cached")) for i in range(n)]
+    stats = [reader.cached_file(i) for i, outcome in outcomes if outcome in ("written", "cached", "other")]
+    return outcomes, set(reader.cached_at_open).__contains__, [st.st_size for st in stats if st is not None]

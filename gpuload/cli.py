@@ -157,11 +157,9 @@ def _chunk_bytes(args) -> int:
 def _check_options(kwargs: dict) -> None:
     """Refuse bad loader settings (as flags) before a command prints or opens anything."""
     from .config import Options
-    from .handoff import resolve_device
+    from .device import resolve_device
 
-    Options(**{k: v for k, v in kwargs.items() if k in ("batch_size", "num_threads", "prefetch", "chunk_bytes",
-                                                          "device", "cache_dir", "layout", "block_rows")})
-    resolve_device(kwargs.get("device", "auto"))
+    resolve_device(Options.of(kwargs).device)
 
 
 def _finite(flag: str, value: float | None, minimum: float = 0.0, strict: bool = False) -> None:
@@ -176,7 +174,7 @@ def cmd_build(args) -> int:
     chunk_bytes = _chunk_bytes(args)
     _finite("--max-gib", args.max_gib)
     _check_options(dict(num_threads=args.threads, chunk_bytes=chunk_bytes, device=args.device,
-                        cache_dir=args.cache_dir, layout=args.layout, block_rows=args.block_rows))
+                        cache_dir=args.cache_dir, layout=args.layout, **_block(args)))
 
     if args.nodes is not None and args.scheduler is None:
         raise ConfigError("--nodes says on which node (host) each chunk is built: give --scheduler too (a local "
@@ -196,8 +194,7 @@ def cmd_build(args) -> int:
                                   max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
                                   progress=progress, storage_options=_storage(args.storage_options),
                                   device=args.device, client=client, nodes=args.nodes, seed=args.seed,
-                                  layout=args.layout, shuffle="block" if args.block_rows is not None else True,
-                                  block_rows=256 if args.block_rows is None else args.block_rows)
+                                  layout=args.layout, **_block(args))
         finally:
             bar.close()
     print(summary)
@@ -294,30 +291,30 @@ def _share_options(args):
 
     if args.nodes is None or args.nodes < 1:
         raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
-    return Options(cache_dir=args.cache_dir, chunk_bytes=_chunk_bytes(args), device="cpu",
-                   layout=args.layout, block_rows=args.block_rows)
+    return Options(cache_dir=args.cache_dir, chunk_bytes=_chunk_bytes(args), device="cpu", layout=args.layout,
+                   **_block(args))
+
+
+def _block(args) -> dict:
+    """--block-rows N as the settings ``shuffle="block", block_rows=N`` (none without it)."""
+    return {} if args.block_rows is None else {"shuffle": "block", "block_rows": args.block_rows}
 
 
 def _node_shares(args, opts) -> None:
     """Per node share of a source (shard='node' with --nodes nodes): chunks owned, and cached here."""
+    from .config import Source
     from .plan import node_chunks
-    from .reader import ChunkReader
+    from .reader import open_reader
 
-    reader = ChunkReader(args.source, opts, _columns(args.columns), _fill(args.fill_nulls), _dtypes(args.dtypes),
-                         storage_options=_storage(args.storage_options))
+    reader = open_reader(Source(args.source, _columns(args.columns), _fill(args.fill_nulls), _dtypes(args.dtypes),
+                                storage_options=_storage(args.storage_options)), opts)
     try:
         owned = node_chunks([c.rows for c in reader.chunks], args.nodes, fingerprint=reader.fingerprint,
                             seed=args.seed)
         print(f"node shares of {', '.join(args.source)} ({len(reader.chunks)} chunks; shard='node', "
               f"{args.nodes} nodes, seed {args.seed}):")
         for n, chunks in enumerate(owned):
-            sizes = []
-            for i in chunks:
-                key = reader.key(int(i))
-                with contextlib.suppress(OSError):
-                    st = reader.cache.root.lstat(key.parts, key.name)
-                    if st is not None:
-                        sizes.append(st.st_size)
+            sizes = [st.st_size for st in map(reader.cached_file, map(int, chunks)) if st is not None]
             rows = sum(reader.chunks[int(i)].rows for i in chunks)
             print(f"  node {n}: {len(chunks)} chunks, {rows:,} rows; {len(sizes)} cached here "
                   f"({sum(sizes) / 2**20:,.1f} MiB)")

@@ -20,7 +20,7 @@ the file is on disk. So:
 
 from __future__ import annotations
 
-import stat
+import dataclasses
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,42 +33,36 @@ _readers: dict = {}  # on a worker: the reader of the build in progress
 _lock = threading.Lock()
 
 
-def _open_reader(token: str, spec: dict, fingerprint: int):
-    from .config import Options
-    from .gpu.runtime import open_device
-    from .handoff import resolve_device
-    from .reader import ChunkReader
+def _open_reader(token: str, src, opts, own_dir: bool, fingerprint: int):
+    """On a worker: the reader of build ``token``, opened once (``own_dir``: in this worker's
+    ``$GPULOAD_CACHE_DIR``, not ``opts.cache_dir``)."""
+    from .reader import open_reader
 
     with _lock:
-        got = _readers.get(token)
-        if got is None:
-            o = spec["options"]
-            opts = Options(**o)
-            ctx, gpu_decode = open_device(resolve_device(o["device"]), opts)
-            reader = ChunkReader(spec["source"], opts, spec["columns"], spec["fill_nulls"], spec["dtypes"], ctx=ctx,
-                                 gpu_decode=gpu_decode, filesystem=spec["filesystem"],
-                                 storage_options=spec["storage_options"], remote=spec["remote"],
-                                 scan_nulls=False)  # the caller's listing checked these very files
+        reader = _readers.get(token)
+        if reader is None:
+            if own_dir:  # resolved here, on the worker
+                opts = dataclasses.replace(opts, cache_dir=None)
+            reader = open_reader(src, opts, scan_nulls=False)  # the caller's listing checked these very files
             if reader.fingerprint != fingerprint:
-                raise SourceError(f"{spec['source']}: a worker sees other files than build_cache listed (changed "
+                reader.close()
+                raise SourceError(f"{src.source}: a worker sees other files than build_cache listed (changed "
                                   "since, or another path on this worker); make the source the same everywhere")
             reader.cache.outcomes = {}  # what became of each chunk file here, for the build's summary
-            got = _readers[token] = (reader, ctx)  # closed by _forget when the build ends
-    return got
+            _readers[token] = reader  # closed by _forget when the build ends
+    return reader
 
 
-def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, object, int | None, float | None]:
+def build_chunk(token: str, src, opts, own_dir: bool, fingerprint: int, i: int) -> tuple[int, object, int | None, float | None]:
     """On a worker: make sure chunk ``i`` is cached; ``(i, outcome, cache file size, its
     modification time)`` (None, None where it is not cached). ``outcome``: what became of the
     file here (:attr:`gpuload.cache.store.ChunkCache.outcomes`), an ``OSError`` as
     ``(errno, text, path)``."""
-    import contextlib
-
-    reader, ctx = _open_reader(token, spec, fingerprint)
+    reader = _open_reader(token, src, opts, own_dir, fingerprint)
     c = reader.chunks[i]
     where = f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
     try:
-        with contextlib.nullcontext() if ctx is None else ctx.reading():
+        with reader.device.reading():
             reader.build(i)
         reader.cache.flush()  # on disk before the task reports it done
     except GpuloadError as e:
@@ -80,8 +74,8 @@ def build_chunk(token: str, spec: dict, fingerprint: int, i: int) -> tuple[int, 
     outcome = reader.cache.outcomes.pop(key.relpath(), "cached")
     if isinstance(outcome, OSError):
         outcome = (outcome.errno, outcome.strerror or str(outcome), str(reader.cache.path(key)))
-    st = reader.cache.root.lstat(key.parts, key.name)
-    if st is None or not stat.S_ISREG(st.st_mode):
+    st = reader.cached_file(i)
+    if st is None:
         return i, outcome, None, None
     return i, outcome, st.st_size, st.st_mtime
 
@@ -125,11 +119,13 @@ def node_workers(client, nodes) -> list[list[str]]:
     return groups
 
 
-def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None] | None = None, nodes=None,
-                     seed: int = 0) -> list[tuple[int, object, int | None, float | None]]:
+def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] | None = None, nodes=None,
+                     own_dirs: bool = False) -> list[tuple[int, object, int | None, float | None]]:
     """Build every chunk of ``reader`` (the caller's listing) on ``client``'s workers.
 
-    ``spec`` holds the arguments to open the same dataset on a worker. Returns one
+    Each worker opens ``src`` (a :class:`gpuload.config.Source`) under ``opts`` (its
+    :class:`gpuload.config.Options`, pickled), with its own ``$GPULOAD_CACHE_DIR`` where
+    ``own_dirs``; ``opts.seed`` places chunks on ``nodes``. Returns one
     ``(chunk, outcome, cache file size, its mtime)`` per chunk (None, None where it is
     not cached; outcome as :func:`build_chunk` says it). A chunk found cached by a task
     that ran again because its worker was lost is ``"ours"``: the lost worker wrote it
@@ -147,12 +143,12 @@ def build_on_cluster(client, spec: dict, reader, progress: Callable[[int], None]
     if nodes is not None:
         groups = node_workers(client, nodes)
         owned = plan.node_chunks([c.rows for c in reader.chunks], len(groups), fingerprint=reader.fingerprint,
-                                 seed=seed)
+                                 seed=opts.seed)
         owner = {int(c): n for n, cs in enumerate(owned) for c in cs}
     futures = {}
     for i in range(len(reader.chunks)):
         kw = {} if owner is None else {"workers": groups[owner[i]], "allow_other_workers": False}
-        fut = client.submit(build_chunk, token, spec, reader.fingerprint, i, key=f"gpuload-build-{token}-{i}",
+        fut = client.submit(build_chunk, token, src, opts, own_dirs, reader.fingerprint, i, key=f"gpuload-build-{token}-{i}",
                             pure=False, **kw)
         futures[fut] = i
     results, failed, stop = [], [], threading.Event()
@@ -253,4 +249,4 @@ def _forget(token: str) -> None:
     with _lock:
         got = _readers.pop(token, None)
     if got is not None:
-        got[0].close()
+        got.close()

@@ -1,12 +1,19 @@
-"""Configuration: every loader setting in one typed, validated place.
+"""Configuration: what a dataset reads (:class:`Source`) and how it loads it (:class:`Options`).
 
-Defaults come from the arguments' defaults, then environment variables where noted.
+Both are frozen, validated once when made, and each default is written once, here, on
+the dataclass: the flat keyword APIs (:class:`gpuload.ParquetDataset`,
+:func:`gpuload.build_cache`, the command) take their defaults from these classes and only
+build the two objects (:meth:`Source.of`, :meth:`Options.of`). Dask workers receive them
+pickled. ``cache_dir=None`` becomes ``$GPULOAD_CACHE_DIR``, else ``~/.cache/gpuload``;
+``remote=None`` becomes the :class:`gpuload.RemoteSettings` of the environment. The
+meaning of each setting is in the docstring of :class:`gpuload.ParquetDataset`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +21,9 @@ import numpy as np
 
 from .cache.store import default_cache_dir
 from .errors import ConfigError, setting, value
+from .sources.fetch import RemoteSettings
 
-__all__ = ["Options", "MiB"]
+__all__ = ["Source", "Options", "MiB"]
 
 MiB = 1 << 20
 
@@ -30,40 +38,87 @@ def _positive_int(name: str, given: Any, minimum: int = 1) -> int:
     return given
 
 
+class _Settings:
+    """What :class:`Source` and :class:`Options` share: made from the keyword arguments of a flat API."""
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]):
+        """The settings among ``given`` (a flat API's keyword arguments; other names are
+        ignored), the rest at their defaults."""
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
 @dataclass(frozen=True)
-class Options:
-    """Settings of a :class:`gpuload.ParquetDataset` (see its docstring for each)."""
+class Source(_Settings):
+    """What to read: the files and the outputs made of their columns.
+
+    ``source``: a path, directory, glob or URL, or a list of these; ``columns``, ``fill_nulls``
+    and ``dtypes`` shape the outputs; ``filesystem``, ``storage_options`` and ``remote`` say
+    how remote objects are reached (see :class:`gpuload.ParquetDataset` for each).
+    """
+
+    source: Any
+    columns: Any = None
+    fill_nulls: Any = None
+    dtypes: Any = None
+    filesystem: Any = None
+    storage_options: dict | None = None
+    remote: RemoteSettings | None = None  # None: RemoteSettings() from the environment; a dict of its fields
+
+    def __post_init__(self):
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ConfigError(f"{setting('storage_options', self.storage_options)} must be a dict (or None)")
+        object.__setattr__(self, "remote", RemoteSettings.of(self.remote))
+
+
+@dataclass(frozen=True)
+class Options(_Settings):
+    """How to load: batches, order, ranks, cache, device and threads (see :class:`gpuload.ParquetDataset`).
+
+    ``shuffle`` is as given (True, False or ``"block"``); read :attr:`shuffled` (rows are
+    permuted) and :attr:`block` (the block size of block shuffling, else None).
+    """
 
     batch_size: int = 65536
-    shuffle: bool = True
+    shuffle: bool | str = True
+    block_rows: int = 256
     seed: int = 0
     drop_last: bool = False
-    cache_dir: Path | None = None
-    device: str = "auto"
-    chunk_bytes: int = 64 * MiB
+    layout: str = "rows"
     shuffle_window: int = 4
-    prefetch: int = 2
-    num_threads: int = 2
+    chunk_bytes: int = 64 * MiB
+    rank: int | None = None
+    world_size: int | None = None
+    shard: str = "global"
+    local_world_size: int | None = None
+    cache_dir: Path | None = None  # None: $GPULOAD_CACHE_DIR, else ~/.cache/gpuload
     max_cache_bytes: int | None = None
     verify_checksums: bool | str = True
+    device: str = "auto"
     decode: str = "auto"
     max_device_bytes: int | None = None
     kvikio_threads: int = 4
     kvikio_compat: str = "auto"
-    layout: str = "rows"
-    block_rows: int | None = None  # set: block shuffling (``shuffle="block"``), in blocks of this many rows
+    prefetch: int = 2
+    num_threads: int = 2
 
-    @classmethod
-    def shuffle_mode(cls, shuffle, block_rows) -> tuple[bool, int | None]:
-        """``(shuffle, block_rows)`` fields of ``shuffle=`` (True, False or ``"block"``) and
-        ``block_rows=`` as the public API takes them."""
-        if isinstance(shuffle, str) and shuffle == "block":
-            return True, _positive_int("block_rows", block_rows)
-        if isinstance(shuffle, (bool, np.bool_)):
-            return bool(shuffle), None
-        raise ConfigError(f"shuffle={shuffle!r} must be True (rows permuted in windows), 'block' or False")
+    @property
+    def shuffled(self) -> bool:
+        """Whether rows are permuted (``shuffle=True`` or ``"block"``)."""
+        return self.shuffle is not False
+
+    @property
+    def block(self) -> int | None:
+        """Rows per block with ``shuffle="block"``, else None."""
+        return self.block_rows if self.shuffle == "block" else None
 
     def __post_init__(self):
+        if isinstance(self.shuffle, np.bool_):
+            object.__setattr__(self, "shuffle", bool(self.shuffle))
+        if not (isinstance(self.shuffle, bool) or (isinstance(self.shuffle, str) and self.shuffle == "block")):
+            raise ConfigError(f"shuffle={self.shuffle!r} must be True (rows permuted in windows), 'block' or False")
+        if self.shuffle == "block":
+            _positive_int("block_rows", self.block_rows)
         _positive_int("batch_size", self.batch_size)
         _positive_int("shuffle_window", self.shuffle_window)
         _positive_int("prefetch", self.prefetch, 0)
@@ -71,6 +126,7 @@ class Options:
         _positive_int("chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"{setting('seed', self.seed)} must be an integer")
+        object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.verify_checksums not in (True, False, "always"):
             raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")
         if self.max_cache_bytes is not None:
@@ -84,11 +140,9 @@ class Options:
             raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
         if self.layout not in ("rows", "columns"):
             raise ConfigError(f"{setting('layout', self.layout)} must be 'rows' or 'columns'")
-        if self.block_rows is not None:
-            _positive_int("block_rows", self.block_rows)
-            if not self.shuffle:
-                raise ConfigError("block_rows is for shuffle='block'")
+        if self.shard not in ("global", "node"):
+            raise ConfigError(f"shard={self.shard!r} must be 'global' or 'node'")
         cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
         object.__setattr__(self, "cache_dir", Path(os.fspath(cache)).expanduser())
-        if not isinstance(self.device, str):
+        if not isinstance(self.device, str):  # a torch.device
             object.__setattr__(self, "device", str(self.device))

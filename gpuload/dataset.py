@@ -11,18 +11,16 @@ import numpy as np
 import torch
 
 from . import plan, resume
-from .config import Options
+from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .epochs import EpochPlan, Position
 from .errors import ConfigError
 from .batch import nbytes, nrows
-from .gpu.runtime import open_device
-from .handoff import DlpackHandoff, HostHandoff, resolve_device
 from .observe.metrics import Metrics
 from .observe.stats import Stats
 from .pipeline import Background, epoch_batches
 from .ranks import RankLayout, Ranks
-from .reader import ChunkReader
+from .reader import open_reader
 from .schema import BFLOAT16
 
 __all__ = ["ParquetDataset"]
@@ -131,43 +129,37 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     :class:`gpuload.Ragged` of tensors for list columns.
     """
 
-    def __init__(self, source, columns=None, *, batch_size: int = 65536, shuffle=True, seed: int = 0,
-                 drop_last: bool = False, cache_dir=None, device="auto", rank: int | None = None,
-                 world_size: int | None = None, fill_nulls=None, dtypes=None, chunk_bytes: int = 64 << 20,
-                 shuffle_window: int = 4, prefetch: int = 2, num_threads: int = 2,
-                 max_cache_bytes: int | None = None, verify_checksums: bool | str = True, decode: str = "auto",
-                 max_device_bytes: int | None = None, kvikio_threads: int = 4, kvikio_compat: str = "auto",
-                 filesystem=None, storage_options: dict | None = None, remote=None, shard: str = "global",
-                 local_world_size: int | None = None, block_rows: int = 256, layout: str = "rows"):
+    def __init__(self, source, columns=Source.columns, *, batch_size: int = Options.batch_size,
+                 shuffle: bool | str = Options.shuffle, seed: int = Options.seed, drop_last: bool = Options.drop_last,
+                 cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
+                 world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
+                 chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
+                 prefetch: int = Options.prefetch, num_threads: int = Options.num_threads,
+                 max_cache_bytes: int | None = Options.max_cache_bytes,
+                 verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,
+                 max_device_bytes: int | None = Options.max_device_bytes, kvikio_threads: int = Options.kvikio_threads,
+                 kvikio_compat: str = Options.kvikio_compat, filesystem=Source.filesystem,
+                 storage_options: dict | None = Source.storage_options, remote=Source.remote,
+                 shard: str = Options.shard, local_world_size: int | None = Options.local_world_size,
+                 block_rows: int = Options.block_rows, layout: str = Options.layout):
         super().__init__()
-        shuffle, block = Options.shuffle_mode(shuffle, block_rows)
-        self.options = Options(batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=bool(drop_last),
-                               cache_dir=cache_dir, device=device, chunk_bytes=chunk_bytes,
-                               shuffle_window=shuffle_window, prefetch=prefetch, num_threads=num_threads,
-                               max_cache_bytes=max_cache_bytes, verify_checksums=verify_checksums, decode=decode,
-                               max_device_bytes=max_device_bytes, kvikio_threads=kvikio_threads,
-                               kvikio_compat=kvikio_compat, layout=layout, block_rows=block)
-        self._layout = RankLayout(rank, world_size, shard, local_world_size)
-        self.device = resolve_device(device)
+        given = locals()
+        self.options = o = Options.of(given)
+        self._layout = RankLayout(o.rank, o.world_size, o.shard, o.local_world_size)
         self.metrics = Metrics()
-        self._ctx, gpu_decode = open_device(self.device, self.options, self.metrics)
         t0 = self.metrics.clock()
-        self.reader = ChunkReader(source, self.options, columns, fill_nulls, dtypes, ctx=self._ctx,
-                                  gpu_decode=gpu_decode, metrics=self.metrics, filesystem=filesystem,
-                                  storage_options=storage_options, remote=remote)
+        self.reader = open_reader(Source.of(given), o, self.metrics)
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
+        self.device = self.reader.device.torch_device  #: the torch device batches are on
         self._plan = EpochPlan([c.rows for c in self.reader.chunks], self.reader.fingerprint, self.options)
         if self._layout.known:  # refuse now what these ranks cannot run
             self._plan.check(self._layout.resolve())
         elif not self._layout.node:  # ranks come later: what no number of ranks can run
             plan.check_balance(self.reader.num_rows, 1, batch_size, self.options.drop_last)
-        o = self.options
-        if self._ctx is not None and o.max_device_bytes is not None and self.device_bytes_bound > o.max_device_bytes:
-            raise ConfigError(
-                f"max_device_bytes={o.max_device_bytes}: these settings may hold up to {self.device_bytes_bound} "
-                f"bytes of device memory ((3 x shuffle_window + prefetch + 1) chunks of up to "
-                f"{self.reader.max_chunk_bytes()} bytes, plus queued batches); lower chunk_bytes, shuffle_window "
-                "or prefetch")
+        self.reader.device.check_bound(
+            self.device_bytes_bound, o.max_device_bytes,
+            f"(3 x shuffle_window + prefetch + 1) chunks of up to {self.reader.max_chunk_bytes()} bytes, plus queued "
+            "batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
         self.epoch = 0
         self._pending: Position | None = None  # restored by load_state_dict, not iterated yet
@@ -342,7 +334,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     @property
     def shard(self) -> str:
         """``"global"`` or ``"node"`` (see the class docstring)."""
-        return "node" if self._layout.node else "global"
+        return self.options.shard
 
     def node_chunks(self) -> list[list[int]]:
         """With ``shard="node"``: the chunks (indices into ``reader.chunks``) each node owns, in
@@ -369,11 +361,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return self._iterate()
 
     def _iterate(self) -> Iterator[dict]:
-        if self._ctx is not None:  # batches are guarded for the stream current now, on the training thread
-            self._ctx.consumer = torch.cuda.current_stream(self.device)
-            handoff = DlpackHandoff(self._ctx, self._views, self.reader.layout)
-        else:
-            handoff = HostHandoff(self._views, self.reader.layout, self.reader.batch_pool.array)
+        handoff = self.reader.device.handoff(self._views, self.reader.layout, self.reader.batch_pool)
         pos = self._begin()
         taken = pos.runs[-1]
         self.reader.resume()
@@ -427,9 +415,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def _signature(self) -> dict:
         o, r = self.options, self.reader
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
-                                outputs={s.name: list(s.columns) for s in r.specs}, seed=o.seed, shuffle=o.shuffle,
+                                outputs={s.name: list(s.columns) for s in r.specs}, seed=o.seed, shuffle=o.shuffled,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
-                                block_rows=o.block_rows)
+                                block_rows=o.block)
 
     def stats(self) -> Stats:
         """What the loader and the training loop did so far: a :class:`gpuload.Stats`.
@@ -465,22 +453,21 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
         windows, takes, sizes = self._plan.rest(pos, pos.ranks.rank)
-        ctx = self._ctx
+        device = r.device
         permutation = None
-        if o.shuffle:
+        if o.shuffled:
             def permutation(i: int, n: int):
                 q, w, spans = takes[i]
                 key = dict(fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch, rank=q, window=w)
-                perm = plan.window_permutation(n, **key) if o.block_rows is None else \
-                    plan.block_permutation(n, o.block_rows, **key)
+                perm = plan.window_permutation(n, **key) if o.block is None else \
+                    plan.block_permutation(n, o.block, **key)
                 perm = perm[spans[0][0]:spans[0][1]] if len(spans) == 1 else np.concatenate(
                     [perm[lo:hi] for lo, hi in spans])
-                return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
+                return device.upload_index(perm)  # the same order on both paths
         remote = r.has_remote
         yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
-                                 prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
-                                 batch_alloc=r.batch_pool.array if ctx is None else None,
-                                 stages=ctx, metrics=self.metrics,
+                                 prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
+                                 batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
 
     def __repr__(self) -> str:

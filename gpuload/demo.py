@@ -133,7 +133,7 @@ def run_demo(workdir, *, rows: int = 2_000_000, files: int = 8, batch_size: int 
     say : where status lines go.
     """
     from .dataset import ParquetDataset
-    from .handoff import resolve_device
+    from .device import resolve_device
     from .synth import write_clicklog
 
     dev = resolve_device(device)  # a bad device fails before any data is generated

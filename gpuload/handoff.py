@@ -12,50 +12,12 @@ that event, so the batch is never visible before it is complete.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from .batch import Ragged
-from .errors import ConfigError, GpuloadError, setting
 
-__all__ = ["resolve_device", "HostHandoff", "DlpackHandoff"]
-
-log = logging.getLogger("gpuload")
-
-
-def resolve_device(device) -> torch.device:
-    """Turn ``"auto" | "cpu" | "cuda" | "cuda:N"`` (or a torch.device) into a torch.device.
-
-    ``"auto"`` picks the GPU when the GPU path can run (a driver and CuPy with
-    ``cupy.cuda.is_available()``: :func:`gpuload.gpu.runtime.gpu_usable`; KvikIO and cuDF are
-    optional), else the CPU with one log line saying why. An explicit CUDA device without
-    them raises :class:`GpuloadError` naming the missing piece (driver, cupy).
-    """
-    from .gpu.runtime import gpu_usable, missing_pieces, require_gpu
-
-    text = str(device)
-    if text == "auto":
-        if gpu_usable():
-            return torch.device("cuda", torch.cuda.current_device())
-        missing = missing_pieces()
-        log.info("gpuload: loading on the CPU (GPU path unavailable: %s)",
-                 "; ".join(f"{k}: {v}" for k, v in missing.items()))
-        return torch.device("cpu")
-    try:
-        dev = torch.device(text)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"{setting('device', device)} is not a device: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ConfigError(f"{setting('device', device)}: gpuload loads to 'cpu' or 'cuda' devices only")
-    require_gpu(text, "cpu")  # names the first missing piece
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if index >= torch.cuda.device_count():
-        raise GpuloadError(f"{setting('device', device)}: only {torch.cuda.device_count()} CUDA devices are visible")
-    return torch.device("cuda", index)
+__all__ = ["HostHandoff", "DlpackHandoff"]
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:

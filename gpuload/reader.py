@@ -8,6 +8,8 @@ chunk load through the cache: read it if cached, else decode, convert and write 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,14 +18,15 @@ from typing import Callable
 import numpy as np
 
 from .batch import Ragged, _xp, take
-from .cache.store import ChunkCache, ChunkKey
+from .cache.store import ChunkKey
 from .cache.chunkfile import spec_hash
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
-from .config import Options
+from .config import Options, Source
 from .convert import needed_columns
 from .decode import ArrowDecoder
+from .device import Device, open_device
 from .errors import SourceError
-from .sources.fetch import Fetcher, Job, RemoteSettings, RemoteStats
+from .sources.fetch import Fetcher, Job, RemoteStats
 from .sources.ranges import RangeFile, column_ranges
 from .memory import HostBudget, HostPool, host_budget
 from .layout import Layout
@@ -35,7 +38,7 @@ from .sources.remote import same_version
 
 log = logging.getLogger("gpuload")
 
-__all__ = ["ChunkReader", "LoadCounters"]
+__all__ = ["ChunkReader", "LoadCounters", "open_reader"]
 
 
 @dataclass
@@ -63,45 +66,34 @@ class ChunkReader:
     subclasses of :mod:`gpuload.sources.listing`, :mod:`gpuload.schema` and :mod:`gpuload.checks`.
     """
 
-    def __init__(self, source, opts: Options, columns=None, fill_nulls=None, dtypes=None,
-                 decoder: Callable | None = None, ctx=None, gpu_decode: bool = False, metrics=None,
-                 filesystem=None, storage_options: dict | None = None, remote=None, scan_nulls: bool = True):
-        self.opts = opts
-        self.ctx = ctx
-        self.metrics = metrics
-        self.remote = RemoteSettings.of(remote)
+    def __init__(self, source: Source, opts: Options, device: Device, metrics=None, decoder: Callable | None = None,
+                 scan_nulls: bool = True):
+        self.source, self.opts, self.device, self.metrics = source, opts, device, metrics
+        self.remote = source.remote
         self._fetchers: dict[int, Fetcher] = {}
         self._lock = threading.Lock()
         self._ahead: dict[tuple, Job] = {}  # remote fetches started ahead of decoding, by (file, rg start, rg stop)
         self._ahead_bytes = 0
         self.ahead_used = 0  # chunks whose fetch had been started ahead when decoding asked for it
         self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
-        if ctx is None:
-            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums, metrics=metrics,
-                                    alloc=self.read_pool.get)
-        else:  # GPU path: chunks live in device memory (see gpuload.gpu.runtime)
-            from .gpu.kvikio_read import read_chunk_device
-
-            self.cache = ChunkCache(opts.cache_dir, opts.max_cache_bytes, opts.verify_checksums,
-                                    read=lambda fd, p, want, verify, seen: read_chunk_device(fd, p, want, ctx, verify,
-                                                                                              seen),
-                                    to_host=ctx.to_host, trust_writes=True, metrics=metrics)
+        self.cache = device.cache(opts, metrics, self.read_pool)  # on a GPU, chunks are read into device memory
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
-        self.files: list[SourceFile] = open_files(list_files(source, filesystem, storage_options, self.remote),
-                                                  self.cache.root, self._fetcher, self.open_counts)
+        self.files: list[SourceFile] = open_files(
+            list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
+            self._fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
         first = self.files[0]
         schema = first.schema
-        if columns is None:  # the columns every file has, whatever the files' order
+        if source.columns is None:  # the columns every file has, whatever the files' order
             schema, left_out = common_columns(self.files)
             if left_out:
                 log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
                             "only what every file has, or fix the files", ", ".join(left_out))
-        self.specs: list[OutputSpec] = resolve_outputs(schema, columns, fill_nulls, dtypes, file=first.path,
+        self.specs: list[OutputSpec] = resolve_outputs(schema, source.columns, source.fill_nulls, source.dtypes, file=first.path,
                                                        int96=frozenset().union(*(f.int96 for f in self.files)))
         check_consistent(self.files, self.specs)
         check_casts(self.files, self.specs)
-        self.spec_desc = spec_description(self.specs, opts.layout, permuted=opts.block_rows is not None)
+        self.spec_desc = spec_description(self.specs, opts.layout, permuted=opts.block is not None)
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
@@ -118,14 +110,8 @@ class ChunkReader:
         # batches gathered or joined, and blocks unpacked: those queued, held by the consumer and being cut
         self.batch_pool = HostPool(max_buffers=(opts.prefetch + 6) * (stored + len(self.layout.blocks)),
                                    max_bytes=budget.batches)
-        cpu = decoder or ArrowDecoder(metrics, fetch=self.fetch)
-        if ctx is not None and gpu_decode:
-            from .decode import GpuDecoder
-
-            self.decode = GpuDecoder(ctx, cpu, metrics)
-        else:
-            self.decode = cpu
-        self._footer_ranges = ctx is not None and gpu_decode  # libcudf reads the footer from the staged file
+        self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.fetch), metrics)
+        self._footer_ranges = device.gpu_decode  # libcudf reads the footer from the staged file
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.cache.exists(self.key(i))}
         cached = {(self.chunks[i].file, g) for i in self.cached_at_open
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
@@ -153,25 +139,23 @@ class ChunkReader:
         row = max((c.nbytes / c.rows for c in self.chunks if c.rows), default=0.0)
         return host_budget(self.max_chunk_bytes(), row, self.arrays_per_chunk, batch_size=o.batch_size,
                            shuffle_window=o.shuffle_window, prefetch=o.prefetch, num_threads=o.num_threads,
-                           shuffle=o.shuffle, block=o.block_rows is not None,
+                           shuffle=o.shuffled, block=o.block is not None,
                            remote=self.remote if self.has_remote else None,
                            trace_bytes=self.metrics.max_trace_nbytes() if self.metrics is not None else 0)
 
     def load(self, i: int) -> dict:
         """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows).
 
-        On the GPU path, call it inside ``ctx.reading()``; the columns are then CuPy arrays, ordered on the read stream.
+        On the GPU path, call it inside ``device.reading()``; the columns are then CuPy arrays, ordered on the read stream.
         """
         c = self.chunks[i]
         f = self.files[c.file]
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
-        cols, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=not self.opts.shuffle)
+        cols, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=not self.opts.shuffled)
         self.counters.add(cached)
         if cached and f.remote:  # cached meanwhile (another rank or process): its fetch started ahead is not needed
             self._drop_ahead((c.file, c.rg_start, c.rg_stop))
-        if self.ctx is not None:  # a chunk decoded on the CPU is cached from its host arrays, then sent once
-            cols = self.ctx.upload(cols)
-        return cols
+        return self.device.upload(cols)  # a chunk decoded on the CPU is cached from its host arrays, then sent once
 
     def build(self, i: int, check: bool = False) -> bool:
         """Make sure chunk ``i`` is in the cache, decoding it if it is not; True if this call
@@ -179,7 +163,7 @@ class ChunkReader:
         verified, and rebuilt if corrupt); one cached by another process meanwhile is not
         decoded. What became of the file is in ``cache.outcomes`` when that is on.
 
-        On the GPU path, call it inside ``ctx.reading()``.
+        On the GPU path, call it inside ``device.reading()``.
         """
         c = self.chunks[i]
         if not check and self.is_cached(i):
@@ -198,7 +182,7 @@ class ChunkReader:
         c = self.chunks[i]
         f = self.files[c.file]
         cols = self.layout.pack(self.decode(f, c, self.specs))
-        if self.opts.block_rows is not None:
+        if self.opts.block is not None:
             perm = chunk_row_permutation(c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}")
             first = next(iter(cols.values()))
             xp = _xp(first.values if isinstance(first, Ragged) else first)
@@ -208,6 +192,16 @@ class ChunkReader:
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""
         return self.cache.exists(self.key(i))
+
+    def cached_file(self, i: int) -> os.stat_result | None:
+        """The ``lstat`` of chunk ``i``'s cache file, None where it has none (a link, or a
+        folder gpuload cannot read, counts as none)."""
+        k = self.key(i)
+        try:
+            st = self.cache.root.lstat(k.parts, k.name)
+        except OSError:
+            return None
+        return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
     # -- remote sources -----------------------------------------------------------------------
     def _fetcher(self, store) -> Fetcher:
@@ -336,3 +330,11 @@ class ChunkReader:
         """:meth:`interrupt`, and close the stores' open files."""
         self.forget_ahead()
         self._each_fetcher("close")
+
+
+def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:
+    """Open ``source`` under ``options``: the device chosen and opened
+    (:func:`gpuload.device.open_device`), then the files listed, checked and planned into
+    chunks (:class:`ChunkReader`). ``scan_nulls=False``: the null checks that read column
+    data are left out (a cluster worker: its caller checked these very files)."""
+    return ChunkReader(source, options, open_device(options, metrics), metrics, scan_nulls=scan_nulls)

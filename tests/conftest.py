@@ -7,7 +7,7 @@
   without a driver or CuPy) or ``GPULOAD_REQUIRE_GPU=cudf`` (also without the RAPIDS stack;
   ``GPULOAD_REQUIRE_CUDF=1`` means the same): :func:`required_pieces`;
 * the device guard: a test not marked ``gpu`` fails if a dataset (or anything else calling
-  :func:`gpuload.handoff.resolve_device`) gets a CUDA device, or resolves ``device="auto"``
+  :func:`gpuload.device.resolve_device`) gets a CUDA device, or resolves ``device="auto"``
   (the default) at all, unless the test is marked ``auto_device``: on a GPU node ``"auto"``
   means CUDA tensors and cuDF decoding, so a test that reads values on the host passes
   ``device="cpu"`` (or the ``device`` fixture). :class:`DeviceGuard`;
@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 class DeviceGuard:
-    """Wraps :func:`gpuload.handoff.resolve_device` (wherever gpuload imported it) for the whole
+    """Wraps :func:`gpuload.device.resolve_device` (wherever gpuload imported it) for the whole
     session, and checks each resolution against the test running (:attr:`item`).
 
     A test not marked ``gpu`` may not get a CUDA device, nor resolve ``device="auto"`` unless it is
@@ -145,11 +145,11 @@ class DeviceGuard:
     def install(self) -> None:
         import sys
 
-        import gpuload.handoff
+        import gpuload.device
 
         if self.original is not None:
             return
-        self.original = original = gpuload.handoff.resolve_device
+        self.original = original = gpuload.device.resolve_device
 
         def resolve_device(device):
             resolved = original(device)
@@ -162,7 +162,7 @@ class DeviceGuard:
 
         resolve_device.__wrapped__ = original
         resolve_device.__doc__ = original.__doc__
-        for name, module in list(sys.modules.items()):  # modules that did `from .handoff import resolve_device`
+        for name, module in list(sys.modules.items()):  # gpuload.device, and modules that imported it from there
             ours = name == "gpuload" or name.startswith("gpuload.")
             if ours and getattr(module, "resolve_device", None) is original:
                 module.resolve_device = resolve_device

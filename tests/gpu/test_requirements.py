@@ -24,7 +24,7 @@ import torch
 import gpuload
 from gpuload.gpu import rmm_pool
 from gpuload.gpu import runtime as gpu
-from gpuload.handoff import resolve_device
+from gpuload.device import resolve_device
 
 from conftest import write_parquet
 

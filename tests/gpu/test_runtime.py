@@ -24,7 +24,7 @@ from gpuload.batch import Ragged
 from gpuload.cache.chunkfile import columns_from_buffer, read_regions
 from gpuload.cache.store import ChunkCache, ChunkKey, read_chunk, write_chunk
 from gpuload.gpu import runtime as gpu
-from gpuload.handoff import resolve_device
+from gpuload.device import resolve_device
 
 from conftest import write_parquet
 from typecases import RICH_COLUMNS, RICH_FILL, rich_table
@@ -310,8 +310,8 @@ def test_kvikio_settings_survive_cudf_reads(tmp_path):
     _epoch(ds, 0)
     assert kvikio.defaults.get("num_threads") == 3
     # "auto": AUTO only where GPUDirect Storage really works, else compat mode (POSIX reads)
-    assert kvikio.defaults.get("compat_mode") == (kvikio.CompatMode.AUTO if ds._ctx.gds else kvikio.CompatMode.ON)
-    assert os.environ["KVIKIO_COMPAT_MODE"] == ("AUTO" if ds._ctx.gds else "ON")
+    assert kvikio.defaults.get("compat_mode") == (kvikio.CompatMode.AUTO if ds.reader.device.ctx.gds else kvikio.CompatMode.ON)
+    assert os.environ["KVIKIO_COMPAT_MODE"] == ("AUTO" if ds.reader.device.ctx.gds else "ON")
 
 
 @pytest.mark.gpu

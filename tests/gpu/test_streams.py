@@ -232,11 +232,11 @@ def test_gpu_decoder_waits_for_its_chunk_not_the_stream(monkeypatch, tmp_path):
     never stream.synchronize() (which would wait for other threads' later reads)."""
     from gpuload import decode as dec
     from gpuload.gpu import cudf_decode
-    from gpuload.reader import ChunkReader
-    from gpuload.config import Options
+    from gpuload.config import Options, Source
+    from gpuload.reader import open_reader
 
     path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(10, dtype=np.int64)})
-    reader = ChunkReader(path, Options(device="cpu", cache_dir=tmp_path / "c"))
+    reader = open_reader(Source(path), Options(device="cpu", cache_dir=tmp_path / "c"))
     calls = []
     ctx = types.SimpleNamespace(decode_stream=lambda: "stream", read_done=lambda: calls.append("read_done"))
     monkeypatch.setattr(cudf_decode, "read_row_groups", lambda *a, stream: calls.append(("read", stream)) or {})

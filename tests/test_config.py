@@ -1,0 +1,86 @@
+"""Settings: :class:`gpuload.config.Source` and :class:`gpuload.config.Options`, each default written once."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuload
+from gpuload.config import Options, Source
+from gpuload.sources.fetch import RemoteSettings
+
+
+@pytest.mark.parametrize("api", [gpuload.ParquetDataset.__init__, gpuload.build_cache])
+def test_flat_apis_take_every_default_from_the_settings(api):
+    """A keyword of a flat API that is a setting defaults to the setting's default (build_cache's
+    device excepted: it decodes on the CPU unless asked)."""
+    defaults = {f.name: f.default for cls in (Source, Options) for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}
+    params = inspect.signature(api).parameters
+    shared = [p for p in params.values() if p.name in defaults and p.name != "source"]
+    assert len(shared) >= 15
+    for p in shared:
+        if (api, p.name) == (gpuload.build_cache, "device"):
+            assert p.default == "cpu"
+            continue
+        assert p.default == defaults[p.name], p.name
+
+
+def test_every_setting_of_the_dataset_is_a_keyword_of_it():
+    params = set(inspect.signature(gpuload.ParquetDataset.__init__).parameters)
+    assert {f.name for cls in (Source, Options) for f in dataclasses.fields(cls)} <= params
+
+
+def test_of_takes_its_own_settings_and_ignores_the_rest():
+    given = {"batch_size": 10, "columns": ["a"], "progress": True, "source": "x.parquet"}
+    o, s = Options.of(given), Source.of(given)
+    assert o.batch_size == 10 and o.seed == Options.seed and s.columns == ["a"] and s.source == "x.parquet"
+
+
+@pytest.mark.parametrize("shuffle, block_rows, shuffled, block", [
+    (True, 7, True, None), (False, 7, False, None), ("block", 7, True, 7), (np.bool_(True), 0, True, None)])
+def test_shuffle_modes(shuffle, block_rows, shuffled, block):
+    o = Options(shuffle=shuffle, block_rows=block_rows)
+    assert (o.shuffled, o.block) == (shuffled, block)
+    assert dataclasses.replace(o, seed=3).block == block  # replace keeps the mode
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"shuffle": "rows"}, "shuffle='rows' must be True"),
+    ({"shuffle": "block", "block_rows": 0}, "block_rows=0 must be an integer >= 1"),
+    ({"batch_size": 0}, "batch_size=0"),
+    ({"shard": "rack"}, "shard='rack' must be 'global' or 'node'"),
+    ({"layout": "diagonal"}, "layout='diagonal'"),
+    ({"decode": "tpu"}, "decode='tpu'"),
+    ({"chunk_bytes": 100}, "chunk_bytes=100"),
+])
+def test_bad_options_are_refused_naming_the_setting(kw, match):
+    with pytest.raises(gpuload.ConfigError, match=match):
+        Options(**kw)
+
+
+def test_source_normalises_remote_settings_and_refuses_bad_ones():
+    assert Source("x").remote == RemoteSettings()
+    assert Source("x", remote={"retries": 2}).remote.retries == 2
+    with pytest.raises(gpuload.ConfigError, match="unknown setting"):
+        Source("x", remote={"retry": 2})
+    with pytest.raises(gpuload.ConfigError, match="storage_options"):
+        Source("s3://b/x", storage_options="anon")
+
+
+def test_cache_dir_defaults_to_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPULOAD_CACHE_DIR", str(tmp_path / "env"))
+    assert Options().cache_dir == tmp_path / "env"
+    assert Options(cache_dir="~/c").cache_dir == Path("~/c").expanduser()
+
+
+def test_settings_travel_pickled_as_they_are(tmp_path):
+    """Dask workers receive the two objects pickled: unpickling resolves nothing again."""
+    s, o = Source([str(tmp_path / "a.parquet")], columns={"x": ["a", "b"]}, remote={"retries": 1}), \
+        Options(cache_dir=tmp_path / "c", shuffle="block", block_rows=8, device="cpu")
+    assert pickle.loads(pickle.dumps(s)) == s and pickle.loads(pickle.dumps(o)) == o
