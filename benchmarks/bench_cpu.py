@@ -31,7 +31,7 @@ import torch
 
 import gpuload
 from gpuload.batch import Ragged, take
-from gpuload.demo import naive_batches
+from gpuload.tools.demo import naive_batches
 from gpuload.synth import clicklog_columns, write_clicklog
 
 # the ideal cache hands torch read-only mmap views on purpose (zero copy)

@@ -15,7 +15,9 @@ from .config import Options, Source
 from .errors import CacheError, ConfigError, flag, setting
 from .reader import ChunkReader, open_reader
 
-__all__ = ["build_cache", "CacheSummary"]
+__all__ = ["build_cache", "CacheSummary", "BUILD_DEVICE"]
+
+BUILD_DEVICE = "cpu"  #: where builds decode unless asked (training defaults to ``Options.device``, "auto")
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
 def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
                 dtypes=Source.dtypes, chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
                 max_cache_bytes: int | None = Options.max_cache_bytes,
-                progress: Callable[[int], None] | bool | None = None, device="cpu", decode: str = Options.decode,
+                progress: Callable[[int], None] | bool | None = None, device=BUILD_DEVICE, decode: str = Options.decode,
                 filesystem=Source.filesystem, storage_options: dict | None = Source.storage_options,
                 remote=Source.remote, client=None, nodes=None, seed: int = Options.seed, layout: str = Options.layout,
                 shuffle: bool | str = Options.shuffle, block_rows: int = Options.block_rows) -> CacheSummary:

@@ -23,7 +23,7 @@ import gpuload
 import gpuload.reader
 from gpuload.cache.chunkfile import LAYOUT_DIR
 from gpuload.cache.fs import CacheRoot
-from gpuload.cli import main
+from gpuload.tools.cli import main
 from gpuload.synth import write_clicklog
 
 from conftest import at_once
@@ -62,7 +62,7 @@ def test_the_real_command_exits_non_zero_in_one_line(data, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / LAYOUT_DIR).write_text("not a folder")
-    r = subprocess.run([sys.executable, "-m", "gpuload.cli", "cache", "build", str(data), "--cache-dir", str(cache)],
+    r = subprocess.run([sys.executable, "-m", "gpuload.tools.cli", "cache", "build", str(data), "--cache-dir", str(cache)],
                        capture_output=True, text=True, timeout=300)
     errors = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
     assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr

@@ -10,7 +10,7 @@ import pytest
 
 from gpuload.cache.store import read_chunk
 from gpuload.cache.chunkfile import LAYOUT_DIR
-from gpuload.cli import main
+from gpuload.tools.cli import main
 from gpuload.synth import write_clicklog
 
 
@@ -21,7 +21,7 @@ def data(tmp_path):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "gpuload.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "gpuload.tools.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -207,13 +207,13 @@ def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
         opts = json.dumps(s3.storage_options)
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
         cache = str(tmp_path / "c")
-        r = subprocess.run([sys.executable, "-m", "gpuload.cli", "cache", "build", "s3://clibkt/clicks/",
+        r = subprocess.run([sys.executable, "-m", "gpuload.tools.cli", "cache", "build", "s3://clibkt/clicks/",
                             "--storage-options", opts, "--cache-dir", cache, "--chunk-mib", "1"],
                            capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stderr
         assert "built" in r.stdout and "0 already cached" in r.stdout
         s3.reset_counts()
-        r = subprocess.run([sys.executable, "-m", "gpuload.cli", "profile", "s3://clibkt/clicks/", "--storage-options",
+        r = subprocess.run([sys.executable, "-m", "gpuload.tools.cli", "profile", "s3://clibkt/clicks/", "--storage-options",
                             opts, "--cache-dir", cache, "--chunk-mib", "1", "--epochs", "1", "--step-ms", "1",
                             "--batch-size", "4096", "--device", "cpu"], capture_output=True, text=True, timeout=300,
                            env=env)

@@ -4,6 +4,8 @@
 * :mod:`~gpuload.observe.stats`: the summary of what was recorded (:class:`~gpuload.Stats`);
 * :mod:`~gpuload.observe.sampling`: CPU and GPU utilisation on a background thread;
 * :mod:`~gpuload.observe.watch`: :func:`gpuload.watch`, any loader timed from the training side;
-* :mod:`~gpuload.observe.diagnose`: :func:`gpuload.diagnose`, what limits a loop and what to do;
-* :mod:`~gpuload.observe.profile`: ``gpuload profile``.
+* :mod:`~gpuload.observe.diagnose`: :func:`gpuload.diagnose`, what limits a loop and what to do.
+
+``gpuload profile``, which runs a dataset under a step and reports, is an application on
+top of these (:mod:`gpuload.tools.profile`).
 """

@@ -28,7 +28,7 @@ import gpuload
 from gpuload.cache.store import ChunkCache
 from gpuload.cache.chunkfile import LAYOUT_DIR
 from gpuload.cache.fs import CacheRoot, ForeignEntry, Lock
-from gpuload.cli import main
+from gpuload.tools.cli import main
 from gpuload.synth import clicklog_columns, write_clicklog
 
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}
@@ -439,7 +439,7 @@ def test_odd_layout_and_specs_entries(data, tmp_path, kind, reference):
                   "try:\n    print(gpuload.build_cache(sys.argv[1], sys.argv[2], cols, chunk_bytes=1 << 14))\n"
                   "except gpuload.CacheError as e:\n    sys.exit(f'error: {e}')")
         runs = [[sys.executable, "-c", script, str(data), str(cache)]]
-        runs += [[sys.executable, "-m", "gpuload.cli", "cache", a, "--cache-dir", str(cache)]
+        runs += [[sys.executable, "-m", "gpuload.tools.cli", "cache", a, "--cache-dir", str(cache)]
                  for a in ("info", "verify", "clear")]
         for n, cmd in enumerate(runs):
             r = _unprivileged(*cmd)
@@ -577,7 +577,7 @@ def test_mode_000_chunk_and_folder_are_decoded_with_a_warning(data, shared, refe
     assert np.array_equal(np.sort(z["ids"]), np.arange(3000))
     np.testing.assert_array_equal(z["label"], reference[0][z["ids"]])
     assert "Traceback" not in r.stderr and 1 <= r.stderr.count("WARN") <= 3, r.stderr
-    v = _unprivileged(sys.executable, "-m", "gpuload.cli", "cache", "verify", "--cache-dir", str(cache))
+    v = _unprivileged(sys.executable, "-m", "gpuload.tools.cli", "cache", "verify", "--cache-dir", str(cache))
     assert "Traceback" not in v.stderr and v.returncode == 1 and "UNREADABLE" in v.stdout, v.stdout + v.stderr
 
 

@@ -22,10 +22,10 @@ from ..batch import Ragged
 from ..cache.fs import CacheRoot
 from ..dataset import ParquetDataset
 from ..errors import ConfigError
-from .diagnose import Diagnosis, diagnose
-from .metrics import TraceFile
-from .stats import Stats
-from .sampling import UtilSampler
+from ..observe.diagnose import Diagnosis, diagnose
+from ..observe.metrics import TraceFile
+from ..observe.stats import Stats
+from ..observe.sampling import UtilSampler
 
 __all__ = ["EpochReport", "MlpStep", "profile", "disk_read_gbps"]
 
@@ -121,7 +121,7 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
     model : ``"mlp"``: a small real MLP on the dataset's device (its float outputs as input).
     trace : path of a Chrome trace-event JSON file covering every epoch (default None).
     """
-    from ..demo import simulated_step
+    from .demo import simulated_step
 
     if model not in (None, "mlp"):
         raise ConfigError(f"model={model!r}: the profiler knows 'mlp' (or give step_ms)")

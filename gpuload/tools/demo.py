@@ -17,9 +17,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from .batch import Ragged
-from .synth import clicklog_columns
-from .observe.watch import watch
+from ..batch import Ragged
+from ..synth import clicklog_columns
+from ..observe.watch import watch
 
 __all__ = ["LoopResult", "timed_loop", "naive_batches", "simulated_step", "MlpStep", "run_demo", "report"]
 
@@ -132,9 +132,9 @@ def run_demo(workdir, *, rows: int = 2_000_000, files: int = 8, batch_size: int 
     progress : optional ``progress(name, total_rows)`` -> callable(rows) for progress bars.
     say : where status lines go.
     """
-    from .dataset import ParquetDataset
-    from .device import resolve_device
-    from .synth import write_clicklog
+    from ..dataset import ParquetDataset
+    from ..device import resolve_device
+    from ..synth import write_clicklog
 
     dev = resolve_device(device)  # a bad device fails before any data is generated
     t0 = time.perf_counter()

@@ -19,8 +19,8 @@ import pytest
 import gpuload
 from gpuload import decode as decode_mod
 from gpuload.cache.chunkfile import LAYOUT_DIR
-from gpuload.cli import main
-from gpuload.observe.profile import disk_read_gbps, profile
+from gpuload.tools.cli import main
+from gpuload.tools.profile import disk_read_gbps, profile
 
 from conftest import write_parquet
 

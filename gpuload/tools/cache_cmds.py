@@ -1,0 +1,239 @@
+"""``gpuload cache``: build, inspect, verify and clear a cache folder."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+
+from ..cache.store import ChunkCache, default_cache_dir
+from ..errors import ConfigError
+from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
+
+__all__ = ["add_cache_commands"]
+
+
+
+def cmd_build(args) -> int:
+    from ..build import build_cache
+
+    finite("--max-gib", args.max_gib)
+    settings = loader_settings(args)
+    check_options(dict(settings, device=args.device))
+    if args.nodes is not None and args.scheduler is None:
+        raise ConfigError("--nodes says on which node (host) each chunk is built: give --scheduler too (a local "
+                          "cluster of --workers runs on one host)")
+    src = source_of(args)
+    progress = bar("building cache", 0, "row")
+    with contextlib.ExitStack() as stack:
+        client = _client(args, stack)
+        try:
+            summary = build_cache(src.source, columns=src.columns, fill_nulls=src.fill_nulls, dtypes=src.dtypes,
+                                  storage_options=src.storage_options,
+                                  max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
+                                  progress=progress.update, client=client, nodes=args.nodes, **settings)
+        finally:
+            progress.close()
+    print(summary)
+    return 0
+
+
+def _client(args, stack: contextlib.ExitStack):
+    """A Dask client for --scheduler ADDR or --workers N (a local cluster), else None."""
+    if args.scheduler is None and args.workers is None:
+        return None
+    try:
+        import distributed
+    except ImportError:
+        raise ConfigError("--scheduler and --workers need Dask: pip install 'gpuload[dask]'") from None
+    if args.scheduler is not None:
+        return stack.enter_context(distributed.Client(args.scheduler))
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: give at least 1")
+    logging.getLogger("distributed").setLevel(logging.ERROR)  # its start and close chatter, around our bar
+    if args.device.startswith("cuda"):  # one worker per GPU, decoding with cuDF
+        try:
+            from dask_cuda import LocalCUDACluster
+        except ImportError:
+            raise ConfigError("--workers with --device cuda needs dask-cuda: pip install 'gpuload[gpu]'") from None
+        cluster = stack.enter_context(LocalCUDACluster(n_workers=args.workers, threads_per_worker=args.threads,
+                                                       dashboard_address=None))
+    else:
+        cluster = stack.enter_context(distributed.LocalCluster(n_workers=args.workers, threads_per_worker=args.threads,
+                                                               processes=True, dashboard_address=None,
+                                                               silence_logs=logging.ERROR))
+    return stack.enter_context(distributed.Client(cluster))
+
+
+def _cache(args) -> ChunkCache:
+    return ChunkCache(args.cache_dir or default_cache_dir(), create=False)
+
+
+def _when(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "never"
+
+
+def _spec_text(desc) -> str:
+    """One line per column set: its outputs and the columns they come from."""
+    if not desc:
+        return "(description missing)"
+    import numpy as np
+
+    parts = []
+    for d in desc:
+        cols = d["columns"][0] if len(d["columns"]) == 1 else "[" + ", ".join(d["columns"]) + "]"
+        dtype = d["dtype"] if d["dtype"] == "bfloat16" else np.dtype(d["dtype"]).name
+        parts.append(f"{d['name'] if d['name'] == cols else d['name'] + '=' + cols} ({dtype})")
+    return ", ".join(parts)
+
+
+def _left_alone(foreign: list[str]) -> None:
+    if foreign:
+        shown = "; ".join(foreign[:5]) + (f"; and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        print(f"  left alone {len(foreign)} entries gpuload did not write: {shown}")
+
+
+def cmd_info(args) -> int:
+    opts = _share_options(args) if args.source else None  # bad flags are refused before anything is printed
+    cache = _cache(args)
+    s = cache.summary()
+    print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
+          f"{s['footers']} source files (a cached dataset reopens without reading its files)")
+    if s["specs"]:
+        print("column sets (spec: outputs; last used; chunks):")
+    for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
+        print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {e['chunks']} chunks, "
+              f"{e['bytes'] / 2**20:,.1f} MiB")
+    if s["sources"]:
+        print("source files:")
+    for src, e in sorted(s["sources"].items()):
+        print(f"  {src}: {e['chunks']} chunks, {e['bytes'] / 2**20:,.1f} MiB")
+    if s["temporaries"]:
+        print(f"  {s['temporaries']} unfinished temporary files from interrupted writers "
+              "(never read; `gpuload cache clear` removes them)")
+    if s["old_format"]:
+        print(f"  {s['old_format']} chunk files of an older cache format (never read; `gpuload cache clear` "
+              "removes them)")
+    if s["foreign"]:
+        print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
+              + "; ".join(s["foreign"][:5]))
+    if args.source:
+        _node_shares(args, opts)
+    return 0
+
+
+def _share_options(args):
+    """The Options `cache info SOURCE --nodes N` opens the source with."""
+    if args.nodes is None or args.nodes < 1:
+        raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
+    return check_options(dict(loader_settings(args), device="cpu"))
+
+def _node_shares(args, opts) -> None:
+    """Per node share of a source (shard='node' with --nodes nodes): chunks owned, and cached here."""
+    from ..plan import node_chunks
+    from ..reader import open_reader
+
+    reader = open_reader(source_of(args), opts)
+    try:
+        owned = node_chunks([c.rows for c in reader.chunks], args.nodes, fingerprint=reader.fingerprint,
+                            seed=opts.seed)
+        print(f"node shares of {', '.join(args.source)} ({len(reader.chunks)} chunks; shard='node', "
+              f"{args.nodes} nodes, seed {opts.seed}):")
+        for n, chunks in enumerate(owned):
+            sizes = [st.st_size for st in map(reader.cached_file, map(int, chunks)) if st is not None]
+            rows = sum(reader.chunks[int(i)].rows for i in chunks)
+            print(f"  node {n}: {len(chunks)} chunks, {rows:,} rows; {len(sizes)} cached here "
+                  f"({sum(sizes) / 2**20:,.1f} MiB)")
+    finally:
+        reader.close()
+
+
+def cmd_verify(args) -> int:
+    cache = _cache(args)
+    shown = bar("verifying", len(list(cache.entries())), "file")
+    checked = []
+    try:
+        bad = cache.verify_all(progress=lambda p: (checked.append(p), shown.update(1)))
+    finally:
+        shown.close()
+    for path, problem, kind in bad:
+        print(f"{kind.upper()} {problem}")
+        if args.delete and kind == "corrupt":
+            cache.delete(path)
+    files_bad = len({p for p, _, _ in bad} & set(checked))
+    print(f"{len(checked) - files_bad} of {len(checked)} cache files verified in {cache.root.path}"
+          + (f"; {len(bad)} problems" + (" (corrupt files deleted: they are rebuilt on next use)"
+                                         if args.delete else "") if bad else ""))
+    _left_alone(cache.summary()["foreign"])
+    return 1 if bad else 0
+
+
+def _since(text: str) -> float:
+    """``2026-11-01`` (local midnight), an ISO date-time, or an age like ``30d`` / ``12h``: epoch seconds."""
+    text = text.strip()
+    try:
+        if text[-1:] in ("d", "h") and text[:-1].replace(".", "", 1).isdigit():
+            hours = float(text[:-1]) * (24 if text[-1] == "d" else 1)
+            return (datetime.datetime.now() - datetime.timedelta(hours=hours)).timestamp()
+        return datetime.datetime.fromisoformat(text).timestamp()
+    except (ValueError, OverflowError):
+        raise ConfigError(f"--unused-since {text!r}: give a date (2026-11-01) or an age (30d, 12h)") from None
+
+
+def cmd_clear(args) -> int:
+    cache = _cache(args)
+    since = None if args.unused_since is None else _since(args.unused_since)
+    if args.spec is not None and len(args.spec) < 4:
+        raise ConfigError(f"--spec {args.spec!r}: give at least 4 characters of a column set's hash "
+                          "(`gpuload cache info` lists them)")
+    r = cache.clear(spec=args.spec, unused_since=since)
+    which = "" if args.spec is None and since is None else f" ({len(r['specs'])} column sets)"
+    print(f"cleared {cache.root.path}{which}: {r['files']} files, {r['freed'] / 2**20:,.1f} MiB freed")
+    _left_alone(r["foreign"])
+    if r["failed"]:
+        print(f"  could not delete {len(r['failed'])} files: " + "; ".join(r["failed"][:5]))
+        return 1
+    return 0
+
+
+def add_cache_commands(sub) -> None:
+    """``gpuload cache build | info | verify | clear`` on the command's subparsers ``sub``."""
+    from ..build import BUILD_DEVICE
+    from ..config import Options
+
+    c = sub.add_parser("cache", help="build, inspect, verify or clear the cache")
+    csub = c.add_subparsers(dest="action", required=True)
+    b = csub.add_parser("build", help="convert a Parquet source into the cache ahead of training")
+    b.add_argument("source", nargs="+", help="Parquet files, directories, globs or URLs (s3://, gs://, https://...)")
+    add_source_flags(b)
+    add_chunk_flags(b)
+    b.add_argument("--threads", type=int, help=f"decode threads (default {Options.num_threads})")
+    b.add_argument("--max-gib", type=float, help="cache budget in GiB (default unbounded)")
+    b.add_argument("--device", default=BUILD_DEVICE, help=f"cpu, cuda or auto: where to decode (default {BUILD_DEVICE})")
+    how = b.add_mutually_exclusive_group()
+    how.add_argument("--scheduler", help="build on this Dask cluster (a scheduler address, tcp://host:8786)")
+    how.add_argument("--workers", type=int, help="build on a local Dask cluster of this many worker processes "
+                     "(one per GPU with --device cuda, through dask-cuda)")
+    b.add_argument("--nodes", type=int, help="with --scheduler: build each chunk on the node (host, in sorted "
+                   "order) that owns it under shard='node' with this many nodes")
+    b.add_argument("--seed", type=int, help=f"the training's seed, for --nodes (default {Options.seed})")
+    b.set_defaults(fn=cmd_build)
+    for name, fn, text in (("info", cmd_info, "what the cache holds"),
+                           ("verify", cmd_verify, "check every cache file; exit 1 if any is corrupt"),
+                           ("clear", cmd_clear, "delete gpuload's files in the cache (all, or some column sets)")):
+        a = csub.add_parser(name, help=text)
+        a.set_defaults(fn=fn)
+        if name == "info":
+            a.add_argument("source", nargs="*", help="with --nodes: show each node's share of this source")
+            a.add_argument("--nodes", type=int, help="number of nodes of a shard='node' training")
+            a.add_argument("--seed", type=int, help=f"the training's seed (default {Options.seed})")
+            add_source_flags(a, as_built=True)
+            add_chunk_flags(a)
+        if name == "verify":
+            a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")
+        if name == "clear":
+            a.add_argument("--spec", help="only this column set (a spec hash, or its prefix, from `cache info`)")
+            a.add_argument("--unused-since", help="only column sets not used since a date (2026-11-01) or for "
+                                                  "an age (30d, 12h)")
+    for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear")]:
+        a.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")

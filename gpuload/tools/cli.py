@@ -1,0 +1,144 @@
+"""The ``gpuload`` command: demo, profile and cache management (:mod:`gpuload.tools.cache_cmds`).
+
+User mistakes print one line ``gpuload: error: ...`` on stderr and exit with status 2;
+a cache that fails verification exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import __version__
+from ..config import Options
+from ..errors import ConfigError, GpuloadError, set_style
+from .cache_cmds import add_cache_commands
+from .flags import add_chunk_flags, add_source_flags, check_options, finite, loader_settings, source_of
+from .flags import bar as flag_bar
+
+__all__ = ["main", "parser"]
+
+
+def cmd_demo(args) -> int:
+    from .demo import report, run_demo
+
+    if args.rows < 1000:
+        raise ConfigError(f"--rows {args.rows}: the demo needs at least 1000 rows")
+    owned = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="gpuload-demo-")) if owned else Path(args.workdir)
+    bars = []
+
+    def progress(name, total):
+        bar = flag_bar(name, total, "row")
+        bars.append(bar)
+        return bar.update
+
+    try:
+        results = run_demo(workdir, rows=args.rows, files=args.files, batch_size=args.batch_size,
+                           step_ms=args.step_ms, model=args.model, device=args.device, progress=progress)
+    finally:
+        for b in bars:
+            b.close()
+        if owned and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    step = "a small MLP" if args.model == "mlp" else f"a simulated {args.step_ms:g} ms step"
+    print(f"\nEach loader fed {step} with batches of {args.batch_size:,} rows:\n")
+    print(report(results))
+    cold, warm, naive = results
+    print(f"\nFrom the cache gpuload delivered {warm.rows_per_s / naive.rows_per_s:.1f}x the rows/s of the naive "
+          f"loop; the training step waited for data {warm.wait_fraction:.1%} of the time "
+          f"(naive: {naive.wait_fraction:.1%}).")
+    if not owned or args.keep:
+        print(f"data and cache are in {workdir}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from .profile import profile
+
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs {args.epochs}: profile at least one epoch")
+    finite("--step-ms", args.step_ms)
+    if args.step_ms is not None and args.step_ms > 60_000:
+        raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
+    settings = loader_settings(args)
+    opts = check_options(settings)  # before anything is printed
+    src = source_of(args)
+    step_ms = 5.0 if args.step_ms is None else args.step_ms
+    step = "a small MLP" if args.model == "mlp" else f"a simulated {step_ms:g} ms step"
+    print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {opts.batch_size:,} "
+          "rows", file=sys.stderr)
+    reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
+                      fill_nulls=src.fill_nulls, dtypes=src.dtypes, storage_options=src.storage_options, **settings)
+    for r in reports:
+        print(r)
+        print()
+    if args.trace:
+        print(f"trace written to {args.trace}: open it in https://ui.perfetto.dev")
+    if args.verbose:
+        print(reports[-1].stats)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpuload", description="Parquet to training batches, cached and converted.")
+    p.add_argument("--version", action="version", version=f"gpuload {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what gpuload does")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="compare gpuload with a naive loop on generated data")
+    d.add_argument("--rows", type=int, default=2_000_000, help="rows to generate (default 2,000,000)")
+    d.add_argument("--files", type=int, default=8, help="Parquet files to write (default 8)")
+    d.add_argument("--batch-size", type=int, default=16384, help="rows per batch (default 16384)")
+    d.add_argument("--step-ms", type=float, default=5.0, help="simulated training step in ms (default 5)")
+    d.add_argument("--model", choices=["sim", "mlp"], default="sim", help="simulated step or a small real MLP")
+    d.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    d.add_argument("--workdir", help="folder for data and cache (default: a temporary folder, removed after)")
+    d.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    d.set_defaults(fn=cmd_demo)
+
+    f = sub.add_parser("profile", help="run the loader under a training step and diagnose starvation")
+    f.add_argument("source", nargs="+", help="Parquet files, directories, globs or URLs (s3://, gs://, https://...)")
+    add_source_flags(f)
+    how = f.add_mutually_exclusive_group()
+    how.add_argument("--step-ms", type=float, help="simulated training step in ms (default 5)")
+    how.add_argument("--model", choices=["mlp"], help="a small real MLP over the dense outputs instead")
+    f.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {Options.device})")
+    f.add_argument("--epochs", type=int, default=2, help="epochs to run (default 2: cold, then cached)")
+    f.add_argument("--batch-size", type=int, help=f"rows per batch (default {Options.batch_size})")
+    f.add_argument("--threads", type=int, help=f"loader threads (default {Options.num_threads})")
+    f.add_argument("--prefetch", type=int, help=f"chunks loaded ahead (default {Options.prefetch})")
+    add_chunk_flags(f, block_rows=False)
+    f.add_argument("--trace", help="write a Chrome trace-event JSON file (open in Perfetto)")
+    f.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
+    f.set_defaults(fn=cmd_profile)
+
+    add_cache_commands(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
+    try:
+        return args.fn(args)
+    except GpuloadError as e:  # one line; messages name settings as flags (errors.setting)
+        print(f"gpuload: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the machine's, not gpuload's: one line, not a traceback
+        print(f"gpuload: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gpuload: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        set_style("python")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Flags: the command's settings, parsed into the settings of the Python API.
+
+A loader flag left out is not passed on, so the setting keeps its default, written once
+on :class:`gpuload.config.Options` (the help texts read it there). Values are checked
+before a command prints or opens anything; messages name the flag (``--threads 0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from ..config import MiB, Options, Source
+from ..errors import ConfigError
+
+__all__ = ["add_source_flags", "add_chunk_flags", "source_of", "loader_settings", "check_options", "finite",
+           "columns", "bar"]
+
+
+def columns(text: str | None):
+    """``a,b,c`` -> list; a JSON object -> dict (groups); None -> None."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--columns is not valid JSON: {e}") from None
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise ConfigError("--columns is empty: give names separated by commas, or a JSON object")
+    return names
+
+
+def _fill(text: str | None):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ConfigError(f"--fill-nulls {text!r}: give a number or a JSON object like '{{\"col\": 0}}'") from None
+
+
+def _json_object(flag: str, text: str | None, example: str) -> dict | None:
+    """A flag's JSON object (None when the flag is not given)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} {text!r}: give a JSON object like '{example}'")
+    return value
+
+
+def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None:
+    """--storage-options, --columns, --fill-nulls and --dtypes (``as_built``: for a command that
+    looks at a cache, which must name them as the cache was built with)."""
+    was = "; as the cache was built with" if as_built else ""
+    p.add_argument("--storage-options", help="a JSON object for the URL's fsspec filesystem, e.g. '{\"anon\": true}'")
+    p.add_argument("--columns", help=f"a,b,c or a JSON object {{\"output\": [\"col\", ...]}} (default: all{was})")
+    p.add_argument("--fill-nulls", help=f"a number, or a JSON object {{\"column\": value}}{was}")
+    p.add_argument("--dtypes", help=f"a JSON object {{\"output\": \"float16\"}} (numpy or torch dtype names){was}")
+
+
+def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:
+    """--chunk-mib, --layout and (``block_rows``) --block-rows: what decides a cache's files."""
+    p.add_argument("--chunk-mib", type=float, help=f"chunk size bound in MiB (default {Options.chunk_bytes // MiB}; "
+                   "as the cache was built with)")
+    p.add_argument("--layout", choices=["rows", "columns"], help=f"the training's layout= (default {Options.layout})")
+    if block_rows:
+        p.add_argument("--block-rows", type=int, help="the training's block_rows with shuffle='block' (chunks stored "
+                       "with their rows permuted); default: for the other shuffle modes")
+
+
+def source_of(args) -> Source:
+    """The :class:`Source` of a command's positional sources and source flags."""
+    return Source(args.source, columns(args.columns), _fill(args.fill_nulls),
+                  _json_object("--dtypes", args.dtypes, '{"dense": "float16"}'),
+                  storage_options=_json_object("--storage-options", args.storage_options, '{"anon": true}'))
+
+
+#: loader flags (their ``args`` names) and the settings they give
+_SETTINGS = {"batch_size": "batch_size", "threads": "num_threads", "prefetch": "prefetch", "device": "device",
+             "cache_dir": "cache_dir", "layout": "layout", "seed": "seed"}
+
+
+def loader_settings(args) -> dict:
+    """The loader settings of the flags given (``--chunk-mib`` in bytes, ``--block-rows N`` as
+    ``shuffle="block", block_rows=N``); flags left out are not there."""
+    out = {setting: getattr(args, name) for name, setting in _SETTINGS.items() if getattr(args, name, None) is not None}
+    if getattr(args, "chunk_mib", None) is not None:
+        finite("--chunk-mib", args.chunk_mib, strict=True)
+        if args.chunk_mib * MiB < 4096:
+            raise ConfigError(f"--chunk-mib {args.chunk_mib:g}: a chunk is at least 4096 bytes (--chunk-mib 0.00390625)")
+        out["chunk_bytes"] = int(args.chunk_mib * MiB)
+    if getattr(args, "block_rows", None) is not None:
+        out.update(shuffle="block", block_rows=args.block_rows)
+    return out
+
+
+def check_options(settings: dict) -> Options:
+    """The :class:`Options` of ``settings``, its device resolved: bad flags are refused before a
+    command prints or opens anything."""
+    from ..device import resolve_device
+
+    opts = Options.of(settings)
+    resolve_device(opts.device)
+    return opts
+
+
+def finite(flag: str, value: float | None, minimum: float = 0.0, strict: bool = False) -> None:
+    """Refuse NaN, infinities and values below ``minimum`` for a numeric flag."""
+    if value is not None and (not math.isfinite(value) or value < minimum or (strict and value == minimum)):
+        raise ConfigError(f"{flag} {value}: give a finite number {'>' if strict else '>='} {minimum:g}")
+
+
+def bar(desc: str, total: int, unit: str):
+    """A progress bar on stderr (none where stderr is not a terminal)."""
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, leave=False, file=sys.stderr,
+                disable=None, dynamic_ncols=True)
