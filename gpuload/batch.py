@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Ragged", "nrows", "take", "rows", "concat", "Batcher", "nbytes"]
+__all__ = ["Ragged", "nrows", "take", "permute_rows", "rows", "concat", "Batcher", "nbytes"]
 
 
 class Ragged(NamedTuple):
@@ -109,6 +109,14 @@ def take(cols: dict, idx, alloc=None) -> dict:
         else:
             out[k] = np.take(v, idx, axis=0, out=alloc((len(idx),) + v.shape[1:], v.dtype))
     return out
+
+
+def permute_rows(cols: dict, perm: np.ndarray) -> dict:
+    """``cols``' rows in the order of the host permutation ``perm``, gathered where ``cols``
+    lives (NumPy, or CuPy on the current stream)."""
+    first = next(iter(cols.values()))
+    xp = _xp(first.values if isinstance(first, Ragged) else first)
+    return take(cols, perm if xp is np else xp.asarray(perm))
 
 
 def _join(arrays: list, alloc):

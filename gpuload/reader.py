@@ -1,8 +1,12 @@
 """Reader: an opened dataset's chunks, each loaded from the cache or decoded once.
 
-:class:`ChunkReader` is what the pipeline calls to get a chunk's column set. It holds
-the listed files, the resolved outputs, the chunk plan and the cache, and routes every
-chunk load through the cache: read it if cached, else decode, convert and write it.
+:func:`open_reader` opens a :class:`gpuload.config.Source` under its
+:class:`gpuload.config.Options`: the device, the files (listed, footers read and checked),
+the outputs, the chunks. :class:`ChunkReader` is then what the pipeline and the builders
+call for a chunk: its one job is to route every load through the cache, reading the
+chunk if cached, else making it as the cache stores it (decoded, packed into the
+layout's blocks, rows permuted for block shuffling) and writing it. Remote chunks'
+bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`).
 """
 
 from __future__ import annotations
@@ -11,13 +15,11 @@ import logging
 import os
 import stat
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 
-from .batch import Ragged, _xp, take
+from .batch import permute_rows
 from .cache.store import ChunkKey
 from .cache.chunkfile import spec_hash
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
@@ -25,16 +27,14 @@ from .config import Options, Source
 from .convert import needed_columns
 from .decode import ArrowDecoder
 from .device import Device, open_device
-from .errors import SourceError
-from .sources.fetch import Fetcher, Job, RemoteStats
-from .sources.ranges import RangeFile, column_ranges
+from .sources.fetch import RemoteStats
+from .sources.readahead import ReadAhead
 from .memory import HostBudget, HostPool, host_budget
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
 from .sources.listing import SourceFile, common_columns, fingerprint, list_files, row_group_sizes
 from .sources.opening import open_files
-from .sources.remote import same_version
 
 log = logging.getLogger("gpuload")
 
@@ -70,29 +70,15 @@ class ChunkReader:
                  scan_nulls: bool = True):
         self.source, self.opts, self.device, self.metrics = source, opts, device, metrics
         self.remote = source.remote
-        self._fetchers: dict[int, Fetcher] = {}
-        self._lock = threading.Lock()
-        self._ahead: dict[tuple, Job] = {}  # remote fetches started ahead of decoding, by (file, rg start, rg stop)
-        self._ahead_bytes = 0
-        self.ahead_used = 0  # chunks whose fetch had been started ahead when decoding asked for it
+        self.remote_reads = ReadAhead(source.remote, metrics)  #: remote chunks' fetches (a local source makes none)
         self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
         self.cache = device.cache(opts, metrics, self.read_pool)  # on a GPU, chunks are read into device memory
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
         self.files: list[SourceFile] = open_files(
             list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
-            self._fetcher, self.open_counts)
+            self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
-        first = self.files[0]
-        schema = first.schema
-        if source.columns is None:  # the columns every file has, whatever the files' order
-            schema, left_out = common_columns(self.files)
-            if left_out:
-                log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
-                            "only what every file has, or fix the files", ", ".join(left_out))
-        self.specs: list[OutputSpec] = resolve_outputs(schema, source.columns, source.fill_nulls, source.dtypes, file=first.path,
-                                                       int96=frozenset().union(*(f.int96 for f in self.files)))
-        check_consistent(self.files, self.specs)
-        check_casts(self.files, self.specs)
+        self.specs: list[OutputSpec] = self._resolve_outputs()
         self.spec_desc = spec_description(self.specs, opts.layout, permuted=opts.block is not None)
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
@@ -101,25 +87,49 @@ class ChunkReader:
                                                opts.chunk_bytes)
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
-        stored = len(self._outputs) + sum(1 for s in self.specs if s.kind == "ragged")  # arrays per chunk
-        self.arrays_per_chunk = stored
-        # each pool keeps at most its term of the host memory bound (gpuload.memory.host_budget)
-        budget = self.host_budget()
-        self.read_pool.max_bytes = budget.chunks
-        self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=budget.windows)  # shuffle windows: 2 per array
-        # batches gathered or joined, and blocks unpacked: those queued, held by the consumer and being cut
-        self.batch_pool = HostPool(max_buffers=(opts.prefetch + 6) * (stored + len(self.layout.blocks)),
-                                   max_bytes=budget.batches)
-        self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.fetch), metrics)
-        self._footer_ranges = device.gpu_decode  # libcudf reads the footer from the staged file
-        self.cached_at_open = {i for i in range(len(self.chunks)) if self.cache.exists(self.key(i))}
-        cached = {(self.chunks[i].file, g) for i in self.cached_at_open
-                  for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
+        #: arrays per stored chunk
+        self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.specs if s.kind == "ragged")
+        self._make_pools()
+        self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch), metrics)
+        self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
         if scan_nulls:  # else (a cluster worker: its caller checked these files) conversion still refuses nulls
-            check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
-            check_partition_keys(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+            self._check_data()
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
+
+    def _resolve_outputs(self) -> list[OutputSpec]:
+        """The outputs of the source's ``columns``, ``fill_nulls`` and ``dtypes`` over the opened
+        files, refused where the files' types disagree or a cast cannot hold their values."""
+        src, first = self.source, self.files[0]
+        schema = first.schema
+        if src.columns is None:  # the columns every file has, whatever the files' order
+            schema, left_out = common_columns(self.files)
+            if left_out:
+                log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
+                            "only what every file has, or fix the files", ", ".join(left_out))
+        specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
+                                int96=frozenset().union(*(f.int96 for f in self.files)))
+        check_consistent(self.files, specs)
+        check_casts(self.files, specs)
+        return specs
+
+    def _make_pools(self) -> None:
+        """The host pools, each keeping at most its term of the host memory bound
+        (:func:`gpuload.memory.host_budget`): cache reads, shuffle windows (2 per array), and
+        batches gathered or joined and blocks unpacked (queued, held by the consumer, being cut)."""
+        o, stored, budget = self.opts, self.arrays_per_chunk, self.host_budget()
+        self.read_pool.max_bytes = budget.chunks
+        self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=budget.windows)
+        self.batch_pool = HostPool(max_buffers=(o.prefetch + 6) * (stored + len(self.layout.blocks)),
+                                   max_bytes=budget.batches)
+
+    def _check_data(self) -> None:
+        """The checks that may read column data (nulls the footers cannot rule out, partition keys
+        stored in files), skipping the row groups of chunks cached already."""
+        cached = {(self.chunks[i].file, g) for i in self.cached_at_open
+                  for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
+        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+        check_partition_keys(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
 
     def key(self, i: int) -> ChunkKey:
         """Cache key of chunk ``i``."""
@@ -151,10 +161,10 @@ class ChunkReader:
         c = self.chunks[i]
         f = self.files[c.file]
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
-        cols, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=not self.opts.shuffled)
+        cols, cached = self.cache.load(self.key(i), lambda: self._stored(i), shared=not self.opts.shuffled)
         self.counters.add(cached)
         if cached and f.remote:  # cached meanwhile (another rank or process): its fetch started ahead is not needed
-            self._drop_ahead((c.file, c.rg_start, c.rg_stop))
+            self.remote_reads.drop(c)
         return self.device.upload(cols)  # a chunk decoded on the CPU is cached from its host arrays, then sent once
 
     def build(self, i: int, check: bool = False) -> bool:
@@ -170,24 +180,23 @@ class ChunkReader:
             self.cache.note(self.key(i), "cached")
             cached = True
         else:
-            _, cached = self.cache.load(self.key(i), lambda: self._convert(i), shared=False)
+            _, cached = self.cache.load(self.key(i), lambda: self._stored(i), shared=False)
         self.counters.add(cached)
         if cached and self.files[c.file].remote:  # a fetch started ahead is not needed
-            self._drop_ahead((c.file, c.rg_start, c.rg_stop))
+            self.remote_reads.drop(c)
         return not cached
 
-    def _convert(self, i: int) -> dict:
-        """Stored column set of chunk ``i``, decoded from its source: its outputs packed into
-        the layout's blocks, and for block shuffling its rows permuted (once, here)."""
+    def _stored(self, i: int) -> dict:
+        """Chunk ``i`` as the cache stores it: decoded from its source (:attr:`decode`), its
+        outputs packed into the layout's blocks, and for block shuffling its rows permuted
+        (once, here: :func:`gpuload.plan.chunk_row_permutation`)."""
         c = self.chunks[i]
         f = self.files[c.file]
         cols = self.layout.pack(self.decode(f, c, self.specs))
-        if self.opts.block is not None:
-            perm = chunk_row_permutation(c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}")
-            first = next(iter(cols.values()))
-            xp = _xp(first.values if isinstance(first, Ragged) else first)
-            cols = take(cols, perm if xp is np else xp.asarray(perm))
-        return cols
+        if self.opts.block is None:
+            return cols
+        return permute_rows(cols, chunk_row_permutation(
+            c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}"))
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""
@@ -203,34 +212,10 @@ class ChunkReader:
             return None
         return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
-    # -- remote sources -----------------------------------------------------------------------
-    def _fetcher(self, store) -> Fetcher:
-        with self._lock:
-            got = self._fetchers.get(id(store))
-            if got is None:
-                clock = self.metrics.clock if self.metrics is not None else time.perf_counter
-                got = self._fetchers[id(store)] = Fetcher(store, self.remote, clock)
-            return got
-
+    # -- remote sources: the read-ahead (gpuload.sources.readahead) ---------------------------
     def _leaves(self, f: SourceFile) -> list[int]:
+        """The Parquet leaf columns of ``f`` that the outputs read (partition keys are not in the file)."""
         return [i for c in needed_columns(self.specs) if c not in f.partition_names for i in f.leaves(c)]
-
-    def _start(self, f: SourceFile, groups, leaves, footer: bool) -> Job:
-        ranges = [r for g in groups for r in column_ranges(f.metadata, g, g + 1, leaves)]
-        if footer:  # for libcudf, which reads the file itself: magic, page indexes and footer
-            meta = f.metadata
-            data_end = max((e for g in range(meta.num_row_groups)
-                            for _, e in column_ranges(meta, g, g + 1, range(meta.num_columns))), default=4)
-            ranges += [(0, 4), (min(data_end, f.size - meta.serialized_size - 8), f.size)]
-
-        def unchanged() -> None:
-            size, mtime, tag = f.store.identity(f.key)
-            if not same_version((f.size, f.mtime_ns, f.tag), (size, mtime, tag)):
-                raise SourceError(f"{f.path} changed after the dataset was opened (size {f.size:,} -> {size:,}, "
-                                  f"version {f.tag or '-'} -> {tag or '-'}, last modified {f.mtime_ns} -> {mtime} "
-                                  "ns); open the dataset again to pick up the new object")
-
-        return self._fetcher(f.store).start(f.key, ranges, check=unchanged)
 
     def warm(self, i: int) -> bool:
         """Start fetching remote chunk ``i``'s column ranges ahead of its decoding (nothing for
@@ -239,98 +224,31 @@ class ChunkReader:
         f = self.files[c.file]
         if not f.remote:
             return True
-        k = (c.file, c.rg_start, c.rg_stop)
-        with self._lock:
-            if k in self._ahead:
-                return True
-            if self._ahead and self._ahead_bytes >= self.remote.readahead_bytes:
-                return False
-        if self.cache.exists(self.key(i)):
-            return True
-        job = self._start(f, range(c.rg_start, c.rg_stop), self._leaves(f), self._footer_ranges)
-        with self._lock:
-            self._ahead[k] = job
-            self._ahead_bytes += job.nbytes
-        return True
-
-    def _take_ahead(self, k: tuple) -> Job | None:
-        """The fetch started ahead for chunk key ``k`` (file, rg start, rg stop), now no longer ahead."""
-        with self._lock:
-            job = self._ahead.pop(k, None)
-            if job is not None:
-                self._ahead_bytes -= job.nbytes
-        return job
-
-    def _drop_ahead(self, k: tuple) -> None:
-        job = self._take_ahead(k)
-        if job is not None:
-            job.cancel()
+        return self.remote_reads.warm(f, c, self._leaves(f), self.device.gpu_decode, lambda: self.is_cached(i))
 
     def forget_ahead(self) -> None:
         """Drop the fetches started ahead that were not used (an epoch left early)."""
-        with self._lock:
-            jobs, self._ahead, self._ahead_bytes = list(self._ahead.values()), {}, 0
-        for job in jobs:
-            job.cancel()
-
-    def fetch(self, f: SourceFile, chunk: Chunk, leaves, footer: bool = False) -> RangeFile:
-        """The decoders' hook: a readable file of remote ``f`` holding the chunk's column
-        chunks of ``leaves`` (and, for libcudf, its magic and footer), from the fetch started
-        ahead (which covers every leaf the decoders ask for, and the footer whenever the GPU
-        decoder is in use) or fetched now; the wait is timed as a ``read`` span."""
-        job = self._take_ahead((chunk.file, chunk.rg_start, chunk.rg_stop))
-        if job is not None:
-            with self._lock:
-                self.ahead_used += 1
-        else:
-            job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer)
-        m = self.metrics
-        t0 = m.clock() if m is not None else 0.0
-        fetcher = self._fetcher(f.store)
-        out = RangeFile(f.path, f.size, job.result(), lambda a, b: fetcher.get(f.key, a, b))
-        if m is not None:
-            m.record("read", t0, m.clock(), nbytes=sum(len(b) for b in out.parts.values()))
-        return out
+        self.remote_reads.forget()
 
     def remote_stats(self) -> RemoteStats | None:
         """Requests made to remote stores since open or :meth:`reset_remote` (None: no remote file)."""
-        if not self.has_remote:
-            return None
-        with self._lock:
-            all_stats = [f.stats() for f in self._fetchers.values()]
-        if not all_stats:
-            return RemoteStats(0, 0, 0, 0, None, None, None)
-        if len(all_stats) == 1:
-            return all_stats[0]
-        best = max(all_stats, key=lambda s: s.requests)  # percentiles of the busiest store
-        return RemoteStats(sum(s.requests for s in all_stats), sum(s.bytes for s in all_stats),
-                           sum(s.retried for s in all_stats), sum(s.failed for s in all_stats),
-                           best.latency_p50_s, best.latency_p90_s, best.latency_p99_s)
+        return self.remote_reads.stats() if self.has_remote else None
 
     def reset_remote(self) -> None:
-        self._each_fetcher("reset")
-
-    def _each_fetcher(self, call: str) -> None:
-        with self._lock:
-            fetchers = list(self._fetchers.values())
-        for f in fetchers:
-            getattr(f, call)()
+        self.remote_reads.reset()
 
     def interrupt(self) -> None:
         """Abandon remote fetches in flight and queued, and refuse new ones until :meth:`resume`
         (an epoch left early: its loads must not wait on a stalled store)."""
-        self.forget_ahead()
-        self._each_fetcher("interrupt")
+        self.remote_reads.interrupt()
 
     def resume(self) -> None:
         """Fetch again after :meth:`interrupt` or :meth:`close` (an epoch begins)."""
-        self._each_fetcher("resume")
+        self.remote_reads.resume()
 
     def close(self) -> None:
         """:meth:`interrupt`, and close the stores' open files."""
-        self.forget_ahead()
-        self._each_fetcher("close")
-
+        self.remote_reads.close()
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:
     """Open ``source`` under ``options``: the device chosen and opened

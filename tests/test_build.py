@@ -104,13 +104,13 @@ def test_a_full_budget_is_not_an_error_and_is_said_as_a_flag(data, tmp_path, cap
 
 
 def _slow_decoding(monkeypatch, seconds=0.02):
-    real = gpuload.reader.ChunkReader._convert
+    real = gpuload.reader.ChunkReader._stored
 
     def slow(self, i):
         time.sleep(seconds)
         return real(self, i)
 
-    monkeypatch.setattr(gpuload.reader.ChunkReader, "_convert", slow)
+    monkeypatch.setattr(gpuload.reader.ChunkReader, "_stored", slow)
 
 
 def test_two_builds_at_once_count_what_each_did(data, tmp_path, monkeypatch):

@@ -138,7 +138,7 @@ def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_reques
     assert len(ds.reader.chunks) > N_FILES  # several chunks per object: ranged reads, not whole objects
     _check_equal(_rows_by_id(ds), tables)
     assert ds.stats().remote.requests > 0
-    assert ds.reader.ahead_used > 0 and ds.reader._ahead == {} and ds.reader._ahead_bytes == 0  # fetched ahead
+    assert ds.reader.remote_reads.ahead_used > 0 and ds.reader.remote_reads._ahead == {} and ds.reader.remote_reads._ahead_bytes == 0  # fetched ahead
     s3.reset_counts()
     for epoch in (1, 2):
         ds.set_epoch(epoch)
@@ -364,7 +364,7 @@ def test_gpu_staging_file_holds_the_chunks_columns_and_footer_only(s3, bucket, t
     c = r.chunks[1]
     f = r.files[c.file]
     s3.reset_counts()
-    path = _stage(f, c, r.specs, r.fetch)
+    path = _stage(f, c, r.specs, r.remote_reads.fetch)
     try:
         assert os.path.getsize(path) == f.size
         with open(path, "rb") as fh:  # libcudf checks the leading magic too (pyarrow only the trailing one)
