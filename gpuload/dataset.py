@@ -433,6 +433,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         remote = self.reader.remote_stats()
         return stats if remote is None else dataclasses.replace(stats, remote=remote)
 
+    def loader_description(self) -> tuple[str, dict]:
+        """``("gpuload", settings)``: how :func:`gpuload.watch` names this loader in its stats."""
+        return "gpuload", {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch}
+
     def reset_stats(self) -> None:
         """Start :meth:`stats` afresh (e.g. to look at one epoch)."""
         self.metrics.reset()

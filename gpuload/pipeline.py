@@ -5,7 +5,8 @@ thread pool loads chunks (cache reads or decodes) up to ``prefetch`` chunks ahea
 window thread joins each shuffle window's chunks and draws its permutation while the
 window before it is being cut, and one producer thread gathers, slices and hands off
 each batch. Futures are consumed in plan
-order, so thread count and prefetch depth never change the order (invariant 1).
+order, so thread count and prefetch depth never change the order (docs/architecture.md,
+Invariants 1).
 Memory is bounded by the window, the chunks in flight and the batch queue.
 
 On the GPU path the loader threads run on one CUDA stream and the window and producer

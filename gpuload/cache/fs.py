@@ -1,7 +1,7 @@
 """Cache file system: every open, write, rename, lock and delete inside the cache root.
 
 gpuload deletes only files it wrote, only inside the cache root, and never follows a
-symbolic link out of it (design invariant 10). This module is the only place that
+symbolic link out of it (docs/architecture.md, Invariants 10). This module is the only place that
 touches paths below the root, and it keeps that promise by construction:
 
 * The root itself is resolved once (it may be a link to an NVMe mount). Every folder

@@ -14,7 +14,7 @@ What the GPU path needs (:func:`require_gpu`):
 * ``decode="gpu"`` needs pylibcudf (which brings RMM and KvikIO's library with it);
   ``decode="auto"`` uses it where it imports.
 
-The streams of one dataset (:class:`gpuload.gpu.streams.DeviceContext`; invariant 7):
+The streams of one dataset (:class:`gpuload.gpu.streams.DeviceContext`; docs/architecture.md, Invariants 7 and Threads):
 
 * the **read stream** carries each chunk's cache read (a pinned-memory copy, or a
   GPUDirect Storage read), the upload of a chunk decoded on the CPU, and libcudf's

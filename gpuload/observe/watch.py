@@ -78,13 +78,14 @@ def _measure(batch, depth: int = 0) -> tuple[int, int]:
 
 
 def describe_loader(loader) -> tuple[str, dict]:
-    """``(kind, settings)`` of a loader, as :attr:`gpuload.Stats.loader` and ``loader_settings`` say them."""
-    from ..dataset import ParquetDataset
-
+    """``(kind, settings)`` of a loader, as :attr:`gpuload.Stats.loader` and ``loader_settings`` say them
+    (a loader that describes itself, as :class:`gpuload.ParquetDataset` does, through its
+    ``loader_description()``)."""
     dataset = getattr(loader, "dataset", None) if isinstance(loader, torch.utils.data.DataLoader) else None
     for ds in (loader, dataset):
-        if isinstance(ds, ParquetDataset):
-            return "gpuload", {"num_threads": ds.options.num_threads, "prefetch": ds.options.prefetch}
+        own = getattr(type(ds), "loader_description", None)
+        if callable(own):
+            return own(ds)
     if isinstance(loader, torch.utils.data.DataLoader):
         return "DataLoader", {"num_workers": loader.num_workers, "pin_memory": bool(loader.pin_memory),
                               "persistent_workers": bool(loader.persistent_workers),
