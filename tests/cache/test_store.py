@@ -26,7 +26,7 @@ import pytest
 
 import gpuload
 from gpuload.batch import Ragged
-from gpuload.cache.store import read_chunk, write_chunk
+from gpuload.cache.chunkfile import read_chunk, write_chunk
 
 from clicklog import CHILD_TIMEOUT, COLUMNS, Reference, check_epoch, clicklog, key_for, sample_cols, wait_for
 
@@ -570,31 +570,6 @@ def test_killed_writer_leaves_nothing_readable(click, tmp_path, mode):
     ds2 = _dataset(data, cache, shuffle=False)
     check_epoch(ds2, ref)
     assert ds2.reader.counters.decoded == 0
-
-
-def test_cache_folder_made_by_another_rank_meanwhile_is_used(tmp_path, monkeypatch):
-    """Ranks starting together on a new cache folder: one that finds it missing, and then
-    made by another rank before it makes it, uses it (it once said "is not a folder")."""
-    from gpuload.cache.store import ChunkCache
-
-    root = tmp_path / "fresh"
-    real = Path.is_dir
-
-    def made_meanwhile(self):
-        if self == root and not real(self):
-            answer = False  # missing when looked at ...
-            self.mkdir()  # ... and made by another rank right after
-            return answer
-        return real(self)
-
-    monkeypatch.setattr(Path, "is_dir", made_meanwhile)
-    assert ChunkCache(root).root.path == Path(os.path.realpath(root))
-    monkeypatch.setattr(Path, "is_dir", real)
-    (tmp_path / "file").write_text("")
-    with pytest.raises(gpuload.CacheError, match="is not a folder"):
-        ChunkCache(tmp_path / "file")
-    with pytest.raises(gpuload.CacheError, match="does not exist"):
-        ChunkCache(tmp_path / "missing", create=False)
 
 
 # ---------------------------------------------------------------------------------------
