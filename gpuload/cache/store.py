@@ -135,33 +135,15 @@ class ChunkCache:
         (default) says the caller may hand views of the columns to code that changes
         them in place, so the writer works on its own copy.
         """
-        unreadable = None
-        try:
-            cols = self._read(key)
+        cols, unreadable = self._look(key)
+        if cols is not None:
             self.note(key, "cached")
             return cols, True
-        except FileNotFoundError:
-            log.debug("gpuload: %s is not cached yet", self.path(key))
-        except CorruptCacheError as e:
-            log.warning("gpuload: %s; rebuilding it from its source", e)
-        except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
-            unreadable = e
         lock = Lock(self.root, key.parts, key.name + ".lock")
-        built: list = []
+        built: list = []  # the chunk, when another process writes it while this one waits for its lock
         before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
-
-        def built_meanwhile() -> bool:  # the holder may finish the chunk while we wait
-            now = self._inode(key)
-            if now is not None and now != before:  # a new file: writers rename complete files in place
-                try:
-                    built.append(self._read(key))
-                    return True
-                except (CorruptCacheError, OSError):
-                    pass
-            return False
-
         try:
-            got = lock.acquire(timeout=self.lock_patience, meanwhile=built_meanwhile)
+            got = lock.acquire(timeout=self.lock_patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
         except OSError as e:
             why = unreadable if unreadable is not None else e
             self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
@@ -179,6 +161,40 @@ class ChunkCache:
         if unreadable is not None:
             self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
                        "rebuilding it from its source")
+        return self._build_locked(key, build, shared, lock)
+
+    def _look(self, key: ChunkKey) -> tuple[dict | None, OSError | None]:
+        """First look, without the lock: (the chunk's columns, None) when its file is cached
+        and valid; else (None, the ``OSError`` that kept the file from being read, or None
+        when it is missing or corrupt: a corrupt one is logged and rebuilt)."""
+        try:
+            return self._read(key), None
+        except FileNotFoundError:
+            log.debug("gpuload: %s is not cached yet", self.path(key))
+        except CorruptCacheError as e:
+            log.warning("gpuload: %s; rebuilding it from its source", e)
+        except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
+            return None, e
+        return None, None
+
+    def _built_meanwhile(self, key: ChunkKey, before: tuple | None, built: list) -> bool:
+        """While waiting for ``key``'s lock: whether its holder finished the chunk, a new valid
+        file in place of ``before`` (its ``(device, inode)`` when first looked at); its
+        columns then go into ``built``."""
+        now = self._inode(key)
+        if now is not None and now != before:  # a new file: writers rename complete files in place
+            try:
+                built.append(self._read(key))
+                return True
+            except (CorruptCacheError, OSError):
+                pass
+        return False
+
+    def _build_locked(self, key: ChunkKey, build: Callable[[], dict], shared: bool, lock: Lock
+                      ) -> tuple[dict, bool]:
+        """:meth:`load` holding ``key``'s ``lock``: the file another process wrote meanwhile, else
+        ``build()`` written (on the background writer, which then releases ``lock``, or within
+        the budget). ``lock`` is released here otherwise, whatever happens."""
         try:
             try:
                 cols = self._read(key)  # another process built it meanwhile
@@ -194,13 +210,7 @@ class ChunkCache:
             cols = build()
             self._drop_stale(key)
             if self.max_bytes is None:
-                self._slots.acquire()
-                snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
-                try:
-                    self._writer.submit(self._write_and_release, key, snapshot, lock)
-                except BaseException:  # e.g. at interpreter shutdown: give the slot back
-                    self._slots.release()
-                    raise
+                self._write_later(key, cols, shared, lock)
                 lock = None  # the writer releases it
             else:
                 self._write_within_budget(key, cols)
@@ -208,6 +218,17 @@ class ChunkCache:
         finally:
             if lock is not None:
                 lock.release()
+
+    def _write_later(self, key: ChunkKey, cols: dict, shared: bool, lock: Lock) -> None:
+        """Hand ``cols`` (a copy when ``shared``) to the background writer, which writes them
+        and releases ``lock``; waits while :data:`_PENDING_WRITES` chunks are pending."""
+        self._slots.acquire()
+        snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
+        try:
+            self._writer.submit(self._write_and_release, key, snapshot, lock)
+        except BaseException:  # e.g. at interpreter shutdown: give the slot back
+            self._slots.release()
+            raise
 
     def _write_within_budget(self, key: ChunkKey, cols: dict) -> None:
         """Write ``cols`` now, holding the budget's lock, if the chunk files with this one stay
