@@ -223,10 +223,10 @@ class ChunkCache:
         """Hand ``cols`` (a copy when ``shared``) to the background writer, which writes them
         and releases ``lock``; waits while :data:`_PENDING_WRITES` chunks are pending."""
         self._slots.acquire()
-        snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
         try:
+            snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
             self._writer.submit(self._write_and_release, key, snapshot, lock)
-        except BaseException:  # e.g. at interpreter shutdown: give the slot back
+        except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
             self._slots.release()
             raise
 

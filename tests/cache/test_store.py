@@ -778,3 +778,28 @@ def test_budget_is_never_exceeded_at_the_boundary(tmp_path):
     list(ds)
     assert _cache_bytes(tmp_path / "roomy") == size
 
+
+
+def test_a_failed_host_copy_gives_its_write_slot_back(tmp_path):
+    """A ``to_host`` that raises (a device copy out of memory) fails that load and keeps no
+    pending-write slot: flush() still returns, and the chunk is written by a later load."""
+    from gpuload.cache.store import ChunkCache
+
+    failures = [MemoryError("out of host memory")] * 2  # as many as there are slots
+
+    def to_host(cols):
+        if failures:
+            raise failures.pop()
+        return cols
+
+    cache, cols = ChunkCache(tmp_path, to_host=to_host), sample_cols(10)
+    key = key_for(cols)
+    for _ in range(2):
+        with pytest.raises(MemoryError):
+            cache.load(key, lambda: cols)
+    flushed = threading.Event()
+    threading.Thread(target=lambda: (cache.flush(), flushed.set()), daemon=True).start()
+    assert flushed.wait(10), "flush() waits for writes that will never come"
+    assert cache.load(key, lambda: cols)[1] is False
+    cache.flush()
+    assert cache.exists(key) and cache.load(key, lambda: cols)[1] is True
