@@ -345,7 +345,7 @@ def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: s
 
 
 def write_chunk(path, cols: dict, key) -> int:
-    """Write ``cols`` as the cache file of ``key`` (a :class:`gpuload.cache.layout.ChunkKey`) at
+    """Write ``cols`` as the cache file of ``key`` (a :class:`gpuload.cache.paths.ChunkKey`) at
     ``path``, atomically, making its folder if missing; returns its size in bytes."""
     path = Path(path)
     head, regions, arrays, total = encode(cols, key.header_fields())

@@ -1,6 +1,6 @@
 """Cache store: converted chunks on local disk, got or built by :class:`ChunkKey`, one file per chunk.
 
-File names and the cache folder are in :mod:`gpuload.cache.layout`, the file format in
+File names and the cache folder are in :mod:`gpuload.cache.paths`, the file format in
 :mod:`gpuload.cache.chunkfile`.
 
 Writes go to a temporary name in the same folder, are fsynced and renamed into place:
@@ -31,10 +31,10 @@ from . import admin
 from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
-from .layout import ChunkKey, cache_folder, default_cache_dir
+from .paths import ChunkKey, cache_folder, default_cache_dir
 from ..errors import CorruptCacheError
 
-__all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.layout, importable here too
+__all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
 
 log = logging.getLogger("gpuload")
 

@@ -22,7 +22,7 @@ import torch
 import gpuload
 from gpuload.batch import Ragged
 from gpuload.cache.chunkfile import columns_from_buffer, read_chunk, read_regions, write_chunk
-from gpuload.cache.layout import ChunkKey
+from gpuload.cache.paths import ChunkKey
 from gpuload.cache.store import ChunkCache
 from gpuload.gpu import runtime as gpu
 from gpuload.handoff import resolve_device

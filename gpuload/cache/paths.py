@@ -1,4 +1,4 @@
-"""Cache layout: where a cache lives, and what its files are called.
+"""Cache paths: where a cache lives, and what its files are called.
 
 Layout of a cache directory::
 

@@ -1,4 +1,4 @@
-"""Cache layout: the default cache folder, making or refusing a cache folder, chunk file names."""
+"""Cache paths: the default cache folder, making or refusing a cache folder, chunk file names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 import gpuload
 from gpuload.cache.chunkfile import LAYOUT_DIR, Identity
-from gpuload.cache.layout import ChunkKey, cache_folder, default_cache_dir
+from gpuload.cache.paths import ChunkKey, cache_folder, default_cache_dir
 from gpuload.cache.store import ChunkCache
 
 
