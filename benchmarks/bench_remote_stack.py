@@ -20,7 +20,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import s3fs
 
-from gpuload.sources.fetch import Fetcher, RemoteSettings
+from gpuload.sources.fetch import Fetcher
+from gpuload.sources.settings import RemoteSettings
 from gpuload.sources.ranges import column_ranges
 from gpuload.sources.remote import Store
 from gpuload.synth import write_clicklog

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from gpuload.batch import Ragged
 from gpuload.cache.chunkfile import spec_hash
-from gpuload.cache.store import ChunkKey
+from gpuload.cache.paths import ChunkKey
 from gpuload.synth import clicklog_columns, write_clicklog
 
 DENSE, SPARSE = 4, 3

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gpuload.cache.store import read_chunk
+from gpuload.cache.chunkfile import read_chunk
 from gpuload.cache.chunkfile import LAYOUT_DIR
 from gpuload.tools.cli import main
 from gpuload.synth import write_clicklog

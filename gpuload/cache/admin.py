@@ -1,4 +1,5 @@
-"""Cache maintenance: what ``gpuload cache info``, ``verify`` and ``clear`` do.
+"""Cache maintenance: what ``gpuload cache info``, ``verify`` and ``clear`` do, and the
+record of each column set's last use (:func:`record_spec`) that ``clear`` goes by.
 
 Every function takes the :class:`gpuload.cache.fs.CacheRoot` of a cache directory and
 works through it, so it never leaves the root nor follows a link. Entries that
@@ -13,18 +14,20 @@ import contextlib
 import json
 import os
 import stat
+import time
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import xxhash
 
-from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, read_header, read_regions, version_token
+from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, pwrite_all, read_header, read_regions, \
+    version_token
 from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from ..schema import desc_outputs
 
-__all__ = ["Problem", "walk", "chunk_files", "temporaries", "specs", "summary", "verify_all", "delete", "clear"]
+__all__ = ["Problem", "walk", "chunk_files", "temporaries", "record_spec", "specs", "summary", "verify_all", "delete", "clear"]
 
 _LAYOUT, _SPECS = LAYOUT_DIR, SPECS_DIR
 
@@ -105,6 +108,24 @@ def _valid_desc(desc) -> list | None:
     except MALFORMED:
         pass
     return None
+
+
+def record_spec(root: CacheRoot, key_spec: str, desc: list) -> None:
+    """Record that column set ``desc`` (hash ``key_spec``) is in use now: write its
+    ``specs/<key_spec>.json`` if missing (after deleting temporaries of it left over a
+    minute ago by a killed writer), else set that file's mtime to now (never that of a
+    file another name shares). Raises the ``OSError`` met (a read-only cache)."""
+    name = f"{key_spec}.json"
+    st = root.lstat((_LAYOUT, _SPECS), name)
+    if st is None:
+        for tmp, tst in root.scan((_LAYOUT, _SPECS)):  # left by a writer killed a while ago
+            if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
+                root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
+        text = json.dumps(desc, indent=1).encode()
+        root.write((_LAYOUT, _SPECS), name, lambda fd: pwrite_all(fd, text, 0))
+    elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # never a file another name shares
+        with root.folder((_LAYOUT, _SPECS)) as d:
+            os.utime(name, dir_fd=d, follow_symlinks=False)
 
 
 def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:

@@ -25,6 +25,9 @@ say, so a valid chunk file copied or linked under another chunk's name is refuse
 Every region is a C-contiguous array and the regions lie in one span, so a reader
 takes one ``pread`` (into host memory, or with KvikIO into device memory) and makes
 views by offset. No pickle anywhere.
+
+:func:`write_chunk` and :func:`read_chunk` write and read one such file at a path,
+outside any :class:`gpuload.cache.store.ChunkCache` (for tools and tests).
 """
 
 from __future__ import annotations
@@ -33,15 +36,18 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from ..batch import Ragged
 from ..errors import CorruptCacheError
+from .fs import CacheRoot
 
 __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
-           "check_identity", "pread_all", "pwrite_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity"]
+           "check_identity", "pread_all", "pwrite_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity",
+           "read_chunk", "write_chunk"]
 
 MAGIC = b"GPULOAD\0"
 FORMAT_VERSION = 3  # 3: cast float NaNs stored as one bit pattern (the same on the CPU and the GPU)
@@ -336,3 +342,25 @@ def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: s
     if verify and verified is not None:
         verified.add(ident)
     return header, cols
+
+
+def write_chunk(path, cols: dict, key) -> int:
+    """Write ``cols`` as the cache file of ``key`` (a :class:`gpuload.cache.paths.ChunkKey`) at
+    ``path``, atomically, making its folder if missing; returns its size in bytes."""
+    path = Path(path)
+    head, regions, arrays, total = encode(cols, key.header_fields())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    CacheRoot(path.parent).write((), path.name, lambda fd: write_regions(fd, head, regions, arrays, total))
+    return total
+
+
+def read_chunk(path, verify: bool = True, verified: set | None = None, want: Identity | None = None
+               ) -> tuple[dict, dict]:
+    """Read the cache file at ``path`` into host memory: (header, column set), as
+    :func:`read_regions` (``want``: the identity it must state, None: not checked)."""
+    path = Path(path)
+    fd = CacheRoot(path.parent).open_read((), path.name)
+    try:
+        return read_regions(fd, path, want, verify, verified)
+    finally:
+        os.close(fd)

@@ -1,16 +1,7 @@
-"""Cache: converted chunks on local disk, one file per chunk (format in :mod:`gpuload.cache.chunkfile`).
+"""Cache store: converted chunks on local disk, got or built by :class:`ChunkKey`, one file per chunk.
 
-Layout of a cache directory::
-
-    <cache_dir>/v3/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
-    <cache_dir>/v3/<hash of source path>/<chunk file name>.lock        build lock
-    <cache_dir>/v3/specs/<spec>.json                                   the column set, last use = mtime
-
-The name covers every input that changes the bytes: the source path, its size and
-mtime (the file version), the columns, groups, dtypes and fill values (the spec), the
-row groups, and the format version; the header inside repeats all of it and a read
-compares the two. A changed source file changes only its own names; its stale chunks
-are deleted when its new chunks are written.
+File names and the cache folder are in :mod:`gpuload.cache.paths`, the file format in
+:mod:`gpuload.cache.chunkfile`.
 
 Writes go to a temporary name in the same folder, are fsynced and renamed into place:
 a reader sees a complete file or none. Each chunk has a lock file (``flock``, released
@@ -27,113 +18,27 @@ operation goes through :mod:`gpuload.cache.fs`, which never leaves the cache roo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import stat
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
-
-import xxhash
 
 from ..batch import Ragged, nbytes, nrows
 from . import admin
 from .admin import chunk_files
-from .chunkfile import LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, encode, file_identity, read_regions, version_token, \
-    pwrite_all, write_regions
+from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
-from ..errors import CacheError, CorruptCacheError, flag
+from .paths import ChunkKey, cache_folder, default_cache_dir
+from ..errors import CorruptCacheError
 
-__all__ = ["ChunkKey", "ChunkCache", "default_cache_dir", "read_chunk", "write_chunk"]
+__all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
 
 log = logging.getLogger("gpuload")
 
 _PENDING_WRITES = 2
-_LAYOUT, _SPECS = LAYOUT_DIR, SPECS_DIR
-
-
-def default_cache_dir() -> Path:
-    """``$GPULOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
-    env = os.environ.get("GPULOAD_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "gpuload"
-
-
-@dataclass(frozen=True)
-class ChunkKey:
-    """Identity of one cached chunk: where its file lives and what its header must say.
-
-    ``outputs`` lists ``(name, kind, storage dtype, width)`` per output and ``spec_desc``
-    the spec description whose hash is ``spec`` (:func:`gpuload.schema.spec_description`).
-    """
-
-    path: str  # absolute source path
-    size: int  # source file size in bytes
-    mtime_ns: int
-    spec: str  # hash of the output spec
-    rg_start: int
-    rg_stop: int
-    rows: int
-    outputs: tuple = ()
-    spec_desc: list = field(default_factory=list, compare=False, repr=False)
-    tag: str = ""  # a remote object's version marker (ETag, version id...); "" for local files
-
-    @property
-    def version(self) -> str:
-        return version_token(self.size, self.mtime_ns, self.tag)
-
-    @property
-    def folder(self) -> str:
-        return xxhash.xxh64_hexdigest(self.path.encode())
-
-    @property
-    def parts(self) -> tuple[str, str]:
-        return _LAYOUT, self.folder
-
-    @property
-    def name(self) -> str:
-        return f"{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
-
-    def relpath(self) -> str:
-        return f"{_LAYOUT}/{self.folder}/{self.name}"
-
-    @property
-    def identity(self) -> Identity:
-        return Identity(self.path, self.size, self.mtime_ns, self.rg_start, self.rg_stop, self.rows, self.spec,
-                        self.outputs, self.tag)
-
-    def header_fields(self) -> dict:
-        source = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
-        if self.tag:
-            source["tag"] = self.tag
-        return {"source": source,
-                "row_groups": [self.rg_start, self.rg_stop], "spec": self.spec_desc}
-
-
-def write_chunk(path, cols: dict, key: ChunkKey) -> int:
-    """Write ``cols`` as the cache file of ``key`` at ``path`` (atomically); returns its size."""
-    path = Path(path)
-    head, regions, arrays, total = encode(cols, key.header_fields())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    CacheRoot(path.parent).write((), path.name, lambda fd: write_regions(fd, head, regions, arrays, total))
-    return total
-
-
-def read_chunk(path, verify: bool = True, verified: set | None = None, want: Identity | None = None
-               ) -> tuple[dict, dict]:
-    """Read the cache file at ``path``: (header, column set). ``want``: the identity it must state."""
-    path = Path(path)
-    fd = CacheRoot(path.parent).open_read((), path.name)
-    try:
-        return read_regions(fd, path, want, verify, verified)
-    finally:
-        os.close(fd)
 
 
 class ChunkCache:
@@ -175,21 +80,7 @@ class ChunkCache:
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
                  read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
                  metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
-        given = Path(root).expanduser()
-        if not given.is_dir():
-            what = None if create else "is not a folder" if given.exists() else "does not exist"
-            try:
-                if what is None:  # a folder another process (another rank) made meanwhile is fine
-                    given.mkdir(parents=True, exist_ok=True)
-            except FileExistsError:  # something that is not a folder
-                what = "is not a folder"
-            except OSError as e:
-                raise CacheError(f"cache folder {given}: cannot create it ({e.strerror or e}); pass another "
-                                 f"{flag('cache_dir').rstrip('=')} or set $GPULOAD_CACHE_DIR") from None
-            if what is not None:
-                raise CacheError(f"cache folder {given} {what}; check {flag('cache_dir').rstrip('=')} "
-                                 "(or $GPULOAD_CACHE_DIR)")
-        self.root = CacheRoot(given)
+        self.root = CacheRoot(cache_folder(root, create))
         self.metrics = metrics
         self._read_fn = read or (lambda fd, p, want, v, s: read_regions(fd, p, want, v, s, alloc)[1])
         self._to_host = to_host
@@ -206,10 +97,11 @@ class ChunkCache:
         self.outcomes: dict | None = None
         if create:
             with contextlib.suppress(OSError):  # a read-only cache is still served
-                with self.root.folder((_LAYOUT,), create=True):
+                with self.root.folder((LAYOUT_DIR,), create=True):
                     pass
 
     def path(self, key: ChunkKey) -> Path:
+        """Where ``key``'s chunk file is (or would be)."""
         return self.root.where(key.parts, key.name)
 
     def note(self, key: ChunkKey, outcome) -> None:
@@ -243,33 +135,15 @@ class ChunkCache:
         (default) says the caller may hand views of the columns to code that changes
         them in place, so the writer works on its own copy.
         """
-        unreadable = None
-        try:
-            cols = self._read(key)
+        cols, unreadable = self._look(key)
+        if cols is not None:
             self.note(key, "cached")
             return cols, True
-        except FileNotFoundError:
-            log.debug("gpuload: %s is not cached yet", self.path(key))
-        except CorruptCacheError as e:
-            log.warning("gpuload: %s; rebuilding it from its source", e)
-        except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
-            unreadable = e
         lock = Lock(self.root, key.parts, key.name + ".lock")
-        built: list = []
+        built: list = []  # the chunk, when another process writes it while this one waits for its lock
         before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
-
-        def built_meanwhile() -> bool:  # the holder may finish the chunk while we wait
-            now = self._inode(key)
-            if now is not None and now != before:  # a new file: writers rename complete files in place
-                try:
-                    built.append(self._read(key))
-                    return True
-                except (CorruptCacheError, OSError):
-                    pass
-            return False
-
         try:
-            got = lock.acquire(timeout=self.lock_patience, meanwhile=built_meanwhile)
+            got = lock.acquire(timeout=self.lock_patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
         except OSError as e:
             why = unreadable if unreadable is not None else e
             self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
@@ -287,6 +161,40 @@ class ChunkCache:
         if unreadable is not None:
             self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
                        "rebuilding it from its source")
+        return self._build_locked(key, build, shared, lock)
+
+    def _look(self, key: ChunkKey) -> tuple[dict | None, OSError | None]:
+        """First look, without the lock: (the chunk's columns, None) when its file is cached
+        and valid; else (None, the ``OSError`` that kept the file from being read, or None
+        when it is missing or corrupt: a corrupt one is logged and rebuilt)."""
+        try:
+            return self._read(key), None
+        except FileNotFoundError:
+            log.debug("gpuload: %s is not cached yet", self.path(key))
+        except CorruptCacheError as e:
+            log.warning("gpuload: %s; rebuilding it from its source", e)
+        except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
+            return None, e
+        return None, None
+
+    def _built_meanwhile(self, key: ChunkKey, before: tuple | None, built: list) -> bool:
+        """While waiting for ``key``'s lock: whether its holder finished the chunk, a new valid
+        file in place of ``before`` (its ``(device, inode)`` when first looked at); its
+        columns then go into ``built``."""
+        now = self._inode(key)
+        if now is not None and now != before:  # a new file: writers rename complete files in place
+            try:
+                built.append(self._read(key))
+                return True
+            except (CorruptCacheError, OSError):
+                pass
+        return False
+
+    def _build_locked(self, key: ChunkKey, build: Callable[[], dict], shared: bool, lock: Lock
+                      ) -> tuple[dict, bool]:
+        """:meth:`load` holding ``key``'s ``lock``: the file another process wrote meanwhile, else
+        ``build()`` written (on the background writer, which then releases ``lock``, or within
+        the budget). ``lock`` is released here otherwise, whatever happens."""
         try:
             try:
                 cols = self._read(key)  # another process built it meanwhile
@@ -302,13 +210,7 @@ class ChunkCache:
             cols = build()
             self._drop_stale(key)
             if self.max_bytes is None:
-                self._slots.acquire()
-                snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
-                try:
-                    self._writer.submit(self._write_and_release, key, snapshot, lock)
-                except BaseException:  # e.g. at interpreter shutdown: give the slot back
-                    self._slots.release()
-                    raise
+                self._write_later(key, cols, shared, lock)
                 lock = None  # the writer releases it
             else:
                 self._write_within_budget(key, cols)
@@ -317,8 +219,21 @@ class ChunkCache:
             if lock is not None:
                 lock.release()
 
+    def _write_later(self, key: ChunkKey, cols: dict, shared: bool, lock: Lock) -> None:
+        """Hand ``cols`` (a copy when ``shared``) to the background writer, which writes them
+        and releases ``lock``; waits while :data:`_PENDING_WRITES` chunks are pending."""
+        self._slots.acquire()
+        try:
+            snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
+            self._writer.submit(self._write_and_release, key, snapshot, lock)
+        except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
+            self._slots.release()
+            raise
+
     def _write_within_budget(self, key: ChunkKey, cols: dict) -> None:
-        budget = Lock(self.root, (_LAYOUT,), ".budget.lock")
+        """Write ``cols`` now, holding the budget's lock, if the chunk files with this one stay
+        within ``max_bytes``; else mark the cache :attr:`full` and write nothing more."""
+        budget = Lock(self.root, (LAYOUT_DIR,), ".budget.lock")
         try:
             if not budget.acquire(timeout=self.lock_patience):
                 self._warn("held", f"the cache budget has been locked by another process for "
@@ -351,6 +266,7 @@ class ChunkCache:
                 for k, v in cols.items()}
 
     def _read(self, key: ChunkKey) -> dict:
+        """``key``'s columns from its file, checked as :attr:`verify` says (a ``cache_read`` span)."""
         verify, seen = (bool(self.verify), None) if self.verify == "always" or not self.verify else (True, self._verified)
         path = self.path(key)
         fd = self.root.open_read(key.parts, key.name)
@@ -365,6 +281,7 @@ class ChunkCache:
             os.close(fd)
 
     def _write(self, key: ChunkKey, cols: dict) -> None:
+        """Write ``key``'s file (a ``cache_write`` span); an ``OSError`` is warned about and noted."""
         try:
             head, regions, arrays, total = encode(cols, key.header_fields())
 
@@ -386,6 +303,7 @@ class ChunkCache:
             self.note(key, e)
 
     def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
+        """On the writer thread: :meth:`_write`, then release ``lock`` and a pending-write slot."""
         try:
             self._write(key, cols)
         finally:
@@ -422,19 +340,10 @@ class ChunkCache:
 
     # -- specs --------------------------------------------------------------------------
     def touch_spec(self, key_spec: str, desc: list) -> None:
-        """Record that column set ``desc`` (hash ``key_spec``) is in use now (best effort)."""
-        name = f"{key_spec}.json"
+        """Record that column set ``desc`` (hash ``key_spec``) is in use now (best effort:
+        :func:`gpuload.cache.admin.record_spec`)."""
         try:
-            st = self.root.lstat((_LAYOUT, _SPECS), name)
-            if st is None:
-                for tmp, tst in self.root.scan((_LAYOUT, _SPECS)):  # left by a writer killed a while ago
-                    if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
-                        self.root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
-                text = json.dumps(desc, indent=1).encode()
-                self.root.write((_LAYOUT, _SPECS), name, lambda fd: pwrite_all(fd, text, 0))
-            elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # never a file another name shares
-                with self.root.folder((_LAYOUT, _SPECS)) as d:
-                    os.utime(name, dir_fd=d, follow_symlinks=False)
+            admin.record_spec(self.root, key_spec, desc)
         except OSError as e:  # a read-only cache: nothing to record
             log.debug("gpuload: could not record the use of spec %s (%s)", key_spec, e)
 

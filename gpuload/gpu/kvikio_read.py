@@ -1,6 +1,6 @@
 """Cache read on the GPU: each chunk file's column regions into device memory, in stream order.
 
-The GPU twin of :func:`gpuload.cache.store.read_chunk`, for the same files. The small header
+The GPU twin of :func:`gpuload.cache.chunkfile.read_chunk`, for the same files. The small header
 is read on the host; the column regions (one contiguous, 4 KiB-aligned span) go into
 one device buffer of the loader's memory, and the columns are CuPy views of that
 buffer by offset. Every read is ordered on the loader's read stream, so it neither waits for

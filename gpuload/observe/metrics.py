@@ -7,7 +7,8 @@ under one lock, exact over any run, plus the events themselves for the trace, in
 memory: up to ``max_events`` of each kind, the first half kept for good and the latest in
 a ring, packed in NumPy arrays (:mod:`gpuload.observe.events`; about 68 MB at most by
 default, whatever the run's length). :meth:`Metrics.stats` summarises them;
-:meth:`Metrics.write_trace` writes Chrome trace-event JSON for Perfetto, event by event.
+:meth:`Metrics.write_trace` writes Chrome trace-event JSON for Perfetto, event by event
+(:mod:`gpuload.observe.trace`).
 
 Starvation is the fraction of wall time the training thread spent inside ``next()``.
 Wall time is measured per *pass* (one iteration over the loader): from the start of
@@ -21,9 +22,6 @@ Where torch sees a CUDA device, spans also push NVTX ranges ``gpuload:<stage>`` 
 
 from __future__ import annotations
 
-import gzip
-import heapq
-import json
 import os
 import threading
 from pathlib import Path
@@ -31,11 +29,11 @@ from threading import get_ident
 from time import perf_counter
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from .events import EventLog
 from .stats import StageStats, Stats
+from .trace import SPAN_FIELDS, TraceFile, TraceRecord, iter_events
 
 __all__ = ["STAGES", "Metrics"]
 
@@ -335,74 +333,18 @@ class Metrics:
         return list(self.iter_trace_events(origin))
 
     def iter_trace_events(self, origin: float | None = None) -> Iterator[dict]:
-        """The events of :meth:`trace_events`, made one at a time, so that a trace is written
-        without holding them all."""
+        """The events of :meth:`trace_events`, made one at a time (:func:`gpuload.observe.trace.iter_events`),
+        so that a trace is written without holding them all."""
         if origin is None:
             origin = self.first_time() or 0.0
+        yield from iter_events(self._trace_record(), origin)
+
+    def _trace_record(self) -> TraceRecord:
+        """A copy of the events kept for the trace, taken under the lock."""
         with self._lock:
-            spans = {k: self._spans.field_array(k, i) for i, k in enumerate(("stage", "tid", "t0", "t1", "nbytes",
-                                                                              "rows"))}
-            waits, depths, utils = self._waits.parts(), self._depths.parts(), self._utils.parts()
-            dropped = [log.dropped for log in self._logs]
-            span_head = self._spans.head_len
-            names, consumers = dict(self._names), list(self._consumers)
-        pid = os.getpid()
-
-        def us(t: float) -> float:
-            return round((t - origin) * 1e6, 3)
-
-        span_tids = [int(t) for t in dict.fromkeys(spans["tid"].tolist())]
-        order = consumers + [t for t in span_tids if t not in consumers]
-        small = {tid: _track(tid, names.get(tid, str(tid))) for tid in order}
-        yield {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "gpuload"}}
-        for tid in order:
-            label = names.get(tid, str(tid)) + (" (training)" if tid in consumers else "")
-            yield {"name": "thread_name", "ph": "M", "pid": pid, "tid": small[tid], "args": {"name": label}}
-            yield {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": small[tid],
-                   "args": {"sort_index": 0 if tid in consumers else small[tid]}}
-
-        def span(name, cat, tid, t0, t1, args) -> dict:
-            a, b = us(t0), us(t1)
-            return {"name": name, "cat": cat, "ph": "X", "ts": a, "dur": max(0.0, round(b - a, 3)), "pid": pid,
-                    "tid": small[tid], "args": args}
-
-        def gap(kind: int, t: float | None) -> Iterator[dict]:
-            """Where the events kept for good end, when later ones were not kept."""
-            if dropped[kind] and t is not None:
-                yield {"name": f"{dropped[kind]:,} {_KINDS[kind]} not kept (Metrics max_events)", "ph": "i",
-                       "s": "g", "ts": us(t), "pid": pid, "tid": 0, "args": {"events_not_kept": dropped[kind]}}
-
-        def span_events() -> Iterator[dict]:  # by start time, outer spans first
-            by_start = np.lexsort((spans["t0"] - spans["t1"], spans["t0"]))
-            cols = [spans[k][by_start].tolist() for k in ("stage", "tid", "t0", "t1", "nbytes", "rows")]
-            for s, tid, t0, t1, nb, r in zip(*cols):
-                yield span(STAGES[s], "gpuload", tid, t0, t1, {"bytes": nb, "rows": r})
-
-        def wait_events(consumer: int) -> Iterator[dict]:  # one training thread's waits and steps, in order
-            for part in waits:
-                last = None  # no step across the events not kept
-                for tid, t0, t1, rows, nb, batch in part:
-                    if tid != consumer:
-                        continue
-                    if last is not None and last[5]:
-                        yield span("step", "consumer", tid, last[2], t0, {})
-                    yield span("wait" if batch else "wait (end of pass)", "consumer", tid, t0, t1,
-                               {"bytes": nb, "rows": rows})
-                    last = (tid, t0, t1, rows, nb, batch)
-
-        def counter_events() -> Iterator[dict]:
-            for dpart, upart in zip(depths, utils):
-                yield from heapq.merge(
-                    ({"name": "queue depth", "ph": "C", "ts": us(t), "pid": pid, "tid": 0, "args": {"batches": d}}
-                     for t, d in sorted(dpart)),
-                    (e for u in sorted(upart, key=lambda u: u[0]) for e in _util_events(u, us(u[0]), pid)),
-                    key=lambda e: e["ts"])
-
-        ends = (float(spans["t1"][span_head - 1]) if span_head else None,
-                *(part[0][-1][i] if part[0] else None for part, i in ((waits, 2), (depths, 0), (utils, 0))))
-        gaps = sorted((e for kind, t in enumerate(ends) for e in gap(kind, t)), key=lambda e: e["ts"])
-        yield from heapq.merge(span_events(), counter_events(), gaps, *(wait_events(c) for c in consumers),
-                               key=lambda e: (e["ts"], -e.get("dur", 0.0)))
+            return TraceRecord(STAGES, {k: self._spans.field_array(k, i) for i, k in enumerate(SPAN_FIELDS)},
+                               self._spans.head_len, self._waits.parts(), self._depths.parts(), self._utils.parts(),
+                               tuple(log.dropped for log in self._logs), dict(self._names), list(self._consumers))
 
     def write_trace(self, path) -> Path:
         """Write the trace as Chrome trace-event JSON (gzip-compressed if ``path`` ends in
@@ -412,75 +354,6 @@ class Metrics:
                               "stats": self.stats().to_dict()}) as out:
             out.add(self.iter_trace_events())
         return out.path
-
-
-_KINDS = ("spans", "waits", "queue samples", "utilisation samples")
-
-
-def _util_events(u: tuple, ts: float, pid: int) -> Iterator[dict]:
-    t, cpu, scpu, gpu, gmem = u
-    for name, args in (("CPU %", {"process": cpu, "system": scpu}), ("GPU %", {"gpu": gpu}),
-                       ("GPU memory MiB", {"used": None if gmem is None else round(gmem / 2**20, 1)})):
-        args = {k: v for k, v in args.items() if v is not None}
-        if args:
-            yield {"name": name, "ph": "C", "ts": ts, "pid": pid, "tid": 0, "args": args}
-
-
-class TraceFile:
-    """A Chrome trace-event JSON file written event by event (gzip-compressed for ``.gz``).
-
-    ``with TraceFile(path, other_data) as t: t.add(events); t.add(more)``: the events of
-    every :meth:`add`, then ``otherData`` (a JSON-serialisable dict), written as they come.
-    """
-
-    def __init__(self, path, other_data: dict | None = None):
-        self.path = Path(os.fspath(path))
-        self.other_data = dict(other_data or {})
-        self._file = None
-        self._first = True
-
-    def __enter__(self) -> TraceFile:
-        raw = open(self.path, "wb")
-        self._file = gzip.GzipFile(fileobj=raw, mode="wb") if self.path.suffix == ".gz" else raw
-        self._raw = raw
-        self._file.write(b'{"traceEvents":[')
-        return self
-
-    def add(self, events) -> None:
-        """Write ``events`` (an iterable of trace-event dicts)."""
-        dumps, batch = json.JSONEncoder(separators=(",", ":")).encode, []
-        for e in events:
-            batch.append(dumps(e))
-            if len(batch) >= 4096:
-                self._write(batch)
-                batch = []
-        self._write(batch)
-
-    def _write(self, parts: list[str]) -> None:
-        if parts:
-            self._file.write(((b"" if self._first else b",") + ",".join(parts).encode()))
-            self._first = False
-
-    def __exit__(self, kind, *exc) -> None:
-        try:
-            if kind is None:
-                tail = json.dumps({"displayTimeUnit": "ms", "otherData": self.other_data}, separators=(",", ":"))
-                self._file.write(b"]," + tail[1:].encode())
-        finally:
-            if self._file is not self._raw:
-                self._file.close()
-            self._raw.close()
-
-
-_TRACKS: dict[tuple[int, str], int] = {}  # (thread ident, name) -> trace tid, for this process
-_TRACKS_LOCK = threading.Lock()
-
-
-def _track(ident: int, name: str) -> int:
-    """A small trace tid for a thread, the same in every trace of this process (a reused
-    ident with another thread name gets its own)."""
-    with _TRACKS_LOCK:
-        return _TRACKS.setdefault((ident, name), len(_TRACKS) + 1)
 
 
 def _stage_index(stage: str) -> int:

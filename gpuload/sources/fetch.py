@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures.thread
-import os
 import threading
 import time
 import itertools
@@ -27,106 +26,14 @@ import queue
 import weakref
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from ..errors import ConfigError, SourceError
+from ..errors import SourceError
 from .ranges import coalesce
-from .retry import Truncated, retry, transient
+from .retry import Truncated, retry
+from .settings import RemoteSettings, RemoteStats
 
-__all__ = ["RemoteSettings", "RemoteStats", "Fetcher", "Job", "retry", "transient"]
-
-
-
-def _env(name: str, default, kind):
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"${name}={text!r} must be a {kind.__name__}") from None
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    """How remote sources are read; each default comes from an environment variable.
-
-    Attributes
-    ----------
-    max_requests : requests in flight at once (``$GPULOAD_REMOTE_REQUESTS``, default 32).
-    max_inflight_bytes : bytes of requests in flight at once (``$GPULOAD_REMOTE_INFLIGHT_BYTES``,
-        default 256 MiB); a single larger range runs alone.
-    readahead_bytes : fetched bytes of chunks started ahead of decoding
-        (``$GPULOAD_REMOTE_READAHEAD_BYTES``, default 512 MiB; at least one chunk is started).
-    coalesce_bytes : ranges this close are merged into one request (default 1 MiB).
-    max_range_bytes : longer ranges are split into requests of at most this (default 16 MiB).
-    retries : tries per request after the first (``$GPULOAD_REMOTE_RETRIES``, default 6).
-    backoff_s, max_backoff_s : first and largest backoff in seconds (defaults 0.2 and 10); the
-        wait before try ``k`` is uniform in ``[0, min(max_backoff_s, backoff_s * 2**k)]``.
-    timeout_s : seconds before one request counts as stalled and is retried
-        (``$GPULOAD_REMOTE_TIMEOUT``, default 60; fsspec's async stores only; pyarrow's
-        filesystems use their own ``request_timeout``).
-    """
-
-    max_requests: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_REQUESTS", 32, int))
-    max_inflight_bytes: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_INFLIGHT_BYTES", 256 << 20, int))
-    readahead_bytes: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_READAHEAD_BYTES", 512 << 20, int))
-    coalesce_bytes: int = 1 << 20
-    max_range_bytes: int = 16 << 20
-    retries: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_RETRIES", 6, int))
-    backoff_s: float = 0.2
-    max_backoff_s: float = 10.0
-    timeout_s: float = field(default_factory=lambda: _env("GPULOAD_REMOTE_TIMEOUT", 60.0, float))
-
-    def __post_init__(self):
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"remote {f.name}={v!r} must be a non-negative number")
-        for name in ("max_requests", "max_inflight_bytes", "max_range_bytes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"remote {name}={getattr(self, name)!r} must be at least 1")
-
-    @classmethod
-    def of(cls, value) -> "RemoteSettings":
-        """``value`` as settings: None (defaults), a :class:`RemoteSettings`, or a dict of its fields."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {f.name for f in fields(cls)}
-            if unknown:
-                raise ConfigError(f"remote: unknown setting(s) {', '.join(sorted(unknown))}; known: "
-                                  f"{', '.join(f.name for f in fields(cls))}")
-            return cls(**value)
-        raise ConfigError(f"remote={value!r}: pass None, a dict or a gpuload.RemoteSettings")
-
-
-@dataclass(frozen=True)
-class RemoteStats:
-    """Requests made to a remote store. Sizes in bytes, times in seconds.
-
-    ``latency_p50_s`` / ``p90`` / ``p99``: per successful request, from its start to its
-    last byte (None without requests). ``retried``: requests tried again; ``failed``:
-    requests that failed on every try.
-    """
-
-    requests: int
-    bytes: int
-    retried: int
-    failed: int
-    latency_p50_s: float | None
-    latency_p90_s: float | None
-    latency_p99_s: float | None
-
-    def __str__(self) -> str:
-        if not self.requests:
-            return "no requests"
-        ms = [f"{v * 1e3:.0f}" for v in (self.latency_p50_s, self.latency_p90_s, self.latency_p99_s)]
-        return (f"{self.requests:,} requests, {self.bytes / 1e6:.1f} MB, latency p50/p90/p99 {'/'.join(ms)} ms, "
-                f"{self.retried} retried, {self.failed} failed")
+__all__ = ["Fetcher", "Job"]
 
 
 class _Budget:

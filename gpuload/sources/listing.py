@@ -35,6 +35,8 @@ import xxhash
 from ..cache.chunkfile import version_token
 from ..errors import SourceError
 from .remote import Store, hidden, is_local_fs, is_url, store_for
+from .retry import retry
+from .settings import RemoteSettings
 from .tables import local_table_files, remote_table_files
 from ..schema import RAGGED, OutputSpec, storage_dtype
 
@@ -197,8 +199,6 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
     item a path in it; ``storage_options`` configure the fsspec filesystems made from
     URLs; ``settings`` (:class:`gpuload.RemoteSettings`) set the retries of listings.
     """
-    from .fetch import RemoteSettings, retry
-
     settings = settings or RemoteSettings()
     if filesystem is not None and is_local_fs(filesystem):
         filesystem = None  # the local disk: read directly, identities from stat

@@ -29,6 +29,7 @@ from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
 from ..errors import SourceError
 from .listing import Listed, SourceFile, _leaf_count, _partitions
 from .remote import same_version
+from .retry import retry
 
 __all__ = ["open_files", "check_footer"]
 
@@ -133,8 +134,6 @@ def _read_local(x: Listed) -> tuple[bytes, Listed]:
 
 def _read_remote(x: Listed, fetcher) -> tuple[bytes, Listed]:
     """The footer bytes of remote object ``x`` and its identity, asked again after they were read."""
-    from .fetch import retry
-
     for _ in range(_TRIES):
         raw = read_footer(lambda a, b: fetcher.get(x.key, a, b), x.size, x.path)
         size, mtime, tag = retry(lambda: x.store.identity(x.key), f"{x.path}: asking its version",

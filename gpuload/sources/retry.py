@@ -14,12 +14,10 @@ import errno
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..errors import SourceError
-
-if TYPE_CHECKING:
-    from .fetch import RemoteSettings
+from .settings import RemoteSettings
 
 __all__ = ["retry", "transient", "Truncated"]
 
@@ -84,7 +82,7 @@ class Truncated(Exception):
     """A body shorter than the range asked for (a dropped connection): worth another try."""
 
 
-def retry(call: Callable[[], object], what: str, settings: "RemoteSettings", on_retry: Callable[[], None] | None = None,
+def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_retry: Callable[[], None] | None = None,
           stop: threading.Event | None = None):
     """``call()``, tried again on transient errors with backoff and jitter; a
     :class:`SourceError` naming ``what`` when it fails for good."""

@@ -20,7 +20,7 @@ import pytest
 import xxhash
 
 import gpuload
-from gpuload.cache.chunkfile import FORMAT_VERSION, PREFIX, align
+from gpuload.cache.chunkfile import FORMAT_VERSION, PREFIX, align, read_chunk, write_chunk
 from gpuload.cache.store import ChunkCache
 from gpuload.synth import clicklog_columns, write_clicklog
 
@@ -177,7 +177,6 @@ def test_truncating_a_cache_file_in_place_cannot_hurt_a_held_batch(tmp_path):
 
 def test_header_checksum_and_json_shape_are_checked(tmp_path):
     """A header that is valid JSON with a valid checksum but the wrong shape is corrupt, not a crash."""
-    from gpuload.cache.store import read_chunk, write_chunk
     import dataclasses
 
     from clicklog import key_for, sample_cols
@@ -204,8 +203,6 @@ def test_header_checksum_and_json_shape_are_checked(tmp_path):
 
 
 def test_absurdly_nested_header_is_corrupt_not_a_crash(tmp_path):
-    from gpuload.cache.store import read_chunk
-
     path = tmp_path / "c.glc"
     blob = b"[" * 200_000 + b"]" * 200_000
     head = PREFIX.pack(b"GPULOAD\0", FORMAT_VERSION, len(blob), xxhash.xxh3_64_intdigest(blob)) + blob

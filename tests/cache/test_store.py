@@ -26,7 +26,7 @@ import pytest
 
 import gpuload
 from gpuload.batch import Ragged
-from gpuload.cache.store import read_chunk, write_chunk
+from gpuload.cache.chunkfile import read_chunk, write_chunk
 
 from clicklog import CHILD_TIMEOUT, COLUMNS, Reference, check_epoch, clicklog, key_for, sample_cols, wait_for
 
@@ -572,31 +572,6 @@ def test_killed_writer_leaves_nothing_readable(click, tmp_path, mode):
     assert ds2.reader.counters.decoded == 0
 
 
-def test_cache_folder_made_by_another_rank_meanwhile_is_used(tmp_path, monkeypatch):
-    """Ranks starting together on a new cache folder: one that finds it missing, and then
-    made by another rank before it makes it, uses it (it once said "is not a folder")."""
-    from gpuload.cache.store import ChunkCache
-
-    root = tmp_path / "fresh"
-    real = Path.is_dir
-
-    def made_meanwhile(self):
-        if self == root and not real(self):
-            answer = False  # missing when looked at ...
-            self.mkdir()  # ... and made by another rank right after
-            return answer
-        return real(self)
-
-    monkeypatch.setattr(Path, "is_dir", made_meanwhile)
-    assert ChunkCache(root).root.path == Path(os.path.realpath(root))
-    monkeypatch.setattr(Path, "is_dir", real)
-    (tmp_path / "file").write_text("")
-    with pytest.raises(gpuload.CacheError, match="is not a folder"):
-        ChunkCache(tmp_path / "file")
-    with pytest.raises(gpuload.CacheError, match="does not exist"):
-        ChunkCache(tmp_path / "missing", create=False)
-
-
 # ---------------------------------------------------------------------------------------
 # concurrency: several processes build one cache
 # ---------------------------------------------------------------------------------------
@@ -803,3 +778,28 @@ def test_budget_is_never_exceeded_at_the_boundary(tmp_path):
     list(ds)
     assert _cache_bytes(tmp_path / "roomy") == size
 
+
+
+def test_a_failed_host_copy_gives_its_write_slot_back(tmp_path):
+    """A ``to_host`` that raises (a device copy out of memory) fails that load and keeps no
+    pending-write slot: flush() still returns, and the chunk is written by a later load."""
+    from gpuload.cache.store import ChunkCache
+
+    failures = [MemoryError("out of host memory")] * 2  # as many as there are slots
+
+    def to_host(cols):
+        if failures:
+            raise failures.pop()
+        return cols
+
+    cache, cols = ChunkCache(tmp_path, to_host=to_host), sample_cols(10)
+    key = key_for(cols)
+    for _ in range(2):
+        with pytest.raises(MemoryError):
+            cache.load(key, lambda: cols)
+    flushed = threading.Event()
+    threading.Thread(target=lambda: (cache.flush(), flushed.set()), daemon=True).start()
+    assert flushed.wait(10), "flush() waits for writes that will never come"
+    assert cache.load(key, lambda: cols)[1] is False
+    cache.flush()
+    assert cache.exists(key) and cache.load(key, lambda: cols)[1] is True

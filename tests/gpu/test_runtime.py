@@ -21,8 +21,9 @@ import torch
 
 import gpuload
 from gpuload.batch import Ragged
-from gpuload.cache.chunkfile import columns_from_buffer, read_regions
-from gpuload.cache.store import ChunkCache, ChunkKey, read_chunk, write_chunk
+from gpuload.cache.chunkfile import columns_from_buffer, read_chunk, read_regions, write_chunk
+from gpuload.cache.paths import ChunkKey
+from gpuload.cache.store import ChunkCache
 from gpuload.gpu import runtime as gpu
 from gpuload.device import resolve_device
 

@@ -1,4 +1,4 @@
-"""Metrics: starvation against its analytic value, exact sums, stage stats, trace format.
+"""Metrics: starvation against its analytic value, exact sums, stage stats, bounded events.
 
 Assertions on durations use a :class:`ManualClock` (``Metrics(clock=...)``), never the
 machine's timing: a busy machine stretches real sleeps by any amount.
@@ -7,10 +7,8 @@ machine's timing: a busy machine stretches real sleeps by any amount.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import math
-import queue
 import threading
 import time
 import types
@@ -21,29 +19,7 @@ from gpuload.observe.metrics import STAGES, Metrics
 from gpuload.observe.stats import Stats
 
 from conftest import ManualClock
-
-
-def run_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float, depth: int = 4) -> None:
-    """A background producer making an item every ``produce_ms`` into a bounded queue;
-    the calling thread takes ``n`` items, records each wait, and steps ``step_ms``.
-    Real threads and sleeps: for tests of what is recorded, not of how long it took."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-
-    def produce():
-        for i in range(n):
-            with m.span("decode", nbytes=1000, rows=10):
-                time.sleep(produce_ms / 1000)
-            q.put(i)
-            m.queue_depth(q.qsize())
-
-    threading.Thread(target=produce, name="test-producer", daemon=True).start()
-    for _ in range(n):
-        t0 = time.perf_counter()
-        q.get()
-        m.consumer_wait(t0, time.perf_counter(), rows=10, nbytes=1000)
-        time.sleep(step_ms / 1000)
-    t0 = time.perf_counter()
-    m.consumer_end(t0, time.perf_counter())
+from producers import run_producer_consumer
 
 
 def simulate_producer_consumer(m: Metrics, n: int, produce_ms: float, step_ms: float, depth: int = 4) -> None:
@@ -264,48 +240,6 @@ def test_stats_text_and_html_show_starvation():
     assert isinstance(s, Stats) and json.loads(json.dumps(s.to_dict()))["stages"]["decode"]["calls"] == 10
 
 
-def check_trace(doc: dict) -> list[dict]:
-    """Assert the trace-event format; return the events."""
-    events = doc["traceEvents"]
-    assert isinstance(events, list) and events
-    named = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
-    last: dict = {}
-    for e in events:
-        assert {"name", "ph", "pid"} <= e.keys()
-        assert e["ph"] in ("X", "C", "M")
-        if e["ph"] == "X":
-            assert {"ts", "dur", "tid", "cat", "args"} <= e.keys()
-            assert e["dur"] >= 0 and e["ts"] >= 0 and e["tid"] in named
-        if e["ph"] in ("X", "C"):
-            key = (e["pid"], e["tid"], e["ph"])
-            assert e["ts"] >= last.get(key, 0.0), "timestamps go back on a track"
-            last[key] = e["ts"]
-    return events
-
-
-@pytest.mark.parametrize("name", ["trace.json", "trace.json.gz"])
-def test_trace_is_valid_trace_event_json(tmp_path, name):
-    m = Metrics()
-    run_producer_consumer(m, 12, 3.0, 1.0)
-    m.record("cache_read", time.perf_counter() - 0.002, time.perf_counter(), nbytes=10)
-    m.util_sample(time.perf_counter(), cpu_percent=80.0, system_cpu_percent=30.0)
-    path = m.write_trace(tmp_path / name)
-    raw = path.read_bytes()
-    doc = json.loads(gzip.decompress(raw) if name.endswith(".gz") else raw)
-    events = check_trace(doc)
-    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert "MainThread (training)" in names and "test-producer" in names
-    training = next(e["tid"] for e in events if e["name"] == "thread_name" and "training" in e["args"]["name"])
-    on_training = [e["name"] for e in events if e["ph"] == "X" and e["tid"] == training]
-    assert on_training.count("wait") == 12 and on_training.count("step") == 12
-    assert on_training.count("wait (end of pass)") == 1
-    decode = [e for e in events if e["name"] == "decode"]
-    assert len(decode) == 12 and decode[0]["args"] == {"bytes": 1000, "rows": 10} and decode[0]["cat"] == "gpuload"
-    counters = {e["name"] for e in events if e["ph"] == "C"}
-    assert {"queue depth", "CPU %"} <= counters
-    assert doc["otherData"]["stats"]["batches"] == 12
-
-
 def test_no_nvtx_on_cpu_only_machines(monkeypatch):
     import torch
 
@@ -328,25 +262,6 @@ def test_nvtx_ranges_through_the_nvtx_package(monkeypatch):
         pass
     assert calls == [("push", "gpuload:decode"), ("pop",)]
     assert len(STAGES) == 8 and m.stats().stages["decode"].calls == 1
-
-
-def test_traces_of_several_epochs_share_one_timeline_and_stable_tracks():
-    epochs = []
-    for _ in range(2):  # an epoch: a fresh Metrics (or a reset one) and a new loader thread
-        m = Metrics()
-        run_producer_consumer(m, 5, 2.0, 1.0)
-        epochs.append(m)
-    origin = epochs[0].first_time()
-    assert origin is not None and origin <= epochs[1].first_time() and Metrics().first_time() is None
-    events = [e for m in epochs for e in m.trace_events(origin=origin)]
-    check_trace({"traceEvents": events})
-    names: dict = {}
-    for e in events:
-        if e["name"] == "thread_name":
-            assert names.setdefault(e["tid"], e["args"]["name"]) == e["args"]["name"]  # one name per track
-    training = [t for t, n in names.items() if "training" in n]
-    assert len(training) == 1 and sum(n == "test-producer" for n in names.values()) >= 1
-    assert min(e["ts"] for e in events if e["ph"] == "X") == 0.0
 
 
 def _record_batches(m: Metrics, clock: ManualClock, n: int) -> None:

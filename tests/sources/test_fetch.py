@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from gpuload import ConfigError, RemoteSettings, SourceError
-from gpuload.sources.fetch import Fetcher, retry, transient
+from gpuload import RemoteSettings, SourceError
+from gpuload.sources.fetch import Fetcher
+from gpuload.sources.retry import retry, transient
 
 
 class _Store:
@@ -104,18 +105,6 @@ def test_backoff_grows_and_is_jittered(monkeypatch):
     assert len(sleeps) == 6
     caps = [min(1.0, 0.1 * 2 ** k) for k in range(6)]
     assert all(0 <= s <= c for s, c in zip(sleeps, caps)) and len(set(sleeps)) > 1
-
-
-def test_settings_are_checked_and_read_from_the_environment(monkeypatch):
-    with pytest.raises(ConfigError, match="max_requests"):
-        RemoteSettings(max_requests=0)
-    with pytest.raises(ConfigError, match="unknown setting"):
-        RemoteSettings.of({"retry": 3})
-    monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "2")
-    assert RemoteSettings().retries == 2
-    monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "many")
-    with pytest.raises(ConfigError, match="GPULOAD_REMOTE_RETRIES"):
-        RemoteSettings()
 
 
 def test_a_fetchs_version_check_runs_before_later_fetches_requests():

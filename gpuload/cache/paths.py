@@ -1,0 +1,128 @@
+"""Cache paths: where a cache lives, and what its files are called.
+
+Layout of a cache directory::
+
+    <cache_dir>/v3/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+    <cache_dir>/v3/<hash of source path>/<chunk file name>.lock        build lock
+    <cache_dir>/v3/specs/<spec>.json                                   the column set, last use = mtime
+
+The name covers every input that changes the bytes: the source path, its size and
+mtime (the file version), the columns, groups, dtypes and fill values (the spec), the
+row groups, and the format version; the header inside repeats all of it and a read
+compares the two. A changed source file changes only its own names; its stale chunks
+are deleted when its new chunks are written (:class:`gpuload.cache.store.ChunkCache`).
+
+Nothing here touches a file except :func:`cache_folder`, which makes or checks the
+cache directory itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from .chunkfile import LAYOUT_DIR, SUFFIX, Identity, version_token
+from ..errors import CacheError, flag
+
+__all__ = ["ChunkKey", "cache_folder", "default_cache_dir"]
+
+
+def default_cache_dir() -> Path:
+    """``$GPULOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
+    env = os.environ.get("GPULOAD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "gpuload"
+
+
+def cache_folder(root, create: bool = True) -> Path:
+    """``root`` (``~`` expanded) as a cache folder, made with its parents if missing and
+    ``create`` (one another process makes meanwhile is fine). A :class:`CacheError` that says
+    what to pass instead when it cannot be made, is not a folder, or is missing and not ``create``."""
+    given = Path(root).expanduser()
+    if not given.is_dir():
+        what = None if create else "is not a folder" if given.exists() else "does not exist"
+        try:
+            if what is None:  # a folder another process (another rank) made meanwhile is fine
+                given.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # something that is not a folder
+            what = "is not a folder"
+        except OSError as e:
+            raise CacheError(f"cache folder {given}: cannot create it ({e.strerror or e}); pass another "
+                             f"{flag('cache_dir').rstrip('=')} or set $GPULOAD_CACHE_DIR") from None
+        if what is not None:
+            raise CacheError(f"cache folder {given} {what}; check {flag('cache_dir').rstrip('=')} "
+                             "(or $GPULOAD_CACHE_DIR)")
+    return given
+
+
+@dataclass(frozen=True)
+class ChunkKey:
+    """Identity of one cached chunk: where its file lives and what its header must say.
+
+    Attributes
+    ----------
+    path : the source file's absolute path (a remote object's URL).
+    size : the source file's size in bytes.
+    mtime_ns : the source file's modification time in nanoseconds.
+    spec : hash of the output spec (:func:`gpuload.cache.chunkfile.spec_hash`, 16 hex digits).
+    rg_start, rg_stop : the chunk's row groups in the source file, ``[rg_start, rg_stop)``.
+    rows : the chunk's rows.
+    outputs : ``(name, kind, storage dtype, width)`` per output (default none).
+    spec_desc : the spec description whose hash is ``spec`` (:func:`gpuload.schema.spec_description`);
+        written into the header, left out of comparisons.
+    tag : a remote object's version marker (ETag, version id...); ``""`` (default) for local files.
+    """
+
+    path: str
+    size: int
+    mtime_ns: int
+    spec: str
+    rg_start: int
+    rg_stop: int
+    rows: int
+    outputs: tuple = ()
+    spec_desc: list = field(default_factory=list, compare=False, repr=False)
+    tag: str = ""
+
+    @property
+    def version(self) -> str:
+        """The source file version's token (:func:`gpuload.cache.chunkfile.version_token`)."""
+        return version_token(self.size, self.mtime_ns, self.tag)
+
+    @property
+    def folder(self) -> str:
+        """The folder of the source file's chunks: the hash of its path."""
+        return xxhash.xxh64_hexdigest(self.path.encode())
+
+    @property
+    def parts(self) -> tuple[str, str]:
+        """The folders below the cache root that hold the chunk's file."""
+        return LAYOUT_DIR, self.folder
+
+    @property
+    def name(self) -> str:
+        """The chunk file's name: ``<spec>-<version>-<rg start>-<rg stop>.glc``."""
+        return f"{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
+
+    def relpath(self) -> str:
+        """The chunk file's path below the cache root, with ``/``."""
+        return f"{LAYOUT_DIR}/{self.folder}/{self.name}"
+
+    @property
+    def identity(self) -> Identity:
+        """What the chunk file's header must state to be served for this key."""
+        return Identity(self.path, self.size, self.mtime_ns, self.rg_start, self.rg_stop, self.rows, self.spec,
+                        self.outputs, self.tag)
+
+    def header_fields(self) -> dict:
+        """The identity fields a new chunk file's header records (``source``, ``row_groups``, ``spec``)."""
+        source = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+        if self.tag:
+            source["tag"] = self.tag
+        return {"source": source,
+                "row_groups": [self.rg_start, self.rg_stop], "spec": self.spec_desc}
