@@ -9,7 +9,7 @@ from .batch import Ragged
 from .build import CacheSummary, build_cache
 from .dataset import ParquetDataset
 from .observe.diagnose import Diagnosis, diagnose
-from .sources.fetch import RemoteSettings, RemoteStats
+from .sources.settings import RemoteSettings, RemoteStats
 from .gpu.runtime import gpu_status, share_rmm_pool
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from .cache.store import default_cache_dir
+from .cache.paths import default_cache_dir
 from .errors import ConfigError, setting, value
-from .sources.fetch import RemoteSettings
+from .sources.settings import RemoteSettings
 
 __all__ = ["Source", "Options", "MiB"]
 

@@ -20,14 +20,14 @@ from typing import Callable
 
 
 from .batch import permute_rows
-from .cache.store import ChunkKey
+from .cache.paths import ChunkKey
 from .cache.chunkfile import spec_hash
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options, Source
 from .convert import needed_columns
 from .decode import ArrowDecoder
 from .device import Device, open_device
-from .sources.fetch import RemoteStats
+from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
 from .memory import HostBudget, HostPool, host_budget
 from .layout import Layout

@@ -12,7 +12,7 @@ import pytest
 
 import gpuload
 from gpuload.config import Options, Source
-from gpuload.sources.fetch import RemoteSettings
+from gpuload.sources.settings import RemoteSettings
 
 
 @pytest.mark.parametrize("api", [gpuload.ParquetDataset.__init__, gpuload.build_cache])

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..errors import SourceError
-from .fetch import Fetcher, Job, RemoteSettings, RemoteStats
+from .fetch import Fetcher, Job
+from .settings import RemoteSettings, RemoteStats
 from .listing import SourceFile
 from .ranges import RangeFile, column_ranges
 from .remote import same_version

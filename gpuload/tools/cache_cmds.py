@@ -6,7 +6,8 @@ import contextlib
 import datetime
 import logging
 
-from ..cache.store import ChunkCache, default_cache_dir
+from ..cache.paths import default_cache_dir
+from ..cache.store import ChunkCache
 from ..errors import ConfigError
 from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 

@@ -23,7 +23,7 @@ from ..cache.fs import CacheRoot
 from ..dataset import ParquetDataset
 from ..errors import ConfigError
 from ..observe.diagnose import Diagnosis, diagnose
-from ..observe.metrics import TraceFile
+from ..observe.trace import TraceFile
 from ..observe.stats import Stats
 from ..observe.sampling import UtilSampler
 
