@@ -266,7 +266,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             if not (epoch == p.epoch + 1 and p.complete):
                 log.warning("gpuload: set_epoch(%d) after load_state_dict: the restored position (epoch %d, "
                             "batch %d) is dropped, and epoch %d starts from its first batch",
-                            epoch, p.epoch, p.runs[-1][1], epoch)
+                            epoch, p.epoch, p.runs[-1].taken, epoch)
             self._pending = None
         if self._position is not None and not self._position.running:
             self._position = None  # the next iteration starts this epoch afresh (or where a state put it)
@@ -293,10 +293,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             runs = p.raw if ranks is None else p.runs if ranks == p.ranks else \
                 self._plan.go_on(p, self._plan.check(ranks), warn=False)
         else:
-            p = Position(self.epoch, [])
+            p = Position(self.epoch, ())
             runs = self._plan.first_run(self._ranks())
         return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
-                "runs": [list(r) for r in runs], "dataset": self._signature()}
+                "runs": [r.to_list() for r in runs], "dataset": self._signature()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, here or in another process).
@@ -316,10 +316,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature())
+        complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
+        while len(runs) > 1 and runs[-1].taken == 0:  # a run that took no batch changed nothing
+            runs = runs[:-1]
         pending = Position(epoch, runs)
-        pending.complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
-        while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
-            runs.pop()
+        pending.complete = complete
         ranks = self._layout.resolve(strict=False)
         if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
             pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
@@ -330,7 +331,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 self._pending = None  # restores the dataset inside iter()): that epoch begins
                 return
             log.warning("gpuload: load_state_dict resumes epoch %d at batch %d, not epoch %d given to set_epoch",
-                        epoch, runs[-1][1], self.epoch)
+                        epoch, runs[-1].taken, self.epoch)
         self.epoch, self._pending = epoch, pending
         self._advance = pending.complete and not was_set  # an epoch that was over: the next iteration begins the next
 
@@ -375,7 +376,6 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         else:
             handoff = HostHandoff(self._views, self.reader.layout, self.reader.batch_pool.array)
         pos = self._begin()
-        taken = pos.runs[-1]
         self.reader.resume()
         producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2)
         m = self.metrics
@@ -386,7 +386,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
-                taken[1] += 1  # counted when handed out: a state taken now resumes after this batch
+                pos.take()  # counted when handed out: a state taken now resumes after this batch
                 yield batch
                 t0 = m.clock()
             m.consumer_end(t0, m.clock())
@@ -459,8 +459,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         epoch = self.epoch if epoch is None else epoch
         ranks = self._ranks()
-        first = self._plan.first_run(ranks)[0]
-        return self._plan.windows(epoch, first[0], ranks.rank, *first[2:]), self._plan.first(ranks).sizes(ranks.rank)
+        windows = self._plan.windows(epoch, ranks.world, ranks.rank, ranks.local)
+        return windows, self._plan.first(ranks).sizes(ranks.rank)
 
     def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader

@@ -13,6 +13,7 @@ import logging
 
 from . import plan, resume
 from .ranks import Ranks
+from .resume import Run
 
 __all__ = ["Position", "EpochPlan"]
 
@@ -20,16 +21,21 @@ log = logging.getLogger("gpuload")
 
 
 class Position:
-    """Where an epoch stands: its runs ``[[world_size, batches taken], ...]`` (see :mod:`gpuload.resume`),
-    and the ranks that run them (None: a restored position not yet fitted to this dataset's ranks).
+    """Where an epoch stands: its runs (:class:`gpuload.resume.Run`, the last one going on), the
+    ranks that run them (None: a restored position not yet fitted to this dataset's ranks), and
+    whether an iteration is ``running`` it.
 
     A restored position also keeps ``raw`` (its runs as saved), ``complete`` (whether its epoch
     was over) and ``warned`` (the world size its resume was logged for).
     """
 
-    def __init__(self, epoch: int, runs: list[list[int]], ranks: Ranks | None = None):
+    def __init__(self, epoch: int, runs: tuple[Run, ...], ranks: Ranks | None = None):
         self.epoch, self.runs, self.ranks, self.running = epoch, runs, ranks, False
         self.raw, self.complete, self.warned = runs, False, None
+
+    def take(self) -> None:
+        """Count one more batch handed out (by each rank of the last run)."""
+        self.runs = self.runs[:-1] + (self.runs[-1].took(),)
 
 
 class EpochPlan:
@@ -63,37 +69,37 @@ class EpochPlan:
         return self._node_plans[world, local]
 
     @staticmethod
-    def first_run(ranks: Ranks) -> list[list[int]]:
+    def first_run(ranks: Ranks) -> tuple[Run, ...]:
         """The runs of an epoch not started yet: one run of these ranks."""
-        return [[ranks.world, 0] + ([] if ranks.local is None else [ranks.local])]
+        return (Run(ranks.world, 0, ranks.local),)
 
-    def runs(self, runs: list[list[int]]) -> list[resume.Run]:
-        """The :class:`gpuload.resume.Run` objects of an epoch's runs (refuses impossible ones)."""
+    def runs(self, runs: tuple[Run, ...]) -> list[resume.RunRows]:
+        """The :class:`gpuload.resume.RunRows` of an epoch's runs (refuses impossible ones)."""
         o = self.options
         return resume.runs_of(self.num_rows, runs, o.batch_size, o.drop_last,
                               lambda world, local: self.node_plan(world, local)[1])
 
-    def first(self, ranks: Ranks) -> resume.Run:
+    def first(self, ranks: Ranks) -> resume.RunRows:
         """The run of a whole epoch on these ranks."""
         return self.runs(self.first_run(ranks))[0]
 
-    def go_on(self, p: Position, ranks: Ranks, warn: bool) -> list[list[int]]:
+    def go_on(self, p: Position, ranks: Ranks, warn: bool) -> tuple[Run, ...]:
         """The runs with which ``ranks`` go on with the restored position ``p``: its last run (the same
         ranks and plan), else a new run over the rest of its epoch (elastic), logged once with ``warn``."""
-        runs = [list(r) for r in p.raw]
-        first = self.first_run(ranks)
-        if len(runs) == 1 and runs[0][1] == 0:  # nothing taken yet: the epoch as these ranks run it
-            return first
+        runs = p.raw
+        if len(runs) == 1 and runs[0].taken == 0:  # nothing taken yet: the epoch as these ranks run it
+            return self.first_run(ranks)
         # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
-        same = runs[-1][0] == ranks.world and (len(runs) > 1 or runs[0][2:] == first[0][2:])
+        same = runs[-1].world == ranks.world and (len(runs) > 1 or runs[0].local == ranks.local)
         if same or p.complete:
             return runs
-        runs.append([ranks.world, 0])  # elastic: a new run over the rest of the epoch
+        runs += (Run(ranks.world, 0),)  # elastic: a new run over the rest of the epoch
         if not warn or p.warned == ranks.world:
             return runs
         p.warned = ranks.world
-        if len(runs[0]) == 3 or ranks.local is not None:
-            was = f"{runs[0][0] // runs[0][2]} nodes x {runs[0][2]}" if len(runs[0]) == 3 else "global"
+        first = runs[0]
+        if first.local is not None or ranks.local is not None:
+            was = "global" if first.local is None else f"{first.world // first.local} nodes x {first.local}"
             now = "global" if ranks.local is None else f"{ranks.world // ranks.local} nodes x {ranks.local}"
             log.warning("gpuload: epoch %d ran with shard layout %s and resumes on %s ranks: the rest of this "
                         "epoch is shared by the new ranks, each reading the chunks its rows come from (not "
@@ -133,7 +139,7 @@ class EpochPlan:
 
         def windows_of(q: int) -> list[list[plan.Segment]]:
             if q not in base:
-                base[q] = self.windows(p.epoch, runs[0].world, q, *p.runs[0][2:])
+                base[q] = self.windows(p.epoch, runs[0].world, q, p.runs[0].local)
             return base[q]
 
         pieces, sizes = resume.rest_of_epoch(lambda q: [sum(s.hi - s.lo for s in w) for w in windows_of(q)],

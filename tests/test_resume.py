@@ -61,10 +61,10 @@ def _simulate(total: int, batch: int, drop_last: bool, chain: list[tuple[int, fl
         bounds = [0, *cuts, stop - start]
         ids[q] = [rng.permutation(np.arange(start + a, start + b)) for a, b in zip(bounds, bounds[1:]) if b > a]
     window_rows = lambda q: [len(w) for w in ids[q]]  # noqa: E731
-    runs_so_far: list[list[int]] = []
+    runs_so_far: list[resume.Run] = []
     taken, counts = [], []
     for i, (world, frac) in enumerate(chain):
-        runs = resume.runs_of(total, runs_so_far + [[world, 0]], batch, drop_last)
+        runs = resume.runs_of(total, runs_so_far + [resume.Run(world, 0)], batch, drop_last)
         last = i == len(chain) - 1
         k = runs[-1].batches if last else int(frac * runs[-1].batches)
         per_rank = []
@@ -78,7 +78,7 @@ def _simulate(total: int, batch: int, drop_last: bool, chain: list[tuple[int, fl
             per_rank.append(len(sizes))
             taken.append(seq[:sizes.rows_before(k)])
         counts.append(per_rank)
-        runs_so_far.append([world, k])
+        runs_so_far.append(resume.Run(world, k))
     return np.concatenate(taken), resume.runs_of(total, runs_so_far, batch, drop_last)
 
 
@@ -106,7 +106,7 @@ def test_runs_of_an_epoch_deliver_each_row_at_most_once(total, batch, drop_last,
 
 
 def test_same_world_size_continues_the_run():
-    runs = resume.runs_of(100, [[2, 3]], 8, False)
+    runs = resume.runs_of(100, [resume.Run(2, 3)], 8, False)
     pieces, sizes = resume.rest_of_epoch(lambda q: [20, 30], runs, 1)
     assert [(p.rank, p.window, p.lo, p.hi) for p in pieces] == [(1, 1, 4, 30)]
     assert list(sizes) == list(plan.batch_sizes(100, 2, 1, 8, False))[3:]
@@ -114,9 +114,9 @@ def test_same_world_size_continues_the_run():
 
 def test_impossible_runs_are_refused():
     with pytest.raises(gpuload.ConfigError, match="took 99 batches"):
-        resume.runs_of(100, [[2, 99]], 8, False)
+        resume.runs_of(100, [resume.Run(2, 99)], 8, False)
     with pytest.raises(gpuload.ConfigError, match="cannot be shared"):
-        resume.runs_of(3, [[4, 0]], 8, False)
+        resume.runs_of(3, [resume.Run(4, 0)], 8, False)
 
 
 # ---------------------------------------------------------------------------------------
