@@ -7,7 +7,6 @@ import logging
 import sys
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from . import plan, resume
@@ -464,20 +463,15 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
-        windows, takes, sizes = self._plan.rest(pos, pos.ranks.rank)
+        rest = self._plan.rest(pos, pos.ranks.rank)
         ctx = self._ctx
         permutation = None
-        if o.shuffle:
+        if self._plan.shuffled:
             def permutation(i: int, n: int):
-                q, w, spans = takes[i]
-                key = dict(fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch, rank=q, window=w)
-                perm = plan.window_permutation(n, **key) if o.block_rows is None else \
-                    plan.block_permutation(n, o.block_rows, **key)
-                perm = perm[spans[0][0]:spans[0][1]] if len(spans) == 1 else np.concatenate(
-                    [perm[lo:hi] for lo, hi in spans])
+                perm = self._plan.permutation(pos.epoch, rest.takes[i], n)
                 return perm if ctx is None else ctx.upload_index(perm)  # the same order on both paths
         remote = r.has_remote
-        yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
+        yield from epoch_batches(rest.loads, rest.sizes, r.load, permutation, handoff, threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=r.pool.array if ctx is None else None,
                                  batch_alloc=r.batch_pool.array if ctx is None else None,
                                  stages=ctx, metrics=self.metrics,

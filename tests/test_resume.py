@@ -637,9 +637,9 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     for r in range(2):
         ds = _open(source, cache, 2, r)
         ds.load_state_dict(state)
-        windows, takes, _ = ds._plan.rest(ds._pending, r)
-        assert len({(q, w) for q, w, _ in takes}) == len(takes)  # one load per window
-        split += sum(len(spans) > 1 for _, _, spans in takes)
+        takes = ds._plan.rest(ds._pending, r).takes
+        assert len({(t.rank, t.window) for t in takes}) == len(takes)  # one load per window
+        split += sum(len(t.spans) > 1 for t in takes)
         seen.append(_ids(list(ds)))
     assert split  # some window had rows taken from its middle by the 3-rank run
     ids = np.concatenate(seen)
