@@ -55,7 +55,7 @@ from . import plan
 from .errors import ConfigError
 
 __all__ = ["FORMAT", "VERSION", "Run", "Piece", "RunRows", "runs_of", "rest_of_epoch", "dropped_rows", "signature",
-           "check_state", "check_signature"]
+           "state_of", "check_state", "check_signature"]
 
 FORMAT = "gpuload.ParquetDataset"
 VERSION = 1
@@ -287,6 +287,12 @@ def _outputs(outputs) -> str:
     if not isinstance(outputs, dict):
         return repr(outputs)
     return ", ".join(f"{k}={'+'.join(v)}" if isinstance(v, list) else f"{k}={v}" for k, v in outputs.items())
+
+
+def state_of(epoch: int, runs: Sequence[Run], dataset: dict) -> dict:
+    """The state of epoch ``epoch`` run as ``runs`` in the dataset of signature ``dataset``."""
+    return {"format": FORMAT, "version": VERSION, "epoch": epoch, "runs": [r.to_list() for r in runs],
+            "dataset": dataset}
 
 
 def check_state(sd) -> tuple[int, tuple[Run, ...], dict]:

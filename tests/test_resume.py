@@ -637,7 +637,7 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     for r in range(2):
         ds = _open(source, cache, 2, r)
         ds.load_state_dict(state)
-        takes = ds._plan.rest(ds._pending, r).takes
+        takes = ds._plan.rest(ds._cursor.pending, r).takes
         assert len({(t.rank, t.window) for t in takes}) == len(takes)  # one load per window
         split += sum(len(t.spans) > 1 for t in takes)
         seen.append(_ids(list(ds)))
