@@ -62,8 +62,8 @@ Warnings are logged on the ``gpuload`` logger: a restored position dropped by
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Callable
 
 from . import plan, resume
 from .epochs import EpochPlan, Position
@@ -79,11 +79,10 @@ class Cursor:
     """The epoch position of one dataset (see the module doc for its states and transitions).
 
     ``plan``: the dataset's epochs; ``layout``: where its ranks come from; ``signature``: the
-    ``dataset`` field of its states (:func:`gpuload.resume.signature`), asked when a state is
-    written or read.
+    ``dataset`` field of its states (:func:`gpuload.resume.signature`).
     """
 
-    def __init__(self, plan: EpochPlan, layout: RankLayout, signature: Callable[[], dict]):
+    def __init__(self, plan: EpochPlan, layout: RankLayout, signature: dict):
         self._plan, self._layout, self._signature = plan, layout, signature
         self.epoch = 0
         self.pending: Position | None = None
@@ -114,7 +113,7 @@ class Cursor:
                               "or close its iterator first (leave the for loop, or call it.close()); through a "
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
-        resume.check_signature(saved, self._signature())
+        resume.check_signature(saved, self._signature)
         complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
         while len(runs) > 1 and runs[-1].taken == 0:  # a run that took no batch changed nothing
             runs = runs[:-1]
@@ -160,7 +159,7 @@ class Cursor:
                 self._plan.go_on(pending, self._plan.check(ranks), warn=False)
         else:
             epoch, runs = self.epoch, self._plan.first_run(self.ranks())
-        return resume.state_of(epoch, runs, self._signature())
+        return resume.state_of(epoch, runs, copy.deepcopy(self._signature))  # the caller's to change
 
     def ranks(self) -> Ranks:
         """The ranks of now: the running epoch's while an iteration runs (a process group changed

@@ -166,7 +166,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 f"{self.reader.max_chunk_bytes()} bytes, plus queued batches); lower chunk_bytes, shuffle_window "
                 "or prefetch")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
-        self._cursor = Cursor(self._plan, self._layout, self._signature)  # the epoch and the position in it
+        self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
 
     # -- public -------------------------------------------------------------------------
     @property

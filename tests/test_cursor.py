@@ -6,13 +6,18 @@
   StatefulDataLoader's order);
 * a state taken before the first batch, mid-epoch (in the loop or after it was left) and
   after the last batch restores where it was taken;
-* typed runs go through a state's lists unchanged (node-affine and elastic runs included).
+* typed runs go through a state's lists unchanged (node-affine and elastic runs included);
+* a tiny dataset, for what only a dataset shows: it holds its cursor without a reference cycle.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 import gpuload
@@ -31,7 +36,7 @@ SIGNATURE = {"source": "0x01", "rows": 420, "chunks": "0x02", "outputs": {"x": [
 
 def _cursor(world: int | None = 1, rank: int | None = 0, shard: str = "global", local: int | None = None) -> Cursor:
     plan = EpochPlan(ROWS, 7, Options(batch_size=32, shuffle_window=2))
-    return Cursor(plan, RankLayout(rank, world, shard, local), lambda: dict(SIGNATURE))
+    return Cursor(plan, RankLayout(rank, world, shard, local), SIGNATURE)
 
 
 def _iterate(c: Cursor, batches: int, end: bool = True):
@@ -163,3 +168,24 @@ def test_a_run_that_took_no_batch_is_not_kept():
     c.load_state_dict(_state(0, [[1, 5], [2, 0]]))  # 2 ranks began the rest and took nothing
     assert c.state_dict() == _state(0, [[1, 5]])
     assert c.begin().runs == (Run(1, 5),)
+
+
+def test_a_state_is_the_callers_to_change():
+    c = _cursor()
+    c.state_dict()["dataset"]["outputs"]["x"].append("y")
+    assert c.state_dict() == _state(0, [[1, 0]])
+
+
+def test_a_dataset_and_its_cursor_make_no_reference_cycle(tmp_path, write_parquet):
+    """Dropped, a dataset is freed at once, not at the next garbage collection (its cursor holds no
+    method of it)."""
+    write_parquet(tmp_path / "d" / "a.parquet", pa.table({"x": np.arange(300)}))
+    ds = gpuload.ParquetDataset(tmp_path / "d", batch_size=100, device="cpu", cache_dir=tmp_path / "c")
+    list(ds)
+    ref = weakref.ref(ds)
+    gc.disable()
+    try:
+        del ds
+        assert ref() is None
+    finally:
+        gc.enable()
