@@ -4,9 +4,9 @@ runs of an epoch (restored ones included).
 :class:`EpochPlan` ties :mod:`gpuload.plan` (order, shards, node shares, permutations) and
 :mod:`gpuload.resume` (runs of an epoch, its rest) to one dataset's chunks and options;
 :class:`Position` is where an epoch stands, and :class:`Rest` what a rank yields from
-there on (the windows it loads, the rows it :class:`Take` s from each, its batch sizes).
-Everything here is pure: the same inputs give the same windows, permutations and batch
-sizes on every rank, run and device.
+there on: the windows it loads, the rows it takes from each (a :class:`Take`) and its
+batch sizes. Everything here is pure: the same inputs give the same windows,
+permutations and batch sizes on every rank, run and device.
 """
 
 from __future__ import annotations
