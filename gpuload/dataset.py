@@ -3,29 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from . import plan, resume
 from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller
+from .cursor import Cursor
 from .epochs import EpochPlan, Position
 from .errors import ConfigError
 from .batch import nbytes, nrows
 from .observe.metrics import Metrics
 from .observe.stats import Stats
 from .pipeline import Background, epoch_batches
-from .ranks import RankLayout, Ranks
+from .ranks import RankLayout
 from .reader import open_reader
 from .schema import BFLOAT16
 
 __all__ = ["ParquetDataset"]
-
-log = logging.getLogger("gpuload")
 
 
 class ParquetDataset(torch.utils.data.IterableDataset):
@@ -161,11 +158,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             f"(3 x shuffle_window + prefetch + 1) chunks of up to {self.reader.max_chunk_bytes()} bytes, plus queued "
             "batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
-        self.epoch = 0
-        self._pending: Position | None = None  # restored by load_state_dict, not iterated yet
-        self._position: Position | None = None  # the latest iteration's
-        self._epoch_set = False  # set_epoch called since the last load_state_dict or iteration
-        self._advance = False  # the next iteration begins epoch + 1 (no set_epoch since the last began)
+        self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -179,15 +172,21 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return [s.name for s in self.reader.specs]
 
     @property
+    def epoch(self) -> int:
+        """The epoch of the latest iteration, or the one :meth:`set_epoch` or :meth:`load_state_dict`
+        selected since (an iteration begun without ``set_epoch`` follows the next: see the class docstring)."""
+        return self._cursor.epoch
+
+    @property
     def rank(self) -> int:
         """This process's rank: the one passed, else ``torch.distributed``'s now (the running epoch's while
         an iteration runs)."""
-        return self._ranks().rank
+        return self._cursor.ranks().rank
 
     @property
     def world_size(self) -> int:
         """Ranks sharing each epoch: the number passed, else ``torch.distributed``'s now (see :attr:`rank`)."""
-        return self._ranks().world
+        return self._cursor.ranks().world
 
     @property
     def local_world_size(self) -> int | None:
@@ -251,18 +250,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         with a warning.
         """
         check_set_epoch_caller(sys._getframe(1))
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
-        p = self._pending
-        if p is not None and epoch != p.epoch:
-            if not (epoch == p.epoch + 1 and p.complete):
-                log.warning("gpuload: set_epoch(%d) after load_state_dict: the restored position (epoch %d, "
-                            "batch %d) is dropped, and epoch %d starts from its first batch",
-                            epoch, p.epoch, p.runs[-1][1], epoch)
-            self._pending = None
-        if self._position is not None and not self._position.running:
-            self._position = None  # the next iteration starts this epoch afresh (or where a state put it)
-        self.epoch, self._epoch_set, self._advance = epoch, True, False
+        self._cursor.set_epoch(epoch)
 
     def state_dict(self) -> dict:
         """Where this dataset stands: a small JSON-serialisable dict for :meth:`load_state_dict`.
@@ -276,19 +264,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         within an epoch (in the loop, or after it was left or failed) restores to the rest
         of that epoch.
         """
-        p, runs = self._position, None
-        if p is not None and (p.running or (self._pending is None and p.epoch == self.epoch)):
-            runs = p.runs
-        elif self._pending is not None:
-            p = self._pending
-            ranks = self._layout.resolve(strict=False)  # the restored runs as these ranks will go on with them
-            runs = p.raw if ranks is None else p.runs if ranks == p.ranks else \
-                self._plan.go_on(p, self._plan.check(ranks), warn=False)
-        else:
-            p = Position(self.epoch, [])
-            runs = self._plan.first_run(self._ranks())
-        return {"format": resume.FORMAT, "version": resume.VERSION, "epoch": p.epoch,
-                "runs": [list(r) for r in runs], "dataset": self._signature()}
+        return self._cursor.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict`, here or in another process).
@@ -302,34 +278,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         state comes from a dataset with other settings (naming them), or while an
         iteration of this dataset is running.
         """
-        if self._position is not None and self._position.running:
-            raise ConfigError("load_state_dict while an iteration of this dataset is running: let it finish, "
-                              "or close its iterator first (leave the for loop, or call it.close()); through a "
-                              "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
-        epoch, runs, saved = resume.check_state(state)
-        resume.check_signature(saved, self._signature())
-        pending = Position(epoch, runs)
-        pending.complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
-        while len(runs) > 1 and runs[-1][1] == 0:  # a run that took no batch changed nothing
-            runs.pop()
-        ranks = self._layout.resolve(strict=False)
-        if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
-            pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
-        self._position = None
-        was_set, self._epoch_set = self._epoch_set, False
-        if was_set and self.epoch != epoch:
-            if pending.complete and self.epoch == epoch + 1:  # set_epoch(next) came first (a StatefulDataLoader
-                self._pending = None  # restores the dataset inside iter()): that epoch begins
-                return
-            log.warning("gpuload: load_state_dict resumes epoch %d at batch %d, not epoch %d given to set_epoch",
-                        epoch, runs[-1][1], self.epoch)
-        self.epoch, self._pending = epoch, pending
-        self._advance = pending.complete and not was_set  # an epoch that was over: the next iteration begins the next
+        self._cursor.load_state_dict(state)
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
         only the rest), for the ranks of now (see ``rank``)."""
-        return self._plan.first(self._ranks()).batches
+        return self._cursor.batches()
 
     @property
     def shard(self) -> str:
@@ -339,18 +293,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def node_chunks(self) -> list[list[int]]:
         """With ``shard="node"``: the chunks (indices into ``reader.chunks``) each node owns, in
         every epoch; node ``n`` holds global ranks ``n * local_world_size`` and on."""
-        if not self._layout.node:
-            raise ConfigError("node_chunks() is for shard='node'")
-        ranks = self._ranks()
-        return [o.tolist() for o in self._plan.node_plan(ranks.world, ranks.local)[0]]
+        return self._cursor.node_chunks()
 
     @property
     def rows_per_epoch(self) -> int:
         """Rows delivered per epoch over all ranks (``num_rows`` less what ``drop_last`` or
         node-affine sharding leaves out)."""
-        ranks = self._ranks()
-        run = self._plan.first(ranks)
-        return sum(run.sizes(r).rows_before(run.batches) for r in range(ranks.world))
+        return self._cursor.rows_per_epoch()
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
@@ -362,8 +311,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def _iterate(self) -> Iterator[dict]:
         handoff = self.reader.device.handoff(self._views, self.reader.layout, self.reader.batch_pool)
-        pos = self._begin()
-        taken = pos.runs[-1]
+        pos = self._cursor.begin()
         self.reader.resume()
         producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2)
         m = self.metrics
@@ -374,7 +322,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
-                taken[1] += 1  # counted when handed out: a state taken now resumes after this batch
+                pos.take()  # counted when handed out: a state taken now resumes after this batch
                 yield batch
                 t0 = m.clock()
             m.consumer_end(t0, m.clock())
@@ -388,29 +336,6 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 producer.stop.set()
                 self.reader.interrupt()
             producer.close()
-
-    def _begin(self) -> Position:
-        """The position the iteration starting now follows: the next epoch's start if no set_epoch
-        came since the previous iteration began, else the restored position, else the epoch's start."""
-        ranks = self._plan.check(self._layout.resolve())  # each epoch asks torch.distributed again
-        if self._advance:
-            self.epoch, self._pending = self.epoch + 1, None
-        p = self._pending
-        runs = self._plan.first_run(ranks) if p is None or p.epoch != self.epoch else \
-            p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=True)
-        pos = Position(self.epoch, runs, ranks)
-        self._pending, self._epoch_set, self._advance = None, False, True
-        pos.running = True
-        self._position = pos
-        return pos
-
-    def _ranks(self) -> Ranks:
-        """The ranks of now: the running epoch's while an iteration runs (a process group changed
-        since it began is the next epoch's concern), else the layout's."""
-        p = self._position
-        if p is not None and p.running and p.ranks is not None:
-            return p.ranks
-        return self._plan.check(self._layout.resolve())
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -449,27 +374,19 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
-        epoch = self.epoch if epoch is None else epoch
-        ranks = self._ranks()
-        first = self._plan.first_run(ranks)[0]
-        return self._plan.windows(epoch, first[0], ranks.rank, *first[2:]), self._plan.first(ranks).sizes(ranks.rank)
+        return self._cursor.plan_epoch(epoch)
 
     def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
         o, r = self.options, self.reader
-        windows, takes, sizes = self._plan.rest(pos, pos.ranks.rank)
+        rest = self._plan.rest(pos, pos.ranks.rank)
         device = r.device
-        permutation = None
-        if o.shuffled:
-            def permutation(i: int, n: int):
-                q, w, spans = takes[i]
-                key = dict(fingerprint=r.fingerprint, seed=o.seed, epoch=pos.epoch, rank=q, window=w)
-                perm = plan.window_permutation(n, **key) if o.block is None else \
-                    plan.block_permutation(n, o.block, **key)
-                perm = perm[spans[0][0]:spans[0][1]] if len(spans) == 1 else np.concatenate(
-                    [perm[lo:hi] for lo, hi in spans])
-                return device.upload_index(perm)  # the same order on both paths
+
+        def permutation(i: int, n: int):  # window i's rows, the same order on every device
+            return device.upload_index(self._plan.permutation(pos.epoch, rest.takes[i], n))
+
         remote = r.has_remote
-        yield from epoch_batches(windows, sizes, r.load, permutation, handoff, threads=o.num_threads,
+        yield from epoch_batches(rest.loads, rest.sizes, r.load, permutation if self._plan.shuffled else None, handoff,
+                                 threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
                                  batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)

@@ -7,10 +7,12 @@ the same on every rank: rank 0's state is enough to restore all of them.
 
 Runs of an epoch
 ----------------
-An epoch may be run in several *runs*, one per job that worked on it: ``[(W0, k0),
-(W1, k1), ...]``, where run ``i`` had ``Wi`` ranks that took ``ki`` batches each. The
-first run follows the ordinary plan for ``W0`` ranks (``[W0, k0, L]``: the node-affine
-plan of ``W0 / L`` nodes of ``L`` ranks each, see :mod:`gpuload.plan`). When a state is
+An epoch may be run in several *runs*, one per job that worked on it: ``[Run(W0, k0),
+Run(W1, k1), ...]``, where run ``i`` had ``Wi`` ranks that took ``ki`` batches each (a
+:class:`Run`; a state writes it as the list ``[Wi, ki]``). The first run follows the
+ordinary plan for ``W0`` ranks (``Run(W0, k0, L)``, written ``[W0, k0, L]``: the
+node-affine plan of ``W0 / L`` nodes of ``L`` ranks each, see :mod:`gpuload.plan`);
+:class:`RunRows` is a run with its rows, batches and each rank's share. When a state is
 restored on the same number of ranks (and the same plan) as its last run, that run
 simply goes on at batch ``k``: the rest
 is bit-identical to a run that was never interrupted. When it is restored on another
@@ -44,7 +46,7 @@ differs raises a :class:`~gpuload.ConfigError` that names the fields.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
@@ -52,11 +54,34 @@ import xxhash
 from . import plan
 from .errors import ConfigError
 
-__all__ = ["FORMAT", "VERSION", "Piece", "Run", "runs_of", "rest_of_epoch", "dropped_rows", "signature",
-           "check_state", "check_signature"]
+__all__ = ["FORMAT", "VERSION", "Run", "Piece", "RunRows", "runs_of", "rest_of_epoch", "dropped_rows", "signature",
+           "state_of", "check_state", "check_signature"]
 
 FORMAT = "gpuload.ParquetDataset"
 VERSION = 1
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of an epoch: ``world`` ranks that took ``taken`` batches each; ``local``: the ranks
+    per node of a node-affine first run (``shard="node"``), else None."""
+
+    world: int
+    taken: int
+    local: int | None = None
+
+    @classmethod
+    def from_list(cls, saved: Sequence[int]) -> Run:
+        """The run a state's ``[world, taken]`` or ``[world, taken, local]`` stands for."""
+        return cls(*(int(v) for v in saved))
+
+    def to_list(self) -> list[int]:
+        """The run as a state writes it: ``[world, taken]``, or ``[world, taken, local]``."""
+        return [self.world, self.taken] + ([] if self.local is None else [self.local])
+
+    def took(self, batches: int = 1) -> Run:
+        """The run after each of its ranks took ``batches`` more batches."""
+        return replace(self, taken=self.taken + batches)
 
 
 @dataclass(frozen=True)
@@ -81,8 +106,8 @@ def _deliverable(total: int, world: int, batch_size: int, drop_last: bool) -> in
     return total if total >= world else 0
 
 
-class Run:
-    """One run of an epoch: ``world`` ranks over ``total`` rows, each taking ``taken`` batches.
+class RunRows:
+    """A :class:`Run` with its rows: ``world`` ranks over ``total`` rows, each taking ``taken`` batches.
 
     With ``per_rank`` (node-affine sharding, a first run only), every rank takes exactly
     ``per_rank`` rows of its own stream; ``total`` is then ``world * per_rank``.
@@ -128,25 +153,25 @@ class Run:
         return self.taken == self.batches
 
 
-def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_last: bool,
-            node_rows: Callable[[int, int], int] | None = None) -> list[Run]:
-    """The :class:`Run` objects of an epoch of ``total`` rows run as ``[(world, taken), ...]``.
+def runs_of(total: int, runs: Sequence[Run], batch_size: int, drop_last: bool,
+            node_rows: Callable[[int, int], int] | None = None) -> list[RunRows]:
+    """The :class:`RunRows` of an epoch of ``total`` rows run as ``runs``.
 
-    A first run ``[world, taken, local_world_size]`` was node-affine:
-    ``node_rows(world, local_world_size)`` gives the rows each of its ranks takes
-    (:func:`gpuload.plan.node_shares`). Raises :class:`ConfigError` where the runs are
-    impossible (more batches taken than a run has, ranks that could not share the epoch).
+    A first run with ``local`` set was node-affine: ``node_rows(world, local)`` gives the rows
+    each of its ranks takes (:func:`gpuload.plan.node_shares`). Raises :class:`ConfigError`
+    where the runs are impossible (more batches taken than a run has, ranks that could not
+    share the epoch).
     """
-    out: list[Run] = []
-    for i, (world, taken, *local) in enumerate(runs):
+    out: list[RunRows] = []
+    for i, (world, taken, local) in enumerate((r.world, r.taken, r.local) for r in runs):
         per = None
-        if i == 0 and local:
+        if i == 0 and local is not None:
             if node_rows is None:
                 raise ConfigError("state: its epoch ran node-affine (shard='node'), which this dataset cannot plan")
             try:
-                per = node_rows(world, local[0])
+                per = node_rows(world, local)
             except ConfigError as e:
-                raise ConfigError(f"state: its epoch ran on {world // local[0]} nodes of {local[0]} ranks, which "
+                raise ConfigError(f"state: its epoch ran on {world // local} nodes of {local} ranks, which "
                                   f"this dataset cannot have ({e}); the state was not saved from this dataset") from None
             rows = world * per
         elif i == 0:
@@ -157,7 +182,7 @@ def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_las
         else:
             offered = out[-1].left()
             rows = _deliverable(offered, world, batch_size, drop_last)
-        run = Run(world, taken, rows, batch_size, drop_last, per)
+        run = RunRows(world, taken, rows, batch_size, drop_last, per)
         if not 0 <= taken <= run.batches:
             raise ConfigError(f"state: run {i} ({world} ranks) took {taken} batches, but it has {run.batches}; "
                               "the state was not saved from this dataset")
@@ -165,7 +190,7 @@ def runs_of(total: int, runs: Sequence[Sequence[int]], batch_size: int, drop_las
     return out
 
 
-def dropped_rows(runs: Sequence[Run]) -> int:
+def dropped_rows(runs: Sequence[RunRows]) -> int:
     """Rows of the rest of the epoch that the last run cannot give out evenly (0 for one run)."""
     if len(runs) < 2:
         return 0
@@ -184,7 +209,7 @@ def _slice_windows(rows: Sequence[int], rank: int, a: int, b: int) -> list[Piece
     return pieces
 
 
-def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Run],
+def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[RunRows],
                   rank: int) -> tuple[list[Piece], plan.BatchSizes]:
     """What rank ``rank`` of the last run still yields: its pieces of windows, and batch sizes.
 
@@ -264,7 +289,13 @@ def _outputs(outputs) -> str:
     return ", ".join(f"{k}={'+'.join(v)}" if isinstance(v, list) else f"{k}={v}" for k, v in outputs.items())
 
 
-def check_state(sd) -> tuple[int, list[list[int]], dict]:
+def state_of(epoch: int, runs: Sequence[Run], dataset: dict) -> dict:
+    """The state of epoch ``epoch`` run as ``runs`` in the dataset of signature ``dataset``."""
+    return {"format": FORMAT, "version": VERSION, "epoch": epoch, "runs": [r.to_list() for r in runs],
+            "dataset": dataset}
+
+
+def check_state(sd) -> tuple[int, tuple[Run, ...], dict]:
     """Validate a state's structure; returns ``(epoch, runs, dataset signature)``."""
     if not isinstance(sd, dict) or sd.get("format") != FORMAT:
         raise ConfigError(f"load_state_dict: not a gpuload ParquetDataset state (format={_peek(sd)!r}); pass "
@@ -296,7 +327,7 @@ def check_state(sd) -> tuple[int, list[list[int]], dict]:
                                               and all(isinstance(c, str) for c in v) for k, v in outputs.items())):
         raise ConfigError(f"load_state_dict: dataset.outputs={outputs!r} must map each output's name to the list "
                           "of its column names; the state was not saved by gpuload")
-    return epoch, [[int(v) for v in r] for r in runs], dataset
+    return epoch, tuple(Run.from_list(r) for r in runs), dataset
 
 
 def _peek(sd) -> object:

@@ -61,10 +61,10 @@ def _simulate(total: int, batch: int, drop_last: bool, chain: list[tuple[int, fl
         bounds = [0, *cuts, stop - start]
         ids[q] = [rng.permutation(np.arange(start + a, start + b)) for a, b in zip(bounds, bounds[1:]) if b > a]
     window_rows = lambda q: [len(w) for w in ids[q]]  # noqa: E731
-    runs_so_far: list[list[int]] = []
+    runs_so_far: list[resume.Run] = []
     taken, counts = [], []
     for i, (world, frac) in enumerate(chain):
-        runs = resume.runs_of(total, runs_so_far + [[world, 0]], batch, drop_last)
+        runs = resume.runs_of(total, runs_so_far + [resume.Run(world, 0)], batch, drop_last)
         last = i == len(chain) - 1
         k = runs[-1].batches if last else int(frac * runs[-1].batches)
         per_rank = []
@@ -78,7 +78,7 @@ def _simulate(total: int, batch: int, drop_last: bool, chain: list[tuple[int, fl
             per_rank.append(len(sizes))
             taken.append(seq[:sizes.rows_before(k)])
         counts.append(per_rank)
-        runs_so_far.append([world, k])
+        runs_so_far.append(resume.Run(world, k))
     return np.concatenate(taken), resume.runs_of(total, runs_so_far, batch, drop_last)
 
 
@@ -106,7 +106,7 @@ def test_runs_of_an_epoch_deliver_each_row_at_most_once(total, batch, drop_last,
 
 
 def test_same_world_size_continues_the_run():
-    runs = resume.runs_of(100, [[2, 3]], 8, False)
+    runs = resume.runs_of(100, [resume.Run(2, 3)], 8, False)
     pieces, sizes = resume.rest_of_epoch(lambda q: [20, 30], runs, 1)
     assert [(p.rank, p.window, p.lo, p.hi) for p in pieces] == [(1, 1, 4, 30)]
     assert list(sizes) == list(plan.batch_sizes(100, 2, 1, 8, False))[3:]
@@ -114,9 +114,9 @@ def test_same_world_size_continues_the_run():
 
 def test_impossible_runs_are_refused():
     with pytest.raises(gpuload.ConfigError, match="took 99 batches"):
-        resume.runs_of(100, [[2, 99]], 8, False)
+        resume.runs_of(100, [resume.Run(2, 99)], 8, False)
     with pytest.raises(gpuload.ConfigError, match="cannot be shared"):
-        resume.runs_of(3, [[4, 0]], 8, False)
+        resume.runs_of(3, [resume.Run(4, 0)], 8, False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -637,9 +637,9 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
     for r in range(2):
         ds = _open(source, cache, 2, r)
         ds.load_state_dict(state)
-        windows, takes, _ = ds._plan.rest(ds._pending, r)
-        assert len({(q, w) for q, w, _ in takes}) == len(takes)  # one load per window
-        split += sum(len(spans) > 1 for _, _, spans in takes)
+        takes = ds._plan.rest(ds._cursor.pending, r).takes
+        assert len({(t.rank, t.window) for t in takes}) == len(takes)  # one load per window
+        split += sum(len(t.spans) > 1 for t in takes)
         seen.append(_ids(list(ds)))
     assert split  # some window had rows taken from its middle by the 3-rank run
     ids = np.concatenate(seen)
