@@ -79,7 +79,7 @@ def test_elastic_rests_read_each_window_once_and_share_the_rows_left():
 
 @pytest.mark.parametrize("block_rows", [None, 4])
 def test_permutation_is_the_window_permutation_cut_to_the_spans(block_rows):
-    p = _plan(block_rows=block_rows)
+    p = _plan(**({} if block_rows is None else {"shuffle": "block", "block_rows": block_rows}))
     key = dict(fingerprint=FINGERPRINT, seed=0, epoch=5, rank=1, window=2)
     whole = plan.window_permutation(20, **key) if block_rows is None else plan.block_permutation(20, 4, **key)
     np.testing.assert_array_equal(p.permutation(5, Take(1, 2, ((0, 20),)), 20), whole)
