@@ -195,25 +195,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     @property
     def device_bytes_bound(self) -> int:
-        """Upper bound of the device memory the loader holds at once, in bytes (GPU path).
-
-        The window being cut (``shuffle_window`` chunks), the next one's chunks and their
-        concatenation (2 x ``shuffle_window``), the chunks loaded ahead (``prefetch``) and
-        one being decoded, plus the batches
-        queued for the consumer and being cut (``prefetch + 4``, with 16 bytes per row
-        for the gather's index arrays). While cuDF decodes (the first epoch), two more
-        chunks per loader thread (``num_threads``) for the converted columns packed into
-        the storage layout, and 24 bytes per row for the index arrays of null masks;
-        cuDF's own decode buffers come from RMM and are not counted.
-        Independent of the dataset's size.
-        """
-        o, r = self.options, self.reader
-        chunk = r.max_chunk_bytes()
-        row = chunk / max(1, max((c.rows for c in r.chunks), default=1))
-        rows = max((c.rows for c in r.chunks), default=0)
-        decoding = o.num_threads * (2 * chunk + 24 * rows) if getattr(r.decode, "name", "") == "gpu" else 0
-        return int((3 * o.shuffle_window + o.prefetch + 1) * chunk + decoding
-                   + (o.prefetch + 4) * o.batch_size * (row + 16))
+        """Upper bound of the device memory the loader holds at once, in bytes (GPU path):
+        windows, chunks loaded ahead, queued batches and, while cuDF decodes, the converted
+        chunks per loader thread (:func:`gpuload.memory.device_bound` gives the terms).
+        Independent of the dataset's size; ``max_device_bytes`` refuses settings above a limit."""
+        return self.reader.device_bound()
 
     @property
     def host_bytes_bound(self) -> int:

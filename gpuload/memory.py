@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["HostPool", "HostBudget", "host_budget"]
+__all__ = ["device_bound", "HostPool", "HostBudget", "host_budget"]
 
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
 
@@ -178,3 +178,22 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     return HostBudget(windows=windows, chunks=chunks, batches=(prefetch + 6) * batch,
                       decode=num_threads * (4 if block else 3) * c, writes=pending_writes * c, remote=remote_bytes,
                       trace=int(trace_bytes))
+
+
+def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_window: int, prefetch: int,
+                 num_threads: int, gpu_decode: bool) -> int:
+    """Upper bound of the device memory the GPU path holds at once, in bytes.
+
+    With C the largest chunk's converted bytes (``chunk_bytes``) and R its rows
+    (``chunk_rows``): the window being cut (``shuffle_window`` C), the next one's chunks and
+    their concatenation (2 x ``shuffle_window`` C), the chunks loaded ahead (``prefetch`` C)
+    and one being decoded (C), plus the batches queued for the consumer and being cut
+    (``prefetch + 4`` of ``batch_size`` rows, with 16 bytes per row for the gather's index
+    arrays). While cuDF decodes (``gpu_decode``, the first epoch), two more chunks per loader
+    thread (``num_threads``) for the converted columns packed into the storage layout, and
+    24 bytes per row for the index arrays of null masks; cuDF's own decode buffers come from
+    RMM and are not counted. Independent of the dataset's size.
+    """
+    row = chunk_bytes / max(1, chunk_rows)
+    decoding = num_threads * (2 * chunk_bytes + 24 * chunk_rows) if gpu_decode else 0
+    return int((3 * shuffle_window + prefetch + 1) * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))

@@ -29,7 +29,7 @@ from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
-from .memory import HostBudget, HostPool, host_budget
+from .memory import HostBudget, HostPool, device_bound, host_budget
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -152,6 +152,14 @@ class ChunkReader:
                            shuffle=o.shuffled, block=o.block is not None,
                            remote=self.remote if self.has_remote else None,
                            trace_bytes=self.metrics.max_trace_nbytes() if self.metrics is not None else 0)
+
+    def device_bound(self) -> int:
+        """What the GPU path of this dataset can hold in device memory at once (see
+        :func:`gpuload.memory.device_bound`)."""
+        o = self.opts
+        return device_bound(self.max_chunk_bytes(), max((c.rows for c in self.chunks), default=0),
+                            batch_size=o.batch_size, shuffle_window=o.shuffle_window, prefetch=o.prefetch,
+                            num_threads=o.num_threads, gpu_decode=self.device.gpu_decode)
 
     def load(self, i: int) -> dict:
         """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows).
