@@ -69,3 +69,33 @@ def test_readers_open_on_the_device_of_their_options(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(10, dtype=np.int64)})
     reader = open_reader(Source(path), Options(device="cpu", cache_dir=tmp_path / "c"))
     assert isinstance(reader.device, Host) and reader.device.torch_device == torch.device("cpu")
+
+
+def test_the_cuda_device_offers_the_same_calls_through_its_context(tmp_path):
+    """device.Cuda on a stand-in context (no GPU here): the pipeline's sides, uploads and cache
+    reads go to the loader's DeviceContext; decoding is cuDF's only where asked."""
+    import types
+
+    from gpuload.decode import GpuDecoder
+    from gpuload.device import Cuda
+
+    calls = []
+    ctx = types.SimpleNamespace(device=torch.device("cuda", 1), reading=lambda: "read", batching=lambda: "batch",
+                                handover=lambda c: ("ev", c), receive=lambda item: item[1],
+                                upload=lambda c: calls.append("upload") or c, upload_index=lambda i: ("dev", i),
+                                to_host=lambda c: c)
+    dev = Cuda(ctx, gpu_decode=False)
+    assert dev.torch_device == torch.device("cuda", 1) and dev.reading() == "read" and dev.batching() == "batch"
+    assert dev.receive(dev.handover({"a": 1})) == {"a": 1} and dev.upload_index(3) == ("dev", 3)
+    assert dev.upload({"a": 1}) == {"a": 1} and calls == ["upload"]
+    assert dev.host_alloc(HostPool()) is None  # windows and batches are CuPy's
+    cpu = object()
+    assert dev.decoder(cpu, None) is cpu
+    gpu = Cuda(ctx, gpu_decode=True).decoder(cpu, None)
+    assert isinstance(gpu, GpuDecoder) and gpu.fallback is cpu and gpu.ctx is ctx
+    cache = dev.cache(Options(cache_dir=tmp_path / "c", verify_checksums=False), None, HostPool())
+    assert cache._to_host is ctx.to_host and cache._trust_writes and cache._read_fn is not None
+    dev.check_bound(100, None, "terms")
+    dev.check_bound(100, 100, "terms")
+    with pytest.raises(gpuload.ConfigError, match=r"max_device_bytes=99: these settings may hold up to 100 bytes .*terms"):
+        dev.check_bound(100, 99, "terms")
