@@ -58,6 +58,7 @@ def test_a_cache_that_is_not_a_folder_fails_the_build_naming_it(data, tmp_path, 
         gpuload.build_cache(data, cache, COLUMNS, chunk_bytes=CHUNK)
 
 
+@pytest.mark.slow
 def test_the_real_command_exits_non_zero_in_one_line(data, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()

@@ -194,6 +194,7 @@ def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, c
     assert len(list(cache.rglob("*.glc"))) == 2 * len(specs)
 
 
+@pytest.mark.slow
 def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
     """`cache build s3://...` and `profile s3://...` against a loopback S3 server, in subprocesses."""
     pytest.importorskip("moto")
@@ -222,6 +223,7 @@ def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
         assert s3.count("GET", ".parquet") == 0
 
 
+@pytest.mark.slow  # the real command, and a Dask cluster of worker processes
 def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     cache = str(tmp_path / "c")
     r = run("cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--workers", "2")

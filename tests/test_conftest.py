@@ -191,6 +191,7 @@ def test_auto_on_purpose(tmp_path):
 """
 
 
+@pytest.mark.slow  # a pytest session of its own
 def test_guard_in_a_real_session(pytester):
     """The hooks and the teardown check, in a pytest session of their own with this conftest."""
     from pathlib import Path

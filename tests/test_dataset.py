@@ -699,6 +699,7 @@ def test_dataloader_without_workers(click, tmp_path):
         click.ref.check(b)
 
 
+@pytest.mark.slow  # the DataLoader starts a worker process
 def test_dataloader_with_workers_is_refused(click, tmp_path):
     ds = click.open(tmp_path / "cache")
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)

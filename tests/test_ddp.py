@@ -33,6 +33,8 @@ import torch
 
 from conftest import write_parquet
 
+pytestmark = pytest.mark.slow  # torchrun and its ranks
+
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 ROWS = 4003
 BATCH = 64

@@ -564,6 +564,7 @@ json.dump(results, open(out, "w"))
 """
 
 
+@pytest.mark.slow
 def test_restore_in_a_fresh_process(source, tmp_path):
     cache = tmp_path / "c"
     ref_run, states = _reference(_open(source, cache), [0, 1, 2])

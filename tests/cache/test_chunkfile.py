@@ -163,6 +163,7 @@ TRUNCATE_WHILE_HELD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_truncating_a_cache_file_in_place_cannot_hurt_a_held_batch(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -320,6 +320,7 @@ def test_lock_retries_when_its_file_is_removed(tmp_path):
     assert Lock(root, (LAYOUT_DIR, "ab"), "x.lock").acquire(blocking=False)
 
 
+@pytest.mark.slow
 def test_a_lock_held_by_a_stopped_process_never_blocks_a_reader(data, tmp_path, reference, caplog):
     """A builder that holds a chunk's lock and never finishes (stopped, hung): readers wait
     ``lock_patience`` seconds, then decode the chunk themselves, with one warning."""
@@ -395,7 +396,7 @@ def test_delete_and_unlink_never_leave_the_cache(tmp_path):
 
 
 LAYOUT_ODD = ["layout_file", "layout_link", "layout_fifo", "specs_link", "specs_file", "spec_json_link",
-              "spec_json_garbage", "layout_000"]
+              "spec_json_garbage", pytest.param("layout_000", marks=pytest.mark.slow)]  # an unprivileged process
 
 
 @pytest.mark.parametrize("kind", LAYOUT_ODD)
@@ -531,6 +532,7 @@ def shared(tmp_path):
     shutil.rmtree(base)
 
 
+@pytest.mark.slow
 @modes_apply
 @pytest.mark.parametrize("missing", [0, 1])
 def test_read_only_cache_of_another_user_is_served(data, shared, missing, reference):
@@ -560,6 +562,7 @@ def test_read_only_cache_of_another_user_is_served(data, shared, missing, refere
     assert _tree(cache) == before  # nothing written, nothing locked into existence
 
 
+@pytest.mark.slow
 @modes_apply
 def test_mode_000_chunk_and_folder_are_decoded_with_a_warning(data, shared, reference):
     d = shared / "data"
@@ -603,6 +606,7 @@ def tiny_fs(tmp_path):
         subprocess.run(["umount", "-l", str(p)], capture_output=True)
 
 
+@pytest.mark.slow  # mount and umount a tmpfs
 @pytest.mark.parametrize("opts", [dict(size="160k", nr_inodes=1000), dict(size="64m", nr_inodes=12),
                                   dict(size="64m", nr_inodes=5)])
 def test_full_disk_or_inodes_serve_exact_data(data, tiny_fs, opts, reference, caplog):

@@ -538,6 +538,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["complete_temp", "partial_temp", "sigkill_in_rename"])
 def test_killed_writer_leaves_nothing_readable(click, tmp_path, mode):
     data, files, ref = click
@@ -629,6 +630,7 @@ with open(out + ".json", "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_each_chunk_once(tmp_path, device):
     """4 processes (on a GPU: 4 processes on one GPU) fill one cache folder at once."""
     data = tmp_path / "data"
@@ -689,6 +691,7 @@ ds.reader.load(0)
 """
 
 
+@pytest.mark.slow
 def test_lock_of_killed_process_does_not_block(click, tmp_path):
     data, files, ref = click
     cache = tmp_path / "cache"

@@ -367,6 +367,7 @@ _BUSY_CONSUMER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.gpu
 @pytest.mark.parametrize("allocator", ["torch", pytest.param("rmm", marks=pytest.mark.cudf)])
 @pytest.mark.parametrize("index", [0, 1])
