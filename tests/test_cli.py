@@ -258,23 +258,6 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     assert r.returncode == 2 and "give --nodes N" in r.stderr
 
 
-@pytest.mark.parametrize("flags,kw", [([], {}), (["--layout", "columns"], {"layout": "columns"}),
-                                      (["--block-rows", "64"], {"shuffle": "block", "block_rows": 64})])
-def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data, tmp_path, flags, kw):
-    """`cache build` with --layout/--block-rows builds exactly the files the matching dataset reads."""
-    import gpuload
-
-    cache = str(tmp_path / "c")
-    columns = "label,dense_0,dense_1,cat_0,cat_1"
-    assert main(["cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "1", "--columns", columns,
-                 *flags]) == 0
-    ds = gpuload.ParquetDataset(data, columns.split(","), cache_dir=cache, chunk_bytes=1 << 20, device="cpu",
-                                batch_size=4096, **kw)
-    assert sum(len(b["label"]) for b in ds) == 20_000
-    assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache == len(ds.reader.chunks)
-    assert main(["cache", "verify", "--cache-dir", cache]) == 0
-
-
 def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_them(tmp_path, cli):
     import json
 
