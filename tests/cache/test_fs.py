@@ -31,6 +31,8 @@ from gpuload.cache.fs import CacheRoot, ForeignEntry, Lock
 from gpuload.cli import main
 from gpuload.synth import clicklog_columns, write_clicklog
 
+from conftest import dataset_factory, python, spawn
+
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}
 CHUNK_BYTES = 1 << 14
 
@@ -39,13 +41,7 @@ def _data(path, rows=3000, files=3):
     return write_clicklog(path, rows=rows, files=files, row_group_rows=250, dense=2, sparse=2, list_max=3)
 
 
-def _ds(data, cache, **kw):
-    kw.setdefault("batch_size", 400)
-    return gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, chunk_bytes=CHUNK_BYTES, device="cpu", **kw)
-
-
-def _ids(ds) -> np.ndarray:
-    return np.concatenate([b["row_id"].numpy() for b in ds])
+_ds = dataset_factory(COLUMNS, batch_size=400, chunk_bytes=CHUNK_BYTES)
 
 
 def _exact(ds, n):
@@ -329,11 +325,10 @@ def test_a_lock_held_by_a_stopped_process_never_blocks_a_reader(data, tmp_path, 
     chunks = sorted(cache.rglob("*.glc"))
     for p in chunks[:2]:
         p.unlink()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               "fds = [os.open(p, os.O_RDONLY | os.O_CREAT) for p in sys.argv[1:]]\n"
-                               "[fcntl.flock(fd, fcntl.LOCK_EX) for fd in fds]\nprint('held', flush=True)\n"
-                               "time.sleep(600)", *[str(p) + ".lock" for p in chunks[:2]]],
-                              stdout=subprocess.PIPE, text=True)
+    holder = spawn(python("import fcntl, os, sys, time\n"
+                          "fds = [os.open(p, os.O_RDONLY | os.O_CREAT) for p in sys.argv[1:]]\n"
+                          "[fcntl.flock(fd, fcntl.LOCK_EX) for fd in fds]\nprint('held', flush=True)\n"
+                          "time.sleep(600)", *[str(p) + ".lock" for p in chunks[:2]]), stderr=None)
     try:
         assert holder.stdout.readline().strip() == "held"
         caplog.set_level(logging.WARNING, logger="gpuload")

@@ -26,7 +26,7 @@ from gpuload.cache.store import ChunkCache, ChunkKey, read_chunk, write_chunk
 from gpuload.gpu import runtime as gpu
 from gpuload.handoff import resolve_device
 
-from conftest import write_parquet
+from conftest import open_dataset, write_parquet
 from typecases import RICH_COLUMNS, RICH_FILL, rich_table
 
 
@@ -226,7 +226,7 @@ def _assert_same(a: list[dict], b: list[dict]):
 def _ds(data, cache, device, **kw):
     kw.setdefault("batch_size", 4096)
     kw.setdefault("chunk_bytes", 1 << 20)
-    return gpuload.ParquetDataset(data, RICH_COLUMNS, fill_nulls=RICH_FILL, cache_dir=cache, device=device, **kw)
+    return open_dataset(data, RICH_COLUMNS, cache, fill_nulls=RICH_FILL, device=device, **kw)
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 from gpuload.testing import Faults, HttpServer, S3Server  # noqa: E402
 
-from conftest import write_parquet  # noqa: E402
+from conftest import open_dataset, python, spawn, write_parquet  # noqa: E402
 from typecases import DTYPES, FILL, NATIVE, write_every_type  # noqa: E402
 
 N_FILES, ROWS, RG = 3, 3000, 500
@@ -127,8 +127,8 @@ def bucket(s3, tmp_path):
 
 
 def _open(url, s3, cache, **kw):
-    return gpuload.ParquetDataset(url, COLUMNS, batch_size=700, cache_dir=cache, storage_options=s3.storage_options,
-                                  chunk_bytes=120_000, **{"device": "cpu", **kw})
+    return open_dataset(url, COLUMNS, cache, batch_size=700, storage_options=s3.storage_options, chunk_bytes=120_000,
+                        **kw)
 
 
 def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_request(s3, bucket, tmp_path):
@@ -559,14 +559,11 @@ def test_ctrl_c_during_a_stalled_remote_epoch_exits_at_once(s3, bucket, tmp_path
     import json
     import signal
     import subprocess
-    import sys
     import time
 
     src = _stalling(s3, bucket, tmp_path / "c")
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _CTRL_C, src, str(tmp_path / "c"),
-                                 json.dumps(s3.storage_options)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = spawn(python(_CTRL_C, src, tmp_path / "c", json.dumps(s3.storage_options)))
         assert proc.stdout.readline().strip() == "iterating"
         time.sleep(2)  # its first chunks' requests are stalled now
         t0 = time.monotonic()
