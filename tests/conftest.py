@@ -44,6 +44,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import importlib.util
 import os
@@ -270,9 +271,8 @@ def gpuload_threads(include_writer=True) -> list[str]:
 
 def wait_no_threads(include_writer=True, timeout=3.0) -> list[str]:
     """Wait up to ``timeout`` seconds for gpuload's threads to end; returns those still running."""
-    t0 = time.monotonic()
-    while gpuload_threads(include_writer) and time.monotonic() - t0 < timeout:
-        time.sleep(0.02)
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not gpuload_threads(include_writer), timeout, interval=0.02)
     return gpuload_threads(include_writer)
 
 

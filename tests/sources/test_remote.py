@@ -23,7 +23,7 @@ pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 from gpuload.testing import Faults, HttpServer, S3Server  # noqa: E402
 
-from conftest import open_dataset, python, spawn, write_parquet  # noqa: E402
+from conftest import open_dataset, python, spawn, wait_until, write_parquet  # noqa: E402
 from typecases import DTYPES, FILL, NATIVE, write_every_type  # noqa: E402
 
 N_FILES, ROWS, RG = 3, 3000, 500
@@ -472,7 +472,6 @@ def test_hive_partitions_of_a_remote_prefix_and_a_mixed_list(s3, tmp_path):
 def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
     import gc
     import threading
-    import time
 
     folder, tables = http_files
     with HttpServer(folder) as srv:
@@ -481,9 +480,8 @@ def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
         del ds
         assert rows == ROWS
         gc.collect()
-        t0 = time.monotonic()
-        while any(t.name.startswith("gpuload-fetch") for t in threading.enumerate()) and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
+        wait_until(lambda: not any(t.name.startswith("gpuload-fetch") for t in threading.enumerate()), timeout=5,
+                   interval=0.02, what="gpuload-fetch threads still running")
         assert not [t.name for t in threading.enumerate() if t.name.startswith("gpuload-fetch")]
 
 
