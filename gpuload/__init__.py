@@ -5,42 +5,75 @@ disk, and every later epoch is fed from that cache by background threads, shuffl
 deterministically and sharded evenly across ranks.
 """
 
-from .batch import Ragged
-from .build import CacheSummary, build_cache
-from .dataset import ParquetDataset
-from .observe.diagnose import Diagnosis, diagnose
-from .sources.settings import RemoteSettings, RemoteStats
-from .gpu.runtime import gpu_status, share_rmm_pool
+import importlib
+import pkgutil
+from typing import TYPE_CHECKING
+
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
-from .observe.metrics import Metrics
-from .observe.stats import StageStats, Stats
-from .observe.watch import Watched, watch
+
+if TYPE_CHECKING:  # imported on first use (``__getattr__`` below): ``import gpuload`` does not import torch
+    from .batch import Ragged
+    from .build import CacheSummary, build_cache
+    from .dataset import ParquetDataset
+    from .gpu.runtime import gpu_status, share_rmm_pool
+    from .observe.diagnose import Diagnosis, diagnose
+    from .observe.metrics import Metrics
+    from .observe.stats import StageStats, Stats
+    from .observe.watch import Watched, watch
+    from .sources.settings import RemoteSettings, RemoteStats
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParquetDataset",
-    "build_cache",
-    "CacheSummary",
-    "share_rmm_pool",
-    "gpu_status",
-    "Ragged",
-    "watch",
-    "Watched",
-    "Metrics",
-    "Stats",
-    "StageStats",
-    "RemoteSettings",
-    "RemoteStats",
-    "diagnose",
-    "Diagnosis",
-    "GpuloadError",
-    "ConfigError",
-    "SourceError",
-    "SchemaError",
-    "NullValuesError",
-    "CacheError",
-    "CorruptCacheError",
+    "ParquetDataset", "build_cache", "CacheSummary", "share_rmm_pool", "gpu_status", "Ragged",
+    "watch", "Watched", "Metrics", "Stats", "StageStats", "RemoteSettings", "RemoteStats", "diagnose", "Diagnosis",
+    "GpuloadError", "ConfigError", "SourceError", "SchemaError", "NullValuesError", "CacheError", "CorruptCacheError",
     "__version__",
 ]
+
+
+# where each public name lives; imported when first asked for (PEP 562), so that ``import gpuload``
+# and the ``gpuload`` command start without torch, which only datasets and metrics need
+_LAZY = {
+    "Ragged": ".batch",
+    "CacheSummary": ".build",
+    "build_cache": ".build",
+    "ParquetDataset": ".dataset",
+    "gpu_status": ".gpu.runtime",
+    "share_rmm_pool": ".gpu.runtime",
+    "Diagnosis": ".observe.diagnose",
+    "diagnose": ".observe.diagnose",
+    "Metrics": ".observe.metrics",
+    "StageStats": ".observe.stats",
+    "Stats": ".observe.stats",
+    "Watched": ".observe.watch",
+    "watch": ".observe.watch",
+    "RemoteSettings": ".sources.settings",
+    "RemoteStats": ".sources.settings",
+}
+
+
+
+def __getattr__(name):
+    where = _LAZY.get(name)
+    if where is not None:
+        value = getattr(importlib.import_module(where, __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__"):  # a submodule not imported yet (``gpuload.decode``), as when all were
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_HIDDEN = {"importlib", "pkgutil", "TYPE_CHECKING", "_LAZY", "_HIDDEN", "__getattr__", "__dir__"}
+
+
+def __dir__():
+    """The public names (imported or not yet) and the submodules, as when ``import gpuload`` imported them."""
+    submodules = {m.name for m in pkgutil.iter_modules(__path__)}
+    return sorted((set(globals()) - _HIDDEN) | set(__all__) | submodules)

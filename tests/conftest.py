@@ -24,21 +24,39 @@
 * ``ManualClock``: a clock for ``Metrics(clock=...)`` that moves only when a test moves it;
 * ``free_port()``: a free TCP port on localhost; ``run_launch(cmd, timeout)``: runs a launcher
   (torchrun, ``accelerate launch``, a Lightning script) in its own session and, past
-  ``timeout`` seconds, kills it and every process it started, then fails the test.
+  ``timeout`` seconds, kills it and every process it started, then fails the test;
+* ``open_dataset(source, columns, cache, **kw)``: the tests' one dataset factory (``device="cpu"``
+  unless given); ``dataset_factory(columns, **defaults)``: a module's opener with its own defaults;
+* ``row_ids(batches)``: the ``row_id`` column of an epoch (a list of batches or a dataset) as one
+  NumPy array; ``wait_until(condition, timeout)``: polls until ``condition()`` holds, or fails;
+  ``run_with_timeout(fn, timeout)``: ``fn()`` on a thread, failing the test if it hangs;
+* ``spawn(cmd)``: starts a process that is killed, with every process it started, when the test
+  ends (if it still runs); ``kill_tree(proc)``;
+* the process guard: a test that starts a process (subprocess, multiprocessing, fork, a Dask
+  cluster of processes, Spark, a notebook kernel...) must be marked ``slow``, or it fails:
+  ``pytest -m "not slow"`` is the run a developer repeats every few minutes, and each process
+  pays an interpreter's start and torch's import. :class:`ProcessGuard`;
+* every test's default cache folder (``$GPULOAD_CACHE_DIR``) is a folder of its own under its
+  ``tmp_path``, and Dask's scratch space is under pytest's temporary root: no test writes to
+  ``~/.cache/gpuload``, the working directory or fixed names in ``/tmp``.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import importlib.util
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -253,9 +271,8 @@ def gpuload_threads(include_writer=True) -> list[str]:
 
 def wait_no_threads(include_writer=True, timeout=3.0) -> list[str]:
     """Wait up to ``timeout`` seconds for gpuload's threads to end; returns those still running."""
-    t0 = time.monotonic()
-    while gpuload_threads(include_writer) and time.monotonic() - t0 < timeout:
-        time.sleep(0.02)
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not gpuload_threads(include_writer), timeout, interval=0.02)
     return gpuload_threads(include_writer)
 
 
@@ -317,27 +334,256 @@ def run_launch(cmd: list[str], timeout: float, env: dict | None = None) -> tuple
     """Run ``cmd`` (a launcher and the processes it starts) in a new session; return its exit
     status and output. Past ``timeout`` seconds every process of the session (and any child
     that left it) is killed and the test fails: a hung rank must not hang the suite."""
-    import psutil
-
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn(cmd, env=env, stderr=subprocess.STDOUT, text=False)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            children = []
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for child in children:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(proc)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd[:4])}...: still running after {timeout} s (a rank hung?)\n"
                     + out.decode(errors="replace")[-6000:])
     return proc.returncode, out.decode(errors="replace")
+
+
+# ---------------------------------------------------------------------------------------
+# processes: the guard, spawn(), kill_tree()
+# ---------------------------------------------------------------------------------------
+
+class ProcessGuard:
+    """Fails a test not marked ``slow`` that starts a process (``subprocess``, ``multiprocessing``,
+    ``os.fork``/``posix_spawn``/``system``; from any thread, fixtures included): each process pays
+    an interpreter's start and torch's import, which ``pytest -m "not slow"`` must not. The start
+    goes ahead (refusing it could hang the test: a Dask cluster waits for workers that never
+    come) and the test fails at teardown, naming what it started (the ``_process_guard`` fixture).
+    Tests marked ``gpu`` are left alone (the GPU stack's own imports may start helpers this
+    machine cannot vouch for); those that start processes are marked ``slow`` by hand.
+    :attr:`item`: the test running (None between tests: pytest-xdist starts its workers outside
+    any test)."""
+
+    def __init__(self):
+        self.item = None
+        self.violations: list[str] = []
+        self.installed = False
+
+    def problem(self, what: str) -> str | None:
+        item = self.item
+        if item is None or item.get_closest_marker("slow") is not None or item.get_closest_marker("gpu"):
+            return None
+        return (f"{item.nodeid}: starts a process ({what}) but is not marked slow: mark it "
+                "@pytest.mark.slow, or test the same thing in this process")
+
+    def check(self, what) -> None:
+        why = self.problem(str(what)[:200])
+        if why is not None:
+            self.violations.append(why)
+
+    def install(self) -> None:
+        import multiprocessing.process
+
+        if self.installed:
+            return
+        self.installed = True
+        guard = self
+
+        def wrap(owner, name, describe):
+            original = getattr(owner, name, None)
+            if original is None:
+                return
+
+            def guarded(*args, **kwargs):
+                guard.check(describe(*args, **kwargs))
+                return original(*args, **kwargs)
+
+            guarded.__wrapped__ = original
+            setattr(owner, name, guarded)
+
+        wrap(subprocess.Popen, "_execute_child", lambda self, args, *a, **k: f"subprocess: {args!r}")
+        wrap(multiprocessing.process.BaseProcess, "start", lambda self: f"multiprocessing: {self!r}")
+        for name in ("fork", "forkpty"):
+            wrap(os, name, lambda *a, _n=name: f"os.{_n}()")
+        for name in ("posix_spawn", "posix_spawnp", "system"):
+            wrap(os, name, lambda cmd, *a, _n=name, **k: f"os.{_n}: {cmd!r}")
+
+
+PROCESSES = ProcessGuard()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _process_guard_installed():
+    PROCESSES.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    PROCESSES.item, PROCESSES.violations = item, []
+    try:
+        yield
+    finally:
+        PROCESSES.item = None
+
+
+@pytest.fixture(autouse=True)
+def _process_guard(request):
+    """Fails a test that passed but started a process it may not have (see ProcessGuard)."""
+    failed = request.session.testsfailed
+    yield
+    if PROCESSES.violations and request.session.testsfailed == failed:
+        pytest.fail("\n".join(dict.fromkeys(PROCESSES.violations)), pytrace=False)
+
+
+_SPAWNED: list[subprocess.Popen] = []  # what spawn() started during the running test
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``, its process group where it leads one, and every process it started
+    (also those that left its group); wait until ``proc`` is gone."""
+    import psutil
+
+    if proc.poll() is not None:
+        return  # ended, and reaped: its pid may be another process's now
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    for child in children:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
+def spawn(cmd, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd)`` (arguments made strings) in a session of its own, stdout and
+    stderr piped as text unless given; whatever of it still runs when the test ends is killed
+    with every process it started (:func:`kill_tree`, the ``_reap_spawned`` fixture). A test
+    that spawns is marked ``slow`` (the process guard)."""
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True,
+              **kwargs}
+    proc = subprocess.Popen([str(c) for c in cmd], **kwargs)
+    _SPAWNED.append(proc)
+    return proc
+
+
+def python(code: str, *args) -> list[str]:
+    """The command that runs ``code`` in a fresh interpreter of this one, with ``args``."""
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
+def _reap() -> None:
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        kill_tree(proc)
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+atexit.register(_reap)  # a run stopped in the middle of a test (Ctrl-C) leaves nothing running either
+
+
+@pytest.fixture(autouse=True)
+def _reap_spawned():
+    yield
+    _reap()
+
+
+# ---------------------------------------------------------------------------------------
+# waiting, datasets, row ids
+# ---------------------------------------------------------------------------------------
+
+def wait_until(condition, timeout: float = 30.0, interval: float = 0.005, what: str = ""):
+    """Poll ``condition()`` every ``interval`` seconds until it returns something true, and
+    return that; fail after ``timeout`` seconds (a bound on a wait, never a measurement)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < end, f"timed out after {timeout} s{': ' + what if what else ''}"
+        time.sleep(interval)
+
+
+def run_with_timeout(fn, timeout: float = 20.0):
+    """``fn()`` on a thread of its own; its result (its exception raised here). Fails the test if it
+    has not returned after ``timeout`` seconds: a loader that hangs fails instead of hanging the run."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:
+            result["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "timed out: the loader hangs"
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
+
+
+def open_dataset(source, columns=None, cache=None, **kw):
+    """The tests' one dataset factory: ``gpuload.ParquetDataset(source, columns, cache_dir=cache,
+    **kw)`` with ``device="cpu"`` unless given (the device guard); ``cache=None`` is the test's
+    own default cache folder (``$GPULOAD_CACHE_DIR``)."""
+    import gpuload
+
+    kw.setdefault("device", "cpu")
+    return gpuload.ParquetDataset(source, columns, cache_dir=cache, **kw)
+
+
+def dataset_factory(columns=None, **defaults):
+    """A test module's opener, ``open(source, cache=None, columns=<these>, **kw)``: :func:`open_dataset`
+    with ``defaults`` (``kw`` overrides them), e.g. ``_ds = dataset_factory(COLUMNS, batch_size=997)``."""
+    default_columns = columns
+
+    def open_(source, cache=None, columns=default_columns, **kw):
+        return open_dataset(source, columns, cache, **{**defaults, **kw})
+
+    return open_
+
+
+def row_ids(batches, key: str = "row_id") -> np.ndarray:
+    """The ``key`` column of ``batches`` (batches, or a dataset: one epoch of it) as one array."""
+    parts = [b[key] for b in batches]
+    return (np.concatenate([t.numpy() if hasattr(t, "numpy") else np.asarray(t) for t in parts]) if parts
+            else np.zeros(0, np.int64))
+
+
+# ---------------------------------------------------------------------------------------
+# where tests write: nothing outside pytest's temporary folders
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch_outside_home(tmp_path_factory):
+    """For the session (module-scoped fixtures and child processes included): the default cache
+    folder and Dask's scratch space are under pytest's temporary root, not ``~/.cache/gpuload``
+    and ``/tmp/dask-scratch-space``."""
+    base = tmp_path_factory.mktemp("scratch")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPULOAD_CACHE_DIR", str(base / "default-cache"))
+        mp.setenv("DASK_TEMPORARY_DIRECTORY", str(base / "dask"))
+        if "dask.config" in sys.modules:  # imported already (a test module's import): read at import only
+            import dask.config
+
+            mp.setitem(dask.config.config, "temporary-directory", str(base / "dask"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    """A test's default cache folder is its own: ``tmp_path / "default-cache"`` (made on first
+    use by whatever opens it); ``tmp_cache`` below sets another."""
+    monkeypatch.setenv("GPULOAD_CACHE_DIR", str(tmp_path / "default-cache"))

@@ -73,6 +73,7 @@ def test_bench_gpu_without_a_gpu_says_why(capsys):
     assert "no usable GPU" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpu_node_cudf_steps_fail_fast_without_the_rapids_stack(tmp_path):
     """The steps after `proof` need pylibcudf, RMM and KvikIO: without them they start nothing and
     say so in one line (on a GPU node a skipped GPU test must never read as a pass)."""
@@ -91,6 +92,7 @@ def _gpu_unusable():
         pytest.skip("a GPU is usable here")
 
 
+@pytest.mark.slow
 def test_gpu_node_proof_stops_at_the_first_device_use(tmp_path, capsys):
     """The rehearsal of the first call: it runs, writes its summary and JSON, and stops at the first
     device use, saying why, without starting the other parts."""
@@ -110,6 +112,7 @@ def test_gpu_node_proof_stops_at_the_first_device_use(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["proof-env.log", "proof.json", "proof.log"]
 
 
+@pytest.mark.slow
 def test_gpu_node_proof_parts_fail_where_they_would_only_skip(tmp_path):
     """--keep-going runs every part here: each pytest part fails (GPULOAD_REQUIRE_GPU=1) instead of
     passing with its GPU tests skipped, the bench exits 2; at most 8 files, as the lent node returns."""
@@ -138,6 +141,7 @@ def _collected(args: list[str]) -> list[str]:
     return [line for line in r.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow
 def test_gpu_node_proof_parts_select_what_they_claim():
     """Each pytest part of the proof collects the tests it names, none that needs cuDF, and the
     `gpu` part everything else marked gpu (none of the named ones twice)."""
@@ -170,6 +174,7 @@ def test_gpu_node_counts_come_from_junit(tmp_path):
     assert gpu_node._junit_counts(tmp_path / "none.xml") is None
 
 
+@pytest.mark.slow
 def test_gpu_node_stops_a_step_and_everything_it_started(tmp_path):
     import gpu_node
 

@@ -4,7 +4,8 @@
   with the real cause and the setting to change, never a summary blaming the budget;
 * a budget that is full is not an error: the summary says so;
 * two builds of one cache at once each count what they did: chunks decoded and written,
-  chunks cached before they looked, chunks the other build wrote meanwhile.
+  chunks cached before they looked, chunks the other build wrote meanwhile;
+* `cache build` with --layout/--block-rows builds exactly the files the matching dataset reads.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from gpuload.cache.fs import CacheRoot
 from gpuload.tools.cli import main
 from gpuload.synth import write_clicklog
 
-from conftest import at_once
+from conftest import at_once, wait_until
 
 COLUMNS = ["label", "dense_0", "dense_1"]
 CHUNK = 1 << 14
@@ -58,6 +59,7 @@ def test_a_cache_that_is_not_a_folder_fails_the_build_naming_it(data, tmp_path, 
         gpuload.build_cache(data, cache, COLUMNS, chunk_bytes=CHUNK)
 
 
+@pytest.mark.slow
 def test_the_real_command_exits_non_zero_in_one_line(data, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -145,9 +147,7 @@ def test_a_build_that_starts_while_another_runs(data, tmp_path, monkeypatch):
                                                                          chunk_bytes=CHUNK, progress=progress)))
     t.start()
     started.wait(60)
-    deadline = time.monotonic() + 30
-    while not list((tmp_path / "c").rglob("*.glc")) and time.monotonic() < deadline:  # on disk (written in the
-        time.sleep(0.005)                                                             # background)
+    wait_until(lambda: list((tmp_path / "c").rglob("*.glc")), timeout=30)  # on disk (written in the background)
     second = gpuload.build_cache(data, tmp_path / "c", COLUMNS, chunk_bytes=CHUNK)
     t.join()
     (a,) = first
@@ -155,3 +155,31 @@ def test_a_build_that_starts_while_another_runs(data, tmp_path, monkeypatch):
     assert second.already_cached >= 1 and a.built + second.built == n
     assert second.built + second.already_cached + second.built_elsewhere == n
     assert a.built_elsewhere == second.built and a.already_cached == 0
+
+
+# ---------------------------------------------------------------------------------------
+# what `cache build` builds is what a dataset reads
+# ---------------------------------------------------------------------------------------
+
+@pytest.fixture
+def data_4096(tmp_path):
+    write_clicklog(tmp_path / "data", rows=20_000, files=2, row_group_rows=4096)
+    return tmp_path / "data"
+
+
+@pytest.mark.parametrize("flags,kw", [([], {}), (["--layout", "columns"], {"layout": "columns"}),
+                                      (["--block-rows", "64"], {"shuffle": "block", "block_rows": 64})])
+def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data_4096, tmp_path, flags, kw):
+    """`cache build` with --layout/--block-rows builds exactly the files the matching dataset reads."""
+    import gpuload
+
+    data = data_4096  # (moved from test_cli.py, whose `data` has 4096-row row groups)
+    cache = str(tmp_path / "c")
+    columns = "label,dense_0,dense_1,cat_0,cat_1"
+    assert main(["cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "1", "--columns", columns,
+                 *flags]) == 0
+    ds = gpuload.ParquetDataset(data, columns.split(","), cache_dir=cache, chunk_bytes=1 << 20, device="cpu",
+                                batch_size=4096, **kw)
+    assert sum(len(b["label"]) for b in ds) == 20_000
+    assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache == len(ds.reader.chunks)
+    assert main(["cache", "verify", "--cache-dir", cache]) == 0

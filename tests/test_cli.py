@@ -21,7 +21,25 @@ def data(tmp_path):
 
 
 def run(*args):
+    """The real command, in a process of its own (tests that use it are marked slow)."""
     return subprocess.run([sys.executable, "-m", "gpuload.tools.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def cli(capsys):
+    """``run``, in this process: ``main(args)`` (argparse's own errors exit through SystemExit),
+    its exit status and what it printed, as a CompletedProcess."""
+
+    def call(*args):
+        capsys.readouterr()
+        try:
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["gpuload", *args], rc, out, err)
+
+    return call
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -35,13 +53,13 @@ def run(*args):
     (["cache", "build", "DATA", "--nodes", "2", "--workers", "2"], "give --scheduler too"),
     (["cache", "build", "DATA", "--workers", "0"], "--workers 0"),
 ])
-def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path):
+def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
     import torch
 
     if "cuda:0" in args and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     args = [str(data) if a == "DATA" else a for a in args]
-    r = run(*args, *(["--cache-dir", str(tmp_path / "c")] if args[0] == "cache" else []))
+    r = cli(*args, *(["--cache-dir", str(tmp_path / "c")] if args[0] == "cache" else []))
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
@@ -71,8 +89,8 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     assert not list((tmp_path / "cache").rglob("*.glc"))
 
 
-def test_demo_runs_small(tmp_path):
-    r = run("demo", "--rows", "30000", "--files", "2", "--batch-size", "4096", "--step-ms", "1",
+def test_demo_runs_small(tmp_path, cli):
+    r = cli("demo", "--rows", "30000", "--files", "2", "--batch-size", "4096", "--step-ms", "1",
             "--workdir", str(tmp_path / "w"), "--device", "cpu")
     assert r.returncode == 0, r.stderr
     for name in ("epoch 1", "epoch 2", "naive"):
@@ -81,23 +99,23 @@ def test_demo_runs_small(tmp_path):
 
 
 @pytest.mark.parametrize("action", ["info", "verify", "clear"])
-def test_missing_cache_folder_is_an_error_and_is_not_created(tmp_path, action):
+def test_missing_cache_folder_is_an_error_and_is_not_created(tmp_path, action, cli):
     typo = tmp_path / "cahce"
-    r = run("cache", action, "--cache-dir", str(typo))
+    r = cli("cache", action, "--cache-dir", str(typo))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "does not exist" in r.stderr and str(typo) in r.stderr
     assert not typo.exists()
 
 
-def test_cli_errors_name_flags_not_python_arguments(tmp_path):
+def test_cli_errors_name_flags_not_python_arguments(tmp_path, cli):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"f3": pa.array([1.0, None, 2.0])}), tmp_path / "n.parquet")
-    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
+    r = cli("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
     assert r.returncode == 2
     assert """--fill-nulls '{"f3": 0}'""" in r.stderr and "fill_nulls=" not in r.stderr
-    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"),
+    r = cli("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"),
             "--fill-nulls", '{"f3": 0}')
     assert r.returncode == 0, r.stderr
     # the same mistake in Python names the argument
@@ -194,6 +212,7 @@ def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, c
     assert len(list(cache.rglob("*.glc"))) == 2 * len(specs)
 
 
+@pytest.mark.slow
 def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
     """`cache build s3://...` and `profile s3://...` against a loopback S3 server, in subprocesses."""
     pytest.importorskip("moto")
@@ -222,6 +241,7 @@ def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
         assert s3.count("GET", ".parquet") == 0
 
 
+@pytest.mark.slow  # the real command, and a Dask cluster of worker processes
 def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     cache = str(tmp_path / "c")
     r = run("cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--workers", "2")
@@ -238,24 +258,7 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     assert r.returncode == 2 and "give --nodes N" in r.stderr
 
 
-@pytest.mark.parametrize("flags,kw", [([], {}), (["--layout", "columns"], {"layout": "columns"}),
-                                      (["--block-rows", "64"], {"shuffle": "block", "block_rows": 64})])
-def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data, tmp_path, flags, kw):
-    """`cache build` with --layout/--block-rows builds exactly the files the matching dataset reads."""
-    import gpuload
-
-    cache = str(tmp_path / "c")
-    columns = "label,dense_0,dense_1,cat_0,cat_1"
-    assert main(["cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "1", "--columns", columns,
-                 *flags]) == 0
-    ds = gpuload.ParquetDataset(data, columns.split(","), cache_dir=cache, chunk_bytes=1 << 20, device="cpu",
-                                batch_size=4096, **kw)
-    assert sum(len(b["label"]) for b in ds) == 20_000
-    assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache == len(ds.reader.chunks)
-    assert main(["cache", "verify", "--cache-dir", cache]) == 0
-
-
-def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_them(tmp_path):
+def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_them(tmp_path, cli):
     import json
 
     import pyarrow as pa
@@ -263,12 +266,12 @@ def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_t
 
     pq.write_table(pa.table({"a": pa.array([1.0, None]), "ok": pa.array([1, 2]), "b": pa.array([None, 2]),
                              "c": pa.array([[1], None], pa.list_(pa.int64()))}), tmp_path / "n.parquet")
-    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
+    r = cli("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"))
     lines = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
     assert r.returncode == 2 and len(lines) == 1 and "3 columns" in lines[0]
     fix = """--fill-nulls '{"a": 0, "b": 0, "c": 0}'"""
     assert fix in lines[0] and "fill_nulls=" not in lines[0]
-    r = run("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"), "--fill-nulls",
+    r = cli("cache", "build", str(tmp_path / "n.parquet"), "--cache-dir", str(tmp_path / "c"), "--fill-nulls",
             json.dumps({"a": 0, "b": 0, "c": 0}))
     assert r.returncode == 0, r.stderr
 

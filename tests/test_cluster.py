@@ -29,6 +29,8 @@ from conftest import at_once, write_parquet
 
 distributed = pytest.importorskip("distributed")  # the dask extra; in [dev], so CI runs these
 
+pytestmark = pytest.mark.slow  # Dask clusters of worker processes
+
 CHUNK = 64 << 10
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ import torch
 import gpuload
 from gpuload.gpu import runtime
 
-from conftest import GUARD, RAPIDS, DeviceGuard, required_pieces, skip_reasons, write_parquet
+from conftest import (GUARD, PROCESSES, RAPIDS, DeviceGuard, ProcessGuard, _reap, open_dataset, python,
+                      required_pieces, row_ids, skip_reasons, spawn, wait_until, write_parquet)
 
 OK = {"driver": None, "cupy": None, "kvikio": None, "cudf": None, "rmm": None}
 
@@ -189,6 +191,7 @@ def test_auto_on_purpose(tmp_path):
 """
 
 
+@pytest.mark.slow  # a pytest session of its own
 def test_guard_in_a_real_session(pytester):
     """The hooks and the teardown check, in a pytest session of their own with this conftest."""
     from pathlib import Path
@@ -202,3 +205,122 @@ def test_guard_in_a_real_session(pytester):
     assert "test_guarded.py::test_default_device: resolves device='auto' (the default)" in out
     assert "ERROR at teardown of test_default_device_on_a_thread" in out  # a thread's resolution, found at teardown
     assert "test_guarded.py::test_default_device_on_a_thread: resolves device='auto'" in out
+
+
+# -- the process guard, spawn(), the helpers ---------------------------------------------------
+def test_process_guard_rules():
+    plain, slow, gpu = _item(), _item("slow"), _item("gpu")
+    guard = ProcessGuard()
+    guard.item = plain
+    assert "tests/test_x.py::test_x: starts a process (subprocess: ['x']) but is not marked slow" in guard.problem(
+        "subprocess: ['x']")
+    for item in (slow, gpu, None):  # a slow test may; a gpu test is checked by hand; between tests, nobody to blame
+        guard.item = item
+        assert guard.problem("subprocess: ['x']") is None
+
+
+@pytest.fixture
+def as_process_item(request):
+    """Run part of a test as if it were another item, for the process guard (restored after)."""
+
+    def set_item(item):
+        PROCESSES.item, PROCESSES.violations = item, []
+
+    yield set_item
+    PROCESSES.item, PROCESSES.violations = request.node, []
+
+
+def test_process_guard_sees_every_way_to_start_one(as_process_item, monkeypatch):
+    """subprocess, multiprocessing, os.fork, posix_spawn and system each reach the guard before they
+    start anything (here: a guard that raises, so that nothing starts)."""
+    import multiprocessing
+    import os
+    import subprocess
+
+    class Started(Exception):
+        pass
+
+    def refuse(what):
+        PROCESSES.violations.append(what)
+        raise Started(what)
+
+    monkeypatch.setattr(PROCESSES, "check", refuse)
+    as_process_item(_item())
+    for start in (lambda: subprocess.run(["true"]), lambda: multiprocessing.Process(target=print).start(),
+                  os.fork, lambda: os.posix_spawn("/bin/true", ["true"], {}), lambda: os.system("true")):
+        with pytest.raises(Started):
+            start()
+    assert [w.split(":")[0].split("(")[0] for w in PROCESSES.violations] == [
+        "subprocess", "multiprocessing", "os.fork", "os.posix_spawn", "os.system"]
+
+
+@pytest.mark.slow  # spawn() starts one
+def test_spawn_kills_what_it_started_and_its_children():
+    import psutil
+
+    proc = spawn(python("import subprocess, sys, time\n"
+                        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                        "print(child.pid, flush=True)\ntime.sleep(600)"))
+    child = psutil.Process(int(proc.stdout.readline()))
+    assert proc.poll() is None and child.is_running()
+    _reap()  # what the fixture does when the test ends
+    assert proc.returncode is not None and proc.stdout.closed
+    child.wait(timeout=30)  # gone (it was a grandchild: reaped by init)
+
+
+def test_row_ids_of_batches_and_of_nothing():
+    batches = [{"row_id": torch.tensor([3, 1])}, {"row_id": np.array([2])}, {"row_id": [7]}]
+    assert row_ids(batches).tolist() == [3, 1, 2, 7]
+    assert row_ids([]).dtype == np.int64 and len(row_ids([])) == 0
+    assert row_ids([{"id": torch.arange(2)}], "id").tolist() == [0, 1]
+
+
+def test_wait_until_returns_what_held_or_fails():
+    calls = []
+    assert wait_until(lambda: calls.append(1) or len(calls) >= 3 and "ok", timeout=5, interval=0) == "ok"
+    with pytest.raises(AssertionError, match="timed out after 0.01 s: nothing"):
+        wait_until(lambda: False, timeout=0.01, what="nothing")
+
+
+def test_each_test_has_its_own_default_cache(tmp_path):
+    import os
+
+    from gpuload.cache.store import default_cache_dir
+
+    assert default_cache_dir() == tmp_path / "default-cache" == Path(os.environ["GPULOAD_CACHE_DIR"])
+    path = write_parquet(tmp_path / "a.parquet", {"x": np.arange(10)})
+    ds = open_dataset(path)  # no cache_dir=: the test's own
+    list(ds)
+    ds.reader.cache.flush()
+    assert list((tmp_path / "default-cache").rglob("*.glc"))
+
+
+PROCESS_GUARDED = """
+import subprocess, sys
+import pytest
+
+
+def test_unmarked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.slow
+def test_marked():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_none():
+    pass
+"""
+
+
+@pytest.mark.slow  # a pytest session of its own
+def test_process_guard_in_a_real_session(pytester):
+    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
+    pytester.makepyfile(test_processes=PROCESS_GUARDED)
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: x\n    cudf: x\n    auto_device: x\n    slow: x\n")
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    r.assert_outcomes(passed=3, errors=1)  # test_unmarked passed, then failed at teardown
+    out = r.stdout.str()
+    assert "ERROR at teardown of test_unmarked" in out
+    assert "test_processes.py::test_unmarked: starts a process (subprocess: [" in out and "not marked slow" in out

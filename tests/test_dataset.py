@@ -1,16 +1,13 @@
 """Integration tests of ParquetDataset: exactly-once delivery, sharding, determinism,
-exact values, cache-only later epochs, bad input, early exit, background errors and
-the DataLoader contract.
+exact values, bad input and the DataLoader contract (the pipeline's threads, early exits
+and background errors: test_pipeline.py; the reader's chunks and cache-only later epochs:
+test_reader.py; files changed after opening: test_decode.py).
 
-CPU only, small data: tens of thousands of rows in 64 KiB chunks (tens of chunks).
+CPU only, small data: tens of thousands of rows in 64 KiB chunks (tens of chunks;
+tests/reference.py).
 """
 
 from __future__ import annotations
-
-import gc
-import shutil
-import threading
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -20,139 +17,21 @@ import pytest
 import torch
 
 import gpuload
-import gpuload.decode
 from gpuload.batch import Ragged
-from gpuload.synth import clicklog_columns, write_clicklog
+from gpuload.synth import write_clicklog
 
-from conftest import wait_no_threads as _wait_no_threads
-
-DENSE, SPARSE = 4, 3
-# single-column outputs of one dtype share a row-major block in the default layout (row_id and
-# cat_0; dense_0 and dense_1; g1 and g2), beside stacked groups and lists
-CLICK_COLUMNS = {**clicklog_columns(DENSE, SPARSE), "row_id": "row_id", "cat_0": "cat_0", "dense_0": "dense_0",
-                 "dense_1": "dense_1"}
-MIXED_COLUMNS = {"row_id": "row_id", "x": "x", "g": ["g1", "g2"], "h": "h", "g1": "g1", "g2": "g2"}
-CHUNK_BYTES = 64 << 10
-
-
-# ---------------------------------------------------------------------------------------
-# data and reference values
-# ---------------------------------------------------------------------------------------
-
-def _np(t):
-    return t.numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
-
-
-class Reference:
-    """Expected outputs, computed with pyarrow alone, looked up by ``row_id``."""
-
-    def __init__(self, table: pa.Table, columns: dict):
-        self.table = table
-        self.n = table.num_rows
-        row_id = table["row_id"].to_numpy()
-        self.pos = np.full(int(row_id.max()) + 1 if self.n else 1, -1, dtype=np.int64)
-        self.pos[row_id] = np.arange(self.n)
-        self.outputs = {}
-        for name, src in columns.items():
-            if isinstance(src, list):
-                self.outputs[name] = ("dense", np.stack([table[c].to_numpy() for c in src], axis=1))
-                continue
-            col = table[src].combine_chunks()
-            if pa.types.is_list(col.type):
-                lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False).astype(np.int64)
-                off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-                self.outputs[name] = ("ragged", (lengths, off, pc.list_flatten(col).to_numpy()))
-            else:
-                self.outputs[name] = ("dense", col.to_numpy())
-
-    def check(self, batch: dict) -> np.ndarray:
-        """Assert every output of ``batch`` equals pyarrow's values; returns the row_ids."""
-        assert set(batch) == set(self.outputs)
-        ids = _np(batch["row_id"])
-        assert ids.dtype == np.int64 and ids.ndim == 1
-        idx = self.pos[ids]
-        assert (idx >= 0).all(), "unknown row_id"
-        for name, (kind, want) in self.outputs.items():
-            got = batch[name]
-            if kind == "dense":
-                assert isinstance(got, torch.Tensor) and got.device.type == "cpu", name
-                assert got.is_contiguous(), name  # in both layouts
-                g = _np(got)
-                assert g.dtype == want.dtype, (name, g.dtype, want.dtype)
-                assert g.shape == (len(ids),) + want.shape[1:], name
-                np.testing.assert_array_equal(g, want[idx], err_msg=name)
-            else:
-                lengths, off, values = want
-                assert isinstance(got, Ragged), name
-                assert isinstance(got.offsets, torch.Tensor) and isinstance(got.values, torch.Tensor)
-                o, v = _np(got.offsets), _np(got.values)
-                assert o.dtype == np.int64, name
-                assert o.shape == (len(ids) + 1,) and o[0] == 0, name
-                assert v.dtype == values.dtype and v.ndim == 1 and len(v) == o[-1], name
-                np.testing.assert_array_equal(np.diff(o), lengths[idx], err_msg=name)
-                expect = (np.concatenate([values[off[i]:off[i + 1]] for i in idx]) if len(idx)
-                          else values[:0])
-                np.testing.assert_array_equal(v, expect, err_msg=name)
-        return ids
-
-
-class Data:
-    def __init__(self, source, columns, ref):
-        self.source, self.columns, self.ref = source, columns, ref
-
-    def open(self, cache, **kw):
-        kw.setdefault("batch_size", 997)
-        kw.setdefault("chunk_bytes", CHUNK_BYTES)
-        kw.setdefault("device", "cpu")
-        if kw.get("shuffle") == "block":
-            kw.setdefault("block_rows", 64)  # chunks hold ~1000 rows here: many blocks per window
-        return gpuload.ParquetDataset(self.source, self.columns, cache_dir=cache, **kw)
-
-
-def _read_all(paths) -> pa.Table:
-    return pa.concat_tables([pq.read_table(p) for p in sorted(map(str, paths))])
+from conftest import row_ids, run_with_timeout
+from reference import CLICK_COLUMNS, DENSE, SPARSE, Data, Reference, click_data, mixed_data, read_all, same_batches
 
 
 @pytest.fixture(scope="module")
 def click(tmp_path_factory) -> Data:
-    """3 click-log files, 20,000 rows, 1000-row row groups: 21 chunks."""
-    d = tmp_path_factory.mktemp("click")
-    files = write_clicklog(d, rows=20_000, files=3, row_group_rows=1000, dense=DENSE, sparse=SPARSE,
-                           list_max=5, seed=3)
-    return Data(d, CLICK_COLUMNS, Reference(_read_all(files), CLICK_COLUMNS))
-
-
-MIXED_SCHEMA = pa.schema([("row_id", pa.int64()), ("x", pa.float64()), ("g1", pa.int32()), ("g2", pa.int32()),
-                          ("h", pa.list_(pa.int32()))])
-
-
-def _mixed_table(start, n, seed):
-    rng = np.random.default_rng(seed)
-    ids = np.arange(start, start + n, dtype=np.int64)
-    lengths = rng.integers(0, 9, n)
-    off = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    return pa.table({
-        "row_id": ids,
-        "x": rng.standard_normal(n),
-        "g1": rng.integers(-1000, 1000, n).astype(np.int32),
-        "g2": (ids * 7 % 1001).astype(np.int32),
-        "h": pa.ListArray.from_arrays(pa.array(off), pa.array(rng.integers(0, 10**6, int(off[-1])).astype(np.int32))),
-    }, schema=MIXED_SCHEMA)
+    return click_data(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory) -> Data:
-    """Files of different row-group sizes, with 0-row files first and in the middle."""
-    d = tmp_path_factory.mktemp("mixed")
-    layout = [("00-empty.parquet", 0, 1000), ("01-a.parquet", 3000, 500), ("02-empty.parquet", 0, 64),
-              ("03-b.parquet", 4111, 1300), ("04-c.parquet", 2777, 10_000), ("05-d.parquet", 1, 1)]
-    start = 0
-    for i, (name, n, rg) in enumerate(layout):
-        pq.write_table(_mixed_table(start, n, i), d / name, row_group_size=rg)
-        start += n
-    table = _read_all(sorted(d.glob("*.parquet")))
-    assert table.num_rows == start
-    return Data(d, MIXED_COLUMNS, Reference(table, MIXED_COLUMNS))
+    return mixed_data(tmp_path_factory)
 
 
 @pytest.fixture(params=["click", "mixed"])
@@ -166,22 +45,6 @@ def _ceil(a, b):
 
 def _epoch(ds) -> list[dict]:
     return list(ds)
-
-
-def _ids(batches) -> np.ndarray:
-    return np.concatenate([_np(b["row_id"]) for b in batches]) if batches else np.zeros(0, np.int64)
-
-
-def _same_batches(a: list[dict], b: list[dict]) -> None:
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert list(x) == list(y)
-        for k in x:
-            if isinstance(x[k], Ragged):
-                assert torch.equal(x[k].offsets, y[k].offsets), (i, k)
-                assert torch.equal(x[k].values, y[k].values), (i, k)
-            else:
-                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), (i, k)
 
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
@@ -220,14 +83,6 @@ def test_every_row_exactly_once(data, tmp_path, shuffle, batch_size, drop_last, 
             assert np.array_equal(np.sort(ids), np.arange(ref.n))
             if not shuffle:
                 assert np.array_equal(ids, np.arange(ref.n))
-
-
-def test_empty_files_contribute_no_chunks(mixed, tmp_path):
-    """0-row files contribute no chunk and no batch, wherever they sort."""
-    ds = mixed.open(tmp_path / "cache", shuffle=False)
-    assert len(ds.reader.files) == 6
-    assert all(c.rows > 0 for c in ds.reader.chunks)
-    assert sum(c.rows for c in ds.reader.chunks) == mixed.ref.n
 
 
 @LAYOUTS
@@ -290,31 +145,6 @@ def test_uneven_tail_across_ranks(mixed, tmp_path):
 # determinism
 # ---------------------------------------------------------------------------------------
 
-@LAYOUTS
-@pytest.mark.parametrize("shuffle", [True, "block"])
-@pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
-def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, world, rank, shuffle, layout):
-    kw = dict(seed=11, rank=rank, world_size=world, shuffle_window=3, shuffle=shuffle, layout=layout)
-    warm = tmp_path / "warm"
-    base_ds = click.open(warm, prefetch=2, num_threads=2, **kw)
-    base_ds.set_epoch(3)
-    base = _epoch(base_ds)  # cold
-    click.ref.check(base[0])
-    variants = [dict(cache=warm, prefetch=p, num_threads=t) for p in (0, 1, 4) for t in (1, 3)]
-    variants += [dict(cache=tmp_path / "cold1", prefetch=0, num_threads=3),
-                 dict(cache=tmp_path / "cold2", prefetch=4, num_threads=1)]
-    for v in variants:
-        v = dict(v)
-        ds = click.open(v.pop("cache"), **v, **kw)
-        ds.set_epoch(3)
-        _same_batches(base, _epoch(ds))
-    # and the same object again, after another epoch in between
-    base_ds.set_epoch(4)
-    _epoch(base_ds)
-    base_ds.set_epoch(3)
-    _same_batches(base, _epoch(base_ds))
-
-
 @pytest.mark.parametrize("shuffle", [True, "block"])
 def test_epochs_and_seeds_change_the_order(click, tmp_path, shuffle):
     cache = tmp_path / "cache"
@@ -322,7 +152,7 @@ def test_epochs_and_seeds_change_the_order(click, tmp_path, shuffle):
     def order(seed, epoch, **kw):
         ds = click.open(cache, seed=seed, shuffle=shuffle, **kw)
         ds.set_epoch(epoch)
-        return _ids(_epoch(ds))
+        return row_ids(_epoch(ds))
 
     e0, e1, s1 = order(0, 0), order(0, 1), order(1, 0)
     assert np.array_equal(np.sort(e0), np.sort(e1))
@@ -343,7 +173,7 @@ def test_epochs_and_seeds_change_the_order(click, tmp_path, shuffle):
 def test_no_shuffle_gives_file_order(data, tmp_path, epoch, layout):
     ds = data.open(tmp_path / "cache", shuffle=False, seed=123, layout=layout)
     ds.set_epoch(epoch)
-    assert np.array_equal(_ids(_epoch(ds)), np.arange(data.ref.n))
+    assert np.array_equal(row_ids(_epoch(ds)), np.arange(data.ref.n))
 
 
 # ---------------------------------------------------------------------------------------
@@ -383,7 +213,7 @@ def test_kept_batches_stay_valid_across_epochs(tmp_path, shuffle):
     d = tmp_path / "big"
     files = write_clicklog(d, rows=60_000, files=2, row_group_rows=15_000, dense=DENSE, sparse=SPARSE,
                            list_max=20, seed=5)
-    ref = Reference(_read_all(files), CLICK_COLUMNS)
+    ref = Reference(read_all(files), CLICK_COLUMNS)
     ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", batch_size=7000,
                                 chunk_bytes=3 << 19, device="cpu", shuffle=shuffle, shuffle_window=2)
     assert len(ds.reader.chunks) == 4
@@ -397,44 +227,6 @@ def test_kept_batches_stay_valid_across_epochs(tmp_path, shuffle):
             ref.check(b)
     ids = np.concatenate([ref.check(b) for b in kept])
     assert np.array_equal(np.sort(ids), np.arange(ref.n))
-
-
-# ---------------------------------------------------------------------------------------
-# later epochs read the cache only
-# ---------------------------------------------------------------------------------------
-
-def test_second_epoch_opens_no_parquet_file(click, tmp_path, monkeypatch):
-    opened = []
-    real = pq.ParquetFile
-
-    def counting(*a, **k):
-        opened.append(a[0] if a else k.get("source"))
-        return real(*a, **k)
-
-    def forbidden(name):
-        def f(*a, **k):
-            raise AssertionError(f"pyarrow.parquet.{name} called during a cached epoch")
-        return f
-
-    monkeypatch.setattr(pq, "ParquetFile", counting)
-    monkeypatch.setattr(gpuload.decode.pq, "ParquetFile", counting)
-    ds = click.open(tmp_path / "cache")
-    _epoch(ds)
-    assert opened, "the counting patch did not see the first epoch's reads"
-    ds.reader.cache.flush()
-    other = click.open(tmp_path / "cache", seed=4)  # opening reads footers: allowed
-
-    opened.clear()
-    for name in ("read_table", "read_metadata", "read_schema", "ParquetDataset", "read_pandas"):
-        monkeypatch.setattr(pq, name, forbidden(name))
-    ds.set_epoch(1)
-    ids = np.concatenate([click.ref.check(b) for b in ds])
-    assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
-    ids = np.concatenate([click.ref.check(b) for b in other])
-    assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
-    assert opened == []
-    assert ds.reader.counters.decoded == len(ds.reader.chunks)
-    assert other.reader.counters.decoded == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -558,132 +350,6 @@ def test_fewer_rows_than_ranks(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# early exit and background errors
-# ---------------------------------------------------------------------------------------
-
-def _run_with_timeout(fn, timeout=20.0):
-    result = {}
-
-    def target():
-        try:
-            result["value"] = fn()
-        except BaseException as e:
-            result["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), "timed out: the loader hangs"
-    if "error" in result:
-        raise result["error"]
-    return result.get("value")
-
-
-@pytest.mark.parametrize("close", ["break", "close", "abandon"])
-@pytest.mark.parametrize("warm", [False, True])
-def test_early_exit_does_not_hang_or_leak_threads(click, tmp_path, warm, close):
-    ds = click.open(tmp_path / "cache", prefetch=4, num_threads=2)
-    if warm:
-        _epoch(ds)
-        ds.reader.cache.flush()
-
-    def consume():
-        if close == "break":
-            for i, b in enumerate(ds):
-                click.ref.check(b)
-                if i == 1:
-                    break
-        else:
-            it = iter(ds)
-            click.ref.check(next(it))
-            next(it)
-            if close == "close":
-                it.close()
-            del it
-
-    _run_with_timeout(consume)
-    gc.collect()
-    assert _wait_no_threads(include_writer=False) == []
-    # the dataset still works afterwards
-    ds.set_epoch(1)
-    ids = _run_with_timeout(lambda: np.concatenate([click.ref.check(b) for b in ds]))
-    assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
-    del ds
-    gc.collect()
-    assert _wait_no_threads(include_writer=True) == []
-
-
-class Boom(Exception):
-    pass
-
-
-def test_background_exception_reaches_consumer(click, tmp_path):
-    ds = click.open(tmp_path / "cache", shuffle=False, num_threads=2, prefetch=2, shuffle_window=1)
-    real = ds.reader.decode
-    calls = []
-
-    def flaky(f, chunk, specs):
-        calls.append(chunk)
-        if len(calls) == 5:
-            raise Boom("decoder exploded")
-        return real(f, chunk, specs)
-
-    ds.reader.decode = flaky
-    got = []
-
-    def consume():
-        with pytest.raises(Boom, match="decoder exploded") as info:
-            for b in ds:
-                got.append(b)
-        return info
-
-    info = _run_with_timeout(consume)
-    assert type(info.value) is Boom
-    for b in got:
-        click.ref.check(b)
-    # two threads decode, so the 5th call may be chunk 4 or a later one; whichever failed, the
-    # consumer got nothing from it or beyond it, and the loader had not run far ahead of it
-    failed = ds.reader.chunks.index(calls[4])
-    assert 4 <= failed <= 4 + 2 + 2
-    assert sum(len(b["row_id"]) for b in got) <= sum(c.rows for c in ds.reader.chunks[:failed])
-    gc.collect()
-    assert _wait_no_threads(include_writer=False) == []
-    # the next epoch works again
-    ds.reader.decode = real
-    ids = _run_with_timeout(lambda: np.concatenate([click.ref.check(b) for b in ds]))
-    assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
-
-
-def test_source_removed_after_open_raises_gpuload_error(tmp_path):
-    d = tmp_path / "d"
-    files = write_clicklog(d, rows=3000, files=3, row_group_rows=500, dense=DENSE, sparse=SPARSE, list_max=5)
-    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", device="cpu", batch_size=100,
-                                chunk_bytes=CHUNK_BYTES, shuffle=False)
-    Path(files[2]).unlink()
-
-    def consume():
-        with pytest.raises(gpuload.GpuloadError) as info:
-            for _ in ds:
-                pass
-        return info
-
-    info = _run_with_timeout(consume)
-    assert files[2].name in str(info.value)
-
-
-def test_source_rewritten_after_open_raises(tmp_path):
-    d = tmp_path / "d"
-    files = write_clicklog(d, rows=3000, files=2, row_group_rows=500, dense=DENSE, sparse=SPARSE, list_max=5)
-    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", device="cpu", batch_size=100,
-                                chunk_bytes=CHUNK_BYTES, shuffle=False)
-    other = write_clicklog(tmp_path / "o", rows=3000, files=2, row_group_rows=500, dense=DENSE, sparse=SPARSE,
-                           list_max=5, seed=99)
-    shutil.copyfile(other[1], files[1])
-    with pytest.raises(gpuload.GpuloadError, match=files[1].name):
-        _run_with_timeout(lambda: list(ds))
-
-
-# ---------------------------------------------------------------------------------------
 # DataLoader
 # ---------------------------------------------------------------------------------------
 
@@ -694,16 +360,17 @@ def test_dataloader_without_workers(click, tmp_path):
     assert len(dl) == len(ds)
     ds.set_epoch(0)  # the same epoch again (a new iteration alone would begin epoch 1)
     via = list(dl)
-    _same_batches(direct, via)
+    same_batches(direct, via)
     for b in via:
         click.ref.check(b)
 
 
+@pytest.mark.slow  # the DataLoader starts a worker process
 def test_dataloader_with_workers_is_refused(click, tmp_path):
     ds = click.open(tmp_path / "cache")
     dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)
     with pytest.raises(Exception) as info:
-        _run_with_timeout(lambda: next(iter(dl)), timeout=60)
+        run_with_timeout(lambda: next(iter(dl)), timeout=60)
     assert isinstance(info.value, gpuload.ConfigError) or "ConfigError" in str(info.value)
     assert "num_workers=0" in str(info.value)
 

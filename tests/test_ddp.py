@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,9 @@ import psutil
 import pytest
 import torch
 
-from conftest import write_parquet
+from conftest import free_port, spawn, write_parquet
+
+pytestmark = pytest.mark.slow  # torchrun and its ranks
 
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 ROWS = 4003
@@ -51,25 +52,19 @@ def source(tmp_path_factory) -> Path:
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Job:
     """One torchrun launch per simulated node, started now."""
 
     def __init__(self, source: Path, out: Path, run: str, nproc: int, nnodes: int = 1, *extra: str):
         self.out, self.run = out, run
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        self.procs = [subprocess.Popen(
+        self.procs = [spawn(
             [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
              f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT),
              "--source", str(source), "--cache", str(out / "cache"), "--out", str(out), "--name", run,
              "--batch-size", str(BATCH), *extra],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stderr=subprocess.STDOUT, text=False)
             for node in range(nnodes)]
         self.world = nproc * nnodes
 

@@ -1,10 +1,13 @@
 """Decode: what pyarrow reads from the files, as gpuload reads it (INT96 timestamps at
-microsecond precision, range-checked) and what a read error says."""
+microsecond precision, range-checked), what a read error says, and a local file removed or
+rewritten after the dataset was opened (refused, naming it)."""
 
 from __future__ import annotations
 
 import datetime as dt
+import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -12,16 +15,16 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpuload
+from gpuload.synth import write_clicklog
 
-from conftest import write_parquet
+from conftest import dataset_factory, run_with_timeout, write_parquet
+from reference import CHUNK_BYTES, CLICK_COLUMNS, DENSE, SPARSE
 
 SENTINELS = [dt.datetime(1, 1, 1), dt.datetime(1677, 9, 21), dt.datetime(1970, 1, 1), dt.datetime(2024, 2, 29, 12, 30, 1, 123456),
              dt.datetime(2262, 4, 12), dt.datetime(9999, 12, 31, 23, 59, 59, 999999)]
 
 
-def _ds(source, tmp_path, columns, **kw):
-    kw.setdefault("batch_size", 4)
-    return gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "cache", device="cpu", shuffle=False, **kw)
+_ds = dataset_factory(batch_size=4, shuffle=False)
 
 
 def _micros(values) -> list[int]:
@@ -43,14 +46,14 @@ def test_int96_timestamps_are_microseconds_without_wrapping_even_for_sentinel_da
                   "tl": pa.array([[v, v] for v in values], pa.list_(pa.timestamp("us")))})
     p = write_parquet(tmp_path / "spark.parquet", t, use_deprecated_int96_timestamps=True, row_group_size=5)
     assert pq.read_metadata(p).schema.column(0).physical_type == "INT96"
-    ds = _ds(p, tmp_path, ["ts", "tl"])
+    ds = _ds(p, tmp_path / "cache", ["ts", "tl"])
     assert _all(ds, "ts") == _micros(values)  # pyarrow's default (nanoseconds) wraps the first and last
     assert _all(ds, "tl") == [m for m in _micros(values) for _ in (0, 1)]
     # the same values as a TIMESTAMP_MICROS column: switching Spark's outputTimestampType changes nothing
     q = write_parquet(tmp_path / "micros" / "a.parquet", t)
     assert pq.read_metadata(q).schema.column(0).physical_type == "INT64"
     write_parquet(tmp_path / "micros" / "b.parquet", t, use_deprecated_int96_timestamps=True)
-    assert _all(_ds(tmp_path / "micros", tmp_path, ["ts"]), "ts") == _micros(values) * 2
+    assert _all(_ds(tmp_path / "micros", tmp_path / "cache", ["ts"]), "ts") == _micros(values) * 2
     # a cache of the wrapped nanoseconds that an older gpuload wrote is never taken for these
     assert ds.reader.spec_desc[0]["sources"] == [["<i8", "int96"]]
 
@@ -67,8 +70,8 @@ def test_int96_beyond_int64_microseconds_is_refused_naming_the_column(tmp_path):
     p.write_bytes(bytes(raw))
     with pytest.raises(gpuload.SourceError, match=r"column 'ts' holds INT96 timestamps that int64 microseconds "
                                                   r"cannot represent \(1 values"):
-        list(_ds(p, tmp_path, ["id", "ts"]))
-    assert _all(_ds(p, tmp_path, ["id"]), "id") == [1, 2]  # the rest of the file is fine
+        list(_ds(p, tmp_path / "cache", ["id", "ts"]))
+    assert _all(_ds(p, tmp_path / "cache", ["id"]), "id") == [1, 2]  # the rest of the file is fine
 
 
 def test_a_column_that_cannot_be_decoded_is_named_with_what_to_do(tmp_path):
@@ -81,6 +84,39 @@ def test_a_column_that_cannot_be_decoded_is_named_with_what_to_do(tmp_path):
     p.write_bytes(bytes(raw))
     with pytest.raises(gpuload.SourceError, match=r"column 'b' cannot be read \(.*\); the file may be corrupt there: "
                                                   r"rewrite it, or leave 'b' out of columns= to load the rest"):
-        list(_ds(p, tmp_path, ["a", "b", "c"], batch_size=5000))
-    got = _all(_ds(p, tmp_path, ["a", "c"], batch_size=5000), "a")  # and the rest loads
+        list(_ds(p, tmp_path / "cache", ["a", "b", "c"], batch_size=5000))
+    got = _all(_ds(p, tmp_path / "cache", ["a", "c"], batch_size=5000), "a")  # and the rest loads
     assert got == list(range(20_000))
+
+
+# ---------------------------------------------------------------------------------------
+# a file that changed after the dataset was opened
+# ---------------------------------------------------------------------------------------
+
+def test_source_removed_after_open_raises_gpuload_error(tmp_path):
+    d = tmp_path / "d"
+    files = write_clicklog(d, rows=3000, files=3, row_group_rows=500, dense=DENSE, sparse=SPARSE, list_max=5)
+    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", device="cpu", batch_size=100,
+                                chunk_bytes=CHUNK_BYTES, shuffle=False)
+    Path(files[2]).unlink()
+
+    def consume():
+        with pytest.raises(gpuload.GpuloadError) as info:
+            for _ in ds:
+                pass
+        return info
+
+    info = run_with_timeout(consume)
+    assert files[2].name in str(info.value)
+
+
+def test_source_rewritten_after_open_raises(tmp_path):
+    d = tmp_path / "d"
+    files = write_clicklog(d, rows=3000, files=2, row_group_rows=500, dense=DENSE, sparse=SPARSE, list_max=5)
+    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", device="cpu", batch_size=100,
+                                chunk_bytes=CHUNK_BYTES, shuffle=False)
+    other = write_clicklog(tmp_path / "o", rows=3000, files=2, row_group_rows=500, dense=DENSE, sparse=SPARSE,
+                           list_max=5, seed=99)
+    shutil.copyfile(other[1], files[1])
+    with pytest.raises(gpuload.GpuloadError, match=files[1].name):
+        run_with_timeout(lambda: list(ds))

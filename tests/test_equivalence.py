@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import gpuload
-
+from conftest import open_dataset
 from typecases import COLUMNS, DTYPES, FILL, NATIVE, write_every_type
 
 CONFIGS = {
@@ -34,9 +33,9 @@ def every(tmp_path_factory):
 
 
 def _open(folder, cache, device, decode, columns, rank, world, **kw):
-    return gpuload.ParquetDataset(folder, columns, fill_nulls=FILL, dtypes={k: v for k, v in DTYPES.items() if k in columns},
-                                  batch_size=1000, chunk_bytes=1 << 18, seed=11, rank=rank, world_size=world,
-                                  cache_dir=cache, device=device, decode=decode, **kw)
+    return open_dataset(folder, columns, cache, fill_nulls=FILL, dtypes={k: v for k, v in DTYPES.items() if k in columns},
+                        batch_size=1000, chunk_bytes=1 << 18, seed=11, rank=rank, world_size=world, device=device,
+                        decode=decode, **kw)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

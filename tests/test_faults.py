@@ -15,7 +15,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import pytest
 import gpuload
 from gpuload.cache.store import ChunkCache
 
+from conftest import python, spawn
 from clicklog import COLUMNS, Reference, check_epoch, clicklog, wait_for
 
 pytestmark = pytest.mark.slow
@@ -54,8 +54,7 @@ np.savez(out + ".npz", **{k: np.concatenate(v) for k, v in parts.items()})
 
 
 def _spawn(*args):
-    return subprocess.Popen([sys.executable, "-c", CHILD, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return spawn(python(CHILD, *args))
 
 
 def _check_saved(out: Path, ref: Reference, epochs: int) -> int:

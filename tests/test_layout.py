@@ -17,6 +17,8 @@ from gpuload.cache.chunkfile import PREFIX
 from gpuload.layout import Layout, stored_outputs
 from gpuload.schema import resolve_outputs, spec_description, storage_dtype
 
+from conftest import dataset_factory, row_ids
+
 N = 6000
 
 
@@ -39,10 +41,7 @@ def source(tmp_path_factory):
 COLUMNS = {"id": "id", "a": "a", "x": "x", "y": "y", "lab": "lab", "xy": ["x", "y"], "h": "h"}
 
 
-def _open(source, cache, **kw):
-    kw.setdefault("batch_size", 256)
-    kw.setdefault("chunk_bytes", 32 << 10)
-    return gpuload.ParquetDataset(source, COLUMNS, cache_dir=cache, device="cpu", **kw)
+_open = dataset_factory(COLUMNS, batch_size=256, chunk_bytes=32 << 10)
 
 
 def _specs(source):
@@ -55,10 +54,6 @@ def _all(ds) -> dict:
         for k, v in b.items():
             out.setdefault(k, []).append(v)
     return out
-
-
-def _ids(ds) -> np.ndarray:
-    return np.concatenate([b["id"].numpy() for b in ds])
 
 
 # -- the layout itself ---------------------------------------------------------------------------
@@ -143,7 +138,7 @@ def test_same_order_in_both_layouts(source, tmp_path, shuffle):
     for layout in ("rows", "columns"):
         ds = _open(source, tmp_path / layout, layout=layout, shuffle=shuffle, block_rows=32, seed=4)
         ds.set_epoch(2)
-        orders.append(_ids(ds))
+        orders.append(row_ids(ds, "id"))
     assert np.array_equal(*orders)
     assert np.array_equal(np.sort(orders[0]), np.arange(N))
 
@@ -168,7 +163,7 @@ def test_block_permutation_moves_whole_blocks(n, b):
 def test_block_shuffle_reads_permuted_chunks_in_blocks(source, tmp_path):
     ds = _open(source, tmp_path / "c", shuffle="block", block_rows=32, shuffle_window=2)
     ds.set_epoch(1)
-    ids = _ids(ds)
+    ids = row_ids(ds, "id")
     assert np.array_equal(np.sort(ids), np.arange(N))
     # rows were permuted inside each chunk when it was cached...
     stored = [ds.reader.load(i)["#<i8"][:, 0] for i in range(len(ds.reader.chunks))]
@@ -189,11 +184,11 @@ def test_block_cache_files_are_deterministic_and_prebuilt(source, tmp_path):
     assert len(a) == summary.chunks and [f.name for f in a] == [f.name for f in b]
     assert all(x.read_bytes() == y.read_bytes() for x, y in zip(a, b))
     ds = _open(source, tmp_path / "a", **kw)
-    _ids(ds)
+    row_ids(ds, "id")
     assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache > 0  # build_cache built exactly what block shuffling reads
     # another block size reads the same files (the permutation inside a chunk does not depend on it)
     ds = _open(source, tmp_path / "a", shuffle="block", block_rows=100)
-    _ids(ds)
+    row_ids(ds, "id")
     assert ds.reader.counters.decoded == 0
 
 

@@ -39,6 +39,7 @@ def test_committed_without_outputs(path):
                 f"{path.name} has outputs: clear them before committing")
 
 
+@pytest.mark.slow  # a Jupyter kernel
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, kernel_env):
     nbformat = pytest.importorskip("nbformat")

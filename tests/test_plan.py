@@ -240,6 +240,7 @@ def test_chunk_order_changes_with_epoch_seed_and_fingerprint():
     assert order() != tuple(range(20))
 
 
+@pytest.mark.slow
 def test_chunk_order_does_not_depend_on_the_process():
     """Order is the same in another interpreter (no hash() or global RNG state involved)."""
     code = ("from gpuload import plan; print(plan.chunk_order(30, fingerprint=99, seed=5, epoch=3, shuffle=True)"

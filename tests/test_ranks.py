@@ -25,7 +25,7 @@ import torch
 import gpuload
 from gpuload.ranks import resolve_local_world
 
-from conftest import record_loads, write_parquet
+from conftest import open_dataset, record_loads, row_ids, write_parquet
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
@@ -47,13 +47,8 @@ def source(tmp_path_factory):
 
 def _open(source, cache, rank, world=4, local=2, shard="node", **kw):
     kw = {"batch_size": BATCH, "chunk_bytes": 4 << 10, "shuffle_window": 2, **kw}
-    return gpuload.ParquetDataset(source, ["row_id", "x"], cache_dir=cache, device="cpu", rank=rank,
-                                  world_size=world, shard=shard, local_world_size=local if shard == "node" else None,
-                                  **kw)
-
-
-def _ids(batches) -> np.ndarray:
-    return np.concatenate([b["row_id"].numpy() for b in batches]) if batches else np.zeros(0, np.int64)
+    return open_dataset(source, ["row_id", "x"], cache, rank=rank, world_size=world, shard=shard,
+                        local_world_size=local if shard == "node" else None, **kw)
 
 
 # ---------------------------------------------------------------------------------------
@@ -103,7 +98,7 @@ def test_node_mode_epochs(source, tmp_path):
             batches.append(list(ds))
         assert len({len(b) for b in batches}) == 1 and len(batches[0]) == len(ranks[0])  # DDP never hangs
         assert all([len(x["row_id"]) for x in b] == [len(x["row_id"]) for x in batches[0]] for b in batches)
-        ids = np.concatenate([_ids(b) for b in batches])
+        ids = np.concatenate([row_ids(b) for b in batches])
         assert len(np.unique(ids)) == len(ids) == ranks[0].rows_per_epoch  # no row twice
         for b in batches:
             for x in b:
@@ -142,10 +137,10 @@ def test_node_mode_order_is_a_pure_function(source, tmp_path):
     b = _open(source, tmp_path / "b", 3, num_threads=3, prefetch=4)
     for ds in (a, b):
         ds.set_epoch(2)
-    assert np.array_equal(_ids(list(a)), _ids(list(b)))
+    assert np.array_equal(row_ids(list(a)), row_ids(list(b)))
     a.set_epoch(3)
     b.set_epoch(2)
-    assert not np.array_equal(_ids(list(a)), _ids(list(b)))
+    assert not np.array_equal(row_ids(list(a)), row_ids(list(b)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,7 +177,7 @@ def test_node_mode_resume_on_other_layouts_delivers_the_rest_once(source, tmp_pa
     taken, state = [], None
     for r in range(4):
         got, state = _take(_open(source, tmp_path / "c", r), 0, 5)
-        taken.append(_ids(got))
+        taken.append(row_ids(got))
     news = [_open(source, tmp_path / "c", r, world=world, local=local or 1, shard=shard) for r in range(world)]
     rest = []
     for ds in news:
@@ -190,14 +185,14 @@ def test_node_mode_resume_on_other_layouts_delivers_the_rest_once(source, tmp_pa
         ds.set_epoch(0)
         rest.append(list(ds))
     assert len({len(b) for b in rest}) == 1
-    ids = np.concatenate(taken + [_ids(b) for b in rest])
+    ids = np.concatenate(taken + [row_ids(b) for b in rest])
     assert len(np.unique(ids)) == len(ids)
     assert len(ids) >= _open(source, tmp_path / "c", 0).rows_per_epoch - world  # the rest, all but < world rows
     for ds in news:  # the next epoch is the new layout's own
         ds.set_epoch(1)
         fresh = _open(source, tmp_path / "c", ds.rank, world=world, local=local or 1, shard=shard)
         fresh.set_epoch(1)
-        assert np.array_equal(_ids(list(ds)), _ids(list(fresh)))
+        assert np.array_equal(row_ids(list(ds)), row_ids(list(fresh)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,7 +240,7 @@ def test_a_dataset_made_before_the_process_group_follows_it(source, tmp_path, pr
     for epoch in (0, 1):
         ds.set_epoch(epoch)
         want.set_epoch(epoch)
-        assert np.array_equal(_ids(list(ds)), _ids(list(want)))
+        assert np.array_equal(row_ids(list(ds)), row_ids(list(want)))
     if shard == "node":
         assert ds.node_chunks() == want.node_chunks()
     # a later epoch follows the process group of its own start
@@ -254,7 +249,7 @@ def test_a_dataset_made_before_the_process_group_follows_it(source, tmp_path, pr
     ds.set_epoch(2)
     want2.set_epoch(2)
     assert len(ds) == len(want2)
-    assert np.array_equal(_ids(list(ds)), _ids(list(want2)))
+    assert np.array_equal(row_ids(list(ds)), row_ids(list(want2)))
 
 
 def test_an_epoch_keeps_the_ranks_it_began_with(source, tmp_path, process_group):
@@ -266,7 +261,7 @@ def test_an_epoch_keeps_the_ranks_it_began_with(source, tmp_path, process_group)
     process_group(0, 3)  # the group changes mid-epoch: the next epoch's concern
     assert len(ds) == len(want) and ds.state_dict()["runs"] == [[2, 1]]
     got += list(it)
-    assert np.array_equal(_ids(got), _ids(list(want)))
+    assert np.array_equal(row_ids(got), row_ids(list(want)))
     assert ds.world_size == 3 and ds.state_dict()["runs"] == [[2, len(want)]]  # the epoch that ran
 
 
@@ -309,7 +304,7 @@ def test_a_state_loaded_before_the_process_group(source, tmp_path, process_group
     want = _open(source, tmp_path / "c", 1, world=2, shard="global")
     want.load_state_dict(state)
     assert ds.state_dict() == want.state_dict() and ds.state_dict()["runs"] == [[1, 5], [2, 0]]
-    assert np.array_equal(_ids(list(ds)), _ids(list(want)))
+    assert np.array_equal(row_ids(list(ds)), row_ids(list(want)))
     assert len(taken) == 5
 
 

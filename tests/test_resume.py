@@ -36,7 +36,7 @@ import gpuload
 from gpuload import plan, resume
 from gpuload.batch import Ragged
 
-from conftest import record_loads, write_parquet
+from conftest import open_dataset, record_loads, row_ids, write_parquet
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 
@@ -147,7 +147,7 @@ COLUMNS = {"row_id": "row_id", "x": "x", "g": ["g1", "g2"], "h": "h"}
 
 def _open(source, cache, world=1, rank=0, **kw):
     kw = {"batch_size": BATCH, "chunk_bytes": 8 << 10, "shuffle_window": 3, **kw}
-    return gpuload.ParquetDataset(source, COLUMNS, cache_dir=cache, device="cpu", rank=rank, world_size=world, **kw)
+    return open_dataset(source, COLUMNS, cache, rank=rank, world_size=world, **kw)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -165,10 +165,6 @@ def _assert_same_run(got: list, want: list, where) -> None:
     assert len(got) == len(want), (where, len(got), len(want))
     for i, ((e1, a), (e2, b)) in enumerate(zip(got, want)):
         assert e1 == e2 and _same(a, b), (where, i)
-
-
-def _ids(batches) -> np.ndarray:
-    return np.concatenate([b["row_id"].numpy() for b in batches]) if batches else np.zeros(0, np.int64)
 
 
 def _reference(ds, epochs) -> tuple[list, list]:
@@ -238,7 +234,7 @@ def test_elastic_resume_delivers_the_rest_exactly_once(source, tmp_path, w1, w2)
         rests = [_resumed(ds, state, epoch + 1) for ds in news]
         this = [[b for e, b in rest if e == epoch] for rest in rests]
         assert len({len(t) for t in this}) == 1, "ranks yield different batch counts"
-        ids = np.concatenate([_ids(before)] + [_ids(t) for t in this])
+        ids = np.concatenate([row_ids(before)] + [row_ids(t) for t in this])
         assert len(np.unique(ids)) == len(ids), (epoch, taken, "a row delivered twice")
         assert len(ids) >= n - (w2 - 1), (epoch, taken, "rows skipped")
         if taken == 0:  # nothing was taken: the whole epoch, shared by the new ranks
@@ -286,7 +282,7 @@ def test_elastic_chain_within_one_epoch(source, tmp_path):
         assert all(s == states[0] for s in states)
         state = states[0]
     assert [w for w, _ in state["runs"]] == [2, 3, 1]
-    ids = _ids(seen)
+    ids = row_ids(seen)
     assert len(np.unique(ids)) == len(ids) and len(ids) == sum(ROWS)
 
 
@@ -564,6 +560,7 @@ json.dump(results, open(out, "w"))
 """
 
 
+@pytest.mark.slow
 def test_restore_in_a_fresh_process(source, tmp_path):
     cache = tmp_path / "c"
     ref_run, states = _reference(_open(source, cache), [0, 1, 2])
@@ -576,7 +573,7 @@ def test_restore_in_a_fresh_process(source, tmp_path):
     for i, (ids, xs) in results.items():
         epoch, state = states[int(i)]
         want = [b for e, b in _rest_from(ref_run, epoch, state["runs"][-1][1]) if e <= epoch + 1]
-        assert ids == _ids(want).tolist(), i
+        assert ids == row_ids(want).tolist(), i
         assert xs == np.concatenate([b["x"].numpy() for b in want]).tobytes().hex(), i
 
 
@@ -628,7 +625,7 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
             if state is not None:
                 ds.load_state_dict(state)
             it = iter(ds)
-            seen.append(_ids(list(itertools.islice(it, steps))))
+            seen.append(row_ids(list(itertools.islice(it, steps))))
             states.append(ds.state_dict())
             it.close()
         state = states[0]
@@ -640,7 +637,7 @@ def test_chained_elastic_runs_read_each_window_once(source, tmp_path):
         takes = ds._plan.rest(ds._cursor.pending, r).takes
         assert len({(t.rank, t.window) for t in takes}) == len(takes)  # one load per window
         split += sum(len(t.spans) > 1 for t in takes)
-        seen.append(_ids(list(ds)))
+        seen.append(row_ids(list(ds)))
     assert split  # some window had rows taken from its middle by the 3-rank run
     ids = np.concatenate(seen)
     assert len(np.unique(ids)) == len(ids) == sum(ROWS)

@@ -24,6 +24,8 @@ from gpuload.cache.chunkfile import FORMAT_VERSION, PREFIX, align, read_chunk, w
 from gpuload.cache.store import ChunkCache
 from gpuload.synth import clicklog_columns, write_clicklog
 
+from conftest import dataset_factory
+
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}
 
 
@@ -34,9 +36,7 @@ def data(tmp_path_factory):
     return d
 
 
-def _ds(data, cache, **kw):
-    return gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, chunk_bytes=1 << 14, batch_size=333,
-                                  device="cpu", **kw)
+_ds = dataset_factory(COLUMNS, chunk_bytes=1 << 14, batch_size=333)
 
 
 def _built(data, cache):
@@ -163,6 +163,7 @@ TRUNCATE_WHILE_HELD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_truncating_a_cache_file_in_place_cannot_hurt_a_held_batch(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

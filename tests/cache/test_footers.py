@@ -5,16 +5,17 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import gpuload
 from gpuload.cache import admin as cache_admin
 from gpuload.cache.fs import CacheRoot
 from gpuload.cache.footers import footer_name, load_footer
+
+from conftest import open_dataset
 
 
 def _dataset(tmp_path, cache):
     if not (tmp_path / "a.parquet").exists():
         pq.write_table(pa.table({"x": list(range(100))}), tmp_path / "a.parquet", row_group_size=30)
-    return gpuload.ParquetDataset(tmp_path / "a.parquet", batch_size=10, cache_dir=cache, device="cpu")
+    return open_dataset(tmp_path / "a.parquet", cache=cache, batch_size=10)
 
 
 def _footer_files(cache):

@@ -31,6 +31,8 @@ from gpuload.cache.fs import CacheRoot, ForeignEntry, Lock
 from gpuload.tools.cli import main
 from gpuload.synth import clicklog_columns, write_clicklog
 
+from conftest import dataset_factory, python, spawn
+
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}
 CHUNK_BYTES = 1 << 14
 
@@ -39,13 +41,7 @@ def _data(path, rows=3000, files=3):
     return write_clicklog(path, rows=rows, files=files, row_group_rows=250, dense=2, sparse=2, list_max=3)
 
 
-def _ds(data, cache, **kw):
-    kw.setdefault("batch_size", 400)
-    return gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, chunk_bytes=CHUNK_BYTES, device="cpu", **kw)
-
-
-def _ids(ds) -> np.ndarray:
-    return np.concatenate([b["row_id"].numpy() for b in ds])
+_ds = dataset_factory(COLUMNS, batch_size=400, chunk_bytes=CHUNK_BYTES)
 
 
 def _exact(ds, n):
@@ -320,6 +316,7 @@ def test_lock_retries_when_its_file_is_removed(tmp_path):
     assert Lock(root, (LAYOUT_DIR, "ab"), "x.lock").acquire(blocking=False)
 
 
+@pytest.mark.slow
 def test_a_lock_held_by_a_stopped_process_never_blocks_a_reader(data, tmp_path, reference, caplog):
     """A builder that holds a chunk's lock and never finishes (stopped, hung): readers wait
     ``lock_patience`` seconds, then decode the chunk themselves, with one warning."""
@@ -328,11 +325,10 @@ def test_a_lock_held_by_a_stopped_process_never_blocks_a_reader(data, tmp_path, 
     chunks = sorted(cache.rglob("*.glc"))
     for p in chunks[:2]:
         p.unlink()
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
-                               "fds = [os.open(p, os.O_RDONLY | os.O_CREAT) for p in sys.argv[1:]]\n"
-                               "[fcntl.flock(fd, fcntl.LOCK_EX) for fd in fds]\nprint('held', flush=True)\n"
-                               "time.sleep(600)", *[str(p) + ".lock" for p in chunks[:2]]],
-                              stdout=subprocess.PIPE, text=True)
+    holder = spawn(python("import fcntl, os, sys, time\n"
+                          "fds = [os.open(p, os.O_RDONLY | os.O_CREAT) for p in sys.argv[1:]]\n"
+                          "[fcntl.flock(fd, fcntl.LOCK_EX) for fd in fds]\nprint('held', flush=True)\n"
+                          "time.sleep(600)", *[str(p) + ".lock" for p in chunks[:2]]), stderr=None)
     try:
         assert holder.stdout.readline().strip() == "held"
         caplog.set_level(logging.WARNING, logger="gpuload")
@@ -395,7 +391,7 @@ def test_delete_and_unlink_never_leave_the_cache(tmp_path):
 
 
 LAYOUT_ODD = ["layout_file", "layout_link", "layout_fifo", "specs_link", "specs_file", "spec_json_link",
-              "spec_json_garbage", "layout_000"]
+              "spec_json_garbage", pytest.param("layout_000", marks=pytest.mark.slow)]  # an unprivileged process
 
 
 @pytest.mark.parametrize("kind", LAYOUT_ODD)
@@ -531,6 +527,7 @@ def shared(tmp_path):
     shutil.rmtree(base)
 
 
+@pytest.mark.slow
 @modes_apply
 @pytest.mark.parametrize("missing", [0, 1])
 def test_read_only_cache_of_another_user_is_served(data, shared, missing, reference):
@@ -560,6 +557,7 @@ def test_read_only_cache_of_another_user_is_served(data, shared, missing, refere
     assert _tree(cache) == before  # nothing written, nothing locked into existence
 
 
+@pytest.mark.slow
 @modes_apply
 def test_mode_000_chunk_and_folder_are_decoded_with_a_warning(data, shared, reference):
     d = shared / "data"
@@ -603,6 +601,7 @@ def tiny_fs(tmp_path):
         subprocess.run(["umount", "-l", str(p)], capture_output=True)
 
 
+@pytest.mark.slow  # mount and umount a tmpfs
 @pytest.mark.parametrize("opts", [dict(size="160k", nr_inodes=1000), dict(size="64m", nr_inodes=12),
                                   dict(size="64m", nr_inodes=5)])
 def test_full_disk_or_inodes_serve_exact_data(data, tiny_fs, opts, reference, caplog):

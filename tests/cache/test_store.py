@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ import gpuload
 from gpuload.batch import Ragged
 from gpuload.cache.chunkfile import read_chunk, write_chunk
 
+from conftest import dataset_factory, python, spawn
 from clicklog import CHILD_TIMEOUT, COLUMNS, Reference, check_epoch, clicklog, key_for, sample_cols, wait_for
 
 CHUNK_BYTES = 64 << 10
@@ -39,11 +38,7 @@ ALIGN = 4096
 # helpers
 # ---------------------------------------------------------------------------------------
 
-def _dataset(source, cache, **kw):
-    kw.setdefault("batch_size", 997)
-    kw.setdefault("chunk_bytes", CHUNK_BYTES)
-    kw.setdefault("device", "cpu")
-    return gpuload.ParquetDataset(source, COLUMNS, cache_dir=cache, **kw)
+_dataset = dataset_factory(COLUMNS, batch_size=997, chunk_bytes=CHUNK_BYTES)
 
 
 def _header(path):
@@ -78,8 +73,7 @@ def _cache_bytes(cache) -> int:
 
 
 def _spawn(script, *args):
-    return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return spawn(python(script, *args))
 
 
 @pytest.fixture(scope="module")
@@ -538,6 +532,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["complete_temp", "partial_temp", "sigkill_in_rename"])
 def test_killed_writer_leaves_nothing_readable(click, tmp_path, mode):
     data, files, ref = click
@@ -604,6 +599,7 @@ with open(out + ".json", "w") as f:
 """
 
 
+@pytest.mark.slow
 def test_concurrent_processes_build_each_chunk_once(tmp_path, device):
     """4 processes (on a GPU: 4 processes on one GPU) fill one cache folder at once."""
     data = tmp_path / "data"
@@ -664,6 +660,7 @@ ds.reader.load(0)
 """
 
 
+@pytest.mark.slow
 def test_lock_of_killed_process_does_not_block(click, tmp_path):
     data, files, ref = click
     cache = tmp_path / "cache"

@@ -368,6 +368,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.gpu
 def test_a_gpu_node_with_only_torch_and_cupy_runs_the_gpu_path(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(50_000, dtype=np.int64)}, row_group_size=5_000)
@@ -402,6 +403,7 @@ _RMM_ORDER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.gpu
 @pytest.mark.cudf  # RMM
 @pytest.mark.parametrize("order", ["share first", "set_device first"])

@@ -27,7 +27,7 @@ from gpuload.cache.store import ChunkCache
 from gpuload.gpu import runtime as gpu
 from gpuload.device import resolve_device
 
-from conftest import write_parquet
+from conftest import open_dataset, write_parquet
 from typecases import RICH_COLUMNS, RICH_FILL, rich_table
 
 
@@ -227,7 +227,7 @@ def _assert_same(a: list[dict], b: list[dict]):
 def _ds(data, cache, device, **kw):
     kw.setdefault("batch_size", 4096)
     kw.setdefault("chunk_bytes", 1 << 20)
-    return gpuload.ParquetDataset(data, RICH_COLUMNS, fill_nulls=RICH_FILL, cache_dir=cache, device=device, **kw)
+    return open_dataset(data, RICH_COLUMNS, cache, fill_nulls=RICH_FILL, device=device, **kw)
 
 
 @pytest.mark.gpu
@@ -368,6 +368,7 @@ _BUSY_CONSUMER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.gpu
 @pytest.mark.parametrize("allocator", ["torch", pytest.param("rmm", marks=pytest.mark.cudf)])
 @pytest.mark.parametrize("index", [0, 1])

@@ -275,6 +275,7 @@ _SLOW_STEP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a process of its own
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode", ["warm", "cpu", "gpu"])
 @pytest.mark.parametrize("shuffle", [False, True])

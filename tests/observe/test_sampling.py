@@ -19,15 +19,7 @@ from gpuload import Metrics
 from gpuload.observe import sampling
 from gpuload.observe.sampling import UtilSampler
 
-from conftest import ManualClock
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds (a bound, not a measurement)."""
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
+from conftest import ManualClock, wait_until
 
 
 @pytest.fixture

@@ -19,19 +19,11 @@ import gpuload
 from gpuload.synth import clicklog_columns, write_clicklog
 from gpuload.observe.watch import _measure
 
-from conftest import ManualClock
+from conftest import ManualClock, wait_until
 
 
 def watched(loader, clock: ManualClock, **kw):
     return gpuload.watch(loader, metrics=gpuload.Metrics(clock=clock), sample_util=False, **kw)
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout`` seconds (a bound, not a measurement)."""
-    end = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
 
 
 def slow_generator(n: int, ms: float, clock=None):

@@ -16,12 +16,10 @@ import pytest
 
 import gpuload
 
-from conftest import write_parquet
+from conftest import dataset_factory, write_parquet
 
 
-def _ds(source, tmp_path, columns=None, **kw):
-    kw.setdefault("batch_size", 50)
-    return gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "cache", device="cpu", shuffle=False, **kw)
+_ds = dataset_factory(batch_size=50, shuffle=False)
 
 
 def _all(ds) -> dict:
@@ -50,7 +48,7 @@ def test_any_column_name_works_and_a_dotted_name_is_not_a_struct_path(tmp_path):
     p = write_parquet(tmp_path / "names.parquet", pa.table(cols), row_group_size=64)
     for columns in ([*NAMES, "list.col"], {f"out {i}": name for i, name in enumerate(NAMES)},
                     {"stacked": ["user.age", "a.b", "with space"]}):
-        ds = _ds(p, tmp_path, columns, dtypes=None)
+        ds = _ds(p, tmp_path / "cache", columns, dtypes=None)
         got = _all(ds)
         if isinstance(columns, list):
             for i, name in enumerate(NAMES):
@@ -63,7 +61,7 @@ def test_any_column_name_works_and_a_dotted_name_is_not_a_struct_path(tmp_path):
             for i, name in enumerate(NAMES):
                 np.testing.assert_array_equal(got[f"out {i}"], np.arange(n) * (i + 2))
     # columns=None: every supported column (the struct is skipped), names intact
-    got = _all(_ds(p, tmp_path, None))
+    got = _all(_ds(p, tmp_path / "cache", None))
     assert set(NAMES) <= set(got) and "a" not in got
 
 
@@ -71,8 +69,8 @@ def test_dotted_name_with_nulls_found_at_open(tmp_path):
     t = pa.table({"user.age": pa.array([1, None, 3] * 50), "user": pa.array([{"age": 1}] * 150)})
     p = write_parquet(tmp_path / "n.parquet", t)
     with pytest.raises(gpuload.NullValuesError, match="'user.age' has 50 null"):
-        _ds(p, tmp_path, ["user.age"])
-    got = _all(_ds(p, tmp_path, ["user.age"], fill_nulls={"user.age": -1}))
+        _ds(p, tmp_path / "cache", ["user.age"])
+    got = _all(_ds(p, tmp_path / "cache", ["user.age"], fill_nulls={"user.age": -1}))
     assert (got["user.age"] == -1).sum() == 50
 
 
@@ -106,7 +104,7 @@ def _not_paths(tmp_path):
 def test_sources_that_are_not_paths_are_refused_clearly(tmp_path, kind):
     source, needle = _not_paths(tmp_path)[kind]
     with pytest.raises(gpuload.SourceError, match=needle):
-        _ds(source, tmp_path)
+        _ds(source, tmp_path / "cache")
 
 
 # ---------------------------------------------------------------------------------------
@@ -120,13 +118,13 @@ def test_columns_none_takes_the_columns_every_file_has_in_either_order(tmp_path,
     write_parquet(tmp_path / "d" / "1.parquet", b if extra_first else a)
     write_parquet(tmp_path / "d" / "2.parquet", a if extra_first else b)
     caplog.set_level(logging.WARNING, logger="gpuload")
-    ds = _ds(tmp_path / "d", tmp_path)
+    ds = _ds(tmp_path / "d", tmp_path / "cache")
     assert ds.outputs == ["x", "y"]
     got = _all(ds)
     assert sorted(got["x"]) == list(range(200))
     assert any("extra" in r.getMessage() and "not in every file" in r.getMessage() for r in caplog.records)
     with pytest.raises(gpuload.SchemaError, match="'extra'"):  # asked for by name: refused in either order
-        _ds(tmp_path / "d", tmp_path, ["x", "extra"])
+        _ds(tmp_path / "d", tmp_path / "cache", ["x", "extra"])
 
 
 @pytest.mark.parametrize("first", [0, 1])
@@ -135,7 +133,7 @@ def test_a_column_typed_differently_is_refused_in_either_order(tmp_path, first):
     write_parquet(tmp_path / "d" / "1.parquet", files[first])
     write_parquet(tmp_path / "d" / "2.parquet", files[1 - first])
     with pytest.raises(gpuload.SchemaError, match="'x' is"):
-        _ds(tmp_path / "d", tmp_path)
+        _ds(tmp_path / "d", tmp_path / "cache")
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,11 +150,11 @@ def test_pandas_index_is_not_a_feature_unless_asked_for(tmp_path, index):
     elif index == "multi":
         df.index = pd.MultiIndex.from_arrays([np.arange(100), np.arange(100) % 3], names=["i", "j"])
     df.to_parquet(tmp_path / "df.parquet")
-    ds = _ds(tmp_path / "df.parquet", tmp_path)
+    ds = _ds(tmp_path / "df.parquet", tmp_path / "cache")
     assert ds.outputs == ["x", "y"]
     stored = [n for n in pq.read_schema(tmp_path / "df.parquet").names if n not in ("x", "y")]
     if stored:  # asked for by name, it is loaded
-        got = _all(_ds(tmp_path / "df.parquet", tmp_path, stored[:1]))
+        got = _all(_ds(tmp_path / "df.parquet", tmp_path / "cache", stored[:1]))
         assert len(got[stored[0]]) == 100
 
 
@@ -175,19 +173,19 @@ def _hive(root, days=(1, 2, 3), rows=40):
 def test_hive_partition_keys_are_columns_typed_as_pyarrow_types_them(tmp_path):
     root = _hive(tmp_path / "h")
     want = pq.read_table(root).to_pandas()  # pyarrow's own reading of the folders
-    ds = _ds(root, tmp_path, ["x", "day"])
+    ds = _ds(root, tmp_path / "cache", ["x", "day"])
     got = _all(ds)
     assert got["day"].dtype == np.dtype(pa.int32().to_pandas_dtype())  # as pyarrow types it
     assert sorted(zip(got["x"], got["day"])) == sorted(zip(want["x"], want["day"].astype(int)))
     # the default picks up numeric keys; string keys are skipped (strings are not tensors)
-    assert _ds(root, tmp_path).outputs == ["x", "day"]
+    assert _ds(root, tmp_path / "cache").outputs == ["x", "day"]
     with pytest.raises(gpuload.SchemaError, match="'region'"):
-        _ds(root, tmp_path, ["x", "region"])
+        _ds(root, tmp_path / "cache", ["x", "region"])
     # cached like any other column: a second dataset decodes nothing
-    again = _ds(root, tmp_path, ["x", "day"])
+    again = _ds(root, tmp_path / "cache", ["x", "day"])
     assert sorted(_all(again)["day"]) == sorted(got["day"]) and again.reader.counters.decoded == 0
     # stacked with a file column, and cast
-    g = _all(_ds(root, tmp_path, {"xd": ["x", "day"]}, dtypes={"xd": "float32"}))
+    g = _all(_ds(root, tmp_path / "cache", {"xd": ["x", "day"]}, dtypes={"xd": "float32"}))
     assert g["xd"].dtype == np.float32 and sorted(g["xd"][:, 1]) == sorted(got["day"].astype(np.float32))
 
 
@@ -195,8 +193,8 @@ def test_hive_null_partition_needs_a_fill(tmp_path):
     root = _hive(tmp_path / "h", days=(1,))
     write_parquet(root / "day=__HIVE_DEFAULT_PARTITION__" / "region=eu" / "p.parquet", {"x": np.arange(5)})
     with pytest.raises(gpuload.NullValuesError, match="'day'"):
-        _ds(root, tmp_path, ["x", "day"])
-    got = _all(_ds(root, tmp_path, ["x", "day"], fill_nulls={"day": -1}))
+        _ds(root, tmp_path / "cache", ["x", "day"])
+    got = _all(_ds(root, tmp_path / "cache", ["x", "day"], fill_nulls={"day": -1}))
     assert (got["day"] == -1).sum() == 5
 
 
@@ -216,14 +214,14 @@ def test_partition_keys_also_stored_in_the_files_are_read(tmp_path, writer):
                    "WRITE_PARTITION_COLUMNS true)")
     assert "day" in pq.read_schema(next(root.rglob("*.parquet"))).names
     want = pq.read_table(next(root.rglob("*.parquet"))).schema.field("day").type
-    ds = _ds(root, tmp_path, ["id", "day", "v"])
+    ds = _ds(root, tmp_path / "cache", ["id", "day", "v"])
     got = _all(ds)
     order = np.argsort(got["id"])
     np.testing.assert_array_equal(got["id"][order], df["id"])
     np.testing.assert_array_equal(got["day"][order], df["day"])  # the file's values, in the file's type
     np.testing.assert_array_equal(got["v"][order], df["v"])
     assert got["day"].dtype == np.dtype(want.to_pandas_dtype())
-    assert _ds(root, tmp_path).outputs == ["id", "day", "v"]  # columns=None: the key once
+    assert _ds(root, tmp_path / "cache").outputs == ["id", "day", "v"]  # columns=None: the key once
 
 
 @pytest.mark.parametrize("stats", [True, False])
@@ -234,8 +232,8 @@ def test_a_stored_key_that_disagrees_with_its_folder_is_refused_naming_file_and_
                         write_statistics=stats)
     with pytest.raises(gpuload.SourceError, match=rf"{bad}: column 'day' holds 1 of 5 values other than its "
                                                   r"partition folder's \(day=2\)"):
-        _ds(tmp_path / "h", tmp_path, ["x", "day"])
-    assert sorted(_all(_ds(tmp_path / "h", tmp_path, ["x"]))["x"]) == sorted([*range(5)] * 2)  # key not loaded
+        _ds(tmp_path / "h", tmp_path / "cache", ["x", "day"])
+    assert sorted(_all(_ds(tmp_path / "h", tmp_path / "cache", ["x"]))["x"]) == sorted([*range(5)] * 2)  # key not loaded
 
 
 def test_a_stored_key_that_disagrees_is_refused_when_a_remote_chunk_is_decoded(tmp_path):
@@ -286,15 +284,15 @@ def test_absurd_row_counts_are_refused_at_open(tmp_path, rows):
     _patch_footer_rows(p, rows)
     assert pq.read_metadata(p).num_rows == rows
     with pytest.raises(gpuload.SourceError, match="cannot be right"):
-        _ds(p, tmp_path)
+        _ds(p, tmp_path / "cache")
 
 
 def test_a_name_with_glob_characters_is_that_file(tmp_path):
     write_parquet(tmp_path / "d" / "data[1].parquet", {"x": np.arange(10)})
     write_parquet(tmp_path / "d" / "data1.parquet", {"x": np.arange(100, 110)})  # what the glob would match
-    got = _all(_ds(tmp_path / "d" / "data[1].parquet", tmp_path))
+    got = _all(_ds(tmp_path / "d" / "data[1].parquet", tmp_path / "cache"))
     assert got["x"].tolist() == list(range(10))
-    assert sorted(_all(_ds(str(tmp_path / "d" / "data?.parquet"), tmp_path))["x"]) == list(range(100, 110))
+    assert sorted(_all(_ds(str(tmp_path / "d" / "data?.parquet"), tmp_path / "cache"))["x"]) == list(range(100, 110))
 
 
 def test_linked_files_in_a_folder_and_in_hive_folders(tmp_path):
@@ -306,8 +304,8 @@ def test_linked_files_in_a_folder_and_in_hive_folders(tmp_path):
         (tmp_path / "flat" / f"f{d}.parquet").symlink_to(store / f"blob{d}.parquet")
         (tmp_path / "hive" / f"day={d}").mkdir(parents=True)
         (tmp_path / "hive" / f"day={d}" / "p.parquet").symlink_to(store / f"blob{d}.parquet")
-    assert sorted(_all(_ds(tmp_path / "flat", tmp_path))["x"]) == list(range(10, 30))
-    got = _all(_ds(tmp_path / "hive", tmp_path, ["x", "day"]))
+    assert sorted(_all(_ds(tmp_path / "flat", tmp_path / "cache"))["x"]) == list(range(10, 30))
+    got = _all(_ds(tmp_path / "hive", tmp_path / "cache", ["x", "day"]))
     assert sorted(zip(got["x"], got["day"])) == [(x, x // 10) for x in range(10, 30)]
 
 
@@ -316,9 +314,9 @@ def test_duplicate_column_names_are_refused_by_name_and_skipped_by_default(tmp_p
                              names=["d", "d", "y"])
     p = write_parquet(tmp_path / "dup.parquet", t)
     with pytest.raises(gpuload.SchemaError, match="more than one column named 'd'"):
-        _ds(p, tmp_path, ["d"])
+        _ds(p, tmp_path / "cache", ["d"])
     caplog.set_level(logging.WARNING, logger="gpuload")
-    assert _ds(p, tmp_path).outputs == ["y"]
+    assert _ds(p, tmp_path / "cache").outputs == ["y"]
     assert any("more than once" in r.getMessage() for r in caplog.records)
 
 
@@ -340,7 +338,7 @@ def test_extension_typed_columns_do_not_break_other_names(tmp_path):
         t = pa.table({"pair": pa.ExtensionArray.from_storage(Pair(), storage), "k.v": np.arange(5),
                       "z": np.arange(5) * 2})
         p = write_parquet(tmp_path / "ext.parquet", t)
-        got = _all(_ds(p, tmp_path, ["k.v", "z"]))
+        got = _all(_ds(p, tmp_path / "cache", ["k.v", "z"]))
         assert got["k.v"].tolist() == list(range(5)) and got["z"].tolist() == [0, 2, 4, 6, 8]
     finally:
         pa.unregister_extension_type("test.pair")
@@ -353,7 +351,7 @@ def test_legitimate_files_with_many_rows_per_byte_are_accepted(tmp_path):
     p = tmp_path / "dense.parquet"
     pq.write_table(t, p, row_group_size=n, data_page_size=1 << 30, max_rows_per_page=n)
     assert n / p.stat().st_size > 1 << 16  # more rows per byte than an earlier, too tight bound allowed
-    ds = _ds(p, tmp_path, ["c"], batch_size=n)
+    ds = _ds(p, tmp_path / "cache", ["c"], batch_size=n)
     assert ds.num_rows == n
 
 
@@ -387,7 +385,7 @@ def test_hidden_paths_are_left_out_by_every_listing(tmp_path, how):
                                         batch_size=50, storage_options=s3.storage_options)
             got = sorted(_all(ds)["x"])
     else:
-        got = sorted(_all(_ds(root if how == "folder" else str(root / "**" / "*.parquet"), tmp_path, ["x"]))["x"])
+        got = sorted(_all(_ds(root if how == "folder" else str(root / "**" / "*.parquet"), tmp_path / "cache", ["x"]))["x"])
     assert got == list(range(15))
 
 
@@ -420,4 +418,4 @@ def test_a_row_group_whose_columns_hold_another_count_of_values_is_refused_at_op
     meta = pq.read_metadata(p)
     assert [meta.row_group(g).num_rows for g in range(2)] == [140, 110] and meta.num_rows == 250
     with pytest.raises(gpuload.SourceError, match=rf"{p}: row group 0 declares 140 rows, but its column 'x' holds 150"):
-        _ds(p, tmp_path, ["x"])
+        _ds(p, tmp_path / "cache", ["x"])

@@ -17,7 +17,7 @@ import gpuload
 import gpuload.decode
 import gpuload.reader
 
-from conftest import write_parquet
+from conftest import dataset_factory, write_parquet
 
 N = 300
 
@@ -39,9 +39,7 @@ def _values(ds, name="a"):
     return np.concatenate([b[name].numpy() for b in ds])
 
 
-def _ds(src, tmp_path, **kw):
-    return gpuload.ParquetDataset(src, ["a"], cache_dir=tmp_path / "cache", device="cpu", shuffle=False,
-                                  batch_size=100, **kw)
+_ds = dataset_factory(["a"], shuffle=False, batch_size=100)
 
 
 def test_a_file_changed_between_listing_and_footer_read_then_restored_is_read_right(tmp_path, monkeypatch):
@@ -57,10 +55,10 @@ def test_a_file_changed_between_listing_and_footer_read_then_restored_is_read_ri
         return out
 
     monkeypatch.setattr(gpuload.reader, "list_files", list_then_change)
-    np.testing.assert_array_equal(_values(_ds(a, tmp_path)), np.arange(N))  # the version it read: right too
+    np.testing.assert_array_equal(_values(_ds(a, tmp_path / "cache")), np.arange(N))  # the version it read: right too
     monkeypatch.undo()
     shutil.copy2(keep, a)  # restored: the listed size and mtime again
-    np.testing.assert_array_equal(_values(_ds(a, tmp_path)), np.arange(N))
+    np.testing.assert_array_equal(_values(_ds(a, tmp_path / "cache")), np.arange(N))
 
 
 def test_a_file_changed_while_a_chunk_is_read_is_not_cached(tmp_path, monkeypatch):
@@ -75,13 +73,13 @@ def test_a_file_changed_while_a_chunk_is_read_is_not_cached(tmp_path, monkeypatc
         shutil.copystat(keep, a)  # ... and its mtime set back, as cp -p would
         return table
 
-    ds = _ds(a, tmp_path)
+    ds = _ds(a, tmp_path / "cache")
     monkeypatch.setattr(gpuload.decode, "_read", read_then_change)
     with pytest.raises(gpuload.SourceError, match="changed or disappeared while a chunk was read"):
         list(ds)
     monkeypatch.undo()
     shutil.copy2(keep, a)
-    again = _ds(a, tmp_path)
+    again = _ds(a, tmp_path / "cache")
     np.testing.assert_array_equal(_values(again), np.arange(N))
     assert again.reader.counters.decoded == len(again.reader.chunks)  # nothing was cached from the bad read
 

@@ -23,7 +23,7 @@ pytest.importorskip("moto")
 pytest.importorskip("s3fs")
 from gpuload.testing import Faults, HttpServer, S3Server  # noqa: E402
 
-from conftest import write_parquet  # noqa: E402
+from conftest import open_dataset, python, spawn, wait_until, write_parquet  # noqa: E402
 from typecases import DTYPES, FILL, NATIVE, write_every_type  # noqa: E402
 
 N_FILES, ROWS, RG = 3, 3000, 500
@@ -127,8 +127,8 @@ def bucket(s3, tmp_path):
 
 
 def _open(url, s3, cache, **kw):
-    return gpuload.ParquetDataset(url, COLUMNS, batch_size=700, cache_dir=cache, storage_options=s3.storage_options,
-                                  chunk_bytes=120_000, **{"device": "cpu", **kw})
+    return open_dataset(url, COLUMNS, cache, batch_size=700, storage_options=s3.storage_options, chunk_bytes=120_000,
+                        **kw)
 
 
 def test_s3_values_equal_pyarrow_for_every_type_and_cached_epochs_make_no_request(s3, bucket, tmp_path):
@@ -472,7 +472,6 @@ def test_hive_partitions_of_a_remote_prefix_and_a_mixed_list(s3, tmp_path):
 def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
     import gc
     import threading
-    import time
 
     folder, tables = http_files
     with HttpServer(folder) as srv:
@@ -481,9 +480,8 @@ def test_a_dropped_dataset_leaves_no_request_threads(http_files, tmp_path):
         del ds
         assert rows == ROWS
         gc.collect()
-        t0 = time.monotonic()
-        while any(t.name.startswith("gpuload-fetch") for t in threading.enumerate()) and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
+        wait_until(lambda: not any(t.name.startswith("gpuload-fetch") for t in threading.enumerate()), timeout=5,
+                   interval=0.02, what="gpuload-fetch threads still running")
         assert not [t.name for t in threading.enumerate() if t.name.startswith("gpuload-fetch")]
 
 
@@ -559,14 +557,11 @@ def test_ctrl_c_during_a_stalled_remote_epoch_exits_at_once(s3, bucket, tmp_path
     import json
     import signal
     import subprocess
-    import sys
     import time
 
     src = _stalling(s3, bucket, tmp_path / "c")
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _CTRL_C, src, str(tmp_path / "c"),
-                                 json.dumps(s3.storage_options)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = spawn(python(_CTRL_C, src, tmp_path / "c", json.dumps(s3.storage_options)))
         assert proc.stdout.readline().strip() == "iterating"
         time.sleep(2)  # its first chunks' requests are stalled now
         t0 = time.monotonic()

@@ -11,12 +11,12 @@ import pytest
 
 import gpuload
 
+from conftest import dataset_factory
+
 deltalake = pytest.importorskip("deltalake")
 
 
-def _ds(source, tmp_path, columns, **kw):
-    return gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "cache", device="cpu", shuffle=False,
-                                  batch_size=64, **kw)
+_ds = dataset_factory(shuffle=False, batch_size=64)
 
 
 def _rows(ds) -> dict:
@@ -51,7 +51,7 @@ def test_a_delta_folder_serves_only_the_live_rows_with_the_logs_partition_values
     root, want = delta
     files = sorted(p for p in root.rglob("*.parquet") if "_delta_log" not in p.parts)
     assert len(files) > len(deltalake.DeltaTable(root).file_uris())  # removed files are still there
-    got = _rows(_ds(root, tmp_path, ["id", "v", "day"]))
+    got = _rows(_ds(root, tmp_path / "cache", ["id", "v", "day"]))
     order = np.argsort(got["id"])
     np.testing.assert_array_equal(got["id"][order], want["id"].to_numpy())
     np.testing.assert_array_equal(got["v"][order], want["v"].to_numpy())
@@ -63,7 +63,7 @@ def test_a_delta_partition_folder_or_glob_is_read_through_the_table_log(delta, t
     root, want = delta
     day1 = want.filter(pa.compute.equal(want["day"], 1))
     for source in (root / "day=1", str(root / "day=1" / "*.parquet"), str(root / "**" / "*.parquet")):
-        got = _rows(_ds(source, tmp_path, ["id", "day"]))
+        got = _rows(_ds(source, tmp_path / "cache", ["id", "day"]))
         expect = day1 if "day=1" in str(source) else want
         assert sorted(got["id"]) == sorted(expect["id"].to_pylist()), source
 
@@ -88,14 +88,14 @@ def test_a_delta_table_missing_a_live_file_is_refused(delta, tmp_path):
 
     os.unlink(live)
     with pytest.raises(gpuload.SourceError, match="live file .* is missing"):
-        _ds(root, tmp_path, ["id"])
+        _ds(root, tmp_path / "cache", ["id"])
 
 
 def test_without_deltalake_a_delta_folder_is_refused_with_what_to_do(delta, tmp_path, monkeypatch):
     root, _ = delta
     monkeypatch.setitem(sys.modules, "deltalake", None)  # as if it were not installed
     with pytest.raises(gpuload.SourceError, match=r"Delta Lake table.*pip install gpuload\[delta\].*file_uris"):
-        _ds(root, tmp_path, ["id"])
+        _ds(root, tmp_path / "cache", ["id"])
 
 
 def test_column_mapping_is_refused(tmp_path):
@@ -103,7 +103,7 @@ def test_column_mapping_is_refused(tmp_path):
     deltalake.write_deltalake(root, _table(np.arange(10), np.zeros(10)),
                               configuration={"delta.columnMapping.mode": "name"})
     with pytest.raises(gpuload.SourceError, match="column mapping"):
-        _ds(root, tmp_path, ["id"])
+        _ds(root, tmp_path / "cache", ["id"])
 
 
 def test_an_iceberg_folder_is_refused_with_the_call_that_lists_its_files(tmp_path):
@@ -115,7 +115,7 @@ def test_an_iceberg_folder_is_refused_with_the_call_that_lists_its_files(tmp_pat
     (root / "metadata" / "00001-abc.metadata.json").write_text("{}")
     for source in (root, root / "data"):
         with pytest.raises(gpuload.SourceError, match="Iceberg table.*plan_files"):
-            _ds(source, tmp_path, ["id"])
+            _ds(source, tmp_path / "cache", ["id"])
 
 
 def test_rows_masked_by_deletion_vectors_are_refused(tmp_path):
@@ -136,4 +136,4 @@ def test_rows_masked_by_deletion_vectors_are_refused(tmp_path):
         {"commitInfo": {"timestamp": 1, "operation": "DELETE"}}, {"remove": remove}, {"add": masked})) + "\n")
     assert len(deltalake.DeltaTable(root).file_uris()) == 1  # the file is live, 3 of its rows deleted
     with pytest.raises(gpuload.SourceError, match="deletion vectors"):
-        _ds(root, tmp_path, ["id"])
+        _ds(root, tmp_path / "cache", ["id"])

@@ -22,7 +22,7 @@ from gpuload.cache.chunkfile import LAYOUT_DIR
 from gpuload.tools.cli import main
 from gpuload.tools.profile import disk_read_gbps, profile
 
-from conftest import write_parquet
+from conftest import dataset_factory, write_parquet
 
 
 @pytest.fixture
@@ -50,14 +50,11 @@ def no_fsync(monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: None)
 
 
-def _ds(data, tmp_path, **kw):
-    kw = {"batch_size": 2_000, "chunk_bytes": 80_000, "shuffle_window": 1, "device": "cpu",
-          "cache_dir": tmp_path / "cache", **kw}
-    return gpuload.ParquetDataset(data, **kw)
+_ds = dataset_factory(batch_size=2_000, chunk_bytes=80_000, shuffle_window=1)
 
 
 def test_dataset_records_every_stage_it_runs(data, tmp_path):
-    ds = _ds(data, tmp_path)
+    ds = _ds(data, tmp_path / "cache")
     cold = _run(ds)
     assert cold.rows == ds.num_rows and cold.batches == len(ds)
     for stage in ("read", "decode", "convert", "cache_write", "batch"):
@@ -71,7 +68,7 @@ def test_dataset_records_every_stage_it_runs(data, tmp_path):
 
 
 def test_starvation_of_a_slow_consumer_is_near_zero(data, tmp_path):
-    ds = _ds(data, tmp_path, batch_size=1_000)
+    ds = _ds(data, tmp_path / "cache", batch_size=1_000)
     _run(ds)
     s = _run(ds, step_s=0.025, epoch=1)  # 25 ms per step; a cached batch takes well under 1 ms
     assert s.starvation < 0.05  # only the first window's load is waited for
@@ -101,7 +98,7 @@ def test_injected_slow_decode_is_named(data, tmp_path, monkeypatch, no_fsync):
         self.reader = _SlowReader(self.reader)
 
     monkeypatch.setattr(pq.ParquetFile, "__init__", slow)
-    ds = _ds(data, tmp_path, num_threads=1)
+    ds = _ds(data, tmp_path / "cache", num_threads=1)
     s = _run(ds, step_s=0.001)
     d = gpuload.diagnose(s, threads=1)
     assert s.starvation > 0.5  # 80 ms or more per chunk against a 1 ms step: about 0.95
@@ -118,7 +115,7 @@ def test_injected_throttled_reader_is_named(data, tmp_path, monkeypatch, no_fsyn
         return real(self, start, end)
 
     monkeypatch.setattr(decode_mod._TimedFile, "_pread", throttled)
-    ds = _ds(data, tmp_path, num_threads=1)
+    ds = _ds(data, tmp_path / "cache", num_threads=1)
     s = _run(ds, step_s=0.001)
     d = gpuload.diagnose(s, threads=1)
     assert d.limiting == "read" and "reader is throttled" in d.message

@@ -1,0 +1,69 @@
+"""The package itself: ``import gpuload`` and the ``gpuload`` command start without torch.
+
+The public names are imported on first use (``gpuload/__init__.py``, PEP 562): ``__all__``,
+``dir()`` and ``from gpuload import X`` are what they were when ``import gpuload`` imported
+everything.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import gpuload
+
+
+def test_every_public_name_imports_and_is_listed():
+    for name in gpuload.__all__:
+        namespace: dict = {}
+        exec(f"from gpuload import {name}", namespace)
+        assert namespace[name] is getattr(gpuload, name), name
+    assert set(gpuload.__all__) <= set(dir(gpuload))
+    # what `import gpuload` used to import, submodules included, is still there by name
+    for name in ("batch", "build", "cache", "dataset", "decode", "errors", "gpu", "observe", "pipeline", "reader",
+                 "sources"):
+        assert name in dir(gpuload) and getattr(gpuload, name).__name__ == f"gpuload.{name}", name
+    assert gpuload.diagnose.__module__ == "gpuload.observe.diagnose"  # the function, not its module
+    assert gpuload.__version__ and "__version__" in gpuload.__all__
+
+
+def test_unknown_names_are_attribute_errors():
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
+        gpuload.no_such_thing  # noqa: B018
+    assert not hasattr(gpuload, "__no_such_dunder__")
+    with pytest.raises(ImportError):
+        exec("from gpuload import no_such_thing", {})
+
+
+def _fresh(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_import_gpuload_does_not_import_torch():
+    r = _fresh("import sys, gpuload\n"
+               "assert 'torch' not in sys.modules, 'import gpuload imported torch'\n"
+               "gpuload.ConfigError, gpuload.__version__\n"  # the errors are there without torch too
+               "assert 'torch' not in sys.modules\n"
+               "gpuload.ParquetDataset\n"
+               "assert 'torch' in sys.modules  # and it comes with what needs it\n")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_the_command_starts_without_torch():
+    """``gpuload --help`` (and importing gpuload.cli) imports no torch: the command starts in a
+    fraction of the time torch's import takes."""
+    r = _fresh("import sys\nfrom gpuload.cli import main\n"
+               "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+               "assert 'torch' not in sys.modules, 'gpuload --help imported torch'\n")
+    assert r.returncode == 0, r.stderr
+    assert "usage: gpuload" in r.stdout
+    # the real entry point, every module it imports listed by -X importtime
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpuload.cli", "--help"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "usage: gpuload" in r.stdout, r.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "gpuload" in imported and "torch" not in imported  # (gpuload.cli runs as __main__)
