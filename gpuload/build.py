@@ -11,13 +11,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .cluster import build_on_cluster
-from .config import Options, Source
+from .config import BUILD_DEVICE, Options, Source
 from .errors import CacheError, ConfigError, flag, setting
 from .reader import ChunkReader, open_reader
 
-__all__ = ["build_cache", "CacheSummary", "BUILD_DEVICE"]
-
-BUILD_DEVICE = "cpu"  #: where builds decode unless asked (training defaults to ``Options.device``, "auto")
+__all__ = ["build_cache", "CacheSummary"]
 
 
 @dataclass(frozen=True)

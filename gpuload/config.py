@@ -23,9 +23,10 @@ from .cache.paths import default_cache_dir
 from .errors import ConfigError, setting, value
 from .sources.settings import RemoteSettings
 
-__all__ = ["Source", "Options", "MiB"]
+__all__ = ["Source", "Options", "MiB", "BUILD_DEVICE"]
 
 MiB = 1 << 20
+BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaults to ``Options.device``, "auto")
 
 
 def _positive_int(name: str, given: Any, minimum: int = 1) -> int:

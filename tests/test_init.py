@@ -54,16 +54,16 @@ def test_import_gpuload_does_not_import_torch():
 
 @pytest.mark.slow
 def test_the_command_starts_without_torch():
-    """``gpuload --help`` (and importing gpuload.cli) imports no torch: the command starts in a
+    """``gpuload --help`` (and importing gpuload.tools.cli) imports no torch: the command starts in a
     fraction of the time torch's import takes."""
-    r = _fresh("import sys\nfrom gpuload.cli import main\n"
+    r = _fresh("import sys\nfrom gpuload.tools.cli import main\n"
                "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
                "assert 'torch' not in sys.modules, 'gpuload --help imported torch'\n")
     assert r.returncode == 0, r.stderr
     assert "usage: gpuload" in r.stdout
     # the real entry point, every module it imports listed by -X importtime
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpuload.cli", "--help"], capture_output=True,
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpuload.tools.cli", "--help"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0 and "usage: gpuload" in r.stdout, r.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    assert "gpuload" in imported and "torch" not in imported  # (gpuload.cli runs as __main__)
+    assert "gpuload" in imported and "torch" not in imported  # (gpuload.tools.cli runs as __main__)

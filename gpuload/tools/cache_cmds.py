@@ -199,8 +199,7 @@ def cmd_clear(args) -> int:
 
 def add_cache_commands(sub) -> None:
     """``gpuload cache build | info | verify | clear`` on the command's subparsers ``sub``."""
-    from ..build import BUILD_DEVICE
-    from ..config import Options
+    from ..config import BUILD_DEVICE, Options
 
     c = sub.add_parser("cache", help="build, inspect, verify or clear the cache")
     csub = c.add_subparsers(dest="action", required=True)
