@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 import gpuload
+import gpuload.gpu.runtime
 from gpuload.cache.chunkfile import pread_all, read_header, region_span
 from gpuload.synth import write_clicklog
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import gpuload
+import gpuload.gpu.runtime
 from gpuload.cache.chunkfile import ALIGN, columns_from_buffer, read_header
 from gpuload.synth import write_clicklog
 
