@@ -54,6 +54,9 @@ _LAZY = {
 }
 
 
+def _submodules() -> set[str]:
+    return {m.name for m in pkgutil.iter_modules(__path__)}
+
 
 def __getattr__(name):
     where = _LAZY.get(name)
@@ -61,19 +64,18 @@ def __getattr__(name):
         value = getattr(importlib.import_module(where, __name__), name)
         globals()[name] = value
         return value
-    if not name.startswith("__"):  # a submodule not imported yet (``gpuload.decode``), as when all were
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
+    if not name.startswith("__") and name in _submodules():  # a submodule used as an attribute
+        module = importlib.import_module(f".{name}", __name__)
+        if hasattr(module, "__path__"):  # a subpackage: ``gpuload.gpu.runtime.gpu_usable()`` after ``import
+            for where in dict.fromkeys(_LAZY.values()):  # gpuload`` finds the modules it used to import
+                importlib.import_module(where, __name__)
+        return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_HIDDEN = {"importlib", "pkgutil", "TYPE_CHECKING", "_LAZY", "_HIDDEN", "__getattr__", "__dir__"}
+_HIDDEN = {"importlib", "pkgutil", "TYPE_CHECKING", "_LAZY", "_HIDDEN", "_submodules", "__getattr__", "__dir__"}
 
 
 def __dir__():
     """The public names (imported or not yet) and the submodules, as when ``import gpuload`` imported them."""
-    submodules = {m.name for m in pkgutil.iter_modules(__path__)}
-    return sorted((set(globals()) - _HIDDEN) | set(__all__) | submodules)
+    return sorted((set(globals()) - _HIDDEN) | set(__all__) | _submodules())

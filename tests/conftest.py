@@ -569,12 +569,18 @@ def row_ids(batches, key: str = "row_id") -> np.ndarray:
 @pytest.fixture(scope="session", autouse=True)
 def _scratch_outside_home(tmp_path_factory):
     """For the session (module-scoped fixtures and child processes included): the default cache
-    folder and Dask's scratch space are under pytest's temporary root, not ``~/.cache/gpuload``
-    and ``/tmp/dask-scratch-space``."""
+    folder, Dask's scratch space and temporary files (``tempfile``, ``$TMPDIR``: torchrun's
+    ``torchelastic_*`` folders, torch's compile cache) are under pytest's temporary root, not
+    ``~/.cache/gpuload``, ``/tmp/dask-scratch-space`` and ``/tmp``."""
+    import tempfile
+
     base = tmp_path_factory.mktemp("scratch")
+    (base / "tmp").mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GPULOAD_CACHE_DIR", str(base / "default-cache"))
         mp.setenv("DASK_TEMPORARY_DIRECTORY", str(base / "dask"))
+        mp.setenv("TMPDIR", str(base / "tmp"))
+        mp.setattr(tempfile, "tempdir", str(base / "tmp"))
         if "dask.config" in sys.modules:  # imported already (a test module's import): read at import only
             import dask.config
 

@@ -50,6 +50,13 @@ def test_import_gpuload_does_not_import_torch():
                "gpuload.ParquetDataset\n"
                "assert 'torch' in sys.modules  # and it comes with what needs it\n")
     assert r.returncode == 0, r.stderr
+    # submodules used as attributes after `import gpuload` alone, as when it imported them all
+    r = _fresh("import gpuload\n"
+               "gpuload.gpu.runtime.gpu_usable, gpuload.cache.store.ChunkCache, gpuload.observe.metrics.STAGES\n"
+               "gpuload.sources.fetch.Fetcher, gpuload.decode.ArrowDecoder\n")
+    assert r.returncode == 0, r.stderr
+    r = _fresh("import sys\nfrom gpuload import cli, errors\nassert 'torch' not in sys.modules\n")
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.slow

@@ -36,6 +36,10 @@ from conftest import dataset_factory, python, spawn
 COLUMNS = {**clicklog_columns(2, 2), "row_id": "row_id"}
 CHUNK_BYTES = 1 << 14
 
+# a test's cache writes end with it: one still queued would write into the next test, through its
+# patched os functions (test_injected_os_errors_serve_exact_data once saw the test before's warning)
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
+
 
 def _data(path, rows=3000, files=3):
     return write_clicklog(path, rows=rows, files=files, row_group_rows=250, dense=2, sparse=2, list_max=3)
