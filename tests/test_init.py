@@ -55,7 +55,7 @@ def test_import_gpuload_does_not_import_torch():
                "gpuload.gpu.runtime.gpu_usable, gpuload.cache.store.ChunkCache, gpuload.observe.metrics.STAGES\n"
                "gpuload.sources.fetch.Fetcher, gpuload.decode.ArrowDecoder\n")
     assert r.returncode == 0, r.stderr
-    r = _fresh("import sys\nfrom gpuload import cli, errors\nassert 'torch' not in sys.modules\n")
+    r = _fresh("import sys\nfrom gpuload import errors, tools\nfrom gpuload.tools import cli\nassert 'torch' not in sys.modules\n")
     assert r.returncode == 0, r.stderr
 
 
