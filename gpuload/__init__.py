@@ -66,8 +66,10 @@ def __getattr__(name):
         return value
     if not name.startswith("__") and name in _submodules():  # a submodule used as an attribute
         module = importlib.import_module(f".{name}", __name__)
-        if hasattr(module, "__path__"):  # a subpackage: ``gpuload.gpu.runtime.gpu_usable()`` after ``import
-            for where in dict.fromkeys(_LAZY.values()):  # gpuload`` finds the modules it used to import
+        # a subpackage below the applications: ``gpuload.gpu.runtime.gpu_usable()`` after ``import gpuload``
+        # finds the modules it used to import (``tools``, the command, starts without them: without torch)
+        if hasattr(module, "__path__") and name != "tools":
+            for where in dict.fromkeys(_LAZY.values()):
                 importlib.import_module(where, __name__)
         return module
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
