@@ -9,6 +9,7 @@ import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
+from .lazy import submodule_getattr
 from .errors import (CacheError, ConfigError, CorruptCacheError, GpuloadError, NullValuesError, SchemaError,
                      SourceError)
 
@@ -54,30 +55,22 @@ _LAZY = {
 }
 
 
-def _submodules() -> set[str]:
-    return {m.name for m in pkgutil.iter_modules(__path__)}
+_submodule = submodule_getattr(__name__, __path__)
 
 
 def __getattr__(name):
     where = _LAZY.get(name)
-    if where is not None:
-        value = getattr(importlib.import_module(where, __name__), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__") and name in _submodules():  # a submodule used as an attribute
-        module = importlib.import_module(f".{name}", __name__)
-        # a subpackage below the applications: ``gpuload.gpu.runtime.gpu_usable()`` after ``import gpuload``
-        # finds the modules it used to import (``tools``, the command, starts without them: without torch)
-        if hasattr(module, "__path__") and name != "tools":
-            for where in dict.fromkeys(_LAZY.values()):
-                importlib.import_module(where, __name__)
-        return module
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if where is None:
+        return _submodule(name)  # ``gpuload.decode``, ``gpuload.gpu``: imported when first used
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
 
 
-_HIDDEN = {"importlib", "pkgutil", "TYPE_CHECKING", "_LAZY", "_HIDDEN", "_submodules", "__getattr__", "__dir__"}
+_HIDDEN = {"importlib", "pkgutil", "TYPE_CHECKING", "submodule_getattr", "_LAZY", "_HIDDEN", "_submodule",
+           "__getattr__", "__dir__"}
 
 
 def __dir__():
     """The public names (imported or not yet) and the submodules, as when ``import gpuload`` imported them."""
-    return sorted((set(globals()) - _HIDDEN) | set(__all__) | _submodules())
+    return sorted((set(globals()) - _HIDDEN) | set(__all__) | {m.name for m in pkgutil.iter_modules(__path__)})

@@ -7,3 +7,7 @@
 * :mod:`~gpuload.cache.footers`: Parquet footers kept in the cache, so reopening reads no Parquet;
 * :mod:`~gpuload.cache.admin`: ``gpuload cache info``, ``verify`` and ``clear``.
 """
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__, __path__)  # ``gpuload.cache.X`` imported on first use

@@ -10,5 +10,9 @@ Nothing here imports CuPy, cuDF, KvikIO or RMM at import time: without them gpul
 on the CPU.
 """
 
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__, __path__)  # ``gpuload.gpu.X`` imported on first use
+
 #: What an error about a missing piece of the GPU stack advises.
 INSTALL_HINT = "install the gpu extra (pip install 'gpuload[gpu]') or use device='cpu'"

@@ -10,3 +10,7 @@
 ``gpuload profile``, which runs a dataset under a step and reports, is an application on
 top of these (:mod:`gpuload.tools.profile`).
 """
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__, __path__)  # ``gpuload.observe.X`` imported on first use

@@ -9,3 +9,7 @@
 * :mod:`~gpuload.sources.settings`: :class:`~gpuload.RemoteSettings` and :class:`~gpuload.RemoteStats`;
 * :mod:`~gpuload.sources.ranges`: which bytes of a Parquet file a chunk needs.
 """
+
+from ..lazy import submodule_getattr
+
+__getattr__ = submodule_getattr(__name__, __path__)  # ``gpuload.sources.X`` imported on first use
