@@ -59,8 +59,7 @@ def build_chunk(token: str, src, opts, own_dir: bool, fingerprint: int, i: int) 
     file here (:attr:`gpuload.cache.store.ChunkCache.outcomes`), an ``OSError`` as
     ``(errno, text, path)``."""
     reader = _open_reader(token, src, opts, own_dir, fingerprint)
-    c = reader.chunks[i]
-    where = f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
+    where = _where(reader, i)
     try:
         with reader.device.reading():
             reader.build(i)

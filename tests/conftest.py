@@ -134,7 +134,7 @@ class DeviceGuard:
     or ``fake_gpu`` (it stands in a GPU node on purpose, with torch and CuPy patched, and stops
     at the first real device call).
     On the training thread the resolution fails the test at once; on any other thread it is
-    recorded, and the test fails at teardown (the ``_device_guard`` fixture).
+    recorded, and the test fails at teardown (the ``_guards`` fixture).
     """
 
     def __init__(self):
@@ -201,15 +201,6 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     GUARD.item, GUARD.violations = item, []
-
-
-@pytest.fixture(autouse=True)
-def _device_guard(request):
-    """Fails a test that passed while a thread of it resolved a device it may not have (see DeviceGuard)."""
-    failed = request.session.testsfailed
-    yield
-    if GUARD.violations and request.session.testsfailed == failed:
-        pytest.fail("\n".join(dict.fromkeys(GUARD.violations)), pytrace=False)
 
 
 def write_parquet(path, table, row_group_size: int | None = None, **kwargs) -> Path:
@@ -355,7 +346,7 @@ class ProcessGuard:
     ``os.fork``/``posix_spawn``/``system``; from any thread, fixtures included): each process pays
     an interpreter's start and torch's import, which ``pytest -m "not slow"`` must not. The start
     goes ahead (refusing it could hang the test: a Dask cluster waits for workers that never
-    come) and the test fails at teardown, naming what it started (the ``_process_guard`` fixture).
+    come) and the test fails at teardown, naming what it started (the ``_guards`` fixture).
     Tests marked ``gpu`` are left alone (the GPU stack's own imports may start helpers this
     machine cannot vouch for); those that start processes are marked ``slow`` by hand.
     :attr:`item`: the test running (None between tests: pytest-xdist starts its workers outside
@@ -424,12 +415,25 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
-def _process_guard(request):
-    """Fails a test that passed but started a process it may not have (see ProcessGuard)."""
+def _guards(request):
+    """Fails a test that passed while it (or a thread of it) resolved a device it may not have
+    (:class:`DeviceGuard`) or started a process it may not have (:class:`ProcessGuard`)."""
     failed = request.session.testsfailed
     yield
-    if PROCESSES.violations and request.session.testsfailed == failed:
-        pytest.fail("\n".join(dict.fromkeys(PROCESSES.violations)), pytrace=False)
+    found = GUARD.violations + PROCESSES.violations
+    if found and request.session.testsfailed == failed:
+        pytest.fail("\n".join(dict.fromkeys(found)), pytrace=False)
+
+
+def stand_in(guard, request):
+    """For a fixture: ``set_item(item)`` runs the rest of the test as if it were ``item`` for
+    ``guard`` (GUARD or PROCESSES); the test's own item, with no violation left, after."""
+
+    def set_item(item):
+        guard.item, guard.violations = item, []
+
+    yield set_item
+    guard.item, guard.violations = request.node, []
 
 
 _SPAWNED: list[subprocess.Popen] = []  # what spawn() started during the running test
@@ -553,6 +557,22 @@ def dataset_factory(columns=None, **defaults):
         return open_dataset(source, columns, cache, **{**defaults, **kw})
 
     return open_
+
+
+@pytest.fixture(scope="module")
+def click(tmp_path_factory):
+    """The click log of tests/reference.py (its ``Data``), written once per test module."""
+    from reference import click_data
+
+    return click_data(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """The mixed-type source of tests/reference.py (its ``Data``), written once per test module."""
+    from reference import mixed_data
+
+    return mixed_data(tmp_path_factory)
 
 
 def row_ids(batches, key: str = "row_id") -> np.ndarray:

@@ -18,7 +18,7 @@ import torch
 import gpuload
 from gpuload.gpu import runtime
 
-from conftest import (GUARD, PROCESSES, RAPIDS, DeviceGuard, ProcessGuard, _reap, open_dataset, python,
+from conftest import (GUARD, PROCESSES, RAPIDS, DeviceGuard, ProcessGuard, _reap, open_dataset, python, stand_in,
                       required_pieces, row_ids, skip_reasons, spawn, wait_until, write_parquet)
 
 OK = {"driver": None, "cupy": None, "kvikio": None, "cudf": None, "rmm": None}
@@ -104,13 +104,8 @@ def test_guard_rules():
 
 @pytest.fixture
 def as_item(request):
-    """Run part of a test as if it were another item (restored, with no violation left, after)."""
-
-    def set_item(item):
-        GUARD.item, GUARD.violations = item, []
-
-    yield set_item
-    GUARD.item, GUARD.violations = request.node, []
+    """Run part of a test as if it were another item, for the device guard."""
+    yield from stand_in(GUARD, request)
 
 
 @pytest.fixture
@@ -221,13 +216,8 @@ def test_process_guard_rules():
 
 @pytest.fixture
 def as_process_item(request):
-    """Run part of a test as if it were another item, for the process guard (restored after)."""
-
-    def set_item(item):
-        PROCESSES.item, PROCESSES.violations = item, []
-
-    yield set_item
-    PROCESSES.item, PROCESSES.violations = request.node, []
+    """Run part of a test as if it were another item, for the process guard."""
+    yield from stand_in(PROCESSES, request)
 
 
 def test_process_guard_sees_every_way_to_start_one(as_process_item, monkeypatch):

@@ -21,17 +21,7 @@ from gpuload.batch import Ragged
 from gpuload.synth import write_clicklog
 
 from conftest import row_ids, run_with_timeout
-from reference import CLICK_COLUMNS, DENSE, SPARSE, Data, Reference, click_data, mixed_data, read_all, same_batches
-
-
-@pytest.fixture(scope="module")
-def click(tmp_path_factory) -> Data:
-    return click_data(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory) -> Data:
-    return mixed_data(tmp_path_factory)
+from reference import CLICK_COLUMNS, DENSE, SPARSE, Data, Reference, read_all, same_batches
 
 
 @pytest.fixture(params=["click", "mixed"])

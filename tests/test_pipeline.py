@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import run_with_timeout, wait_no_threads
-from reference import Data, click_data, same_batches
+from reference import same_batches
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
-
-
-@pytest.fixture(scope="module")
-def click(tmp_path_factory) -> Data:
-    return click_data(tmp_path_factory)
 
 
 # ---------------------------------------------------------------------------------------

@@ -10,19 +10,8 @@ import pytest
 
 import gpuload.decode
 
-from reference import Data, click_data, mixed_data
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
-
-
-@pytest.fixture(scope="module")
-def click(tmp_path_factory) -> Data:
-    return click_data(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory) -> Data:
-    return mixed_data(tmp_path_factory)
 
 
 def test_empty_files_contribute_no_chunks(mixed, tmp_path):
