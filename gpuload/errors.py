@@ -29,7 +29,7 @@ __all__ = [
 
 _style = "python"
 #: The ``gpuload`` command's flag for each setting it takes (``num_threads`` is ``--threads``).
-_FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtypes", "batch_size": "--batch-size",
+FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtypes", "batch_size": "--batch-size",
           "cache_dir": "--cache-dir", "device": "--device", "num_threads": "--threads", "prefetch": "--prefetch",
           "chunk_bytes": "--chunk-mib", "max_cache_bytes": "--max-gib", "storage_options": "--storage-options",
           "layout": "--layout", "block_rows": "--block-rows", "seed": "--seed", "nodes": "--nodes",
@@ -67,19 +67,19 @@ def setting(name: str, value) -> str:
     """How to pass ``value`` for setting ``name``, in the language the user is speaking:
     ``num_threads=0`` in Python, ``--threads 0`` from the ``gpuload`` command (sizes in the
     flag's unit: ``chunk_bytes=1048576`` is ``--chunk-mib 1``)."""
-    if _style == "cli" and name in _FLAGS:
-        return f"{_FLAGS[name]} {_cli_value(name, value)}"
+    if _style == "cli" and name in FLAGS:
+        return f"{FLAGS[name]} {_cli_value(name, value)}"
     return f"{name}={value!r}"
 
 
 def value(name: str, value) -> str:
     """``value`` of setting ``name`` alone, in the unit the user gives it (``--chunk-mib``: MiB)."""
-    return str(_cli_value(name, value)) if _style == "cli" and name in _FLAGS else repr(value)
+    return str(_cli_value(name, value)) if _style == "cli" and name in FLAGS else repr(value)
 
 
 def flag(name: str) -> str:
     """The setting ``name`` itself, without a value: ``--dtypes`` from the command, ``dtypes=`` in Python."""
-    return _FLAGS[name] if _style == "cli" and name in _FLAGS else f"{name}="
+    return FLAGS[name] if _style == "cli" and name in FLAGS else f"{name}="
 
 
 class GpuloadError(Exception):

@@ -12,7 +12,7 @@ import json
 import math
 
 from ..config import MiB, Options, Source
-from ..errors import ConfigError
+from ..errors import FLAGS, ConfigError
 
 __all__ = ["add_source_flags", "add_chunk_flags", "source_of", "loader_settings", "check_options", "finite",
            "columns", "bar"]
@@ -83,15 +83,19 @@ def source_of(args) -> Source:
                   storage_options=_json_object("--storage-options", args.storage_options, '{"anon": true}'))
 
 
-#: loader flags (their ``args`` names) and the settings they give
-_SETTINGS = {"batch_size": "batch_size", "threads": "num_threads", "prefetch": "prefetch", "device": "device",
-             "cache_dir": "cache_dir", "layout": "layout", "seed": "seed"}
+#: the loader settings a command's flags may give as they are (each flag: errors.FLAGS)
+_SETTINGS = ("batch_size", "num_threads", "prefetch", "device", "cache_dir", "layout", "seed")
+
+
+def _dest(setting: str) -> str:
+    """argparse's name of ``setting``'s flag (``num_threads`` -> ``--threads`` -> ``threads``)."""
+    return FLAGS[setting][2:].replace("-", "_")
 
 
 def loader_settings(args) -> dict:
     """The loader settings of the flags given (``--chunk-mib`` in bytes, ``--block-rows N`` as
     ``shuffle="block", block_rows=N``); flags left out are not there."""
-    out = {setting: getattr(args, name) for name, setting in _SETTINGS.items() if getattr(args, name, None) is not None}
+    out = {s: getattr(args, _dest(s)) for s in _SETTINGS if getattr(args, _dest(s), None) is not None}
     if getattr(args, "chunk_mib", None) is not None:
         finite("--chunk-mib", args.chunk_mib, strict=True)
         if args.chunk_mib * MiB < 4096:
