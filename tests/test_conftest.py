@@ -186,15 +186,18 @@ def test_auto_on_purpose(tmp_path):
 """
 
 
+def _session(pytester, **files):
+    """A pytest session of its own with this conftest and ``files`` (name -> source): its result."""
+    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
+    pytester.makepyfile(**files)
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: x\n    cudf: x\n    auto_device: x\n    slow: x\n")
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+
+
 @pytest.mark.slow  # a pytest session of its own
 def test_guard_in_a_real_session(pytester):
     """The hooks and the teardown check, in a pytest session of their own with this conftest."""
-    from pathlib import Path
-
-    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
-    pytester.makepyfile(test_guarded=GUARDED)
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: x\n    cudf: x\n    auto_device: x\n")
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    r = _session(pytester, test_guarded=GUARDED)
     r.assert_outcomes(passed=3, failed=1, errors=1)
     out = r.stdout.str()
     assert "test_guarded.py::test_default_device: resolves device='auto' (the default)" in out
@@ -306,10 +309,7 @@ def test_none():
 
 @pytest.mark.slow  # a pytest session of its own
 def test_process_guard_in_a_real_session(pytester):
-    pytester.makeconftest(Path(__file__).with_name("conftest.py").read_text())
-    pytester.makepyfile(test_processes=PROCESS_GUARDED)
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: x\n    cudf: x\n    auto_device: x\n    slow: x\n")
-    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    r = _session(pytester, test_processes=PROCESS_GUARDED)
     r.assert_outcomes(passed=3, errors=1)  # test_unmarked passed, then failed at teardown
     out = r.stdout.str()
     assert "ERROR at teardown of test_unmarked" in out
