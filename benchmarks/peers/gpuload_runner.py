@@ -1,0 +1,52 @@
+"""gpuload: ParquetDataset on the CPU; the first epoch builds its cache (opening and the last durable cache
+write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked."""
+
+import os
+import sys
+
+from common import DENSE, SPARSE, Peer, files, main
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import gpuload  # noqa: E402
+
+PER_COLUMN = {"row_id": "row_id", "label": "label", **{f"dense_{i}": f"dense_{i}" for i in range(DENSE)},
+              **{f"cat_{i}": f"cat_{i}" for i in range(SPARSE)}, "history": "history"}
+STACKED = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(DENSE)],
+           "cat": [f"cat_{i}" for i in range(SPARSE)], "history": "history"}
+VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": False}),
+            "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {})}
+
+
+class Gpuload(Peer):
+    def __init__(self, args):
+        super().__init__(args)
+        self.variant = args.variant or "default"
+        self.cols, self.kw = VARIANTS[self.variant]
+        self.name = f"gpuload ({self.variant})"
+        self.ds = None
+        self.versions = {"gpuload": gpuload.__version__}
+        self.notes.append(f"ParquetDataset(batch_size={args.batch_size}, device='cpu'"
+                          + "".join(f", {k}={v!r}" for k, v in self.kw.items()) + ")"
+                          + ("; outputs dense [N,13] and cat [N,26] stacked" if self.variant == "stacked" else "")
+                          + "; first epoch = open + epoch 0 + cache flush (fsync)")
+        self.shuffle = {"noshuffle": "none (file order)",
+                        "block": "blocks of 256 rows permuted within a window of ~{w:,} rows (rows permuted "
+                                 "within each chunk once, at caching); chunk order permuted",
+                        }.get(self.variant, "rows permuted within a window of ~{w:,} rows; chunk order permuted"
+                              ).format(w=args.window)
+
+    def prepare(self):
+        self.ds = gpuload.ParquetDataset(files(self.args), self.cols, batch_size=self.args.batch_size,
+                                         cache_dir=os.path.join(self.args.work, "cache"), device="cpu", **self.kw)
+
+    def epoch(self, e):
+        self.ds.set_epoch(e)
+        return self.ds
+
+    def after_epoch(self, e):
+        if e == 0:
+            self.ds.reader.cache.flush()  # the last background cache writes count toward the first epoch
+
+
+if __name__ == "__main__":
+    main(Gpuload, __doc__)
