@@ -42,12 +42,12 @@ from bench_step import DENSE, SPARSE, petastorm_python  # noqa: E402
 #: pip installs of each peer venv, in order (torch first, from the CPU wheel, so a peer's torch
 #: requirement is met without pulling CUDA); ``.venv-peer-<key>`` at the repository's root
 VENVS = {
-    "ray": [["torch==2.13.0"], ["psutil", "ray[data]"]],
-    "daft": [["torch==2.13.0"], ["psutil", "daft"]],
-    "lance": [["torch==2.13.0"], ["psutil", "pylance"]],
-    "streaming": [["torch==2.13.0"], ["psutil", "mosaicml-streaming"]],
-    "litdata": [["torch==2.13.0"], ["psutil", "litdata"]],
-    "datasets": [["torch==2.13.0"], ["psutil", "datasets"]],
+    "ray": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "ray[data]"]],
+    "daft": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "daft"]],
+    "lance": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "pylance"]],
+    "streaming": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "pyarrow", "mosaicml-streaming"]],
+    "litdata": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "pyarrow", "litdata"]],
+    "datasets": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "datasets"]],
 }
 
 
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
         print(tables)
         print("\n".join(f"{k}: {v}" for k, v in info.items()))
         if args.json:
-            args.json.write_text(json.dumps({"info": info, "results": [{"loader": k, "threads": t, **r}
+            args.json.write_text(json.dumps({"info": info, "results": [{"key": k, "threads": t, **r}
                                                                         for (k, t), r in results.items()]},
                                             indent=1))
         if args.out:

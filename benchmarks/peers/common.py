@@ -288,3 +288,33 @@ def main(make_peer, doc: str, argv=None) -> None:
     print(json.dumps({"loader": peer.name, "shuffle": peer.shuffle, "epochs": epochs, "peak_rss_bytes": rss.peak(),
                       "torch_threads": torch.get_num_threads(), "setup_s": round(setup, 3),
                       "versions": versions, "notes": "; ".join(peer.notes)}), flush=True)
+
+
+def collate_rows(samples: list) -> dict:
+    """Per-row samples (dicts of scalars and NumPy arrays, ``history`` of any length) -> one batch: scalars
+    and fixed-size arrays stacked, ``history`` as (values, offsets)."""
+    out = {}
+    for k in samples[0]:
+        vals = [s[k] for s in samples]
+        if k == "history":
+            lens = np.fromiter((len(v) for v in vals), np.int64, len(vals))
+            off = np.zeros(len(vals) + 1, np.int64)
+            np.cumsum(lens, out=off[1:])
+            out[k] = (torch.from_numpy(np.concatenate(vals).astype(np.int64, copy=False)), torch.from_numpy(off))
+        else:
+            out[k] = torch.from_numpy(np.stack(vals) if isinstance(vals[0], np.ndarray) else np.asarray(vals))
+    return out
+
+
+def row_samples(table):
+    """A pyarrow Table of the click log's columns -> per-row dicts: row_id, label, dense [13] float32,
+    cat [26] int64, history (int64, variable length); what the per-row formats (MDS, litdata) store."""
+    n = table.num_rows
+    dense = np.stack([table.column(f"dense_{i}").to_numpy() for i in range(DENSE)], axis=1)
+    cat = np.stack([table.column(f"cat_{i}").to_numpy() for i in range(SPARSE)], axis=1)
+    rid, label = table.column("row_id").to_numpy(), table.column("label").to_numpy()
+    h = table.column("history").combine_chunks()
+    off = np.asarray(h.offsets, dtype=np.int64)
+    hv = h.values.to_numpy()
+    for i in range(n):
+        yield {"row_id": rid[i], "label": label[i], "dense": dense[i], "cat": cat[i], "history": hv[off[i]:off[i + 1]]}

@@ -1,0 +1,53 @@
+"""MosaicML Streaming: the rows written once into MDS shards with MDSWriter (the first epoch's
+conversion; dense and cat as fixed-size ndarrays, history as a variable ndarray), read with a local
+StreamingDataset (its default shuffle, py1e) through a DataLoader with workers. Runs in
+.venv-peer-streaming."""
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import streaming
+import torch
+from streaming import MDSWriter, StreamingDataset
+
+from common import COLUMNS, DENSE, SPARSE, Peer, collate_rows, files, main, row_samples
+
+MDS_COLUMNS = {"row_id": "int64", "label": "int8", "dense": f"ndarray:float32:{DENSE}",
+               "cat": f"ndarray:int64:{SPARSE}", "history": "ndarray:int64"}
+
+
+class StreamingPeer(Peer):
+    name = "MosaicML Streaming"
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.versions = {"mosaicml-streaming": streaming.__version__}
+        self.mds = os.path.join(args.work, "mds")
+        self.workers = os.cpu_count()
+        self.loader = None
+        self.shuffle = "py1e (Streaming's default)"
+        self.notes.append(f"MDSWriter(columns={MDS_COLUMNS}, compression=None) row by row in the first epoch; "
+                          f"StreamingDataset(local, batch_size, shuffle=True) + DataLoader(batch_size, "
+                          f"num_workers={self.workers}, persistent_workers=True), a collate stacking rows and "
+                          "making history values + offsets")
+
+    def prepare(self):
+        with MDSWriter(out=self.mds, columns=MDS_COLUMNS, compression=None) as w:
+            for f in files(self.args):
+                pf = pq.ParquetFile(f)
+                for i in range(pf.num_row_groups):
+                    for s in row_samples(pf.read_row_group(i, columns=COLUMNS)):
+                        w.write(s)
+        streaming.base.util.clean_stale_shared_memory()
+        ds = StreamingDataset(local=self.mds, batch_size=self.args.batch_size, shuffle=True, shuffle_seed=0)
+        self.shuffle = f"{ds.shuffle_algo}, shuffle_block_size {ds.shuffle_block_size:,} (Streaming's defaults)"
+        self.loader = torch.utils.data.DataLoader(ds, batch_size=self.args.batch_size, num_workers=self.workers,
+                                                  collate_fn=collate_rows, persistent_workers=True)
+
+    def epoch(self, e):
+        return iter(self.loader)
+
+
+if __name__ == "__main__":
+    main(StreamingPeer, __doc__)

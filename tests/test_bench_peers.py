@@ -1,0 +1,86 @@
+"""benchmarks/bench_peers.py keeps working without installing any peer: the loaders of the project's own
+venv run end to end on a small click log, and the runners' shared pieces cut and verify batches exactly."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture(autouse=True)
+def _importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH / "peers"))
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+def chunk(start: int, n: int) -> dict:
+    lens = np.arange(start, start + n) % 4
+    off = np.concatenate([[0], np.cumsum(lens)])
+    return {"row_id": torch.arange(start, start + n),
+            "history": (torch.arange(off[-1]) + 1000 * start, torch.from_numpy(off))}
+
+
+def test_rebatch_cuts_exact_batches_across_chunks():
+    from common import rebatch
+
+    sizes = [5, 3, 17, 1, 8, 2]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    chunks = [chunk(int(s), n) for s, n in zip(starts, sizes)]
+    got = list(rebatch(iter(chunks), 8))
+    assert [len(b["row_id"]) for b in got] == [8, 8, 8, 8, 4]
+    assert torch.equal(torch.cat([b["row_id"] for b in got]), torch.arange(sum(sizes)))
+    want = [v.tolist() for c in chunks for v in np.split(c["history"][0].numpy(), c["history"][1].numpy()[1:-1])]
+    have = [v.tolist() for b in got for v in np.split(b["history"][0].numpy(), b["history"][1].numpy()[1:-1])]
+    assert have == want
+    assert all(int(b["history"][1][0]) == 0 and int(b["history"][1][-1]) == len(b["history"][0]) for b in got)
+
+
+def test_run_epoch_fails_a_loader_that_repeats_or_drops_rows():
+    from common import Peer, run_epoch
+
+    class Twice(Peer):
+        name = "twice"
+
+        def epoch(self, e):
+            yield {"row_id": torch.tensor([0, 1, 1])}
+            yield {"row_id": torch.tensor([2])}
+
+    class Good(Peer):
+        name = "good"
+
+        def epoch(self, e):
+            yield {"row_id": torch.tensor([3, 1])}
+            yield {"row_id": torch.tensor([0, 2])}
+
+    assert run_epoch(Good(None), 0, 4, 0.0, None, prepare=True)["verified"] is True
+    assert run_epoch(Twice(None), 0, 4, 0.0, None, prepare=False)["verified"].startswith("FAILED")
+    assert run_epoch(Good(None), 0, 5, 0.0, None, prepare=False)["verified"].startswith("FAILED")
+
+
+@pytest.mark.slow
+def test_local_loaders_deliver_every_row_once(tmp_path, capsys):
+    import bench_peers
+
+    out, md = tmp_path / "r.json", tmp_path / "b.md"
+    md.write_text("# Benchmarks\n\n## Peers\n\nold\n\n## Other\n\nkept\n")
+    loaders = ["gpuload", "naive", "ideal", "ideal-window", "torch-dataloader"]
+    rc = bench_peers.main(["--rows", "50000", "--files", "2", "--threads", "1", "--step-ms", "0",
+                           "--loaders", ",".join(loaders), "--workdir", str(tmp_path / "w"),
+                           "--json", str(out), "--out", str(md)])
+    got = json.loads(out.read_text())["results"]
+    assert rc == 0, capsys.readouterr().err[-3000:]
+    assert [r["key"] for r in got] == loaders
+    for r in got:
+        assert "error" not in r, r
+        assert [e["verified"] for e in r["epochs"]] == [True, True], r
+        assert [e["rows"] for e in r["epochs"]] == [50_000, 50_000]
+        assert r["peak_rss_bytes"] > 0 and r["shuffle"]
+    text = md.read_text()
+    assert "old" not in text and "## Other\n\nkept" in text and "gpuload (default)" in text
