@@ -73,7 +73,8 @@ LOADERS = {
     "polars": Spec("polars_runner.py"),
     "ray": Spec("ray_runner.py", venv="ray"),
     "daft": Spec("daft_runner.py", venv="daft"),
-    "lance": Spec("lance_runner.py", venv="lance"),
+    "lance": Spec("lance_runner.py", "take", venv="lance"),
+    "lance-scan": Spec("lance_runner.py", "scan", venv="lance"),
     "streaming": Spec("streaming_runner.py", venv="streaming", limit_s=300),
     "litdata": Spec("litdata_runner.py", venv="litdata", limit_s=300),
     "hf-datasets": Spec("hf_datasets_runner.py", venv="datasets", limit_s=300),
@@ -184,6 +185,14 @@ def table(results: dict, threads: str) -> str:
     return "\n".join(lines)
 
 
+def replace_block(path: pathlib.Path, block: str) -> None:
+    """Replace what lies between the peers markers of ``path`` (they must be there)."""
+    start, end = "<!-- peers:start -->\n", "<!-- peers:end -->"
+    text = path.read_text()
+    a, b = text.index(start) + len(start), text.index(end)
+    path.write_text(text[:a] + block + text[b:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--loaders", default=",".join(LOADERS),
@@ -202,6 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work folder and every loader's converted data")
     ap.add_argument("--json", type=pathlib.Path, help="also write every result as JSON here")
     ap.add_argument("--out", type=pathlib.Path, help="markdown file whose '## Peers' section gets the results")
+    ap.add_argument("--readme", type=pathlib.Path,
+                    help="markdown file whose block between '<!-- peers:start -->' and '<!-- peers:end -->' gets "
+                         "the first consumer's table with the machine, date and load average")
     args = ap.parse_args(argv)
     keys = LOCAL if args.loaders == "local" else [k.strip() for k in args.loaders.split(",") if k.strip()]
     unknown = [k for k in keys if k not in LOADERS]
@@ -240,7 +252,11 @@ def main(argv=None) -> int:
                 if key not in versions.setdefault(vs, []):
                     versions[vs].append(key)
         notes = {key: r["notes"] for (key, _), r in results.items() if "error" not in r and r.get("notes")}
-        info = {
+        info = {}
+        if rows != 8_000_000 or max(load0[0], load1[0]) > 0.5:
+            info["caution"] = (f"{rows:,} rows" + (" (not the benchmark's 8,000,000)" if rows != 8_000_000 else "")
+                               + f", load average up to {max(load0[0], load1[0]):.2f}: a smoke run, not a result")
+        info |= {
             "machine": machine(),
             "dataset": f"{rows:,} rows in {len(files)} Parquet files (snappy, row groups of 65,536), "
                        f"{sum(f.stat().st_size for f in files) / 2**20:.0f} MiB: row_id, label, 13 dense, "
@@ -269,6 +285,11 @@ def main(argv=None) -> int:
         if args.out:
             section = "## Peers\n\n" + tables + "\n\n" + "".join(f"* **{k}**: {v}\n" for k, v in info.items())
             replace_section(args.out, "## Peers", section + "\n")
+        if args.readme:
+            block = (f"Consumer with torch threads = {threads[0]} ({info['dataset']}; {info['machine']}; "
+                     f"{info['date']}; {info['runtime']}" + (f"; caution: {info['caution']}" if "caution" in info else "")
+                     + "):\n\n" + table(results, threads[0]) + "\n")
+            replace_block(args.readme, block)
         if bad:
             say("FAILED verification: " + ", ".join(bad))
         return 1 if bad else 0

@@ -69,11 +69,13 @@ def test_local_loaders_deliver_every_row_once(tmp_path, capsys):
     import bench_peers
 
     out, md = tmp_path / "r.json", tmp_path / "b.md"
-    md.write_text("# Benchmarks\n\n## Peers\n\nold\n\n## Other\n\nkept\n")
+    md.write_text("# Benchmarks\n\n## Peers\n\nSTALE\n\n## Other\n\nkept\n")
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- peers:start -->\nSTALE\n<!-- peers:end -->\nrest\n")
     loaders = ["gpuload", "naive", "ideal", "ideal-window", "torch-dataloader"]
     rc = bench_peers.main(["--rows", "50000", "--files", "2", "--threads", "1", "--step-ms", "0",
                            "--loaders", ",".join(loaders), "--workdir", str(tmp_path / "w"),
-                           "--json", str(out), "--out", str(md)])
+                           "--json", str(out), "--out", str(md), "--readme", str(readme)])
     got = json.loads(out.read_text())["results"]
     assert rc == 0, capsys.readouterr().err[-3000:]
     assert [r["key"] for r in got] == loaders
@@ -83,4 +85,7 @@ def test_local_loaders_deliver_every_row_once(tmp_path, capsys):
         assert [e["rows"] for e in r["epochs"]] == [50_000, 50_000]
         assert r["peak_rss_bytes"] > 0 and r["shuffle"]
     text = md.read_text()
-    assert "old" not in text and "## Other\n\nkept" in text and "gpuload (default)" in text
+    assert "STALE" not in text and "## Other\n\nkept" in text and "gpuload (default)" in text
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- peers:start -->\nConsumer") and text.endswith("<!-- peers:end -->\nrest\n")
+    assert "STALE" not in text and "caution" in text

@@ -317,4 +317,4 @@ def row_samples(table):
     off = np.asarray(h.offsets, dtype=np.int64)
     hv = h.values.to_numpy()
     for i in range(n):
-        yield {"row_id": rid[i], "label": label[i], "dense": dense[i], "cat": cat[i], "history": hv[off[i]:off[i + 1]]}
+        yield {"row_id": int(rid[i]), "label": int(label[i]), "dense": dense[i], "cat": cat[i], "history": hv[off[i]:off[i + 1]]}
