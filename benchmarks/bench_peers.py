@@ -53,10 +53,11 @@ VENVS = {
 
 class Spec:
     """One loader: its runner file, variant, venv (None: the project's; "petastorm": bench_step's) and the
-    default time limit of an epoch (0: none) for loaders far too slow for the whole data."""
+    default time limit of an epoch (0: none) and row budget (0: all rows; whole row groups in file order,
+    for a runner that honours it) for loaders far too slow for the whole data."""
 
-    def __init__(self, runner, variant="", venv=None, limit_s=0.0):
-        self.runner, self.variant, self.venv, self.limit_s = runner, variant, venv, limit_s
+    def __init__(self, runner, variant="", venv=None, limit_s=0.0, max_rows=0):
+        self.runner, self.variant, self.venv, self.limit_s, self.max_rows = runner, variant, venv, limit_s, max_rows
 
 
 LOADERS = {
@@ -76,7 +77,7 @@ LOADERS = {
     "lance": Spec("lance_runner.py", "take", venv="lance"),
     "lance-scan": Spec("lance_runner.py", "scan", venv="lance"),
     "streaming": Spec("streaming_runner.py", venv="streaming", limit_s=300),
-    "litdata": Spec("litdata_runner.py", venv="litdata", limit_s=300),
+    "litdata": Spec("litdata_runner.py", venv="litdata", limit_s=300, max_rows=1_000_000),
     "hf-datasets": Spec("hf_datasets_runner.py", venv="datasets", limit_s=300),
     "petastorm": Spec("petastorm_runner.py", venv="petastorm"),
 }
@@ -123,7 +124,8 @@ def run_one(key: str, spec: Spec, args, data: pathlib.Path, work: pathlib.Path, 
         return {"error": f"no venv: {e}"}
     cmd = [python, str(RUNNERS / spec.runner), "--data", str(data), "--work", str(out_dir), "--rows", str(rows),
            "--batch-size", str(args.batch_size), "--step-ms", str(args.step_ms), "--threads", threads,
-           "--window", str(window), "--limit-s", str(limit), "--variant", spec.variant]
+           "--window", str(window), "--limit-s", str(limit), "--variant", spec.variant,
+           "--max-rows", str(spec.max_rows if args.max_rows is None else args.max_rows)]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) if spec.venv is None else ""
     say(f"{key} ({threads} thread{'s' if threads != '1' else ''}): " + " ".join(cmd[1:2]))
@@ -154,12 +156,15 @@ def _rate(x: float) -> str:
     return f"{x / 1e6:.2f} M" if x >= 1e5 else f"{x / 1e3:.1f} k"
 
 
-def _verified(res: dict) -> str:
+def _verified(res: dict, total: int) -> str:
     bad = [f"epoch {ep['epoch']}: {ep['verified']}" for ep in res["epochs"] if ep["verified"] is not True]
-    return "yes" if not bad else "; ".join(bad)
+    if bad:
+        return "; ".join(bad)
+    budget = res["epochs"][0]["rows"]
+    return "yes" if budget >= total else f"yes, of its {budget:,}-row budget"
 
 
-def table(results: dict, threads: str) -> str:
+def table(results: dict, threads: str, total: int) -> str:
     """One consumer's table: a row per loader, ratios against gpuload's default (gpuload / the loader)."""
     ref = results.get(("gpuload", threads))
     ref = None if ref is None or "error" in ref else ref["epochs"]
@@ -181,7 +186,7 @@ def table(results: dict, threads: str) -> str:
             f"| {res['loader']} | {res['shuffle']} | {_rate(e1['rows_per_s'])} | {e1['wait_fraction']:.0%} "
             f"| {e1['first_batch_s'] if e1['first_batch_s'] is not None else '-'} s | {conv:.2f} s "
             f"| {_rate(e2['rows_per_s'])} | {e2['wait_fraction']:.0%} | {res['peak_rss_bytes'] / 2**30:.2f} GiB "
-            f"| {ratio} | {_verified(res)} |")
+            f"| {ratio} | {_verified(res, total)} |")
     return "\n".join(lines)
 
 
@@ -206,6 +211,9 @@ def main(argv=None) -> int:
     ap.add_argument("--limit-s", type=float, default=None,
                     help="stop every epoch after this many seconds (default: the slow peers' own limits, "
                          "300 s for streaming, litdata, hf-datasets; 0: none)")
+    ap.add_argument("--max-rows", type=int, default=None,
+                    help="row budget of the loaders that honour one (default: their own, 1,000,000 for litdata, "
+                         "whose per-row conversion runs at ~10k rows/s here; 0: all rows)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before a loader's process is killed")
     ap.add_argument("--workdir", type=pathlib.Path, help="default: a temporary folder, removed at the end")
     ap.add_argument("--keep", action="store_true", help="keep the work folder and every loader's converted data")
@@ -244,7 +252,7 @@ def main(argv=None) -> int:
         bad = [f"{k} ({t})" for (k, t), r in results.items()
                if "error" not in r and any(ep["verified"] is not True and not str(ep["verified"]).startswith("partial")
                                            for ep in r["epochs"])]
-        tables = "\n\n".join(f"Consumer with torch threads = {t}:\n\n" + table(results, t) for t in threads)
+        tables = "\n\n".join(f"Consumer with torch threads = {t}:\n\n" + table(results, t, rows) for t in threads)
         versions: dict = {}  # one line per distinct set of versions (a venv), naming its loaders
         for (key, _), r in results.items():
             if "error" not in r:
@@ -288,7 +296,7 @@ def main(argv=None) -> int:
         if args.readme:
             block = (f"Consumer with torch threads = {threads[0]} ({info['dataset']}; {info['machine']}; "
                      f"{info['date']}; {info['runtime']}" + (f"; caution: {info['caution']}" if "caution" in info else "")
-                     + "):\n\n" + table(results, threads[0]) + "\n")
+                     + "):\n\n" + table(results, threads[0], rows) + "\n")
             replace_block(args.readme, block)
         if bad:
             say("FAILED verification: " + ", ".join(bad))

@@ -176,6 +176,7 @@ class Peer:
         self.args = args
         self.notes: list[str] = []
         self.versions: dict = {}
+        self.rows: int | None = None  # rows it delivers per epoch, when a row budget makes them fewer
 
     def prepare(self) -> None:
         pass
@@ -193,12 +194,14 @@ class Peer:
 def run_epoch(peer: Peer, e: int, n_rows: int, step_s: float, limit_s: float | None, prepare: bool) -> dict:
     """One epoch: seconds from asking for it (``prepare`` included for the first) to the end of its last
     step; waiting: inside ``next()`` (and ``prepare``); every delivered ``row_id`` marked once."""
-    seen = np.zeros(n_rows, np.uint8)
     rows, waited, first, conv, truncated = 0, 0.0, None, 0.0, False
     t0 = time.perf_counter()
     if prepare:
         peer.prepare()
         conv = time.perf_counter() - t0
+    if peer.rows is not None:  # a row budget, known once prepared
+        n_rows = peer.rows
+    seen = np.zeros(n_rows, np.uint8)
     it = iter(peer.epoch(e))
     waited = time.perf_counter() - t0
     while True:
@@ -256,11 +259,30 @@ def parser(doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=0, help="rows of gpuload's default shuffle window")
     ap.add_argument("--limit-s", type=float, default=0, help="stop an epoch after this many seconds (0: never)")
     ap.add_argument("--variant", default="", help="which configuration of the runner")
+    ap.add_argument("--max-rows", type=int, default=0,
+                    help="a loader that honours it converts and reads only the first row groups holding at least "
+                         "this many rows, and is verified against those (0: all)")
     return ap
 
 
 def files(args) -> list[str]:
     return sorted(os.path.join(args.data, f) for f in os.listdir(args.data) if f.endswith(".parquet"))
+
+
+def row_groups(args) -> tuple[list, int]:
+    """((path, row group) of the data in file order, their rows): all of them, or the first holding at least
+    ``--max-rows`` rows (row_id runs 0 .. rows-1 in file order, so those rows are 0 .. their count - 1)."""
+    import pyarrow.parquet as pq
+
+    items, n = [], 0
+    for p in files(args):
+        md = pq.ParquetFile(p).metadata
+        for i in range(md.num_row_groups):
+            if args.max_rows and n >= args.max_rows:
+                return items, n
+            items.append((p, i))
+            n += md.row_group(i).num_rows
+    return items, n
 
 
 def main(make_peer, doc: str, argv=None) -> None:
@@ -285,6 +307,9 @@ def main(make_peer, doc: str, argv=None) -> None:
         versions.setdefault("pyarrow", pyarrow.__version__)
     except ImportError:
         pass
+    if peer.rows is not None and peer.rows < args.rows:
+        peer.notes.append(f"row budget: the first {peer.rows:,} of {args.rows:,} rows (whole row groups), "
+                          "converted and read each epoch")
     print(json.dumps({"loader": peer.name, "shuffle": peer.shuffle, "epochs": epochs, "peak_rss_bytes": rss.peak(),
                       "torch_threads": torch.get_num_threads(), "setup_s": round(setup, 3),
                       "versions": versions, "notes": "; ".join(peer.notes)}), flush=True)

@@ -7,7 +7,7 @@ import os
 import litdata
 import pyarrow.parquet as pq
 
-from common import COLUMNS, Peer, collate_rows, files, main, row_samples
+from common import COLUMNS, Peer, collate_rows, main, row_groups, row_samples
 
 
 def rows_of(item):
@@ -30,7 +30,7 @@ class LitdataPeer(Peer):
                           f"num_workers={self.workers}), a collate stacking rows and making history values + offsets")
 
     def prepare(self):
-        items = [(p, i) for p in files(self.args) for i in range(pq.ParquetFile(p).num_row_groups)]
+        items, self.rows = row_groups(self.args)
         litdata.optimize(fn=rows_of, inputs=items, output_dir=self.out, chunk_bytes="64MB",
                          num_workers=self.workers)
         ds = litdata.StreamingDataset(self.out, shuffle=True, seed=0)

@@ -3,6 +3,7 @@ epoch (Ray's advice for data read more than once), iterated with iter_batches (A
 prefetching threads) and a local shuffle buffer of gpuload's window size; runs in .venv-peer-ray."""
 
 import os
+import time
 
 import ray
 
@@ -25,8 +26,10 @@ class RayPeer(Peer):
                           "column)")
 
     def prepare(self):
+        t0 = time.perf_counter()
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
                  _temp_dir=os.path.join(self.args.work, "ray"))
+        self.notes.append(f"ray.init took {time.perf_counter() - t0:.1f} s of the first epoch's conversion")
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
         self.ds = ray.data.read_parquet(files(self.args), columns=COLUMNS).materialize()

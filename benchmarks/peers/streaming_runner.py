@@ -18,7 +18,7 @@ import streaming  # noqa: E402
 import torch
 from streaming import MDSWriter, StreamingDataset  # noqa: E402
 
-from common import COLUMNS, DENSE, SPARSE, Peer, collate_rows, files, main, row_samples
+from common import COLUMNS, DENSE, SPARSE, Peer, collate_rows, main, row_groups, row_samples
 
 MDS_COLUMNS = {"row_id": "int64", "label": "int8", "dense": f"ndarray:float32:{DENSE}",
                "cat": f"ndarray:int64:{SPARSE}", "history": "bytes"}
@@ -50,12 +50,11 @@ class StreamingPeer(Peer):
 
     def prepare(self):
         with MDSWriter(out=self.mds, columns=MDS_COLUMNS, compression=None) as w:
-            for f in files(self.args):
-                pf = pq.ParquetFile(f)
-                for i in range(pf.num_row_groups):
-                    for s in row_samples(pf.read_row_group(i, columns=COLUMNS)):
-                        s["history"] = s["history"].tobytes()
-                        w.write(s)
+            items, self.rows = row_groups(self.args)
+            for f, i in items:
+                for s in row_samples(pq.ParquetFile(f).read_row_group(i, columns=COLUMNS)):
+                    s["history"] = s["history"].tobytes()
+                    w.write(s)
         streaming.base.util.clean_stale_shared_memory()
         ds = StreamingDataset(local=self.mds, batch_size=self.args.batch_size, shuffle=True, shuffle_seed=0)
         self.shuffle = (f"{ds.shuffle_algo}, shuffle_block_size={ds.shuffle_block_size} (Streaming's defaults; None: "
