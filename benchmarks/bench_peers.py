@@ -42,7 +42,7 @@ from bench_step import DENSE, SPARSE, petastorm_python  # noqa: E402
 #: pip installs of each peer venv, in order (torch first, from the CPU wheel, so a peer's torch
 #: requirement is met without pulling CUDA); ``.venv-peer-<key>`` at the repository's root
 VENVS = {
-    "ray": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "ray[data]"]],
+    "ray": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "aiohttp", "ray[data]"]],
     "daft": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "daft"]],
     "lance": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "pylance"]],
     "streaming": [["torch==2.13.0"], ["torch==2.13.0", "numpy", "psutil", "pyarrow", "mosaicml-streaming"]],
@@ -76,9 +76,9 @@ LOADERS = {
     "daft": Spec("daft_runner.py", venv="daft"),
     "lance": Spec("lance_runner.py", "take", venv="lance"),
     "lance-scan": Spec("lance_runner.py", "scan", venv="lance"),
-    "streaming": Spec("streaming_runner.py", venv="streaming", limit_s=300),
-    "litdata": Spec("litdata_runner.py", venv="litdata", limit_s=300, max_rows=1_000_000),
-    "hf-datasets": Spec("hf_datasets_runner.py", venv="datasets", limit_s=300),
+    "streaming": Spec("streaming_runner.py", venv="streaming", limit_s=300, max_rows=2_000_000),
+    "litdata": Spec("litdata_runner.py", venv="litdata", limit_s=150, max_rows=500_000),
+    "hf-datasets": Spec("hf_datasets_runner.py", venv="datasets", limit_s=150),
     "petastorm": Spec("petastorm_runner.py", venv="petastorm"),
 }
 #: what runs in the project's venv only (the test's set; no installs)
@@ -210,10 +210,11 @@ def main(argv=None) -> int:
                                                            "torch's own count)")
     ap.add_argument("--limit-s", type=float, default=None,
                     help="stop every epoch after this many seconds (default: the slow peers' own limits, "
-                         "300 s for streaming, litdata, hf-datasets; 0: none)")
+                         "300 s for streaming, 150 s for litdata and hf-datasets; 0: none)")
     ap.add_argument("--max-rows", type=int, default=None,
-                    help="row budget of the loaders that honour one (default: their own, 1,000,000 for litdata, "
-                         "whose per-row conversion runs at ~10k rows/s here; 0: all rows)")
+                    help="row budget of the loaders that honour one (default: their own: 2,000,000 for "
+                         "streaming and 500,000 for litdata, whose per-row conversions run at ~60k and ~10k rows/s "
+                         "here; 0: all rows)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before a loader's process is killed")
     ap.add_argument("--workdir", type=pathlib.Path, help="default: a temporary folder, removed at the end")
     ap.add_argument("--keep", action="store_true", help="keep the work folder and every loader's converted data")
