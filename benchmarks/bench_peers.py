@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -130,19 +131,23 @@ def run_one(key: str, spec: Spec, args, data: pathlib.Path, work: pathlib.Path, 
     env["PYTHONPATH"] = str(ROOT) if spec.venv is None else ""
     say(f"{key} ({threads} thread{'s' if threads != '1' else ''}): " + " ".join(cmd[1:2]))
     t0 = time.perf_counter()
+    # a session of its own: on a timeout the runner and every process it started (workers, Ray's daemons) go
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
-                           start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        return {"error": f"timed out after {args.timeout:g} s", "stderr": (e.stderr or b"")[-2000:].decode()
-                if isinstance(e.stderr, bytes) else (e.stderr or "")[-2000:]}
+        stdout, stderr = p.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        say(f"  {key} timed out after {args.timeout:g} s:\n{stderr[-3000:]}")
+        return {"error": f"timed out after {args.timeout:g} s (--timeout)"}
     finally:
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
     if p.returncode or not lines:
-        say(f"  {key} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-        return {"error": f"exit {p.returncode}: " + (p.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        say(f"  {key} failed ({p.returncode}):\n{stderr[-3000:]}")
+        return {"error": f"exit {p.returncode}: " + (stderr.strip().splitlines() or ["?"])[-1][:300]}
     res = json.loads(lines[-1])
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     for ep in res["epochs"]:
@@ -283,7 +288,8 @@ def main(argv=None) -> int:
             "date": datetime.datetime.now().isoformat(timespec="minutes"),
             "command": "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "runtime": f"{time.perf_counter() - t_start:.0f} s; load average (1, 5, 15 min) "
-                       f"{', '.join(f'{x:.2f}' for x in load0)} at start, {', '.join(f'{x:.2f}' for x in load1)} at end",
+                       f"{', '.join(f'{x:.2f}' for x in load0)} at start, "
+                       f"{', '.join(f'{x:.2f}' for x in load1)} at end",
         }
         print(tables)
         print("\n".join(f"{k}: {v}" for k, v in info.items()))
@@ -296,7 +302,8 @@ def main(argv=None) -> int:
             replace_section(args.out, "## Peers", section + "\n")
         if args.readme:
             block = (f"Consumer with torch threads = {threads[0]} ({info['dataset']}; {info['machine']}; "
-                     f"{info['date']}; {info['runtime']}" + (f"; caution: {info['caution']}" if "caution" in info else "")
+                     f"{info['date']}; {info['runtime']}"
+                     + (f"; caution: {info['caution']}" if "caution" in info else "")
                      + "):\n\n" + table(results, threads[0], rows) + "\n")
             replace_block(args.readme, block)
         if bad:

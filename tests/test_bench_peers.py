@@ -4,7 +4,6 @@ venv run end to end on a small click log, and the runners' shared pieces cut and
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np

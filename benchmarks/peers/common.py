@@ -159,7 +159,8 @@ class PeakRSS:
 
     def peak(self) -> int:
         self._stop.set()
-        ru = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+        ru = 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
         return max(self.max, ru)
 
 
@@ -342,4 +343,5 @@ def row_samples(table):
     off = np.asarray(h.offsets, dtype=np.int64)
     hv = h.values.to_numpy()
     for i in range(n):
-        yield {"row_id": int(rid[i]), "label": int(label[i]), "dense": dense[i], "cat": cat[i], "history": hv[off[i]:off[i + 1]]}
+        yield {"row_id": int(rid[i]), "label": int(label[i]), "dense": dense[i], "cat": cat[i],
+               "history": hv[off[i]:off[i + 1]]}

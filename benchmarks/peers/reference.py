@@ -6,7 +6,6 @@ import os
 import pathlib
 import sys
 
-import numpy as np
 import pyarrow.parquet as pq
 import torch
 

@@ -1,7 +1,7 @@
 """MosaicML Streaming: the rows written once into MDS shards with MDSWriter (the first epoch's
-conversion; dense and cat as fixed-size ndarrays, history as the raw bytes of its int64 ids: MDS ndarrays cannot be empty), read with a local
-StreamingDataset (its default shuffle, py1e) through a DataLoader with workers. Runs in
-.venv-peer-streaming."""
+conversion; dense and cat as fixed-size ndarrays, history as the raw bytes of its int64 ids: MDS
+ndarrays cannot be empty), read with a local StreamingDataset (its default shuffle, py1e) through a
+DataLoader with workers. Runs in .venv-peer-streaming."""
 
 import os
 import sys
