@@ -102,7 +102,7 @@ class Options(_Settings):
     kvikio_compat: str = "auto"
     prefetch: int = 2
     num_threads: int = 2
-    nice: int = 10
+    nice: int = 0
 
     @property
     def shuffled(self) -> bool:

@@ -98,10 +98,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     prefetch : chunks loaded ahead of the one being batched (default 2).
     num_threads : threads that read and decode chunks (default 2).
     nice : how many nice steps below the thread that starts an epoch gpuload's background
-        threads run (default 10; 0 to 19; Linux only, elsewhere ignored). When the training
-        thread or its torch threads want a core, they get it first and the loader takes
-        what is left, instead of stalling the step's parallel regions; 0: the same
-        priority as the training thread.
+        threads run (default 0: the same priority; 0 to 19; Linux only, elsewhere ignored).
+        With ``nice=10`` the training thread and its torch threads get a core first and the
+        loader takes what is left: a step whose own CPU work matters (torch intra-op threads
+        on a small host) runs faster, at the price of more waiting for data when the cores
+        are short (docs/benchmarks.md, "Peers").
     max_cache_bytes : cache budget in bytes (default None: unbounded). When the data
         does not fit, chunks are cached until full and the rest is read from Parquet
         every epoch; nothing is evicted.
