@@ -17,6 +17,7 @@ The decoders still check every value, so a file without statistics is never serv
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import numpy as np
@@ -65,24 +66,46 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
     try:
         reader = pq.ParquetFile(f.path, metadata=f.metadata).reader
         for g in groups:
-            col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=True).column(0)
+            col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=False).column(0)
             nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
     except (OSError, pa.ArrowException) as e:
         raise SourceError(f"{f.path}: cannot be read ({e}); the file may be truncated or corrupt") from None
     return nulls
 
 
+_SCAN_GROUPS = 4  # row groups per scan job: enough jobs to keep every thread busy, few files opened
+
+
+def _scan_all(jobs: list[tuple], threads: int) -> list[int]:
+    """:func:`_scan` of each ``(file, column, groups, lists)`` job, split into jobs of at most
+    ``_SCAN_GROUPS`` row groups run on ``threads`` threads (pyarrow decodes without the GIL);
+    the null count of each job, in order."""
+    parts = [(j, (f, c, gs[k:k + _SCAN_GROUPS], lists)) for j, (f, c, gs, lists) in enumerate(jobs)
+             for k in range(0, len(gs), _SCAN_GROUPS)]
+    if threads <= 1 or len(parts) <= 1:
+        counts = [_scan(*p) for _, p in parts]
+    else:
+        with ThreadPoolExecutor(max_workers=min(threads, len(parts)), thread_name_prefix="gpuload-check") as pool:
+            counts = list(pool.map(lambda p: _scan(*p), [p for _, p in parts]))
+    out = [0] * len(jobs)
+    for (j, _), n in zip(parts, counts):
+        out[j] += n
+    return out
+
+
 def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
-                cached: Callable[[int, int], bool] = lambda f, g: False) -> None:
+                cached: Callable[[int, int], bool] = lambda f, g: False, threads: int = 1) -> None:
     """Raise :class:`NullValuesError` naming every column without a fill value that holds
     nulls, with the one ``fill_nulls`` that covers them all.
 
     ``cached(file index, row group)`` says whether a row group's chunk is cached: such
     row groups are not read. Remote objects' row groups are not read either (that would
     fetch their columns twice): where their footers cannot tell, the first epoch's
-    conversion raises the same :class:`NullValuesError`, naming the chunk.
+    conversion raises the same :class:`NullValuesError`, naming the chunk. The columns
+    that are read are read on ``threads`` threads (default 1; a dataset passes its
+    ``num_threads``), a few row groups per job.
     """
-    found, seen, scanned = [], set(), False
+    found, seen, jobs = [], set(), []
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
         for c, fill in zip(s.columns, s.fills):
@@ -103,17 +126,20 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                         nulls, where = nulls + st.null_count, where + [f.path]
                     elif (not known or (lists and st.null_count)) and not cached(i, g):
                         unknown.append(g)
-                if unknown and f.remote:
-                    continue  # not fetched twice: the first epoch's conversion raises the same error, naming the chunk
-                if unknown:
-                    scanned = True
-                    n = _scan(f, c, unknown, lists)
-                    if n:
-                        nulls, where = nulls + n, where + [f.path]
-            if nulls:
-                found.append((c, nulls, lists, _files_text(where)))
-    if scanned:  # what Arrow's allocator kept of the columns read goes back to the OS
-        pa.default_memory_pool().release_unused()
+                if unknown and not f.remote:  # remote: not fetched twice, the conversion raises the same error
+                    jobs.append((f, c, unknown, lists))
+            found.append([c, nulls, lists, where])
+    if jobs:
+        counts = _scan_all(jobs, threads)
+        by_column = {entry[0]: entry for entry in found}
+        for (f, c, _, _), n in zip(jobs, counts):
+            if n:
+                by_column[c][1] += n
+                by_column[c][3].append(f.path)
+        pa.default_memory_pool().release_unused()  # what Arrow's allocator kept of the columns read goes back
+    order = {f.path: i for i, f in enumerate(files)}  # messages name files in the order given
+    found = [(c, nulls, lists, _files_text(sorted(where, key=order.__getitem__)))
+             for c, nulls, lists, where in found if nulls]
     if found:  # every such column at once: one run finds them all
         raise nulls_error(found)
 

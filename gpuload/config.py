@@ -102,6 +102,7 @@ class Options(_Settings):
     kvikio_compat: str = "auto"
     prefetch: int = 2
     num_threads: int = 2
+    nice: int = 0
 
     @property
     def shuffled(self) -> bool:
@@ -124,6 +125,9 @@ class Options(_Settings):
         _positive_int("shuffle_window", self.shuffle_window)
         _positive_int("prefetch", self.prefetch, 0)
         _positive_int("num_threads", self.num_threads)
+        if not isinstance(self.nice, int) or isinstance(self.nice, bool) or not 0 <= self.nice <= 19:
+            raise ConfigError(f"{setting('nice', self.nice)} must be an integer from 0 to 19 (how far below the "
+                              "training thread's priority gpuload's background threads run; 0: the same)")
         _positive_int("chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"{setting('seed', self.seed)} must be an integer")

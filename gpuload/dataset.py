@@ -97,6 +97,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
     num_threads : threads that read and decode chunks (default 2).
+    nice : how many nice steps below the thread that starts an epoch gpuload's background
+        threads run (default 0: the same priority; 0 to 19; Linux only, elsewhere ignored).
+        With ``nice=10`` the training thread and its torch threads get a core first and the
+        loader takes what is left: a step whose own CPU work matters (torch intra-op threads
+        on a small host) runs faster, at the price of more waiting for data when the cores
+        are short (docs/benchmarks.md, "Peers").
     max_cache_bytes : cache budget in bytes (default None: unbounded). When the data
         does not fit, chunks are cached until full and the rest is read from Parquet
         every epoch; nothing is evicted.
@@ -131,7 +137,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
                  chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
-                 prefetch: int = Options.prefetch, num_threads: int = Options.num_threads,
+                 prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
                  max_cache_bytes: int | None = Options.max_cache_bytes,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,
                  max_device_bytes: int | None = Options.max_device_bytes, kvikio_threads: int = Options.kvikio_threads,
@@ -299,7 +305,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         handoff = self.reader.device.handoff(self._views, self.reader.layout, self.reader.batch_pool)
         pos = self._cursor.begin()
         self.reader.resume()
-        producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2)
+        producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2,
+                              nice=self.options.nice)
         m = self.metrics
         t0 = m.clock()
         try:

@@ -18,7 +18,9 @@ the second with an event, received before the chunk's first use.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
+import sys
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 from .batch import Batcher, concat, nbytes, nrows, rows
 from .plan import Segment
 
-__all__ = ["Background", "epoch_batches", "Stages"]
+__all__ = ["Background", "epoch_batches", "Stages", "lowered_priority"]
 
 _END = object()
 
@@ -63,17 +65,46 @@ class _Failure:
         self.exc = exc
 
 
+def lowered_priority(nice: int) -> Callable[[], None]:
+    """What a background thread calls first to run ``nice`` steps below the calling thread
+    (on Linux the nice value belongs to each thread, and threads it starts inherit it).
+
+    Called on the thread that starts the work (the training thread), it returns a function
+    for the new thread; ``nice=0``, other systems, or a priority that cannot be lowered
+    leave the thread as it is. Lowering is allowed without privileges; raising is not, so
+    a thread already at or below the target stays where it is.
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):  # elsewhere a thread id may name another process
+        return lambda: None
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)  # PRIO_PROCESS 0: the calling thread, on Linux
+
+    def lower() -> None:
+        tid = threading.get_native_id()
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+        except OSError:  # a sandbox that forbids it: run at the inherited priority
+            pass
+
+    return lower
+
+
 class Background:
     """Runs ``make()`` (an iterator factory) on a daemon thread; iterate to get its items.
 
     At most ``depth`` items wait in the queue. An exception in the thread is raised
     in the consumer at the point it happened. :meth:`close` stops the thread early.
+    The thread runs ``nice`` steps below the thread that made it (default 0: the same;
+    :func:`lowered_priority`), and so do the threads it starts (loader, window, writer and
+    fetch threads), so a training step's own threads get a core first.
     """
 
-    def __init__(self, make: Callable[[threading.Event], Iterator], depth: int, name: str = "gpuload-producer"):
+    def __init__(self, make: Callable[[threading.Event], Iterator], depth: int, name: str = "gpuload-producer",
+                 nice: int = 0):
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
         self.finished = False  # the consumer took the last item
+        self._lower = lowered_priority(nice)
         self._thread = threading.Thread(target=self._run, args=(make,), name=name, daemon=True)
         self._thread.start()
 
@@ -87,6 +118,7 @@ class Background:
         return False
 
     def _run(self, make) -> None:
+        self._lower()
         try:
             for item in make(self.stop):
                 if not self._put(item):

@@ -128,7 +128,7 @@ class ChunkReader:
         stored in files), skipping the row groups of chunks cached already."""
         cached = {(self.chunks[i].file, g) for i in self.cached_at_open
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
-        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+        check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached, threads=self.opts.num_threads)
         check_partition_keys(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
 
     def key(self, i: int) -> ChunkKey:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import gpuload
@@ -64,7 +65,10 @@ def test_open_reads_no_column_data_for_cached_chunks(tmp_path, monkeypatch):
     monkeypatch.setattr(checks, "_scan", lambda f, c, groups, lists: scans.append((f.path, c, groups))
                         or real(f, c, groups, lists))
     ds = gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
-    assert len(scans) == 4  # one read of the list column per file (statistics cannot rule nulls out)
+    # each row group's list column read once (statistics cannot rule nulls out), a few row groups per job
+    read = sorted((p, g) for p, _, groups in scans for g in groups)
+    assert read == sorted((str(f), g) for f in sorted(data.glob('*.parquet')) for g in range(pq.ParquetFile(f).metadata.num_row_groups))
+    assert max(len(groups) for _, _, groups in scans) <= checks._SCAN_GROUPS
     list(ds)
     ds.reader.cache.flush()
     scans.clear()

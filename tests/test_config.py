@@ -58,6 +58,9 @@ def test_shuffle_modes(shuffle, block_rows, shuffled, block):
     ({"layout": "diagonal"}, "layout='diagonal'"),
     ({"decode": "tpu"}, "decode='tpu'"),
     ({"chunk_bytes": 100}, "chunk_bytes=100"),
+    ({"nice": 20}, "nice=20 must be an integer from 0 to 19"),
+    ({"nice": -1}, "nice=-1"),
+    ({"nice": 1.5}, "nice=1.5"),
 ])
 def test_bad_options_are_refused_naming_the_setting(kw, match):
     with pytest.raises(gpuload.ConfigError, match=match):

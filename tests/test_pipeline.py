@@ -6,6 +6,9 @@ leaves threads behind, and an error on a background thread reaches the consumer.
 from __future__ import annotations
 
 import gc
+import os
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -122,3 +125,27 @@ def test_background_exception_reaches_consumer(click, tmp_path):
     ds.reader.decode = real
     ids = run_with_timeout(lambda: np.concatenate([click.ref.check(b) for b in ds]))
     assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("nice", [0, 5])
+def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_path, nice):
+    """Loader, window, producer and cache writer threads yield the CPU to the training thread's own
+    threads: ``nice`` steps below it (the training thread itself is left as it is)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    ds = click.open(tmp_path / "cache", nice=nice, prefetch=1, num_threads=2)  # cold: the writer runs too
+    seen: dict[str, int] = {}
+
+    def consume():
+        for _ in ds:
+            for t in threading.enumerate():
+                if t.name.startswith("gpuload-") and t.native_id is not None and t.is_alive():
+                    try:
+                        seen[t.name.split("_")[0]] = os.getpriority(os.PRIO_PROCESS, t.native_id)
+                    except OSError:  # it ended meanwhile
+                        pass
+
+    run_with_timeout(consume)
+    assert {"gpuload-producer", "gpuload-load", "gpuload-window", "gpuload-write"} <= set(seen)
+    assert set(seen.values()) == {min(19, base + nice)}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base

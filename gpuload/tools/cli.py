@@ -112,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--batch-size", type=int, help=f"rows per batch (default {Options.batch_size})")
     f.add_argument("--threads", type=int, help=f"loader threads (default {Options.num_threads})")
     f.add_argument("--prefetch", type=int, help=f"chunks loaded ahead (default {Options.prefetch})")
+    f.add_argument("--nice", type=int, help=f"nice steps below the training thread for the loader's threads, "
+                                            f"0-19 (default {Options.nice})")
     add_chunk_flags(f, block_rows=False)
     f.add_argument("--trace", help="write a Chrome trace-event JSON file (open in Perfetto)")
     f.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")

@@ -84,7 +84,7 @@ def source_of(args) -> Source:
 
 
 #: the loader settings a command's flags may give as they are (each flag: errors.FLAGS)
-_SETTINGS = ("batch_size", "num_threads", "prefetch", "device", "cache_dir", "layout", "seed")
+_SETTINGS = ("batch_size", "num_threads", "nice", "prefetch", "device", "cache_dir", "layout", "seed")
 
 
 def _dest(setting: str) -> str:
