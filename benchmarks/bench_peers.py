@@ -69,6 +69,7 @@ LOADERS = {
     "gpuload-noshuffle": Spec("gpuload_runner.py", "noshuffle"),
     "gpuload-block": Spec("gpuload_runner.py", "block"),
     "gpuload-stacked": Spec("gpuload_runner.py", "stacked"),
+    "gpuload-nice": Spec("gpuload_runner.py", "nice"),
     "naive": Spec("reference.py", "naive"),
     "torch-dataloader": Spec("torch_loaders.py", "dataloader"),
     "torchdata-nodes": Spec("torch_loaders.py", "nodes"),

@@ -1,5 +1,5 @@
 """gpuload: ParquetDataset on the CPU; the first epoch builds its cache (opening and the last durable cache
-write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked."""
+write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked, nice (the default with nice=10)."""
 
 import os
 import sys
@@ -14,7 +14,8 @@ PER_COLUMN = {"row_id": "row_id", "label": "label", **{f"dense_{i}": f"dense_{i}
 STACKED = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(DENSE)],
            "cat": [f"cat_{i}" for i in range(SPARSE)], "history": "history"}
 VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": False}),
-            "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {})}
+            "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {}),
+            "nice": (PER_COLUMN, {"nice": 10})}  # the default, its threads 10 nice steps below the training thread
 
 
 class Gpuload(Peer):
