@@ -105,43 +105,42 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
     that are read are read on ``threads`` threads (default 1; a dataset passes its
     ``num_threads``), a few row groups per job.
     """
-    found, seen, jobs = [], set(), []
+    found: dict[str, list] = {}  # column -> [nulls, is a list, files holding them], in spec order
+    jobs = []
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
         for c, fill in zip(s.columns, s.fills):
-            if fill is not None or c in seen:
+            if fill is not None or c in found:
                 continue
-            seen.add(c)
-            nulls, where = 0, []
+            entry = found[c] = [0, lists, []]
             for i, f in enumerate(files):
                 if c in f.partition_names:
                     if dict(f.partitions)[c] is None:
-                        nulls, where = nulls + f.metadata.num_rows, where + [f.path]
+                        entry[0] += f.metadata.num_rows
+                        entry[2].append(f.path)
                     continue
                 leaf, unknown = f.leaves(c)[0], []
                 for g in range(f.metadata.num_row_groups):
                     st = f.metadata.row_group(g).column(leaf).statistics
                     known = st is not None and st.has_null_count
                     if known and st.null_count and not lists:
-                        nulls, where = nulls + st.null_count, where + [f.path]
+                        entry[0] += st.null_count
+                        entry[2].append(f.path)
                     elif (not known or (lists and st.null_count)) and not cached(i, g):
                         unknown.append(g)
                 if unknown and not f.remote:  # remote: not fetched twice, the conversion raises the same error
                     jobs.append((f, c, unknown, lists))
-            found.append([c, nulls, lists, where])
     if jobs:
-        counts = _scan_all(jobs, threads)
-        by_column = {entry[0]: entry for entry in found}
-        for (f, c, _, _), n in zip(jobs, counts):
+        for (f, c, _, _), n in zip(jobs, _scan_all(jobs, threads)):
             if n:
-                by_column[c][1] += n
-                by_column[c][3].append(f.path)
+                found[c][0] += n
+                found[c][2].append(f.path)
         pa.default_memory_pool().release_unused()  # what Arrow's allocator kept of the columns read goes back
     order = {f.path: i for i, f in enumerate(files)}  # messages name files in the order given
-    found = [(c, nulls, lists, _files_text(sorted(where, key=order.__getitem__)))
-             for c, nulls, lists, where in found if nulls]
-    if found:  # every such column at once: one run finds them all
-        raise nulls_error(found)
+    bad = [(c, nulls, lists, _files_text(sorted(where, key=order.__getitem__)))
+           for c, (nulls, lists, where) in found.items() if nulls]
+    if bad:  # every such column at once: one run finds them all
+        raise nulls_error(bad)
 
 
 def _bounds(st, vt, src: np.dtype) -> np.ndarray | None:

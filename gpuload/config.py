@@ -29,13 +29,17 @@ MiB = 1 << 20
 BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaults to ``Options.device``, "auto")
 
 
-def _positive_int(name: str, given: Any, minimum: int = 1) -> int:
-    """``given``, an integer of at least ``minimum``, else a :class:`ConfigError` naming the
-    setting as the user gave it (``num_threads=0`` in Python, ``--threads 0`` from the command)."""
-    if isinstance(given, bool) or not isinstance(given, int) or given < minimum:
-        raise ConfigError(f"{setting(name, given)} must be an integer >= {value(name, minimum)}"
-                          if isinstance(given, int) and not isinstance(given, bool) else
-                          f"{setting(name, given)} must be an integer")
+def _positive_int(name: str, given: Any, minimum: int = 1, maximum: int | None = None) -> int:
+    """``given``, an integer of at least ``minimum`` (and at most ``maximum``, if given), else a
+    :class:`ConfigError` naming the setting as the user gave it (``num_threads=0`` in Python,
+    ``--threads 0`` from the command)."""
+    if isinstance(given, bool) or not isinstance(given, int):
+        raise ConfigError(f"{setting(name, given)} must be an integer")
+    if maximum is not None and not minimum <= given <= maximum:
+        raise ConfigError(f"{setting(name, given)} must be an integer from {value(name, minimum)} "
+                          f"to {value(name, maximum)}")
+    if given < minimum:
+        raise ConfigError(f"{setting(name, given)} must be an integer >= {value(name, minimum)}")
     return given
 
 
@@ -125,9 +129,7 @@ class Options(_Settings):
         _positive_int("shuffle_window", self.shuffle_window)
         _positive_int("prefetch", self.prefetch, 0)
         _positive_int("num_threads", self.num_threads)
-        if not isinstance(self.nice, int) or isinstance(self.nice, bool) or not 0 <= self.nice <= 19:
-            raise ConfigError(f"{setting('nice', self.nice)} must be an integer from 0 to 19 (how far below the "
-                              "training thread's priority gpuload's background threads run; 0: the same)")
+        _positive_int("nice", self.nice, 0, 19)
         _positive_int("chunk_bytes", self.chunk_bytes, 4096)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"{setting('seed', self.seed)} must be an integer")

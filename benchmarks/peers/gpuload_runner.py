@@ -4,15 +4,16 @@ write included), the second reads it. Variants: default (shuffled), noshuffle, b
 import os
 import sys
 
-from common import DENSE, SPARSE, Peer, files, main
+from common import Peer, files, main
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", ".."), os.path.join(HERE, "..")]
+import bench_step  # noqa: E402
 import gpuload  # noqa: E402
 
-PER_COLUMN = {"row_id": "row_id", "label": "label", **{f"dense_{i}": f"dense_{i}" for i in range(DENSE)},
-              **{f"cat_{i}": f"cat_{i}" for i in range(SPARSE)}, "history": "history"}
-STACKED = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(DENSE)],
-           "cat": [f"cat_{i}" for i in range(SPARSE)], "history": "history"}
+# bench_step's outputs, with the row ids every epoch is checked against
+PER_COLUMN = {"row_id": "row_id", **bench_step.PER_COLUMN}
+STACKED = {"row_id": "row_id", **bench_step.STACKED}
 VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": False}),
             "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {}),
             "nice": (PER_COLUMN, {"nice": 10})}  # the default, its threads 10 nice steps below the training thread
