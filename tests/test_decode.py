@@ -18,6 +18,7 @@ import gpuload
 from gpuload.synth import write_clicklog
 
 from conftest import dataset_factory, run_with_timeout, write_parquet
+from typecases import ARROW_READS_NULL_FIXED_LISTS
 from reference import CHUNK_BYTES, CLICK_COLUMNS, DENSE, SPARSE
 
 SENTINELS = [dt.datetime(1, 1, 1), dt.datetime(1677, 9, 21), dt.datetime(1970, 1, 1), dt.datetime(2024, 2, 29, 12, 30, 1, 123456),
@@ -87,6 +88,25 @@ def test_a_column_that_cannot_be_decoded_is_named_with_what_to_do(tmp_path):
         list(_ds(p, tmp_path / "cache", ["a", "b", "c"], batch_size=5000))
     got = _all(_ds(p, tmp_path / "cache", ["a", "c"], batch_size=5000), "a")  # and the rest loads
     assert got == list(range(20_000))
+
+
+def test_a_fixed_size_list_with_null_rows_is_read_or_refused_naming_the_pyarrow_to_install(tmp_path):
+    emb = np.arange(4 * 6, dtype=np.float32)
+    nulls = np.array([False, True, False, False, True, False])
+    t = pa.table({"id": np.arange(6, dtype=np.int64),
+                  "emb": pa.FixedSizeListArray.from_arrays(pa.array(emb), 4, mask=pa.array(nulls))})
+    p = write_parquet(tmp_path / "x.parquet", t)
+    ds = gpuload.ParquetDataset(p, ["id", "emb"], cache_dir=tmp_path / "cache", device="cpu", batch_size=6,
+                                shuffle=False, fill_nulls={"emb": -1.0})
+    if ARROW_READS_NULL_FIXED_LISTS:
+        (batch,) = list(ds)
+        want = np.where(nulls[:, None], np.float32(-1.0), emb.reshape(6, 4))
+        assert np.array_equal(batch["emb"].numpy(), want)
+    else:  # pyarrow < 26 (apache/arrow#35692): the column named, and the way out
+        with pytest.raises(gpuload.SourceError, match=r"x.parquet \(row groups 0-0\): column 'emb' cannot be read: "
+                                                      r"pyarrow .* cannot read fixed-size lists that hold null rows.*"
+                                                      r"pip install 'pyarrow>=26'"):
+            list(ds)
 
 
 # ---------------------------------------------------------------------------------------
