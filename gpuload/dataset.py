@@ -347,13 +347,15 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         ``gpuload.diagnose(ds.stats())`` names the stage that limits it. For a remote
         source, ``remote`` counts the requests made to the store (a :class:`gpuload.RemoteStats`).
         """
-        stats = self.metrics.stats()
-        remote = self.reader.remote_stats()
-        return stats if remote is None else dataclasses.replace(stats, remote=remote)
+        loader, settings = self.loader_description()
+        return dataclasses.replace(self.metrics.stats(), remote=self.reader.remote_stats(), loader=loader,
+                                   loader_settings=settings)
 
     def loader_description(self) -> tuple[str, dict]:
-        """``("gpuload", settings)``: how :func:`gpuload.watch` names this loader in its stats."""
-        return "gpuload", {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch}
+        """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader
+        (settings: ``num_threads``, ``prefetch`` and ``device``, ``"cpu"`` or ``"cuda"``)."""
+        return "gpuload", {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
+                           "device": self.device.type}
 
     def reset_stats(self) -> None:
         """Start :meth:`stats` afresh (e.g. to look at one epoch)."""

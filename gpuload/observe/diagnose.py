@@ -244,9 +244,12 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
                   disk_gbps: float | None) -> tuple[str, str]:
     """(message, action) for the limiting stage ``s``; gpuload's commands only for gpuload's loaders."""
     ours = kind == "gpuload"
+    on_gpu = (stats.loader_settings or {}).get("device") == "cuda"  # not said: advise as for the CPU
     if s.name in ("decode", "convert"):
         return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
-                "build the cache ahead with `gpuload cache build`, or use device=cuda" if ours else
+                "build the cache ahead with `gpuload cache build`, or " + (
+                    "install cuDF (the gpu extra: see gpuload.gpu_status()) so that decode='auto' decodes on "
+                    "the GPU" if on_gpu else "use device=cuda") if ours else
                 "decode ahead of the step on more workers, or cache the converted columns: gpuload.ParquetDataset "
                 "converts each chunk once and reads its cache in later epochs")
     if s.name == "cache_read":
@@ -279,7 +282,8 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
                 "GPU decode and cache reads into device memory), so that no per-batch copy remains")
     if s.name == "batch":
         return (f"the shuffle gather is the limit at {_rate(s.rows_per_s)} rows/s on the producer thread: {where}",
-                "use a smaller shuffle_window (fewer rows gathered per window), or device=cuda to shuffle on the GPU"
-                if ours else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")
+                ("use a smaller shuffle_window (fewer rows gathered per window)" + ("" if on_gpu else
+                 ", or device=cuda to shuffle on the GPU")) if ours
+                else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")
     return (f"listing the source files is the limit: {where}",
             "pass a list of files instead of a directory or glob on slow storage")

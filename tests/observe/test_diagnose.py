@@ -336,3 +336,27 @@ def test_advice_fits_any_watched_iterable():
     for _ in w:
         clock.sleep(0.0001)
     assert w.stats().loader == "iterable" and w.stats().loader_settings == {"type": "list"}
+
+
+def test_advice_on_a_gpu_names_what_helps_there_not_device_cuda():
+    decode = [stage("read", 1.0, 2, 10**9), stage("decode", 18.0, 2, 4 * 10**9, 6_553_600)]
+    batch = [stage("cache_read", 1.0, 2, 10**9), stage("batch", 9.0, 1, 10**9, 6_553_600)]
+    for stages, limit in ((decode, "decode"), (batch, "batch")):
+        cpu = gpuload.diagnose(make_stats(0.6, stages=stages, loader="gpuload",
+                                          loader_settings={"num_threads": 2, "prefetch": 2, "device": "cpu"}))
+        gpu = gpuload.diagnose(make_stats(0.6, stages=stages, loader="gpuload",
+                                          loader_settings={"num_threads": 2, "prefetch": 2, "device": "cuda"}))
+        assert cpu.limiting == gpu.limiting == limit
+        assert "device=cuda" in cpu.action and "device=cuda" not in gpu.action
+    assert "install cuDF" in gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload",
+                                                         loader_settings={"device": "cuda"})).action
+
+
+def test_a_datasets_stats_say_which_loader_and_device(tmp_path):
+    from gpuload.synth import write_clicklog
+
+    write_clicklog(tmp_path / "d", rows=2000, files=1)
+    ds = gpuload.ParquetDataset(tmp_path / "d", ["row_id"], cache_dir=tmp_path / "c", device="cpu", batch_size=500)
+    assert sum(len(b["row_id"]) for b in ds) == 2000
+    s = ds.stats()
+    assert s.loader == "gpuload" and s.loader_settings["device"] == "cpu" and s.batches == 4
