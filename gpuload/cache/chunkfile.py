@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,44 +133,15 @@ def encode(cols: dict, ident: dict) -> tuple[bytes, list[dict], list[np.ndarray]
         blob = again
 
 
-# Concurrent ``preadv`` calls for one large read: a copy out of the page cache runs at a few GB/s
-# per thread, so a 16-core node reads a cache file several times faster in pieces. A quarter of
-# this process's cores, 1 to 4; 1 on a small machine, where the loader threads keep the cores busy.
-READERS = max(1, min(4, len(os.sched_getaffinity(0)) // 4)) if hasattr(os, "sched_getaffinity") else 1
-PIECE_MIN = 8 << 20  # bytes: smaller reads are not split
-
-
-def _pread_piece(fd: int, view: memoryview, offset: int) -> int:
+def pread_all(fd: int, buf, offset: int) -> int:
+    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes read."""
+    view = memoryview(buf).cast("B")
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:got + (1 << 30)]], offset + got)
         if n == 0:
             break
         got += n
-    return got
-
-
-def pread_all(fd: int, buf, offset: int, readers: int | None = None) -> int:
-    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes read.
-
-    A read of at least two ``PIECE_MIN`` (8 MiB) is split into up to ``readers`` (default
-    ``READERS``) pieces, 4 KiB-aligned, read at once by as many short-lived threads (the
-    calling one included); the count returned is that of the leading bytes read without a gap.
-    """
-    view = memoryview(buf).cast("B")
-    k = min(readers or READERS, len(view) // PIECE_MIN)
-    if k < 2:
-        return _pread_piece(fd, view, offset)
-    step = (-(-len(view) // k) + 4095) // 4096 * 4096  # len / k, rounded up to 4 KiB
-    bounds = [(a, min(a + step, len(view))) for a in range(0, len(view), step)]
-    with ThreadPoolExecutor(len(bounds) - 1, thread_name_prefix="gpuload-pread") as pool:
-        rest = [pool.submit(_pread_piece, fd, view[a:b], offset + a) for a, b in bounds[1:]]
-        counts = [_pread_piece(fd, view[bounds[0][0]:bounds[0][1]], offset)] + [f.result() for f in rest]
-    got = 0
-    for (a, b), n in zip(bounds, counts):
-        got += n
-        if n < b - a:
-            break
     return got
 
 

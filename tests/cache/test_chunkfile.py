@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -211,26 +210,3 @@ def test_absurdly_nested_header_is_corrupt_not_a_crash(tmp_path):
     path.write_bytes(head + b"\0" * (align(len(head)) - len(head)))
     with pytest.raises(gpuload.CorruptCacheError, match="not JSON"):
         read_chunk(path)
-
-
-@pytest.mark.parametrize("readers", [1, 3, 4])
-def test_a_large_read_in_pieces_gives_the_same_bytes_and_stops_at_the_end_of_the_file(tmp_path, readers):
-    from gpuload.cache.chunkfile import PIECE_MIN, pread_all
-
-    size = 3 * PIECE_MIN + 12_345  # pieces that do not fall on 4 KiB
-    data = np.random.default_rng(readers).integers(0, 256, size, dtype=np.uint8)
-    p = tmp_path / "f"
-    p.write_bytes(b"x" * 100 + data.tobytes())
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        buf = np.zeros(size, np.uint8)
-        assert pread_all(fd, buf, 100, readers=readers) == size
-        assert np.array_equal(buf, data)
-        short = np.zeros(size + PIECE_MIN, np.uint8)  # asks past the end: the bytes there are counted only
-        assert pread_all(fd, short, 100, readers=readers) == size
-        assert np.array_equal(short[:size], data)
-        late = np.zeros(size, np.uint8)  # starts late: the file ends inside the first piece's successors
-        assert pread_all(fd, late, 100 + PIECE_MIN, readers=readers) == size - PIECE_MIN
-    finally:
-        os.close(fd)
-    assert not [t for t in threading.enumerate() if t.name.startswith("gpuload-pread")]  # none left running
