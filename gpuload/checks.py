@@ -30,7 +30,8 @@ from .errors import SchemaError, SourceError, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
 from .sources.listing import SourceFile
 
-__all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error"]
+__all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error", "old_arrow_error",
+           "column_names"]
 
 
 def _logical(t: pa.DataType) -> pa.DataType:
@@ -59,6 +60,26 @@ def _files_text(where: list[str], shown: int = 3) -> str:
     return f"(in {', '.join(files[:shown])}{more})"
 
 
+# pyarrow before 26 cannot read a fixed-size list column with null rows (apache/arrow#35692)
+_OLD_ARROW = int(pa.__version__.split(".")[0]) < 26
+
+
+def column_names(columns: list[str]) -> str:
+    """``column 'a'`` or ``columns 'a', 'b'``, for messages."""
+    return f"column{'s' if len(columns) > 1 else ''} " + ", ".join(repr(c) for c in columns)
+
+
+def old_arrow_error(where: str, columns: list[str], error) -> SourceError | None:
+    """The error for pyarrow < 26 failing on a fixed-size list with null rows (which pyarrow
+    itself writes), naming the pyarrow to install; None for any other ``error``."""
+    if not (_OLD_ARROW and str(error).startswith("Expected all lists to be of size=")):
+        return None
+    return SourceError(f"{where}: {column_names(columns)} cannot be read: pyarrow {pa.__version__} cannot read "
+                       f"fixed-size lists that hold null rows, which pyarrow writes (apache/arrow#35692, fixed in "
+                       f"pyarrow 26): upgrade pyarrow (pip install 'pyarrow>=26'), or rewrite the column without "
+                       f"null rows")
+
+
 def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
     """Nulls (null lists plus null elements for lists) in ``column`` of row groups ``groups``
     of local file ``f``, read one row group at a time (memory: one row group of one column)."""
@@ -69,7 +90,8 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
             col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=False).column(0)
             nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
     except (OSError, pa.ArrowException) as e:
-        raise SourceError(f"{f.path}: cannot be read ({e}); the file may be truncated or corrupt") from None
+        raise (old_arrow_error(str(f.path), [column], e) or
+               SourceError(f"{f.path}: cannot be read ({e}); the file may be truncated or corrupt")) from None
     return nulls
 
 

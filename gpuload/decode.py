@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from .batch import nbytes
 from .cache.chunkfile import pwrite_all
-from .checks import stored_key_error
+from .checks import column_names, old_arrow_error, stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError, flag
 from .sources.ranges import ReadOnlyFile
@@ -98,14 +98,6 @@ def _check_int96(micros: pa.Table, seconds: pa.Table, where: str) -> None:
                               "columns=")
 
 
-# pyarrow before 26 cannot read a fixed-size list column with null rows (apache/arrow#35692)
-_OLD_ARROW = int(pa.__version__.split(".")[0]) < 26
-
-
-def _names(columns: list[str]) -> str:
-    return f"column{'s' if len(columns) > 1 else ''} " + ", ".join(repr(c) for c in columns)
-
-
 def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, error: Exception,
                 fetch: Callable | None) -> SourceError:
     """The error for a chunk that pyarrow cannot read: the columns that fail on their own named
@@ -119,15 +111,13 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
             except (OSError, pa.ArrowException, SourceError):
                 bad.append(c)
     error = " ".join(str(error).split())  # one line: pyarrow's messages hold line breaks
-    if _OLD_ARROW and error.startswith("Expected all lists to be of size="):
-        return SourceError(f"{where}: {_names(bad or stored)} cannot be read: pyarrow {pa.__version__} cannot read "
-                           f"fixed-size lists that hold null rows, which pyarrow writes (apache/arrow#35692, fixed "
-                           f"in pyarrow 26): upgrade pyarrow (pip install 'pyarrow>=26'), or rewrite the column "
-                           f"without null rows")
+    old_arrow = old_arrow_error(where, bad or stored, error)
+    if old_arrow is not None:
+        return old_arrow
     if not bad or len(bad) == len(stored):
         return SourceError(f"{where}: cannot be read ({error}); the file may be truncated or corrupt")
     names = ", ".join(repr(c) for c in bad)
-    return SourceError(f"{where}: {_names(bad)} cannot be read ({error}); the file "
+    return SourceError(f"{where}: {column_names(bad)} cannot be read ({error}); the file "
                        f"may be corrupt there: rewrite it, or leave {names} out of {flag('columns')} to load the rest")
 
 

@@ -36,6 +36,8 @@
   cluster of processes, Spark, a notebook kernel...) must be marked ``slow``, or it fails:
   ``pytest -m "not slow"`` is the run a developer repeats every few minutes, and each process
   pays an interpreter's start and torch's import. :class:`ProcessGuard`;
+* ``ARROW_READS_NULL_FIXED_LISTS``: whether this pyarrow reads fixed-size lists with null rows;
+  child processes get this checkout on ``PYTHONPATH``;
 * every test's default cache folder (``$GPULOAD_CACHE_DIR``) is a folder of its own under its
   ``tmp_path``, and Dask's scratch space is under pytest's temporary root: no test writes to
   ``~/.cache/gpuload``, the working directory or fixed names in ``/tmp``.
@@ -62,6 +64,16 @@ import pyarrow.parquet as pq
 import pytest
 
 pytest_plugins = ["pytester"]  # tests/test_conftest.py runs this set-up in sessions of its own
+
+# pyarrow before 26 cannot read fixed-size lists with null rows (apache/arrow#35692): test data has
+# such rows only where it can, and tests/test_decode.py checks what gpuload says where it cannot
+ARROW_READS_NULL_FIXED_LISTS = int(pa.__version__.split(".")[0]) >= 26
+
+# The processes tests start (torchrun, the CLI, pytester sessions...) import gpuload from this
+# checkout, installed or not (a GPU node runs the suite from a copy of the repository).
+ROOT = str(Path(__file__).resolve().parent.parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([ROOT, *filter(None, os.environ.get("PYTHONPATH", "")
+                                                                                 .split(os.pathsep))]))
 
 RAPIDS = ("cudf", "kvikio", "rmm")  # what the `cudf` marker needs: pylibcudf (gpu_status's "cudf"), KvikIO, RMM
 

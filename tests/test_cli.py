@@ -243,6 +243,7 @@ def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
 
 @pytest.mark.slow  # the real command, and a Dask cluster of worker processes
 def test_build_on_local_cluster_and_node_shares(data, tmp_path):
+    pytest.importorskip("distributed", reason="--workers builds on a Dask cluster")
     cache = str(tmp_path / "c")
     r = run("cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--workers", "2")
     assert r.returncode == 0, r.stderr

@@ -12,6 +12,8 @@ from gpuload.batch import Ragged
 from gpuload.convert import table_to_columns
 from gpuload.schema import resolve_outputs
 
+from conftest import ARROW_READS_NULL_FIXED_LISTS
+
 
 def convert(table, columns=None, fill_nulls=None, dtypes=None, where="file.parquet rg 0-1"):
     specs = resolve_outputs(table.schema, columns, fill_nulls, dtypes, file="x")
@@ -282,7 +284,8 @@ def test_parquet_round_trip(tmp_path):
         "ts": pa.array(rng.integers(0, 2**50, n), pa.timestamp("us", tz="Asia/Tokyo")),
         "l": pa.array([list(range(i, i + k)) if i % 7 else None for i, k in enumerate(lens)], pa.list_(pa.int64())),
         "ll": pa.array([[float(i)] * k for i, k in enumerate(lens)], pa.large_list(pa.float32())),
-        "f": pa.array([[i, -i, None] if i % 5 else None for i in range(n)], pa.list_(pa.float64(), 3)),
+        "f": pa.array([[i, -i, None] if i % 5 or not ARROW_READS_NULL_FIXED_LISTS else None for i in range(n)],
+                      pa.list_(pa.float64(), 3)),  # null rows only where pyarrow reads them (apache/arrow#35692)
     })
     path = tmp_path / "t.parquet"
     pq.write_table(t, path, row_group_size=128)

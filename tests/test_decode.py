@@ -17,8 +17,7 @@ import pytest
 import gpuload
 from gpuload.synth import write_clicklog
 
-from conftest import dataset_factory, run_with_timeout, write_parquet
-from typecases import ARROW_READS_NULL_FIXED_LISTS
+from conftest import ARROW_READS_NULL_FIXED_LISTS, dataset_factory, run_with_timeout, write_parquet
 from reference import CHUNK_BYTES, CLICK_COLUMNS, DENSE, SPARSE
 
 SENTINELS = [dt.datetime(1, 1, 1), dt.datetime(1677, 9, 21), dt.datetime(1970, 1, 1), dt.datetime(2024, 2, 29, 12, 30, 1, 123456),

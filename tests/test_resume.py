@@ -512,7 +512,7 @@ def test_set_epoch_and_load_state_dict_in_either_order(source, tmp_path, caplog)
 # ---------------------------------------------------------------------------------------
 
 def test_stateful_dataloader_round_trip(source, tmp_path, caplog):
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
     cache = tmp_path / "c"
     ref_run, _ = _reference(_open(source, cache), [0, 1, 2])
@@ -704,7 +704,7 @@ def test_restore_then_iterate_without_set_epoch(source, tmp_path):
 
 
 def test_stateful_dataloader_without_set_epoch(source, tmp_path):
-    from torchdata.stateful_dataloader import StatefulDataLoader
+    StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
     cache = tmp_path / "c"
     ref = _epochs(source, cache, 3)

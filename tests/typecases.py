@@ -23,8 +23,9 @@ import torch
 
 from gpuload.batch import Ragged
 
+from conftest import ARROW_READS_NULL_FIXED_LISTS
+
 DAY_MS = 86_400_000
-ARROW_READS_NULL_FIXED_LISTS = int(pa.__version__.split(".")[0]) >= 26  # apache/arrow#35692
 
 COLUMNS = {
     "row_id": "row_id", "b": "b", "i8": "i8", "i16": "i16", "i32": "i32", "i64": "i64",

@@ -43,14 +43,14 @@ def _client(args, stack: contextlib.ExitStack):
     """A Dask client for --scheduler ADDR or --workers N (a local cluster), else None."""
     if args.scheduler is None and args.workers is None:
         return None
+    if args.scheduler is None and args.workers < 1:  # the mistake first, whether Dask is installed or not
+        raise ConfigError(f"--workers {args.workers}: give at least 1")
     try:
         import distributed
     except ImportError:
         raise ConfigError("--scheduler and --workers need Dask: pip install 'gpuload[dask]'") from None
     if args.scheduler is not None:
         return stack.enter_context(distributed.Client(args.scheduler))
-    if args.workers < 1:
-        raise ConfigError(f"--workers {args.workers}: give at least 1")
     logging.getLogger("distributed").setLevel(logging.ERROR)  # its start and close chatter, around our bar
     if args.device.startswith("cuda"):  # one worker per GPU, decoding with cuDF
         try:

@@ -237,6 +237,7 @@ def test_a_stored_key_that_disagrees_with_its_folder_is_refused_naming_file_and_
 
 
 def test_a_stored_key_that_disagrees_is_refused_when_a_remote_chunk_is_decoded(tmp_path):
+    pytest.importorskip("moto", reason="the S3 server needs moto")
     from gpuload.testing import S3Server
 
     write_parquet(tmp_path / "h" / "day=1" / "a.parquet", {"x": np.arange(5), "day": [1, 1, 1, 1, 7]},
@@ -376,6 +377,7 @@ def _with_hidden(root):
 def test_hidden_paths_are_left_out_by_every_listing(tmp_path, how):
     root = _with_hidden(tmp_path / "t")
     if how.startswith("s3"):
+        pytest.importorskip("moto", reason="the S3 server needs moto")
         from gpuload.testing import S3Server
 
         with S3Server() as s3:

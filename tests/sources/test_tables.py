@@ -69,6 +69,7 @@ def test_a_delta_partition_folder_or_glob_is_read_through_the_table_log(delta, t
 
 
 def test_a_delta_table_on_s3_is_read_through_its_log(delta, tmp_path):
+    pytest.importorskip("moto", reason="the S3 server needs moto")
     from gpuload.testing import S3Server
 
     root, want = delta
