@@ -216,7 +216,8 @@ class DeviceContext:
             a = np.ascontiguousarray(a)
             dst = self.empty_bytes(a.nbytes)
             if a.nbytes:
-                src = torch.from_numpy(a.reshape(-1).view(np.uint8)).pin_memory()
+                src = torch.empty(a.nbytes, dtype=torch.uint8, pin_memory=True)  # one copy into it, as pin_memory()
+                src.numpy()[:] = a.reshape(-1).view(np.uint8)  # makes (a read-only array is fine here)
                 torch.from_dlpack(dst).copy_(src, non_blocking=True)
             return dst.view(a.dtype).reshape(a.shape)
 

@@ -60,6 +60,9 @@ def _fake_cupy(devices: list | None = None) -> types.ModuleType:
     return cp
 
 
+_REAL_CUDA = torch.cuda.is_available()  # asked before any test stands in a GPU node
+
+
 @pytest.fixture
 def torch_and_cupy_only(monkeypatch):
     """A node with a driver, a CUDA torch and CuPy, and none of KvikIO, pylibcudf, RMM, cuDF
@@ -83,7 +86,7 @@ def test_cuda_without_kvikio_or_cudf_reaches_its_first_device_call(tmp_path, tor
     """Every import and availability check passes; what fails is torch's first CUDA call (this
     torch has no CUDA), the loader's first stream: no ImportError, no GpuloadError naming
     KvikIO, pylibcudf or RMM."""
-    if torch.cuda.is_available():
+    if _REAL_CUDA:
         pytest.skip("this torch has CUDA: the first device call would not fail (the gpu tests run it for real)")
     path = write_parquet(tmp_path / "x.parquet", {"x": np.arange(100, dtype=np.int64)})
     with pytest.raises(Exception) as got:
