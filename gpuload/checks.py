@@ -25,8 +25,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from .categorical import hashable, parse_key
 from .convert import cast_values, nulls_error
-from .errors import SchemaError, SourceError, setting
+from .errors import ConfigError, SchemaError, SourceError, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
 from .sources.listing import SourceFile
 
@@ -49,7 +50,7 @@ def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -
                     raise SchemaError(f"column {c!r} is in {first.path} but not in {f.path}; "
                                       "select columns every file has, or fix the files")
                 got = _logical(f.schema.field(c).type)
-                if got != want:
+                if got != want and not (hashable(got) and hashable(want)):  # strings or bytes: the same ids
                     raise SchemaError(f"column {c!r} is {want} in {first.path} but {got} in {f.path}; "
                                       "rewrite the files with one type for it")
 
@@ -131,8 +132,8 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
     jobs = []
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
-        for c, fill in zip(s.columns, s.fills):
-            if fill is not None or c in found:
+        for c, vt, fill in zip(s.columns, s.sources, s.fills):
+            if fill is not None or vt.encode or c in found:  # categorical ids: a null is id 0
                 continue
             entry = found[c] = [0, lists, []]
             for i, f in enumerate(files):
@@ -194,6 +195,13 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             src = np.dtype(vt.dtype)
             if np.can_cast(src, s.dtype, "safe"):
+                continue
+            if vt.encode:  # ids 0..buckets (any int64 without buckets): the dtype must hold them all
+                top = parse_key(vt.encode).buckets or np.iinfo(np.int64).max
+                if np.dtype(s.dtype).kind == "b" or np.iinfo(s.dtype).max < top:
+                    raise ConfigError(f"{setting('dtypes', {s.name: str(np.dtype(s.dtype))})}: column {c!r} gets "
+                                      f"ids up to {top:,} ({setting('categorical', {c: parse_key(vt.encode)})}), "
+                                      f"which {np.dtype(s.dtype)} cannot hold: choose a wider dtype or fewer buckets")
                 continue
             if fill is not None:
                 cast_values(np.array([fill], src), s.dtype, c, f"its fill value ({setting('fill_nulls', {c: fill})})")

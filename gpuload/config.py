@@ -57,8 +57,8 @@ class _Settings:
 class Source(_Settings):
     """What to read: the files and the outputs made of their columns.
 
-    ``source``: a path, directory, glob or URL, or a list of these; ``columns``, ``fill_nulls``
-    and ``dtypes`` shape the outputs; ``filesystem``, ``storage_options`` and ``remote`` say
+    ``source``: a path, directory, glob or URL, or a list of these; ``columns``, ``fill_nulls``,
+    ``dtypes`` and ``categorical`` shape the outputs; ``filesystem``, ``storage_options`` and ``remote`` say
     how remote objects are reached (see :class:`gpuload.ParquetDataset` for each).
     """
 
@@ -66,6 +66,7 @@ class Source(_Settings):
     columns: Any = None
     fill_nulls: Any = None
     dtypes: Any = None
+    categorical: Any = None  # None, a gpuload.Hash for every string column, or {column: Hash}
     filesystem: Any = None
     storage_options: dict | None = None
     remote: RemoteSettings | None = None  # None: RemoteSettings() from the environment; a dict of its fields

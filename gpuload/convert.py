@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged
+from .categorical import hash_ids, parse_key
 from .errors import ConfigError, NullValuesError, flag, setting
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
 
@@ -33,7 +34,10 @@ def needed_columns(specs: Sequence[OutputSpec]) -> list[str]:
 
 
 def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:
-    """Values of a flat (non-list) Arrow array as NumPy, nulls filled, temporals as int64."""
+    """Values of a flat (non-list) Arrow array as NumPy, nulls filled, temporals as int64,
+    strings and bytes as categorical ids (null: 0)."""
+    if vt.encode:
+        return hash_ids(arr, parse_key(vt.encode))
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
     if vt.temporal:  # reinterpret the stored integers, widened to int64
@@ -81,8 +85,8 @@ def _null_counts(arrays: dict, specs: Sequence[OutputSpec]) -> list[tuple[str, i
     found: dict[str, tuple[str, int, bool]] = {}
     for s in specs:
         lists = s.kind in (RAGGED, FIXED)
-        for c, fill in zip(s.columns, s.fills):
-            if fill is not None or c in found:
+        for c, vt, fill in zip(s.columns, s.sources, s.fills):
+            if fill is not None or vt.encode or c in found:  # categorical ids: a null is id 0
                 continue
             arr = arrays[c]
             n = arr.null_count + (pc.list_flatten(arr).null_count if lists else 0)  # flatten skips null lists
@@ -168,7 +172,7 @@ def _list_parts(arr: pa.Array, spec: OutputSpec, where: str) -> tuple[pa.Array, 
     off = off - off[0]
     if arr.null_count == 0:
         return values, off, None
-    if spec.fills[0] is None:
+    if spec.fills[0] is None and not spec.sources[0].encode:
         raise null_error(col, arr.null_count, where, lists=True)
     valid = np.asarray(arr.is_valid())
     return values, off, valid
@@ -189,9 +193,10 @@ def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
     values, _, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
     out = np.ascontiguousarray(cast_values(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
-    if valid is not None:  # null rows become rows of the fill value
+    if valid is not None:  # null rows become rows of the fill value (categorical ids: of 0, the null id)
         out = out.copy()
-        out[~valid] = cast_values(np.array([spec.fills[0]], vals.dtype), spec.dtype, spec.columns[0], where)[0]
+        fill = 0 if spec.sources[0].encode else spec.fills[0]
+        out[~valid] = cast_values(np.array([fill], vals.dtype), spec.dtype, spec.columns[0], where)[0]
     return out
 
 
@@ -207,10 +212,11 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     n = table.num_rows
     cols = {}
     arrays = {}
+    encoded = {c for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
     for c in needed_columns(specs):
         col = table.column(c)
-        if pa.types.is_dictionary(col.type):
-            col = col.cast(col.type.value_type)
+        if pa.types.is_dictionary(col.type):  # categorical ids hash each distinct value once
+            col = col.unify_dictionaries() if c in encoded else col.cast(col.type.value_type)
         arrays[c] = col.combine_chunks()
     nulls = _null_counts(arrays, specs)
     if nulls:  # every column of the chunk at once, not one per run

@@ -93,6 +93,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         rounds); casts to integers or bool must keep every value exactly, else a
         :class:`~gpuload.ConfigError` names the column and value (at open, where the
         footers' statistics show it).
+    categorical : how string and binary columns (and lists of them) become int64 ids:
+        ``{column: gpuload.Hash(buckets=..., seed=...)}``, or one :class:`gpuload.Hash` for
+        all of them (default: ``Hash()``, the full 64-bit hash). A null is id 0; values
+        ``1..buckets`` (see :mod:`gpuload.categorical`).
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
@@ -136,7 +140,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  shuffle: bool | str = Options.shuffle, seed: int = Options.seed, drop_last: bool = Options.drop_last,
                  cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
-                 chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
+                 categorical=Source.categorical, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
                  prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
                  max_cache_bytes: int | None = Options.max_cache_bytes,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,

@@ -35,7 +35,7 @@ FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtyp
           "chunk_bytes": "--chunk-mib", "max_cache_bytes": "--max-gib", "storage_options": "--storage-options",
           "layout": "--layout", "block_rows": "--block-rows", "seed": "--seed", "nodes": "--nodes",
           "step_ms": "--step-ms", "model": "--model", "epochs": "--epochs", "workers": "--workers",
-          "scheduler": "--scheduler"}
+          "scheduler": "--scheduler", "categorical": "--categorical"}
 #: Settings whose flag takes another unit than the Python argument: (divisor, flag's unit).
 _UNITS = {"chunk_bytes": 2**20, "max_cache_bytes": 2**30}
 
@@ -59,8 +59,8 @@ def _in_unit(nbytes, unit: int) -> str:
 def _cli_value(name: str, value):
     if name in _UNITS and isinstance(value, (int, float)) and not isinstance(value, bool):
         return _in_unit(value, _UNITS[name])
-    if isinstance(value, (dict, list)):
-        return f"'{json.dumps(value)}'"
+    if isinstance(value, (dict, list)):  # objects that say how the command takes them (gpuload.Hash) say so
+        return f"'{json.dumps(value, default=lambda o: o.as_json())}'"
     return value
 
 

@@ -108,7 +108,7 @@ class ChunkReader:
                 log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
                             "only what every file has, or fix the files", ", ".join(left_out))
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
-                                int96=frozenset().union(*(f.int96 for f in self.files)))
+                                int96=frozenset().union(*(f.int96 for f in self.files)), categorical=src.categorical)
         check_consistent(self.files, specs)
         check_casts(self.files, specs)
         return specs

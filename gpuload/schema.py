@@ -20,9 +20,12 @@ duration[unit], time32/64[unit] int64 in ``unit``
 dictionary<numeric>             decoded to the value type
 fixed_size_list<numeric, k>     2-D tensor ``[rows, k]``
 list / large_list<numeric>      :class:`gpuload.Ragged` (values, int64 offsets)
+string, binary (large, fixed,   int64 ids from ``categorical=`` (:class:`gpuload.Hash`;
+dictionary, view)               default ``Hash()``: the 64-bit hash), null 0
+lists of those                  :class:`gpuload.Ragged` of int64 ids
 ==============================  ==========================================================
 
-Strings, binary, decimals, structs, maps and lists of lists raise :class:`SchemaError`.
+Decimals, structs, maps and lists of lists raise :class:`SchemaError`.
 
 ``dtypes=`` takes NumPy dtypes, their names, or torch dtypes; ``torch.bfloat16`` (or
 ``"bfloat16"``) is stored as its 16-bit pattern (:func:`storage_dtype`) and handed to
@@ -39,6 +42,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
+from .categorical import Hash, hashable
 from .errors import ConfigError, SchemaError, flag, setting
 from .layout import stored_outputs
 
@@ -94,6 +98,7 @@ class ValueType:
     dtype: str  # numpy dtype string of the converted values, e.g. "<i8"
     temporal: str = ""  # "" (plain), "date64" (ms -> days), "int" (other temporals: raw integer) or
     # "int96" (an INT96 timestamp, read in microseconds: its own name, so caches of nanoseconds are not used)
+    encode: str = ""  # a categorical encoder's key (gpuload.Hash.key): strings or bytes -> int64 ids, null 0
 
 
 @dataclass(frozen=True)
@@ -144,18 +149,27 @@ def _list_value(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
-def _classify(name: str, t: pa.DataType) -> tuple[str, ValueType, int]:
-    """Kind, value type and width of column ``name``; SchemaError when unsupported."""
+def _classify(name: str, t: pa.DataType, enc: Hash | None = None) -> tuple[str, ValueType, int]:
+    """Kind, value type and width of column ``name`` (``enc``: its categorical encoder, if
+    given); SchemaError when unsupported, ConfigError for an encoder on a numeric column."""
+    inner = _list_value(t)
+    if hashable(t) or (inner is not None and hashable(inner)):
+        vt = ValueType("<i8", "", (enc or Hash()).key)
+        if inner is None:
+            return SCALAR, vt, 1
+        return (FIXED, vt, t.list_size) if pa.types.is_fixed_size_list(t) else (RAGGED, vt, 1)
+    if enc is not None:
+        raise ConfigError(f"{setting('categorical', {name: enc})}: column {name!r} is {t}; a Hash takes strings, "
+                          "binary values and lists of them: leave the column out of categorical=")
     vt = value_type(t)
     if vt is not None:
         return SCALAR, vt, 1
-    inner = _list_value(t)
     if inner is not None:
         ivt = value_type(inner)
         if ivt is None:
             what = "a list of lists" if _list_value(inner) is not None else f"a list of {inner}"
             raise SchemaError(
-                f"column {name!r} is {what} ({t}); gpuload supports lists of numbers only. "
+                f"column {name!r} is {what} ({t}); gpuload supports lists of numbers and of strings only. "
                 f"Leave it out of {flag('columns')} or convert it to numbers before writing the Parquet.")
         if pa.types.is_fixed_size_list(t):
             return FIXED, ivt, t.list_size
@@ -163,7 +177,14 @@ def _classify(name: str, t: pa.DataType) -> tuple[str, ValueType, int]:
     raise SchemaError(
         f"column {name!r} has type {t}, which gpuload cannot turn into a tensor "
         "(supported: bool, integers, floats, dates, timestamps, durations, dictionary-encoded "
-        f"numbers, lists of numbers). Leave it out of {flag('columns')} or encode it as numbers first.")
+        f"numbers, strings and binary values as ids, lists of those). Leave it out of {flag('columns')} or "
+        "encode it as numbers first.")
+
+
+def _hashable_column(t: pa.DataType) -> bool:
+    """A string or binary column, or a list of them: what a :class:`gpuload.Hash` takes."""
+    inner = _list_value(t)
+    return hashable(t) or (inner is not None and hashable(inner))
 
 
 def _supported(t: pa.DataType) -> bool:
@@ -227,8 +248,24 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
     raise ConfigError(f"{flag('columns')} must be None, a list of names or a dict, got {type(columns).__name__}")
 
 
+def _encoders(categorical, used: set) -> dict | Hash | None:
+    """``categorical=`` checked: None, one :class:`Hash` for every string column, or ``{column: Hash}``."""
+    if categorical is None or isinstance(categorical, Hash):
+        return categorical
+    if not isinstance(categorical, Mapping):
+        raise ConfigError(f"{flag('categorical')} must be a gpuload.Hash or a dict {{column: gpuload.Hash(...)}}, "
+                          f"got {type(categorical).__name__}")
+    for c, enc in categorical.items():
+        if not isinstance(enc, Hash):
+            raise ConfigError(f"{setting('categorical', {c: enc})}: give a gpuload.Hash(buckets=..., seed=...)")
+    unknown = sorted(set(categorical) - used)
+    if unknown:
+        raise ConfigError(f"{flag('categorical')} names columns that are not loaded: {unknown}")
+    return dict(categorical)
+
+
 def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=None,
-                    *, file: str = "", int96=frozenset()) -> list[OutputSpec]:
+                    *, file: str = "", int96=frozenset(), categorical=None) -> list[OutputSpec]:
     """Resolve the user's column selection against ``schema`` (of ``file``).
 
     Parameters
@@ -241,6 +278,10 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         numpy result type of its members.
     file : the file the schema came from, named in errors.
     int96 : columns some file stores as INT96 timestamps (read in microseconds).
+    categorical : how string and binary columns (and lists of them) become int64 ids: a
+        :class:`gpuload.Hash` for all of them, or ``{column: Hash}``; a string column not
+        named gets ``Hash()`` (the full 64-bit hash). Nulls there get id 0, so such a
+        column takes no ``fill_nulls``.
     """
     requested = _normalise_request(columns, schema)
     if not requested:
@@ -255,6 +296,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         unknown = sorted(set(fill_nulls) - used)
         if unknown:
             raise ConfigError(f"fill_nulls names columns that are not loaded: {unknown}")
+    encoders = _encoders(categorical, used)
     dtypes = dict(dtypes or {})
     unknown = sorted(set(dtypes) - {n for n, _, _ in requested})
     if unknown:
@@ -266,7 +308,10 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         for c in cols:
             if c not in names:
                 raise SchemaError(f"column {c!r} is not in {file} (columns there: {', '.join(schema.names)})")
-            k, vt, w = _classify(c, schema.field(c).type)
+            enc = encoders if isinstance(encoders, Hash) else (encoders or {}).get(c)
+            if isinstance(encoders, Hash) and not _hashable_column(schema.field(c).type):
+                enc = None  # one Hash for every string column: the numeric ones keep their values
+            k, vt, w = _classify(c, schema.field(c).type, enc)
             if c in int96 and vt.temporal:
                 vt = ValueType(vt.dtype, "int96")
             kinds.append(k), vts.append(vt), widths.append(w)
@@ -284,6 +329,11 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         fills = []
         for c, vt in zip(cols, vts):
             fv = fill_nulls.get(c) if isinstance(fill_nulls, Mapping) else fill_nulls
+            if vt.encode and fv is not None:
+                if isinstance(fill_nulls, Mapping):
+                    raise ConfigError(f"{setting('fill_nulls', {c: fv})}: column {c!r} becomes categorical ids, "
+                                      "where a null gets id 0: leave it out of fill_nulls=")
+                fv = None  # one fill value for every column: the categorical ones keep id 0 for nulls
             fills.append(None if fv is None else _check_fill(fv, np.dtype(vt.dtype), c))
         specs.append(OutputSpec(name, tuple(cols), kind, dtype, width, tuple(vts), tuple(fills)))
     return specs
@@ -300,7 +350,8 @@ def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permu
     their key.
     """
     desc = [{"name": s.name, "columns": list(s.columns), "kind": s.kind, "dtype": s.dtype, "width": s.width,
-             "sources": [[v.dtype, v.temporal] for v in s.sources], "fills": list(s.fills)} for s in specs]
+             "sources": [[v.dtype, v.temporal] + ([v.encode] if v.encode else []) for v in s.sources],
+             "fills": list(s.fills)} for s in specs]
     if layout == "rows":
         bad = [s.name for s in specs if s.name.startswith("#")]
         if bad:

@@ -18,20 +18,22 @@ def spec_token(specs):
     return spec_hash(spec_description(specs))
 
 BAD = {
-    "s": pa.string(),
-    "ls": pa.large_string(),
-    "bin": pa.binary(),
     "dec": pa.decimal128(10, 2),
     "st": pa.struct([("a", pa.int32())]),
     "m": pa.map_(pa.int32(), pa.float32()),
     "lol": pa.list_(pa.list_(pa.int32())),
+}
+HASHED = {  # categorical: int64 ids (tests/test_categorical.py checks the values)
+    "s": pa.string(),
+    "ls": pa.large_string(),
+    "bin": pa.binary(),
     "lstr": pa.list_(pa.string()),
     "fslstr": pa.list_(pa.string(), 2),
     "dstr": pa.dictionary(pa.int32(), pa.string()),
 }
 GOOD = {"i": pa.int32(), "f": pa.float32(), "u": pa.uint8(), "b": pa.bool_(), "t": pa.timestamp("ms"),
         "r": pa.list_(pa.int64()), "fx": pa.list_(pa.float32(), 4)}
-SCHEMA = pa.schema([(k, t) for k, t in GOOD.items()] + list(BAD.items()))
+SCHEMA = pa.schema([(k, t) for k, t in GOOD.items()] + list(HASHED.items()) + list(BAD.items()))
 
 
 def resolve(columns=None, fill_nulls=None, dtypes=None, schema=SCHEMA):
@@ -52,12 +54,13 @@ def test_unsupported_type_selected_explicitly_names_column_and_type(name):
 def test_columns_none_skips_unsupported_and_logs_them_once(caplog):
     with caplog.at_level(logging.INFO, logger="gpuload"):
         specs = resolve()
-    assert [s.name for s in specs] == list(GOOD)
+    assert [s.name for s in specs] == list(GOOD) + list(HASHED)
+    assert all(s.dtype == "<i8" and s.sources[0].encode == gpuload.Hash().key for s in specs if s.name in HASHED)
     records = [r for r in caplog.records if r.name == "gpuload"]
     assert len(records) == 1 and records[0].levelno >= logging.WARNING
     for name, typ in BAD.items():
         assert f"{name} ({typ})" in records[0].getMessage()
-    assert not any(re.search(rf"(: |, ){g} \(", records[0].getMessage()) for g in GOOD)
+    assert not any(re.search(rf"(: |, ){g} \(", records[0].getMessage()) for g in [*GOOD, *HASHED])
 
 
 def test_columns_none_all_supported_logs_nothing(caplog):
@@ -68,7 +71,7 @@ def test_columns_none_all_supported_logs_nothing(caplog):
 
 def test_no_supported_column_at_all():
     with pytest.raises(gpuload.SchemaError, match="data/part-0.parquet"):
-        resolve(schema=pa.schema([("s", pa.string())]))
+        resolve(schema=pa.schema([("d", pa.decimal128(10, 2))]))
 
 
 @pytest.mark.parametrize("columns", [["i", "nope"], {"x": "nope"}, {"g": ["i", "nope"]}, "nope"])

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..batch import Ragged
+from ..categorical import ids_from_hashes, parse_key
 from ..convert import cast_values, needed_columns, null_error
 from ..errors import SourceError
 from ..schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
@@ -104,6 +105,8 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str)
     import cupy
 
     tid = col.type().id()
+    if vt.encode:
+        return _hashed(col, vt, column)
     phys = _physical(tid)
     if phys is None:
         raise Unsupported(f"column {column!r} is read by cuDF as {tid.name}")
@@ -127,6 +130,19 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str)
     return vals.astype(vt.dtype, copy=vals is raw)
 
 
+def _hashed(col, vt: ValueType, column: str):
+    """Categorical ids of a STRING column, as the CPU makes them (:mod:`gpuload.categorical`):
+    libcudf's XXH64 of each value's bytes, then the same mapping to ids, null 0."""
+    import pylibcudf as plc
+
+    if col.type().id() != _tid().STRING:
+        raise Unsupported(f"column {column!r} is read by cuDF as {col.type().id().name}, not as strings")
+    enc = parse_key(vt.encode)
+    hashes = plc.hashing.xxhash_64(plc.Table([col]), enc.seed)
+    h = _buffer(hashes, np.dtype(np.uint64), hashes.offset() + hashes.size())[hashes.offset():]
+    return ids_from_hashes(h, _valid(col) if col.null_count() else None, enc.buckets)
+
+
 def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str):
     """(values, int64 offsets from 0, validity or None) of a LIST column, nulls resolved as on the CPU."""
     import cupy
@@ -144,7 +160,7 @@ def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str):
     values, off = values[lo:hi], off - lo
     if not col.null_count():
         return values, off, None
-    if spec.fills[0] is None:
+    if spec.fills[0] is None and not vt.encode:  # categorical ids: a null list becomes empty, with no fill
         raise null_error(spec.columns[0], col.null_count(), where, lists=True)
     return values, off, _valid(col)
 
@@ -177,8 +193,8 @@ def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str):
     if valid is None:
         return cupy.ascontiguousarray(values).reshape(n, k)
     out = cupy.empty((n, k), dtype=storage_dtype(spec.dtype))
-    out[...] = cast_values(np.array([spec.fills[0]], np.dtype(spec.sources[0].dtype)), spec.dtype,
-                           spec.columns[0], where)[0]
+    fill = 0 if spec.sources[0].encode else spec.fills[0]  # categorical ids: rows of the null id
+    out[...] = cast_values(np.array([fill], np.dtype(spec.sources[0].dtype)), spec.dtype, spec.columns[0], where)[0]
     out[valid] = values.reshape(-1, k)
     return out
 

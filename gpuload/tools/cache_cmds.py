@@ -30,6 +30,7 @@ def cmd_build(args) -> int:
         client = _client(args, stack)
         try:
             summary = build_cache(src.source, columns=src.columns, fill_nulls=src.fill_nulls, dtypes=src.dtypes,
+                                  categorical=src.categorical,
                                   storage_options=src.storage_options,
                                   max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
                                   progress=progress.update, client=client, nodes=args.nodes, **settings)

@@ -73,7 +73,8 @@ def cmd_profile(args) -> int:
     print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {opts.batch_size:,} "
           "rows", file=sys.stderr)
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
-                      fill_nulls=src.fill_nulls, dtypes=src.dtypes, storage_options=src.storage_options, **settings)
+                      fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical,
+                      storage_options=src.storage_options, **settings)
     for r in reports:
         print(r)
         print()

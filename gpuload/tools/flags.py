@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 
+from ..categorical import Hash
 from ..config import MiB, Options, Source
 from ..errors import FLAGS, ConfigError
 
@@ -64,6 +65,8 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
     p.add_argument("--columns", help=f"a,b,c or a JSON object {{\"output\": [\"col\", ...]}} (default: all{was})")
     p.add_argument("--fill-nulls", help=f"a number, or a JSON object {{\"column\": value}}{was}")
     p.add_argument("--dtypes", help=f"a JSON object {{\"output\": \"float16\"}} (numpy or torch dtype names){was}")
+    p.add_argument("--categorical", help="ids for string and binary columns: a number of hash buckets for all of "
+                   f"them, or a JSON object {{\"column\": buckets or null}} (default: the 64-bit hash){was}")
 
 
 def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:
@@ -76,10 +79,31 @@ def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None
                        "with their rows permuted); default: for the other shuffle modes")
 
 
+def categorical(text: str | None):
+    """``--categorical``: a number of buckets (a :class:`gpuload.Hash` for every string column),
+    or a JSON object ``{column: buckets, null or {"buckets": N, "seed": S}}``; None -> None."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    try:
+        if isinstance(value, dict):
+            return {c: Hash.from_json(v, f"column {c!r}") for c, v in value.items()}
+        if isinstance(value, int) and not isinstance(value, bool):
+            return Hash(value)
+    except ConfigError as e:
+        raise ConfigError(f"--categorical {text!r}: {e}") from None
+    raise ConfigError(f"--categorical {text!r}: give a number of hash buckets, or a JSON object like "
+                      "'{\"C1\": 4194304, \"C2\": null}'")
+
+
 def source_of(args) -> Source:
     """The :class:`Source` of a command's positional sources and source flags."""
     return Source(args.source, columns(args.columns), _fill(args.fill_nulls),
                   _json_object("--dtypes", args.dtypes, '{"dense": "float16"}'),
+                  categorical=categorical(args.categorical),
                   storage_options=_json_object("--storage-options", args.storage_options, '{"anon": true}'))
 
 

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from gpuload.batch import Ragged
+from gpuload.categorical import Hash, hashable
 from gpuload.convert import needed_columns, table_to_columns
 from gpuload.errors import NullValuesError
 from gpuload.schema import resolve_outputs
@@ -62,6 +63,8 @@ def numpy_as_cupy(monkeypatch):
     cp.ndarray = _ndarray
     plc = types.ModuleType("pylibcudf")
     plc.TypeId = TypeId
+    plc.Table = list
+    plc.hashing = types.SimpleNamespace(xxhash_64=_xxhash_64)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "pylibcudf", plc)
 
@@ -95,6 +98,16 @@ class _Col:
         return types.SimpleNamespace(offsets=lambda: self._children[0], child=lambda: self._children[1])
 
 
+def _xxhash_64(table, seed):
+    """libcudf's ``xxhash_64`` of a one-column table of strings, as documented: XXH64 of each
+    value's bytes (the ``xxhash`` package's), whatever under a null."""
+    import xxhash
+
+    (col,) = table
+    h = [0xDEADBEEF if v is None else xxhash.xxh64_intdigest(v, seed) for v in col.strings.to_pylist()]
+    return _Col(TypeId.UINT64, col.size(), _bytes(np.array(h, np.uint64)))
+
+
 def _bitmask(arr: pa.Array):
     if not arr.null_count:
         return None
@@ -124,6 +137,10 @@ def _col(arr: pa.Array) -> _Col:
         return _Col(TypeId.LIST, len(arr), None, _bitmask(arr), arr.null_count, [offsets, _col(values)])
     if pa.types.is_float16(t):  # FLOAT16 is a 2-byte FIXED_LEN_BYTE_ARRAY that libcudf reads as strings
         return _Col(TypeId.STRING, len(arr))
+    if hashable(t):  # strings and bytes: STRING (what the fake xxhash_64 reads is kept beside it)
+        col = _Col(TypeId.STRING, len(arr), None, _bitmask(arr), arr.null_count)
+        col.strings = arr.cast(pa.large_binary())
+        return col
     if pa.types.is_timestamp(t) or pa.types.is_duration(t) or pa.types.is_time(t):
         # Parquet TIME and Arrow durations come back as DURATION_<unit> (int64), timestamps as TIMESTAMP_<unit>
         kind = "TIMESTAMP_" if pa.types.is_timestamp(t) else "DURATION_"
@@ -142,13 +159,13 @@ def _col(arr: pa.Array) -> _Col:
     return _Col(tid, len(arr), _bytes(data), _bitmask(arr), arr.null_count)
 
 
-def _both(tmp_path, table, columns, fill, dtypes=None, row_group_size=5000):
+def _both(tmp_path, table, columns, fill, dtypes=None, row_group_size=5000, categorical=None):
     """(CPU column set, GPU-logic column set) of each of two chunks of ``table``."""
     from gpuload.gpu.cudf_decode import columns_to_set
 
     path = write_parquet(tmp_path / "x.parquet", table, row_group_size=row_group_size)
     pf = pq.ParquetFile(path)
-    specs = resolve_outputs(pf.schema_arrow, columns, fill, dtypes)
+    specs = resolve_outputs(pf.schema_arrow, columns, fill, dtypes, categorical=categorical)
     out = []
     for a, b in ((0, 1), (1, pf.num_row_groups)):
         t = pf.read_row_groups(range(a, b), columns=needed_columns(specs))
@@ -234,3 +251,21 @@ def test_a_type_cudf_would_give_differently_falls_back(tmp_path, numpy_as_cupy):
         columns_to_set({"t": ms}, specs, schema, 3, "w")
     with pytest.raises(Unsupported, match="DICTIONARY32"):
         columns_to_set({"t": _Col(TypeId.DICTIONARY32, 3)}, specs, schema, 3, "w")
+
+
+def test_categorical_ids_are_the_same_bytes(tmp_path, numpy_as_cupy):
+    """The GPU's mapping of libcudf's hashes to ids (buckets, seeds, null 0, null lists empty,
+    null fixed-size rows of 0, stacked and cast) against the CPU path's ids."""
+    rng = np.random.default_rng(5)
+    n = 6000
+    words = [None if i % 13 == 0 else f"{x:x}" * (i % 6) for i, x in enumerate(rng.integers(0, 2**40, n))]
+    lists = [None if i % 7 == 0 else [None if (i + j) % 5 == 0 else f"w{(i * j) % 40}" for j in range(i % 4)]
+             for i in range(n)]
+    pairs = [None if i % 9 == 0 else [f"a{i % 3}", None if i % 4 == 0 else f"b{i % 5}"] for i in range(n)]
+    table = pa.table({"s": pa.array(words), "b": pa.array([None if w is None else w.encode() for w in words],
+                                                          pa.binary()),
+                      "l": pa.array(lists, pa.list_(pa.string())), "p": pa.array(pairs, pa.list_(pa.string(), 2))})
+    columns = {"s": "s", "g": ["s", "b"], "l": "l", "p": "p"}
+    categorical = {"s": Hash(1000), "b": Hash(seed=2**64 - 1), "l": Hash(37, seed=4), "p": Hash(3)}
+    for cpu, gpu in _both(tmp_path, table, columns, None, {"p": "int8"}, 1_000, categorical):
+        _assert_identical(cpu, gpu)
