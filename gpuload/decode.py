@@ -24,7 +24,7 @@ from .convert import needed_columns, table_to_columns
 from .errors import SourceError, flag
 from .sources.ranges import ReadOnlyFile
 from .plan import Chunk
-from .schema import OutputSpec
+from .schema import GROUP, SCALAR, OutputSpec
 from .sources.listing import SourceFile
 
 __all__ = ["ArrowDecoder", "GpuDecoder"]
@@ -71,12 +71,14 @@ class _TimedFile(ReadOnlyFile):
             self.closed = True
 
 
-def _read(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit: str = "us") -> pa.Table:
+def _read(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit: str = "us",
+          dictionary: Sequence[str] = ()) -> pa.Table:
     """The chunk's row groups of Parquet leaf columns ``leaves`` of ``f`` (read from ``src``), on
-    the calling thread; INT96 timestamps in ``int96_unit``."""
+    the calling thread; INT96 timestamps in ``int96_unit``; columns ``dictionary`` as
+    dictionary arrays (strings to hash: each distinct value once, from the file's dictionary pages)."""
     # remote: one read per fetched column chunk (pre-buffering would merge reads across holes)
-    reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote,
-                            coerce_int96_timestamp_unit=int96_unit).reader
+    reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote, coerce_int96_timestamp_unit=int96_unit,
+                            read_dictionary=list(dictionary) or None).reader
     return reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
                                   use_threads=False)
 
@@ -121,6 +123,12 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
                        f"may be corrupt there: rewrite it, or leave {names} out of {flag('columns')} to load the rest")
 
 
+def _hashed_strings(specs: Sequence[OutputSpec], stored: list[str]) -> list[str]:
+    """The stored scalar columns that become categorical ids: read as dictionaries."""
+    return [c for s in specs if s.kind in (SCALAR, GROUP) for c, vt in zip(s.columns, s.sources)
+            if vt.encode and c in stored and "." not in c]
+
+
 class ArrowDecoder:
     """CPU decoder: pyarrow reads the row groups, :func:`table_to_columns` converts.
 
@@ -150,7 +158,7 @@ class ArrowDecoder:
             else:
                 src = f.path if m is None else _TimedFile(f.path, m)
             try:  # by leaf index: a name with dots never selects a struct's child
-                table = _read(src, f, chunk, leaves)
+                table = _read(src, f, chunk, leaves, dictionary=_hashed_strings(specs, stored))
                 int96 = [c for c in stored if c in f.int96]
                 if int96:  # microseconds may not hold them all: seconds always do
                     _check_int96(table, _read(src, f, chunk, [i for c in int96 for i in f.leaves(c)], "s"), where)

@@ -2,7 +2,9 @@
 
 A recommender-style log: a binary label that depends on ``dense_0`` (so a model
 can learn it), positive float features, Zipf-like categorical ids (heavy head,
-long tail) and a variable-length ``history`` list of ids.
+long tail) and a variable-length ``history`` list of ids. :func:`write_criteo` writes
+the raw Criteo click logs' layout instead: 13 integer counts and 26 hexadecimal string
+categoricals, both with missing values.
 """
 
 import pathlib
@@ -11,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["write_clicklog", "clicklog_columns"]
+__all__ = ["write_clicklog", "clicklog_columns", "write_criteo", "criteo_columns"]
 
 #: Exclusive upper bound of every categorical and history id.
 ID_BOUND = 100_000
@@ -143,6 +145,66 @@ def write_clicklog(path, rows: int = 1_000_000, *, files: int = 4,
                 m = min(row_group_rows, n - off)
                 table = _block(rng, schema, perms, start + off, m, dense, list_max)
                 writer.write_table(table, row_group_size=m)
+        written.append(dest)
+        start += n
+    return written
+
+
+def criteo_columns() -> dict:
+    """``columns=`` for :func:`write_criteo` data: ``{"label", "ints": [I1..I13], "cats": [C1..C26]}``
+    (with ``categorical=`` the 26 string columns stack into one ``[rows, 26]`` id tensor)."""
+    return {"label": "label", "ints": [f"I{i}" for i in range(1, 14)], "cats": [f"C{i}" for i in range(1, 27)]}
+
+
+_HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
+
+
+def _hex_strings(ids: np.ndarray, valid: np.ndarray) -> pa.Array:
+    """8-character lowercase hexadecimal strings of uint32 ``ids`` (null where not ``valid``)."""
+    n = len(ids)
+    nibbles = (ids[:, None].astype(np.uint32) >> np.arange(28, -1, -4, dtype=np.uint32)) & 0xF
+    data = _HEX[nibbles].reshape(-1)
+    offsets = np.arange(0, 8 * n + 1, 8, dtype=np.int32)
+    mask = pa.array(valid).buffers()[1] if not valid.all() else None
+    return pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data), mask,
+                                       int(n - valid.sum()))
+
+
+def write_criteo(path, rows: int = 1_000_000, *, files: int = 4, row_group_rows: int = 65_536, seed: int = 0,
+                 compression: str = "snappy") -> list[pathlib.Path]:
+    """Write Criteo-format click logs as ``files`` Parquet files ``part-NNNNN.parquet`` in ``path``.
+
+    Columns: ``row_id`` int64 (0 .. rows-1); ``label`` int8 (about 30% ones, rising with
+    ``I1``); ``I1`` .. ``I13`` int32 counts (lognormal, rounded; about 20% null);
+    ``C1`` .. ``C26`` strings of 8 hexadecimal digits (Zipf-like over 100,000 values per
+    column, as :func:`write_clicklog`'s ids; about 10% null), dictionary-encoded in the file
+    as Spark writes them. Memory: one row group at a time; equal arguments give equal data.
+    """
+    if files < 1 or rows < files or row_group_rows < 1:
+        raise ValueError(f"need 1 <= files <= rows and row_group_rows >= 1, got files={files}, rows={rows}")
+    out = pathlib.Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    perms = [rng.permutation(ID_BOUND) for _ in range(26)]
+    codes = rng.integers(0, 2**32, ID_BOUND, dtype=np.uint32)  # the hex value of each id
+    fields = [pa.field("row_id", pa.int64()), pa.field("label", pa.int8())]
+    fields += [pa.field(f"I{i}", pa.int32()) for i in range(1, 14)] + [pa.field(f"C{i}", pa.string())
+                                                                       for i in range(1, 27)]
+    schema = pa.schema(fields)
+    written, start = [], 0
+    for i in range(files):
+        n = rows // files + (i < rows % files)
+        dest = out / f"part-{i:05d}.parquet"
+        with pq.ParquetWriter(dest, schema, compression=compression,
+                              use_dictionary=[f"C{k}" for k in range(1, 27)]) as writer:
+            for off in range(0, n, row_group_rows):
+                m = min(row_group_rows, n - off)
+                counts = np.round(rng.lognormal(1.0, 1.5, size=(13, m))).astype(np.int32)
+                label = (np.log1p(counts[0]) + rng.standard_normal(m) > 2.2).astype(np.int8)
+                arrays = [pa.array(np.arange(start + off, start + off + m, dtype=np.int64)), pa.array(label)]
+                arrays += [pa.array(c, mask=rng.random(m) < 0.2) for c in counts]
+                arrays += [_hex_strings(codes[_ids(rng, m, perm)], rng.random(m) >= 0.1) for perm in perms]
+                writer.write_table(pa.Table.from_arrays(arrays, schema=schema), row_group_size=m)
         written.append(dest)
         start += n
     return written

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 import torch
 
 import gpuload
@@ -274,10 +275,12 @@ def test_file_lacks_selected_column(tmp_path, missing_in):
     assert "'v'" in msg and f"{missing_in}.parquet" in msg
 
 
-def test_string_column_selected(tmp_path):
-    p = _write(tmp_path / "s.parquet", pa.table({"id": [1, 2], "name": ["a", "b"]}))
-    with pytest.raises(gpuload.SchemaError, match="'name'"):
-        gpuload.ParquetDataset(p, ["id", "name"], cache_dir=tmp_path / "c", device="cpu")
+def test_string_column_selected_becomes_64_bit_hash_ids(tmp_path):
+    """Without categorical=, a string column gets Hash(): XXH64 of its bytes as int64 (tests/test_categorical.py)."""
+    p = _write(tmp_path / "s.parquet", pa.table({"id": [1, 2, 3], "name": ["a", "b", None]}))
+    ds = gpuload.ParquetDataset(p, ["id", "name"], cache_dir=tmp_path / "c", device="cpu", shuffle=False)
+    ids = next(iter(ds))["name"].numpy().view(np.uint64).tolist()
+    assert ids == [xxhash.xxh64_intdigest(b"a"), xxhash.xxh64_intdigest(b"b"), 0]
 
 
 def _nullable_table(n=1000, nulls=37):

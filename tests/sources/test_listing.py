@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 
 import gpuload
 
@@ -177,10 +178,10 @@ def test_hive_partition_keys_are_columns_typed_as_pyarrow_types_them(tmp_path):
     got = _all(ds)
     assert got["day"].dtype == np.dtype(pa.int32().to_pandas_dtype())  # as pyarrow types it
     assert sorted(zip(got["x"], got["day"])) == sorted(zip(want["x"], want["day"].astype(int)))
-    # the default picks up numeric keys; string keys are skipped (strings are not tensors)
-    assert _ds(root, tmp_path / "cache").outputs == ["x", "day"]
-    with pytest.raises(gpuload.SchemaError, match="'region'"):
-        _ds(root, tmp_path / "cache", ["x", "region"])
+    # the default picks up every key; a string key becomes categorical ids, as a string column does
+    assert _ds(root, tmp_path / "cache").outputs == ["x", "day", "region"]
+    region = _all(_ds(root, tmp_path / "cache", ["x", "region"], categorical={"region": gpuload.Hash(1000)}))["region"]
+    assert set(region.tolist()) == {1 + xxhash.xxh64_intdigest(b"eu") % 1000}
     # cached like any other column: a second dataset decodes nothing
     again = _ds(root, tmp_path / "cache", ["x", "day"])
     assert sorted(_all(again)["day"]) == sorted(got["day"]) and again.reader.counters.decoded == 0
