@@ -38,6 +38,8 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     strings and bytes as categorical ids (null: 0)."""
     if vt.encode:
         return hash_ids(arr, parse_key(vt.encode))
+    if vt.temporal.startswith(("decimal:", "unscaled:")):
+        return _decimal(arr, vt, fill, column, where)
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
     if vt.temporal:  # reinterpret the stored integers, widened to int64
@@ -52,6 +54,40 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
         arr = pc.fill_null(arr, pa.scalar(fill, type=arr.type))
     out = arr.to_numpy(zero_copy_only=False)
     return out.astype(vt.dtype, copy=False)
+
+
+def _decimal(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:
+    """A decimal array as float64 ``float(unscaled) / 10**scale`` (the unscaled integer rounded
+    to the nearest float64, then divided, correctly rounded: at most two roundings), or with
+    ``"unscaled:"`` as its exact unscaled int64 (refusing values beyond int64); nulls filled."""
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    t = arr.type
+    if t.bit_width != 128:  # decimal32/64 widen exactly; a decimal256 of at most 38 digits narrows exactly
+        arr = arr.cast(pa.decimal128(min(t.precision, 38), t.scale))
+    n = len(arr)
+    words = np.frombuffer(arr.buffers()[1], "<i8")[2 * arr.offset:2 * (arr.offset + n)].reshape(n, 2)
+    lo, hi = words[:, 0], words[:, 1]
+    valid = None if arr.null_count == 0 else np.asarray(arr.is_valid())
+    if valid is not None and fill is None:
+        raise null_error(column, arr.null_count, where)
+    small = hi == (lo >> 63)  # the unscaled value fits int64 (hi only extends lo's sign)
+    wide = np.flatnonzero(~small if valid is None else ~small & valid)
+    scale = int(vt.temporal.split(":")[1])
+    if vt.temporal.startswith("unscaled:"):
+        if wide.size:
+            v = arr[int(wide[0])].as_py()
+            raise ConfigError(f"column {column!r} holds {v} in {where}, whose unscaled integer int64 cannot hold; "
+                              f"choose a float dtype in {flag('dtypes')} (or none: float64)")
+        out = lo.copy()
+    else:
+        out = lo.astype(np.float64)
+        for i in wide:  # beyond int64 (rare): Python rounds the 128-bit integer to the nearest float64
+            out[i] = float((int(hi[i]) << 64) | int(lo[i].view(np.uint64)))
+        out = out / float(10**scale) if scale >= 0 else out * float(10**-scale)
+    if valid is not None:
+        out[~valid] = fill
+    return out
 
 
 def null_error(column: str, count: int, where: str, lists: bool = False) -> NullValuesError:

@@ -18,6 +18,9 @@ timestamp[unit, tz]             int64, ``unit`` since 1970-01-01 UTC (tz dropped
 INT96 timestamps (Spark, Hive)  int64, microseconds since 1970-01-01 UTC
 duration[unit], time32/64[unit] int64 in ``unit``
 dictionary<numeric>             decoded to the value type
+decimal(p, s), p <= 38          float64: ``float(unscaled) / 10**s`` (two roundings; see
+                                :mod:`gpuload.convert`); with an integer ``dtypes=``: the
+                                exact unscaled integer (12.34 as decimal(10, 2) is 1234)
 fixed_size_list<numeric, k>     2-D tensor ``[rows, k]``
 list / large_list<numeric>      :class:`gpuload.Ragged` (values, int64 offsets)
 string, binary (large, fixed,   int64 ids from ``categorical=`` (:class:`gpuload.Hash`;
@@ -25,7 +28,7 @@ dictionary, view)               default ``Hash()``: the 64-bit hash), null 0
 lists of those                  :class:`gpuload.Ragged` of int64 ids
 ==============================  ==========================================================
 
-Decimals, structs, maps and lists of lists raise :class:`SchemaError`.
+Structs, maps, lists of lists and decimals wider than 38 digits raise :class:`SchemaError`.
 
 ``dtypes=`` takes NumPy dtypes, their names, or torch dtypes; ``torch.bfloat16`` (or
 ``"bfloat16"``) is stored as its 16-bit pattern (:func:`storage_dtype`) and handed to
@@ -97,7 +100,8 @@ class ValueType:
 
     dtype: str  # numpy dtype string of the converted values, e.g. "<i8"
     temporal: str = ""  # "" (plain), "date64" (ms -> days), "int" (other temporals: raw integer) or
-    # "int96" (an INT96 timestamp, read in microseconds: its own name, so caches of nanoseconds are not used)
+    # "int96" (an INT96 timestamp, read in microseconds: its own name, so caches of nanoseconds are not used),
+    # "decimal:<scale>" (a decimal as float64) or "unscaled:<scale>" (a decimal's exact unscaled int64)
     encode: str = ""  # a categorical encoder's key (gpuload.Hash.key): strings or bytes -> int64 ids, null 0
 
 
@@ -136,6 +140,8 @@ def value_type(t: pa.DataType) -> ValueType | None:
         return value_type(t.value_type)
     if pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_floating(t):
         return ValueType(np.dtype(t.to_pandas_dtype()).str)
+    if pa.types.is_decimal(t):  # float64 unless an integer dtypes= asks for the unscaled integers
+        return ValueType("<f8", f"decimal:{t.scale}") if t.precision <= 38 else None
     if pa.types.is_date64(t):
         return ValueType("<i8", "date64")
     if pa.types.is_temporal(t):  # date32 (days), timestamp, duration, time32/64 (their unit)
@@ -326,6 +332,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         dtype = np.dtype(dtype).str
         if name in dtypes:
             dtype = parse_dtype(dtypes[name], f"dtypes[{name!r}]")
+            if dtype != BFLOAT16 and np.dtype(dtype).kind in "iu":  # decimals: exact unscaled integers
+                vts = [ValueType("<i8", "unscaled:" + v.temporal[8:]) if v.temporal.startswith("decimal:") else v
+                       for v in vts]
         fills = []
         for c, vt in zip(cols, vts):
             fv = fill_nulls.get(c) if isinstance(fill_nulls, Mapping) else fill_nulls

@@ -371,3 +371,58 @@ def test_date64_before_1970_rounds_down_to_its_day():
     specs = resolve_outputs(t.schema, ["d"], fill_nulls={"d": 7})
     got = table_to_columns(t, specs)["d"].tolist()
     assert got == [-1, -1, -2, 0, 0, 1, 7]
+
+
+# -- decimals ---------------------------------------------------------------------------------
+def _decimals(rng, n, precision, scale):
+    import decimal
+
+    digits = rng.integers(1, precision + 1, n)
+    values = [None if i % 9 == 0 else decimal.Decimal(int(rng.integers(-10**int(k) + 1, 10**int(k)) if k < 18 else
+                                                           int.from_bytes(rng.bytes(16), "little") % 10**int(k)
+                                                           * (-1) ** i)).scaleb(-scale)
+              for i, k in enumerate(digits)]
+    return values
+
+
+def _as_float(d, scale):  # the documented rule, value by value: float(unscaled) / 10**scale
+    return float(int(d.scaleb(scale))) / float(10**scale)
+
+
+@pytest.mark.parametrize("precision,scale", [(9, 2), (18, 4), (38, 10), (38, 0), (30, 25)])
+@pytest.mark.parametrize("store_as_integer", [False, True])
+def test_decimals_become_float64_by_the_documented_rule(tmp_path, precision, scale, store_as_integer):
+    if scale > precision:
+        pytest.skip("pyarrow wants scale <= precision")
+    rng = np.random.default_rng(precision * 100 + scale)
+    values = _decimals(rng, 3000, precision, scale)
+    path = tmp_path / "d.parquet"
+    kw = {"store_decimal_as_integer": True} if store_as_integer and precision <= 18 else {}
+    pq.write_table(pa.table({"v": pa.array(values, pa.decimal128(precision, scale))}), path, row_group_size=700, **kw)
+    ds = gpuload.ParquetDataset(path, ["v"], cache_dir=tmp_path / "c", device="cpu", shuffle=False, batch_size=3000,
+                                fill_nulls=-1.5)
+    got = next(iter(ds))["v"].numpy()
+    want = np.array([-1.5 if v is None else _as_float(v, scale) for v in values])
+    assert got.dtype == np.float64 and got.tobytes() == want.tobytes()
+    exact = [v is not None and abs(int(v.scaleb(scale))) < 2**63 for v in values]
+    ints = gpuload.ParquetDataset(path, ["v"], cache_dir=tmp_path / "c", device="cpu", shuffle=False, batch_size=3000,
+                                  fill_nulls=0, dtypes={"v": "int64"})
+    if all(e for e, v in zip(exact, values) if v is not None):
+        assert next(iter(ints))["v"].numpy().tolist() == [0 if v is None else int(v.scaleb(scale)) for v in values]
+    else:  # an unscaled integer beyond int64: refused, naming the column and the value
+        with pytest.raises(gpuload.ConfigError, match=r"column 'v' holds .* whose unscaled integer int64 cannot hold"):
+            next(iter(ints))
+
+
+def test_decimal_nulls_without_a_fill_and_narrow_integer_casts_are_refused(tmp_path):
+    import decimal
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"v": pa.array([decimal.Decimal("1.50"), None, decimal.Decimal("400.00")],
+                                           pa.decimal128(6, 2))}), path)
+    with pytest.raises(gpuload.NullValuesError, match="'v'"):
+        gpuload.ParquetDataset(path, ["v"], cache_dir=tmp_path / "c", device="cpu")
+    ds = gpuload.ParquetDataset(path, ["v"], cache_dir=tmp_path / "c", device="cpu", fill_nulls=0,
+                                dtypes={"v": "int8"}, shuffle=False)
+    with pytest.raises(gpuload.ConfigError, match=r"column 'v' holds 150 in .* which int8 cannot represent"):
+        next(iter(ds))

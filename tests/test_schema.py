@@ -18,7 +18,7 @@ def spec_token(specs):
     return spec_hash(spec_description(specs))
 
 BAD = {
-    "dec": pa.decimal128(10, 2),
+    "dec": pa.decimal256(40, 2),
     "st": pa.struct([("a", pa.int32())]),
     "m": pa.map_(pa.int32(), pa.float32()),
     "lol": pa.list_(pa.list_(pa.int32())),
@@ -32,7 +32,7 @@ HASHED = {  # categorical: int64 ids (tests/test_categorical.py checks the value
     "dstr": pa.dictionary(pa.int32(), pa.string()),
 }
 GOOD = {"i": pa.int32(), "f": pa.float32(), "u": pa.uint8(), "b": pa.bool_(), "t": pa.timestamp("ms"),
-        "r": pa.list_(pa.int64()), "fx": pa.list_(pa.float32(), 4)}
+        "r": pa.list_(pa.int64()), "fx": pa.list_(pa.float32(), 4), "d": pa.decimal128(10, 2)}
 SCHEMA = pa.schema([(k, t) for k, t in GOOD.items()] + list(HASHED.items()) + list(BAD.items()))
 
 
@@ -71,7 +71,7 @@ def test_columns_none_all_supported_logs_nothing(caplog):
 
 def test_no_supported_column_at_all():
     with pytest.raises(gpuload.SchemaError, match="data/part-0.parquet"):
-        resolve(schema=pa.schema([("d", pa.decimal128(10, 2))]))
+        resolve(schema=pa.schema([("d", pa.decimal256(40, 2))]))
 
 
 @pytest.mark.parametrize("columns", [["i", "nope"], {"x": "nope"}, {"g": ["i", "nope"]}, "nope"])

@@ -13,7 +13,8 @@ step follows the last in stream order.
 
 Where cuDF's physical result does not match what the CPU path would produce (a
 dictionary column read as ``DICTIONARY32``, a temporal unit that differs from the
-Arrow schema's, float16, which libcudf has no type for), :class:`Unsupported` is
+Arrow schema's, float16, which libcudf has no type for, decimals, which libcudf reads as
+DECIMAL32/64/128 by precision), :class:`Unsupported` is
 raised and the caller decodes that chunk on the CPU instead, so the bytes stay the same.
 """
 
