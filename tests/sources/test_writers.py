@@ -245,3 +245,67 @@ def test_spark(spark, tmp_path, timestamps):
         "id", "unix_micros(ts) as us").collect()}
     assert [spark_ts[i] for i in range(N)] == list(want["ts"])
     _same(_gpuload(folder, tmp_path), want)
+
+
+@pytest.mark.slow
+def test_spark_legacy_format_decimals_and_strings(spark, tmp_path):
+    """Spark's ``writeLegacyFormat`` (Hive's layout: decimals as fixed-length bytes, lists as
+    ``bag``/``array`` groups), with its money and id columns: decimals become float64 by the
+    documented rule (or exact unscaled int64), strings and lists of strings categorical ids."""
+    import decimal
+
+    import xxhash
+    from pyspark.sql import types as T
+
+    rng = np.random.default_rng(11)
+    rows = []
+    for i in range(N):
+        amount = None if i % 13 == 0 else decimal.Decimal(int(rng.integers(-10**9, 10**9))).scaleb(-2)
+        big = decimal.Decimal(int(rng.integers(0, 10**18)) * 10**3 + i).scaleb(-4)
+        country = None if i % 7 == 0 else ("DE", "FR", "US", "JP")[i % 4]
+        tags = None if i % 11 == 0 else [None if (i + j) % 5 == 0 else f"t{(i * j) % 9}" for j in range(i % 4)]
+        hist = None if i % 6 == 0 else [int(x) for x in rng.integers(-50, 50, i % 5)]
+        rows.append((i, amount, big, country, tags, hist))
+    schema = T.StructType([
+        T.StructField("id", T.LongType()), T.StructField("amount", T.DecimalType(10, 2)),
+        T.StructField("big", T.DecimalType(25, 4)), T.StructField("country", T.StringType()),
+        T.StructField("tags", T.ArrayType(T.StringType())), T.StructField("hist", T.ArrayType(T.LongType()))])
+    spark.conf.set("spark.sql.parquet.writeLegacyFormat", "true")
+    try:
+        folder = tmp_path / "legacy"
+        spark.createDataFrame(rows, schema).repartition(2).write.parquet(str(folder))
+    finally:
+        spark.conf.unset("spark.sql.parquet.writeLegacyFormat")
+    files = sorted(folder.glob("*.parquet"))
+    layout = str(pq.read_metadata(files[0]).schema)
+    assert "bag" in layout and "fixed_len_byte_array" in layout  # really the legacy layout
+    columns = ["id", "amount", "big", "country", "tags", "hist"]
+    ds = gpuload.ParquetDataset(folder, columns, cache_dir=tmp_path / "c", device="cpu", batch_size=N,
+                                shuffle=False, fill_nulls={"amount": 0, "hist": 0},
+                                categorical={"country": gpuload.Hash(100), "tags": gpuload.Hash(50, seed=1)})
+    (b,) = list(ds)
+    by_id = {r[0]: r for r in rows}
+    order = b["id"].numpy().tolist()
+    assert sorted(order) == list(range(N))
+
+    def as_float(d):  # the documented rule: float(unscaled) / 10**scale
+        return float(int(d.scaleb(-d.as_tuple().exponent))) / float(10 ** -d.as_tuple().exponent)
+
+    def ids(v, enc):
+        return 0 if v is None else 1 + xxhash.xxh64_intdigest(v.encode(), enc.seed) % enc.buckets
+
+    assert b["amount"].numpy().tolist() == [0.0 if by_id[i][1] is None else as_float(by_id[i][1]) for i in order]
+    assert b["big"].numpy().tolist() == [as_float(by_id[i][2]) for i in order]
+    assert b["country"].numpy().tolist() == [ids(by_id[i][3], gpuload.Hash(100)) for i in order]
+
+    def lists(r):
+        off = r.offsets.numpy()
+        return [r.values.numpy()[off[k]:off[k + 1]].tolist() for k in range(len(off) - 1)]
+
+    assert lists(b["tags"]) == [[ids(t, gpuload.Hash(50, seed=1)) for t in by_id[i][4] or []] for i in order]
+    assert lists(b["hist"]) == [by_id[i][5] or [] for i in order]
+    cents = gpuload.ParquetDataset(folder, ["id", "amount"], cache_dir=tmp_path / "c", device="cpu", batch_size=N,
+                                   shuffle=False, fill_nulls=-1, dtypes={"amount": "int64"})
+    (c,) = list(cents)
+    assert c["amount"].numpy().tolist() == [-1 if by_id[i][1] is None else int(by_id[i][1].scaleb(2))
+                                            for i in c["id"].numpy().tolist()]
