@@ -256,3 +256,6 @@ def test_the_command_takes_categorical(strings, tmp_path, capsys):
     assert rc == 2 and len(err) == 1 and err[0].startswith("gpuload: error: --categorical '{\"x\": {\"buckets\": 10}}'")
     assert main(["cache", "build", str(folder), "--cache-dir", str(tmp_path / "c"), "--columns", "C1,x",
                  "--categorical", '{"C1": 10}']) == 0
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", str(tmp_path / "c")]) == 0
+    assert "C1 (int64, ids of Hash(buckets=10))" in capsys.readouterr().out  # the column set says its encoder

@@ -8,6 +8,7 @@ import logging
 
 from ..cache.paths import default_cache_dir
 from ..cache.store import ChunkCache
+from ..categorical import parse_key
 from ..errors import ConfigError
 from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
@@ -85,8 +86,19 @@ def _spec_text(desc) -> str:
     for d in desc:
         cols = d["columns"][0] if len(d["columns"]) == 1 else "[" + ", ".join(d["columns"]) + "]"
         dtype = d["dtype"] if d["dtype"] == "bfloat16" else np.dtype(d["dtype"]).name
-        parts.append(f"{d['name'] if d['name'] == cols else d['name'] + '=' + cols} ({dtype})")
+        encoders = sorted({_encoder_text(src[2]) for src in d.get("sources", []) if len(src) > 2})
+        what = f"{dtype}, ids of {' and '.join(encoders)}" if encoders else dtype  # categorical columns
+        parts.append(f"{d['name'] if d['name'] == cols else d['name'] + '=' + cols} ({what})")
     return ", ".join(parts)
+
+
+def _encoder_text(key: str) -> str:
+    """A categorical encoder's key as its Python spelling (``Hash(buckets=4194304)``)."""
+    try:
+        enc = parse_key(key)
+    except ValueError:
+        return key
+    return f"Hash(buckets={enc.buckets}" + (f", seed={enc.seed})" if enc.seed else ")")
 
 
 def _left_alone(foreign: list[str]) -> None:
