@@ -22,6 +22,7 @@ with the same :func:`ids_from_hashes`.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,10 @@ class Hash:
     seed: int = 0
 
     def __post_init__(self):
+        for name in ("buckets", "seed"):  # NumPy integers are whole numbers too
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)):
+                object.__setattr__(self, name, int(v))
         if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int)
                                          or not 1 <= self.buckets < 2**63):
             raise ConfigError(f"Hash(buckets={self.buckets!r}): give a whole number from 1 to 2**63 - 1, or None "
@@ -111,17 +116,30 @@ def _words(buf: np.ndarray, size: int) -> np.ndarray:
     return np.ndarray((len(buf) - size + 1,), dtype=f"<u{size}", buffer=buf, offset=0, strides=(1,))
 
 
+LONG = 4096  # bytes: longer values are hashed one by one (the xxhash package's XXH64, the same function)
+
+
 def xxh64(data: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seed: int = 0) -> np.ndarray:
     """XXH64 of each value ``data[starts[i]:starts[i] + lengths[i]]`` (uint8 ``data``): uint64.
 
     Every value at once: one NumPy pass per 32-byte stripe of the longest value (over the
-    values that long), then at most seven for the tails, and the final mix.
+    values that long), then at most seven for the tails, and the final mix. Values longer
+    than ``LONG`` bytes (blobs, rare in categorical columns) are hashed one call each.
     """
     n = len(starts)
+    lengths = np.asarray(lengths, np.int64)
+    long_values = np.flatnonzero(lengths > LONG)
+    if long_values.size:  # a few long values: one call each (the same XXH64) rather than a pass per stripe
+        import xxhash
+
+        h = xxh64(data, np.where(lengths > LONG, 0, starts), np.where(lengths > LONG, 0, lengths), seed)
+        raw = memoryview(np.ascontiguousarray(data))
+        for i in long_values:
+            h[i] = xxhash.xxh64_intdigest(raw[starts[i]:starts[i] + lengths[i]], seed)
+        return h
     buf = np.zeros(len(data) + 8, np.uint8)  # padded: an 8-byte word can be read at any offset of data
     buf[:len(data)] = data
     w64, w32 = _words(buf, 8), _words(buf, 4)
-    lengths = np.asarray(lengths, np.int64)
     pos = np.asarray(starts, np.int64).copy()
     h = np.empty(n, np.uint64)
     stripes = lengths // 32

@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from .categorical import hashable, parse_key
 from .convert import cast_values, nulls_error
-from .errors import ConfigError, SchemaError, SourceError, setting
-from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
+from .errors import ConfigError, SchemaError, SourceError, flag, setting
+from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value
 from .sources.listing import SourceFile
 
 __all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error", "old_arrow_error",
@@ -37,6 +37,16 @@ __all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_ke
 
 def _logical(t: pa.DataType) -> pa.DataType:
     return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def _same_ids(a: pa.DataType, b: pa.DataType) -> bool:
+    """Both strings or bytes (of any width), or lists of them of one kind: the same categorical ids."""
+    if hashable(a) and hashable(b):
+        return True
+    fixed = pa.types.is_fixed_size_list
+    inner_a, inner_b = list_value(a), list_value(b)
+    return (inner_a is not None and inner_b is not None and fixed(a) == fixed(b)
+            and (not fixed(a) or a.list_size == b.list_size) and hashable(inner_a) and hashable(inner_b))
 
 
 def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
@@ -50,7 +60,7 @@ def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -
                     raise SchemaError(f"column {c!r} is in {first.path} but not in {f.path}; "
                                       "select columns every file has, or fix the files")
                 got = _logical(f.schema.field(c).type)
-                if got != want and not (hashable(got) and hashable(want)):  # strings or bytes: the same ids
+                if got != want and not _same_ids(got, want):
                     raise SchemaError(f"column {c!r} is {want} in {first.path} but {got} in {f.path}; "
                                       "rewrite the files with one type for it")
 
@@ -190,18 +200,14 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
     """Raise :class:`~gpuload.ConfigError` when a cast to an integer or bool output cannot
     hold a value the statistics report (or a fill value)."""
     for s in specs:
+        for c, vt in zip(s.columns, s.sources):
+            if vt.encode:
+                _check_ids_fit(s, c, parse_key(vt.encode))
         if s.dtype == BFLOAT16 or np.dtype(s.dtype).kind not in "biu":
             continue  # casts to floats may round; nothing to refuse
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             src = np.dtype(vt.dtype)
-            if np.can_cast(src, s.dtype, "safe"):
-                continue
-            if vt.encode:  # ids 0..buckets (any int64 without buckets): the dtype must hold them all
-                top = parse_key(vt.encode).buckets or np.iinfo(np.int64).max
-                if np.dtype(s.dtype).kind == "b" or np.iinfo(s.dtype).max < top:
-                    raise ConfigError(f"{setting('dtypes', {s.name: str(np.dtype(s.dtype))})}: column {c!r} gets "
-                                      f"ids up to {top:,} ({setting('categorical', {c: parse_key(vt.encode)})}), "
-                                      f"which {np.dtype(s.dtype)} cannot hold: choose a wider dtype or fewer buckets")
+            if vt.encode or np.can_cast(src, s.dtype, "safe"):
                 continue
             if fill is not None:
                 cast_values(np.array([fill], src), s.dtype, c, f"its fill value ({setting('fill_nulls', {c: fill})})")
@@ -217,6 +223,29 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
                     v = _bounds(st, vt, src) if st is not None and st.has_min_max else None
                     if v is not None:
                         cast_values(v, s.dtype, c, f"{f.path} (row group {g}, by its statistics)")
+
+
+def _check_ids_fit(s: OutputSpec, column: str, enc) -> None:
+    """Refuse an output dtype that cannot hold every categorical id of ``column`` exactly: ids
+    ``0..buckets``, or any int64 without buckets (a float holds integers exactly only up to
+    2**(mantissa bits + 1); a stacked group with float columns is a float output too)."""
+    dtype = BFLOAT16 if s.dtype == BFLOAT16 else np.dtype(s.dtype)
+    if dtype == np.dtype(np.int64):
+        return
+    exact = {BFLOAT16: 2**8}.get(dtype) if dtype == BFLOAT16 else (
+        2 ** (np.finfo(dtype).nmant + 1) if dtype.kind == "f" else 0 if dtype.kind == "b" else np.iinfo(dtype).max)
+    top = enc.buckets if enc.buckets else None  # None: ids span all of int64, negatives too
+    if top is not None and top <= exact:
+        return
+    name = "bfloat16" if dtype == BFLOAT16 else str(dtype)
+    ids = f"ids up to {top:,}" if top is not None else "64-bit hash ids (negative ones too)"
+    what = (f"output {s.name!r} ({name}, stacked with {', '.join(repr(m) for m in s.columns if m != column)})"
+            if len(s.columns) > 1 and s.name not in dict.fromkeys(s.columns) else f"{name}")
+    raise ConfigError(f"column {column!r} gets {ids} ({setting('categorical', {column: enc})}), which {what} cannot "
+                      f"hold exactly: " + ("give the column buckets (Hash(buckets=...)) that fit, " if top is None else
+                                           "choose fewer buckets, ") +
+                      f"or keep the ids int64 (in {flag('dtypes')}; a categorical column stacks exactly only with "
+                      "integer columns)")
 
 
 def stored_key_error(f: SourceFile, column: str, values, where: str) -> SourceError | None:

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from .batch import Ragged
 from .categorical import hash_ids, parse_key
 from .errors import ConfigError, NullValuesError, flag, setting
-from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
+from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, list_value, storage_dtype
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
 
@@ -36,6 +36,8 @@ def needed_columns(specs: Sequence[OutputSpec]) -> list[str]:
 def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:
     """Values of a flat (non-list) Arrow array as NumPy, nulls filled, temporals as int64,
     strings and bytes as categorical ids (null: 0)."""
+    if isinstance(arr, np.ndarray):  # categorical ids, made chunk by chunk (table_to_columns)
+        return arr
     if vt.encode:
         return hash_ids(arr, parse_key(vt.encode))
     if vt.temporal.startswith(("decimal:", "unscaled:")):
@@ -248,11 +250,15 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     n = table.num_rows
     cols = {}
     arrays = {}
-    encoded = {c for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
+    encoded = {c: vt for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
     for c in needed_columns(specs):
         col = table.column(c)
-        if pa.types.is_dictionary(col.type):  # categorical ids hash each distinct value once
-            col = col.unify_dictionaries() if c in encoded else col.cast(col.type.value_type)
+        if c in encoded and list_value(col.type) is None:  # ids chunk by chunk: strings never joined
+            arrays[c] = np.concatenate([hash_ids(ch, parse_key(encoded[c].encode)) for ch in col.chunks]
+                                       or [np.zeros(0, np.int64)])
+            continue
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
         arrays[c] = col.combine_chunks()
     nulls = _null_counts(arrays, specs)
     if nulls:  # every column of the chunk at once, not one per run

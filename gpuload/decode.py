@@ -241,7 +241,7 @@ class GpuDecoder:
             # kernels that read them
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
                 try:
-                    out = columns_to_set(raw, specs, f.schema, chunk.rows, where)
+                    out = columns_to_set(raw, specs, f.schema, chunk.rows, where, stream)
                 finally:  # also before a fallback to the CPU: cuDF's buffers are not needed there
                     del raw
                 self.ctx.read_done()  # so that the span times the kernels, not their launch (this chunk's, not later ones)

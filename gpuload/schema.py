@@ -49,7 +49,7 @@ from .categorical import Hash, hashable
 from .errors import ConfigError, SchemaError, flag, setting
 from .layout import stored_outputs
 
-__all__ = ["OutputSpec", "ValueType", "value_type", "resolve_outputs", "spec_description", "desc_outputs",
+__all__ = ["OutputSpec", "ValueType", "value_type", "list_value", "resolve_outputs", "spec_description", "desc_outputs",
            "storage_dtype", "parse_dtype", "BFLOAT16"]
 
 log = logging.getLogger("gpuload")
@@ -149,7 +149,8 @@ def value_type(t: pa.DataType) -> ValueType | None:
     return None
 
 
-def _list_value(t: pa.DataType) -> pa.DataType | None:
+def list_value(t: pa.DataType) -> pa.DataType | None:
+    """The value type of a list, large list or fixed-size list type; None for any other type."""
     if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         return t.value_type
     return None
@@ -158,7 +159,7 @@ def _list_value(t: pa.DataType) -> pa.DataType | None:
 def _classify(name: str, t: pa.DataType, enc: Hash | None = None) -> tuple[str, ValueType, int]:
     """Kind, value type and width of column ``name`` (``enc``: its categorical encoder, if
     given); SchemaError when unsupported, ConfigError for an encoder on a numeric column."""
-    inner = _list_value(t)
+    inner = list_value(t)
     if hashable(t) or (inner is not None and hashable(inner)):
         vt = ValueType("<i8", "", (enc or Hash()).key)
         if inner is None:
@@ -173,7 +174,7 @@ def _classify(name: str, t: pa.DataType, enc: Hash | None = None) -> tuple[str, 
     if inner is not None:
         ivt = value_type(inner)
         if ivt is None:
-            what = "a list of lists" if _list_value(inner) is not None else f"a list of {inner}"
+            what = "a list of lists" if list_value(inner) is not None else f"a list of {inner}"
             raise SchemaError(
                 f"column {name!r} is {what} ({t}); gpuload supports lists of numbers and of strings only. "
                 f"Leave it out of {flag('columns')} or convert it to numbers before writing the Parquet.")
@@ -189,7 +190,7 @@ def _classify(name: str, t: pa.DataType, enc: Hash | None = None) -> tuple[str, 
 
 def _hashable_column(t: pa.DataType) -> bool:
     """A string or binary column, or a list of them: what a :class:`gpuload.Hash` takes."""
-    inner = _list_value(t)
+    inner = list_value(t)
     return hashable(t) or (inner is not None and hashable(inner))
 
 
@@ -232,6 +233,10 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
             log.warning("gpuload: skipping columns of unsupported type: %s", ", ".join(skipped))
         if twice:
             log.warning("gpuload: skipping columns whose name appears more than once: %s", ", ".join(sorted(twice)))
+        hashed = [f.name for f in schema if _hashable_column(f.type) and f.name not in twice]
+        if hashed:
+            log.info("gpuload: columns=None: string and binary columns %s become categorical ids (categorical= "
+                     "says how; without it, the 64-bit hash)", ", ".join(hashed))
         return [(f.name, (f.name,), False) for f in schema if _supported(f.type) and f.name not in twice]
     if isinstance(columns, str):
         columns = [columns]
@@ -266,7 +271,8 @@ def _encoders(categorical, used: set) -> dict | Hash | None:
             raise ConfigError(f"{setting('categorical', {c: enc})}: give a gpuload.Hash(buckets=..., seed=...)")
     unknown = sorted(set(categorical) - used)
     if unknown:
-        raise ConfigError(f"{flag('categorical')} names columns that are not loaded: {unknown}")
+        raise ConfigError(f"{flag('categorical')} names columns that are not loaded: {unknown}; it takes the "
+                          "Parquet columns (a stacked group's members), not output names")
     return dict(categorical)
 
 

@@ -7,10 +7,12 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import xxhash
 
 import gpuload
+import gpuload.categorical
 from gpuload.categorical import Hash, hash_ids, ids_from_hashes, parse_key, xxh64
 
 from conftest import open_dataset, write_parquet
@@ -34,11 +36,13 @@ def _random_bytes(rng, lengths):
     return [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in lengths]
 
 
+@pytest.mark.parametrize("long", [4096, 10**9])  # values over `long` bytes: one call each, or vectorised too
 @pytest.mark.parametrize("seed", SEEDS)
-def test_xxh64_matches_the_reference_at_every_length_around_each_step(seed):
+def test_xxh64_matches_the_reference_at_every_length_around_each_step(seed, long, monkeypatch):
     """Lengths 0..130 cover every tail (8-, 4- and 1-byte steps) with 0 to 4 stripes; a few long ones too."""
+    monkeypatch.setattr(gpuload.categorical, "LONG", long)
     rng = np.random.default_rng(seed % 1000)
-    values = _random_bytes(rng, list(range(131)) * 2 + [255, 256, 257, 1000, 4097])
+    values = _random_bytes(rng, list(range(131)) * 2 + [255, 256, 257, 1000, 4096, 4097, 20000])
     data = np.frombuffer(b"".join(values), np.uint8)
     lengths = np.array([len(v) for v in values], np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
@@ -216,12 +220,22 @@ def test_bad_categorical_settings_are_refused_naming_what_to_do(strings, tmp_pat
         (dict(categorical=[Hash()]), r"categorical= must be a gpuload.Hash or a dict"),
         (dict(fill_nulls={"C1": 0}), r"fill_nulls=\{'C1': 0\}: column 'C1' becomes categorical ids, where a null "
                                      r"gets id 0"),
-        (dict(dtypes={"C1": "int32"}), r"dtypes=\{'C1': 'int32'\}: column 'C1' gets ids up to 9,223,372,036,854,775,807"),
-        (dict(dtypes={"C1": "int16"}, categorical={"C1": Hash(40_000)}), r"ids up to 40,000"),
+        (dict(dtypes={"C1": "int32"}), r"column 'C1' gets 64-bit hash ids \(negative ones too\) \(categorical=\{'C1': "
+                                       r"Hash\(buckets=None, seed=0\)\}\), which int32 cannot hold exactly: give the column "
+                                       r"buckets"),
+        (dict(dtypes={"C1": "uint64"}), r"64-bit hash ids \(negative ones too\).* which uint64 cannot hold"),
+        (dict(dtypes={"C1": "int16"}, categorical={"C1": Hash(40_000)}), r"ids up to 40,000 .* which int16 cannot hold "
+                                                                         r"exactly: choose fewer buckets"),
+        (dict(dtypes={"C1": "float16"}, categorical={"C1": Hash(4096)}), r"ids up to 4,096 .* which float16 cannot"),
+        (dict(columns={"g": ["C1", "x"]}), r"which output 'g' \(float64, stacked with 'x'\) cannot hold exactly"),
     ]
     for kw, match in cases:
         with pytest.raises(gpuload.ConfigError, match=match):
-            open_dataset(folder, ["C1", "x"], tmp_path / "c", **kw)
+            open_dataset(folder, kw.pop("columns", ["C1", "x"]), tmp_path / "c", **kw)
+    for dtype, enc in (("float16", Hash(2048)), ("float32", Hash(2**24)), ("uint64", Hash(10))):  # these fit
+        ds = open_dataset(folder, ["C1"], tmp_path / "c", dtypes={"C1": dtype}, categorical={"C1": enc}, shuffle=False,
+                          batch_size=N)
+        assert next(iter(ds))["C1"].numpy().astype(np.int64).tolist() == reference(_table()[1]["C1"], enc).tolist()
     ds = open_dataset(folder, ["C1"], tmp_path / "c", dtypes={"C1": "int16"}, categorical={"C1": Hash(30_000)},
                       shuffle=False, batch_size=N, fill_nulls=0)  # one fill for all: ids keep 0 for nulls
     batch = next(iter(ds))
@@ -234,8 +248,18 @@ def test_files_that_store_strings_as_string_large_string_or_binary_load_together
     write_parquet(tmp_path / "d" / "1.parquet", pa.table({"k": pa.array(values, pa.large_string())}))
     write_parquet(tmp_path / "d" / "2.parquet", pa.table({"k": pa.array([None if v is None else v.encode()
                                                                            for v in values], pa.binary())}))
-    ds = open_dataset(tmp_path / "d", ["k"], tmp_path / "c", categorical={"k": Hash(50)}, shuffle=False, batch_size=12)
-    assert next(iter(ds))["k"].numpy().tolist() == reference(values, Hash(50)).tolist() * 3
+    lists = [["x", None], None, [], ["é"]]
+    for k, typ in enumerate([pa.list_(pa.string()), pa.large_list(pa.large_string()), pa.list_(pa.binary())]):
+        path = tmp_path / "d" / f"{k}.parquet"
+        write_parquet(path, pa.table({**pq.read_table(path).to_pydict(),
+                                      "l": pa.array([None if v is None else [None if e is None else
+                                                     (e.encode() if typ == pa.list_(pa.binary()) else e) for e in v]
+                                                     for v in lists], typ)}))
+    ds = open_dataset(tmp_path / "d", ["k", "l"], tmp_path / "c", categorical={"k": Hash(50), "l": Hash(9)},
+                      shuffle=False, batch_size=12)
+    batch = next(iter(ds))
+    assert batch["k"].numpy().tolist() == reference(values, Hash(50)).tolist() * 3
+    assert batch["l"].values.numpy().tolist() == reference(["x", None, "é"], Hash(9)).tolist() * 3
 
 
 def test_the_command_takes_categorical(strings, tmp_path, capsys):

@@ -56,8 +56,10 @@ def test_columns_none_skips_unsupported_and_logs_them_once(caplog):
         specs = resolve()
     assert [s.name for s in specs] == list(GOOD) + list(HASHED)
     assert all(s.dtype == "<i8" and s.sources[0].encode == gpuload.Hash().key for s in specs if s.name in HASHED)
-    records = [r for r in caplog.records if r.name == "gpuload"]
-    assert len(records) == 1 and records[0].levelno >= logging.WARNING
+    records = [r for r in caplog.records if r.name == "gpuload" and r.levelno >= logging.WARNING]
+    assert len(records) == 1
+    (info,) = [r.getMessage() for r in caplog.records if r.name == "gpuload" and r.levelno == logging.INFO]
+    assert "string and binary columns s, ls, bin, lstr, fslstr, dstr become categorical ids" in info
     for name, typ in BAD.items():
         assert f"{name} ({typ})" in records[0].getMessage()
     assert not any(re.search(rf"(: |, ){g} \(", records[0].getMessage()) for g in [*GOOD, *HASHED])

@@ -98,7 +98,7 @@ def _valid(col):
     return ((raw[i >> 3] >> (i & 7).astype(cupy.uint8)) & 1).astype(cupy.bool_)
 
 
-def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str):
+def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str, stream=None):
     """Values of a non-list column as CuPy ``vt.dtype``: nulls filled, temporals as int64.
 
     Always in new memory (the caller's allocator), never a view of ``col``'s buffer: the
@@ -107,7 +107,7 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str)
 
     tid = col.type().id()
     if vt.encode:
-        return _hashed(col, vt, column)
+        return _hashed(col, vt, column, stream)
     phys = _physical(tid)
     if phys is None:
         raise Unsupported(f"column {column!r} is read by cuDF as {tid.name}")
@@ -131,20 +131,21 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str)
     return vals.astype(vt.dtype, copy=vals is raw)
 
 
-def _hashed(col, vt: ValueType, column: str):
+def _hashed(col, vt: ValueType, column: str, stream=None):
     """Categorical ids of a STRING column, as the CPU makes them (:mod:`gpuload.categorical`):
-    libcudf's XXH64 of each value's bytes, then the same mapping to ids, null 0."""
+    libcudf's XXH64 of each value's bytes (on ``stream``, the decode's, so that the CuPy work
+    after it, on the same stream, reads its result), then the same mapping to ids, null 0."""
     import pylibcudf as plc
 
     if col.type().id() != _tid().STRING:
         raise Unsupported(f"column {column!r} is read by cuDF as {col.type().id().name}, not as strings")
     enc = parse_key(vt.encode)
-    hashes = plc.hashing.xxhash_64(plc.Table([col]), enc.seed)
+    hashes = plc.hashing.xxhash_64(plc.Table([col]), enc.seed, stream=stream)
     h = _buffer(hashes, np.dtype(np.uint64), hashes.offset() + hashes.size())[hashes.offset():]
     return ids_from_hashes(h, _valid(col) if col.null_count() else None, enc.buckets)
 
 
-def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str):
+def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str, stream=None):
     """(values, int64 offsets from 0, validity or None) of a LIST column, nulls resolved as on the CPU."""
     import cupy
 
@@ -156,7 +157,7 @@ def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str):
     off = _buffer(off_col, _physical(off_col.type().id()), o + n + 1)[o:].astype(cupy.int64)
     vt = spec.sources[0]
     elem_type = atype.value_type
-    values = _flat(child, vt, elem_type, spec.fills[0], spec.columns[0], where)
+    values = _flat(child, vt, elem_type, spec.fills[0], spec.columns[0], where, stream)
     lo, hi = int(off[0]), int(off[-1])
     values, off = values[lo:hi], off - lo
     if not col.null_count():
@@ -166,10 +167,10 @@ def _list_parts(col, spec: OutputSpec, atype: pa.DataType, where: str):
     return values, off, _valid(col)
 
 
-def _ragged(col, spec: OutputSpec, atype: pa.DataType, where: str) -> Ragged:
+def _ragged(col, spec: OutputSpec, atype: pa.DataType, where: str, stream=None) -> Ragged:
     import cupy
 
-    values, off, valid = _list_parts(col, spec, atype, where)
+    values, off, valid = _list_parts(col, spec, atype, where, stream)
     if valid is not None:  # null lists become empty lists
         lengths = cupy.diff(off)
         row = cupy.searchsorted(off[1:], cupy.arange(len(values), dtype=cupy.int64), side="right")
@@ -179,10 +180,10 @@ def _ragged(col, spec: OutputSpec, atype: pa.DataType, where: str) -> Ragged:
     return Ragged(cupy.ascontiguousarray(cast_values(values, spec.dtype, spec.columns[0], where)), off)
 
 
-def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str):
+def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str, stream=None):
     import cupy
 
-    values, off, valid = _list_parts(col, spec, atype, where)
+    values, off, valid = _list_parts(col, spec, atype, where, stream)
     k, n = spec.width, len(off) - 1
     lengths = cupy.diff(off)
     if valid is not None:  # null rows keep no values (whatever their length): rows of the fill value
@@ -216,8 +217,10 @@ def read_row_groups(path: str, rg_start: int, rg_stop: int, columns: list[str], 
     return dict(zip(got.column_names(include_children=False), got.columns))
 
 
-def columns_to_set(cols: dict, specs: Sequence[OutputSpec], schema: pa.Schema, rows: int, where: str) -> dict:
-    """Convert libcudf columns of one chunk into a CuPy column set following ``specs``.
+def columns_to_set(cols: dict, specs: Sequence[OutputSpec], schema: pa.Schema, rows: int, where: str,
+                   stream=None) -> dict:
+    """Convert libcudf columns of one chunk into a CuPy column set following ``specs`` (libcudf's
+    own calls, the hashing of categorical columns, on ``stream``: the decode's).
 
     Raises :class:`Unsupported` when the CPU path must convert this chunk instead.
     """
@@ -234,17 +237,17 @@ def columns_to_set(cols: dict, specs: Sequence[OutputSpec], schema: pa.Schema, r
         if pa.types.is_dictionary(atype):
             atype = atype.value_type
         if s.kind == RAGGED:
-            out[s.name] = _ragged(cols[s.columns[0]], s, atype, where)
+            out[s.name] = _ragged(cols[s.columns[0]], s, atype, where, stream)
         elif s.kind == FIXED:
-            out[s.name] = _fixed(cols[s.columns[0]], s, atype, where)
+            out[s.name] = _fixed(cols[s.columns[0]], s, atype, where, stream)
         elif s.kind == GROUP:
             arr = cupy.empty((rows, s.width), dtype=storage_dtype(s.dtype))
             for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
                 t = schema.field(c).type
                 t = t.value_type if pa.types.is_dictionary(t) else t
-                arr[:, j] = cast_values(_flat(cols[c], vt, t, fill, c, where), s.dtype, c, where)
+                arr[:, j] = cast_values(_flat(cols[c], vt, t, fill, c, where, stream), s.dtype, c, where)
             out[s.name] = arr
         else:
-            v = _flat(cols[s.columns[0]], s.sources[0], atype, s.fills[0], s.columns[0], where)
+            v = _flat(cols[s.columns[0]], s.sources[0], atype, s.fills[0], s.columns[0], where, stream)
             out[s.name] = cupy.ascontiguousarray(cast_values(v, s.dtype, s.columns[0], where))
     return out

@@ -98,10 +98,15 @@ class _Col:
         return types.SimpleNamespace(offsets=lambda: self._children[0], child=lambda: self._children[1])
 
 
-def _xxhash_64(table, seed):
+_STREAM = object()  # the decode stream columns_to_set is given: libcudf's hashing must run on it
+
+
+def _xxhash_64(table, seed, stream=None):
     """libcudf's ``xxhash_64`` of a one-column table of strings, as documented: XXH64 of each
     value's bytes (the ``xxhash`` package's), whatever under a null."""
     import xxhash
+
+    assert stream is _STREAM, "hashed on another stream than the decode's"
 
     (col,) = table
     h = [0xDEADBEEF if v is None else xxhash.xxh64_intdigest(v, seed) for v in col.strings.to_pylist()]
@@ -170,7 +175,7 @@ def _both(tmp_path, table, columns, fill, dtypes=None, row_group_size=5000, cate
     for a, b in ((0, 1), (1, pf.num_row_groups)):
         t = pf.read_row_groups(range(a, b), columns=needed_columns(specs))
         cols = {c: _col(t.column(c).combine_chunks()) for c in needed_columns(specs)}
-        gpu = columns_to_set(cols, specs, pf.schema_arrow, t.num_rows, "w")
+        gpu = columns_to_set(cols, specs, pf.schema_arrow, t.num_rows, "w", stream=_STREAM)
         buffers = [b for c in cols.values() for b in _buffers(c)]
         for k, v in gpu.items():  # the column set outlives libcudf's columns: it must not view them
             for a in (v.values, v.offsets) if isinstance(v, Ragged) else (v,):
