@@ -27,10 +27,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import xxhash
 
 from .errors import ConfigError
 
-__all__ = ["Hash", "xxh64", "ids_from_hashes", "hash_ids", "hashable", "parse_key"]
+__all__ = ["Hash", "Vocab", "Vocabulary", "xxh64", "ids_from_hashes", "hash_ids", "vocab_ids", "encode_ids",
+           "hashable", "parse_key", "encoder_from_json", "register", "registered"]
 
 _M = (1 << 64) - 1
 P1, P2, P3, P4, P5 = (np.uint64(11400714785074694791), np.uint64(14029467366897019727),
@@ -84,12 +87,147 @@ class Hash:
         return f"xxh64:{self.seed}:{self.buckets or 0}"
 
 
-def parse_key(key: str) -> Hash:
-    """The :class:`Hash` a :attr:`Hash.key` names."""
-    kind, seed, buckets = key.split(":")
-    if kind != "xxh64":
-        raise ValueError(f"unknown categorical encoder {key!r}")
-    return Hash(int(buckets) or None, int(seed))
+def _whole(v, what: str, low: int, high: int | None = None, none: bool = False):
+    """``v`` as an int in ``low..high`` (None where ``none``), else a ConfigError naming ``what``."""
+    if v is None and none:
+        return None
+    if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and low <= int(v) and (
+            high is None or int(v) <= high):
+        return int(v)
+    raise ConfigError(f"{what}={v!r}: give a whole number from {low}" + (f" to {high}" if high else " up") +
+                      (", or None" if none else ""))
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Ids from a vocabulary counted over the column: the values seen at least ``min_count``
+    times, ordered by count (most frequent first), then by their bytes; id ``i + 1`` for the
+    ``i``-th, **0** for a null or a value not in the vocabulary (out of vocabulary).
+
+    Counted once per source (only that column's bytes are read; remote: only its ranges),
+    kept in the cache beside the chunks and read from there by every later open, rank and
+    process (:meth:`gpuload.ParquetDataset.vocabulary` returns it). A vocabulary larger than
+    ``max_size`` is refused, naming the ``min_count`` that would fit.
+
+    Parameters
+    ----------
+    min_count : values seen fewer times are out of vocabulary (default 1).
+    max_size : the most values the vocabulary may hold (default None: no limit).
+    """
+
+    min_count: int = 1
+    max_size: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "min_count", _whole(self.min_count, "Vocab(min_count", 1))
+        object.__setattr__(self, "max_size", _whole(self.max_size, "Vocab(max_size", 1, 2**31 - 2, none=True))
+
+    def as_json(self) -> dict:
+        """How ``--categorical`` takes it: ``{"min_count": N, "max_size": M}``."""
+        return {"min_count": self.min_count, "max_size": self.max_size}
+
+    @property
+    def key(self) -> str:
+        """The encoder's name without the counted vocabulary's digest: ``"vocab:<min_count>:<max_size or 0>"``."""
+        return f"vocab:{self.min_count}:{self.max_size or 0}"
+
+
+def parse_key(key: str) -> Hash | Vocab:
+    """The :class:`Hash` or :class:`Vocab` a ``key`` names (a vocabulary's digest, if any, ignored)."""
+    kind, a, b, *_ = key.split(":")
+    if kind == "xxh64":
+        return Hash(int(b) or None, int(a))
+    if kind == "vocab":
+        return Vocab(int(a), int(b) or None)
+    raise ValueError(f"unknown categorical encoder {key!r}")
+
+
+def encoder_from_json(value, what: str) -> Hash | Vocab:
+    """``--categorical``'s value for a column: a number of hash buckets, null (the 64-bit hash),
+    ``{"buckets": N, "seed": S}``, ``"vocab"`` or ``{"min_count": N, "max_size": M}``."""
+    if value == "vocab":
+        return Vocab()
+    if isinstance(value, dict) and value and set(value) <= {"min_count", "max_size"}:
+        return Vocab(value.get("min_count", 1), value.get("max_size"))
+    return Hash.from_json(value, what)
+
+
+class Vocabulary:
+    """A counted vocabulary of one column: ``values`` (large_binary, the value of id ``i + 1``
+    at ``i``), their ``counts`` (int64) and the :class:`Vocab` it was counted with; ``digest``
+    names its contents (part of the cache key of the chunks made with it)."""
+
+    def __init__(self, column: str, values: pa.Array, counts: np.ndarray, vocab: Vocab):
+        self.column, self.values, self.counts, self.vocab = column, values, np.asarray(counts, np.int64), vocab
+        h = xxhash.xxh3_64()
+        for buf in values.buffers()[1:]:
+            h.update(b"" if buf is None else memoryview(buf))
+        h.update(self.counts.tobytes())
+        h.update(vocab.key.encode())
+        self.digest = h.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @property
+    def key(self) -> str:
+        """The encoder key chunks made with it carry: ``"vocab:<min_count>:<max_size>:<digest>"``."""
+        return f"{self.vocab.key}:{self.digest}"
+
+    def to_dict(self) -> dict:
+        """``{value: id}`` (str where the bytes are UTF-8, else bytes), for a serving system."""
+        out = {}
+        for i, v in enumerate(self.values.to_pylist(), 1):
+            try:
+                out[v.decode()] = i
+            except UnicodeDecodeError:
+                out[v] = i
+        return out
+
+    def ids(self, values) -> np.ndarray:
+        """int64 ids of ``values`` (an Arrow array, or a list of str or bytes): 0 when absent or null."""
+        arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(
+            [v.encode() if isinstance(v, str) else v for v in values], pa.large_binary())
+        return vocab_ids(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr, self)
+
+    def __repr__(self) -> str:
+        return f"Vocabulary({self.column!r}, {len(self):,} values, {self.vocab})"
+
+
+_REGISTERED: dict[str, Vocabulary] = {}  # by digest: the vocabularies this process counted or read
+
+
+def register(vocabulary: Vocabulary) -> Vocabulary:
+    """Make ``vocabulary`` the one conversions of its key use (returns the one registered first)."""
+    return _REGISTERED.setdefault(vocabulary.digest, vocabulary)
+
+
+def registered(key: str) -> Vocabulary | None:
+    """The vocabulary an encoder key ``"vocab:<min_count>:<max_size>:<digest>"`` names, if this process has it."""
+    parts = key.split(":")
+    return _REGISTERED.get(parts[3]) if parts[0] == "vocab" and len(parts) == 4 else None
+
+
+def vocab_ids(arr: pa.Array, vocabulary: Vocabulary) -> np.ndarray:
+    """int64 ids of a flat Arrow array of a :func:`hashable` type in ``vocabulary``: 0 when null or absent."""
+    if pa.types.is_dictionary(arr.type):  # each distinct value looked up once
+        ids = vocab_ids(arr.dictionary, vocabulary)
+        out = ids[arr.indices.fill_null(0).to_numpy(zero_copy_only=False)] if len(ids) else np.zeros(len(arr), np.int64)
+        if arr.null_count:
+            out[~np.asarray(arr.is_valid())] = 0
+        return out
+    found = pc.index_in(arr.cast(pa.large_binary()), value_set=vocabulary.values)
+    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+
+
+def encode_ids(arr: pa.Array, key: str) -> np.ndarray:
+    """int64 ids of a flat Arrow array by encoder ``key`` (a :class:`Hash`'s, or a counted vocabulary's)."""
+    if key.startswith("vocab:"):
+        vocabulary = registered(key)
+        if vocabulary is None:
+            raise RuntimeError(f"the vocabulary of {key} was not loaded in this process")
+        return vocab_ids(arr, vocabulary)
+    return hash_ids(arr, parse_key(key))
 
 
 def hashable(t: pa.DataType) -> bool:

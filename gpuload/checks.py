@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .categorical import hashable, parse_key
+from .categorical import Hash, hashable, parse_key, registered
 from .convert import cast_values, nulls_error
 from .errors import ConfigError, SchemaError, SourceError, flag, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value
@@ -202,7 +202,7 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
     for s in specs:
         for c, vt in zip(s.columns, s.sources):
             if vt.encode:
-                _check_ids_fit(s, c, parse_key(vt.encode))
+                _check_ids_fit(s, c, parse_key(vt.encode), vt.encode)
         if s.dtype == BFLOAT16 or np.dtype(s.dtype).kind not in "biu":
             continue  # casts to floats may round; nothing to refuse
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
@@ -225,7 +225,7 @@ def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> Non
                         cast_values(v, s.dtype, c, f"{f.path} (row group {g}, by its statistics)")
 
 
-def _check_ids_fit(s: OutputSpec, column: str, enc) -> None:
+def _check_ids_fit(s: OutputSpec, column: str, enc, key: str) -> None:
     """Refuse an output dtype that cannot hold every categorical id of ``column`` exactly: ids
     ``0..buckets``, or any int64 without buckets (a float holds integers exactly only up to
     2**(mantissa bits + 1); a stacked group with float columns is a float output too)."""
@@ -234,16 +234,20 @@ def _check_ids_fit(s: OutputSpec, column: str, enc) -> None:
         return
     exact = {BFLOAT16: 2**8}.get(dtype) if dtype == BFLOAT16 else (
         2 ** (np.finfo(dtype).nmant + 1) if dtype.kind == "f" else 0 if dtype.kind == "b" else np.iinfo(dtype).max)
-    top = enc.buckets if enc.buckets else None  # None: ids span all of int64, negatives too
+    if isinstance(enc, Hash):
+        top = enc.buckets if enc.buckets else None  # None: ids span all of int64, negatives too
+    else:  # a counted vocabulary: ids up to its size (counted by now), at most max_size
+        top = len(vocabulary) if (vocabulary := registered(key)) is not None else enc.max_size or 2**31
     if top is not None and top <= exact:
         return
     name = "bfloat16" if dtype == BFLOAT16 else str(dtype)
     ids = f"ids up to {top:,}" if top is not None else "64-bit hash ids (negative ones too)"
+    fewer = "choose fewer buckets, " if isinstance(enc, Hash) else "raise min_count or lower max_size, "
     what = (f"output {s.name!r} ({name}, stacked with {', '.join(repr(m) for m in s.columns if m != column)})"
             if len(s.columns) > 1 and s.name not in dict.fromkeys(s.columns) else f"{name}")
     raise ConfigError(f"column {column!r} gets {ids} ({setting('categorical', {column: enc})}), which {what} cannot "
                       f"hold exactly: " + ("give the column buckets (Hash(buckets=...)) that fit, " if top is None else
-                                           "choose fewer buckets, ") +
+                                           fewer) +
                       f"or keep the ids int64 (in {flag('dtypes')}; a categorical column stacks exactly only with "
                       "integer columns)")
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged
-from .categorical import hash_ids, parse_key
+from .categorical import encode_ids
 from .errors import ConfigError, NullValuesError, flag, setting
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, list_value, storage_dtype
 
@@ -39,7 +39,7 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     if isinstance(arr, np.ndarray):  # categorical ids, made chunk by chunk (table_to_columns)
         return arr
     if vt.encode:
-        return hash_ids(arr, parse_key(vt.encode))
+        return encode_ids(arr, vt.encode)
     if vt.temporal.startswith(("decimal:", "unscaled:")):
         return _decimal(arr, vt, fill, column, where)
     if pa.types.is_dictionary(arr.type):
@@ -254,7 +254,7 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     for c in needed_columns(specs):
         col = table.column(c)
         if c in encoded and list_value(col.type) is None:  # ids chunk by chunk: strings never joined
-            arrays[c] = np.concatenate([hash_ids(ch, parse_key(encoded[c].encode)) for ch in col.chunks]
+            arrays[c] = np.concatenate([encode_ids(ch, encoded[c].encode) for ch in col.chunks]
                                        or [np.zeros(0, np.int64)])
             continue
         if pa.types.is_dictionary(col.type):

@@ -13,7 +13,7 @@ from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .cursor import Cursor
 from .epochs import EpochPlan, Position
-from .errors import ConfigError
+from .errors import ConfigError, flag
 from .batch import nbytes, nrows
 from .observe.metrics import Metrics
 from .observe.stats import Stats
@@ -94,9 +94,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         :class:`~gpuload.ConfigError` names the column and value (at open, where the
         footers' statistics show it).
     categorical : how string and binary columns (and lists of them) become int64 ids:
-        ``{column: gpuload.Hash(buckets=..., seed=...)}``, or one :class:`gpuload.Hash` for
-        all of them (default: ``Hash()``, the full 64-bit hash). A null is id 0; values
-        ``1..buckets`` (see :mod:`gpuload.categorical`).
+        ``{column: gpuload.Hash(buckets=..., seed=...)}`` (ids ``1..buckets`` from the value's
+        XXH64) or ``{column: gpuload.Vocab(min_count=..., max_size=...)}`` (ids ``1..n`` from a
+        vocabulary counted once and kept in the cache: :meth:`vocabulary`), or one of them for
+        every such column (default: ``Hash()``, the full 64-bit hash). A null (and, with a
+        Vocab, a value not in the vocabulary) is id 0 (see :mod:`gpuload.categorical`).
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
@@ -354,6 +356,17 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         loader, settings = self.loader_description()
         return dataclasses.replace(self.metrics.stats(), remote=self.reader.remote_stats(), loader=loader,
                                    loader_settings=settings)
+
+    def vocabulary(self, column: str):
+        """The counted vocabulary of ``column`` (a :class:`gpuload.Vocab` column in ``categorical=``):
+        a :class:`gpuload.categorical.Vocabulary` with ``values`` (bytes; id ``i + 1`` for the
+        ``i``-th), ``counts``, ``to_dict()`` (value -> id, for a serving system) and ``ids(values)``."""
+        got = self.reader.vocabularies.get(column)
+        if got is None:
+            raise ConfigError(f"column {column!r} has no counted vocabulary in this dataset (those that do: "
+                              f"{sorted(self.reader.vocabularies) or 'none'}); give it gpuload.Vocab() in "
+                              f"{flag('categorical')}")
+        return got
 
     def loader_description(self) -> tuple[str, dict]:
         """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,9 +23,11 @@ from typing import Callable
 from .batch import permute_rows
 from .cache.paths import ChunkKey
 from .cache.chunkfile import spec_hash
+from .categorical import Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options, Source
 from .convert import needed_columns
+from .counting import vocabulary_for
 from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
@@ -110,8 +113,27 @@ class ChunkReader:
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                 int96=frozenset().union(*(f.int96 for f in self.files)), categorical=src.categorical)
         check_consistent(self.files, specs)
+        specs = self._count_vocabularies(specs)
         check_casts(self.files, specs)
         return specs
+
+    def _count_vocabularies(self, specs: list[OutputSpec]) -> list[OutputSpec]:
+        """``specs`` with each :class:`gpuload.Vocab` column's counted vocabulary named in its
+        encoder key (so the cache key follows the vocabulary), read from the cache or counted;
+        :attr:`vocabularies` holds them by column."""
+        self.vocabularies: dict[str, Vocabulary] = {}
+        out = []
+        for s in specs:
+            sources = []
+            for c, vt in zip(s.columns, s.sources):
+                if vt.encode.startswith("vocab:"):
+                    if c not in self.vocabularies:
+                        self.vocabularies[c] = vocabulary_for(self.files, c, parse_key(vt.encode), self.cache.root,
+                                                              self.opts.num_threads, self.remote_reads.fetch)
+                    vt = dataclasses.replace(vt, encode=self.vocabularies[c].key)
+                sources.append(vt)
+            out.append(dataclasses.replace(s, sources=tuple(sources)))
+        return out
 
     def _make_pools(self) -> None:
         """The host pools, each keeping at most its term of the host memory bound

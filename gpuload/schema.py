@@ -45,7 +45,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from .categorical import Hash, hashable
+from .categorical import Hash, Vocab, hashable
 from .errors import ConfigError, SchemaError, flag, setting
 from .layout import stored_outputs
 
@@ -156,7 +156,7 @@ def list_value(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
-def _classify(name: str, t: pa.DataType, enc: Hash | None = None) -> tuple[str, ValueType, int]:
+def _classify(name: str, t: pa.DataType, enc: Hash | Vocab | None = None) -> tuple[str, ValueType, int]:
     """Kind, value type and width of column ``name`` (``enc``: its categorical encoder, if
     given); SchemaError when unsupported, ConfigError for an encoder on a numeric column."""
     inner = list_value(t)
@@ -166,8 +166,8 @@ def _classify(name: str, t: pa.DataType, enc: Hash | None = None) -> tuple[str, 
             return SCALAR, vt, 1
         return (FIXED, vt, t.list_size) if pa.types.is_fixed_size_list(t) else (RAGGED, vt, 1)
     if enc is not None:
-        raise ConfigError(f"{setting('categorical', {name: enc})}: column {name!r} is {t}; a Hash takes strings, "
-                          "binary values and lists of them: leave the column out of categorical=")
+        raise ConfigError(f"{setting('categorical', {name: enc})}: column {name!r} is {t}; a {type(enc).__name__} "
+                          "takes strings, binary values and lists of them: leave the column out of categorical=")
     vt = value_type(t)
     if vt is not None:
         return SCALAR, vt, 1
@@ -259,16 +259,17 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
     raise ConfigError(f"{flag('columns')} must be None, a list of names or a dict, got {type(columns).__name__}")
 
 
-def _encoders(categorical, used: set) -> dict | Hash | None:
-    """``categorical=`` checked: None, one :class:`Hash` for every string column, or ``{column: Hash}``."""
-    if categorical is None or isinstance(categorical, Hash):
+def _encoders(categorical, used: set) -> dict | Hash | Vocab | None:
+    """``categorical=`` checked: None, one encoder for every string column, or ``{column: encoder}``."""
+    if categorical is None or isinstance(categorical, (Hash, Vocab)):
         return categorical
     if not isinstance(categorical, Mapping):
-        raise ConfigError(f"{flag('categorical')} must be a gpuload.Hash or a dict {{column: gpuload.Hash(...)}}, "
-                          f"got {type(categorical).__name__}")
+        raise ConfigError(f"{flag('categorical')} must be a gpuload.Hash, a gpuload.Vocab or a dict {{column: "
+                          f"gpuload.Hash(...) or gpuload.Vocab(...)}}, got {type(categorical).__name__}")
     for c, enc in categorical.items():
-        if not isinstance(enc, Hash):
-            raise ConfigError(f"{setting('categorical', {c: enc})}: give a gpuload.Hash(buckets=..., seed=...)")
+        if not isinstance(enc, (Hash, Vocab)):
+            raise ConfigError(f"{setting('categorical', {c: enc})}: give a gpuload.Hash(buckets=..., seed=...) or a "
+                              "gpuload.Vocab(min_count=..., max_size=...)")
     unknown = sorted(set(categorical) - used)
     if unknown:
         raise ConfigError(f"{flag('categorical')} names columns that are not loaded: {unknown}; it takes the "
@@ -320,8 +321,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         for c in cols:
             if c not in names:
                 raise SchemaError(f"column {c!r} is not in {file} (columns there: {', '.join(schema.names)})")
-            enc = encoders if isinstance(encoders, Hash) else (encoders or {}).get(c)
-            if isinstance(encoders, Hash) and not _hashable_column(schema.field(c).type):
+            enc = encoders if isinstance(encoders, (Hash, Vocab)) else (encoders or {}).get(c)
+            if isinstance(encoders, (Hash, Vocab)) and not _hashable_column(schema.field(c).type):
                 enc = None  # one Hash for every string column: the numeric ones keep their values
             k, vt, w = _classify(c, schema.field(c).type, enc)
             if c in int96 and vt.temporal:

@@ -22,14 +22,15 @@ import xxhash
 
 from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, pwrite_all, read_header, read_regions, \
     version_token
-from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, CacheRoot, Lock, kind_of
+from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, VOCAB, CacheRoot, Lock, kind_of
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
+from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
 from ..schema import desc_outputs
 
 __all__ = ["Problem", "walk", "chunk_files", "temporaries", "record_spec", "specs", "summary", "verify_all", "delete", "clear"]
 
-_LAYOUT, _SPECS = LAYOUT_DIR, SPECS_DIR
+_LAYOUT, _SPECS, _VOCABS = LAYOUT_DIR, SPECS_DIR, VOCAB_DIR
 
 
 def _name_identity(folder: str, name: str, header: dict) -> Identity:
@@ -74,7 +75,7 @@ def walk(root: CacheRoot, layouts: bool = False, problems: list | None = None
         if layouts and not (LAYOUT.fullmatch(lname) and stat.S_ISDIR(lst.st_mode)):
             continue
         for fname, fst in _scan(root, (lname,), problems):
-            if fname == _SPECS and lname == _LAYOUT:
+            if fname in (_SPECS, _VOCABS) and lname == _LAYOUT:
                 continue
             if not (FOLDER.fullmatch(fname) and stat.S_ISDIR(fst.st_mode)):
                 yield (lname,), fname, fst  # the budget lock, or foreign: reported, never entered
@@ -177,9 +178,21 @@ def summary(root: CacheRoot) -> dict:
     for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
+    vocabularies = []
+    for name, st in _scan(root, (_LAYOUT, _VOCABS), problems):
+        if not ((VOCAB.fullmatch(name) or TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({kind_of(st.st_mode)})")
+        elif VOCAB.fullmatch(name):
+            entry = {"name": name, "bytes": st.st_size, "built": st.st_mtime}
+            with contextlib.suppress(OSError, ValueError):
+                header, vocabulary = read_vocab_file(root, name)
+                entry.update(column=vocabulary.column, values=len(vocabulary), vocab=vocabulary.vocab,
+                             sources=header.get("sources"))
+            vocabularies.append(entry)
     return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
             "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
-            "old_format": old, "footers": footers, "foreign": foreign + sorted({p.problem for p in problems})}
+            "old_format": old, "footers": footers, "vocabularies": vocabularies,
+            "foreign": foreign + sorted({p.problem for p in problems})}
 
 
 def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
@@ -189,6 +202,18 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     that are not regular files and files or folders that cannot be read.
     """
     bad: list[Problem] = []
+    for name, st in _scan(root, (_LAYOUT, _VOCABS), bad):
+        if VOCAB.fullmatch(name):
+            path = root.where((_LAYOUT, _VOCABS), name)
+            try:
+                problem = check_vocab_file(root, name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                bad.append(Problem(path, f"{path}: {e}", "unreadable"))
+                continue
+            if problem is not None:
+                bad.append(Problem(path, f"{path}: {problem}", "corrupt"))
     for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):
         path = root.where(parts, name)
         if len(parts) == 2 and FOOTER.fullmatch(name):
@@ -240,7 +265,7 @@ def delete(root: CacheRoot, path: Path) -> int:
 
 
 def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None) -> dict:
-    """Delete gpuload's files: every chunk, footer, temporary and free lock file of every format
+    """Delete gpuload's files: every chunk, footer, vocabulary, temporary and free lock file of every format
     (or only those of spec hash ``spec``, or of the specs not used since
     ``unused_since`` epoch seconds). Returns ``{"freed": bytes, "files": n,
     "specs": removed spec hashes, "foreign": [entries left alone], "failed": [files that
@@ -280,6 +305,19 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     for parts in sorted(folders, key=len, reverse=True):  # only if empty (another process may be writing)
         if len(parts) == 2 or parts[0] != _LAYOUT:  # source folders, and older formats' layout folders
             root.rmdir(parts[:-1], parts[-1])
+    for name, st in _scan(root, (_LAYOUT, _VOCABS), problems):  # they serve every column set: a full clear only
+        if not ((VOCAB.fullmatch(name) or TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({kind_of(st.st_mode)})")
+        elif chosen is None:
+            try:
+                gone = (_drop_free_lock(root, (_LAYOUT, _VOCABS), name) if LOCK.fullmatch(name) else
+                        root.unlink((_LAYOUT, _VOCABS), name, VOCAB if VOCAB.fullmatch(name) else TEMP))
+            except OSError as e:
+                failed.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({e.strerror or e})")
+                continue
+            files += gone is not None
+    if chosen is None:
+        root.rmdir((_LAYOUT,), _VOCABS)
     removed = []
     for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):

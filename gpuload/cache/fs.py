@@ -37,13 +37,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["CacheRoot", "Lock", "ForeignEntry", "CHUNK", "FOOTER", "TEMP", "LOCK", "FOLDER", "LAYOUT", "SPEC", "kind_of"]
+__all__ = ["CacheRoot", "Lock", "ForeignEntry", "CHUNK", "FOOTER", "VOCAB", "TEMP", "LOCK", "FOLDER", "LAYOUT", "SPEC",
+           "kind_of"]
 
 _HEX = r"[0-9a-f]{16}"
 CHUNK = re.compile(rf"{_HEX}-{_HEX}-\d+-\d+\.glc")  #: a chunk file: <spec>-<version>-<rg start>-<rg stop>.glc
 FOOTER = re.compile(rf"{_HEX}\.footer")  #: a source file's Parquet footer: <version>.footer
-TEMP = re.compile(rf"(?:{CHUNK.pattern}|{_HEX}\.json|{FOOTER.pattern})\.tmp\.\d+\.[0-9a-f]{{8}}")  #: a writer's temporary file
-LOCK = re.compile(rf"(?:{CHUNK.pattern}|\.budget)\.lock")  #: a chunk's (or the budget's) lock file
+VOCAB = re.compile(rf"{_HEX}\.vocab")  #: a counted vocabulary in ``vocab/``: <key>.vocab
+TEMP = re.compile(rf"(?:{CHUNK.pattern}|{_HEX}\.json|{FOOTER.pattern}|{VOCAB.pattern})\.tmp\.\d+\.[0-9a-f]{{8}}")  #: a writer's temporary file
+LOCK = re.compile(rf"(?:{CHUNK.pattern}|{VOCAB.pattern}|\.budget)\.lock")  #: a chunk's, vocabulary's or the budget's lock
 SPEC = re.compile(rf"{_HEX}\.json")  #: a column-set description in ``specs/``
 FOLDER = re.compile(_HEX)  #: one source file's folder
 LAYOUT = re.compile(r"v\d+")  #: one format version's folder

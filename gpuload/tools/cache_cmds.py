@@ -8,7 +8,7 @@ import logging
 
 from ..cache.paths import default_cache_dir
 from ..cache.store import ChunkCache
-from ..categorical import parse_key
+from ..categorical import Vocab, parse_key
 from ..errors import ConfigError
 from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
@@ -65,7 +65,13 @@ def _client(args, stack: contextlib.ExitStack):
         cluster = stack.enter_context(distributed.LocalCluster(n_workers=args.workers, threads_per_worker=args.threads,
                                                                processes=True, dashboard_address=None,
                                                                silence_logs=logging.ERROR))
-    return stack.enter_context(distributed.Client(cluster))
+    client = stack.enter_context(distributed.Client(cluster))
+    # closed first (the stack unwinds in reverse): what Dask logs about the heartbeats of workers that
+    # are shutting down after the build is noise, not a failure of the command
+    stack.callback(lambda: [logging.getLogger(n).setLevel(logging.CRITICAL)
+                            for n in ("distributed", "distributed.core", "distributed.worker", "distributed.nanny",
+                                      "tornado", "asyncio")])
+    return client
 
 
 def _cache(args) -> ChunkCache:
@@ -92,12 +98,18 @@ def _spec_text(desc) -> str:
     return ", ".join(parts)
 
 
+def _vocab_text(vocab: Vocab) -> str:
+    return f"Vocab(min_count={vocab.min_count}" + (f", max_size={vocab.max_size})" if vocab.max_size else ")")
+
+
 def _encoder_text(key: str) -> str:
-    """A categorical encoder's key as its Python spelling (``Hash(buckets=4194304)``)."""
+    """A categorical encoder's key as its Python spelling (``Hash(buckets=4194304)``, ``Vocab(min_count=5)``)."""
     try:
         enc = parse_key(key)
-    except ValueError:
+    except (ValueError, TypeError):
         return key
+    if isinstance(enc, Vocab):
+        return f"{_vocab_text(enc)} {key.split(':')[-1][:8]}"
     return f"Hash(buckets={enc.buckets}" + (f", seed={enc.seed})" if enc.seed else ")")
 
 
@@ -118,6 +130,14 @@ def cmd_info(args) -> int:
     for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
         print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {e['chunks']} chunks, "
               f"{e['bytes'] / 2**20:,.1f} MiB")
+    if s["vocabularies"]:
+        print("vocabularies (column: values; counted with; over source files; built):")
+    for v in sorted(s["vocabularies"], key=lambda v: (str(v.get("column")), -v["built"])):
+        if "column" not in v:
+            print(f"  {v['name']}: unreadable (counted again when needed; `gpuload cache verify` says why)")
+            continue
+        print(f"  {v['column']}: {v['values']:,} values; {_vocab_text(v['vocab'])}; over "
+              f"{v['sources']} files; built {_when(v['built'])}")
     if s["sources"]:
         print("source files:")
     for src, e in sorted(s["sources"].items()):

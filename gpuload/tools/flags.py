@@ -11,7 +11,7 @@ import argparse
 import json
 import math
 
-from ..categorical import Hash
+from ..categorical import Hash, Vocab, encoder_from_json
 from ..config import MiB, Options, Source
 from ..errors import FLAGS, ConfigError
 
@@ -65,8 +65,9 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
     p.add_argument("--columns", help=f"a,b,c or a JSON object {{\"output\": [\"col\", ...]}} (default: all{was})")
     p.add_argument("--fill-nulls", help=f"a number, or a JSON object {{\"column\": value}}{was}")
     p.add_argument("--dtypes", help=f"a JSON object {{\"output\": \"float16\"}} (numpy or torch dtype names){was}")
-    p.add_argument("--categorical", help="ids for string and binary columns: a number of hash buckets for all of "
-                   f"them, or a JSON object {{\"column\": buckets or null}} (default: the 64-bit hash){was}")
+    p.add_argument("--categorical", help="ids for string and binary columns: a number of hash buckets, or vocab, "
+                   f"for all of them, or a JSON object {{\"column\": buckets, null, \"vocab\" or {{\"min_count\": N, "
+                   f"\"max_size\": M}}}} (default: the 64-bit hash){was}")
 
 
 def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:
@@ -90,13 +91,15 @@ def categorical(text: str | None):
         value = text
     try:
         if isinstance(value, dict):
-            return {c: Hash.from_json(v, f"column {c!r}") for c, v in value.items()}
+            return {c: encoder_from_json(v, f"column {c!r}") for c, v in value.items()}
+        if value == "vocab":
+            return Vocab()
         if isinstance(value, int) and not isinstance(value, bool):
             return Hash(value)
     except ConfigError as e:
         raise ConfigError(f"--categorical {text!r}: {e}") from None
-    raise ConfigError(f"--categorical {text!r}: give a number of hash buckets, or a JSON object like "
-                      "'{\"C1\": 4194304, \"C2\": null}'")
+    raise ConfigError(f"--categorical {text!r}: give a number of hash buckets, vocab, or a JSON object like "
+                      "'{\"C1\": 4194304, \"C2\": null, \"C3\": \"vocab\"}'")
 
 
 def source_of(args) -> Source:

@@ -1,0 +1,139 @@
+"""Counting: the vocabulary of a :class:`gpuload.Vocab` column, over every source file, once.
+
+:func:`vocabulary_for` returns the vocabulary kept in the cache under the column's and the
+files' identity (:mod:`gpuload.cache.vocabs`), or counts it: only that column is read
+(remote objects: only its byte ranges), one row group at a time on ``threads`` threads,
+string columns as dictionaries (each row group's distinct values counted through their
+indices). Values are counted as bytes (a string and the same bytes as binary are one
+value); nulls are not counted. The vocabulary orders the values seen at least
+``min_count`` times by count, most frequent first, then by their bytes, so the same data
+gives the same ids everywhere. Concurrent openers (DDP ranks, Dask workers) sharing a
+cache count once: the first takes the vocabulary's lock, the others read its file.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .cache.fs import CacheRoot
+from .cache.vocabs import load_vocabulary, save_vocabulary, vocab_key, vocab_lock
+from .categorical import Vocab, Vocabulary, register
+from .decode import _read
+from .errors import ConfigError, SourceError, setting
+from .plan import Chunk
+from .schema import list_value
+from .sources.listing import SourceFile
+
+__all__ = ["vocabulary_for", "count_vocabulary"]
+
+log = logging.getLogger("gpuload")
+
+
+def _counted(arr: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """(distinct values as large_binary, their counts) of a flat array, nulls left out."""
+    if pa.types.is_dictionary(arr.type):
+        idx = arr.indices.drop_null().to_numpy(zero_copy_only=False)
+        counts = np.bincount(idx, minlength=len(arr.dictionary)) if len(idx) else np.zeros(len(arr.dictionary), int)
+        seen = np.flatnonzero(counts)
+        return _counted_values(arr.dictionary.take(pa.array(seen))), counts[seen].astype(np.int64)
+    vc = pc.value_counts(arr.drop_null())
+    return _counted_values(vc.field("values")), vc.field("counts").to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _counted_values(values: pa.Array) -> pa.Array:
+    """Values as bytes: a string and the same bytes as binary are one vocabulary entry."""
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    return values.cast(pa.large_binary())
+
+
+def _count_group(f: SourceFile, index: int, group: int, column: str, fetch: Callable | None
+                 ) -> list[tuple[pa.Array, np.ndarray]]:
+    """The distinct values and counts of ``column`` in row group ``group`` of file ``f`` (number ``index``)."""
+    rows = f.metadata.row_group(group).num_rows
+    if column in f.partition_names:  # a Hive key: one value in every row (a null key: none counted)
+        value = f.partition_scalar(column)
+        return [] if not value.is_valid else [(_counted_values(pa.array([value.as_py()], value.type)),
+                                               np.array([rows], np.int64))]
+    chunk = Chunk(index, group, group + 1, rows, 0)
+    leaves = list(f.leaves(column))
+    listed = list_value(f.schema.field(column).type) is not None
+    try:
+        src = fetch(f, chunk, leaves) if f.remote else f.path
+        table = _read(src, f, chunk, leaves, dictionary=() if listed else (column,))
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"{f.path} (row group {group}): column {column!r} cannot be read to count its vocabulary "
+                          f"({' '.join(str(e).split())})") from None
+    out = []
+    for arr in table.column(0).chunks:
+        out.append(_counted(arr.flatten() if listed else arr))
+    return out
+
+
+def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, threads: int = 1,
+                     fetch: Callable | None = None) -> Vocabulary:
+    """Count ``column`` over every row group of ``files`` (see the module) into a :class:`Vocabulary`.
+
+    Raises :class:`~gpuload.ConfigError` when more than ``vocab.max_size`` values are seen at
+    least ``vocab.min_count`` times, naming the ``min_count`` that would fit.
+    """
+    jobs = [(f, i, g) for i, f in enumerate(files) for g in range(f.metadata.num_row_groups)]
+    if threads > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="gpuload-count") as pool:
+            parts = [p for ps in pool.map(lambda j: _count_group(*j, column, fetch), jobs) for p in ps]
+    else:
+        parts = [p for j in jobs for p in _count_group(*j, column, fetch)]
+    if parts:
+        table = pa.table({"value": pa.concat_arrays([v for v, _ in parts]),
+                          "count": pa.array(np.concatenate([c for _, c in parts]), pa.int64())})
+        table = table.group_by("value").aggregate([("count", "sum")]).rename_columns(["value", "count"])
+    else:
+        table = pa.table({"value": pa.array([], pa.large_binary()), "count": pa.array([], pa.int64())})
+    table = table.filter(pc.greater_equal(table.column("count"), vocab.min_count))
+    table = table.take(pc.sort_indices(table, [("count", "descending"), ("value", "ascending")]))
+    counts = table.column("count").to_numpy()
+    if vocab.max_size is not None and len(counts) > vocab.max_size:
+        fits = int(counts[vocab.max_size]) + 1  # leaves out every value as rare as the first that does not fit
+        raise ConfigError(f"{setting('categorical', {column: vocab})}: column {column!r} has {len(counts):,} values "
+                          f"seen at least {vocab.min_count} times, more than max_size={vocab.max_size:,}; raise "
+                          f"max_size, or min_count to {fits} (a vocabulary of "
+                          f"{int((counts >= fits).sum()):,} values), or use gpuload.Hash(buckets=...)")
+    return Vocabulary(column, table.column("value").combine_chunks(), counts, vocab)
+
+
+def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root: CacheRoot | None,
+                   threads: int = 1, fetch: Callable | None = None) -> Vocabulary:
+    """The vocabulary of ``column`` by ``vocab`` over ``files``: read from the cache (``root``),
+    else counted (under the vocabulary's lock, so that concurrent openers count once) and kept
+    there; registered for this process's conversions either way."""
+    key = vocab_key(column, vocab, [(f.path, f.size, f.mtime_ns, f.tag) for f in files])
+    got = load_vocabulary(root, key)
+    if got is None and root is not None:
+        try:
+            lock = vocab_lock(root, key)
+            lock.acquire()
+        except OSError as e:  # a read-only cache: count here, keep nothing
+            log.warning("gpuload: cannot lock the vocabulary of %r in %s (%s); counting it without keeping it",
+                        column, root.path, e)
+            lock = None
+        try:
+            got = load_vocabulary(root, key)  # counted by another opener while this one waited
+            if got is None:
+                got = count_vocabulary(files, column, vocab, threads, fetch)
+                try:
+                    save_vocabulary(root, key, got, len(files))
+                except OSError as e:
+                    log.warning("gpuload: cannot keep the vocabulary of %r in %s (%s); it is counted again at the "
+                                "next open", column, root.path, e)
+        finally:
+            if lock is not None:
+                lock.release()
+    elif got is None:
+        got = count_vocabulary(files, column, vocab, threads, fetch)
+    return register(got)
