@@ -575,3 +575,36 @@ def test_ctrl_c_during_a_stalled_remote_epoch_exits_at_once(s3, bucket, tmp_path
         assert proc.returncode != 0 and "KeyboardInterrupt" in err
     finally:
         s3.faults = Faults()
+
+
+def test_a_vocabulary_is_counted_from_the_columns_ranges_and_then_read_from_the_cache(s3, tmp_path):
+    """Counting fetches only the counted column's bytes; a second opening makes no request."""
+    import collections
+
+    name = f"v{uuid.uuid4().hex[:12]}"
+    folder = tmp_path / "src"
+    folder.mkdir()
+    rng = np.random.default_rng(5)
+    words = [f"w{int(r)}" for r in rng.zipf(1.5, 2 * 2000) % 300]
+    for k in range(2):
+        pq.write_table(pa.table({"w": words[k * 2000:(k + 1) * 2000], "pad": rng.random(2000)}),
+                       folder / f"part-{k}.parquet", row_group_size=500)
+    s3.upload_folder(folder, name, "data/")
+    url = f"s3://{name}/data/"
+    kw = dict(storage_options=s3.storage_options, shuffle=False, batch_size=4000)
+    open_dataset(url, ["pad"], tmp_path / "c", **kw)  # footers kept: the next opening's requests are the count's
+    s3.reset_counts()
+    ds = open_dataset(url, ["w"], tmp_path / "c", categorical={"w": gpuload.Vocab()}, **kw)
+    counts = collections.Counter(words)
+    order = sorted(counts, key=lambda v: (-counts[v], v.encode()))
+    assert ds.vocabulary("w").to_dict() == {v: i for i, v in enumerate(order, 1)}
+    w_bytes = sum(pq.read_metadata(folder / f"part-{k}.parquet").row_group(g).column(0).total_compressed_size
+                  for k in range(2) for g in range(4))
+    pad_bytes = sum(pq.read_metadata(folder / f"part-{k}.parquet").row_group(g).column(1).total_compressed_size
+                    for k in range(2) for g in range(4))
+    asked = sum(s3.range_bytes.values())
+    assert 0 < asked < w_bytes + pad_bytes / 4, (asked, w_bytes, pad_bytes)  # the column's ranges, not the rest
+    s3.reset_counts()
+    again = open_dataset(url, ["w"], tmp_path / "c", categorical={"w": gpuload.Vocab()}, **kw)
+    assert s3.count("GET", ".parquet") == 0, dict(s3.requests)  # listing only: no object read
+    assert again.vocabulary("w").digest == ds.vocabulary("w").digest
