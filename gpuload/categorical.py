@@ -1,5 +1,8 @@
 """Categorical columns: strings and bytes become int64 ids, the same on the CPU and the GPU.
 
+Two encoders: :class:`Hash` (ids from the value alone) and :class:`Vocab` (ids from a
+vocabulary counted once over the column: :class:`Vocabulary`, :mod:`gpuload.counting`).
+
 :class:`Hash` turns each value of a string, large_string, binary, large_binary,
 fixed_size_binary or dictionary<string> column (or of the values of a ``list<string>``)
 into an id computed from the value's bytes alone, so every process, rank, node, restart
