@@ -204,28 +204,11 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     bad: list[Problem] = []
     for name, st in _scan(root, (_LAYOUT, _VOCABS), bad):
         if VOCAB.fullmatch(name):
-            path = root.where((_LAYOUT, _VOCABS), name)
-            try:
-                problem = check_vocab_file(root, name)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                bad.append(Problem(path, f"{path}: {e}", "unreadable"))
-                continue
-            if problem is not None:
-                bad.append(Problem(path, f"{path}: {problem}", "corrupt"))
+            _check_file(bad, root.where((_LAYOUT, _VOCABS), name), lambda: check_vocab_file(root, name))
     for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):
         path = root.where(parts, name)
         if len(parts) == 2 and FOOTER.fullmatch(name):
-            try:
-                problem = check_footer_file(root, parts, name)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                bad.append(Problem(path, f"{path}: {e}", "unreadable"))
-                continue
-            if problem is not None:
-                bad.append(Problem(path, f"{path}: {problem}", "corrupt"))
+            _check_file(bad, path, lambda: check_footer_file(root, parts, name))
             continue
         if not (len(parts) == 2 and CHUNK.fullmatch(name)):
             continue
@@ -248,6 +231,19 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
         if progress is not None:
             progress(path)
     return bad
+
+
+def _check_file(bad: list, path: Path, check) -> None:
+    """Run ``check()`` (what is wrong with a footer or vocabulary file, or None) and add its Problem to ``bad``."""
+    try:
+        problem = check()
+    except FileNotFoundError:
+        return  # removed meanwhile
+    except OSError as e:
+        bad.append(Problem(path, f"{path}: {e}", "unreadable"))
+        return
+    if problem is not None:
+        bad.append(Problem(path, f"{path}: {problem}", "corrupt"))
 
 
 def delete(root: CacheRoot, path: Path) -> int:
