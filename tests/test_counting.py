@@ -199,3 +199,15 @@ def test_a_hive_string_key_gets_a_vocabulary_too(tmp_path):
                       shuffle=False, batch_size=60)
     assert ds.vocabulary("region").to_dict() == {"eu": 1, "apac": 2, "us": 3}
     assert sorted(collections.Counter(next(iter(ds))["region"].tolist()).items()) == [(1, 30), (2, 20), (3, 10)]
+
+
+def test_every_device_gives_the_counter_ids(words, tmp_path, device_decode):
+    """On a GPU the chunks with vocabulary ids are converted on the CPU (the decoder says so): the same ids."""
+    device, decode = device_decode
+    folder, values, _ = words
+    ds = open_dataset(folder, ["row_id", "w"], tmp_path / "c", categorical={"w": Vocab(min_count=2)},
+                      device=device, decode=decode, batch_size=1000)
+    batches = [{k: v.cpu() for k, v in b.items()} for b in ds]
+    order = np.concatenate([b["row_id"].numpy() for b in batches])
+    want = ids([values[i] for i in order], reference(values, Vocab(min_count=2)))
+    assert np.concatenate([b["w"].numpy() for b in batches]).tolist() == want
