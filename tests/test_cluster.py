@@ -214,3 +214,22 @@ def test_two_cluster_builds_at_once_count_what_each_did(source, tmp_path, cluste
         assert s.already_cached == 0 and s.not_cached == 0
         assert s.built + s.built_elsewhere == n, str(s)
     assert ChunkCache(tmp_path / "c", create=False).verify_all() == []
+
+
+def test_categorical_columns_build_on_the_cluster_as_serially(tmp_path, cluster):
+    """Hashed and counted ids built by the workers: byte for byte the serial build's files, the
+    vocabulary counted once (by the caller) and read by every worker from the shared cache."""
+    rng = np.random.default_rng(8)
+    for i in range(3):
+        words = [None if k % 11 == 0 else f"w{int(r)}" for k, r in enumerate(rng.zipf(1.4, 8000) % 200)]
+        write_parquet(tmp_path / "src" / f"part{i}.parquet", pa.table({
+            "row_id": np.arange(i * 8000, (i + 1) * 8000), "w": words,
+            "tags": pa.array([[f"t{(k * j) % 30}" for j in range(k % 3)] for k in range(8000)],
+                             pa.list_(pa.string()))}), row_group_size=1000)
+    kw = dict(columns=["row_id", "w", "tags"], chunk_bytes=CHUNK,
+              categorical={"w": gpuload.Vocab(min_count=2), "tags": gpuload.Hash(1000)})
+    serial = gpuload.build_cache(tmp_path / "src", tmp_path / "serial", **kw)
+    built = gpuload.build_cache(tmp_path / "src", tmp_path / "cluster", client=cluster, **kw)
+    assert built.built == built.chunks == serial.chunks > 3
+    assert _files(tmp_path / "cluster") == _files(tmp_path / "serial")
+    assert len(list((tmp_path / "cluster").rglob("*.vocab"))) == 1
