@@ -162,6 +162,7 @@ class Vocabulary:
 
     def __init__(self, column: str, values: pa.Array, counts: np.ndarray, vocab: Vocab):
         self.column, self.values, self.counts, self.vocab = column, values, np.asarray(counts, np.int64), vocab
+        self._index = None  # made on first lookup: see index()
         h = xxhash.xxh3_64()
         for buf in values.buffers()[1:]:
             h.update(b"" if buf is None else memoryview(buf))
@@ -171,6 +172,16 @@ class Vocabulary:
 
     def __len__(self) -> int:
         return len(self.values)
+
+    def index(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(sorted XXH64 of the values, the value index of each), made once, for lookups by
+        hash (:func:`vocab_ids`); None where two values share a hash."""
+        if self._index is None:
+            h = hash_ids(self.values, Hash()).view(np.uint64)
+            order = np.argsort(h, kind="stable")
+            hashes = h[order]
+            self._index = (hashes, order) if len(h) and not (hashes[1:] == hashes[:-1]).any() else False
+        return self._index or None
 
     @property
     def key(self) -> str:
@@ -219,8 +230,21 @@ def vocab_ids(arr: pa.Array, vocabulary: Vocabulary) -> np.ndarray:
         if arr.null_count:
             out[~np.asarray(arr.is_valid())] = 0
         return out
-    found = pc.index_in(arr.cast(pa.large_binary()), value_set=vocabulary.values)
-    return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+    values = arr.cast(pa.large_binary())
+    index = vocabulary.index()
+    if index is None:  # two vocabulary values share a 64-bit hash (never seen in practice): Arrow's set lookup
+        found = pc.index_in(values, value_set=vocabulary.values)
+        return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64) + 1
+    hashes, order = index
+    h = hash_ids(values, Hash()).view(np.uint64)  # each value's XXH64 (a null's is 0, and is not looked up)
+    pos = np.minimum(np.searchsorted(hashes, h), len(hashes) - 1)
+    cand = order[pos]
+    hit = hashes[pos] == h
+    if arr.null_count:
+        hit &= np.asarray(arr.is_valid())
+    # the same hash is not enough: the bytes must be equal too
+    same = pc.equal(values, vocabulary.values.take(pa.array(cand))).fill_null(False).to_numpy(zero_copy_only=False)
+    return np.where(hit & same, cand + 1, 0).astype(np.int64)
 
 
 def encode_ids(arr: pa.Array, key: str) -> np.ndarray:

@@ -211,3 +211,15 @@ def test_every_device_gives_the_counter_ids(words, tmp_path, device_decode):
     order = np.concatenate([b["row_id"].numpy() for b in batches])
     want = ids([values[i] for i in order], reference(values, Vocab(min_count=2)))
     assert np.concatenate([b["w"].numpy() for b in batches]).tolist() == want
+
+
+def test_lookups_check_the_bytes_not_only_the_hash_and_fall_back_where_hashes_are_shared():
+    from gpuload.categorical import Hash, Vocabulary, hash_ids
+
+    voc = Vocabulary("c", pa.array([b"a", b"b"], pa.large_binary()), np.array([2, 1]), Vocab())
+    assert voc.ids(["a", "b", "c", None]).tolist() == [1, 2, 0, 0]
+    c_hash = hash_ids(pa.array([b"c"], pa.large_binary()), Hash()).view(np.uint64)
+    voc._index = (c_hash, np.array([0]))  # as if "c" shared "a"'s hash: equal hashes, other bytes
+    assert voc.ids(["c"]).tolist() == [0]
+    voc._index = False  # two values sharing a hash: Arrow's set lookup instead
+    assert voc.ids(["a", "b", "c", None]).tolist() == [1, 2, 0, 0]
