@@ -97,7 +97,7 @@ def _whole(v, what: str, low: int, high: int | None = None, none: bool = False):
     if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and low <= int(v) and (
             high is None or int(v) <= high):
         return int(v)
-    raise ConfigError(f"{what}={v!r}: give a whole number from {low}" + (f" to {high}" if high else " up") +
+    raise ConfigError(f"{what}={v!r}): give a whole number from {low}" + (f" to {high}" if high else " up") +
                       (", or None" if none else ""))
 
 
@@ -152,7 +152,12 @@ def encoder_from_json(value, what: str) -> Hash | Vocab:
         return Vocab()
     if isinstance(value, dict) and value and set(value) <= {"min_count", "max_size"}:
         return Vocab(value.get("min_count", 1), value.get("max_size"))
-    return Hash.from_json(value, what)
+    if isinstance(value, dict) and value and set(value) <= {"buckets", "seed"}:
+        return Hash.from_json(value, what)
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return Hash(value)
+    raise ConfigError(f"{what}: give a number of hash buckets, null (the 64-bit hash), {{\"buckets\": N, \"seed\": S}}, "
+                      f"\"vocab\" or {{\"min_count\": N, \"max_size\": M}}")
 
 
 class Vocabulary:
@@ -251,8 +256,8 @@ def encode_ids(arr: pa.Array, key: str) -> np.ndarray:
     """int64 ids of a flat Arrow array by encoder ``key`` (a :class:`Hash`'s, or a counted vocabulary's)."""
     if key.startswith("vocab:"):
         vocabulary = registered(key)
-        if vocabulary is None:
-            raise RuntimeError(f"the vocabulary of {key} was not loaded in this process")
+        if vocabulary is None:  # every reader registers its vocabularies when it opens: a bug if reached
+            raise RuntimeError(f"gpuload: the vocabulary {key} was not loaded in this process; reopen the dataset")
         return vocab_ids(arr, vocabulary)
     return hash_ids(arr, parse_key(key))
 

@@ -242,7 +242,7 @@ def _check_ids_fit(s: OutputSpec, column: str, enc, key: str) -> None:
         return
     name = "bfloat16" if dtype == BFLOAT16 else str(dtype)
     ids = f"ids up to {top:,}" if top is not None else "64-bit hash ids (negative ones too)"
-    fewer = "choose fewer buckets, " if isinstance(enc, Hash) else "raise min_count or lower max_size, "
+    fewer = "choose fewer buckets, " if isinstance(enc, Hash) else "raise min_count (fewer values), "
     what = (f"output {s.name!r} ({name}, stacked with {', '.join(repr(m) for m in s.columns if m != column)})"
             if len(s.columns) > 1 and s.name not in dict.fromkeys(s.columns) else f"{name}")
     raise ConfigError(f"column {column!r} gets {ids} ({setting('categorical', {column: enc})}), which {what} cannot "

@@ -66,7 +66,7 @@ class Source(_Settings):
     columns: Any = None
     fill_nulls: Any = None
     dtypes: Any = None
-    categorical: Any = None  # None, a gpuload.Hash for every string column, or {column: Hash}
+    categorical: Any = None  # None, a gpuload.Hash or Vocab for every string column, or {column: Hash or Vocab}
     filesystem: Any = None
     storage_options: dict | None = None
     remote: RemoteSettings | None = None  # None: RemoteSettings() from the environment; a dict of its fields

@@ -260,9 +260,16 @@ class GpuDecoder:
 
 def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
     """libcudf selects nested fields by dotted path, and Hive keys are not in the file: decode
-    such chunks on the CPU, where columns are selected by leaf index."""
+    such chunks on the CPU, where columns are selected by leaf index; so too chunks whose
+    conversion is the CPU's alone (vocabulary lookups, decimals)."""
     from .gpu.cudf_decode import Unsupported
 
+    for s in specs:  # known before reading: no chunk decoded by libcudf, then again by pyarrow
+        for c, vt in zip(s.columns, s.sources):
+            if vt.encode.startswith("vocab:"):
+                raise Unsupported(f"column {c!r} takes its ids from a vocabulary, looked up on the CPU")
+            if vt.temporal.startswith(("decimal:", "unscaled:")):
+                raise Unsupported(f"column {c!r} is a decimal, converted on the CPU")
     for c in needed_columns(specs):
         if "." in c:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")

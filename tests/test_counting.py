@@ -148,7 +148,7 @@ def test_a_vocabulary_past_max_size_is_refused_naming_the_min_count_that_fits(wo
     assert f"has {len(counts):,} values seen at least 1 times, more than max_size=20" in text
     ds = open_dataset(folder, ["w"], tmp_path / "c", categorical={"w": Vocab(min_count=fits, max_size=20)})
     assert len(ds.vocabulary("w")) == sum(n >= fits for n in counts.values()) <= 20
-    with pytest.raises(gpuload.ConfigError, match=r"which int8 cannot hold exactly: raise min_count or lower max_size"):
+    with pytest.raises(gpuload.ConfigError, match=r"which int8 cannot hold exactly: raise min_count \(fewer values\)"):
         open_dataset(folder, ["w"], tmp_path / "c", categorical={"w": Vocab()}, dtypes={"w": "int8"})
     for bad in (dict(min_count=0), dict(max_size=0), dict(min_count=1.5)):
         with pytest.raises(gpuload.ConfigError, match=r"Vocab\((min_count|max_size)="):
@@ -172,6 +172,8 @@ def test_a_corrupt_vocabulary_is_counted_again_and_the_command_lists_checks_and_
     path.write_bytes(bytes(raw))
     assert main(["cache", "verify", "--cache-dir", str(cache)]) == 1
     assert "checksum mismatch" in capsys.readouterr().out
+    assert main(["cache", "verify", "--delete", "--cache-dir", str(cache)]) == 1 and not path.exists()  # deleted
+    assert main(["cache", "verify", "--cache-dir", str(cache)]) == 0
     again = open_dataset(folder, ["w"], cache, categorical={"w": Vocab(min_count=2)})  # counted again, rewritten
     assert again.vocabulary("w").digest == digest and main(["cache", "verify", "--cache-dir", str(cache)]) == 0
     assert main(["cache", "clear", "--cache-dir", str(cache)]) == 0
@@ -183,6 +185,9 @@ def test_the_command_builds_with_a_vocabulary(words, tmp_path, capsys):
     from gpuload.tools.flags import categorical
 
     assert categorical("vocab") == Vocab()
+    for bad in ('{"w": {}}', '{"w": {"min_count": 2, "seed": 1}}', '{"w": "count"}'):
+        with pytest.raises(gpuload.ConfigError, match=r"--categorical .*\"vocab\" or \{\"min_count\": N"):
+            categorical(bad)
     assert categorical('{"w": "vocab", "tags": {"min_count": 2, "max_size": 9}, "x": 5}') == {
         "w": Vocab(), "tags": Vocab(2, 9), "x": gpuload.Hash(5)}
     folder, _, _ = words

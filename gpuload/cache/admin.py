@@ -204,7 +204,10 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     bad: list[Problem] = []
     for name, st in _scan(root, (_LAYOUT, _VOCABS), bad):
         if VOCAB.fullmatch(name):
-            _check_file(bad, root.where((_LAYOUT, _VOCABS), name), lambda: check_vocab_file(root, name))
+            path = root.where((_LAYOUT, _VOCABS), name)
+            _check_file(bad, path, lambda: check_vocab_file(root, name))
+            if progress is not None:
+                progress(path)
     for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):
         path = root.where(parts, name)
         if len(parts) == 2 and FOOTER.fullmatch(name):
@@ -247,16 +250,20 @@ def _check_file(bad: list, path: Path, check) -> None:
 
 
 def delete(root: CacheRoot, path: Path) -> int:
-    """Delete one chunk file given by its path (only a regular file with a chunk's name
-    inside this cache); returns the bytes freed."""
+    """Delete one chunk, footer or vocabulary file given by its path (only a regular file with
+    such a name, in its folder inside this cache); returns the bytes freed."""
     path = Path(path)
     try:
         rel = path.parent.relative_to(root.path).parts
     except ValueError:
         return 0
-    if len(rel) != 2 or not LAYOUT.fullmatch(rel[0]) or not FOLDER.fullmatch(rel[1]):
-        return 0  # not a source folder of this cache (".." included)
-    gone = root.unlink(rel, path.name, CHUNK)
+    if rel == (_LAYOUT, _VOCABS):
+        pattern = VOCAB
+    elif len(rel) == 2 and LAYOUT.fullmatch(rel[0]) and FOLDER.fullmatch(rel[1]):
+        pattern = FOOTER if FOOTER.fullmatch(path.name) else CHUNK
+    else:
+        return 0  # not a folder of this cache that holds them (".." included)
+    gone = root.unlink(rel, path.name, pattern)
     return 0 if gone is None else gone.st_size
 
 
