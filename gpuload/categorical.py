@@ -44,6 +44,17 @@ P1, P2, P3, P4, P5 = (np.uint64(11400714785074694791), np.uint64(140294673668970
                       np.uint64(2870177450012600261))
 
 
+def _whole(v, what: str, low: int, high: int | None = None, none: bool = False):
+    """``v`` as an int in ``low..high`` (None where ``none``), else a ConfigError naming ``what``."""
+    if v is None and none:
+        return None
+    if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and low <= int(v) and (
+            high is None or int(v) <= high):
+        return int(v)
+    raise ConfigError(f"{what}={v!r}): give a whole number from {low}" + (f" to {high}" if high else " up") +
+                      (", or None" if none else ""))
+
+
 @dataclass(frozen=True)
 class Hash:
     """Hashed ids for a string or binary column: ``1 + XXH64(value, seed) % buckets``, null 0.
@@ -58,17 +69,9 @@ class Hash:
     buckets: int | None = None
     seed: int = 0
 
-    def __post_init__(self):
-        for name in ("buckets", "seed"):  # NumPy integers are whole numbers too
-            v = getattr(self, name)
-            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)):
-                object.__setattr__(self, name, int(v))
-        if self.buckets is not None and (isinstance(self.buckets, bool) or not isinstance(self.buckets, int)
-                                         or not 1 <= self.buckets < 2**63):
-            raise ConfigError(f"Hash(buckets={self.buckets!r}): give a whole number from 1 to 2**63 - 1, or None "
-                              "for the full 64-bit hash")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= _M:
-            raise ConfigError(f"Hash(seed={self.seed!r}): give a whole number from 0 to 2**64 - 1")
+    def __post_init__(self):  # NumPy integers are whole numbers too
+        object.__setattr__(self, "buckets", _whole(self.buckets, "Hash(buckets", 1, 2**63 - 1, none=True))
+        object.__setattr__(self, "seed", _whole(self.seed, "Hash(seed", 0, _M))
 
     def as_json(self) -> dict:
         """How the ``gpuload`` command's ``--categorical`` takes it: ``{"buckets": N}`` (and ``"seed"``)."""
@@ -76,29 +79,17 @@ class Hash:
 
     @classmethod
     def from_json(cls, value, what: str) -> "Hash":
-        """The Hash of ``--categorical``'s value for a column: a number of buckets, null (the
-        64-bit hash) or ``{"buckets": N, "seed": S}``."""
-        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-            return cls(value)
-        if isinstance(value, dict) and set(value) <= {"buckets", "seed"}:
-            return cls(value.get("buckets"), value.get("seed", 0))
-        raise ConfigError(f"{what}: give a number of buckets, null, or {{\"buckets\": N, \"seed\": S}}")
+        """The Hash of ``--categorical``'s value for a column (:func:`encoder_from_json`'s Hash forms)."""
+        enc = encoder_from_json(value, what)
+        if not isinstance(enc, cls):
+            raise ConfigError(f"{what}: a vocabulary where a Hash was asked for: give a number of buckets, null, or "
+                              f"{{\"buckets\": N, \"seed\": S}}")
+        return enc
 
     @property
     def key(self) -> str:
         """How the cache key and chunk headers name this encoder: ``"xxh64:<seed>:<buckets or 0>"``."""
         return f"xxh64:{self.seed}:{self.buckets or 0}"
-
-
-def _whole(v, what: str, low: int, high: int | None = None, none: bool = False):
-    """``v`` as an int in ``low..high`` (None where ``none``), else a ConfigError naming ``what``."""
-    if v is None and none:
-        return None
-    if isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and low <= int(v) and (
-            high is None or int(v) <= high):
-        return int(v)
-    raise ConfigError(f"{what}={v!r}): give a whole number from {low}" + (f" to {high}" if high else " up") +
-                      (", or None" if none else ""))
 
 
 @dataclass(frozen=True)
@@ -153,11 +144,11 @@ def encoder_from_json(value, what: str) -> Hash | Vocab:
     if isinstance(value, dict) and value and set(value) <= {"min_count", "max_size"}:
         return Vocab(value.get("min_count", 1), value.get("max_size"))
     if isinstance(value, dict) and value and set(value) <= {"buckets", "seed"}:
-        return Hash.from_json(value, what)
+        return Hash(value.get("buckets"), value.get("seed", 0))
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return Hash(value)
-    raise ConfigError(f"{what}: give a number of hash buckets, null (the 64-bit hash), {{\"buckets\": N, \"seed\": S}}, "
-                      f"\"vocab\" or {{\"min_count\": N, \"max_size\": M}}")
+    raise ConfigError(f"{what}: give a number of buckets (hashed ids), null (the 64-bit hash), "
+                      f"{{\"buckets\": N, \"seed\": S}}, \"vocab\" or {{\"min_count\": N, \"max_size\": M}}")
 
 
 class Vocabulary:
@@ -230,11 +221,7 @@ def registered(key: str) -> Vocabulary | None:
 def vocab_ids(arr: pa.Array, vocabulary: Vocabulary) -> np.ndarray:
     """int64 ids of a flat Arrow array of a :func:`hashable` type in ``vocabulary``: 0 when null or absent."""
     if pa.types.is_dictionary(arr.type):  # each distinct value looked up once
-        ids = vocab_ids(arr.dictionary, vocabulary)
-        out = ids[arr.indices.fill_null(0).to_numpy(zero_copy_only=False)] if len(ids) else np.zeros(len(arr), np.int64)
-        if arr.null_count:
-            out[~np.asarray(arr.is_valid())] = 0
-        return out
+        return _through_dictionary(arr, lambda values: vocab_ids(values, vocabulary))
     values = arr.cast(pa.large_binary())
     index = vocabulary.index()
     if index is None:  # two vocabulary values share a 64-bit hash (never seen in practice): Arrow's set lookup
@@ -372,17 +359,22 @@ def _valid(arr: pa.Array) -> np.ndarray | None:
     return None if arr.null_count == 0 else np.asarray(arr.is_valid())
 
 
+def _through_dictionary(arr: pa.Array, ids_of) -> np.ndarray:
+    """Ids of a dictionary array: ``ids_of`` its dictionary (each distinct value once), taken by
+    its indices; a null index is id 0."""
+    ids = ids_of(arr.dictionary)
+    out = ids[arr.indices.fill_null(0).to_numpy(zero_copy_only=False)] if len(ids) else np.zeros(len(arr), np.int64)
+    valid = _valid(arr)
+    if valid is not None:
+        out[~valid] = 0
+    return out
+
+
 def hash_ids(arr: pa.Array, enc: Hash) -> np.ndarray:
     """int64 ids of a flat Arrow array of a :func:`hashable` type (see the module's rules)."""
     t = arr.type
     if pa.types.is_dictionary(t):  # each distinct value hashed once
-        ids = hash_ids(arr.dictionary, enc)
-        idx = arr.indices.fill_null(0).to_numpy(zero_copy_only=False)
-        out = ids[idx] if len(ids) else np.zeros(len(arr), np.int64)
-        valid = _valid(arr)
-        if valid is not None:
-            out[~valid] = 0
-        return out
+        return _through_dictionary(arr, lambda values: hash_ids(values, enc))
     if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t)
             or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)):
         arr = arr.cast(pa.large_binary())  # string_view / binary_view

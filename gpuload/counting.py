@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from .cache.fs import CacheRoot
 from .cache.vocabs import load_vocabulary, save_vocabulary, vocab_key, vocab_lock
 from .categorical import Vocab, Vocabulary, register
-from .decode import _read
+from .decode import read_columns
 from .errors import ConfigError, SourceError, setting
 from .plan import Chunk
 from .schema import list_value
@@ -66,7 +66,7 @@ def _count_group(f: SourceFile, index: int, group: int, column: str, fetch: Call
     listed = list_value(f.schema.field(column).type) is not None
     try:
         src = fetch(f, chunk, leaves) if f.remote else f.path
-        table = _read(src, f, chunk, leaves, dictionary=() if listed else (column,))
+        table = read_columns(src, f, chunk, leaves, dictionary=() if listed else (column,))
     except (OSError, pa.ArrowException) as e:
         raise SourceError(f"{f.path} (row group {group}): column {column!r} cannot be read to count its vocabulary "
                           f"({' '.join(str(e).split())})") from None

@@ -27,7 +27,7 @@ from .plan import Chunk
 from .schema import GROUP, SCALAR, OutputSpec
 from .sources.listing import SourceFile
 
-__all__ = ["ArrowDecoder", "GpuDecoder"]
+__all__ = ["ArrowDecoder", "GpuDecoder", "read_columns"]
 
 log = logging.getLogger("gpuload")
 
@@ -71,7 +71,7 @@ class _TimedFile(ReadOnlyFile):
             self.closed = True
 
 
-def _read(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit: str = "us",
+def read_columns(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit: str = "us",
           dictionary: Sequence[str] = ()) -> pa.Table:
     """The chunk's row groups of Parquet leaf columns ``leaves`` of ``f`` (read from ``src``), on
     the calling thread; INT96 timestamps in ``int96_unit``; columns ``dictionary`` as
@@ -109,7 +109,7 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
         for c in stored:
             try:
                 src = fetch(f, chunk, list(f.leaves(c))) if f.remote else f.path
-                _read(src, f, chunk, list(f.leaves(c)))
+                read_columns(src, f, chunk, list(f.leaves(c)))
             except (OSError, pa.ArrowException, SourceError):
                 bad.append(c)
     error = " ".join(str(error).split())  # one line: pyarrow's messages hold line breaks
@@ -158,10 +158,10 @@ class ArrowDecoder:
             else:
                 src = f.path if m is None else _TimedFile(f.path, m)
             try:  # by leaf index: a name with dots never selects a struct's child
-                table = _read(src, f, chunk, leaves, dictionary=_hashed_strings(specs, stored))
+                table = read_columns(src, f, chunk, leaves, dictionary=_hashed_strings(specs, stored))
                 int96 = [c for c in stored if c in f.int96]
                 if int96:  # microseconds may not hold them all: seconds always do
-                    _check_int96(table, _read(src, f, chunk, [i for c in int96 for i in f.leaves(c)], "s"), where)
+                    _check_int96(table, read_columns(src, f, chunk, [i for c in int96 for i in f.leaves(c)], "s"), where)
             finally:
                 if m is not None and not f.remote:
                     src.close()

@@ -151,6 +151,16 @@ def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
     return out
 
 
+def _vocab_folder(root: CacheRoot, problems: list, foreign: list) -> Iterator[tuple[str, os.stat_result]]:
+    """(name, lstat) of gpuload's files in the vocabulary folder (vocabularies, their temporaries
+    and locks); every other entry there is added to ``foreign``."""
+    for name, st in _scan(root, (_LAYOUT, _VOCABS), problems):
+        if (VOCAB.fullmatch(name) or TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode):
+            yield name, st
+        else:
+            foreign.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({kind_of(st.st_mode)})")
+
+
 def summary(root: CacheRoot) -> dict:
     """Counts and bytes of the chunk files, per source file and per spec, plus leftovers."""
     sources: dict[str, dict] = {}
@@ -179,10 +189,8 @@ def summary(root: CacheRoot) -> dict:
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
     vocabularies = []
-    for name, st in _scan(root, (_LAYOUT, _VOCABS), problems):
-        if not ((VOCAB.fullmatch(name) or TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
-            foreign.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({kind_of(st.st_mode)})")
-        elif VOCAB.fullmatch(name):
+    for name, st in _vocab_folder(root, problems, foreign):
+        if VOCAB.fullmatch(name):
             entry = {"name": name, "bytes": st.st_size, "built": st.st_mtime}
             with contextlib.suppress(OSError, ValueError):
                 header, vocabulary = read_vocab_file(root, name)
@@ -308,10 +316,8 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     for parts in sorted(folders, key=len, reverse=True):  # only if empty (another process may be writing)
         if len(parts) == 2 or parts[0] != _LAYOUT:  # source folders, and older formats' layout folders
             root.rmdir(parts[:-1], parts[-1])
-    for name, st in _scan(root, (_LAYOUT, _VOCABS), problems):  # they serve every column set: a full clear only
-        if not ((VOCAB.fullmatch(name) or TEMP.fullmatch(name) or LOCK.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
-            foreign.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({kind_of(st.st_mode)})")
-        elif chosen is None:
+    for name, st in _vocab_folder(root, problems, foreign):  # they serve every column set: a full clear only
+        if chosen is None:
             try:
                 gone = (_drop_free_lock(root, (_LAYOUT, _VOCABS), name) if LOCK.fullmatch(name) else
                         root.unlink((_LAYOUT, _VOCABS), name, VOCAB if VOCAB.fullmatch(name) else TEMP))

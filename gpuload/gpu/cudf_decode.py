@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..batch import Ragged
-from ..categorical import Hash, ids_from_hashes, parse_key
+from ..categorical import ids_from_hashes, parse_key
 from ..convert import cast_values, needed_columns, null_error
 from ..errors import SourceError
 from ..schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
@@ -139,9 +139,7 @@ def _hashed(col, vt: ValueType, column: str, stream=None):
 
     if col.type().id() != _tid().STRING:
         raise Unsupported(f"column {column!r} is read by cuDF as {col.type().id().name}, not as strings")
-    enc = parse_key(vt.encode)
-    if not isinstance(enc, Hash):  # a counted vocabulary: looked up on the CPU (pyarrow's index_in)
-        raise Unsupported(f"column {column!r} takes its ids from a vocabulary")
+    enc = parse_key(vt.encode)  # a Hash: chunks with vocabulary ids go to the CPU before they are read
     hashes = plc.hashing.xxhash_64(plc.Table([col]), enc.seed, stream=stream)
     h = _buffer(hashes, np.dtype(np.uint64), hashes.offset() + hashes.size())[hashes.offset():]
     return ids_from_hashes(h, _valid(col) if col.null_count() else None, enc.buckets)

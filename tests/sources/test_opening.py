@@ -65,7 +65,7 @@ def test_a_file_changed_while_a_chunk_is_read_is_not_cached(tmp_path, monkeypatc
     a, other = _pair(tmp_path)
     keep = tmp_path / "keep.parquet"
     shutil.copy2(a, keep)
-    read = gpuload.decode._read
+    read = gpuload.decode.read_columns
 
     def read_then_change(*args, **kw):
         table = read(*args, **kw)
@@ -74,7 +74,7 @@ def test_a_file_changed_while_a_chunk_is_read_is_not_cached(tmp_path, monkeypatc
         return table
 
     ds = _ds(a, tmp_path / "cache")
-    monkeypatch.setattr(gpuload.decode, "_read", read_then_change)
+    monkeypatch.setattr(gpuload.decode, "read_columns", read_then_change)
     with pytest.raises(gpuload.SourceError, match="changed or disappeared while a chunk was read"):
         list(ds)
     monkeypatch.undo()
