@@ -15,7 +15,7 @@ import gpuload
 import gpuload.categorical
 from gpuload.categorical import Hash, hash_ids, ids_from_hashes, parse_key, xxh64
 
-from conftest import open_dataset, write_parquet
+from conftest import ARROW_READS_NULL_FIXED_LISTS, open_dataset, write_parquet
 
 SEEDS = [0, 1, 2**63 + 12345, 2**64 - 1]
 
@@ -117,7 +117,7 @@ def _table(seed=0):
     c2 = [None if i % 5 == 0 else ("DE", "FR", "US", "ü-ñ")[i % 4] for i in range(N)]
     items = [None if i % 11 == 0 else [None if (i + j) % 7 == 0 else f"item{(i * j) % 50}" for j in range(i % 5)]
              for i in range(N)]
-    pairs = [None if i % 9 == 0 else [f"a{i % 3}", f"b{i % 4}"] for i in range(N)]
+    pairs = [None if i % 9 == 0 and ARROW_READS_NULL_FIXED_LISTS else [f"a{i % 3}", f"b{i % 4}"] for i in range(N)]
     table = pa.table({"row_id": np.arange(N), "C1": pa.array(c1), "C2": pa.array(c2).dictionary_encode(),
                       "items": pa.array(items, pa.list_(pa.string())), "pair": pa.array(pairs, pa.list_(pa.string(), 2)),
                       "x": rng.random(N)})
