@@ -61,9 +61,9 @@ def _script_args(framework: str, source: Path, out: Path) -> list[str]:
             "--epochs", str(EPOCHS), "--batch-size", str(BATCH)]
 
 
-def _launch(cmd: list[str], out: Path, world: int = 2) -> list[dict]:
+def _launch(cmd: list[str], out: Path, world: int = 2, env: dict | None = None) -> list[dict]:
     t0 = time.monotonic()
-    rc, log = run_launch(cmd, TIMEOUT)
+    rc, log = run_launch(cmd, TIMEOUT, env)
     took = time.monotonic() - t0
     assert rc == 0, f"the job failed (exit {rc}):\n{log[-8000:]}"
     missing = [r for r in range(world) if not (out / f"done.{r}.json").exists()]
@@ -130,7 +130,9 @@ def test_accelerate_launch(source, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes=2",
            "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}",
            *_script_args("accelerate", source, tmp_path)]
-    done = _launch(cmd, tmp_path)
+    # the ranks train on the CPU (Accelerator(cpu=True)); with a GPU visible, `--multi_gpu` would
+    # still give each rank cuda:<local rank> for its barriers, which a one-GPU node does not have
+    done = _launch(cmd, tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
     for d in done:  # accelerator.prepare(dataloader) would re-shard what gpuload already shards
         for mode in ("dispatch", "shard"):
             got = d["prepared"][mode]
