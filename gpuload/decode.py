@@ -18,11 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .batch import nbytes
-from .cache.chunkfile import pwrite_all
 from .checks import column_names, old_arrow_error, stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError, flag
-from .sources.ranges import ReadOnlyFile
+from .sources.ranges import ReadOnlyFile, coalesce, image_ranges
 from .plan import Chunk
 from .schema import GROUP, SCALAR, OutputSpec
 from .sources.listing import SourceFile
@@ -219,14 +218,16 @@ class GpuDecoder:
         m = self.metrics
         try:
             _check_gpu_names(f, specs)
-            staged = _stage(f, chunk, specs, self.fallback.fetch) if f.remote else None
+            try:
+                image = _image(f, chunk, specs, self.fallback.fetch, m)
+            except OSError as e:  # the CPU decoder reads it again and says what is wrong
+                raise Unsupported(f"{where}: cannot be read ({e})") from None
             stream = self.ctx.decode_stream()
             with m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext():
                 try:
-                    raw = read_row_groups(staged or f.path, chunk.rg_start, chunk.rg_stop, needed_columns(specs),
-                                          stream=stream)
+                    raw = read_row_groups(image, chunk.rg_start, chunk.rg_stop, needed_columns(specs), stream=stream)
                     _unchanged(f, during=True)
-                    self.ctx.read_done()  # libcudf's I/O and decoding are one call: both count as decode
+                    self.ctx.read_done()  # libcudf's copies and decoding are one call: both count as decode
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
                                       "pass decode='cpu'") from None
@@ -234,8 +235,7 @@ class GpuDecoder:
                     raise Unsupported(f"{where}: libcudf cannot read it ({type(e).__name__}: "
                                       f"{' '.join(str(e).split())})") from None
                 finally:
-                    if staged is not None:
-                        os.unlink(staged)
+                    image.close()  # after read_done: nothing on the device still reads it
             # convert on the read stream into the loader's memory (no view of cuDF's buffers is
             # kept); they go back to their stream-ordered pool when `raw` is dropped, after the
             # kernels that read them
@@ -281,22 +281,30 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
             raise Unsupported(f"column {c!r} is a partition key stored in the file, checked on the CPU")
 
 
-def _stage(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable) -> str:
-    """A sparse local copy of remote object ``f`` holding only the chunk's column ranges, the
-    leading magic bytes and everything after the last column chunk (page indexes, footer);
-    the rest is a hole. libcudf reads it by path; the caller deletes it."""
-    import tempfile
+def _image(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable, metrics=None):
+    """``f`` as libcudf reads it for ``chunk`` (a :class:`gpuload.gpu.cudf_decode.HostImage`):
+    the chunk's column ranges, the leading magic bytes and everything after the last column
+    chunk (page indexes, footer), read from the local file or fetched from the remote object;
+    the rest is never read (a local file's reads are ``read`` spans of ``metrics``). The caller
+    closes it."""
+    from .gpu.cudf_decode import HostImage
 
     leaves = [i for c in needed_columns(specs) if c not in f.partition_names for i in f.leaves(c)]
-    src = fetch(f, chunk, leaves, footer=True)
-    fd, path = tempfile.mkstemp(prefix="gpuload-stage-", suffix=".parquet")
+    image = HostImage(f.size)
     try:
-        os.ftruncate(fd, f.size)
-        for start, data in src.parts.items():
-            pwrite_all(fd, data, start)
+        if f.remote:
+            for start, data in fetch(f, chunk, leaves, footer=True).parts.items():
+                image.put(start, data)
+            return image
+        ranges = image_ranges(f.metadata, f.size, f.tail, range(chunk.rg_start, chunk.rg_stop), leaves)
+        fd = os.open(f.path, os.O_RDONLY)
+        try:
+            for a, b in coalesce(ranges, gap=1 << 16, longest=1 << 62):
+                with metrics.span("read", nbytes=b - a) if metrics is not None else contextlib.nullcontext():
+                    image.read_from(fd, a, b, f.path)
+        finally:
+            os.close(fd)
+        return image
     except BaseException:
-        os.unlink(path)
+        image.close()
         raise
-    finally:
-        os.close(fd)
-    return path

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpuload
+from gpuload.sources.ranges import column_ranges
 from gpuload.synth import write_clicklog
 
 from conftest import ARROW_READS_NULL_FIXED_LISTS, dataset_factory, run_with_timeout, write_parquet
@@ -139,3 +140,56 @@ def test_source_rewritten_after_open_raises(tmp_path):
     shutil.copyfile(other[1], files[1])
     with pytest.raises(gpuload.GpuloadError, match=files[1].name):
         run_with_timeout(lambda: list(ds))
+
+
+@pytest.mark.parametrize("page_index", [False, True])
+def test_the_gpu_decoders_image_of_a_local_file_holds_the_chunks_columns_and_footer_only(tmp_path, page_index):
+    """What libcudf is given instead of the path (shared code, checked with pyarrow as the reader of
+    the whole file): the chunk's column chunks, dictionary pages included, the magic and the footer
+    (page indexes too), read into place; nothing of the other row groups or columns."""
+    from gpuload.decode import _image
+
+    n = 8_000
+    rng = np.random.default_rng(3)
+    table = pa.table({"id": np.arange(n), "word": pa.array([f"w{i % 37}" for i in range(n)]),  # dictionary pages
+                      "big": pa.array(np.frombuffer(rng.bytes(200 * n), "S200").tolist()),
+                      "l": pa.array([[i] * (i % 3) for i in range(n)])})
+    p = tmp_path / "a.parquet"
+    pq.write_table(table, p, row_group_size=1000, write_page_index=page_index)
+    ds = gpuload.ParquetDataset(p, ["id", "word", "l"], cache_dir=tmp_path / "c", device="cpu", chunk_bytes=30_000)
+    r = ds.reader
+    c = r.chunks[1]
+    f = r.files[c.file]
+    assert c.rg_stop - c.rg_start < f.metadata.num_row_groups
+    image = _image(f, c, r.specs, None)
+    try:
+        data = image.getbuffer()
+        assert len(data) == f.size and bytes(data[:4]) == b"PAR1"
+        got = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data))).read_row_groups(
+            list(range(c.rg_start, c.rg_stop)), columns=["id", "word", "l"])
+        assert got.equals(table.slice(c.rg_start * 1000, c.rows).select(["id", "word", "l"]))
+        raw = p.read_bytes()
+        big = f.leaves("big")[0]
+        gap = 1 << 16  # reads closer than this are merged
+        for g in range(f.metadata.num_row_groups):  # a column not asked for (200 KB a row group): never read
+            (a, b), = column_ranges(f.metadata, g, g + 1, [big])
+            a, b = a + gap, b - gap
+            assert b - a > 50_000 and not any(data[a:b]) and any(raw[a:b])
+        read = [g for g in range(f.metadata.num_row_groups) if any(data[column_ranges(f.metadata, g, g + 1, [0])[0][0]:][:100])]
+        assert read == list(range(c.rg_start, c.rg_stop))  # only the chunk's row groups
+        del data
+    finally:
+        image.close()
+
+
+def test_the_gpu_decoders_image_of_a_truncated_file_names_it(tmp_path):
+    from gpuload.decode import _image
+
+    p = write_parquet(tmp_path / "a.parquet", {"x": np.arange(10_000)}, row_group_size=1000)
+    ds = gpuload.ParquetDataset(p, ["x"], cache_dir=tmp_path / "c", device="cpu", chunk_bytes=10_000)
+    r = ds.reader
+    c = r.chunks[-1]
+    with open(p, "r+b") as fh:  # only the data of the last row groups is gone: the tail is asked before it
+        fh.truncate(r.files[0].metadata.row_group(c.rg_start).column(0).data_page_offset + 10)
+    with pytest.raises(OSError, match="a.parquet"):
+        _image(r.files[0], c, r.specs, None)

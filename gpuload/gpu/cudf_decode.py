@@ -20,6 +20,9 @@ raised and the caller decodes that chunk on the CPU instead, so the bytes stay t
 
 from __future__ import annotations
 
+import io
+import mmap
+import os
 from typing import Sequence
 
 import numpy as np
@@ -31,7 +34,7 @@ from ..convert import cast_values, needed_columns, null_error
 from ..errors import SourceError
 from ..schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
 
-__all__ = ["Unsupported", "read_row_groups", "columns_to_set"]
+__all__ = ["Unsupported", "HostImage", "read_row_groups", "columns_to_set"]
 
 _DAY_MS = 86_400_000
 
@@ -201,16 +204,58 @@ def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str, stream=None):
     return out
 
 
-def read_row_groups(path: str, rg_start: int, rg_stop: int, columns: list[str], stream=None) -> dict:
+class HostImage(io.BytesIO):
+    """A Parquet file as libcudf reads it, in host memory: ``size`` bytes of an anonymous
+    mapping into which only the ranges a chunk needs are read (see
+    :func:`gpuload.sources.ranges.image_ranges`); the rest is never touched, so it takes no memory.
+
+    Why not the path: libcudf reads a file it is given by path through KvikIO, whose copies to
+    the device wait for the kernels already queued, the training step's included (measured on
+    an H200: a read issued during a 1 s kernel returned after it, on any stream). From host
+    memory, libcudf copies on the stream it is given. pylibcudf takes a ``BytesIO`` through
+    ``getbuffer()``, which here hands it the mapping, without a copy. Close it after the read.
+    """
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+        self._map = mmap.mmap(-1, max(size, 1))
+
+    def getbuffer(self) -> memoryview:
+        return memoryview(self._map)[:self.size]
+
+    def put(self, start: int, data) -> None:
+        """Copy ``data`` (bytes-like) to offset ``start``."""
+        self._map[start:start + len(data)] = data
+
+    def read_from(self, fd: int, start: int, end: int, path: str) -> None:
+        """Read bytes ``[start, end)`` of open file ``fd`` (named ``path`` in errors) into place."""
+        with memoryview(self._map) as mv:
+            while start < end:
+                got = os.preadv(fd, [mv[start:end]], start)
+                if got <= 0:
+                    raise OSError(f"{path}: ended at byte {start:,}, before {end:,} (was it truncated?)")
+                start += got
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # a view still held somewhere: the mapping goes with the last of them
+            pass
+        super().close()
+
+
+def read_row_groups(source, rg_start: int, rg_stop: int, columns: list[str], stream=None) -> dict:
     """Read row groups ``[rg_start, rg_stop)`` of ``columns`` with libcudf: ``{name: plc.Column}``.
 
-    ``stream``: the CUDA stream libcudf decodes on, in stream order (an rmm ``Stream``;
-    default libcudf's default stream). Memory comes from RMM's current device resource.
+    ``source``: a :class:`HostImage` (what the loader passes) or a path. ``stream``: the CUDA
+    stream libcudf decodes on, in stream order (an rmm ``Stream``; default libcudf's default
+    stream). Memory comes from RMM's current device resource.
     """
     import pylibcudf as plc
 
     P = plc.io.parquet
-    opts = (P.ParquetReaderOptions.builder(plc.io.SourceInfo([path])).column_names(columns)
+    opts = (P.ParquetReaderOptions.builder(plc.io.SourceInfo([source])).column_names(columns)
             .use_pandas_metadata(False).build())
     opts.set_row_groups([list(range(rg_start, rg_stop))])
     got = P.read_parquet(opts, stream=stream)

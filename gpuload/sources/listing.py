@@ -34,6 +34,7 @@ import xxhash
 
 from ..cache.chunkfile import version_token
 from ..errors import SourceError
+from .ranges import data_end
 from .remote import Store, hidden, is_local_fs, is_url, store_for
 from .retry import retry
 from .settings import RemoteSettings
@@ -103,6 +104,11 @@ class SourceFile:
     def partition_scalar(self, name: str) -> pa.Scalar:
         """The value of partition key ``name`` as an Arrow scalar of its field's type."""
         return pa.scalar(dict(self.partitions)[name], type=self.schema.field(name).type)
+
+    @cached_property
+    def tail(self) -> int:
+        """Offset of the page indexes and footer that follow the last column chunk (read once per file)."""
+        return data_end(self.metadata, self.size)
 
     @cached_property
     def _leaf_ranges(self) -> dict[str, range]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable
 
-__all__ = ["column_ranges", "coalesce", "ReadOnlyFile", "RangeFile"]
+__all__ = ["column_ranges", "data_end", "image_ranges", "coalesce", "ReadOnlyFile", "RangeFile"]
 
 
 def column_ranges(meta, rg_start: int, rg_stop: int, leaves) -> list[tuple[int, int]]:
@@ -26,6 +26,21 @@ def column_ranges(meta, rg_start: int, rg_stop: int, leaves) -> list[tuple[int, 
                 start = c.dictionary_page_offset
             out.append((start, start + c.total_compressed_size))
     return out
+
+
+def data_end(meta, size: int) -> int:
+    """Offset of what follows a file's last column chunk (page indexes, bloom filters, footer):
+    ``size`` is the file's length in bytes, ``meta`` its footer."""
+    end = max((e for g in range(meta.num_row_groups) for _, e in column_ranges(meta, g, g + 1, range(meta.num_columns))),
+              default=4)
+    return min(end, size - meta.serialized_size - 8)
+
+
+def image_ranges(meta, size: int, tail: int, groups, leaves) -> list[tuple[int, int]]:
+    """What a reader of the whole file (libcudf) reads of it for ``leaves`` of row ``groups``:
+    their column chunks, the leading magic bytes, and everything from ``tail`` (see
+    :func:`data_end`) to the end of the file, which is ``size`` bytes long."""
+    return [r for g in groups for r in column_ranges(meta, g, g + 1, leaves)] + [(0, 4), (tail, size)]
 
 
 def coalesce(ranges, gap: int, longest: int) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ from ..errors import SourceError
 from .fetch import Fetcher, Job
 from .settings import RemoteSettings, RemoteStats
 from .listing import SourceFile
-from .ranges import RangeFile, column_ranges
+from .ranges import RangeFile, column_ranges, image_ranges
 from .remote import same_version
 
 __all__ = ["ReadAhead"]
@@ -56,12 +56,10 @@ class ReadAhead:
             return got
 
     def _start(self, f: SourceFile, groups: Sequence[int], leaves: Sequence[int], footer: bool) -> Job:
-        ranges = [r for g in groups for r in column_ranges(f.metadata, g, g + 1, leaves)]
-        if footer:  # for libcudf, which reads the file itself: magic, page indexes and footer
-            meta = f.metadata
-            data_end = max((e for g in range(meta.num_row_groups)
-                            for _, e in column_ranges(meta, g, g + 1, range(meta.num_columns))), default=4)
-            ranges += [(0, 4), (min(data_end, f.size - meta.serialized_size - 8), f.size)]
+        if footer:  # for libcudf, which reads the file itself: also magic, page indexes and footer
+            ranges = image_ranges(f.metadata, f.size, f.tail, groups, leaves)
+        else:
+            ranges = [r for g in groups for r in column_ranges(f.metadata, g, g + 1, leaves)]
 
         def unchanged() -> None:
             size, mtime, tag = f.store.identity(f.key)

@@ -351,10 +351,10 @@ def test_any_fsspec_protocol_memory(tmp_path):
     _check_equal(_rows_by_id(ds), tables)
 
 
-def test_gpu_staging_file_holds_the_chunks_columns_and_footer_only(s3, bucket, tmp_path):
-    """The GPU decoder's staging of remote ranges (shared code, checked here with pyarrow): a sparse
-    local file that a Parquet reader opens by path and reads the chunk's columns from."""
-    from gpuload.decode import _stage
+def test_gpu_image_holds_the_chunks_columns_and_footer_only(s3, bucket, tmp_path):
+    """The GPU decoder's image of a remote object (shared code, checked here with pyarrow): the
+    fetched ranges in place, which a Parquet reader of the whole file reads the chunk's columns from."""
+    from gpuload.decode import _image
 
     name, tables, folder = bucket
     ds = gpuload.ParquetDataset(f"s3://{name}/data/part-2.parquet", ["id", "hist", "f32"], cache_dir=tmp_path / "c",
@@ -364,17 +364,19 @@ def test_gpu_staging_file_holds_the_chunks_columns_and_footer_only(s3, bucket, t
     c = r.chunks[1]
     f = r.files[c.file]
     s3.reset_counts()
-    path = _stage(f, c, r.specs, r.remote_reads.fetch)
+    image = _image(f, c, r.specs, r.remote_reads.fetch)
     try:
-        assert os.path.getsize(path) == f.size
-        with open(path, "rb") as fh:  # libcudf checks the leading magic too (pyarrow only the trailing one)
-            assert fh.read(4) == b"PAR1"
-        got = pq.ParquetFile(path).read_row_groups(list(range(c.rg_start, c.rg_stop)), columns=["id", "hist", "f32"])
+        data = image.getbuffer()
+        assert len(data) == f.size
+        assert bytes(data[:4]) == b"PAR1"  # libcudf checks the leading magic too (pyarrow only the trailing one)
+        got = pq.ParquetFile(pa.BufferReader(pa.py_buffer(data))).read_row_groups(list(range(c.rg_start, c.rg_stop)),
+                                                                                  columns=["id", "hist", "f32"])
         want = tables[2].slice(c.rg_start * RG, c.rows).select(["id", "hist", "f32"])
         assert got.equals(want)
         assert sum(s3.range_bytes.values()) < f.size / 2
+        del data
     finally:
-        os.unlink(path)
+        image.close()
 
 
 def test_an_object_rewritten_after_open_is_refused_not_decoded_as_the_listed_version(s3, bucket, tmp_path):
