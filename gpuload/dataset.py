@@ -370,9 +370,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def loader_description(self) -> tuple[str, dict]:
         """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader
-        (settings: ``num_threads``, ``prefetch`` and ``device``, ``"cpu"`` or ``"cuda"``)."""
+        (settings: ``num_threads``, ``prefetch``, ``device`` (``"cpu"`` or ``"cuda"``) and
+        ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF))."""
         return "gpuload", {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
-                           "device": self.device.type}
+                           "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu")}
 
     def reset_stats(self) -> None:
         """Start :meth:`stats` afresh (e.g. to look at one epoch)."""

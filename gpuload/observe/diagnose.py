@@ -245,6 +245,10 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
     """(message, action) for the limiting stage ``s``; gpuload's commands only for gpuload's loaders."""
     ours = kind == "gpuload"
     on_gpu = (stats.loader_settings or {}).get("device") == "cuda"  # not said: advise as for the CPU
+    if s.name in ("decode", "convert") and ours and (stats.loader_settings or {}).get("decode") == "gpu":
+        return (f"first epoch is decode-bound, with cuDF decoding on the GPU: {where}",
+                "raise num_threads (each loader thread reads, decodes and converts one chunk at a time), or build "
+                "the cache ahead with `gpuload cache build`")
     if s.name in ("decode", "convert"):
         return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
                 "build the cache ahead with `gpuload cache build`, or " + (

@@ -350,6 +350,10 @@ def test_advice_on_a_gpu_names_what_helps_there_not_device_cuda():
         assert "device=cuda" in cpu.action and "device=cuda" not in gpu.action
     assert "install cuDF" in gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload",
                                                          loader_settings={"device": "cuda"})).action
+    cudf = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload",  # cuDF decodes already (an H200 run)
+                                       loader_settings={"device": "cuda", "decode": "gpu"}))
+    assert cudf.limiting == "decode" and "cuDF decoding on the GPU" in cudf.message
+    assert "install cuDF" not in cudf.action and "num_threads" in cudf.action
 
 
 def test_a_datasets_stats_say_which_loader_and_device(tmp_path):
@@ -360,3 +364,4 @@ def test_a_datasets_stats_say_which_loader_and_device(tmp_path):
     assert sum(len(b["row_id"]) for b in ds) == 2000
     s = ds.stats()
     assert s.loader == "gpuload" and s.loader_settings["device"] == "cpu" and s.batches == 4
+    assert s.loader_settings["decode"] == "cpu"
