@@ -21,6 +21,7 @@ from .pipeline import Background, epoch_batches
 from .ranks import RankLayout
 from .reader import open_reader
 from .schema import BFLOAT16
+from .transforms import BatchTransform, check_batch_transform
 
 __all__ = ["ParquetDataset"]
 
@@ -131,6 +132,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         and pandas (credentials, ``endpoint_url``, ``anon``...; default None).
     remote : a :class:`gpuload.RemoteSettings` or a dict of its fields: requests and bytes
         in flight, read-ahead, retries, backoff and timeout (default: from the environment).
+    batch_transform : ``fn(batch, generator) -> batch`` applied to every batch after the
+        shuffle, on the loader's producer thread (and, on a GPU, its batch stream), never on
+        the training thread (default None). ``generator`` is a ``torch.Generator`` on the
+        batch's device seeded from (seed, epoch, the rank's run, the batch's position):
+        resumed and uninterrupted epochs transform each batch alike. See :mod:`gpuload.transforms`.
 
     Yields
     ------
@@ -150,10 +156,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  kvikio_compat: str = Options.kvikio_compat, filesystem=Source.filesystem,
                  storage_options: dict | None = Source.storage_options, remote=Source.remote,
                  shard: str = Options.shard, local_world_size: int | None = Options.local_world_size,
-                 block_rows: int = Options.block_rows, layout: str = Options.layout):
+                 block_rows: int = Options.block_rows, layout: str = Options.layout,
+                 batch_transform: Callable | None = None):
         super().__init__()
         given = locals()
         self.options = o = Options.of(given)
+        self.batch_transform = check_batch_transform(batch_transform)  #: see the parameter
         self._layout = RankLayout(o.rank, o.world_size, o.shard, o.local_world_size)
         self.metrics = Metrics()
         t0 = self.metrics.clock()
@@ -310,6 +318,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def _iterate(self) -> Iterator[dict]:
         handoff = self.reader.device.handoff(self._views, self.reader.layout, self.reader.batch_pool)
         pos = self._cursor.begin()
+        if self.batch_transform is not None:
+            handoff.transform = BatchTransform.starting(self.batch_transform, pos, self.reader.fingerprint,
+                                                        self.options.seed, self.device)
         self.reader.resume()
         producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2,
                               nice=self.options.nice)

@@ -41,24 +41,44 @@ def _map(cols: dict, fn, views: dict | None = None) -> dict:
     return out
 
 
+def _tensors(batch: dict):
+    """Every tensor of a batch (a Ragged output's values and offsets)."""
+    for v in batch.values():
+        if isinstance(v, Ragged):
+            yield from (v.values, v.offsets)
+        elif isinstance(v, torch.Tensor):
+            yield v
+
+
+def _swap(batch: dict, new: dict) -> dict:
+    """``batch`` with each tensor ``t`` replaced by ``new[id(t)]`` where there is one."""
+    def one(t):
+        return new.get(id(t), t)
+
+    return {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v) for k, v in batch.items()}
+
+
 class HostHandoff:
     """Host column set -> CPU tensors sharing its memory.
 
     ``views``: ``{output: torch dtype}`` to reinterpret (default none; see :func:`_map`);
     ``layout``: the :class:`gpuload.layout.Layout` whose stored column sets come in
     (default None: they hold the outputs already); ``alloc(shape, dtype)``: where it
-    unpacks blocks (default: new arrays).
+    unpacks blocks (default: new arrays). ``transform``: a batch -> batch function
+    (:class:`gpuload.transforms.BatchTransform`) applied to the tensors last, or None.
     """
 
     def __init__(self, views: dict | None = None, layout=None, alloc=None):
         self.views = views or {}
         self.layout = layout
         self.alloc = alloc
+        self.transform = None
 
     def __call__(self, cols: dict) -> dict:
         if self.layout is not None:
             cols = self.layout.unpack(cols, self.alloc)
-        return _map(cols, _tensor, self.views)
+        out = _map(cols, _tensor, self.views)
+        return out if self.transform is None else self.transform(out)
 
     def receive(self, batch: dict) -> dict:
         """Called on the training thread; nothing to wait for on the CPU."""
@@ -69,18 +89,27 @@ class DlpackHandoff:
     """Device column set (CuPy) -> CUDA tensors through DLPack, with a ready event.
 
     Called on the producer thread inside ``ctx.batching()`` (a
-    :class:`gpuload.gpu.streams.DeviceContext`); ``views`` and ``layout`` as for :class:`HostHandoff`.
+    :class:`gpuload.gpu.streams.DeviceContext`); ``views``, ``layout`` and ``transform`` as
+    for :class:`HostHandoff`. The transform runs on the batch stream, before the event; the
+    tensors it makes are guarded for the consumer's stream (:meth:`DeviceContext.hand_out`).
     """
 
     def __init__(self, ctx, views: dict | None = None, layout=None):
         self.ctx = ctx
         self.views = views or {}
         self.layout = layout
+        self.transform = None
 
     def __call__(self, cols: dict):
         if self.layout is not None:  # kernels on the batch stream (CuPy's current one), before the event
             cols = self.layout.unpack(cols)
         out = _map(cols, torch.from_dlpack, self.views)  # CuPy's and torch's current stream: both the batch stream
+        if self.transform is not None:
+            ours = {t.untyped_storage().data_ptr() for t in _tensors(out)}  # guarded already
+            out = self.transform(out)
+            new = {id(t): self.ctx.hand_out(t) for t in _tensors(out) if t.is_cuda
+                   and t.untyped_storage().data_ptr() not in ours}
+            out = _swap(out, new) if new else out
         event = torch.cuda.Event()
         event.record(self.ctx.batch_stream)  # after every kernel that made the batch
         return out, event

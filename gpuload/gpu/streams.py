@@ -185,6 +185,24 @@ class DeviceContext:
         owner = guard(t, stream, self.readers(stream), self._rmm)
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, owner, self.index), 0)
 
+    def hand_out(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor made on the batch stream outside gpuload's memory (by a ``batch_transform``),
+        guarded for the consumer's stream as gpuload's own blocks are (:func:`guard`): with
+        torch's caching allocator the tensor itself; with RMM's, a view of the same memory
+        whose owner makes the batch stream wait for the consumer's work before the free."""
+        owner = guard(tensor, self.batch_stream, [self.consumer], self._rmm)
+        if owner is tensor:
+            return tensor
+        import cupy
+
+        storage = tensor.untyped_storage()
+        with cupy.cuda.Device(self.index):
+            raw = cupy.ndarray((storage.nbytes(),), cupy.uint8, cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(storage.data_ptr(), storage.nbytes(), owner, self.index), 0))
+        held = torch.from_dlpack(raw).untyped_storage()  # keeps raw, so the owner, so the tensor
+        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+            held, tensor.storage_offset(), tensor.size(), tensor.stride())
+
     def empty_bytes(self, nbytes: int):
         """An uninitialised CuPy uint8 array of ``nbytes`` (call inside :meth:`reading` or :meth:`batching`)."""
         import cupy

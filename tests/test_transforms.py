@@ -1,0 +1,192 @@
+"""batch_transform: every batch transformed on the producer thread, with a generator that a
+resumed epoch gives each batch again, and the user's errors named with the batch."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+import gpuload
+from gpuload.transforms import batch_seed
+
+from conftest import dataset_factory, write_parquet
+
+N, BATCH = 1000, 128
+_ds = dataset_factory(["x", "w", "l"], batch_size=BATCH, chunk_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("transforms")
+    write_parquet(d / "a.parquet", {"x": np.arange(N), "w": np.arange(N) / 7.0,
+                                    "l": pa.array([[i] * (i % 4) for i in range(N)], pa.list_(pa.int64()))},
+                  row_group_size=100)
+    return d / "a.parquet"
+
+
+def augment(batch, g):
+    """What users do each epoch: noise, a random mask, negative samples, a list's values dropped."""
+    n = len(batch["x"])
+    out = dict(batch)
+    out["w"] = batch["w"] + torch.randn(n, generator=g, device=batch["w"].device)
+    out["mask"] = torch.rand(n, generator=g, device=batch["x"].device) < 0.15
+    out["negative"] = torch.randint(0, N, (n, 4), generator=g, device=batch["x"].device)
+    keep = torch.rand(len(batch["l"].values), generator=g, device=batch["x"].device) < 0.5
+    out["l_kept"] = batch["l"].values[keep]
+    return out
+
+
+def _plain(b: dict) -> dict:
+    return {k: (v.values.clone(), v.offsets.clone()) if isinstance(v, gpuload.Ragged) else v.clone()
+            for k, v in b.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        (torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1])) if isinstance(a[k], tuple)
+        else torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_batch_is_transformed_off_the_training_thread_with_its_own_generator(data, tmp_path):
+    threads, seeds = [], []
+
+    def fn(batch, g):
+        threads.append(threading.current_thread().name)
+        seeds.append(g.initial_seed())
+        return augment(batch, g)
+
+    ds = _ds(data, tmp_path / "c", batch_transform=fn)
+    batches = [_plain(b) for b in ds]
+    assert len(batches) == len(ds) == -(-N // BATCH) == len(threads)
+    assert set(threads) == {"gpuload-producer"}
+    assert len(set(seeds)) == len(seeds)  # a generator of its own per batch
+    assert seeds == [batch_seed(ds.reader.fingerprint, 0, 0, 0, 0, i) for i in range(len(batches))]
+    got = np.sort(np.concatenate([b["x"].numpy() for b in batches]))
+    assert np.array_equal(got, np.arange(N))  # every row once: the transform sees each batch once
+    for b in batches:  # the transform's outputs are what the consumer gets
+        assert b["mask"].dtype == torch.bool and b["negative"].shape == (len(b["x"]), 4)
+        assert not torch.equal(b["w"], b["x"] / 7.0)
+    ds.set_epoch(0)
+    assert all(_same(a, _plain(b)) for a, b in zip(batches, ds))  # the same (seed, epoch): the same batches
+    ds.set_epoch(1)
+    again = [_plain(b) for b in ds]
+    assert not any(torch.equal(a["negative"], b["negative"]) for a, b in zip(batches, again))
+    seeds.clear()
+    list(_ds(data, tmp_path / "c", batch_transform=fn, seed=1))
+    assert seeds == [batch_seed(ds.reader.fingerprint, 1, 0, 0, 0, i) for i in range(len(batches))]
+    assert not set(seeds) & {batch_seed(ds.reader.fingerprint, 0, 0, 0, 0, i) for i in range(len(batches))}
+
+
+@pytest.mark.parametrize("shuffle", [True, False, "block"])
+def test_a_resumed_epoch_transforms_every_batch_as_an_uninterrupted_one(data, tmp_path, shuffle):
+    """State taken after every batch of two epochs; each resumed run gives the rest bit for bit."""
+    ds = _ds(data, tmp_path / "c", batch_transform=augment, shuffle=shuffle, block_rows=16)
+    run, states = [], []
+    for e in (0, 1):
+        ds.set_epoch(e)
+        states.append(ds.state_dict())
+        for b in ds:
+            run.append(_plain(b))
+            states.append(ds.state_dict())
+    per_epoch = len(run) // 2
+    for i, state in enumerate(states):
+        if i == per_epoch:  # the state at epoch 0's end resumes epoch 1 from its start: states[i + 1]'s twin
+            continue
+        resumed = _ds(data, tmp_path / "c", batch_transform=augment, shuffle=shuffle, block_rows=16)
+        resumed.load_state_dict(state)
+        got = []
+        for e in range(state["epoch"], 2):
+            resumed.set_epoch(e)
+            got.extend(_plain(b) for b in resumed)
+        start = i if i < per_epoch else i - 1
+        want = run[start:]
+        assert len(got) == len(want), (i, len(got), len(want))
+        assert all(_same(a, b) for a, b in zip(got, want)), i
+
+
+def test_two_ranks_draw_different_generators(data, tmp_path):
+    seeds = {}
+
+    def fn(rank):
+        def f(batch, g):
+            seeds.setdefault(rank, []).append(g.initial_seed())
+            return batch
+        return f
+
+    for rank in (0, 1):
+        ds = _ds(data, tmp_path / "c", rank=rank, world_size=2, batch_transform=fn(rank))
+        assert sum(len(b["x"]) for b in ds) > 0
+    assert len(seeds[0]) == len(seeds[1]) and not set(seeds[0]) & set(seeds[1])
+
+
+def test_the_users_error_reaches_the_loop_naming_the_batch(data, tmp_path):
+    def fails(batch, g):
+        if int(batch["x"][0]) >= 0 and fails.calls == 2:
+            raise ValueError("my feature broke")
+        fails.calls += 1
+        return batch
+
+    fails.calls = 0
+    ds = _ds(data, tmp_path / "c", batch_transform=fails, shuffle=False)
+    with pytest.raises(ValueError, match="my feature broke") as e:
+        list(ds)
+    assert "gpuload: raised by batch_transform on batch 2 of epoch 0 (rank 0, run 0)" in e.value.__notes__
+    assert len(list(_ds(data, tmp_path / "c", shuffle=False))) == len(ds)  # nothing cached was harmed
+
+
+def test_a_transform_that_returns_no_dict_and_one_that_is_no_function_are_refused(data, tmp_path):
+    ds = _ds(data, tmp_path / "c", batch_transform=lambda b, g: list(b.values()))
+    with pytest.raises(gpuload.ConfigError, match=r"batch_transform returned list for batch 0 of epoch 0.*dict"):
+        next(iter(ds))
+    with pytest.raises(gpuload.ConfigError, match="batch_transform=3 must be a function"):
+        _ds(data, tmp_path / "c", batch_transform=3)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_transform_runs_on_the_batch_stream_and_its_tensors_stay_valid(data, tmp_path):
+    """New tensors made on the batch stream are guarded for the consumer's: values hold while
+    the consumer's stream is busy and allocates."""
+    streams = []
+
+    def fn(batch, g):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        out = dict(batch)
+        out["y"] = batch["x"] * 3 + 1  # a new block on the batch stream
+        return out
+
+    ds = _ds(data, tmp_path / "c", device="cuda", batch_transform=fn)
+    consumer = torch.cuda.current_stream().cuda_stream
+    total = 0
+    for b in ds:
+        torch.cuda._sleep(20_000_000)  # the step: busy when the batch's blocks could be reused
+        scratch = [torch.empty(1 << 20, device="cuda") for _ in range(4)]
+        assert torch.equal(b["y"], b["x"] * 3 + 1)
+        total += len(b["x"])
+        del scratch
+    assert total == N and consumer not in streams and len(set(streams)) == 1
+
+
+def test_an_elastic_resume_is_a_new_run_with_generators_of_its_own(data, tmp_path):
+    """2 ranks take 2 batches each; 1 rank goes on: run 1 of the epoch, its batches counted from 0."""
+    states = []
+    for rank in (0, 1):
+        ds = _ds(data, tmp_path / "c", rank=rank, world_size=2, batch_transform=augment)
+        it = iter(ds)
+        next(it), next(it)
+        states.append(ds.state_dict())
+        it.close()
+    seeds = []
+
+    def fn(batch, g):
+        seeds.append(g.initial_seed())
+        return augment(batch, g)
+
+    one = _ds(data, tmp_path / "c", rank=0, world_size=1, batch_transform=fn)
+    one.load_state_dict(states[0])
+    rows = sum(len(b["x"]) for b in one)
+    assert rows == N - 4 * BATCH
+    assert seeds == [batch_seed(one.reader.fingerprint, 0, 0, 1, 0, i) for i in range(len(seeds))]
