@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # imported on first use (``__getattr__`` below): ``import gpu
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParquetDataset", "build_cache", "CacheSummary", "Hash", "Vocab", "share_rmm_pool", "gpu_status", "Ragged",
+    "ParquetDataset", "build_cache", "CacheSummary", "Hash", "Vocab", "Transform", "share_rmm_pool", "gpu_status",
+    "Ragged",
     "watch", "Watched", "Metrics", "Stats", "StageStats", "RemoteSettings", "RemoteStats", "diagnose", "Diagnosis",
     "GpuloadError", "ConfigError", "SourceError", "SchemaError", "NullValuesError", "CacheError", "CorruptCacheError",
     "__version__",
@@ -42,6 +43,7 @@ _LAZY = {
     "build_cache": ".build",
     "Hash": ".categorical",
     "Vocab": ".categorical",
+    "Transform": ".transforms",
     "ParquetDataset": ".dataset",
     "gpu_status": ".gpu.runtime",
     "share_rmm_pool": ".gpu.runtime",

@@ -100,7 +100,8 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
 
 
 def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
-                dtypes=Source.dtypes, categorical=Source.categorical, chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
+                dtypes=Source.dtypes, categorical=Source.categorical, transform=Source.transform,
+                chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
                 max_cache_bytes: int | None = Options.max_cache_bytes,
                 progress: Callable[[int], None] | bool | None = None, device=BUILD_DEVICE, decode: str = Options.decode,
                 filesystem=Source.filesystem, storage_options: dict | None = Source.storage_options,
@@ -108,7 +109,7 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
                 shuffle: bool | str = Options.shuffle, block_rows: int = Options.block_rows) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
-    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``categorical``, ``chunk_bytes`` and ``layout``
+    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``categorical``, ``transform``, ``chunk_bytes`` and ``layout``
     as :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
     cached); ``shuffle="block"`` (with ``block_rows``) builds the row-permuted chunks that
     block shuffling reads, any other ``shuffle`` the plain ones. ``progress(n)`` is called with each finished chunk's row count
@@ -178,7 +179,7 @@ def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, no
     return CacheSummary(
         cache_dir=where, files=len(reader.files), rows=reader.num_rows, chunks=n,
         not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
-        cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.specs),
+        cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.outputs),
         max_cache_bytes=opts.max_cache_bytes, **counts)
 
 

@@ -100,6 +100,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         vocabulary counted once and kept in the cache: :meth:`vocabulary`), or one of them for
         every such column (default: ``Hash()``, the full 64-bit hash). A null (and, with a
         Vocab, a value not in the vocabulary) is id 0 (see :mod:`gpuload.categorical`).
+    transform : a :class:`gpuload.Transform` (``fn`` and a ``key`` such as ``"features-v3"``)
+        applied to each chunk's outputs once, when it is cached; the batches hold what it
+        returns (default None). Its key is part of the cache key. See :mod:`gpuload.transforms`.
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
@@ -148,7 +151,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  shuffle: bool | str = Options.shuffle, seed: int = Options.seed, drop_last: bool = Options.drop_last,
                  cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
-                 categorical=Source.categorical, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
+                 categorical=Source.categorical, transform=Source.transform, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
                  prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
                  max_cache_bytes: int | None = Options.max_cache_bytes,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,
@@ -177,7 +180,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             self.device_bytes_bound, o.max_device_bytes,
             f"(3 x shuffle_window + prefetch + 1) chunks of up to {self.reader.max_chunk_bytes()} bytes, plus queued "
             "batches")
-        self._views = {s.name: torch.bfloat16 for s in self.reader.specs if s.dtype == BFLOAT16}
+        self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
         self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
 
     # -- public -------------------------------------------------------------------------
@@ -189,7 +192,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     @property
     def outputs(self) -> list[str]:
         """Names of the tensors in each batch."""
-        return [s.name for s in self.reader.specs]
+        return [s.name for s in self.reader.outputs]
 
     @property
     def epoch(self) -> int:
@@ -350,7 +353,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def _signature(self) -> dict:
         o, r = self.options, self.reader
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
-                                outputs={s.name: list(s.columns) for s in r.specs}, seed=o.seed, shuffle=o.shuffled,
+                                outputs={s.name: list(s.columns) for s in r.outputs}, seed=o.seed, shuffle=o.shuffled,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
                                 block_rows=o.block)
 

@@ -36,6 +36,7 @@ from .memory import HostBudget, HostPool, device_bound, host_budget
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
+from .transforms import apply_transform, transform_outputs
 from .sources.listing import SourceFile, common_columns, fingerprint, list_files, row_group_sizes
 from .sources.opening import open_files
 
@@ -81,8 +82,14 @@ class ChunkReader:
             list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
             self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
-        self.specs: list[OutputSpec] = self._resolve_outputs()
-        self.spec_desc = spec_description(self.specs, opts.layout, permuted=opts.block is not None)
+        self.specs: list[OutputSpec] = self._resolve_outputs()  #: what is decoded and converted
+        t = source.transform
+        #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
+        self.outputs: list[OutputSpec] = self.specs if t is None else transform_outputs(t, self.specs)
+        self.spec_desc = spec_description(self.outputs, opts.layout, permuted=opts.block is not None)
+        if t is not None:  # the transform's key and its inputs are part of the cache key
+            made = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
+            self.spec_desc = [{**d, "transform": made} for d in self.spec_desc]
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
@@ -91,7 +98,7 @@ class ChunkReader:
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         #: arrays per stored chunk
-        self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.specs if s.kind == "ragged")
+        self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch), metrics)
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
@@ -222,7 +229,11 @@ class ChunkReader:
         (once, here: :func:`gpuload.plan.chunk_row_permutation`)."""
         c = self.chunks[i]
         f = self.files[c.file]
-        cols = self.layout.pack(self.decode(f, c, self.specs))
+        cols = self.decode(f, c, self.specs)
+        if self.source.transform is not None:
+            cols = apply_transform(self.source.transform, cols, self.specs, self.outputs,
+                                   f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
+        cols = self.layout.pack(cols)
         if self.opts.block is None:
             return cols
         return permute_rows(cols, chunk_row_permutation(

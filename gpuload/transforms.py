@@ -1,4 +1,11 @@
-"""Batch transforms: a user's function applied to every batch on the loader's producer thread.
+"""Transforms: users' functions over chunks when they are cached, and over every batch.
+
+``transform=`` (a :class:`Transform`) is applied to each chunk's converted outputs once, when
+the chunk is cached: features computed once and read from the cache in every later epoch.
+Its outputs are learnt at open from one call on 0-row tensors of the converted outputs
+(:func:`transform_outputs`), and each chunk's outputs must match them (dtype, trailing
+shape, rows). The transform's ``key`` is part of the cache key: a new key rebuilds the cache,
+the same key reuses it (say so with a new key when the function changes).
 
 ``ParquetDataset(..., batch_transform=fn)`` calls ``fn(batch, generator)`` for each batch after
 the shuffle and before the hand-off: on the producer thread (the training thread never runs
@@ -17,14 +24,200 @@ library versions).
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
-from .errors import ConfigError
+from .batch import Ragged, nrows
+from .errors import ConfigError, SchemaError
+from .schema import BFLOAT16, FIXED, RAGGED, SCALAR, OutputSpec, storage_dtype
 
-__all__ = ["BatchTransform", "check_batch_transform", "batch_seed"]
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: config imports this module, and the command starts without torch
+
+__all__ = ["Transform", "transform_outputs", "apply_transform", "BatchTransform", "check_batch_transform",
+           "batch_seed"]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """``fn(outputs) -> outputs`` applied to each chunk when it is cached; ``key`` names it in the
+    cache key (a name and version you choose: ``"features-v3"``; change it when ``fn`` changes).
+
+    ``fn`` gets a dict of output name -> torch tensor (``[rows]`` or ``[rows, k]``) or
+    :class:`gpuload.Ragged` on the decoding device, and returns such a dict with the same
+    number of rows (outputs may be dropped, changed or added). It must also accept 0 rows:
+    it is called once at open with empty tensors to learn its outputs. In Dask builds it
+    travels pickled (cloudpickle) to the workers.
+    """
+
+    fn: Callable
+    key: str
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise ConfigError(f"transform: Transform(fn={self.fn!r}) must be given a function outputs -> outputs")
+        if not isinstance(self.key, str) or not self.key.strip() or len(self.key) > 200:
+            raise ConfigError(f"transform: Transform(key={self.key!r}) must be a non-empty name of at most 200 "
+                              "characters, e.g. 'features-v3': the cache key holds it")
+
+
+def check_transform(t) -> Transform | None:
+    if t is not None and not isinstance(t, Transform):
+        raise ConfigError(f"transform={t!r} must be a gpuload.Transform(fn, key='name-v1') (or None)")
+    return t
+
+
+@lru_cache(maxsize=1)
+def _torch_types() -> dict:
+    import torch
+
+    return {np.dtype(d): getattr(torch, t) for d, t in (  # torch before 2.3 lacks uint16/32/64
+        (np.bool_, "bool"), (np.uint8, "uint8"), (np.int8, "int8"), (np.int16, "int16"), (np.int32, "int32"),
+        (np.int64, "int64"), (np.float16, "float16"), (np.float32, "float32"), (np.float64, "float64"),
+        (np.uint16, "uint16"), (np.uint32, "uint32"), (np.uint64, "uint64")) if hasattr(torch, t)}
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    import torch
+
+    return torch.bfloat16 if dtype == BFLOAT16 else _torch_types()[np.dtype(dtype)]
+
+
+def _dtype_name(t: torch.dtype) -> str | None:
+    import torch
+
+    if t == torch.bfloat16:
+        return BFLOAT16
+    for d, tt in _torch_types().items():
+        if tt == t:
+            return d.name
+    return None
+
+
+def _empty(s: OutputSpec):
+    import torch
+
+    t = _torch_dtype(s.dtype)
+    if s.kind == RAGGED:
+        return Ragged(torch.empty(0, dtype=t), torch.zeros(1, dtype=torch.int64))
+    return torch.empty((0, s.width) if s.ndim == 2 else (0,), dtype=t)
+
+
+def _spec_of(name: str, value, key: str, where: str) -> OutputSpec:
+    """The output spec a transform's output ``value`` (a 0-row probe) stands for."""
+    import torch
+
+    t = value.values if isinstance(value, Ragged) else value
+    if not isinstance(t, torch.Tensor) or (isinstance(value, Ragged) and not isinstance(value.offsets, torch.Tensor)):
+        raise ConfigError(f"transform {key!r}: output {name!r} is a {type(value).__name__}{where}; return tensors "
+                          "(or gpuload.Ragged of tensors)")
+    dtype = _dtype_name(t.dtype)
+    if dtype is None:
+        raise ConfigError(f"transform {key!r}: output {name!r} has dtype {t.dtype}{where}, which the cache cannot "
+                          "store; return a real, integer or bool tensor")
+    if isinstance(value, Ragged):
+        if t.dim() != 1:
+            raise ConfigError(f"transform {key!r}: output {name!r}: a Ragged's values must be 1-D{where}")
+        return OutputSpec(name, (), RAGGED, dtype, 1, (), ())
+    if t.dim() == 1:
+        return OutputSpec(name, (), SCALAR, dtype, 1, (), ())
+    if t.dim() == 2:
+        return OutputSpec(name, (), FIXED, dtype, int(t.shape[1]), (), ())
+    raise ConfigError(f"transform {key!r}: output {name!r} has {t.dim()} dimensions{where}; outputs are [rows] "
+                      "or [rows, k] (flatten the trailing dimensions)")
+
+
+def _call(t: Transform, outputs: dict, where: str) -> dict:
+    try:
+        out = t.fn(outputs)
+    except Exception as e:
+        e.add_note(f"gpuload: raised by transform {t.key!r}{where}")
+        raise
+    if not isinstance(out, Mapping) or not out or not all(isinstance(k, str) and k for k in out):
+        raise ConfigError(f"transform {t.key!r} returned {type(out).__name__}{where}: it must return a non-empty "
+                          "dict of output name -> tensor")
+    return dict(out)
+
+
+def transform_outputs(t: Transform, specs: Sequence[OutputSpec]) -> list[OutputSpec]:
+    """The outputs ``t`` makes of ``specs``' outputs, learnt from one call on 0-row tensors."""
+    out = _call(t, {s.name: _empty(s) for s in specs}, " on the 0-row probe at open (it must accept 0 rows)")
+    return [_spec_of(name, v, t.key, " on the 0-row probe") for name, v in out.items()]
+
+
+def _to_torch(a):
+    import torch
+
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a if a.flags.writeable else a.copy())
+    return torch.from_dlpack(a)  # CuPy on the read stream: torch's current stream there too
+
+
+def apply_transform(t: Transform, cols: dict, specs: Sequence[OutputSpec], outputs: Sequence[OutputSpec],
+                    where: str) -> dict:
+    """Chunk column set ``cols`` (NumPy or CuPy arrays of ``specs``' outputs; bfloat16 as uint16)
+    through ``t``: the column set of ``outputs`` (as :func:`transform_outputs` gave them), in new
+    memory of the chunk's kind. :class:`SchemaError` names the chunk (``where``) and the output
+    whose dtype or shape is not the probed one, or whose rows differ."""
+    import torch
+
+    views = {s.name for s in specs if s.dtype == BFLOAT16}
+    rows = nrows(cols)
+    gpu = any(not isinstance(v.values if isinstance(v, Ragged) else v, np.ndarray) for v in cols.values())
+    given = {}
+    for k, v in cols.items():
+        if isinstance(v, Ragged):
+            vals = _to_torch(v.values)
+            given[k] = Ragged(vals.view(torch.bfloat16) if k in views else vals, _to_torch(v.offsets))
+        else:
+            x = _to_torch(v)
+            given[k] = x.view(torch.bfloat16) if k in views else x
+    got = _call(t, given, f" on {where}")
+    want = {s.name: s for s in outputs}
+    if set(got) != set(want):
+        raise SchemaError(f"{where}: transform {t.key!r} returned outputs {sorted(got)}, not {sorted(want)} as on "
+                          "the 0-row probe at open; return the same outputs for every chunk")
+    out = {}
+    for name, v in got.items():
+        s = want[name]
+        spec = _spec_of(name, v, t.key, f" on {where}")
+        n = len(v.offsets) - 1 if isinstance(v, Ragged) else int(v.shape[0])
+        if spec != s or n != rows:
+            shape = "Ragged" if isinstance(v, Ragged) else tuple(v.shape)
+            raise SchemaError(f"{where}: transform {t.key!r} output {name!r} is {spec.dtype} {shape}, where the "
+                              f"0-row probe at open gave {s.dtype} {s.kind} of width {s.width} and the chunk has "
+                              f"{rows} rows; every chunk's output must have the dtype and trailing shape of the "
+                              "probe's, and the chunk's rows")
+        if isinstance(v, Ragged):
+            off = v.offsets.to(torch.int64)
+            if len(off) == 0 or int(off[0]) != 0 or int(off[-1]) != len(v.values) or bool((off[1:] < off[:-1]).any()):
+                raise SchemaError(f"{where}: transform {t.key!r} output {name!r}: a Ragged's offsets must start at "
+                                  "0, never decrease and end at the number of values")
+            out[name] = Ragged(_back(v.values, gpu), _back(off, gpu))
+        else:
+            out[name] = _back(v, gpu)
+    return out
+
+
+def _back(t: torch.Tensor, gpu: bool):
+    """A transform's output tensor as the chunk's kind of array, in new memory (a GPU chunk's in
+    gpuload's own device memory: the current CuPy allocator copies it there); bfloat16 as its
+    uint16 bit patterns, as the cache stores it."""
+    import torch
+
+    bf16 = t.dtype == torch.bfloat16
+    t = (t.view(torch.int16) if bf16 else t).detach()
+    if not gpu:
+        a = t.cpu().numpy().copy()
+    else:
+        import cupy
+
+        a = cupy.array(cupy.from_dlpack((t if t.is_cuda else t.cuda()).contiguous()), copy=True)
+    return a.view(np.uint16) if bf16 else a
 
 
 def check_batch_transform(fn) -> Callable | None:
@@ -49,16 +242,18 @@ class BatchTransform:
     already); ``device``: the batches' torch device, where the generator lives.
     """
 
-    def __init__(self, fn: Callable, key: tuple[int, int, int, int, int], first: int, device: torch.device):
+    def __init__(self, fn: Callable, key: tuple[int, int, int, int, int], first: int, device):
         self.fn, self.key, self.index, self.device = fn, key, first, device
 
     @classmethod
-    def starting(cls, fn: Callable, pos, fingerprint: int, seed: int, device: torch.device) -> BatchTransform:
+    def starting(cls, fn: Callable, pos, fingerprint: int, seed: int, device) -> BatchTransform:
         """The transform of an iteration beginning at position ``pos`` (a
         :class:`gpuload.epochs.Position` whose ranks are known)."""
         return cls(fn, (fingerprint, seed, pos.epoch, len(pos.runs) - 1, pos.ranks.rank), pos.runs[-1].taken, device)
 
     def __call__(self, batch: dict) -> dict:
+        import torch
+
         g = torch.Generator(device=self.device)
         g.manual_seed(batch_seed(*self.key, self.index))
         where = f"batch {self.index} of epoch {self.key[2]} (rank {self.key[4]}, run {self.key[3]})"

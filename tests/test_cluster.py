@@ -233,3 +233,23 @@ def test_categorical_columns_build_on_the_cluster_as_serially(tmp_path, cluster)
     assert built.built == built.chunks == serial.chunks > 3
     assert _files(tmp_path / "cluster") == _files(tmp_path / "serial")
     assert len(list((tmp_path / "cluster").rglob("*.vocab"))) == 1
+
+
+def test_a_transform_travels_to_the_workers_and_builds_what_a_serial_build_does(source, tmp_path, cluster):
+    """The function is pickled to the worker processes (a lambda: by value, as Dask pickles it)."""
+    import torch
+
+    t = gpuload.Transform(lambda o: {"row_id": o["row_id"], "x2": (o["x"] * 2).to(torch.float32),
+                                     "n": o["h"].offsets[1:] - o["h"].offsets[:-1]}, key="x2-v1")
+    serial = gpuload.build_cache(source, tmp_path / "serial", chunk_bytes=CHUNK, transform=t)
+    summary = gpuload.build_cache(source, tmp_path / "cluster", chunk_bytes=CHUNK, client=cluster, transform=t)
+    assert summary.built == summary.chunks == serial.chunks and summary.outputs == ("row_id", "x2", "n")
+    assert _files(tmp_path / "cluster") == _files(tmp_path / "serial")
+    ds = gpuload.ParquetDataset(source, cache_dir=tmp_path / "cluster", device="cpu", chunk_bytes=CHUNK,
+                                batch_size=4096, transform=t, shuffle=False)
+    got = {k: torch.cat([b[k] for b in ds]) for k in ("row_id", "x2", "n")}
+    assert ds.reader.counters.decoded == 0
+    table = pq.read_table(source)
+    assert np.array_equal(got["row_id"].numpy(), table["row_id"].to_numpy())
+    assert np.array_equal(got["x2"].numpy(), (table["x"].to_numpy() * 2).astype(np.float32))
+    assert np.array_equal(got["n"].numpy(), pa.compute.list_value_length(table["h"]).to_numpy())

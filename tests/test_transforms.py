@@ -1,4 +1,7 @@
-"""batch_transform: every batch transformed on the producer thread, with a generator that a
+"""transform=: features computed once per chunk when it is cached, exact against the function
+applied to pyarrow's table, keyed in the cache, refused clearly where its outputs change.
+
+batch_transform: every batch transformed on the producer thread, with a generator that a
 resumed epoch gives each batch again, and the user's errors named with the batch."""
 
 from __future__ import annotations
@@ -7,6 +10,7 @@ import threading
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -190,3 +194,123 @@ def test_an_elastic_resume_is_a_new_run_with_generators_of_its_own(data, tmp_pat
     rows = sum(len(b["x"]) for b in one)
     assert rows == N - 4 * BATCH
     assert seeds == [batch_seed(one.reader.fingerprint, 0, 0, 1, 0, i) for i in range(len(seeds))]
+
+
+
+# -- transform=: at cache time -----------------------------------------------------------------
+EDGES = torch.tensor([10.0, 50.0, 100.0])
+
+
+def features(o: dict) -> dict:
+    """log1p and bucketize of a float, a cross of two ints, a bfloat16 copy, the list kept, one dropped."""
+    return {"x": o["x"], "logw": torch.log1p(o["w"]).to(torch.float32), "bucket": torch.bucketize(o["w"], EDGES),
+            "cross": torch.stack([o["x"], o["x"] % 7], 1), "half": o["w"].to(torch.bfloat16), "l": o["l"],
+            "l_plus": gpuload.Ragged(o["l"].values + 1, o["l"].offsets)}
+
+
+def _columns(ds) -> dict:
+    out = {}
+    for b in ds:
+        for k, v in b.items():
+            out.setdefault(k, []).append((v.values, v.offsets) if isinstance(v, gpuload.Ragged) else v)
+    return out
+
+
+def test_cached_features_equal_the_function_on_pyarrows_table(data, tmp_path):
+    t = gpuload.Transform(features, key="features-v1")
+    ds = _ds(data, tmp_path / "c", transform=t, shuffle=False)
+    assert ds.outputs == ["x", "logw", "bucket", "cross", "half", "l", "l_plus"]
+    got = _columns(ds)
+    table = pq.read_table(data)
+    w = torch.from_numpy(table["w"].to_numpy())
+    x = torch.from_numpy(table["x"].to_numpy())
+    assert torch.equal(torch.cat(got["x"]), x)
+    assert torch.equal(torch.cat(got["logw"]), torch.log1p(w).to(torch.float32))
+    assert torch.equal(torch.cat(got["bucket"]), torch.bucketize(w, EDGES))
+    assert torch.equal(torch.cat(got["cross"]), torch.stack([x, x % 7], 1))
+    half = torch.cat(got["half"])
+    assert half.dtype == torch.bfloat16 and torch.equal(half, w.to(torch.bfloat16))
+    lists = table["l"].to_pylist()
+    plus = [v.tolist() for vals, off in got["l_plus"] for v in np.split(vals.numpy(), off.numpy()[1:-1])]
+    assert plus == [[e + 1 for e in row] for row in lists]
+    assert ds.reader.counters.decoded == len(ds.reader.chunks)
+    ds.set_epoch(1)  # later epochs read the cache: the function is not called again
+    calls = []
+    ds2 = _ds(data, tmp_path / "c", transform=gpuload.Transform(lambda o: calls.append(1) or features(o),
+                                                                  key="features-v1"), shuffle=False)
+    assert calls == [1]  # the 0-row probe at open, nothing else
+    assert all(torch.equal(a, b) for a, b in zip(_columns(ds2)["logw"], got["logw"]))
+    assert calls == [1] and ds2.reader.counters.decoded == 0
+
+
+def test_a_new_key_rebuilds_and_the_same_key_reuses(data, tmp_path):
+    ds = _ds(data, tmp_path / "c", transform=gpuload.Transform(features, key="v1"))
+    list(ds)
+    n = len(ds.reader.chunks)
+    assert ds.reader.counters.decoded == n
+    same = _ds(data, tmp_path / "c", transform=gpuload.Transform(features, key="v1"))
+    list(same)
+    assert same.reader.counters.decoded == 0 and same.reader.spec_hash == ds.reader.spec_hash
+    other = _ds(data, tmp_path / "c", transform=gpuload.Transform(features, key="v2"))
+    list(other)
+    assert other.reader.counters.decoded == n and other.reader.spec_hash != ds.reader.spec_hash
+    plain = _ds(data, tmp_path / "c")  # no transform: a cache of its own
+    assert plain.reader.spec_hash not in (ds.reader.spec_hash, other.reader.spec_hash)
+
+
+def test_build_cache_with_a_transform_leaves_nothing_to_decode(data, tmp_path):
+    t = gpuload.Transform(features, key="v1")
+    s = gpuload.build_cache(data, tmp_path / "c", ["x", "w", "l"], transform=t, chunk_bytes=4096)
+    assert s.built == s.chunks and s.outputs == ("x", "logw", "bucket", "cross", "half", "l", "l_plus")
+    ds = _ds(data, tmp_path / "c", transform=t, batch_size=BATCH)
+    assert sum(len(b["x"]) for b in ds) == N and ds.reader.counters.decoded == 0
+
+
+def test_cache_info_names_the_transform(data, tmp_path, capsys):
+    from gpuload.tools.cli import main
+
+    list(_ds(data, tmp_path / "c", transform=gpuload.Transform(features, key="features-v3")))
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", str(tmp_path / "c")]) in (0, None)
+    out = capsys.readouterr().out
+    assert "logw (float32)" in out and "made by transform 'features-v3'" in out
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda o: {"x": o["x"].to(torch.float64) if len(o["x"]) and int(o["x"][0]) >= 500 else o["x"]},
+     r"a\.parquet \(row groups 5-\d+\): transform 'k' output 'x' is float64"),
+    (lambda o: {"x": o["x"][:-1] if len(o["x"]) else o["x"]}, r"row groups 0-\d+\): transform 'k' output 'x'.*rows"),
+    (lambda o: {"x": o["x"]} if len(o["x"]) == 0 else {"y": o["x"]}, r"returned outputs \['y'\], not \['x'\]"),
+    (lambda o: {"x": o["x"][:, None] if len(o["x"]) else o["x"]}, r"output 'x' is int64 \(\d+, 1\)"),
+])
+def test_a_chunk_whose_outputs_differ_from_the_probe_is_refused_naming_it(data, tmp_path, fn, match):
+    ds = _ds(data, tmp_path / "c", transform=gpuload.Transform(fn, key="k"), shuffle=False)
+    with pytest.raises(gpuload.SchemaError, match=match):
+        list(ds)
+    assert sum(len(b["x"]) for b in _ds(data, tmp_path / "c", shuffle=False)) == N  # nothing else harmed
+
+
+def test_bad_transforms_are_refused_at_open(data, tmp_path):
+    with pytest.raises(gpuload.ConfigError, match="must be a gpuload.Transform"):
+        _ds(data, tmp_path / "c", transform=features)
+    with pytest.raises(gpuload.ConfigError, match="key=''"):
+        gpuload.Transform(features, key="")
+    with pytest.raises(IndexError) as e:  # the function's own error, on the probe, said so
+        _ds(data, tmp_path / "c", transform=gpuload.Transform(lambda o: {"x": o["x"][0:1] * o["x"][0]}, key="k"))
+    assert "gpuload: raised by transform 'k' on the 0-row probe at open (it must accept 0 rows)" in e.value.__notes__
+    with pytest.raises(gpuload.ConfigError, match="output 'x' has 3 dimensions"):
+        _ds(data, tmp_path / "c", transform=gpuload.Transform(lambda o: {"x": o["x"][:, None, None]}, key="k"))
+    with pytest.raises(gpuload.ConfigError, match="output 'x' is a list"):
+        _ds(data, tmp_path / "c", transform=gpuload.Transform(lambda o: {"x": []}, key="k"))
+    with pytest.raises(gpuload.ConfigError, match="returned list"):
+        _ds(data, tmp_path / "c", transform=gpuload.Transform(lambda o: [o["x"]], key="k"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["cpu", "auto"], ids=["pyarrow-decode", "auto-decode"])
+def test_on_a_gpu_the_transformed_cache_holds_the_cpus_values(data, tmp_path, decode):
+    t = gpuload.Transform(features, key="v1")
+    cpu = _columns(_ds(data, tmp_path / "cpu", transform=t, shuffle=False))
+    gpu = _columns(_ds(data, tmp_path / "gpu", transform=t, shuffle=False, device="cuda", decode=decode))
+    for k in ("x", "logw", "bucket", "cross", "half"):
+        assert torch.equal(torch.cat(cpu[k]), torch.cat(gpu[k]).cpu()), k

@@ -94,8 +94,10 @@ def _spec_text(desc) -> str:
         dtype = d["dtype"] if d["dtype"] == "bfloat16" else np.dtype(d["dtype"]).name
         encoders = sorted({_encoder_text(src[2]) for src in d.get("sources", []) if len(src) > 2})
         what = f"{dtype}, ids of {' and '.join(encoders)}" if encoders else dtype  # categorical columns
-        parts.append(f"{d['name'] if d['name'] == cols else d['name'] + '=' + cols} ({what})")
-    return ", ".join(parts)
+        named = d["name"] if d["name"] == cols or not d["columns"] else d["name"] + "=" + cols  # none: a transform's
+        parts.append(f"{named} ({what})")
+    made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})
+    return ", ".join(parts) + "".join(f"; made by transform {k!r}" for k in made)
 
 
 def _vocab_text(vocab: Vocab) -> str:
