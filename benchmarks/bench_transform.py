@@ -42,7 +42,7 @@ COLUMNS = {"label": "label", "counts": [f"I{i}" for i in range(1, 14)]}
 def features(o: dict) -> dict:
     """log1p and bucketize of the 13 counts (clipped at 0): the features of a DLRM-style model."""
     counts = o["counts"].to(torch.float32).clamp(min=0)
-    return {"label": o["label"], "dense": torch.log1p(counts), "bucket": torch.bucketize(counts, EDGES)}
+    return {"label": o["label"], "dense": torch.log1p(counts), "bucket": torch.bucketize(counts, EDGES.to(counts.device))}
 
 
 def _epoch(ds, step_s: float, in_loop: bool) -> tuple[float, float, float, int]:

@@ -218,11 +218,11 @@ class GpuDecoder:
         m = self.metrics
         try:
             _check_gpu_names(f, specs)
+            stream = self.ctx.decode_stream()
             try:
                 image = _image(f, chunk, specs, self.fallback.fetch, m)
             except OSError as e:  # the CPU decoder reads it again and says what is wrong
                 raise Unsupported(f"{where}: cannot be read ({e})") from None
-            stream = self.ctx.decode_stream()
             with m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext():
                 try:
                     raw = read_row_groups(image, chunk.rg_start, chunk.rg_stop, needed_columns(specs), stream=stream)

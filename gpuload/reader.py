@@ -11,6 +11,8 @@ bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`)
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import stat
@@ -93,7 +95,8 @@ class ChunkReader:
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
-        self.chunks: list[Chunk] = make_chunks([row_group_sizes(f, self.specs) for f in self.files],
+        self.chunks: list[Chunk] = make_chunks([row_group_sizes(f, self.specs, None if t is None else self.outputs)
+                                                for f in self.files],
                                                opts.chunk_bytes)
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
@@ -230,9 +233,10 @@ class ChunkReader:
         c = self.chunks[i]
         f = self.files[c.file]
         cols = self.decode(f, c, self.specs)
-        if self.source.transform is not None:
-            cols = apply_transform(self.source.transform, cols, self.specs, self.outputs,
-                                   f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
+        if self.source.transform is not None:  # timed as conversion
+            with self.metrics.span("convert", rows=c.rows) if self.metrics is not None else contextlib.nullcontext():
+                cols = apply_transform(self.source.transform, cols, self.specs, self.outputs,
+                                       f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
         cols = self.layout.pack(cols)
         if self.opts.block is None:
             return cols

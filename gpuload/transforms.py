@@ -48,8 +48,9 @@ class Transform:
     cache key (a name and version you choose: ``"features-v3"``; change it when ``fn`` changes).
 
     ``fn`` gets a dict of output name -> torch tensor (``[rows]`` or ``[rows, k]``) or
-    :class:`gpuload.Ragged` on the decoding device, and returns such a dict with the same
-    number of rows (outputs may be dropped, changed or added). It must also accept 0 rows:
+    :class:`gpuload.Ragged` on the device that decoded the chunk (CPU, or CUDA where cuDF
+    decoded it: write it for either), and returns such a dict with the same number of rows
+    (outputs may be dropped, changed or added), in the order of the first (the probe's) result. It must also accept 0 rows:
     it is called once at open with empty tensors to learn its outputs. In Dask builds it
     travels pickled (cloudpickle) to the workers.
     """
@@ -63,6 +64,15 @@ class Transform:
         if not isinstance(self.key, str) or not self.key.strip() or len(self.key) > 200:
             raise ConfigError(f"transform: Transform(key={self.key!r}) must be a non-empty name of at most 200 "
                               "characters, e.g. 'features-v3': the cache key holds it")
+
+
+def note(e: BaseException, text: str) -> None:
+    """Add ``text`` to ``e``'s notes (shown under its traceback from Python 3.11; on 3.10 kept
+    in ``__notes__`` only)."""
+    if hasattr(e, "add_note"):
+        e.add_note(text)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", []), text]
 
 
 def check_transform(t) -> Transform | None:
@@ -135,7 +145,7 @@ def _call(t: Transform, outputs: dict, where: str) -> dict:
     try:
         out = t.fn(outputs)
     except Exception as e:
-        e.add_note(f"gpuload: raised by transform {t.key!r}{where}")
+        note(e, f"gpuload: raised by transform {t.key!r}{where}")
         raise
     if not isinstance(out, Mapping) or not out or not all(isinstance(k, str) and k for k in out):
         raise ConfigError(f"transform {t.key!r} returned {type(out).__name__}{where}: it must return a non-empty "
@@ -182,8 +192,8 @@ def apply_transform(t: Transform, cols: dict, specs: Sequence[OutputSpec], outpu
         raise SchemaError(f"{where}: transform {t.key!r} returned outputs {sorted(got)}, not {sorted(want)} as on "
                           "the 0-row probe at open; return the same outputs for every chunk")
     out = {}
-    for name, v in got.items():
-        s = want[name]
+    for name in want:  # in the outputs' order, whatever order this chunk's dict has
+        v, s = got[name], want[name]
         spec = _spec_of(name, v, t.key, f" on {where}")
         n = len(v.offsets) - 1 if isinstance(v, Ragged) else int(v.shape[0])
         if spec != s or n != rows:
@@ -260,7 +270,7 @@ class BatchTransform:
         try:
             out = self.fn(batch, g)
         except Exception as e:
-            e.add_note(f"gpuload: raised by batch_transform on {where}")
+            note(e, f"gpuload: raised by batch_transform on {where}")
             raise
         if not isinstance(out, Mapping) or not all(isinstance(k, str) for k in out):
             raise ConfigError(f"batch_transform returned {type(out).__name__} for {where}: it must return a dict "

@@ -203,7 +203,8 @@ EDGES = torch.tensor([10.0, 50.0, 100.0])
 
 def features(o: dict) -> dict:
     """log1p and bucketize of a float, a cross of two ints, a bfloat16 copy, the list kept, one dropped."""
-    return {"x": o["x"], "logw": torch.log1p(o["w"]).to(torch.float32), "bucket": torch.bucketize(o["w"], EDGES),
+    return {"x": o["x"], "logw": torch.log1p(o["w"]).to(torch.float32),
+            "bucket": torch.bucketize(o["w"], EDGES.to(o["w"].device)),  # the chunk's device: CPU or CUDA
             "cross": torch.stack([o["x"], o["x"] % 7], 1), "half": o["w"].to(torch.bfloat16), "l": o["l"],
             "l_plus": gpuload.Ragged(o["l"].values + 1, o["l"].offsets)}
 
@@ -314,3 +315,36 @@ def test_on_a_gpu_the_transformed_cache_holds_the_cpus_values(data, tmp_path, de
     gpu = _columns(_ds(data, tmp_path / "gpu", transform=t, shuffle=False, device="cuda", decode=decode))
     for k in ("x", "logw", "bucket", "cross", "half"):
         assert torch.equal(torch.cat(cpu[k]), torch.cat(gpu[k]).cpu()), k
+
+
+def test_chunks_are_sized_by_what_the_transform_makes(data, tmp_path):
+    """A transform that makes 64 floats of each row: chunk_bytes bounds the cached chunk, not its input."""
+    wide = gpuload.Transform(lambda o: {"x": o["x"], "emb": o["w"][:, None].expand(-1, 64).to(torch.float32)}, "wide")
+    plain = _ds(data, tmp_path / "c", chunk_bytes=16_384)
+    ds = _ds(data, tmp_path / "c", transform=wide, chunk_bytes=16_384)
+    assert len(ds.reader.chunks) > len(plain.reader.chunks)
+    assert ds.reader.max_chunk_bytes() <= 16_384 + 100 * (8 + 256)  # one row group over at most
+    list(ds)
+    biggest = max(p.stat().st_size for p in (tmp_path / "c").rglob("*.glc"))
+    assert biggest < 2 * 16_384 + 100 * (8 + 256) + 4096
+
+
+def test_outputs_come_in_the_probes_order_whatever_order_a_chunk_gives(data, tmp_path):
+    def flip(o):
+        out = {"a": o["x"], "b": o["x"] * 2}
+        return out if len(o["x"]) == 0 or int(o["x"][0]) % 200 else dict(reversed(list(out.items())))
+
+    ds = _ds(data, tmp_path / "c", transform=gpuload.Transform(flip, "flip"), shuffle=False, layout="columns")
+    assert all(list(b) == ["a", "b"] and torch.equal(b["b"], b["a"] * 2) for b in ds)
+
+
+def test_notes_reach_the_error_on_every_python():
+    from gpuload.transforms import note
+
+    class Old(Exception):  # Python 3.10's exceptions have no add_note
+        add_note = property(lambda self: (_ for _ in ()).throw(AttributeError("add_note")))
+
+    for e in (ValueError("x"), Old("y")):
+        note(e, "first")
+        note(e, "second")
+        assert e.__notes__ == ["first", "second"]

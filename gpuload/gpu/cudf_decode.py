@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -204,6 +205,11 @@ def _fixed(col, spec: OutputSpec, atype: pa.DataType, where: str, stream=None):
     return out
 
 
+# reserve no memory for the whole file (only the pages read into are ever used); Linux's value
+# where Python's mmap lacks the constant (before 3.13)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+
+
 class HostImage(io.BytesIO):
     """A Parquet file as libcudf reads it, in host memory: ``size`` bytes of an anonymous
     mapping into which only the ranges a chunk needs are read (see
@@ -219,7 +225,7 @@ class HostImage(io.BytesIO):
     def __init__(self, size: int):
         super().__init__()
         self.size = size
-        self._map = mmap.mmap(-1, max(size, 1))
+        self._map = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
 
     def getbuffer(self) -> memoryview:
         return memoryview(self._map)[:self.size]

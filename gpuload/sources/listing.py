@@ -320,19 +320,27 @@ def common_columns(files: Sequence[SourceFile]) -> tuple[pa.Schema, list[str]]:
     return pa.schema(keep, metadata=first.metadata), sorted(everywhere - shared - index)
 
 
-def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec]) -> list[tuple[int, int]]:
-    """Per row group of ``f``: (rows, estimated bytes once converted to ``specs``)."""
-    fixed_per_row = sum(storage_dtype(s.dtype).itemsize * s.width for s in specs if s.kind != RAGGED)
-    ragged = [(s, storage_dtype(s.dtype).itemsize) for s in specs if s.kind == RAGGED]
+def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec],
+                    outputs: Sequence[OutputSpec] | None = None) -> list[tuple[int, int]]:
+    """Per row group of ``f``: (rows, estimated bytes once converted to ``specs``), or, given
+    ``outputs`` (what a transform makes of ``specs``), to those: a ragged output made by the
+    transform is taken to hold as many values as the largest ragged input (one a row without)."""
+    def values(rg, c: str, n: int) -> int:
+        return rg.column(f.leaves(c)[0]).num_values if c not in f.partition_names else n
+
+    made = outputs is not None
+    outputs = specs if outputs is None else outputs
+    fixed_per_row = sum(storage_dtype(s.dtype).itemsize * s.width for s in outputs if s.kind != RAGGED)
+    ragged = [(s, storage_dtype(s.dtype).itemsize) for s in outputs if s.kind == RAGGED]
+    inputs = [s.columns[0] for s in specs if s.kind == RAGGED]
     out = []
     for g in range(f.metadata.num_row_groups):
         rg = f.metadata.row_group(g)
         n = rg.num_rows
         size = n * fixed_per_row
+        guess = max((values(rg, c, n) for c in inputs), default=n) if made else 0
         for s, item in ragged:
-            c = s.columns[0]
-            values = rg.column(f.leaves(c)[0]).num_values if c not in f.partition_names else n
-            size += values * item + (n + 1) * 8
+            size += (guess if made else values(rg, s.columns[0], n)) * item + (n + 1) * 8
         out.append((n, size))
     return out
 
