@@ -190,6 +190,8 @@ class DeviceContext:
         guarded for the consumer's stream as gpuload's own blocks are (:func:`guard`): with
         torch's caching allocator the tensor itself; with RMM's, a view of the same memory
         whose owner makes the batch stream wait for the consumer's work before the free."""
+        if tensor.untyped_storage().nbytes() == 0:  # no memory to guard
+            return tensor
         owner = guard(tensor, self.batch_stream, [self.consumer], self._rmm)
         if owner is tensor:
             return tensor
