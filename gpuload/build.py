@@ -100,7 +100,7 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
 
 
 def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
-                dtypes=Source.dtypes, categorical=Source.categorical, transform=Source.transform,
+                dtypes=Source.dtypes, categorical=Source.categorical, transform=Source.transform, filters=Source.filters,
                 chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
                 max_cache_bytes: int | None = Options.max_cache_bytes,
                 progress: Callable[[int], None] | bool | None = None, device=BUILD_DEVICE, decode: str = Options.decode,

@@ -22,6 +22,7 @@ import numpy as np
 from .cache.paths import default_cache_dir
 from .errors import ConfigError, setting, value
 from .sources.settings import RemoteSettings
+from .rowfilter import RowFilter
 from .transforms import check_transform
 
 __all__ = ["Source", "Options", "MiB", "BUILD_DEVICE"]
@@ -59,7 +60,7 @@ class Source(_Settings):
     """What to read: the files and the outputs made of their columns.
 
     ``source``: a path, directory, glob or URL, or a list of these; ``columns``, ``fill_nulls``,
-    ``dtypes``, ``categorical`` and ``transform`` shape the outputs; ``filesystem``, ``storage_options`` and ``remote`` say
+    ``dtypes``, ``categorical`` and ``transform`` shape the outputs, ``filters`` selects rows; ``filesystem``, ``storage_options`` and ``remote`` say
     how remote objects are reached (see :class:`gpuload.ParquetDataset` for each).
     """
 
@@ -72,12 +73,14 @@ class Source(_Settings):
     storage_options: dict | None = None
     remote: RemoteSettings | None = None  # None: RemoteSettings() from the environment; a dict of its fields
     transform: Any = None  # None, or a gpuload.Transform applied to each chunk when it is cached
+    filters: Any = None  # None, a pyarrow.compute expression or its DNF list: the rows kept (a RowFilter once made)
 
     def __post_init__(self):
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise ConfigError(f"{setting('storage_options', self.storage_options)} must be a dict (or None)")
         object.__setattr__(self, "remote", RemoteSettings.of(self.remote))
         check_transform(self.transform)
+        object.__setattr__(self, "filters", RowFilter.of(self.filters))
 
 
 @dataclass(frozen=True)

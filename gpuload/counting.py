@@ -1,4 +1,9 @@
-"""Counting: the vocabulary of a :class:`gpuload.Vocab` column, over every source file, once.
+"""Counting over the source files at open: the vocabulary of a :class:`gpuload.Vocab` column,
+and the rows a row filter keeps in each row group.
+
+:func:`kept_groups` gives, per row group of each file, the rows a :class:`gpuload.rowfilter.RowFilter`
+keeps: row groups the statistics and Hive keys rule out are not read; of the others only the
+filter's columns are read (remote objects: only their byte ranges), on ``threads`` threads.
 
 :func:`vocabulary_for` returns the vocabulary kept in the cache under the column's and the
 files' identity (:mod:`gpuload.cache.vocabs`), or counts it: only that column is read
@@ -22,15 +27,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .cache.fs import CacheRoot
+from .cache.kept import kept_key, load_kept, save_kept
 from .cache.vocabs import load_vocabulary, save_vocabulary, vocab_key, vocab_lock
 from .categorical import Vocab, Vocabulary, register
 from .decode import read_columns
 from .errors import ConfigError, SourceError, setting
 from .plan import Chunk
+from .rowfilter import RowFilter, candidate_groups, filter_table
 from .schema import list_value
 from .sources.listing import SourceFile
 
-__all__ = ["vocabulary_for", "count_vocabulary"]
+__all__ = ["vocabulary_for", "count_vocabulary", "kept_groups"]
 
 log = logging.getLogger("gpuload")
 
@@ -137,3 +144,51 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
     elif got is None:
         got = count_vocabulary(files, column, vocab, threads, fetch)
     return register(got)
+
+
+def _kept_in(f: SourceFile, index: int, group: int, flt: RowFilter, columns: list[str], fetch: Callable | None) -> int:
+    """Rows of row group ``group`` of ``f`` (number ``index``) that ``flt`` keeps, reading ``columns``."""
+    rows = f.metadata.row_group(group).num_rows
+    stored = [c for c in columns if c not in f.partition_names]
+    leaves = [i for c in stored for i in f.leaves(c)]
+    chunk = Chunk(index, group, group + 1, rows, 0)
+    try:
+        src = fetch(f, chunk, leaves) if (f.remote and leaves) else f.path
+        table = read_columns(src, f, chunk, leaves) if leaves else pa.table({})
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"{f.path} (row group {group}): the filter's columns cannot be read "
+                          f"({' '.join(str(e).split())})") from None
+    return len(filter_table(table, f, flt, rows))
+
+
+def kept_groups(files: Sequence[SourceFile], flt: RowFilter, columns: list[str], threads: int = 1,
+                fetch: Callable | None = None, root: CacheRoot | None = None) -> list[list[int]]:
+    """Per file, per row group, the rows ``flt`` keeps (0 for a row group the statistics or Hive
+    keys rule out, which is not read); ``columns``: the filter's (:meth:`RowFilter.columns`).
+    Counts kept in the cache ``root`` (:mod:`gpuload.cache.kept`) are read, not counted again;
+    new counts are kept there (a cache that cannot be written only loses that)."""
+    out, todo = [], set()
+    for i, f in enumerate(files):
+        got = load_kept(root, kept_key(flt.key, _identity(f)), f.metadata.num_row_groups)
+        out.append(got if got is not None else [0] * f.metadata.num_row_groups)
+        if got is None:
+            todo.add(i)
+    jobs = [(f, i, g) for i, f in enumerate(files) if i in todo for g in candidate_groups(f, flt)]
+    if threads > 1 and len(jobs) > 1:
+        with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="gpuload-count") as pool:
+            counts = list(pool.map(lambda j: _kept_in(*j, flt, columns, fetch), jobs))
+    else:
+        counts = [_kept_in(*j, flt, columns, fetch) for j in jobs]
+    for (f, i, g), n in zip(jobs, counts):
+        out[i][g] = n
+    for i in sorted(todo) if root is not None else ():
+        try:
+            save_kept(root, kept_key(flt.key, _identity(files[i])), flt.key, _identity(files[i]), out[i])
+        except OSError as e:
+            log.warning("gpuload: cannot keep the filter's counts of %s in the cache (%s); they are counted "
+                        "again at the next open", files[i].path, e)
+    return out
+
+
+def _identity(f: SourceFile) -> tuple:
+    return (f.path, f.size, f.mtime_ns, f.tag)

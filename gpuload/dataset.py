@@ -151,7 +151,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  shuffle: bool | str = Options.shuffle, seed: int = Options.seed, drop_last: bool = Options.drop_last,
                  cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
-                 categorical=Source.categorical, transform=Source.transform, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
+                 categorical=Source.categorical, transform=Source.transform, filters=Source.filters, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
                  prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
                  max_cache_bytes: int | None = Options.max_cache_bytes,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,

@@ -21,6 +21,7 @@ from .batch import nbytes
 from .checks import column_names, old_arrow_error, stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError, flag
+from .rowfilter import filter_table, keep
 from .sources.ranges import ReadOnlyFile, coalesce, image_ranges
 from .plan import Chunk
 from .schema import GROUP, SCALAR, OutputSpec
@@ -139,9 +140,11 @@ class ArrowDecoder:
 
     name = "cpu"
 
-    def __init__(self, metrics=None, fetch: Callable | None = None):
+    def __init__(self, metrics=None, fetch: Callable | None = None, row_filter=None, filter_columns=()):
         self.metrics = metrics
         self.fetch = fetch  # remote objects: fetch(f, chunk, leaves) -> RangeFile (see ChunkReader.fetch)
+        self.row_filter = row_filter  # a gpuload.rowfilter.RowFilter: only the rows it keeps are converted
+        self.filter_columns = list(filter_columns)  # the columns it reads
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
         where = _where(f, chunk)
@@ -149,7 +152,8 @@ class ArrowDecoder:
         t0 = m.clock() if m is not None else 0.0
         needed = needed_columns(specs)
         stored = [c for c in needed if c not in f.partition_names]
-        leaves = [i for c in stored for i in f.leaves(c)]
+        extra = [c for c in self.filter_columns if c not in f.partition_names and c not in stored]
+        leaves = [i for c in stored + extra for i in f.leaves(c)]
         try:
             if f.remote:  # the column ranges, fetched (or started ahead) by the reader; its wait is `read`
                 src = self.fetch(f, chunk, leaves)
@@ -158,9 +162,15 @@ class ArrowDecoder:
                 src = f.path if m is None else _TimedFile(f.path, m)
             try:  # by leaf index: a name with dots never selects a struct's child
                 table = read_columns(src, f, chunk, leaves, dictionary=_hashed_strings(specs, stored))
+                kept = None
+                if self.row_filter is not None:  # the rows it keeps, then only the outputs' columns
+                    kept = filter_table(table.select([c for c in self.filter_columns if c in table.column_names]),
+                                        f, self.row_filter, table.num_rows)
+                    table = keep(table, kept).drop_columns(extra)
                 int96 = [c for c in stored if c in f.int96]
                 if int96:  # microseconds may not hold them all: seconds always do
-                    _check_int96(table, read_columns(src, f, chunk, [i for c in int96 for i in f.leaves(c)], "s"), where)
+                    seconds = read_columns(src, f, chunk, [i for c in int96 for i in f.leaves(c)], "s")
+                    _check_int96(table, seconds if kept is None else keep(seconds, kept), where)
             finally:
                 if m is not None and not f.remote:
                     src.close()
@@ -168,7 +178,8 @@ class ArrowDecoder:
             raise _read_error(f, chunk, stored, where, e, self.fetch) from None
         _unchanged(f, during=True)
         if table.num_rows != chunk.rows:
-            raise SourceError(f"{where}: read {table.num_rows} rows where the footer promises {chunk.rows}")
+            promised = "the filter kept when counted at open" if self.row_filter is not None else "the footer promises"
+            raise SourceError(f"{where}: read {table.num_rows} rows where {promised} {chunk.rows}")
         for c in needed:
             if c in f.partition_names:  # a Hive partition key: the same value in every row
                 table = table.append_column(c, pa.repeat(f.partition_scalar(c), chunk.rows))
@@ -218,6 +229,8 @@ class GpuDecoder:
         m = self.metrics
         try:
             _check_gpu_names(f, specs)
+            if self.fallback.row_filter is not None:  # not before reading: no chunk read twice
+                raise Unsupported("a row filter is applied on the CPU (pyarrow) for now")
             stream = self.ctx.decode_stream()
             try:
                 image = _image(f, chunk, specs, self.fallback.fetch, m)

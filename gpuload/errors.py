@@ -35,7 +35,7 @@ FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtyp
           "chunk_bytes": "--chunk-mib", "max_cache_bytes": "--max-gib", "storage_options": "--storage-options",
           "layout": "--layout", "block_rows": "--block-rows", "seed": "--seed", "nodes": "--nodes",
           "step_ms": "--step-ms", "model": "--model", "epochs": "--epochs", "workers": "--workers",
-          "scheduler": "--scheduler", "categorical": "--categorical"}
+          "scheduler": "--scheduler", "categorical": "--categorical", "filters": "--filter"}
 #: Settings whose flag takes another unit than the Python argument: (divisor, flag's unit).
 _UNITS = {"chunk_bytes": 2**20, "max_cache_bytes": 2**30}
 

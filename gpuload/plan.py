@@ -104,19 +104,21 @@ def make_chunks(row_groups: Sequence[Sequence[tuple[int, int]]], chunk_bytes: in
 
     Parameters
     ----------
-    row_groups : per file, per row group, ``(rows, estimated converted bytes)``.
+    row_groups : per file, per row group, ``(rows, estimated converted bytes)``, or None for a
+        row group left out (a row filter excludes it): no chunk spans it.
     chunk_bytes : upper bound of a chunk's converted bytes (a single larger row group
         still forms one chunk).
     """
     chunks = []
     for f, groups in enumerate(row_groups):
         start, rows, size = 0, 0, 0
-        for g, (n, b) in enumerate(groups):
-            if g > start and size + b > chunk_bytes:
+        for g, got in enumerate(groups):
+            if got is None or (g > start and size + got[1] > chunk_bytes):
                 if rows:  # row groups with no rows make no chunk
                     chunks.append(Chunk(f, start, g, rows, size))
-                start, rows, size = g, 0, 0
-            rows, size = rows + n, size + b
+                start, rows, size = g + (got is None), 0, 0
+            if got is not None:
+                rows, size = rows + got[0], size + got[1]
         if len(groups) > start and rows:
             chunks.append(Chunk(f, start, len(groups), rows, size))
     return chunks

@@ -28,8 +28,9 @@ from .cache.chunkfile import spec_hash
 from .categorical import Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options, Source
+from .errors import ConfigError, SourceError, flag
 from .convert import needed_columns
-from .counting import vocabulary_for
+from .counting import kept_groups, vocabulary_for
 from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
@@ -95,20 +96,44 @@ class ChunkReader:
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
-        self.chunks: list[Chunk] = make_chunks([row_group_sizes(f, self.specs, None if t is None else self.outputs)
-                                                for f in self.files],
-                                               opts.chunk_bytes)
+        sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
+        flt = source.filters
+        self.filter_columns: list[str] = []  #: the columns the row filter reads
+        if flt is not None:  # the filter's text is part of the cache key; chunks hold the kept rows only
+            self.spec_desc = [{**d, "filter": flt.key} for d in self.spec_desc]
+            self.spec_hash = spec_hash(self.spec_desc)
+            sizes = self._filtered(sizes, flt)
+        self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
+        if not self.chunks and flt is not None:
+            raise SourceError(f"{flag('filters')} {flt.key} keeps no row of the {len(self.files)} files "
+                              f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         #: arrays per stored chunk
         self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
-        self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch), metrics)
+        self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
+                                                             row_filter=flt, filter_columns=self.filter_columns),
+                                     metrics)
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
-        if scan_nulls:  # else (a cluster worker: its caller checked these files) conversion still refuses nulls
+        if scan_nulls and flt is None:  # else (a cluster worker: its caller checked these files; a filter:
+            # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self.counters = LoadCounters()
+
+    def _filtered(self, sizes: list, flt) -> list:
+        """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group
+        with none becomes None (never read), the others their kept rows and as many bytes per row."""
+        schema = common_columns(self.files)[0]
+        if any(vt.encode.startswith("vocab:") for s in self.specs for vt in s.sources):
+            raise ConfigError(f"{flag('filters')} with a gpuload.Vocab column is not supported yet (its vocabulary would be "
+                              "counted over every row, not the kept ones): use gpuload.Hash for it, or no filter")
+        self.filter_columns = flt.columns(schema)
+        kept = kept_groups(self.files, flt, self.filter_columns, self.opts.num_threads, self.remote_reads.fetch,
+                           self.cache.root)
+        return [[(n, size * n // max(rows, 1)) if n else None for (rows, size), n in zip(groups, k)]
+                for groups, k in zip(sizes, kept)]
 
     def _resolve_outputs(self) -> list[OutputSpec]:
         """The outputs of the source's ``columns``, ``fill_nulls`` and ``dtypes`` over the opened
@@ -260,7 +285,8 @@ class ChunkReader:
     # -- remote sources: the read-ahead (gpuload.sources.readahead) ---------------------------
     def _leaves(self, f: SourceFile) -> list[int]:
         """The Parquet leaf columns of ``f`` that the outputs read (partition keys are not in the file)."""
-        return [i for c in needed_columns(self.specs) if c not in f.partition_names for i in f.leaves(c)]
+        wanted = dict.fromkeys(needed_columns(self.specs) + self.filter_columns)
+        return [i for c in wanted if c not in f.partition_names for i in f.leaves(c)]
 
     def warm(self, i: int) -> bool:
         """Start fetching remote chunk ``i``'s column ranges ahead of its decoding (nothing for

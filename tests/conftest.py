@@ -625,3 +625,22 @@ def _own_cache_dir(tmp_path, monkeypatch):
     """A test's default cache folder is its own: ``tmp_path / "default-cache"`` (made on first
     use by whatever opens it); ``tmp_cache`` below sets another."""
     monkeypatch.setenv("GPULOAD_CACHE_DIR", str(tmp_path / "default-cache"))
+
+
+@pytest.fixture
+def cli(capsys):
+    """``run``, in this process: ``main(args)`` (argparse's own errors exit through SystemExit),
+    its exit status and what it printed, as a CompletedProcess."""
+
+    def call(*args):
+        capsys.readouterr()
+        try:
+            from gpuload.tools.cli import main
+
+            rc = main(list(args))
+        except SystemExit as e:
+            rc = e.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(["gpuload", *args], rc, out, err)
+
+    return call

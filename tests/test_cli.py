@@ -25,23 +25,6 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", "gpuload.tools.cli", *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture
-def cli(capsys):
-    """``run``, in this process: ``main(args)`` (argparse's own errors exit through SystemExit),
-    its exit status and what it printed, as a CompletedProcess."""
-
-    def call(*args):
-        capsys.readouterr()
-        try:
-            rc = main(list(args))
-        except SystemExit as e:
-            rc = e.code
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(["gpuload", *args], rc, out, err)
-
-    return call
-
-
 @pytest.mark.parametrize("args,needle", [
     (["cache", "build", "/no/such/place"], "no such file"),
     (["cache", "build", "DATA", "--columns", "dense_0,nope"], "'nope'"),

@@ -25,6 +25,7 @@ from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, pwrit
 from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, VOCAB, CacheRoot, Lock, kind_of
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
+from .kept import KEPT_SUFFIX, check_kept_file
 from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
 from ..schema import desc_outputs
 
@@ -189,8 +190,11 @@ def summary(root: CacheRoot) -> dict:
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
     vocabularies = []
+    kept = 0
     for name, st in _vocab_folder(root, problems, foreign):
-        if VOCAB.fullmatch(name):
+        if VOCAB.fullmatch(name) and name.endswith(KEPT_SUFFIX):  # a row filter's counts of one file
+            kept += 1
+        elif VOCAB.fullmatch(name):
             entry = {"name": name, "bytes": st.st_size, "built": st.st_mtime}
             with contextlib.suppress(OSError, ValueError):
                 header, vocabulary = read_vocab_file(root, name)
@@ -199,7 +203,7 @@ def summary(root: CacheRoot) -> dict:
             vocabularies.append(entry)
     return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
             "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
-            "old_format": old, "footers": footers, "vocabularies": vocabularies,
+            "old_format": old, "footers": footers, "vocabularies": vocabularies, "kept_counts": kept,
             "foreign": foreign + sorted({p.problem for p in problems})}
 
 
@@ -213,7 +217,8 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     for name, st in _scan(root, (_LAYOUT, _VOCABS), bad):
         if VOCAB.fullmatch(name):
             path = root.where((_LAYOUT, _VOCABS), name)
-            _check_file(bad, path, lambda: check_vocab_file(root, name))
+            _check_file(bad, path, lambda: (check_kept_file if name.endswith(KEPT_SUFFIX) else check_vocab_file)(
+                root, name))
             if progress is not None:
                 progress(path)
     for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):

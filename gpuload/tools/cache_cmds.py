@@ -31,7 +31,7 @@ def cmd_build(args) -> int:
         client = _client(args, stack)
         try:
             summary = build_cache(src.source, columns=src.columns, fill_nulls=src.fill_nulls, dtypes=src.dtypes,
-                                  categorical=src.categorical,
+                                  categorical=src.categorical, filters=src.filters,
                                   storage_options=src.storage_options,
                                   max_cache_bytes=None if args.max_gib is None else int(args.max_gib * 2**30),
                                   progress=progress.update, client=client, nodes=args.nodes, **settings)
@@ -97,7 +97,9 @@ def _spec_text(desc) -> str:
         named = d["name"] if d["name"] == cols or not d["columns"] else d["name"] + "=" + cols  # none: a transform's
         parts.append(f"{named} ({what})")
     made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})
-    return ", ".join(parts) + "".join(f"; made by transform {k!r}" for k in made)
+    kept = sorted({str(d["filter"]) for d in desc if d.get("filter")})
+    return ", ".join(parts) + "".join(f"; made by transform {k!r}" for k in made) + \
+        "".join(f"; rows where {k}" for k in kept)
 
 
 def _vocab_text(vocab: Vocab) -> str:
@@ -140,6 +142,8 @@ def cmd_info(args) -> int:
             continue
         print(f"  {v['column']}: {v['values']:,} values; {_vocab_text(v['vocab'])}; over "
               f"{v['sources']} files; built {_when(v['built'])}")
+    if s.get("kept_counts"):
+        print(f"row filters' kept-row counts: {s['kept_counts']} source files counted")
     if s["sources"]:
         print("source files:")
     for src, e in sorted(s["sources"].items()):

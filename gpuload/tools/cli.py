@@ -73,7 +73,7 @@ def cmd_profile(args) -> int:
     print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {opts.batch_size:,} "
           "rows", file=sys.stderr)
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
-                      fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical,
+                      fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical, filters=src.filters,
                       storage_options=src.storage_options, **settings)
     for r in reports:
         print(r)

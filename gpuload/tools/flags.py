@@ -68,6 +68,9 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
     p.add_argument("--categorical", help="ids for string and binary columns: a number of hash buckets, or vocab, "
                    f"for all of them, or a JSON object {{\"column\": buckets, null, \"vocab\" or {{\"min_count\": N, "
                    f"\"max_size\": M}}}} (default: the 64-bit hash){was}")
+    p.add_argument("--filter", help="keep only the rows where these hold: a JSON list of [column, op, value] "
+                   "conditions (all hold), or a list of such lists (any holds), e.g. "
+                   f"'[[\"day\", \">=\", 20260101], [\"country\", \"in\", [\"DE\", \"FR\"]]]'{was}")
 
 
 def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:
@@ -102,11 +105,25 @@ def categorical(text: str | None):
                       "'{\"C1\": 4194304, \"C2\": null, \"C3\": \"vocab\"}'")
 
 
+def row_filter(text: str | None):
+    """``--filter``: the DNF conditions as JSON lists (None: no filter)."""
+    if text is None:
+        return None
+    try:
+        got = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--filter is not valid JSON ({e}): give '[[\"day\", \">=\", 20260101]]'") from None
+    if not isinstance(got, list) or not got:
+        raise ConfigError(f"--filter {text!r}: give a JSON list of [column, op, value] conditions, e.g. "
+                          "'[[\"day\", \">=\", 20260101], [\"country\", \"in\", [\"DE\"]]]'")
+    return got
+
+
 def source_of(args) -> Source:
     """The :class:`Source` of a command's positional sources and source flags."""
     return Source(args.source, columns(args.columns), _fill(args.fill_nulls),
                   _json_object("--dtypes", args.dtypes, '{"dense": "float16"}'),
-                  categorical=categorical(args.categorical),
+                  categorical=categorical(args.categorical), filters=row_filter(getattr(args, "filter", None)),
                   storage_options=_json_object("--storage-options", args.storage_options, '{"anon": true}'))
 
 

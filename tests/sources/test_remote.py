@@ -610,3 +610,26 @@ def test_a_vocabulary_is_counted_from_the_columns_ranges_and_then_read_from_the_
     again = open_dataset(url, ["w"], tmp_path / "c", categorical={"w": gpuload.Vocab()}, **kw)
     assert s3.count("GET", ".parquet") == 0, dict(s3.requests)  # listing only: no object read
     assert again.vocabulary("w").digest == ds.vocabulary("w").digest
+
+
+def test_a_filter_on_s3_fetches_no_byte_of_the_row_groups_its_statistics_exclude(s3, bucket, tmp_path):
+    """ids rise through the objects: keeping ids >= 7,500 keeps the last 3 of part-2's 6 row
+    groups; the other objects' and row groups' column bytes are never asked for."""
+    name, tables, folder = bucket
+    f = [("id", ">=", 7500), ("i8", ">", 0)]
+    s3.reset_counts()  # from the open on: its footer reads and the filter's counting included
+    ds = gpuload.ParquetDataset(f"s3://{name}/data/", ["id", "f64"], filters=f, cache_dir=tmp_path / "c",
+                                storage_options=s3.storage_options, remote={"coalesce_bytes": 0}, device="cpu",
+                                batch_size=256)
+    got = np.sort(np.concatenate([b["id"].numpy() for b in ds]))
+    want = np.sort(pq.read_table(folder, filters=f)["id"].to_numpy())
+    assert np.array_equal(got, want) and ds.num_rows == len(want) > 0
+    meta = pq.ParquetFile(folder / "part-2.parquet").metadata
+    idx = {meta.schema.column(j).path: j for j in range(meta.num_columns)}
+    size = {c: sum(meta.row_group(g).column(idx[c]).total_compressed_size for g in (3, 4, 5)) for c in ("id", "f64", "i8")}
+    allowed = size["id"] + size["i8"] + sum(size.values())  # counted at open (the filter's columns), then read
+    for k in (0, 1):  # the other objects: their footers only
+        footer = pq.ParquetFile(folder / f"part-{k}.parquet").metadata.serialized_size + 8
+        assert s3.range_bytes[f"/{name}/data/part-{k}.parquet"] <= max(footer, 64 << 10)
+    tail = meta.serialized_size + 8
+    assert s3.range_bytes[f"/{name}/data/part-2.parquet"] <= allowed * 1.02 + max(tail, 64 << 10) + 1024

@@ -1,0 +1,105 @@
+"""Kept-row counts of a row filter, kept in the cache: counted once per filter and source file.
+
+A dataset with ``filters=`` plans its chunks over the rows the filter keeps, counted at open
+by reading the filter's columns (:func:`gpuload.counting.kept_groups`). The counts of each
+file are kept under a name made of the filter's text and the file's identity (path, size,
+mtime and store version), so a restart, another rank or process reads them instead of
+reading Parquet again, and a changed file makes another name (a new count). Openers that
+count at once each write the same file (atomically); none waits for another.
+
+File format (``<cache>/v3/vocab/<key>.kept``, beside the vocabularies), little-endian::
+
+    offset 0   8 bytes   magic b"GPULKEPT"
+    offset 8   u32       format version (1)
+    offset 12  u32       header length H
+    offset 16  u64       xxh3-64 of the header bytes
+    offset 24  H bytes   header: UTF-8 JSON {"key", "filter", "file": [path, size, mtime_ns, tag], "kept": [rows per row group]}
+
+A file that does not check out is ignored (and counted again), never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import xxhash
+
+from .chunkfile import LAYOUT_DIR, pwrite_all
+from .fs import CacheRoot
+from .vocabs import VOCAB_DIR
+
+__all__ = ["kept_key", "load_kept", "save_kept", "check_kept_file", "KEPT_SUFFIX"]
+
+KEPT_SUFFIX = ".kept"
+MAGIC = b"GPULKEPT"
+VERSION = 1
+PREFIX = struct.Struct("<8sIIQ")
+_PARTS = (LAYOUT_DIR, VOCAB_DIR)
+
+
+def kept_key(filter_key: str, source: tuple) -> str:
+    """The name (16 hex digits) of the counts of filter ``filter_key`` over file ``source``
+    (``(path, size, mtime_ns, tag)``)."""
+    text = json.dumps({"filter": filter_key, "file": list(source), "version": VERSION}, separators=(",", ":"))
+    return xxhash.xxh64_hexdigest(text.encode())
+
+
+def _read(root: CacheRoot, name: str) -> dict:
+    fd = root.open_read(_PARTS, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > 1 << 26:  # one count per row group: never this large
+            raise ValueError("too large for a kept-rows file")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    if len(data) < PREFIX.size:
+        raise ValueError("too short for a kept-rows file")
+    magic, version, hlen, digest = PREFIX.unpack_from(data)
+    body = data[PREFIX.size:]
+    if magic != MAGIC or version != VERSION or hlen != len(body):
+        raise ValueError("not a gpuload kept-rows file of this version")
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise ValueError("checksum mismatch")
+    try:
+        header = json.loads(body)
+        kept = header["kept"]
+        if not isinstance(kept, list) or not all(isinstance(n, int) and n >= 0 for n in kept):
+            raise ValueError("its counts are not row counts")
+        return header
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
+
+
+def load_kept(root: CacheRoot | None, key: str, groups: int) -> list[int] | None:
+    """The counts kept under ``key`` for a file of ``groups`` row groups, or None (absent,
+    unreadable, not checking out, or not of that many row groups)."""
+    if root is None:
+        return None
+    try:
+        header = _read(root, key + KEPT_SUFFIX)
+    except (OSError, ValueError):
+        return None
+    kept = header["kept"]
+    return kept if header.get("key") == key and len(kept) == groups else None
+
+
+def save_kept(root: CacheRoot, key: str, filter_key: str, source: tuple, kept: list[int]) -> None:
+    """Keep ``kept`` (rows per row group) under ``key`` (written atomically; an OSError says why not)."""
+    body = json.dumps({"key": key, "filter": filter_key, "file": list(source), "kept": [int(n) for n in kept]},
+                      separators=(",", ":")).encode()
+    blob = PREFIX.pack(MAGIC, VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
+    root.write(_PARTS, key + KEPT_SUFFIX, lambda fd: pwrite_all(fd, blob, 0))
+
+
+def check_kept_file(root: CacheRoot, name: str) -> str | None:
+    """What is wrong with kept-rows file ``name`` (None: nothing)."""
+    try:
+        header = _read(root, name)
+    except ValueError as e:
+        return str(e)
+    if str(header.get("key")) + KEPT_SUFFIX != name:
+        return "its header names other counts than its name"
+    return None

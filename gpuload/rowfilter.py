@@ -1,0 +1,110 @@
+"""Row filters (``filters=``): which rows a dataset keeps, decided once, before anything is cached.
+
+A filter is a ``pyarrow.compute`` expression, or the disjunctive normal form pandas and
+pyarrow accept (``[("day", ">=", 20260101), ("country", "in", ["DE", "FR"])]``: a list of
+conditions all of which hold, or a list of such lists any of which holds), over any columns of
+the files, loaded or not, Hive partition keys included. It is applied in three places:
+
+* at open, the footers' statistics (and the Hive keys) exclude row groups
+  (:func:`candidate_groups`): those are never read, and remote ones never fetched;
+* at open, the filter's columns of the remaining row groups are read and the kept rows of
+  each counted (:func:`kept_rows`), so that chunks, batches, ranks and resume are planned over
+  the kept rows only;
+* at decode, each chunk's rows are filtered (:func:`keep`) before they are converted and cached.
+
+The filter's text (:attr:`RowFilter.key`) is part of the cache key: cached chunks hold only
+the kept rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pds
+import pyarrow.parquet as pq
+
+from .errors import ConfigError, SchemaError, flag, setting
+
+__all__ = ["RowFilter", "candidate_groups", "filter_table", "keep"]
+
+_ROW = "__gpuload_row__"  # a column name no file uses: row positions through a filter
+
+
+@dataclass(frozen=True)
+class RowFilter:
+    """A dataset's row filter: ``expr`` (a ``pyarrow.compute.Expression``) and ``key``, its text."""
+
+    expr: pc.Expression
+    key: str
+
+    @classmethod
+    def of(cls, filters) -> RowFilter | None:
+        """The filter ``filters`` (an expression, its DNF list, or None) stands for; a
+        :class:`ConfigError` naming the setting where it is neither."""
+        if filters is None or isinstance(filters, RowFilter):
+            return filters
+        if isinstance(filters, pc.Expression):
+            expr = filters
+        elif isinstance(filters, (list, tuple)) and filters:
+            nested = all(isinstance(c, (list, tuple)) and c and isinstance(c[0], (list, tuple)) for c in filters)
+            dnf = [[tuple(c) for c in conj] for conj in filters] if nested else [tuple(c) for c in filters]
+            try:
+                expr = pq.filters_to_expression(dnf)
+            except (TypeError, ValueError, IndexError, pa.ArrowException) as e:
+                raise ConfigError(f"{setting('filters', filters)} is not a filter ({e}); give a pyarrow.compute expression "
+                                  "or conditions such as [('day', '>=', 20260101), ('country', 'in', ['DE'])]"
+                                  ) from None
+        else:
+            raise ConfigError(f"{setting('filters', filters)} must be a pyarrow.compute expression, a non-empty list of "
+                              "(column, op, value) conditions (all hold), or a list of such lists (any holds)")
+        return cls(expr, " ".join(str(expr).split()))
+
+    def columns(self, schema: pa.Schema) -> list[str]:
+        """The columns of ``schema`` the filter reads; a :class:`SchemaError` naming the filter when
+        it refers to a column no file has (or cannot be evaluated over these types)."""
+        empty = {f.name: pa.array([], f.type) for f in schema}
+        try:
+            pa.table(empty).filter(self.expr)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise SchemaError(f"{flag('filters')} {self.key} cannot be applied to the files' columns "
+                              f"({' '.join(str(e).split())}); name columns the files have "
+                              f"({', '.join(schema.names)})") from None
+        used = []
+        for name in schema.names:  # those whose absence breaks it
+            try:
+                pa.table({k: v for k, v in empty.items() if k != name}).filter(self.expr)
+            except (pa.ArrowException, TypeError, ValueError):
+                used.append(name)
+        return used
+
+
+def candidate_groups(f, flt: RowFilter) -> list[int]:
+    """Row groups of ``f`` (a :class:`gpuload.sources.listing.SourceFile`) whose statistics and
+    Hive keys do not rule the filter out (no read: the footer ``f`` holds is used)."""
+    sink = pa.BufferOutputStream()
+    f.metadata.write_metadata_file(sink)  # a footer-only file: what pyarrow needs to prune by statistics
+    part = pc.scalar(True)
+    for name, _ in f.partitions:
+        value = f.partition_scalar(name)
+        part = part & (pc.field(name).is_null() if not value.is_valid else pc.field(name) == value)
+    frag = pds.ParquetFileFormat().make_fragment(pa.BufferReader(sink.getvalue()), partition_expression=part)
+    return [p.row_groups[0].id for p in frag.split_by_row_group(flt.expr, schema=f.schema)]
+
+
+def filter_table(table: pa.Table, f, flt: RowFilter, rows: int) -> np.ndarray:
+    """Positions (int64, ascending) of the rows of ``table`` (``rows`` rows of the filter's
+    stored columns, maybe none of them) that ``flt`` keeps, Hive keys of ``f`` supplied."""
+    cols = {name: table.column(name) for name in table.column_names}
+    for name in f.partition_names:  # one value in every row
+        value = f.partition_scalar(name)
+        cols[name] = pa.repeat(value, rows) if value.is_valid else pa.nulls(rows, value.type)
+    cols[_ROW] = pa.array(np.arange(rows, dtype=np.int64))
+    return pa.table(cols).filter(flt.expr).column(_ROW).to_numpy()
+
+
+def keep(table: pa.Table, positions: np.ndarray) -> pa.Table:
+    """The rows ``positions`` of ``table``."""
+    return table if len(positions) == table.num_rows else table.take(pa.array(positions))
