@@ -253,3 +253,16 @@ def test_a_transform_travels_to_the_workers_and_builds_what_a_serial_build_does(
     assert np.array_equal(got["row_id"].numpy(), table["row_id"].to_numpy())
     assert np.array_equal(got["x2"].numpy(), (table["x"].to_numpy() * 2).astype(np.float32))
     assert np.array_equal(got["n"].numpy(), pa.compute.list_value_length(table["h"]).to_numpy())
+
+
+def test_a_filtered_cluster_build_is_the_serial_one(source, tmp_path, cluster):
+    f = [("row_id", ">=", 40_000), ("x", ">", 0.0)]
+    serial = gpuload.build_cache(source, tmp_path / "serial", chunk_bytes=CHUNK, filters=f)
+    summary = gpuload.build_cache(source, tmp_path / "cluster", chunk_bytes=CHUNK, client=cluster, filters=f)
+    assert summary.built == summary.chunks == serial.chunks and summary.rows == serial.rows
+    assert _files(tmp_path / "cluster") == _files(tmp_path / "serial")
+    ds = gpuload.ParquetDataset(source, cache_dir=tmp_path / "cluster", device="cpu", chunk_bytes=CHUNK,
+                                batch_size=4096, filters=f)
+    ids = np.sort(np.concatenate([b["row_id"].numpy() for b in ds]))
+    assert ds.reader.counters.decoded == 0
+    assert np.array_equal(ids, np.sort(pq.read_table(source, filters=f)["row_id"].to_numpy()))
