@@ -182,6 +182,9 @@ def kept_groups(files: Sequence[SourceFile], flt: RowFilter, columns: list[str],
     for (f, i, g), n in zip(jobs, counts):
         out[i][g] = n
     for i in sorted(todo) if root is not None else ():
+        if not files[i].stat_matches():  # counted from another version than the one opened: not kept
+            raise SourceError(f"{files[i].path} changed or disappeared while the filter's rows were counted; "
+                              "open the dataset again to pick up the new file")
         try:
             save_kept(root, kept_key(flt.key, _identity(files[i])), flt.key, _identity(files[i]), out[i])
         except OSError as e:

@@ -355,7 +355,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
                                 outputs={s.name: list(s.columns) for s in r.outputs}, seed=o.seed, shuffle=o.shuffled,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
-                                block_rows=o.block)
+                                block_rows=o.block, row_filter=None if r.source.filters is None else r.source.filters.key)
 
     def stats(self) -> Stats:
         """What the loader and the training loop did so far: a :class:`gpuload.Stats`.

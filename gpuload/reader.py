@@ -25,7 +25,7 @@ from typing import Callable
 from .batch import permute_rows
 from .cache.paths import ChunkKey
 from .cache.chunkfile import spec_hash
-from .categorical import Vocabulary, parse_key
+from .categorical import Vocab, Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options, Source
 from .errors import ConfigError, SourceError, flag
@@ -64,6 +64,12 @@ class LoadCounters:
                 self.decoded += 1
 
 
+def _has_vocab(categorical) -> bool:
+    """Whether ``categorical=`` names a :class:`gpuload.Vocab` (for every column, or for one)."""
+    values = categorical.values() if isinstance(categorical, dict) else [categorical]
+    return any(isinstance(v, Vocab) or v == "vocab" for v in values)
+
+
 class ChunkReader:
     """The chunks of ``source`` under ``opts``, and how to load each one.
 
@@ -85,6 +91,10 @@ class ChunkReader:
             list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
             self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
+        if source.filters is not None and _has_vocab(source.categorical):  # before any vocabulary is counted
+            raise ConfigError(f"{flag('filters')} with a gpuload.Vocab column is not supported yet (its vocabulary "
+                              "would be counted over every row, not the kept ones): use gpuload.Hash for it, or no "
+                              "filter")
         self.specs: list[OutputSpec] = self._resolve_outputs()  #: what is decoded and converted
         t = source.transform
         #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
@@ -105,7 +115,7 @@ class ChunkReader:
             sizes = self._filtered(sizes, flt)
         self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
         if not self.chunks and flt is not None:
-            raise SourceError(f"{flag('filters')} {flt.key} keeps no row of the {len(self.files)} files "
+            raise SourceError(f"{flag('filters')} {flt.text} keeps no row of the {len(self.files)} files "
                               f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
@@ -126,9 +136,6 @@ class ChunkReader:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group
         with none becomes None (never read), the others their kept rows and as many bytes per row."""
         schema = common_columns(self.files)[0]
-        if any(vt.encode.startswith("vocab:") for s in self.specs for vt in s.sources):
-            raise ConfigError(f"{flag('filters')} with a gpuload.Vocab column is not supported yet (its vocabulary would be "
-                              "counted over every row, not the kept ones): use gpuload.Hash for it, or no filter")
         self.filter_columns = flt.columns(schema)
         kept = kept_groups(self.files, flt, self.filter_columns, self.opts.num_threads, self.remote_reads.fetch,
                            self.cache.root)

@@ -249,14 +249,17 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
 
 
 def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool,
-              batch_size: int, drop_last: bool, shuffle_window: int, block_rows: int | None = None) -> dict:
-    """What shapes a dataset's order, as the ``dataset`` field of a state."""
+              batch_size: int, drop_last: bool, shuffle_window: int, block_rows: int | None = None,
+              row_filter: str | None = None) -> dict:
+    """What shapes a dataset's order, as the ``dataset`` field of a state (``row_filter``: the
+    key of its ``filters=``, written only when there is one)."""
     layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in chunks], dtype=np.int64).reshape(-1, 3)
     return {"source": f"{fingerprint:#018x}", "rows": int(rows),
             "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}", "outputs": outputs,
             "seed": int(seed), "shuffle": bool(shuffle), "batch_size": int(batch_size),
             "drop_last": bool(drop_last), "shuffle_window": int(shuffle_window),
-            **({} if block_rows is None else {"block_rows": int(block_rows)})}
+            **({} if block_rows is None else {"block_rows": int(block_rows)}),
+            **({} if row_filter is None else {"filter": row_filter})}
 
 
 def check_signature(saved: dict, here: dict) -> None:
@@ -272,7 +275,7 @@ def check_signature(saved: dict, here: dict) -> None:
     if saved.get("source") != here["source"]:
         diffs.append("source: the source files differ (other paths, or files rewritten since)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
-    for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows"):
+    for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):
         if saved.get(key) != here.get(key):
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here.get(key)!r} here")
     if saved.get("chunks") != here["chunks"] and not explained:

@@ -18,6 +18,7 @@ the kept rows.
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as pds
 import pyarrow.parquet as pq
+import xxhash
 
 from .errors import ConfigError, SchemaError, flag, setting
 
@@ -35,10 +37,16 @@ _ROW = "__gpuload_row__"  # a column name no file uses: row positions through a 
 
 @dataclass(frozen=True)
 class RowFilter:
-    """A dataset's row filter: ``expr`` (a ``pyarrow.compute.Expression``) and ``key``, its text."""
+    """A dataset's row filter: ``expr`` (a ``pyarrow.compute.Expression``) and ``key``: its text and
+    a digest of the expression (what the cache key and a state's signature hold)."""
 
     expr: pc.Expression
     key: str
+
+    @property
+    def text(self) -> str:
+        """The filter as people read it (the key without its digest)."""
+        return self.key.rsplit(" #", 1)[0]
 
     @classmethod
     def of(cls, filters) -> RowFilter | None:
@@ -60,7 +68,9 @@ class RowFilter:
         else:
             raise ConfigError(f"{setting('filters', filters)} must be a pyarrow.compute expression, a non-empty list of "
                               "(column, op, value) conditions (all hold), or a list of such lists (any holds)")
-        return cls(expr, " ".join(str(expr).split()))
+        # the text for people; the serialized expression's digest so that texts pyarrow abbreviates
+        # (long value sets, whitespace, float32 against float64) never name two filters alike
+        return cls(expr, f"{' '.join(str(expr).split())} #{xxhash.xxh64_hexdigest(_serialized(expr))}")
 
     def columns(self, schema: pa.Schema) -> list[str]:
         """The columns of ``schema`` the filter reads; a :class:`SchemaError` naming the filter when
@@ -69,7 +79,7 @@ class RowFilter:
         try:
             pa.table(empty).filter(self.expr)
         except (pa.ArrowException, TypeError, ValueError) as e:
-            raise SchemaError(f"{flag('filters')} {self.key} cannot be applied to the files' columns "
+            raise SchemaError(f"{flag('filters')} {self.text} cannot be applied to the files' columns "
                               f"({' '.join(str(e).split())}); name columns the files have "
                               f"({', '.join(schema.names)})") from None
         used = []
@@ -79,6 +89,15 @@ class RowFilter:
             except (pa.ArrowException, TypeError, ValueError):
                 used.append(name)
         return used
+
+
+def _serialized(expr: pc.Expression) -> bytes:
+    """Arrow's serialization of ``expr`` (what pickling it carries), whatever Python's pickle protocol."""
+    reduced = expr.__reduce__()
+    args = reduced[1] if isinstance(reduced, tuple) and len(reduced) > 1 else ()
+    if args and isinstance(args[0], pa.Buffer):
+        return args[0].to_pybytes()
+    return pickle.dumps(expr, protocol=4)
 
 
 def candidate_groups(f, flt: RowFilter) -> list[int]:
@@ -91,7 +110,15 @@ def candidate_groups(f, flt: RowFilter) -> list[int]:
         value = f.partition_scalar(name)
         part = part & (pc.field(name).is_null() if not value.is_valid else pc.field(name) == value)
     frag = pds.ParquetFileFormat().make_fragment(pa.BufferReader(sink.getvalue()), partition_expression=part)
-    return [p.row_groups[0].id for p in frag.split_by_row_group(flt.expr, schema=f.schema)]
+    try:
+        return [p.row_groups[0].id for p in frag.split_by_row_group(flt.expr, schema=f.schema)]
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise _unfit(f, flt, e) from None
+
+
+def _unfit(f, flt: RowFilter, e: Exception) -> SchemaError:
+    return SchemaError(f"{f.path}: {flag('filters')} {flt.text} cannot be evaluated on its columns "
+                       f"({' '.join(str(e).split())}); compare each column with values of its type")
 
 
 def filter_table(table: pa.Table, f, flt: RowFilter, rows: int) -> np.ndarray:
@@ -101,8 +128,14 @@ def filter_table(table: pa.Table, f, flt: RowFilter, rows: int) -> np.ndarray:
     for name in f.partition_names:  # one value in every row
         value = f.partition_scalar(name)
         cols[name] = pa.repeat(value, rows) if value.is_valid else pa.nulls(rows, value.type)
+    for name, col in cols.items():  # string columns read as dictionaries (to hash them): compared as values
+        if pa.types.is_dictionary(col.type):
+            cols[name] = pc.cast(col, col.type.value_type)
     cols[_ROW] = pa.array(np.arange(rows, dtype=np.int64))
-    return pa.table(cols).filter(flt.expr).column(_ROW).to_numpy()
+    try:
+        return pa.table(cols).filter(flt.expr).column(_ROW).to_numpy()
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise _unfit(f, flt, e) from None
 
 
 def keep(table: pa.Table, positions: np.ndarray) -> pa.Table:

@@ -172,7 +172,13 @@ def test_the_filters_columns_and_text():
     f = RowFilter.of([[("a", ">", 1), ("b", "in", [1, 2])], [("c", "==", "x")]])
     schema = pa.schema([("a", pa.int64()), ("b", pa.int32()), ("c", pa.string()), ("d", pa.float64())])
     assert f.columns(schema) == ["a", "b", "c"]
-    assert RowFilter.of([("a", ">", 1)]).key == "(a > 1)"
+    assert RowFilter.of([("a", ">", 1)]).text == "(a > 1)"
+    long = [RowFilter.of([("a", "in", [v if i == 20 else i for i in range(40)])]) for v in (100, 101)]  # abbreviated
+    spaced = [RowFilter.of([("s", "==", v)]) for v in ("a  b", "a b")]
+    floats = [RowFilter.of(pc.field("f") == pc.scalar(pa.scalar(0.1, t))) for t in (pa.float32(), pa.float64())]
+    for one, other in (long, spaced, floats):  # texts alike, filters not: keys differ
+        assert one.text == other.text and one.key != other.key
+    assert RowFilter.of([("a", ">", 1)]).key == RowFilter.of(pc.field("a") > 1).key  # the same filter: one key
     assert RowFilter.of(f) is f and RowFilter.of(None) is None
 
 
@@ -297,3 +303,34 @@ def test_every_type_of_the_kept_rows_is_exact(tmp_path):
     ids = np.concatenate([expected.check(b, COLUMNS) for b in ds])
     want = np.sort(pq.read_table(tmp_path / "every", columns=["row_id"], filters=f)["row_id"].to_numpy())
     assert len(ids) == len(want) and np.array_equal(np.sort(ids), want)
+
+
+def test_a_filter_on_a_hashed_string_output_compares_its_values(data, tmp_path):
+    """The decoder reads a hashed string column as a dictionary: the filter still sees strings."""
+    f = pc.starts_with(pc.field("country"), "D")
+    ds = _ds(data, tmp_path / "c", ["id", "country"], filters=f, categorical={"country": gpuload.Hash(100)})
+    assert np.array_equal(np.sort(_ids(ds)), np.sort(pq.read_table(data, filters=f)["id"].to_numpy()))
+
+
+def test_a_filter_that_cannot_be_evaluated_is_refused_naming_the_file(tmp_path, cli):
+    write_parquet(tmp_path / "d" / "a.parquet", {"id": np.arange(10), "t": np.arange(10)})
+    write_parquet(tmp_path / "d" / "b.parquet", {"id": np.arange(10), "t": pa.array(list("abcdefghij"))})
+    f = [("t", ">", 3)]  # a number in a.parquet, a string in b.parquet
+    with pytest.raises(gpuload.SchemaError, match=r"b\.parquet: filters= .* cannot be evaluated on its columns"):
+        _ds(tmp_path / "d", tmp_path / "c", ["id"], filters=f)
+    with pytest.raises(gpuload.SchemaError, match=r"filters= \(t > 3\) cannot be applied to the files' columns"):
+        _ds(tmp_path / "d" / "b.parquet", tmp_path / "c", ["id"], filters=f)
+    r = cli("cache", "build", str(tmp_path / "d"), "--cache-dir", str(tmp_path / "c"), "--columns", "id",
+            "--filter", '[["t", ">", 3]]')
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "--filter" in r.stderr
+
+
+def test_a_state_does_not_resume_a_dataset_with_another_filter(data, tmp_path):
+    a = _ds(data, tmp_path / "c", filters=[("country", "==", "DE")])
+    it = iter(a)
+    next(it)
+    state = a.state_dict()
+    it.close()
+    b = _ds(data, tmp_path / "c", filters=[("country", "==", "FR")])
+    with pytest.raises(gpuload.ConfigError, match="filter"):
+        b.load_state_dict(state)

@@ -97,7 +97,7 @@ def _spec_text(desc) -> str:
         named = d["name"] if d["name"] == cols or not d["columns"] else d["name"] + "=" + cols  # none: a transform's
         parts.append(f"{named} ({what})")
     made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})
-    kept = sorted({str(d["filter"]) for d in desc if d.get("filter")})
+    kept = sorted({str(d["filter"]).rsplit(" #", 1)[0] for d in desc if d.get("filter")})
     return ", ".join(parts) + "".join(f"; made by transform {k!r}" for k in made) + \
         "".join(f"; rows where {k}" for k in kept)
 
