@@ -32,7 +32,7 @@ import numpy as np
 
 from .batch import Ragged, nrows
 from .errors import ConfigError, SchemaError
-from .schema import BFLOAT16, FIXED, RAGGED, SCALAR, OutputSpec, storage_dtype
+from .schema import BFLOAT16, FIXED, RAGGED, SCALAR, OutputSpec
 
 if TYPE_CHECKING:
     import torch

@@ -145,6 +145,35 @@ def pread_all(fd: int, buf, offset: int) -> int:
     return got
 
 
+#: the prefix of gpuload's small checked files (footers, kept-row counts): magic, version,
+#: header length, xxh3-64 of what follows the prefix
+SMALL_PREFIX = struct.Struct("<8sIIQ")
+
+
+def read_small_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, what: str,
+                    limit: int) -> tuple[int, bytes]:
+    """(header length, bytes after the prefix) of a small checked file ``name`` in ``parts``
+    (at most ``limit`` bytes); a ValueError names ``what`` it is not and why, an OSError says
+    it cannot be read."""
+    fd = root.open_read(parts, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(f"too large for a {what} file")
+        data = os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+    if len(data) < SMALL_PREFIX.size:
+        raise ValueError(f"too short for a {what} file")
+    got_magic, got_version, hlen, digest = SMALL_PREFIX.unpack_from(data)
+    body = data[SMALL_PREFIX.size:]
+    if got_magic != magic or got_version != version or hlen > len(body):
+        raise ValueError(f"not a gpuload {what} file of this version")
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise ValueError("checksum mismatch")
+    return hlen, body
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     """Write all of ``data`` (any buffer) to ``fd`` at ``offset``, however many calls it takes."""
     view = memoryview(data).cast("B")

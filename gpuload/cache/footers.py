@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import struct
 from typing import Callable
 
@@ -31,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from .chunkfile import LAYOUT_DIR, pwrite_all, version_token
+from .chunkfile import LAYOUT_DIR, SMALL_PREFIX as PREFIX, pwrite_all, read_small_file, version_token
 from .fs import CacheRoot
 from ..errors import SourceError
 
@@ -39,7 +38,6 @@ __all__ = ["footer_name", "load_footer", "save_footer", "read_footer", "parse_fo
 
 MAGIC = b"GPULFTR\0"
 VERSION = 1
-PREFIX = struct.Struct("<8sIIQ")
 TAIL = 64 << 10  # bytes read from a file's end in one request: most footers fit
 _MAX_FOOTER = 1 << 30
 
@@ -60,22 +58,7 @@ def _source(path: str, size: int, mtime_ns: int, tag: str) -> dict:
 def _read_file(root: CacheRoot, parts, name: str) -> tuple[dict, bytes]:
     """(header's source, footer bytes) of footer file ``name`` in ``parts``; a ValueError says
     what is wrong with it, an OSError that it cannot be read."""
-    fd = root.open_read(parts, name)
-    try:
-        size = os.fstat(fd).st_size
-        if size > _MAX_FOOTER + PREFIX.size + (1 << 20):
-            raise ValueError("too large for a footer file")
-        data = os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
-    if len(data) < PREFIX.size:
-        raise ValueError("too short for a footer file")
-    magic, version, hlen, digest = PREFIX.unpack_from(data)
-    body = data[PREFIX.size:]
-    if magic != MAGIC or version != VERSION or hlen > len(body):
-        raise ValueError("not a gpuload footer file of this version")
-    if xxhash.xxh3_64_intdigest(body) != digest:
-        raise ValueError("checksum mismatch")
+    hlen, body = read_small_file(root, parts, name, MAGIC, VERSION, "footer", _MAX_FOOTER + PREFIX.size + (1 << 20))
     try:
         given = json.loads(body[:hlen])["source"]
         src = {k: given[k] for k in ("path", "size", "mtime_ns", "tag")}

@@ -21,12 +21,10 @@ A file that does not check out is ignored (and counted again), never trusted.
 from __future__ import annotations
 
 import json
-import os
-import struct
 
 import xxhash
 
-from .chunkfile import LAYOUT_DIR, pwrite_all
+from .chunkfile import LAYOUT_DIR, SMALL_PREFIX as PREFIX, pwrite_all, read_small_file
 from .fs import CacheRoot
 from .vocabs import VOCAB_DIR
 
@@ -35,7 +33,6 @@ __all__ = ["kept_key", "load_kept", "save_kept", "check_kept_file", "KEPT_SUFFIX
 KEPT_SUFFIX = ".kept"
 MAGIC = b"GPULKEPT"
 VERSION = 1
-PREFIX = struct.Struct("<8sIIQ")
 _PARTS = (LAYOUT_DIR, VOCAB_DIR)
 
 
@@ -47,22 +44,9 @@ def kept_key(filter_key: str, source: tuple) -> str:
 
 
 def _read(root: CacheRoot, name: str) -> dict:
-    fd = root.open_read(_PARTS, name)
-    try:
-        size = os.fstat(fd).st_size
-        if size > 1 << 26:  # one count per row group: never this large
-            raise ValueError("too large for a kept-rows file")
-        data = os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
-    if len(data) < PREFIX.size:
-        raise ValueError("too short for a kept-rows file")
-    magic, version, hlen, digest = PREFIX.unpack_from(data)
-    body = data[PREFIX.size:]
-    if magic != MAGIC or version != VERSION or hlen != len(body):
+    hlen, body = read_small_file(root, _PARTS, name, MAGIC, VERSION, "kept-rows", 1 << 26)
+    if hlen != len(body):
         raise ValueError("not a gpuload kept-rows file of this version")
-    if xxhash.xxh3_64_intdigest(body) != digest:
-        raise ValueError("checksum mismatch")
     try:
         header = json.loads(body)
         kept = header["kept"]
