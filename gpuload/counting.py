@@ -30,10 +30,10 @@ from .cache.fs import CacheRoot
 from .cache.kept import kept_key, load_kept, save_kept
 from .cache.vocabs import load_vocabulary, save_vocabulary, vocab_key, vocab_lock
 from .categorical import Vocab, Vocabulary, register
-from .decode import read_columns
+from .decode import kept_positions, read_columns
 from .errors import ConfigError, SourceError, setting
 from .plan import Chunk
-from .rowfilter import RowFilter, candidate_groups, filter_table
+from .rowfilter import RowFilter, candidate_groups
 from .schema import list_value
 from .sources.listing import SourceFile
 
@@ -148,17 +148,8 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
 
 def _kept_in(f: SourceFile, index: int, group: int, flt: RowFilter, columns: list[str], fetch: Callable | None) -> int:
     """Rows of row group ``group`` of ``f`` (number ``index``) that ``flt`` keeps, reading ``columns``."""
-    rows = f.metadata.row_group(group).num_rows
-    stored = [c for c in columns if c not in f.partition_names]
-    leaves = [i for c in stored for i in f.leaves(c)]
-    chunk = Chunk(index, group, group + 1, rows, 0)
-    try:
-        src = fetch(f, chunk, leaves) if (f.remote and leaves) else f.path
-        table = read_columns(src, f, chunk, leaves) if leaves else pa.table({})
-    except (OSError, pa.ArrowException) as e:
-        raise SourceError(f"{f.path} (row group {group}): the filter's columns cannot be read "
-                          f"({' '.join(str(e).split())})") from None
-    return len(filter_table(table, f, flt, rows))
+    chunk = Chunk(index, group, group + 1, f.metadata.row_group(group).num_rows, 0)
+    return len(kept_positions(f, chunk, flt, columns, fetch))
 
 
 def kept_groups(files: Sequence[SourceFile], flt: RowFilter, columns: list[str], threads: int = 1,

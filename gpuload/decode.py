@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .batch import nbytes
+from .batch import nbytes, nrows, take
 from .checks import column_names, old_arrow_error, stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError, flag
@@ -81,6 +81,21 @@ def read_columns(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit
                             read_dictionary=list(dictionary) or None).reader
     return reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
                                   use_threads=False)
+
+
+def kept_positions(f: SourceFile, chunk: Chunk, flt, columns: Sequence[str], fetch: Callable | None) -> np.ndarray:
+    """Positions (ascending) of the rows of ``chunk``'s row groups that row filter ``flt`` keeps,
+    reading only its ``columns`` (a remote object's through ``fetch``; Hive keys supplied)."""
+    stored = [c for c in columns if c not in f.partition_names]
+    leaves = [i for c in stored for i in f.leaves(c)]
+    total = sum(f.metadata.row_group(g).num_rows for g in range(chunk.rg_start, chunk.rg_stop))
+    try:
+        src = fetch(f, chunk, leaves) if (f.remote and leaves) else f.path
+        table = read_columns(src, f, chunk, leaves) if leaves else pa.table({})
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"{_where(f, chunk)}: the filter's columns cannot be read ({' '.join(str(e).split())})"
+                          ) from None
+    return filter_table(table, f, flt, total)
 
 
 def _check_int96(micros: pa.Table, seconds: pa.Table, where: str) -> None:
@@ -229,13 +244,18 @@ class GpuDecoder:
         m = self.metrics
         try:
             _check_gpu_names(f, specs)
-            if self.fallback.row_filter is not None:  # not before reading: no chunk read twice
-                raise Unsupported("a row filter is applied on the CPU (pyarrow) for now")
             stream = self.ctx.decode_stream()
             try:
                 image = _image(f, chunk, specs, self.fallback.fetch, m)
             except OSError as e:  # the CPU decoder reads it again and says what is wrong
                 raise Unsupported(f"{where}: cannot be read ({e})") from None
+            cpu = self.fallback
+            # a row filter: pyarrow evaluates it on its columns alone (exactly pyarrow's rows); cuDF
+            # decodes every row of the row groups, and the kept ones are gathered on the device
+            kept = None if cpu.row_filter is None else kept_positions(f, chunk, cpu.row_filter, cpu.filter_columns,
+                                                                      cpu.fetch)
+            decoded = chunk.rows if kept is None else sum(f.metadata.row_group(g).num_rows
+                                                          for g in range(chunk.rg_start, chunk.rg_stop))
             with m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext():
                 try:
                     raw = read_row_groups(image, chunk.rg_start, chunk.rg_stop, needed_columns(specs), stream=stream)
@@ -254,9 +274,16 @@ class GpuDecoder:
             # kernels that read them
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
                 try:
-                    out = columns_to_set(raw, specs, f.schema, chunk.rows, where, stream)
+                    out = columns_to_set(raw, specs, f.schema, decoded, where, stream)
                 finally:  # also before a fallback to the CPU: cuDF's buffers are not needed there
                     del raw
+                if kept is not None and len(kept) != decoded:
+                    import cupy
+
+                    out = take(out, cupy.asarray(kept))
+                if nrows(out) != chunk.rows:
+                    raise SourceError(f"{where}: kept {nrows(out)} rows where the filter kept {chunk.rows} when "
+                                      "counted at open")
                 self.ctx.read_done()  # so that the span times the kernels, not their launch (this chunk's, not later ones)
                 if span is not None:
                     span.nbytes = nbytes(out)

@@ -88,8 +88,7 @@ def test_row_groups_the_statistics_exclude_are_never_read(data, tmp_path, monkey
         read.extend((f.path, g) for g in range(chunk.rg_start, chunk.rg_stop))
         return real(src, f, chunk, leaves, *a, **k)
 
-    monkeypatch.setattr(gpuload.decode, "read_columns", recording)
-    monkeypatch.setattr(gpuload.counting, "read_columns", recording)
+    monkeypatch.setattr(gpuload.decode, "read_columns", recording)  # the decoder's and the counting's reads
     ds = _ds(data, tmp_path / "c", filters=[("day", ">=", 20260170)])  # the last 3,000 rows of part-1
     assert np.array_equal(np.sort(_ids(ds)), np.arange(7000, 8000))
     assert {g for p, g in read if p.endswith("part-1.parquet")} == set(range(12, 16))
@@ -184,10 +183,9 @@ def test_the_filters_columns_and_text():
 
 def test_counts_are_kept_in_the_cache_and_read_by_the_next_open(data, tmp_path, monkeypatch):
     counted = []
-    real = gpuload.counting.read_columns
-    monkeypatch.setattr(gpuload.counting, "read_columns",
-                        lambda src, f, chunk, *a, **k: counted.append((f.path, chunk.rg_start)) or
-                        real(src, f, chunk, *a, **k))
+    real = gpuload.counting.kept_positions
+    monkeypatch.setattr(gpuload.counting, "kept_positions",
+                        lambda f, chunk, *a, **k: counted.append((f.path, chunk.rg_start)) or real(f, chunk, *a, **k))
     f = [("day", ">=", 20260150)]
     first = _ds(data, tmp_path / "c", filters=f)
     assert counted and first.reader.cache.root.scan(("v3", "vocab"))
@@ -234,7 +232,8 @@ def test_the_command_builds_and_profiles_filtered_caches(data, tmp_path, cli):
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_kept_rows_are_the_cpus(data, tmp_path):
-    """cuDF decodes no filtered chunk yet: each goes to pyarrow, then to the GPU; the rows are the same."""
+    """With cuDF, pyarrow evaluates the filter on its columns and the kept rows are gathered on the GPU
+    from cuDF's decoding; without it, pyarrow decodes and the chunk is copied: the rows are the CPU's."""
     f = [("day", ">=", 20260120), ("country", "!=", "US")]
     cpu = _ds(data, tmp_path / "cpu", filters=f, shuffle=False)
     gpu = _ds(data, tmp_path / "gpu", filters=f, shuffle=False, device="cuda")

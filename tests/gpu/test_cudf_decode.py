@@ -275,3 +275,37 @@ def test_categorical_ids_are_the_same_bytes(tmp_path, numpy_as_cupy):
     categorical = {"s": Hash(1000), "b": Hash(seed=2**64 - 1), "l": Hash(37, seed=4), "p": Hash(3)}
     for cpu, gpu in _both(tmp_path, table, columns, None, {"p": "int8"}, 1_000, categorical):
         _assert_identical(cpu, gpu)
+
+
+def test_a_filtered_chunk_decoded_by_cudf_keeps_pyarrows_rows(tmp_path, numpy_as_cupy, monkeypatch):
+    """The GPU decoder under a row filter (its logic, with stand-ins for libcudf and the device):
+    pyarrow evaluates the filter on its columns, cuDF decodes every row, the kept ones are
+    gathered; the column set is the CPU decoder's, byte for byte."""
+    import gpuload
+    import gpuload.gpu.cudf_decode as cd
+    from gpuload.decode import ArrowDecoder, GpuDecoder
+
+    n = 3000
+    table = pa.table({"id": np.arange(n), "day": np.arange(n) // 10, "s": pa.array([f"w{i % 7}" for i in range(n)]),
+                      "l": pa.array([[i] * (i % 3) for i in range(n)], pa.list_(pa.int64())),
+                      "x": np.arange(n) * 0.5})
+    write_parquet(tmp_path / "d" / "a.parquet", table, row_group_size=500)
+    f = [("day", ">=", 120), ("s", "in", ["w1", "w3"])]
+    ds = gpuload.ParquetDataset(tmp_path / "d", ["id", "l", "x"], cache_dir=tmp_path / "c", device="cpu",
+                                chunk_bytes=1 << 14, filters=f)
+    r = ds.reader
+
+    def fake_read(image, a, b, columns, stream=None):  # what libcudf returns: every row of the row groups
+        t = pq.ParquetFile(pa.BufferReader(pa.py_buffer(image.getbuffer()))).read_row_groups(range(a, b),
+                                                                                           columns=columns)
+        return {c: _col(t.column(c).combine_chunks()) for c in columns}
+
+    monkeypatch.setattr(cd, "read_row_groups", fake_read)
+    ctx = types.SimpleNamespace(decode_stream=lambda: _STREAM, read_done=lambda: None)
+    cpu = ArrowDecoder(fetch=None, row_filter=r.source.filters, filter_columns=r.filter_columns)
+    gpu = GpuDecoder(ctx, ArrowDecoder(fetch=None, row_filter=r.source.filters, filter_columns=r.filter_columns))
+    assert len(r.chunks) >= 2 and r.chunks[0].rg_start == 2  # row groups 0-1 ruled out by the statistics
+    for c in r.chunks:
+        fl = r.files[c.file]
+        _assert_identical(cpu(fl, c, r.specs), gpu(fl, c, r.specs))
+    assert gpu.fallbacks == 0
