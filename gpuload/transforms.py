@@ -25,14 +25,13 @@ library versions).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .batch import Ragged, nrows
 from .errors import ConfigError, SchemaError
-from .schema import BFLOAT16, FIXED, RAGGED, SCALAR, OutputSpec
+from .schema import BFLOAT16, FIXED, RAGGED, SCALAR, OutputSpec, parse_dtype, storage_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -81,40 +80,18 @@ def check_transform(t) -> Transform | None:
     return t
 
 
-@lru_cache(maxsize=1)
-def _torch_types() -> dict:
-    import torch
-
-    return {np.dtype(d): getattr(torch, t) for d, t in (  # torch before 2.3 lacks uint16/32/64
-        (np.bool_, "bool"), (np.uint8, "uint8"), (np.int8, "int8"), (np.int16, "int16"), (np.int32, "int32"),
-        (np.int64, "int64"), (np.float16, "float16"), (np.float32, "float32"), (np.float64, "float64"),
-        (np.uint16, "uint16"), (np.uint32, "uint32"), (np.uint64, "uint64")) if hasattr(torch, t)}
-
-
-def _torch_dtype(dtype: str) -> torch.dtype:
-    import torch
-
-    return torch.bfloat16 if dtype == BFLOAT16 else _torch_types()[np.dtype(dtype)]
-
-
-def _dtype_name(t: torch.dtype) -> str | None:
-    import torch
-
-    if t == torch.bfloat16:
-        return BFLOAT16
-    for d, tt in _torch_types().items():
-        if tt == t:
-            return d.name
-    return None
+def _shown(dtype: str) -> str:
+    """An output dtype as people name it (``float64``, ``bfloat16``)."""
+    return dtype if dtype == BFLOAT16 else np.dtype(dtype).name
 
 
 def _empty(s: OutputSpec):
+    """0-row tensors of output ``s`` (as its chunk's arrays would be handed to the transform)."""
     import torch
 
-    t = _torch_dtype(s.dtype)
-    if s.kind == RAGGED:
-        return Ragged(torch.empty(0, dtype=t), torch.zeros(1, dtype=torch.int64))
-    return torch.empty((0, s.width) if s.ndim == 2 else (0,), dtype=t)
+    t = torch.from_numpy(np.empty((0, s.width) if s.ndim == 2 else (0,), storage_dtype(s.dtype)))
+    t = t.view(torch.bfloat16) if s.dtype == BFLOAT16 else t
+    return Ragged(t, torch.zeros(1, dtype=torch.int64)) if s.kind == RAGGED else t
 
 
 def _spec_of(name: str, value, key: str, where: str) -> OutputSpec:
@@ -125,10 +102,7 @@ def _spec_of(name: str, value, key: str, where: str) -> OutputSpec:
     if not isinstance(t, torch.Tensor) or (isinstance(value, Ragged) and not isinstance(value.offsets, torch.Tensor)):
         raise ConfigError(f"transform {key!r}: output {name!r} is a {type(value).__name__}{where}; return tensors "
                           "(or gpuload.Ragged of tensors)")
-    dtype = _dtype_name(t.dtype)
-    if dtype is None:
-        raise ConfigError(f"transform {key!r}: output {name!r} has dtype {t.dtype}{where}, which the cache cannot "
-                          "store; return a real, integer or bool tensor")
+    dtype = parse_dtype(t.dtype, f"transform {key!r}: output {name!r}{where}: dtype")  # as dtypes= takes them
     if isinstance(value, Ragged):
         if t.dim() != 1:
             raise ConfigError(f"transform {key!r}: output {name!r}: a Ragged's values must be 1-D{where}")
@@ -198,10 +172,10 @@ def apply_transform(t: Transform, cols: dict, specs: Sequence[OutputSpec], outpu
         n = len(v.offsets) - 1 if isinstance(v, Ragged) else int(v.shape[0])
         if spec != s or n != rows:
             shape = "Ragged" if isinstance(v, Ragged) else tuple(v.shape)
-            raise SchemaError(f"{where}: transform {t.key!r} output {name!r} is {spec.dtype} {shape}, where the "
-                              f"0-row probe at open gave {s.dtype} {s.kind} of width {s.width} and the chunk has "
-                              f"{rows} rows; every chunk's output must have the dtype and trailing shape of the "
-                              "probe's, and the chunk's rows")
+            raise SchemaError(f"{where}: transform {t.key!r} output {name!r} is {_shown(spec.dtype)} {shape}, where "
+                              f"the 0-row probe at open gave {_shown(s.dtype)} {s.kind} of width {s.width} and the "
+                              f"chunk has {rows} rows; every chunk's output must have the dtype and trailing shape "
+                              "of the probe's, and the chunk's rows")
         if isinstance(v, Ragged):
             off = v.offsets.to(torch.int64)
             if len(off) == 0 or int(off[0]) != 0 or int(off[-1]) != len(v.values) or bool((off[1:] < off[:-1]).any()):
