@@ -119,7 +119,7 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
     """The vocabulary of ``column`` by ``vocab`` over ``files``: read from the cache (``root``),
     else counted (under the vocabulary's lock, so that concurrent openers count once) and kept
     there; registered for this process's conversions either way."""
-    key = vocab_key(column, vocab, [(f.path, f.size, f.mtime_ns, f.tag) for f in files])
+    key = vocab_key(column, vocab, [_identity(f) for f in files])
     got = load_vocabulary(root, key)
     if got is None and root is not None:
         try:
@@ -144,6 +144,11 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
     elif got is None:
         got = count_vocabulary(files, column, vocab, threads, fetch)
     return register(got)
+
+
+def _identity(f: SourceFile) -> tuple:
+    """What names a source file's counts in the cache: path, size, mtime and store version."""
+    return (f.path, f.size, f.mtime_ns, f.tag)
 
 
 def _kept_in(f: SourceFile, index: int, group: int, flt: RowFilter, columns: list[str], fetch: Callable | None) -> int:
@@ -172,7 +177,7 @@ def kept_groups(files: Sequence[SourceFile], flt: RowFilter, columns: list[str],
         counts = [_kept_in(*j, flt, columns, fetch) for j in jobs]
     for (f, i, g), n in zip(jobs, counts):
         out[i][g] = n
-    for i in sorted(todo) if root is not None else ():
+    for i in sorted(todo) if root is not None else ():  # keep the new counts
         if not files[i].stat_matches():  # counted from another version than the one opened: not kept
             raise SourceError(f"{files[i].path} changed or disappeared while the filter's rows were counted; "
                               "open the dataset again to pick up the new file")
@@ -184,5 +189,3 @@ def kept_groups(files: Sequence[SourceFile], flt: RowFilter, columns: list[str],
     return out
 
 
-def _identity(f: SourceFile) -> tuple:
-    return (f.path, f.size, f.mtime_ns, f.tag)

@@ -12,11 +12,10 @@ bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`)
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import logging
 import os
 import stat
-import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -99,19 +98,20 @@ class ChunkReader:
         t = source.transform
         #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
         self.outputs: list[OutputSpec] = self.specs if t is None else transform_outputs(t, self.specs)
-        self.spec_desc = spec_description(self.outputs, opts.layout, permuted=opts.block is not None)
-        if t is not None:  # the transform's key and its inputs are part of the cache key
-            made = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
-            self.spec_desc = [{**d, "transform": made} for d in self.spec_desc]
+        flt = source.filters
+        marks = {}  # in the cache key besides the outputs: the transform (its key and inputs), the filter
+        if t is not None:
+            marks["transform"] = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
+        if flt is not None:
+            marks["filter"] = flt.key
+        self.spec_desc = [{**d, **marks} for d in spec_description(self.outputs, opts.layout,
+                                                                    permuted=opts.block is not None)]
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
-        flt = source.filters
         self.filter_columns: list[str] = []  #: the columns the row filter reads
-        if flt is not None:  # the filter's text is part of the cache key; chunks hold the kept rows only
-            self.spec_desc = [{**d, "filter": flt.key} for d in self.spec_desc]
-            self.spec_hash = spec_hash(self.spec_desc)
+        if flt is not None:  # chunks hold the kept rows only
             sizes = self._filtered(sizes, flt)
         self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
         if not self.chunks and flt is not None:

@@ -8,12 +8,13 @@ the files, loaded or not, Hive partition keys included. It is applied in three p
 * at open, the footers' statistics (and the Hive keys) exclude row groups
   (:func:`candidate_groups`): those are never read, and remote ones never fetched;
 * at open, the filter's columns of the remaining row groups are read and the kept rows of
-  each counted (:func:`kept_rows`), so that chunks, batches, ranks and resume are planned over
-  the kept rows only;
-* at decode, each chunk's rows are filtered (:func:`keep`) before they are converted and cached.
+  each counted (:func:`gpuload.counting.kept_groups`, kept in the cache), so that chunks,
+  batches, ranks and resume are planned over the kept rows only;
+* at decode, each chunk's rows are filtered (:func:`filter_table`, :func:`keep`) before they
+  are converted and cached.
 
-The filter's text (:attr:`RowFilter.key`) is part of the cache key: cached chunks hold only
-the kept rows.
+The filter's key (:attr:`RowFilter.key`: its text and a digest of the expression) is part of
+the cache key: cached chunks hold only the kept rows.
 """
 
 from __future__ import annotations
