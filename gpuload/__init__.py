@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # imported on first use (``__getattr__`` below): ``import gpu
     from .batch import Ragged
     from .build import CacheSummary, build_cache
     from .dataset import ParquetDataset
+    from .mix import Mix
     from .gpu.runtime import gpu_status, share_rmm_pool
     from .observe.diagnose import Diagnosis, diagnose
     from .observe.metrics import Metrics
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # imported on first use (``__getattr__`` below): ``import gpu
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParquetDataset", "build_cache", "CacheSummary", "Hash", "Vocab", "Transform", "share_rmm_pool", "gpu_status",
+    "ParquetDataset", "Mix", "build_cache", "CacheSummary", "Hash", "Vocab", "Transform", "share_rmm_pool", "gpu_status",
     "Ragged",
     "watch", "Watched", "Metrics", "Stats", "StageStats", "RemoteSettings", "RemoteStats", "diagnose", "Diagnosis",
     "GpuloadError", "ConfigError", "SourceError", "SchemaError", "NullValuesError", "CacheError", "CorruptCacheError",
@@ -45,6 +46,7 @@ _LAZY = {
     "Vocab": ".categorical",
     "Transform": ".transforms",
     "ParquetDataset": ".dataset",
+    "Mix": ".mix",
     "gpu_status": ".gpu.runtime",
     "share_rmm_pool": ".gpu.runtime",
     "Diagnosis": ".observe.diagnose",

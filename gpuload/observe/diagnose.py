@@ -71,12 +71,15 @@ class Diagnosis:
         :data:`gpuload.observe.metrics.STAGES`.
     message : what the numbers say, with the numbers.
     action : what to change.
+    source : for a :class:`gpuload.Mix`, the source whose batches the mix waited for most
+        (the diagnosis is then that source's), else None.
     """
 
     starvation: float
     limiting: str
     message: str
     action: str
+    source: str | None = None
 
     def __str__(self) -> str:
         return (f"starvation {self.starvation:.1%}; limited by: {self.limiting}\n"
@@ -203,6 +206,8 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     st, wall, kind = stats.starvation, stats.wall_s, _kind(stats)
     waited = (f"the training thread waited {st:.1%} of {wall:.2f} s ({_ms(stats.wait_mean_s)} per next() "
               f"against {_ms(stats.step_mean_s)} of step per batch)")
+    if st >= STARVED and stats.sources:
+        return _slowest_source(stats, disk_gbps, threads)
     if st < STARVED:
         return Diagnosis(st, "step", f"the step itself is the bottleneck: the loader is not; {waited}",
                          "nothing to gain in the loader; to go faster, profile the step (torch.profiler, nsys)")
@@ -238,6 +243,19 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         action = (f"raise prefetch first; then: {action}" if kind == "gpuload" else
                   f"keep more work in flight first (more workers, a deeper prefetch); then: {action}")
     return Diagnosis(st, s.name, message, action)
+
+
+def _slowest_source(stats: Stats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
+    """A starved mix: the source its thread waited for most, diagnosed on its own stats."""
+    name, src = max(stats.sources.items(), key=lambda kv: kv[1].wait_s)
+    waits = ", ".join(f"{n!r} {s.wait_s:.2f} s" for n, s in stats.sources.items())
+    head = (f"the training thread waited {stats.starvation:.1%} of {stats.wall_s:.2f} s for the mix, and the mix "
+            f"waited longest for source {name!r} (waits per source: {waits})")
+    if src.wall_s <= 0:
+        return Diagnosis(stats.starvation, "loader", head, f"look at source {name!r} first", name)
+    d = diagnose(src, disk_gbps=disk_gbps, threads=threads)
+    return Diagnosis(stats.starvation, d.limiting, f"{head}; in {name!r}: {d.message}",
+                     f"in source {name!r}: {d.action}", name)
 
 
 def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, total_gbps: float,

@@ -68,6 +68,8 @@ class Stats:
         stats with stage timings are gpuload's). loader_settings: what the advice may refer to
         (a DataLoader's ``num_workers``, ``pin_memory``, ``persistent_workers``,
         ``prefetch_factor``; a dataset's ``num_threads`` and ``prefetch``; else ``type``).
+    sources : a :class:`gpuload.Mix`'s ``{source name: Stats}``: each source's own stats, whose
+        waits are the mix thread's waits for that source's batches; None for anything else.
     """
 
     wall_s: float
@@ -96,6 +98,7 @@ class Stats:
     first_wait_s: float | None = None
     loader: str | None = None
     loader_settings: dict | None = None
+    sources: dict | None = None
 
     @property
     def rows_per_s(self) -> float:
@@ -125,6 +128,9 @@ class Stats:
             out.append(("utilisation", ", ".join(parts) + f" ({self.util_samples:,} samples)"))
         if self.remote is not None:
             out.append(("remote", str(self.remote)))
+        for name, st in (self.sources or {}).items():  # a mix: what its thread waited for each source
+            out.append((f"source {name}", f"{st.batches:,} batches, {st.rows:,} rows; the mix waited "
+                                          f"{st.wait_s:.3f} s for them ({st.starvation:.1%} of its time)"))
         return out
 
     _HEAD = ("stage", "busy s", "calls", "threads", "GB/s", "rows/s", "% of wall")

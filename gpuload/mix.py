@@ -1,0 +1,385 @@
+"""Mix: several :class:`gpuload.ParquetDataset` sources in one run, mixed by weight.
+
+Each batch of a mix (a *step*) joins whole batches of its sources (:mod:`gpuload.mixplan`
+says which, and what an epoch is), so each source keeps its own order, caches, shards,
+remote reads and Dask builds, and delivers every row once per pass. The mix runs on its
+own background thread (``gpuload-mix``): it takes the sources' batches (each source's own
+threads load them), joins them and hands the step out; the training thread only takes
+finished steps. Its state holds, per source, the source's own state after the last step
+handed out, so a restore is exact on the same ranks and every row stays once on others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import sys
+from typing import Iterator, Mapping
+
+import numpy as np
+import torch
+import xxhash
+
+from .batch import Ragged, nbytes, nrows
+from .consumers import check_iter_caller, check_set_epoch_caller
+from .dataset import ParquetDataset
+from .errors import ConfigError, setting
+from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_labels
+from .observe.metrics import Metrics
+from .pipeline import Background
+
+__all__ = ["Mix", "FORMAT"]
+
+FORMAT, VERSION = "gpuload.Mix", 1
+log = logging.getLogger("gpuload")
+
+
+class Mix(torch.utils.data.IterableDataset):
+    """Batches drawn from several datasets by weight (see :mod:`gpuload.mixplan` for the exact rules).
+
+    Parameters
+    ----------
+    sources : ``{name: ParquetDataset}``, at least one; each with the same outputs (names,
+        kinds, dtypes, trailing shapes) on the same device, and its own source, filters,
+        transform, seed and settings. The mix owns them: it selects their epochs and
+        iterates them; do not iterate them elsewhere while it runs.
+    weights : ``{name: weight > 0}`` for ``mode="proportion"`` (need not sum to 1): each
+        epoch holds each source's batches in proportion, exactly (to one batch). None with
+        ``mode="composition"``.
+    mode : ``"proportion"`` (default when ``weights`` are given): each step joins
+        ``batches_per_step`` source batches drawn by weight (the sources share one batch
+        size); ``"composition"`` (default without weights): each step joins one batch of
+        every source, so it holds exactly ``batch_size`` rows of each.
+    batches_per_step : source batches per step with ``"proportion"`` (default 1: a step is
+        one source's batch; 8 with batch_size=8192 gives steps of 65,536 rows of mixed sources).
+    exhausted : ``"end"`` (default): an epoch ends before any source would run out;
+        ``"repeat"``: it ends when every source was read whole, the smaller ones repeated.
+    steps_per_epoch : a fixed number of steps per epoch instead (default None).
+    seed : seed of the arrangement of sources within an epoch (default 0); the sources'
+        own seeds order their rows.
+    provenance : name of an extra int64 output holding, per row, the index of its source
+        in ``sources`` (default None: none).
+    prefetch : finished steps kept ready (default 2).
+    """
+
+    def __init__(self, sources: Mapping[str, ParquetDataset], weights: Mapping[str, float] | None = None, *,
+                 mode: str | None = None, batches_per_step: int = 1, exhausted: str = "end",
+                 steps_per_epoch: int | None = None, seed: int = 0, provenance: str | None = None,
+                 prefetch: int = 2):
+        super().__init__()
+        if not isinstance(sources, Mapping) or not sources:
+            raise ConfigError("sources= must be a non-empty dict {name: gpuload.ParquetDataset}")
+        self.names = [str(n) for n in sources]
+        self.sources = list(sources.values())
+        for n, d in zip(self.names, self.sources):
+            if not isinstance(d, ParquetDataset):
+                raise ConfigError(f"source {n!r} is a {type(d).__name__}, not a gpuload.ParquetDataset")
+        if len({id(d) for d in self.sources}) < len(self.sources):
+            raise ConfigError("one ParquetDataset is given twice in sources=: a mix iterates each source itself; "
+                              "make a second ParquetDataset of the same files (its cache is shared)")
+        self.mode = mode or ("proportion" if weights is not None else "composition")
+        _choice("mode", self.mode, MODES)
+        _choice("exhausted", exhausted, EXHAUSTED)
+        self.exhausted, self.seed, self.provenance = exhausted, _int("seed", seed, 0), provenance
+        self.per_step = _int("batches_per_step", batches_per_step, 1)
+        self.steps_per_epoch = None if steps_per_epoch is None else _int("steps_per_epoch", steps_per_epoch, 1)
+        self.prefetch = _int("prefetch", prefetch, 1)
+        self.weights = self._check_weights(weights)
+        self._check_outputs()
+        self.device = self.sources[0].device
+        self.metrics = Metrics()
+        ident = [(n, d.reader.fingerprint, w) for n, d, w in zip(self.names, self.sources, self.weights or [1.0] * len(self.names))]
+        self.key = f"{xxhash.xxh64_intdigest(repr((ident, self.mode, self.per_step, exhausted)).encode()):016x}"
+        self._signature = {"sources": [[n, f"{d.reader.fingerprint:#x}"] for n, d in zip(self.names, self.sources)],
+                           "weights": self.weights, "mode": self.mode, "batches_per_step": self.per_step,
+                           "exhausted": exhausted, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
+        self._epoch, self._advance = 0, False
+        self._runs: list[list[int]] = []   # this epoch's runs [world, steps, taken] (see mixplan)
+        self._states: dict = {}            # source name -> {"state", "epoch", "pass"} after the last step taken
+        self._running = False
+
+    # -- checks ---------------------------------------------------------------------------
+    def _check_weights(self, weights) -> list[float] | None:
+        if self.mode == "composition":
+            if weights is not None or self.per_step != 1:
+                raise ConfigError("mode='composition' takes one batch of every source per step: give no weights= "
+                                  "and no batches_per_step= (set each source's batch_size to its rows per step)")
+            return None
+        if not isinstance(weights, Mapping) or set(map(str, weights)) != set(self.names):
+            raise ConfigError(f"weights= must give a weight to each source and no other: sources {self.names}, "
+                              f"weights {list(weights) if isinstance(weights, Mapping) else weights!r}")
+        out = []
+        for n in self.names:
+            w = weights[n]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 < w < float("inf")):
+                raise ConfigError(f"weights[{n!r}]={w!r} must be a positive number")
+            out.append(float(w))
+        sizes = {n: d.options.batch_size for n, d in zip(self.names, self.sources)}
+        if len(set(sizes.values())) > 1:
+            raise ConfigError(f"mode='proportion' joins whole source batches, so the sources need one batch_size: "
+                              f"they have {sizes}; give them one (or use mode='composition')")
+        return out
+
+    def _check_outputs(self) -> None:
+        def shape(d):
+            return {s.name: (s.kind, s.dtype, s.width) for s in d.reader.outputs}
+
+        first, want = self.names[0], shape(self.sources[0])
+        for n, d in zip(self.names[1:], self.sources[1:]):
+            got = shape(d)
+            if set(got) != set(want):
+                raise ConfigError(f"source {n!r} has outputs {sorted(got)} where {first!r} has {sorted(want)}: "
+                                  "every source of a mix needs the same outputs (columns= maps names)")
+            for o, spec in got.items():
+                if spec != want[o]:
+                    raise ConfigError(f"output {o!r} is {_spec_text(spec)} in source {n!r} but {_spec_text(want[o])} "
+                                      f"in {first!r}: give both the same dtype and shape (dtypes=, columns=)")
+            if d.device != self.sources[0].device:
+                raise ConfigError(f"source {n!r} is on {d.device} and {first!r} on {self.sources[0].device}: "
+                                  "give every source the same device=")
+        if self.provenance is not None and (not isinstance(self.provenance, str) or self.provenance in want):
+            raise ConfigError(f"provenance={self.provenance!r} must be a name that is not an output already "
+                              f"({sorted(want)})")
+
+    # -- epochs and state -----------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or running) iteration follows."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration follows (optional: otherwise each iteration
+        follows the one after the previous iteration's). After :meth:`load_state_dict`, the
+        restored epoch keeps its position; another epoch starts afresh."""
+        check_set_epoch_caller(sys._getframe(1))
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
+        if epoch != self._epoch or self._complete():
+            if self._runs and not self._complete() and epoch != self._epoch:
+                log.warning("gpuload: Mix.set_epoch(%d) drops the position in epoch %d", epoch, self._epoch)
+            self._runs, self._states = [], {}
+        self._epoch, self._advance = epoch, False
+
+    def _complete(self) -> bool:
+        return bool(self._runs) and self._runs[-1][2] >= self._runs[-1][1]
+
+    def state_dict(self) -> dict:
+        """Where the mix stands: the epoch, its runs of steps and each started source's own
+        state after the last step handed out (JSON-serialisable, the same on every rank)."""
+        return {"format": FORMAT, "version": VERSION, "epoch": self._epoch, "runs": copy.deepcopy(self._runs),
+                "sources": copy.deepcopy(self._states), "mix": copy.deepcopy(self._signature)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (from :meth:`state_dict`): bit-exact on the same ranks; on
+        others each source's pass goes on with every row once, and the rest of the epoch is
+        rescaled (see :mod:`gpuload.mixplan`)."""
+        if self._running:
+            raise ConfigError("load_state_dict while an iteration of this mix is running: leave the loop first")
+        if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
+            raise ConfigError(f"this state is not a {FORMAT} state of version {VERSION}")
+        saved = state["mix"]
+        diff = sorted(k for k in set(saved) | set(self._signature) if saved.get(k) != self._signature.get(k))
+        if diff:
+            raise ConfigError(f"this state comes from a mix with other settings: {', '.join(diff)} differ "
+                              f"(saved {[saved.get(k) for k in diff]}, here {[self._signature.get(k) for k in diff]})")
+        self._epoch, self._runs = int(state["epoch"]), [list(map(int, r)) for r in state["runs"]]
+        self._states = copy.deepcopy(state["sources"])
+        if self._complete():  # a state taken after the last step goes on with the next epoch
+            self._epoch, self._runs, self._states = self._epoch + 1, [], {}
+        self._advance = False
+
+    def plan(self, epoch: int | None = None) -> MixPlan:
+        """The :class:`gpuload.mixplan.MixPlan` of an epoch on the ranks of now (pure)."""
+        sizes = [len(d.plan_epoch(0)[1]) for d in self.sources]
+        return plan_mix(self.names, sizes, self.weights, mode=self.mode, per_step=self.per_step,
+                        exhausted=self.exhausted, steps=self.steps_per_epoch)
+
+    def __len__(self) -> int:
+        """Steps per epoch on every rank (a restored epoch: the steps left)."""
+        if self._runs and not self._complete():
+            world = self.sources[0].world_size
+            steps, taken = self._runs[-1][1], self._runs[-1][2]
+            return steps - taken if self._runs[-1][0] == world else _rescale(steps - taken, self._runs[-1][0], world)
+        return self.plan().steps
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict]:
+        check_iter_caller(sys._getframe(1))
+        return self._iterate()
+
+    def _begin(self) -> tuple[MixPlan, list, int]:
+        """(the plan, this run's labels, steps taken of it) for the iteration starting now."""
+        if self._advance:  # a new iteration without set_epoch: the next epoch
+            self._epoch, self._runs, self._states = self._epoch + 1, [], {}
+        self._advance = True
+        p, world = self.plan(), self.sources[0].world_size
+        if not self._runs or self._complete():
+            self._runs, self._states = [[world, p.steps, 0]], {}
+        elif self._runs[-1][0] != world:  # resumed on other ranks: the rest rescaled, drawn again
+            last = self._runs[-1]
+            self._runs.append([world, _rescale(last[1] - last[2], last[0], world), 0])
+        for n, d in zip(self.names, self.sources):
+            if n in self._states:
+                d.load_state_dict(self._states[n]["state"])
+        run = len(self._runs) - 1
+        got = labels(p, self.key, self.seed, self._epoch) if run == 0 else \
+            rest_labels(p, self.weights, self._runs[run][1], self.key, self.seed, self._epoch, run)
+        return p, got, self._runs[run][2]
+
+    def _iterate(self) -> Iterator[dict]:
+        p, lab, taken = self._begin()
+        states = copy.deepcopy(self._states)
+        producer = Background(lambda stop: self._steps(p, lab, taken, states, stop), depth=self.prefetch,
+                              name="gpuload-mix")
+        m, self._running = self.metrics, True
+        t0 = m.clock()
+        try:
+            for batch, after in producer:
+                batch = self._receive(batch)
+                t1 = m.clock()
+                m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
+                self._runs[-1][2] += 1
+                self._states = after
+                yield batch
+                t0 = m.clock()
+            self._runs[-1][1] = self._runs[-1][2]  # ended (early, where exhausted='end' ran a source out)
+            m.consumer_end(t0, m.clock())
+        finally:
+            self._running = False
+            producer.close()
+
+    def _steps(self, p: MixPlan, lab, taken: int, states: dict, stop) -> Iterator:
+        """The mix thread: steps ``taken..`` of the run whose source labels are ``lab``."""
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        passes = {i: (states[n]["epoch"], states[n]["pass"]) for i, n in enumerate(self.names) if n in states}
+        iters: dict = {}
+
+        def next_batch(i: int):
+            """Source ``i``'s next batch; its next pass when one ends (``"repeat"``), None with ``"end"``."""
+            fresh = False
+            while True:
+                if i not in iters:
+                    ep, k = passes.get(i, (self._epoch * p.passes[i], 0))
+                    self.sources[i].set_epoch(ep)
+                    iters[i], passes[i] = iter(self.sources[i]), (ep, k)
+                b = next(iters[i], None)
+                if b is not None:
+                    return b
+                del iters[i]
+                if fresh:
+                    raise ConfigError(f"source {self.names[i]!r} gave no batch in its pass (epoch {passes[i][0]})")
+                if self.exhausted == "end":
+                    return None
+                passes[i], fresh = (passes[i][0] + 1, passes[i][1] + 1), True
+
+        try:
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for j in range(taken, len(lab) // p.per_step):
+                    if stop.is_set():
+                        return
+                    pieces = []
+                    for i in lab[j * p.per_step:(j + 1) * p.per_step]:
+                        b = next_batch(int(i))
+                        if b is None:  # exhausted='end': a source ran out (a rescaled rest); the epoch ends
+                            return
+                        pieces.append((int(i), b))
+                    batch = _join(pieces, self.provenance, self.device)
+                    if cuda:
+                        stream.synchronize()  # complete before the sources' memory goes back, and handed out
+                    after = {self.names[i]: {"state": self.sources[i].state_dict(), "epoch": passes[i][0],
+                                             "pass": passes[i][1]} for i in passes}
+                    yield batch, after
+        finally:
+            for it in iters.values():
+                it.close()
+
+    def _receive(self, batch: dict) -> dict:
+        """On the training thread: on a GPU, tensors the mix made are kept from reuse until the
+        current stream is done with them (the step itself is complete already)."""
+        if self.device.type == "cuda":
+            s = torch.cuda.current_stream(self.device)
+            for v in batch.values():
+                for t in (v if isinstance(v, Ragged) else (v,)):
+                    if getattr(t, "_gpuload_mixed", False):
+                        t.record_stream(s)
+        return batch
+
+    # -- measurement ------------------------------------------------------------------------------
+    def stats(self):
+        """The mix's :class:`gpuload.Stats` (the training thread's waits), with ``sources``: each
+        source's own stats, whose waits are the mix thread's waits for that source."""
+        return dataclasses.replace(self.metrics.stats(), loader="gpuload", loader_settings={"mix": self.names},
+                                   sources={n: d.stats() for n, d in zip(self.names, self.sources)})
+
+    def reset_stats(self) -> None:
+        """Start :meth:`stats` afresh, for the mix and every source."""
+        self.metrics.reset()
+        for d in self.sources:
+            d.reset_stats()
+
+    def loader_description(self) -> tuple[str, dict]:
+        return "gpuload", {"mix": self.names}
+
+    @property
+    def outputs(self) -> list[str]:
+        """Names of the tensors in each batch (the provenance output last, when asked for)."""
+        return self.sources[0].outputs + ([self.provenance] if self.provenance else [])
+
+    def __repr__(self) -> str:
+        what = f"weights={dict(zip(self.names, self.weights))}" if self.weights else "composition"
+        return f"Mix({self.names}, {what}, batches_per_step={self.per_step}, exhausted={self.exhausted!r})"
+
+
+def _join(pieces: list, provenance: str | None, device) -> dict:
+    """One step from ``(source index, batch)`` pieces, in order; new tensors are marked as the mix's."""
+    first = pieces[0][1]
+    if len(pieces) == 1:
+        out = dict(first)
+    else:
+        out = {}
+        for k, v in first.items():
+            if isinstance(v, Ragged):
+                vals = torch.cat([b[k].values for _, b in pieces])
+                offs, base = [first[k].offsets], first[k].offsets[-1]
+                for _, b in pieces[1:]:
+                    offs.append(b[k].offsets[1:] + base)
+                    base = base + b[k].offsets[-1]
+                out[k] = Ragged(_mark(vals), _mark(torch.cat(offs)))
+            else:
+                out[k] = _mark(torch.cat([b[k] for _, b in pieces]))
+    if provenance is not None:
+        out[provenance] = _mark(torch.cat([torch.full((nrows(b),), i, dtype=torch.int64, device=device)
+                                           for i, b in pieces]))
+    return out
+
+
+def _mark(t: torch.Tensor) -> torch.Tensor:
+    t._gpuload_mixed = True
+    return t
+
+
+def _rescale(steps: int, old: int, new: int) -> int:
+    return max(0, round(steps * old / new))
+
+
+def _spec_text(spec) -> str:
+    kind, dtype, width = spec
+    try:
+        dtype = np.dtype(dtype).name
+    except TypeError:  # bfloat16, named as gpuload names it
+        pass
+    return f"{kind} {dtype}" + (f" [.., {width}]" if kind in ("group", "fixed") else "")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{setting(name, value)} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _int(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{setting(name, value)} must be an integer >= {least}")
+    return value

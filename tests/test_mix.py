@@ -1,0 +1,289 @@
+"""gpuload.Mix: several sources mixed by weight or by fixed composition, with every guarantee
+of one source: exact counts per epoch, every row at most once per pass (the source that
+ends an epoch read whole), one order per (seed, epoch), equal steps on every rank, bit-exact
+resume at every position, every row once across a resume on other ranks; caches shared,
+values equal to pyarrow's, and the slow source named."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import gpuload
+from gpuload.testing import HttpServer
+
+from conftest import open_dataset, write_parquet
+
+COLS = ["row_id", "x", "h"]
+SIZES = {"a": 1000, "b": 400, "c": 650}  # rows per source; row ids start at BASE[name]
+BASE = {"a": 0, "b": 100_000, "c": 200_000}
+BS = 50
+
+
+def _table(name: str) -> pa.Table:
+    n, base = SIZES[name], BASE[name]
+    ids = np.arange(base, base + n)
+    return pa.table({"row_id": ids, "x": (ids * 0.5).astype(np.float32),
+                     "h": pa.array([[int(i)] * (int(i) % 4) for i in ids], pa.list_(pa.int64()))})
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix_sources")
+    out = {}
+    for name in SIZES:
+        t = _table(name)
+        half = t.num_rows // 2
+        write_parquet(root / name / "p0.parquet", t.slice(0, half), row_group_size=100)
+        write_parquet(root / name / "p1.parquet", t.slice(half), row_group_size=100)
+        out[name] = root / name
+    return out
+
+
+def _mix(paths, cache, weights=None, names=("a", "b", "c"), rank=None, world=None, bs=BS, sizes=None, **kw):
+    ds = {n: open_dataset(paths[n], COLS, cache, batch_size=(sizes or {}).get(n, bs), rank=rank, world_size=world,
+                          seed=i) for i, n in enumerate(names)}
+    return gpuload.Mix(ds, weights, **kw)
+
+
+def _source_of(ids: torch.Tensor) -> np.ndarray:
+    return np.searchsorted(np.array(sorted(BASE.values())), ids.numpy(), side="right") - 1
+
+
+def _steps(it):
+    return [{k: (v.values.clone(), v.offsets.clone()) if isinstance(v, gpuload.Ragged) else v.clone()
+             for k, v in b.items()} for b in it]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        set(x) == set(y) and all(torch.equal(*(p, q)) if not isinstance(p, tuple) else
+                                 (torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]))
+                                 for p, q in ((x[k], y[k]) for k in x)) for x, y in zip(a, b))
+
+
+W = {"a": 0.5, "b": 0.3, "c": 0.2}
+
+
+def test_an_epoch_holds_each_source_exactly_its_share_with_pyarrows_values(paths, tmp_path):
+    m = _mix(paths, tmp_path / "c", W, batches_per_step=4, provenance="src")
+    p = m.plan()
+    steps = _steps(m)
+    assert len(steps) == len(m) == p.steps
+    rows = np.concatenate([s["row_id"].numpy() for s in steps])
+    src = np.concatenate([s["src"].numpy() for s in steps])
+    assert all(len(s["row_id"]) == 4 * BS for s in steps)
+    assert np.array_equal(src, _source_of(torch.from_numpy(rows)))  # provenance names the row's source
+    assert np.bincount(src, minlength=3).tolist() == [c * BS for c in p.counts]
+    assert len(np.unique(rows)) == len(rows)  # every row at most once
+    limiting = int(np.argmin([SIZES[n] / W[n] for n in "abc"]))  # the source that ends the epoch: read whole
+    name = "abc"[limiting]
+    assert sorted(rows[src == limiting]) == list(range(BASE[name], BASE[name] + SIZES[name]))
+    assert abs(p.counts[0] / sum(p.counts) - 0.5) <= 1 / sum(p.counts)  # proportions within one batch
+    ref = {n: pq.read_table(paths[n]).to_pydict() for n in "abc"}
+    for s in steps[:3]:  # values against pyarrow's, row by row, lists included
+        for j, rid in enumerate(s["row_id"].tolist()):
+            n = "abc"[_source_of(torch.tensor([rid]))[0]]
+            k = rid - BASE[n]
+            assert s["x"][j].item() == ref[n]["x"][k]
+            vals, off = s["h"]
+            assert vals[off[j]:off[j + 1]].tolist() == ref[n]["h"][k]
+
+
+def test_repeat_reads_every_source_whole_and_each_pass_once(paths, tmp_path):
+    m = _mix(paths, tmp_path / "c", W, batches_per_step=2, exhausted="repeat", provenance="src")
+    p = m.plan()
+    steps = _steps(m)
+    rows = np.concatenate([s["row_id"].numpy() for s in steps])
+    src = np.concatenate([s["src"].numpy() for s in steps])
+    for i, n in enumerate("abc"):
+        stream, per_pass = rows[src == i], SIZES[n]
+        assert len(stream) == p.counts[i] * BS and len(stream) >= per_pass
+        for a in range(0, len(stream), per_pass):  # each pass (the last may be partial): each row once
+            part = stream[a:a + per_pass]
+            assert len(np.unique(part)) == len(part)
+            if len(part) == per_pass:
+                assert sorted(part) == list(range(BASE[n], BASE[n] + per_pass))
+        assert p.passes[i] == -(-len(stream) // per_pass)
+    assert max(p.passes) > 1
+
+
+def test_composition_gives_each_step_one_batch_of_every_source(paths, tmp_path):
+    m = _mix(paths, tmp_path / "c", names=("a", "b"), sizes={"a": 30, "b": 20}, provenance="src")
+    steps = _steps(m)
+    assert len(steps) == min(-(-SIZES["a"] // 30), -(-SIZES["b"] // 20)) == len(m)
+    for s in steps:
+        assert s["src"].tolist() == [0] * 30 + [1] * 20
+    with pytest.raises(gpuload.ConfigError, match="composition"):
+        _mix(paths, tmp_path / "c", W, mode="composition")
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch(paths, tmp_path):
+    first = _steps(_mix(paths, tmp_path / "c1", W, batches_per_step=2))
+    again = _mix(paths, tmp_path / "c2", W, batches_per_step=2)
+    assert _same(first, _steps(again))
+    second = _steps(again)  # no set_epoch: the next epoch, in another order
+    assert not _same(first, second)
+    again.set_epoch(1)
+    assert _same(second, _steps(again))
+    other_seed = _steps(_mix(paths, tmp_path / "c3", W, batches_per_step=2, seed=7))
+    assert not _same(first, other_seed)
+
+
+@pytest.mark.parametrize("exhausted", ["end", "repeat"])
+def test_resume_at_every_position_is_bit_exact(paths, tmp_path, exhausted):
+    kw = dict(weights={"a": 1, "b": 1}, names=("a", "b"), bs=100, batches_per_step=2, exhausted=exhausted,
+              provenance="src")
+    m = _mix(paths, tmp_path / "c", **kw)
+    m.set_epoch(3)
+    ref = _steps(m)
+    nxt = _steps(m)  # epoch 4: where a state taken after epoch 3's last step goes on
+    for k in range(len(ref) + 1):
+        m = _mix(paths, tmp_path / "c", **kw)
+        m.set_epoch(3)
+        it = iter(m)
+        head = _steps(next(it) for _ in range(k))
+        state = json.loads(json.dumps(m.state_dict()))  # as a checkpoint keeps it
+        it.close()
+        fresh = _mix(paths, tmp_path / "c", **kw)
+        fresh.load_state_dict(state)
+        assert fresh.epoch == (3 if k < len(ref) else 4) and len(fresh) == (len(ref) - k or len(nxt))
+        rest = _steps(fresh)
+        assert _same(head + rest, ref) if k < len(ref) else _same(head, ref) and _same(rest, nxt), k
+
+
+def _ranked(paths, cache, world, **kw):
+    return [_mix(paths, cache, W, rank=r, world=world, provenance="src", **kw) for r in range(world)]
+
+
+def _passes(m, it, k=None) -> list[tuple[str, int, np.ndarray]]:
+    """(source, its epoch, row ids) of each step taken from ``it`` (one source batch per step):
+    which pass a batch came from, read from the mix's state after it."""
+    out = []
+    for b in (it if k is None else (next(it) for _ in range(k))):
+        n = "abc"[int(b["src"][0])]
+        out.append((n, m.state_dict()["sources"][n]["epoch"], b["row_id"].numpy().copy()))
+    return out
+
+
+def test_every_rank_takes_the_same_steps_and_each_row_once_across_ranks(paths, tmp_path):
+    mixes = _ranked(paths, tmp_path / "c", 2, batches_per_step=2)
+    per_rank = [_steps(m) for m in mixes]
+    assert len(per_rank[0]) == len(per_rank[1]) == len(mixes[0]) == len(mixes[1])
+    rows = np.concatenate([s["row_id"].numpy() for steps in per_rank for s in steps])
+    assert len(np.unique(rows)) == len(rows)
+
+
+@pytest.mark.parametrize("exhausted", ["end", "repeat"])
+@pytest.mark.parametrize("new_world", [3, 1])
+def test_a_resume_on_other_ranks_delivers_each_row_at_most_once_per_pass_with_equal_steps(paths, tmp_path,
+                                                                                         new_world, exhausted):
+    before = _ranked(paths, tmp_path / "c", 2, exhausted=exhausted)
+    its = [iter(m) for m in before]
+    head = [_passes(m, it, 8) for m, it in zip(before, its)]
+    states = [m.state_dict() for m in before]
+    assert states[0] == states[1]  # the same on every rank: rank 0's is enough
+    for it in its:
+        it.close()
+    after = _ranked(paths, tmp_path / "c", new_world, exhausted=exhausted)
+    for m in after:
+        m.load_state_dict(states[0])
+    planned = {len(m) for m in after}  # the steps left on 2 ranks, rescaled to the new ranks
+    assert planned == {round((before[0].plan().steps - 8) * 2 / new_world)}
+    tails = [_passes(m, iter(m)) for m in after]
+    ran = {len(t) for t in tails}
+    assert len(ran) == 1  # every rank the same steps
+    # 'repeat' runs them all; 'end' stops, on every rank at once, where a source's rest runs out
+    assert ran == planned if exhausted == "repeat" else 0 < ran.pop() <= planned.pop()
+    groups: dict = {}
+    for part in head + tails:
+        for n, ep, ids in part:
+            groups.setdefault((n, ep), []).append(ids)
+    for (n, ep), parts in groups.items():  # every pass of every source: no row twice, across both runs
+        ids = np.concatenate(parts)
+        assert len(np.unique(ids)) == len(ids), (n, ep)
+    if exhausted == "repeat":
+        assert any(ep > 0 for _, ep in groups)
+
+
+def test_sources_that_do_not_match_are_refused_by_name(paths, tmp_path):
+    a = open_dataset(paths["a"], COLS, tmp_path / "c", batch_size=BS)
+    b = open_dataset(paths["b"], COLS, tmp_path / "c", batch_size=BS, dtypes={"x": "float64"})
+    with pytest.raises(gpuload.ConfigError, match=r"output 'x' is scalar float64 in source 'b' but scalar float32"):
+        gpuload.Mix({"a": a, "b": b}, {"a": 1, "b": 1})
+    b = open_dataset(paths["b"], ["row_id", "x"], tmp_path / "c", batch_size=BS)
+    with pytest.raises(gpuload.ConfigError, match="same outputs"):
+        gpuload.Mix({"a": a, "b": b})
+    b = open_dataset(paths["b"], COLS, tmp_path / "c", batch_size=2 * BS)
+    with pytest.raises(gpuload.ConfigError, match="one batch_size"):
+        gpuload.Mix({"a": a, "b": b}, {"a": 1, "b": 1})
+    b = open_dataset(paths["b"], COLS, tmp_path / "c", batch_size=BS)
+    for weights, what in [({"a": 1}, "each source"), ({"a": 1, "b": -1}, "positive"), ({"a": 1, "b": "x"}, "positive")]:
+        with pytest.raises(gpuload.ConfigError, match=what):
+            gpuload.Mix({"a": a, "b": b}, weights)
+    with pytest.raises(gpuload.ConfigError, match="not an output already"):
+        gpuload.Mix({"a": a, "b": b}, provenance="x")
+    with pytest.raises(gpuload.ConfigError, match="given twice"):
+        gpuload.Mix({"a": a, "b": a})
+    with pytest.raises(gpuload.ConfigError, match="exhausted='never'"):
+        gpuload.Mix({"a": a, "b": b}, exhausted="never")
+    state = gpuload.Mix({"a": a, "b": b}, {"a": 1, "b": 1}).state_dict()
+    with pytest.raises(gpuload.ConfigError, match="weights differ"):
+        gpuload.Mix({"a": a, "b": b}, {"a": 1, "b": 2}).load_state_dict(state)
+
+
+def test_a_source_shared_by_two_mixes_is_cached_once(paths, tmp_path):
+    cache = tmp_path / "c"
+    first = _mix(paths, cache, {"a": 1, "b": 1}, names=("a", "b"), exhausted="repeat")
+    list(first)
+    for d in first.sources:
+        d.reader.cache.flush()  # writes still in flight when the epoch ended
+    assert first.sources[0].reader.counters.decoded > 0
+    second = _mix(paths, cache, {"a": 1, "c": 1}, names=("a", "c"), exhausted="repeat")
+    list(second)
+    for d in second.sources:
+        d.reader.cache.flush()
+    a = second.sources[0].reader.counters
+    assert a.decoded == 0 and a.from_cache > 0  # 'a' was cached by the first mix: read, not decoded
+    alone = 0
+    for n in "abc":  # each source cached on its own, in a folder of its own
+        one = open_dataset(paths[n], COLS, tmp_path / f"alone_{n}", batch_size=BS)
+        list(one)
+        one.reader.cache.flush()
+        alone += len(list((tmp_path / f"alone_{n}").rglob("*.glc")))
+    assert len(list(cache.rglob("*.glc"))) == alone  # one file per chunk, 'a' once
+
+
+def test_stats_name_the_source_the_mix_waited_for(paths, tmp_path):
+    with HttpServer(paths["b"].parent, latency_s=0.05) as http:
+        slow = open_dataset(http.url("b/"), COLS, tmp_path / "c", batch_size=BS, seed=1)
+        fast = open_dataset(paths["a"], COLS, tmp_path / "c", batch_size=BS)
+        m = gpuload.Mix({"local": fast, "remote": slow}, {"local": 1, "remote": 1})
+        for _ in m:
+            time.sleep(0.001)
+    st = m.stats()
+    assert set(st.sources) == {"local", "remote"}
+    assert st.sources["remote"].wait_s > st.sources["local"].wait_s
+    assert st.batches == len(m) and "source remote" in str(st)
+    d = gpuload.diagnose(st)
+    assert d.source == "remote" and "'remote'" in d.message and d.action.startswith("in source 'remote'")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_mix_is_the_cpus(paths, tmp_path):
+    cpu = _steps(_mix(paths, tmp_path / "c1", W, batches_per_step=4, provenance="src"))
+    m = gpuload.Mix({n: open_dataset(paths[n], COLS, tmp_path / "c2", batch_size=BS, seed=i, device="cuda")
+                     for i, n in enumerate("abc")}, W, batches_per_step=4, provenance="src")
+    gpu = []
+    for b in m:
+        torch.cuda.current_stream().synchronize()
+        gpu.append({k: (v.values.cpu(), v.offsets.cpu()) if isinstance(v, gpuload.Ragged) else v.cpu()
+                    for k, v in b.items()})
+    assert _same(cpu, gpu)
+
