@@ -198,3 +198,16 @@ def test_gpu_node_proof_is_a_call_of_its_own(tmp_path):
 
     with pytest.raises(SystemExit, match="'proof' is a call of its own"):
         gpu_node.main(["run", "proof", "env", "--out", str(tmp_path)])
+
+
+def test_bench_mix_compares_the_mixes_with_one_source(tmp_path):
+    import bench_mix
+
+    out = tmp_path / "bench.md"
+    bench_mix.main(["--rows", "30000", "--repeat", "1", "--batch", "2048", "--step-ms", "0", "--dir",
+                    str(tmp_path / "w"), "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| one source", "| mix, 1 batch per step", "| mix, 4 batches per step"]
+    assert rows[0].endswith("| 1.00x |")
+    steps = [int(r.split(" | ")[1].replace(",", "")) for r in rows]
+    assert steps[0] == -(-30000 // 2048) and steps[1] > steps[0]  # 'repeat': the 0.2 source read whole
