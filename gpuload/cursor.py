@@ -174,6 +174,24 @@ class Cursor:
         """Batches each rank yields in a whole epoch."""
         return self._plan.first(self.ranks()).batches
 
+    def fresh(self, epoch: int) -> None:
+        """Select ``epoch`` from its first batch, dropping a restored or left position silently
+        (a :class:`gpuload.Mix` starting one of its sources' passes)."""
+        self.pending, self.position = None, None
+        self.epoch, self.epoch_set, self.advance = epoch, True, False
+
+    def left(self) -> int | None:
+        """Batches each rank has left of a restored position on the ranks of now (0 when it was
+        complete); None when no position was restored (see :meth:`load_state_dict`)."""
+        p = self.pending
+        if p is None:
+            return None
+        if p.complete:
+            return 0
+        ranks = self.ranks()
+        last = self._plan.runs(p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=False))[-1]
+        return last.batches - last.taken
+
     def rows_per_epoch(self) -> int:
         """Rows a whole epoch delivers over all ranks."""
         ranks = self.ranks()

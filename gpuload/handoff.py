@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .batch import Ragged
+from .batch import Ragged, nrows
 
-__all__ = ["HostHandoff", "DlpackHandoff"]
+__all__ = ["HostHandoff", "DlpackHandoff", "join_batches"]
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:
@@ -119,3 +119,27 @@ class DlpackHandoff:
         batch, event = item
         torch.cuda.current_stream(self.ctx.device).wait_event(event)
         return batch
+
+
+def join_batches(pieces: list, provenance: str | None, device) -> dict:
+    """One batch of the ``(source index, batch)`` pieces' rows, in order (a :class:`gpuload.Mix`'s
+    step; one piece is handed on as it is), plus an int64 ``provenance`` output of each row's
+    source index when named. On a GPU, call it on the stream the batch will be used on."""
+    first = pieces[0][1]
+    if len(pieces) == 1:
+        out = dict(first)
+    else:
+        out = {}
+        for k, v in first.items():
+            if isinstance(v, Ragged):
+                offs, base = [v.offsets], v.offsets[-1]
+                for _, b in pieces[1:]:
+                    offs.append(b[k].offsets[1:] + base)
+                    base = base + b[k].offsets[-1]
+                out[k] = Ragged(torch.cat([b[k].values for _, b in pieces]), torch.cat(offs))
+            else:
+                out[k] = torch.cat([b[k] for _, b in pieces])
+    if provenance is not None:
+        out[provenance] = torch.cat([torch.full((nrows(b),), i, dtype=torch.int64, device=device)
+                                     for i, b in pieces])
+    return out

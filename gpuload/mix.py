@@ -22,11 +22,12 @@ import numpy as np
 import torch
 import xxhash
 
-from .batch import Ragged, nbytes, nrows
+from .batch import nbytes, nrows
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .dataset import ParquetDataset
 from .errors import ConfigError, setting
-from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_labels
+from .handoff import join_batches
+from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .pipeline import Background
 
@@ -95,10 +96,9 @@ class Mix(torch.utils.data.IterableDataset):
         self._signature = {"sources": [[n, f"{d.reader.fingerprint:#x}"] for n, d in zip(self.names, self.sources)],
                            "weights": self.weights, "mode": self.mode, "batches_per_step": self.per_step,
                            "exhausted": exhausted, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
-        self._epoch, self._advance = 0, False
-        self._runs: list[list[int]] = []   # this epoch's runs [world, steps, taken] (see mixplan)
+        self._epoch, self._advance, self._restored, self._running = 0, False, False, False
+        self._runs: list[list[int]] = []   # this epoch's runs [world, steps, taken, drawn] (see _run)
         self._states: dict = {}            # source name -> {"state", "epoch", "pass"} after the last step taken
-        self._running = False
 
     # -- checks ---------------------------------------------------------------------------
     def _check_weights(self, weights) -> list[float] | None:
@@ -150,31 +150,35 @@ class Mix(torch.utils.data.IterableDataset):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch the next iteration follows (optional: otherwise each iteration
-        follows the one after the previous iteration's). After :meth:`load_state_dict`, the
-        restored epoch keeps its position; another epoch starts afresh."""
+        """Select the epoch the next iteration follows, from its first step (optional: otherwise
+        each iteration follows the one after the previous iteration's). After
+        :meth:`load_state_dict`, ``set_epoch`` of the restored epoch keeps its position (one
+        restored after its last step then yields nothing), and of the next epoch (when the
+        restored one was complete) starts it; another epoch drops the position, with a warning."""
         check_set_epoch_caller(sys._getframe(1))
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
-        if epoch != self._epoch or self._complete():
-            if self._runs and not self._complete() and epoch != self._epoch:
-                log.warning("gpuload: Mix.set_epoch(%d) drops the position in epoch %d", epoch, self._epoch)
-            self._runs, self._states = [], {}
+        if not (self._restored and epoch == self._epoch):
+            if self._restored and self._runs and not (self._complete() and epoch == self._epoch + 1):
+                log.warning("gpuload: Mix.set_epoch(%d) after load_state_dict drops the restored position in "
+                            "epoch %d", epoch, self._epoch)
+            self._runs, self._states, self._restored = [], {}, False
         self._epoch, self._advance = epoch, False
 
     def _complete(self) -> bool:
         return bool(self._runs) and self._runs[-1][2] >= self._runs[-1][1]
 
     def state_dict(self) -> dict:
-        """Where the mix stands: the epoch, its runs of steps and each started source's own
-        state after the last step handed out (JSON-serialisable, the same on every rank)."""
+        """Where the mix stands: the epoch, its runs of steps (``[ranks, steps, taken, drawn]``)
+        and each started source's own state after the last step handed out (JSON-serialisable,
+        the same on every rank). A state taken after an epoch's last step restores to the next."""
         return {"format": FORMAT, "version": VERSION, "epoch": self._epoch, "runs": copy.deepcopy(self._runs),
                 "sources": copy.deepcopy(self._states), "mix": copy.deepcopy(self._signature)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` (from :meth:`state_dict`): bit-exact on the same ranks; on
         others each source's pass goes on with every row once, and the rest of the epoch is
-        rescaled (see :mod:`gpuload.mixplan`)."""
+        drawn again for the new ranks and ended by the epoch's own rule (see :mod:`gpuload.mixplan`)."""
         if self._running:
             raise ConfigError("load_state_dict while an iteration of this mix is running: leave the loop first")
         if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
@@ -184,24 +188,28 @@ class Mix(torch.utils.data.IterableDataset):
         if diff:
             raise ConfigError(f"this state comes from a mix with other settings: {', '.join(diff)} differ "
                               f"(saved {[saved.get(k) for k in diff]}, here {[self._signature.get(k) for k in diff]})")
-        self._epoch, self._runs = int(state["epoch"]), [list(map(int, r)) for r in state["runs"]]
-        self._states = copy.deepcopy(state["sources"])
-        if self._complete():  # a state taken after the last step goes on with the next epoch
-            self._epoch, self._runs, self._states = self._epoch + 1, [], {}
-        self._advance = False
+        runs = [list(map(int, r)) for r in state["runs"]]
+        while len(runs) > 1 and runs[-1][2] == 0:  # a run that took no step changed nothing
+            runs.pop()
+        self._epoch, self._runs, self._states = int(state["epoch"]), runs, copy.deepcopy(state["sources"])
+        self._restored, self._advance = True, self._complete()  # over: the next iteration begins the next
 
-    def plan(self, epoch: int | None = None) -> MixPlan:
-        """The :class:`gpuload.mixplan.MixPlan` of an epoch on the ranks of now (pure)."""
+    def plan(self) -> MixPlan:
+        """The :class:`gpuload.mixplan.MixPlan` of a whole epoch on the ranks of now (pure)."""
+        worlds = {n: d.world_size for n, d in zip(self.names, self.sources)}
+        if len(set(worlds.values())) > 1:
+            raise ConfigError(f"the sources see different numbers of ranks {worlds}: give them the same "
+                              "rank= and world_size= (or none)")
         sizes = [len(d.plan_epoch(0)[1]) for d in self.sources]
         return plan_mix(self.names, sizes, self.weights, mode=self.mode, per_step=self.per_step,
                         exhausted=self.exhausted, steps=self.steps_per_epoch)
 
     def __len__(self) -> int:
-        """Steps per epoch on every rank (a restored epoch: the steps left)."""
-        if self._runs and not self._complete():
-            world = self.sources[0].world_size
-            steps, taken = self._runs[-1][1], self._runs[-1][2]
-            return steps - taken if self._runs[-1][0] == world else _rescale(steps - taken, self._runs[-1][0], world)
+        """Steps each rank yields per epoch; after :meth:`load_state_dict` (before iterating), the
+        steps left of the restored epoch."""
+        if self._restored and self._runs and not self._advance:
+            run = self._run(self.plan(), self.sources[0].world_size)
+            return run[1] - run[2]
         return self.plan().steps
 
     # -- iteration --------------------------------------------------------------------------------
@@ -209,62 +217,108 @@ class Mix(torch.utils.data.IterableDataset):
         check_iter_caller(sys._getframe(1))
         return self._iterate()
 
+    def _run(self, p: MixPlan, world: int) -> list[int]:
+        """The run ``[world, steps, taken, drawn]`` a restored epoch goes on with on ``world`` ranks:
+        its last one, or on other ranks a new one over the rest (:func:`gpuload.mixplan.rest_steps`)."""
+        last = self._runs[-1]
+        if last[0] == world:
+            return last
+        left, first_pass = [], []
+        for i, (n, d) in enumerate(zip(self.names, self.sources)):
+            st = self._states.get(n)
+            if st is None:  # not begun: its first pass, whole
+                left.append(p.sizes[i])
+                first_pass.append(True)
+            else:
+                d.load_state_dict(st["state"])
+                left.append(d._cursor.left())  # the rest of its pass, shared among these ranks
+                first_pass.append(st["pass"] == 0)
+        drawn = rest_bound(p, self.weights, left)
+        lab = rest_labels(p, self.weights, drawn, self.key, self.seed, self._epoch, len(self._runs))
+        return [world, rest_steps(lab, p.per_step, left, first_pass, self.exhausted), 0, drawn]
+
     def _begin(self) -> tuple[MixPlan, list, int]:
-        """(the plan, this run's labels, steps taken of it) for the iteration starting now."""
+        """(the plan, this run's labels from the next step on) for the iteration starting now."""
+        if self._running:
+            raise ConfigError("this Mix is being iterated already: one iteration at a time")
         if self._advance:  # a new iteration without set_epoch: the next epoch
             self._epoch, self._runs, self._states = self._epoch + 1, [], {}
-        self._advance = True
         p, world = self.plan(), self.sources[0].world_size
-        if not self._runs or self._complete():
-            self._runs, self._states = [[world, p.steps, 0]], {}
-        elif self._runs[-1][0] != world:  # resumed on other ranks: the rest rescaled, drawn again
-            last = self._runs[-1]
-            self._runs.append([world, _rescale(last[1] - last[2], last[0], world), 0])
-        for n, d in zip(self.names, self.sources):
-            if n in self._states:
-                d.load_state_dict(self._states[n]["state"])
-        run = len(self._runs) - 1
-        got = labels(p, self.key, self.seed, self._epoch) if run == 0 else \
-            rest_labels(p, self.weights, self._runs[run][1], self.key, self.seed, self._epoch, run)
-        return p, got, self._runs[run][2]
+        if not self._runs:
+            self._runs, self._states = [[world, p.steps, 0, p.steps]], {}
+        else:
+            run = self._run(p, world)
+            if run is not self._runs[-1]:  # resumed on other ranks: a new run over the rest
+                self._runs.append(run)
+        self._advance, self._restored = True, False
+        j = len(self._runs) - 1
+        steps, taken, drawn = self._runs[j][1:]
+        got = labels(p, self.key, self.seed, self._epoch) if j == 0 else \
+            rest_labels(p, self.weights, drawn, self.key, self.seed, self._epoch, j)
+        return p, got[taken * p.per_step:steps * p.per_step]
 
     def _iterate(self) -> Iterator[dict]:
-        p, lab, taken = self._begin()
+        p, lab = self._begin()
         states = copy.deepcopy(self._states)
-        producer = Background(lambda stop: self._steps(p, lab, taken, states, stop), depth=self.prefetch,
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        producer = Background(lambda stop: self._steps(p, lab, states, stream, stop), depth=self.prefetch,
                               name="gpuload-mix")
         m, self._running = self.metrics, True
         t0 = m.clock()
         try:
             for batch, after in producer:
-                batch = self._receive(batch)
                 t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
+                m.queue_depth(producer.depth())
                 self._runs[-1][2] += 1
                 self._states = after
                 yield batch
                 t0 = m.clock()
             self._runs[-1][1] = self._runs[-1][2]  # ended (early, where exhausted='end' ran a source out)
             m.consumer_end(t0, m.clock())
+        except GeneratorExit:  # the loop was left early
+            t = m.clock()
+            m.consumer_end(t, t)
+            raise
         finally:
             self._running = False
+            if not producer.finished:  # a source may be stalled (a remote store): let it go now
+                for d in self.sources:
+                    d.reader.interrupt()
             producer.close()
 
-    def _steps(self, p: MixPlan, lab, taken: int, states: dict, stop) -> Iterator:
-        """The mix thread: steps ``taken..`` of the run whose source labels are ``lab``."""
-        cuda = self.device.type == "cuda"
-        stream = torch.cuda.Stream(self.device) if cuda else None
+    def _steps(self, p: MixPlan, lab, states: dict, stream, stop) -> Iterator:
+        """The mix thread: the steps of labels ``lab``, each with the sources' states after it.
+
+        On a GPU its kernels (the sources' hand-offs, the joins) go on the training thread's
+        stream ``stream``: the sources guard their memory for that stream, and each step is
+        ordered before the training step that uses it, with no synchronisation on this thread."""
         passes = {i: (states[n]["epoch"], states[n]["pass"]) for i, n in enumerate(self.names) if n in states}
         iters: dict = {}
+
+        def start(i: int, ep: int, k: int, restore: dict | None) -> None:
+            d = self.sources[i]
+            if restore is not None:
+                d.load_state_dict(restore)  # its pass goes on where the last step left it
+                d.set_epoch(ep)
+            else:
+                d._cursor.fresh(ep)  # from its first batch, whatever position it held
+            iters[i], passes[i] = iter(d), (ep, k)
+
+        def pass_epoch(i: int, k: int) -> int:  # planned passes e*P..; more (a resumed rest): apart
+            return self._epoch * p.passes[i] + k if k < p.passes[i] else (1 << 40) + self._epoch * 4096 + k
 
         def next_batch(i: int):
             """Source ``i``'s next batch; its next pass when one ends (``"repeat"``), None with ``"end"``."""
             fresh = False
             while True:
                 if i not in iters:
-                    ep, k = passes.get(i, (self._epoch * p.passes[i], 0))
-                    self.sources[i].set_epoch(ep)
-                    iters[i], passes[i] = iter(self.sources[i]), (ep, k)
+                    n = self.names[i]
+                    if i in passes:
+                        start(i, *passes[i], states[n]["state"] if n in states else None)
+                        states.pop(n, None)
+                    else:
+                        start(i, pass_epoch(i, 0), 0, None)
                 b = next(iters[i], None)
                 if b is not None:
                     return b
@@ -273,39 +327,29 @@ class Mix(torch.utils.data.IterableDataset):
                     raise ConfigError(f"source {self.names[i]!r} gave no batch in its pass (epoch {passes[i][0]})")
                 if self.exhausted == "end":
                     return None
-                passes[i], fresh = (passes[i][0] + 1, passes[i][1] + 1), True
+                k = passes[i][1] + 1
+                start(i, pass_epoch(i, k), k, None)
+                fresh = True
 
         try:
-            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for j in range(taken, len(lab) // p.per_step):
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for j in range(len(lab) // p.per_step):
                     if stop.is_set():
                         return
                     pieces = []
                     for i in lab[j * p.per_step:(j + 1) * p.per_step]:
                         b = next_batch(int(i))
-                        if b is None:  # exhausted='end': a source ran out (a rescaled rest); the epoch ends
+                        if b is None:  # exhausted='end': a source ran out; the epoch ends
                             return
                         pieces.append((int(i), b))
-                    batch = _join(pieces, self.provenance, self.device)
-                    if cuda:
-                        stream.synchronize()  # complete before the sources' memory goes back, and handed out
+                    with self.metrics.span("batch", rows=sum(nrows(b) for _, b in pieces)):
+                        batch = join_batches(pieces, self.provenance, self.device)
                     after = {self.names[i]: {"state": self.sources[i].state_dict(), "epoch": passes[i][0],
                                              "pass": passes[i][1]} for i in passes}
                     yield batch, after
         finally:
             for it in iters.values():
                 it.close()
-
-    def _receive(self, batch: dict) -> dict:
-        """On the training thread: on a GPU, tensors the mix made are kept from reuse until the
-        current stream is done with them (the step itself is complete already)."""
-        if self.device.type == "cuda":
-            s = torch.cuda.current_stream(self.device)
-            for v in batch.values():
-                for t in (v if isinstance(v, Ragged) else (v,)):
-                    if getattr(t, "_gpuload_mixed", False):
-                        t.record_stream(s)
-        return batch
 
     # -- measurement ------------------------------------------------------------------------------
     def stats(self):
@@ -331,38 +375,6 @@ class Mix(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         what = f"weights={dict(zip(self.names, self.weights))}" if self.weights else "composition"
         return f"Mix({self.names}, {what}, batches_per_step={self.per_step}, exhausted={self.exhausted!r})"
-
-
-def _join(pieces: list, provenance: str | None, device) -> dict:
-    """One step from ``(source index, batch)`` pieces, in order; new tensors are marked as the mix's."""
-    first = pieces[0][1]
-    if len(pieces) == 1:
-        out = dict(first)
-    else:
-        out = {}
-        for k, v in first.items():
-            if isinstance(v, Ragged):
-                vals = torch.cat([b[k].values for _, b in pieces])
-                offs, base = [first[k].offsets], first[k].offsets[-1]
-                for _, b in pieces[1:]:
-                    offs.append(b[k].offsets[1:] + base)
-                    base = base + b[k].offsets[-1]
-                out[k] = Ragged(_mark(vals), _mark(torch.cat(offs)))
-            else:
-                out[k] = _mark(torch.cat([b[k] for _, b in pieces]))
-    if provenance is not None:
-        out[provenance] = _mark(torch.cat([torch.full((nrows(b),), i, dtype=torch.int64, device=device)
-                                           for i, b in pieces]))
-    return out
-
-
-def _mark(t: torch.Tensor) -> torch.Tensor:
-    t._gpuload_mixed = True
-    return t
-
-
-def _rescale(steps: int, old: int, new: int) -> int:
-    return max(0, round(steps * old / new))
 
 
 def _spec_text(spec) -> str:

@@ -39,10 +39,13 @@ Source ``i``'s passes in mix epoch ``e`` are its epochs ``e * P_i, e * P_i + 1, 
 Resuming on another number of ranks
 -----------------------------------
 Each source resumes its own pass on the new ranks (its rest shared among them, every row
-once). The mix's remaining steps are rescaled by ``old ranks / new ranks`` (rounded) and
-drawn again for the new ranks (:func:`rest_labels`): the same weights, a new arrangement.
-A source whose pass runs out before the rescaled steps do starts its next pass with
-``"repeat"``; with ``"end"`` the epoch ends there, on every rank at the same step.
+once, the same number of batches on every rank). The rest of the mix's epoch is a new run
+of steps drawn for the new ranks (:func:`rest_labels`: the same weights, a new arrangement)
+and ended by the epoch's own rule, applied to what is left: with ``"end"``, before any
+source needs more batches than its pass has left (so the source that runs out is read
+whole, exactly once, across the runs); with ``"repeat"``, once every source still in its
+first pass has finished it (each of those exactly once; sources past their first pass go
+on with further passes, each row at most once per pass).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ import xxhash
 
 from .errors import ConfigError, setting
 
-__all__ = ["MODES", "EXHAUSTED", "MixPlan", "apportion", "plan_mix", "labels", "rest_labels"]
+__all__ = ["MODES", "EXHAUSTED", "MixPlan", "apportion", "plan_mix", "labels", "rest_labels", "rest_bound", "rest_steps"]
 
 MODES = ("proportion", "composition")
 EXHAUSTED = ("end", "repeat")
@@ -169,3 +172,29 @@ def rest_labels(p: MixPlan, weights: Sequence[float] | None, steps: int, key: st
     k = len(p.counts)
     counts = _counts(p.mode, steps, p.per_step, weights if weights is not None else [1.0] * k, k)
     return _arrange(p.mode, counts, (key, seed, epoch, "rest", run))
+
+
+def rest_bound(p: MixPlan, weights: Sequence[float] | None, left: Sequence[int]) -> int:
+    """Steps to draw for a rest where source ``i`` has ``left[i]`` batches of its pass left: by
+    then every source needs more than its ``left`` (so :func:`rest_steps` ends within them)."""
+    if p.mode == "composition":
+        return max(left) + 1
+    s = float(sum(weights))
+    return max(math.ceil((r + 1) * s / (w * p.per_step)) for r, w in zip(left, weights)) + 1
+
+
+def rest_steps(lab, per_step: int, left: Sequence[int], first_pass: Sequence[bool], exhausted: str) -> int:
+    """Steps of a rest drawn as ``lab``: with ``"end"``, the full steps before any source needs more
+    than its ``left`` batches; with ``"repeat"``, the fewest after which every source still in its
+    ``first_pass`` has had its ``left`` (the others may start further passes); 0 when none is."""
+    if exhausted == "repeat" and not any(first_pass):
+        return 0
+    counts = [0] * len(left)
+    for j in range(len(lab) // per_step):
+        for i in lab[j * per_step:(j + 1) * per_step]:
+            counts[i] += 1
+        if exhausted == "end" and any(c > r for c, r in zip(counts, left)):
+            return j
+        if exhausted == "repeat" and all(c >= r for c, r, o in zip(counts, left, first_pass) if o):
+            return j + 1
+    return len(lab) // per_step

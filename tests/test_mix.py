@@ -153,9 +153,59 @@ def test_resume_at_every_position_is_bit_exact(paths, tmp_path, exhausted):
         it.close()
         fresh = _mix(paths, tmp_path / "c", **kw)
         fresh.load_state_dict(state)
-        assert fresh.epoch == (3 if k < len(ref) else 4) and len(fresh) == (len(ref) - k or len(nxt))
+        assert fresh.epoch == 3 and len(fresh) == (len(ref) - k or len(nxt))  # after the last step: the next epoch
         rest = _steps(fresh)
+        assert fresh.epoch == (3 if k < len(ref) else 4)
         assert _same(head + rest, ref) if k < len(ref) else _same(head, ref) and _same(rest, nxt), k
+
+
+def test_a_restore_never_leaks_into_later_epochs_or_rollbacks(paths, tmp_path):
+    kw = dict(weights=W, bs=BS, batches_per_step=2, provenance="src")
+    m = _mix(paths, tmp_path / "c", **kw)
+    epoch0 = _steps(m)
+    it = iter(_mix(paths, tmp_path / "c", **kw))
+    probe = _mix(paths, tmp_path / "c", **kw)
+    states, it = [], iter(probe)
+    for _ in range(len(epoch0) - 1):  # a state after each step, the last one after source c's last batch
+        next(it)
+        states.append(probe.state_dict())
+    it.close()
+    late = _mix(paths, tmp_path / "c", **kw)
+    late.load_state_dict(states[-1])
+    assert len(_steps(late)) == 1
+    late.set_epoch(0)
+    assert _same(_steps(late), epoch0)  # a whole epoch 0: nothing of the restored position left in a source
+    late.load_state_dict(states[5])  # roll back: the sources follow the state, not what they held last
+    assert _same(_steps(late), epoch0[6:])
+    late.load_state_dict(states[2])
+    it = iter(late)
+    next(it)
+    it.close()
+    late.load_state_dict(states[1])
+    assert _same(_steps(late), epoch0[2:])
+
+
+def test_len_set_epoch_and_stats_after_the_loop_is_left_early(paths, tmp_path):
+    m = _mix(paths, tmp_path / "c", W, batches_per_step=2)
+    whole = len(m)
+    it = iter(m)
+    for _ in range(3):
+        next(it)
+    it.close()
+    assert len(m) == whole  # the next iteration is a whole epoch
+    m.set_epoch(0)  # after a break: epoch 0 again, from its first step
+    ref = _steps(_mix(paths, tmp_path / "c2", W, batches_per_step=2))
+    assert _same(_steps(m), ref)
+    st = m.stats()
+    assert st.passes == 2 and st.batches == 3 + whole
+    done = _mix(paths, tmp_path / "c", W, batches_per_step=2)
+    list(done)
+    state = done.state_dict()
+    again = _mix(paths, tmp_path / "c", W, batches_per_step=2)
+    again.load_state_dict(state)  # taken after the last step of epoch 0
+    again.set_epoch(0)  # the usual loop: range(saved epoch, ...) starts with the finished one
+    assert _steps(again) == []
+    assert again.epoch == 0 and len(_steps(again)) == whole and again.epoch == 1
 
 
 def _ranked(paths, cache, world, **kw):
@@ -194,22 +244,26 @@ def test_a_resume_on_other_ranks_delivers_each_row_at_most_once_per_pass_with_eq
     after = _ranked(paths, tmp_path / "c", new_world, exhausted=exhausted)
     for m in after:
         m.load_state_dict(states[0])
-    planned = {len(m) for m in after}  # the steps left on 2 ranks, rescaled to the new ranks
-    assert planned == {round((before[0].plan().steps - 8) * 2 / new_world)}
+    planned = {len(m) for m in after}
+    assert len(planned) == 1  # ('end': 0 when a source the rest begins with had finished its pass)
     tails = [_passes(m, iter(m)) for m in after]
-    ran = {len(t) for t in tails}
-    assert len(ran) == 1  # every rank the same steps
-    # 'repeat' runs them all; 'end' stops, on every rank at once, where a source's rest runs out
-    assert ran == planned if exhausted == "repeat" else 0 < ran.pop() <= planned.pop()
+    assert {len(t) for t in tails} == planned  # every rank the steps len() said
     groups: dict = {}
     for part in head + tails:
         for n, ep, ids in part:
             groups.setdefault((n, ep), []).append(ids)
+    whole = []
     for (n, ep), parts in groups.items():  # every pass of every source: no row twice, across both runs
         ids = np.concatenate(parts)
         assert len(np.unique(ids)) == len(ids), (n, ep)
-    if exhausted == "repeat":
-        assert any(ep > 0 for _, ep in groups)
+        if ep == 0 and sorted(ids) == list(range(BASE[n], BASE[n] + SIZES[n])):
+            whole.append(n)
+    if exhausted == "repeat":  # every source's first pass read whole: each of its rows exactly once
+        assert sorted(whole) == ["a", "b", "c"] and any(ep > 0 for _, ep in groups)
+        nxt = _passes(after[0], iter(after[0]))  # the next epoch: passes of its own, none seen before
+        assert not {(n, ep) for n, ep, _ in nxt} & set(groups)
+    else:  # the source that ran out was read whole, exactly once across the two runs
+        assert whole
 
 
 def test_sources_that_do_not_match_are_refused_by_name(paths, tmp_path):
@@ -261,7 +315,7 @@ def test_a_source_shared_by_two_mixes_is_cached_once(paths, tmp_path):
 
 
 def test_stats_name_the_source_the_mix_waited_for(paths, tmp_path):
-    with HttpServer(paths["b"].parent, latency_s=0.05) as http:
+    with HttpServer(paths["b"].parent, latency_s=0.25) as http:
         slow = open_dataset(http.url("b/"), COLS, tmp_path / "c", batch_size=BS, seed=1)
         fast = open_dataset(paths["a"], COLS, tmp_path / "c", batch_size=BS)
         m = gpuload.Mix({"local": fast, "remote": slow}, {"local": 1, "remote": 1})
@@ -275,15 +329,34 @@ def test_stats_name_the_source_the_mix_waited_for(paths, tmp_path):
     assert d.source == "remote" and "'remote'" in d.message and d.action.startswith("in source 'remote'")
 
 
+def test_a_mix_starved_by_its_own_thread_says_so():
+    from gpuload.observe.stats import Stats
+
+    def stats(wait, wall=10.0, **kw):
+        return Stats(wall_s=wall, batches=100, rows=10_000, bytes=1, wait_s=wait, starvation=wait / wall, passes=1,
+                     wait_mean_s=0.01, wait_max_s=0.1, step_mean_s=0.05, step_max_s=0.1, stages={},
+                     first_wait_s=0.01, **kw)
+
+    mix = stats(5.0, sources={"a": stats(0.2), "b": stats(0.4)})
+    d = gpuload.diagnose(mix)
+    assert d.limiting == "batch" and d.source is None and "the mix thread itself" in d.message
+    assert "prefetch" in d.action
+
+
 @pytest.mark.gpu
-def test_on_a_gpu_the_mix_is_the_cpus(paths, tmp_path):
-    cpu = _steps(_mix(paths, tmp_path / "c1", W, batches_per_step=4, provenance="src"))
-    m = gpuload.Mix({n: open_dataset(paths[n], COLS, tmp_path / "c2", batch_size=BS, seed=i, device="cuda")
-                     for i, n in enumerate("abc")}, W, batches_per_step=4, provenance="src")
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_on_a_gpu_the_mix_is_the_cpus(paths, tmp_path, per_step):
+    """The steps a GPU mix hands out (source batches handed on, or joined on the training
+    stream) equal the CPU's, read on the training stream without any other synchronisation."""
+    cpu = _steps(_mix(paths, tmp_path / "c1", W, bs=BS * 4 // per_step, batches_per_step=per_step,
+                      provenance="src"))
+    m = gpuload.Mix({n: open_dataset(paths[n], COLS, tmp_path / "c2", batch_size=BS * 4 // per_step, seed=i,
+                                     device="cuda") for i, n in enumerate("abc")}, W,
+                    batches_per_step=per_step, provenance="src")
     gpu = []
     for b in m:
-        torch.cuda.current_stream().synchronize()
+        assert all(t.is_cuda for v in b.values() for t in (v if isinstance(v, gpuload.Ragged) else (v,)))
         gpu.append({k: (v.values.cpu(), v.offsets.cpu()) if isinstance(v, gpuload.Ragged) else v.cpu()
-                    for k, v in b.items()})
+                    for k, v in b.items()})  # copies ordered on the current (training) stream
+        torch.cuda._sleep(1_000_000)  # a slow step on that stream: the loader's next batches must wait for it
     assert _same(cpu, gpu)
-

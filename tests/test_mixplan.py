@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpuload
-from gpuload.mixplan import apportion, labels, plan_mix, rest_labels
+from gpuload.mixplan import apportion, labels, plan_mix, rest_bound, rest_labels, rest_steps
 
 weights_st = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5)
 
@@ -82,10 +82,22 @@ def test_labels_hold_exactly_the_counts_and_are_a_pure_function_of_seed_and_epoc
     assert np.bincount(got, minlength=len(sizes)).tolist() == list(p.counts)
     assert np.array_equal(got, labels(p, "key", seed, epoch))
     rest = rest_labels(p, weights, 5, "key", seed, epoch, run=1)
-    assert len(rest) == 5 * 2 and np.array_equal(rest, rest_labels(p, weights, 5, "key", seed, epoch, run=1))
+    assert np.bincount(rest, minlength=len(sizes)).tolist() == apportion(5 * 2, weights)
+    assert np.array_equal(rest, rest_labels(p, weights, 5, "key", seed, epoch, run=1))
 
 
 def test_epochs_and_seeds_arrange_sources_differently():
     p = plan_mix(["a", "b", "c"], [50, 50, 50], [1, 1, 1], mode="proportion", per_step=3, exhausted="end")
     seen = {labels(p, "key", s, e).tobytes() for s in range(3) for e in range(3)}
     assert len(seen) == 9
+
+
+def test_a_rest_ends_by_the_epochs_own_rule():
+    lab = np.array([0, 1, 0, 0, 1, 0, 1, 1])  # one batch per step
+    assert rest_steps(lab, 1, [3, 2], [True, True], "end") == 5  # step 6 would take a 4th batch of source 0
+    assert rest_steps(lab, 1, [3, 3], [True, True], "repeat") == 7  # source 1 has had its 3 by step 7
+    assert rest_steps(lab, 1, [3, 3], [True, False], "repeat") == 4  # source 1 is past its first pass
+    assert rest_steps(lab, 1, [3, 3], [False, False], "repeat") == 0
+    p = plan_mix(["a", "b"], [10, 4], [1, 1], mode="proportion", per_step=2, exhausted="end")
+    n = rest_bound(p, [1, 1], [6, 2])
+    assert rest_steps(rest_labels(p, [1, 1], n, "k", 0, 0, 1), 2, [6, 2], [True, True], "end") < n

@@ -253,6 +253,13 @@ def _slowest_source(stats: Stats, disk_gbps: float | None, threads: int | None) 
             f"waited longest for source {name!r} (waits per source: {waits})")
     if src.wall_s <= 0:
         return Diagnosis(stats.starvation, "loader", head, f"look at source {name!r} first", name)
+    if src.starvation < STARVED:  # no source kept the mix thread waiting: its own work, or too little ahead
+        join = stats.stages.get("batch")
+        busy = f"joining source batches took {join.seconds:.2f} s of its time" if join else "it timed no join"
+        return Diagnosis(stats.starvation, "batch", f"{head}; no source kept the mix thread waiting long "
+                         f"({src.starvation:.0%} of its time at most), so the mix thread itself is the limit: {busy}",
+                         "keep more steps ready (Mix(prefetch=...)), or join fewer batches per step (a larger "
+                         "batch_size on the sources with a smaller batches_per_step)", None)
     d = diagnose(src, disk_gbps=disk_gbps, threads=threads)
     return Diagnosis(stats.starvation, d.limiting, f"{head}; in {name!r}: {d.message}",
                      f"in source {name!r}: {d.action}", name)
