@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import gpuload
 from gpuload.testing import HttpServer
@@ -264,6 +265,47 @@ def test_a_resume_on_other_ranks_delivers_each_row_at_most_once_per_pass_with_eq
         assert not {(n, ep) for n, ep, _ in nxt} & set(groups)
     else:  # the source that ran out was read whole, exactly once across the two runs
         assert whole
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_random_mixes_resumed_anywhere_on_any_ranks(paths, tmp_path, data):
+    """Random weights, ranks, modes and resume positions: every rank the same steps, each epoch
+    holding exactly its planned batches per source, no row twice in a pass across the runs."""
+    weights = {n: data.draw(st.floats(0.1, 3.0), label=f"w_{n}") for n in "abc"}
+    world, new_world = data.draw(st.integers(1, 3), label="world"), data.draw(st.integers(1, 3), label="new world")
+    exhausted = data.draw(st.sampled_from(["end", "repeat"]), label="exhausted")
+    per_step = 1 if exhausted == "repeat" else data.draw(st.integers(1, 3), label="per step")
+    kw = dict(batches_per_step=per_step, exhausted=exhausted, provenance="src")
+    before = [_mix(paths, tmp_path / "c", weights, rank=r, world=world, **kw) for r in range(world)]
+    p = before[0].plan()
+    k = data.draw(st.integers(0, p.steps), label="resume after")
+    its = [iter(m) for m in before]
+    head = [[(b["src"].numpy().copy(), b["row_id"].numpy().copy(), m.state_dict()["sources"])
+             for b in (next(it) for _ in range(k))] for m, it in zip(before, its)]
+    state = before[0].state_dict()
+    assert all(m.state_dict() == state for m in before)
+    for it in its:
+        it.close()
+    after = [_mix(paths, tmp_path / "c", weights, rank=r, world=new_world, **kw) for r in range(new_world)]
+    for m in after:
+        m.load_state_dict(state)
+    left = {len(m) for m in after}
+    tails = [[(b["src"].numpy().copy(), b["row_id"].numpy().copy(), m.state_dict()["sources"]) for b in m]
+             for m in after]
+    assert len(left) == 1 and {len(t) for t in tails} == left  # every rank the same steps, as len() said
+    if new_world == world:  # the same ranks: the whole epoch holds exactly its planned batches per source
+        src = np.concatenate([s for part in head + tails for s, _, _ in part])
+        assert np.bincount(src, minlength=3).tolist() == [c * BS * world for c in p.counts]
+    seen: dict = {}
+    for part in head + tails:
+        for src, ids, states in part:
+            for i, n in enumerate("abc"):
+                if (src == i).any():
+                    seen.setdefault((n, states[n]["epoch"]), []).append(ids[src == i])
+    for key, parts in seen.items():
+        ids = np.concatenate(parts)
+        assert len(np.unique(ids)) == len(ids), key
 
 
 def test_sources_that_do_not_match_are_refused_by_name(paths, tmp_path):
