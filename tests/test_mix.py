@@ -295,8 +295,13 @@ def test_random_mixes_resumed_anywhere_on_any_ranks(paths, tmp_path, data):
              for m in after]
     assert len(left) == 1 and {len(t) for t in tails} == left  # every rank the same steps, as len() said
     if new_world == world:  # the same ranks: the whole epoch holds exactly its planned batches per source
-        src = np.concatenate([s for part in head + tails for s, _, _ in part])
-        assert np.bincount(src, minlength=3).tolist() == [c * BS * world for c in p.counts]
+        if per_step == 1:  # a step is one source's batch
+            steps = [int(s[0]) for part in head + tails for s, _, _ in part]
+            assert np.bincount(steps, minlength=3).tolist() == [c * world for c in p.counts]
+        else:  # 'end': one pass per source, its first counts[i] batches on every rank
+            rows = np.bincount(np.concatenate([s for part in head + tails for s, _, _ in part]), minlength=3)
+            want = [sum(m.sources[i].plan_epoch(0)[1].rows_before(c) for m in before) for i, c in enumerate(p.counts)]
+            assert rows.tolist() == want
     seen: dict = {}
     for part in head + tails:
         for src, ids, states in part:
