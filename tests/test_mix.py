@@ -313,6 +313,29 @@ def test_random_mixes_resumed_anywhere_on_any_ranks(paths, tmp_path, data):
         assert len(np.unique(ids)) == len(ids), key
 
 
+def test_node_affine_sources_mix_with_equal_steps_on_every_rank(paths, tmp_path):
+    """Sources with shard='node' (2 nodes x 2 ranks, a cache per node): every rank the same steps,
+    no row twice in a pass; each node caches only its share of each source."""
+    mixes = [gpuload.Mix({n: open_dataset(paths[n], COLS, tmp_path / f"node{r // 2}", batch_size=BS, seed=i,
+                                          rank=r, world_size=4, shard="node", local_world_size=2, chunk_bytes=4096)
+                          for i, n in enumerate("abc")}, W, exhausted="repeat", provenance="src") for r in range(4)]
+    lens = {len(m) for m in mixes}
+    steps = [_passes(m, iter(m)) for m in mixes]
+    assert len(lens) == 1 and {len(s) for s in steps} == lens
+    seen: dict = {}
+    for part in steps:
+        for n, ep, ids in part:
+            seen.setdefault((n, ep), []).append(ids)
+    assert all(len(np.unique(np.concatenate(v))) == sum(map(len, v)) for v in seen.values())
+    for m in mixes:
+        for d in m.sources:
+            d.reader.cache.flush()
+    for node in (0, 1):  # each source read whole: a node's cache holds exactly its share of every source
+        owned = sum(len(d.node_chunks()[node]) for d in mixes[2 * node].sources)
+        total = sum(len(d.reader.chunks) for d in mixes[0].sources)
+        assert 0 < owned < total and len(list((tmp_path / f"node{node}").rglob("*.glc"))) == owned
+
+
 def test_sources_that_do_not_match_are_refused_by_name(paths, tmp_path):
     a = open_dataset(paths["a"], COLS, tmp_path / "c", batch_size=BS)
     b = open_dataset(paths["b"], COLS, tmp_path / "c", batch_size=BS, dtypes={"x": "float64"})
