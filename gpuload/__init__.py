@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # imported on first use (``__getattr__`` below): ``import gpu
     from .mix import Mix
     from .gpu.runtime import gpu_status, share_rmm_pool
     from .observe.diagnose import Diagnosis, diagnose
+    from .observe.export import report_metrics, serve_metrics
     from .observe.metrics import Metrics
     from .observe.stats import StageStats, Stats
     from .observe.watch import Watched, watch
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ParquetDataset", "Mix", "build_cache", "CacheSummary", "Hash", "Vocab", "Transform", "share_rmm_pool", "gpu_status",
     "Ragged",
-    "watch", "Watched", "Metrics", "Stats", "StageStats", "RemoteSettings", "RemoteStats", "diagnose", "Diagnosis",
+    "watch", "Watched", "serve_metrics", "report_metrics", "Metrics", "Stats", "StageStats", "RemoteSettings", "RemoteStats", "diagnose", "Diagnosis",
     "GpuloadError", "ConfigError", "SourceError", "SchemaError", "NullValuesError", "CacheError", "CorruptCacheError",
     "__version__",
 ]
@@ -51,6 +52,8 @@ _LAZY = {
     "share_rmm_pool": ".gpu.runtime",
     "Diagnosis": ".observe.diagnose",
     "diagnose": ".observe.diagnose",
+    "serve_metrics": ".observe.export",
+    "report_metrics": ".observe.export",
     "Metrics": ".observe.metrics",
     "StageStats": ".observe.stats",
     "Stats": ".observe.stats",
