@@ -142,6 +142,8 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
 
         bar = tqdm(total=reader.num_rows, unit="row", unit_scale=True, desc="building cache")
         progress = bar.update
+    elif progress is False:  # no progress reports
+        progress = None
     try:
         return _build(reader, src, opts, progress, client, nodes, explicit_dir=cache_dir is not None)
     finally:

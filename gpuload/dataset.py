@@ -16,6 +16,7 @@ from .epochs import EpochPlan, Position
 from .errors import ConfigError, flag
 from .batch import nbytes, nrows
 from .observe.metrics import Metrics
+from .observe.ranks import gather
 from .observe.stats import Stats
 from .pipeline import Background, epoch_batches
 from .ranks import RankLayout
@@ -357,8 +358,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
                                 block_rows=o.block, row_filter=None if r.source.filters is None else r.source.filters.key)
 
-    def stats(self) -> Stats:
-        """What the loader and the training loop did so far: a :class:`gpuload.Stats`.
+    def stats(self, all_ranks: bool = False) -> Stats:
+        """What the loader and the training loop did so far: a :class:`gpuload.Stats`
+        (``all_ranks=True``: every rank's, gathered, a :class:`gpuload.observe.ranks.RankStats`;
+        under torch.distributed every rank must call it then).
 
         Per-stage busy time, bytes and rows (list, read, decode, convert, cache_write,
         cache_read, h2d, batch), queue depth, and ``starvation``: the fraction (0 to 1)
@@ -368,8 +371,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         source, ``remote`` counts the requests made to the store (a :class:`gpuload.RemoteStats`).
         """
         loader, settings = self.loader_description()
-        return dataclasses.replace(self.metrics.stats(), remote=self.reader.remote_stats(), loader=loader,
-                                   loader_settings=settings)
+        st = dataclasses.replace(self.metrics.stats(), remote=self.reader.remote_stats(), loader=loader,
+                                 loader_settings=settings)
+        return gather(st, self.reader.counters) if all_ranks else st
 
     def vocabulary(self, column: str):
         """The counted vocabulary of ``column`` (a :class:`gpuload.Vocab` column in ``categorical=``):

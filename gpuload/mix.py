@@ -29,6 +29,7 @@ from .errors import ConfigError, setting
 from .handoff import join_batches
 from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
+from .observe.ranks import gather
 from .pipeline import Background
 
 __all__ = ["Mix", "FORMAT"]
@@ -352,11 +353,13 @@ class Mix(torch.utils.data.IterableDataset):
                 it.close()
 
     # -- measurement ------------------------------------------------------------------------------
-    def stats(self):
+    def stats(self, all_ranks: bool = False):
         """The mix's :class:`gpuload.Stats` (the training thread's waits), with ``sources``: each
-        source's own stats, whose waits are the mix thread's waits for that source."""
-        return dataclasses.replace(self.metrics.stats(), loader="gpuload", loader_settings={"mix": self.names},
-                                   sources={n: d.stats() for n, d in zip(self.names, self.sources)})
+        source's own stats, whose waits are the mix thread's waits for that source
+        (``all_ranks=True``: every rank's, gathered, as :meth:`ParquetDataset.stats` does)."""
+        st = dataclasses.replace(self.metrics.stats(), loader="gpuload", loader_settings={"mix": self.names},
+                                 sources={n: d.stats() for n, d in zip(self.names, self.sources)})
+        return gather(st, _Counters(self.sources)) if all_ranks else st
 
     def reset_stats(self) -> None:
         """Start :meth:`stats` afresh, for the mix and every source."""
@@ -375,6 +378,14 @@ class Mix(torch.utils.data.IterableDataset):
     def __repr__(self) -> str:
         what = f"weights={dict(zip(self.names, self.weights))}" if self.weights else "composition"
         return f"Mix({self.names}, {what}, batches_per_step={self.per_step}, exhausted={self.exhausted!r})"
+
+
+class _Counters:
+    """The chunk counters of all of a mix's sources, summed."""
+
+    def __init__(self, sources):
+        self.decoded = sum(d.reader.counters.decoded for d in sources)
+        self.from_cache = sum(d.reader.counters.from_cache for d in sources)
 
 
 def _spec_text(spec) -> str:

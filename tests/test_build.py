@@ -183,3 +183,9 @@ def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data_4096, tmp_path,
     assert sum(len(b["label"]) for b in ds) == 20_000
     assert ds.reader.counters.decoded == 0 and ds.reader.counters.from_cache == len(ds.reader.chunks)
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
+
+
+def test_progress_false_reports_nothing(tmp_path, capsys):
+    write_clicklog(tmp_path / "d", 3000, files=1, row_group_rows=1000)
+    summary = gpuload.build_cache(tmp_path / "d", tmp_path / "c", COLUMNS, progress=False)
+    assert summary.built > 0 and capsys.readouterr().err == ""

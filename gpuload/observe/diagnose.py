@@ -43,6 +43,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
+import statistics
+
+from .ranks import STRAGGLER, RankStats
 from .stats import StageStats, Stats
 
 __all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP"]
@@ -73,6 +76,8 @@ class Diagnosis:
     action : what to change.
     source : for a :class:`gpuload.Mix`, the source whose batches the mix waited for most
         (the diagnosis is then that source's), else None.
+    rank : for every rank's figures (:class:`gpuload.observe.ranks.RankStats`), the straggler
+        (the diagnosis is then that rank's), else None.
     """
 
     starvation: float
@@ -80,6 +85,7 @@ class Diagnosis:
     message: str
     action: str
     source: str | None = None
+    rank: int | None = None
 
     def __str__(self) -> str:
         return (f"starvation {self.starvation:.1%}; limited by: {self.limiting}\n"
@@ -201,6 +207,8 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     ValueError
         When ``stats`` timed no ``next()`` call at all.
     """
+    if isinstance(stats, RankStats):
+        return _straggler(stats, disk_gbps, threads)
     if stats.wall_s <= 0:
         raise ValueError("these stats timed no batch: iterate the watched loader before diagnosing it")
     st, wall, kind = stats.starvation, stats.wall_s, _kind(stats)
@@ -243,6 +251,34 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         action = (f"raise prefetch first; then: {action}" if kind == "gpuload" else
                   f"keep more work in flight first (more workers, a deeper prefetch); then: {action}")
     return Diagnosis(st, s.name, message, action)
+
+
+def _straggler(view: RankStats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
+    """Every rank's figures: the rank that waits most, against the median, with the causes shown."""
+    slow, med = view.slowest, view.median_starvation
+    d = diagnose(slow.stats, disk_gbps=disk_gbps, threads=threads)
+    waits = ", ".join(f"rank {r.rank} {r.stats.starvation:.1%}" for r in view.ranks)
+    if len(view.ranks) == 1 or slow.stats.starvation - med < STRAGGLER:
+        return replace(d, message=f"no straggler: the ranks wait alike ({waits}); {d.message}")
+    others = [r for r in view.ranks if r is not slow]
+    causes = []
+    decoded = statistics.median(r.decoded for r in others)
+    if slow.decoded > decoded:
+        causes.append(f"its cache is cold: it decoded {slow.decoded:,} chunks from Parquet where the median "
+                      f"other rank decoded {decoded:g} (build the cache on its node ahead: `gpuload cache build`)")
+    requests = statistics.median(r.stats.remote.requests if r.stats.remote else 0 for r in others)
+    mine = slow.stats.remote.requests if slow.stats.remote else 0
+    if mine > requests:
+        causes.append(f"it reads a remote source ({mine:,} requests against {requests:g} for the median other rank)")
+    cpu = slow.stats.system_cpu_percent
+    busy = [r.stats.system_cpu_percent for r in others if r.stats.system_cpu_percent is not None]
+    if cpu is not None and cpu >= 90 and (not busy or cpu > statistics.median(busy) + 10):
+        causes.append(f"its node's CPUs are busy ({cpu:.0f}% of all {slow.cpus} cores of {slow.host})")
+    why = "; ".join(causes) + "; " if causes else ""
+    return Diagnosis(slow.stats.starvation, d.limiting,
+                     f"rank {slow.rank} ({slow.host}) is the straggler: it waited {slow.stats.starvation:.1%} of its "
+                     f"time for data against {med:.1%} for the median rank ({waits}), and every rank steps with it; "
+                     f"{why}on rank {slow.rank}: {d.message}", f"on rank {slow.rank}: {d.action}", d.source, slow.rank)
 
 
 def _slowest_source(stats: Stats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
