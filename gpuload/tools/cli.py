@@ -73,6 +73,7 @@ def cmd_profile(args) -> int:
     print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {opts.batch_size:,} "
           "rows", file=sys.stderr)
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
+                      headspace=args.headspace,
                       fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical, filters=src.filters,
                       storage_options=src.storage_options, **settings)
     for r in reports:
@@ -117,6 +118,9 @@ def parser() -> argparse.ArgumentParser:
                                             f"0-19 (default {Options.nice})")
     add_chunk_flags(f, block_rows=False)
     f.add_argument("--trace", help="write a Chrome trace-event JSON file (open in Perfetto)")
+    f.add_argument("--headspace", action="store_true",
+                   help="first run the loader alone (no step, an empty temporary cache): is the loader or the "
+                        "step the limit?")
     f.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
     f.set_defaults(fn=cmd_profile)
 

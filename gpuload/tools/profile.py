@@ -27,7 +27,9 @@ from ..observe.trace import TraceFile
 from ..observe.stats import Stats
 from ..observe.sampling import UtilSampler
 
-__all__ = ["EpochReport", "MlpStep", "profile", "disk_read_gbps"]
+__all__ = ["EpochReport", "MlpStep", "profile", "headspace", "disk_read_gbps", "HEADSPACE_NEAR"]
+
+HEADSPACE_NEAR = 0.8  # under the step at this share of its headspace rate or more, the loader is the limit
 
 
 @dataclass(frozen=True)
@@ -39,14 +41,28 @@ class EpochReport:
     diagnosis: Diagnosis
     decoded_chunks: int
     cached_chunks: int
+    headspace: Stats | None = None  # the same epoch with no step (profile(headspace=True)), else None
 
     def __str__(self) -> str:
         s = self.stats
         kind = "decodes and caches" if self.decoded_chunks else "reads the cache"
         return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
-                f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows / max(s.wall_s, 1e-9):,.0f} rows/s, "
+                f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows_per_s:,.0f} rows/s, "
                 f"starvation {s.starvation:.1%}\n  {self.diagnosis}"
-                + (f"\n  remote source: {s.remote}" if s.remote is not None else ""))
+                + (f"\n  remote source: {s.remote}" if s.remote is not None else "")
+                + ("" if self.headspace is None else f"\n  {self.bound()}"))
+
+    def bound(self) -> str:
+        """What the headspace run says: the loader alone against the loader under the step."""
+        h, s = self.headspace, self.stats
+        if h is None or not h.rows_per_s:
+            return "headspace: not measured"
+        share = s.rows_per_s / h.rows_per_s
+        who = ("the loader is the limit: under the step it delivers {:.0%} of what it can alone".format(share)
+               if share >= HEADSPACE_NEAR else
+               "the step is the limit: the loader alone is {:.1f}x faster than the step lets it go".format(1 / share))
+        return (f"headspace (the loader alone, no step, {'empty' if self.decoded_chunks else 'full'} cache): "
+                f"{h.rows_per_s:,.0f} rows/s against {s.rows_per_s:,.0f} under the step; {who}")
 
 
 class MlpStep:
@@ -109,8 +125,30 @@ def disk_read_gbps(files: list, limit_bytes: int = 1 << 30) -> float | None:
     return total / seconds / 1e9 if seconds > 0 and total else None
 
 
+def headspace(source, columns=None, *, epochs: int = 2, **dataset_kwargs) -> list[Stats]:
+    """The loader alone: ``epochs`` epochs with no step, the first on an empty cache of its own (a
+    temporary folder, removed after; ``cache_dir`` is not touched), the others reading it. One
+    :class:`gpuload.Stats` per epoch: its rows/s is what the loader can give on this node, cold
+    and cached. A remote source is fetched again for it."""
+    import tempfile
+
+    kwargs = {k: v for k, v in dataset_kwargs.items() if k != "cache_dir"}
+    with tempfile.TemporaryDirectory(prefix="gpuload-headspace-") as tmp:
+        ds = ParquetDataset(source, columns, cache_dir=tmp, **kwargs)
+        out = []
+        for epoch in range(epochs):
+            ds.set_epoch(epoch)
+            ds.reset_stats()
+            for _ in ds:
+                pass
+            ds.reader.cache.flush()
+            out.append(ds.stats())
+        ds.close()
+    return out
+
+
 def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.0, model: str | None = None,
-            trace=None, **dataset_kwargs) -> list[EpochReport]:
+            trace=None, headspace: bool = False, **dataset_kwargs) -> list[EpochReport]:
     """Run ``epochs`` epochs of ``source`` under a training step; one :class:`EpochReport` each.
 
     Parameters
@@ -120,11 +158,14 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
     step_ms : simulated step per batch in milliseconds (default 5), when ``model`` is None.
     model : ``"mlp"``: a small real MLP on the dataset's device (its float outputs as input).
     trace : path of a Chrome trace-event JSON file covering every epoch (default None).
+    headspace : also run the loader alone first (:func:`headspace`: no step, an empty cache of its
+        own), so each report says whether the loader or the step is the limit (default False).
     """
     from .demo import simulated_step
 
     if model not in (None, "mlp"):
         raise ConfigError(f"model={model!r}: the profiler knows 'mlp' (or give step_ms)")
+    alone = _headspace(source, columns, epochs=epochs, **dataset_kwargs) if headspace else [None] * epochs
     ds = ParquetDataset(source, columns, **dataset_kwargs)
     step = MlpStep(ds.device) if model == "mlp" else simulated_step(step_ms or 0.0)
     threads = ds.options.num_threads
@@ -145,8 +186,11 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
                 disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
             reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
                                        ds.reader.counters.decoded - before[0],
-                                       ds.reader.counters.from_cache - before[1]))
+                                       ds.reader.counters.from_cache - before[1], alone[epoch]))
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))
     return reports
+
+
+_headspace = headspace  # profile()'s own parameter of that name hides the function inside it

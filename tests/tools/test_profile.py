@@ -149,6 +149,28 @@ def test_profile_cli_prints_a_diagnosis(data, tmp_path, capsys):
     assert "trace written to" in out and json.loads((tmp_path / "t.json").read_text())["traceEvents"]
 
 
+def test_headspace_runs_the_loader_alone_on_a_cache_of_its_own(data, tmp_path, capsys, monkeypatch):
+    """The headspace epochs decode into a temporary cache (the user's is filled by the step-bound
+    run alone), deliver the same rows, and the report says which side limits: with a 20 ms step
+    on 10 batches an epoch, the step."""
+    import tempfile
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the headspace cache goes
+    reports = profile(data, epochs=2, step_ms=20.0, headspace=True, batch_size=8_000, chunk_bytes=80_000,
+                      device="cpu", cache_dir=tmp_path / "cache")
+    assert [r.decoded_chunks > 0 for r in reports] == [True, False]  # the user's cache: cold, then warm
+    for r in reports:
+        assert r.headspace is not None and r.headspace.rows == r.stats.rows == 80_000
+        assert r.headspace.step_mean_s < 0.01 <= r.stats.step_mean_s  # no step in the headspace run
+    assert "empty cache" in reports[0].bound() and "full cache" in reports[1].bound()
+    assert "the step is the limit" in str(reports[1])
+    assert list((tmp_path / "tmp").iterdir()) == []  # its cache removed
+    rc = main(["profile", str(data), "--device", "cpu", "--epochs", "1", "--step-ms", "1", "--batch-size", "8000",
+               "--cache-dir", str(tmp_path / "cache2"), "--headspace"])
+    assert rc == 0 and "headspace (the loader alone, no step, empty cache)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args, text", [(["--epochs", "0"], "--epochs"), (["--step-ms", "-1"], "--step-ms"),
                                         (["--device", "tpu"], "--device tpu")])
 def test_profile_cli_refuses_bad_settings(data, tmp_path, capsys, args, text):
