@@ -27,7 +27,7 @@ from .consumers import check_iter_caller, check_set_epoch_caller
 from .dataset import ParquetDataset
 from .errors import ConfigError, setting
 from .handoff import join_batches
-from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
+from .mixplan import EXHAUSTED, MODES, PASS_STRIDE, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .observe.ranks import gather
 from .pipeline import Background
@@ -306,8 +306,8 @@ class Mix(torch.utils.data.IterableDataset):
                 d._cursor.fresh(ep)  # from its first batch, whatever position it held
             iters[i], passes[i] = iter(d), (ep, k)
 
-        def pass_epoch(i: int, k: int) -> int:  # planned passes e*P..; more (a resumed rest): apart
-            return self._epoch * p.passes[i] + k if k < p.passes[i] else (1 << 40) + self._epoch * 4096 + k
+        def pass_epoch(i: int, k: int) -> int:  # see "Source i's passes" in gpuload.mixplan
+            return self._epoch if self.exhausted == "end" else self._epoch * PASS_STRIDE + k
 
         def next_batch(i: int):
             """Source ``i``'s next batch; its next pass when one ends (``"repeat"``), None with ``"end"``."""

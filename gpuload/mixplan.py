@@ -33,8 +33,11 @@ source: equal on every rank).
 * ``steps=N`` fixes the epoch's steps instead; with ``"end"`` no source may run out
   (refused otherwise), with ``"repeat"`` sources repeat as needed.
 
-Source ``i``'s passes in mix epoch ``e`` are its epochs ``e * P_i, e * P_i + 1, ...``, where
-``P_i = ceil(N_i / R_i)`` (1 with ``"end"``: the mix's epoch ``e`` is every source's epoch ``e``).
+Source ``i``'s passes in mix epoch ``e`` are its epochs ``e * PASS_STRIDE + k`` for pass
+``k = 0, 1, ...`` with ``"repeat"`` (``PASS_STRIDE = 2**20``: however many passes an epoch
+takes, on whatever number of ranks, no two passes of a run share a source epoch, so none
+repeats another's order), and its epoch ``e`` with ``"end"`` (one pass: the mix's epoch ``e``
+is every source's epoch ``e``).
 
 Resuming on another number of ranks
 -----------------------------------
@@ -59,9 +62,10 @@ import xxhash
 
 from .errors import ConfigError, setting
 
-__all__ = ["MODES", "EXHAUSTED", "MixPlan", "apportion", "plan_mix", "labels", "rest_labels", "rest_bound", "rest_steps"]
+__all__ = ["MODES", "EXHAUSTED", "PASS_STRIDE", "MixPlan", "apportion", "plan_mix", "labels", "rest_labels", "rest_bound", "rest_steps"]
 
 MODES = ("proportion", "composition")
+PASS_STRIDE = 1 << 20  # source epochs per mix epoch with exhausted="repeat" (see the module doc)
 EXHAUSTED = ("end", "repeat")
 
 

@@ -241,6 +241,8 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
                  f"({s.seconds:.2f} s in all, {s.gbps:.2f} GB/s and {_rate(s.rows_per_s)} rows/s per thread)")
     message, action = _stage_advice(s, stats, kind, where, total_gbps, disk_gbps)
     message += f"; {waited}"
+    if stats.during_waits:  # what ran while it waited: the waiting prefetch did not hide, by stage
+        message += f"; during those waits: {stats.waits_text().split('; ', 1)[1]}"
     if s.training_thread:
         action += ("; and move the loading off the training thread (gpuload loads on background threads)"
                    if kind == "gpuload" else "; and move the loading off the training thread (DataLoader "

@@ -33,6 +33,7 @@ import torch
 
 from .events import EventLog
 from .stats import StageStats, Stats
+from .exposed import exposed
 from .trace import SPAN_FIELDS, TraceFile, TraceRecord, iter_events
 
 __all__ = ["STAGES", "Metrics"]
@@ -279,6 +280,12 @@ class Metrics:
             u = [(s / n if n else None) for s, n in self._u]
             umem, un = self._u_mem, self._u_n
             dropped = sum(log.dropped for log in self._logs)
+            spans = [self._spans.field_array(k, i) for i, k in ((0, "stage"), (2, "t0"), (3, "t1"))]
+            waits = [self._waits.field_array(k, i) for i, k in ((1, "t0"), (2, "t1"))]
+        per, idle = exposed(*waits, *spans, len(STAGES))
+        during = {name: float(v) for name, v in zip(STAGES, per) if v > 0}
+        if c["wait"] > 0:
+            during["idle"] = idle
         return Stats(wall_s=wall, batches=c["batches"], rows=c["rows"], bytes=c["bytes"], wait_s=c["wait"],
                      starvation=min(1.0, c["wait"] / wall) if wall > 0 else 0.0, passes=c["passes"],
                      wait_mean_s=c["wait"] / c["waits"] if c["waits"] else 0.0, wait_max_s=c["wait_max"],
@@ -287,7 +294,7 @@ class Metrics:
                      stages=stages, queue_mean=qsum / qn if qn else None, queue_min=qmin,
                      queue_empty=qzero / qn if qn else None, queue_samples=qn, cpu_percent=u[0],
                      system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un,
-                     events_not_kept=dropped)
+                     events_not_kept=dropped, during_waits=during or None)
 
     def timeline(self) -> dict:
         """Per delivered batch whose wait is kept for the trace, for plots: ``{"start": [...],

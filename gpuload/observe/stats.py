@@ -68,6 +68,10 @@ class Stats:
         stats with stage timings are gpuload's). loader_settings: what the advice may refer to
         (a DataLoader's ``num_workers``, ``pin_memory``, ``persistent_workers``,
         ``prefetch_factor``; a dataset's ``num_threads`` and ``prefetch``; else ``type``).
+    during_waits : what the loader did while the training thread waited (the waiting prefetch did
+        not hide): ``{stage: seconds its spans overlapped the waits, summed over threads}`` and
+        ``"idle"``: seconds of waiting with no stage running anywhere (nothing in flight); from
+        the events kept for the trace (all of them unless ``events_not_kept``); None without waits.
     sources : a :class:`gpuload.Mix`'s ``{source name: Stats}``: each source's own stats, whose
         waits are the mix thread's waits for that source's batches; None for anything else.
     """
@@ -99,11 +103,20 @@ class Stats:
     loader: str | None = None
     loader_settings: dict | None = None
     sources: dict | None = None
+    during_waits: dict | None = None
 
     @property
     def rows_per_s(self) -> float:
         """Rows delivered per second of wall time (0.0 when none was timed)."""
         return self.rows / self.wall_s if self.wall_s else 0.0
+
+    def waits_text(self) -> str:
+        """The waiting not hidden by prefetch and what ran during it, in words."""
+        parts = sorted(((k, v) for k, v in (self.during_waits or {}).items() if k != "idle"), key=lambda kv: -kv[1])
+        busy = ", ".join(f"{k} {v:.3f} s" for k, v in parts) or "no stage"
+        idle = (self.during_waits or {}).get("idle", 0.0)
+        return (f"{self.wait_s:.3f} s not hidden by prefetch; loader threads busy meanwhile: {busy}; nothing "
+                f"running for {idle:.3f} s" + (" (from the events kept)" if self.events_not_kept else ""))
 
     def to_dict(self) -> dict:
         """Plain dict (stages as dicts), ready for ``json.dumps``."""
@@ -126,6 +139,8 @@ class Stats:
             if self.gpu_memory_bytes is not None:
                 parts.append(f"GPU memory max {_size(self.gpu_memory_bytes)}")
             out.append(("utilisation", ", ".join(parts) + f" ({self.util_samples:,} samples)"))
+        if self.during_waits:
+            out.append(("during waits", self.waits_text()))
         if self.remote is not None:
             out.append(("remote", str(self.remote)))
         for name, st in (self.sources or {}).items():  # a mix: what its thread waited for each source

@@ -180,7 +180,9 @@ def test_max_events_caps_the_trace_not_the_stats():
                 m.consumer_wait(i, i + 0.5, rows=i)
         if m is capped:
             m.stats()  # folding part of the events early changes nothing
-    assert dataclasses.replace(capped.stats(), events_not_kept=0) == full.stats()
+    # every figure but what ran during the waits (from the events kept, documented) is exact
+    assert dataclasses.replace(capped.stats(), events_not_kept=0, during_waits=None) == \
+        dataclasses.replace(full.stats(), during_waits=None)
     s = capped.stats()
     assert s.stages["decode"].calls == 100 and s.rows == sum(i for i in range(100) if i % 7 != 6)
     assert s.passes == 15 and s.queue_samples == 100 and s.util_samples == 100 and s.gpu_memory_bytes == 99
