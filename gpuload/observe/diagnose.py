@@ -33,6 +33,10 @@ The rules, in order (thresholds are the module constants below):
    thread itself (inside ``next()``, as in a hand-written loop) is measured against
    the waiting time instead, and the advice adds moving it off that thread.
 
+Whatever the rule, where the utilisation sampler measured this process's threads waiting for
+a core at least ``CONTENDED`` (25%) as long as they ran (:attr:`gpuload.Stats.cpu_contention`,
+from Linux's schedstat), the message and the action add that the cores are oversubscribed.
+
 The advice fits the loader measured (:attr:`gpuload.Stats.loader`): ``gpuload cache
 build``, ``shuffle_window`` and the other gpuload settings only for gpuload's datasets;
 ``num_workers``, ``pin_memory`` and ``persistent_workers`` for a torch DataLoader.
@@ -51,6 +55,7 @@ from .stats import StageStats, Stats
 __all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP"]
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
+CONTENDED = 0.25  # run-queue seconds per CPU second of the process's threads that mean oversubscribed cores
 STARVED = 0.05
 #: Busy fraction of the wall time per worker below which no stage counts as saturated.
 SATURATED = 0.5
@@ -209,6 +214,19 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     """
     if isinstance(stats, RankStats):
         return _straggler(stats, disk_gbps, threads)
+    d = _diagnose(stats, disk_gbps, threads)
+    share = stats.cpu_contention
+    if share is None or share < CONTENDED:
+        return d
+    g, o = stats.cpu_queue.get("gpuload", (0.0, 0.0)), stats.cpu_queue.get("other", (0.0, 0.0))
+    return replace(d, message=f"{d.message}; the cores are oversubscribed (measured): this process's threads "
+                   f"waited for a core {share:.0%} as long as they ran (gpuload's {g[1]:.2f} s, the training "
+                   f"thread's and torch's {o[1]:.2f} s) on {_cores()} cores",
+                   action=f"{d.action}; and run fewer threads at once: torch.set_num_threads() in the training "
+                   "process, a smaller num_threads or a nice= for the loader, or fewer processes per node")
+
+
+def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
     if stats.wall_s <= 0:
         raise ValueError("these stats timed no batch: iterate the watched loader before diagnosing it")
     st, wall, kind = stats.starvation, stats.wall_s, _kind(stats)

@@ -147,6 +147,7 @@ class Metrics:
             self._q = [0, 0, None, 0]  # depth sum, samples, min, zeros
             self._u = [[0.0, 0] for _ in range(3)]  # cpu, system cpu, gpu: (sum, samples)
             self._u_n, self._u_mem = 0, None  # samples, most gpu memory
+            self._runq = {"gpuload": [0.0, 0.0], "other": [0.0, 0.0]}  # cpu s, run-queue s (RunQueue)
 
     @property
     def trace_nbytes(self) -> int:
@@ -216,6 +217,14 @@ class Metrics:
         with self._lock:
             self._utils.push((t, cpu_percent, system_cpu_percent, gpu_percent, gpu_memory_bytes))
 
+    def run_queue(self, delta: dict) -> None:
+        """Add CPU and run-queue seconds of the process's threads (a
+        :class:`gpuload.observe.sampling.RunQueue` delta: ``{"gpuload"|"other": (cpu s, run-queue s)}``)."""
+        with self._lock:
+            for k, (cpu, wait) in delta.items():
+                agg = self._runq.setdefault(k, [0.0, 0.0])
+                agg[0], agg[1] = agg[0] + cpu, agg[1] + wait
+
     # -- folding events into sums (under the lock) -------------------------------------------
     def _fold_spans(self, events) -> None:
         for stage, tid, t0, t1, nbytes, rows in events:
@@ -280,6 +289,7 @@ class Metrics:
             u = [(s / n if n else None) for s, n in self._u]
             umem, un = self._u_mem, self._u_n
             dropped = sum(log.dropped for log in self._logs)
+            runq = {k: tuple(v) for k, v in self._runq.items()} if any(v[0] for v in self._runq.values()) else None
             spans = [self._spans.field_array(k, i) for i, k in ((0, "stage"), (2, "t0"), (3, "t1"))]
             waits = [self._waits.field_array(k, i) for i, k in ((1, "t0"), (2, "t1"))]
         per, idle = exposed(*waits, *spans, len(STAGES))
@@ -294,7 +304,7 @@ class Metrics:
                      stages=stages, queue_mean=qsum / qn if qn else None, queue_min=qmin,
                      queue_empty=qzero / qn if qn else None, queue_samples=qn, cpu_percent=u[0],
                      system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un,
-                     events_not_kept=dropped, during_waits=during or None)
+                     events_not_kept=dropped, during_waits=during or None, cpu_queue=runq)
 
     def timeline(self) -> dict:
         """Per delivered batch whose wait is kept for the trace, for plots: ``{"start": [...],

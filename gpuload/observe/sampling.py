@@ -18,7 +18,7 @@ from time import perf_counter
 
 import psutil
 
-__all__ = ["UtilSampler"]
+__all__ = ["RunQueue", "UtilSampler"]
 
 log = logging.getLogger("gpuload")
 _nvml_reported = False
@@ -90,6 +90,48 @@ class _SystemCpu:
         return None if d_total <= 0 else min(100.0, max(0.0, 100.0 * (d_total - d_idle) / d_total))
 
 
+class RunQueue:
+    """CPU time and run-queue time of this process's threads, from Linux's
+    ``/proc/self/task/*/schedstat`` (nanoseconds running on a core, and runnable but waiting
+    for one). :meth:`delta` gives both, in seconds, since the previous call (or creation), for
+    gpuload's threads and the others (the training thread, torch's intra-op threads...)
+    apart; threads that started meanwhile count from their start. Where the file is missing
+    (another OS, a kernel without schedstats) every figure is 0 and :attr:`available` False."""
+
+    def __init__(self):
+        self._last = self._read()
+        self.available = bool(self._last)
+
+    @staticmethod
+    def _read() -> dict:
+        out = {}
+        try:
+            tids = os.listdir("/proc/self/task")
+        except OSError:
+            return out
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    run, wait = f.read().split()[:2]
+                out[int(tid)] = (int(run), int(wait))
+            except (OSError, ValueError):
+                continue  # ended meanwhile
+        return out
+
+    def delta(self) -> dict:
+        """``{"gpuload": (cpu s, run-queue s), "other": (cpu s, run-queue s)}`` since the last call."""
+        now, last = self._read(), self._last
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {"gpuload": [0, 0], "other": [0, 0]}
+        for tid, (run, wait) in now.items():
+            r0, w0 = last.get(tid, (0, 0))
+            part = out["gpuload" if names.get(tid, "").startswith("gpuload") else "other"]
+            part[0] += max(0, run - r0)
+            part[1] += max(0, wait - w0)
+        self._last = now
+        return {k: (v[0] / 1e9, v[1] / 1e9) for k, v in out.items()}
+
+
 class UtilSampler:
     """Samples CPU and GPU utilisation into ``metrics`` on a daemon thread.
 
@@ -125,6 +167,7 @@ class UtilSampler:
         self._clock = getattr(metrics, "clock", perf_counter)
         self._proc = psutil.Process()
         self._system = _SystemCpu()
+        self._runq = None
         self._last = self._started = 0.0
 
     @property
@@ -147,6 +190,7 @@ class UtilSampler:
                 self._nvml = _open_nvml(_default_device() if self.device is None else self.device)
             self._proc.cpu_percent(None)  # reference points: samples never cover a pause
             self._system = _SystemCpu()
+            self._runq = RunQueue()  # reference point: what runs while paused is not counted
             self._last = self._started = self._clock()
             self._active, self._closed = True, False
             if self._thread is None:
@@ -218,6 +262,8 @@ class UtilSampler:
         self._last = t = self._clock()
         self.metrics.util_sample(t, cpu_percent=cpu, system_cpu_percent=system, gpu_percent=gpu,
                                  gpu_memory_bytes=mem)
+        if self._runq is not None and self._runq.available and hasattr(self.metrics, "run_queue"):
+            self.metrics.run_queue(self._runq.delta())
 
     def __enter__(self) -> UtilSampler:
         return self.start()

@@ -72,6 +72,11 @@ class Stats:
         not hide): ``{stage: seconds its spans overlapped the waits, summed over threads}`` and
         ``"idle"``: seconds of waiting with no stage running anywhere (nothing in flight); from
         the events kept for the trace (all of them unless ``events_not_kept``); None without waits.
+    cpu_queue : ``{"gpuload": (cpu s, run-queue s), "other": (...)}``: seconds this process's
+        threads ran on a core and seconds they were runnable but waiting for one (Linux
+        schedstat, while utilisation was sampled), gpuload's threads and the others (the
+        training thread, torch's intra-op threads) apart; None where not measured.
+        :attr:`cpu_contention` is the run-queue share.
     sources : a :class:`gpuload.Mix`'s ``{source name: Stats}``: each source's own stats, whose
         waits are the mix thread's waits for that source's batches; None for anything else.
     """
@@ -104,11 +109,21 @@ class Stats:
     loader_settings: dict | None = None
     sources: dict | None = None
     during_waits: dict | None = None
+    cpu_queue: dict | None = None
 
     @property
     def rows_per_s(self) -> float:
         """Rows delivered per second of wall time (0.0 when none was timed)."""
         return self.rows / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def cpu_contention(self) -> float | None:
+        """Run-queue seconds over CPU seconds of this process's threads (0: every thread got a
+        core when it could run; 0.5: they waited half as long as they ran), or None."""
+        if not self.cpu_queue:
+            return None
+        cpu = sum(v[0] for v in self.cpu_queue.values())
+        return sum(v[1] for v in self.cpu_queue.values()) / cpu if cpu > 0 else None
 
     def waits_text(self) -> str:
         """The waiting not hidden by prefetch and what ran during it, in words."""
@@ -141,6 +156,11 @@ class Stats:
             out.append(("utilisation", ", ".join(parts) + f" ({self.util_samples:,} samples)"))
         if self.during_waits:
             out.append(("during waits", self.waits_text()))
+        if self.cpu_contention is not None:
+            g, o = self.cpu_queue.get("gpuload", (0, 0)), self.cpu_queue.get("other", (0, 0))
+            out.append(("cpu queue", f"threads waited for a core {self.cpu_contention:.0%} as long as they ran "
+                                     f"(gpuload's: {g[1]:.2f} s waiting, {g[0]:.2f} s running; others: {o[1]:.2f} s, "
+                                     f"{o[0]:.2f} s)"))
         if self.remote is not None:
             out.append(("remote", str(self.remote)))
         for name, st in (self.sources or {}).items():  # a mix: what its thread waited for each source

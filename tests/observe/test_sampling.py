@@ -196,3 +196,56 @@ def test_stop_samples_the_tail_only_when_it_is_worth_it():
     s.close()
     cpu = [e["ts"] / 1e6 for e in m.trace_events(origin=0.0) if e["name"] == "CPU %"]
     assert cpu == [16.0 + 2**-6, 33.0, 1025.0, 1537.0] and m.stats().util_samples == 4
+
+
+def test_run_queue_measures_threads_waiting_for_a_core():
+    """More threads that each want a core than there are cores: they wait in the run queue, and
+    the loader's (named gpuload-*) are told apart from the others."""
+    import hashlib
+    import os
+    import threading
+
+    from gpuload.observe.sampling import RunQueue
+
+    rq = RunQueue()
+    if not rq.available:
+        pytest.skip("no /proc/self/task/*/schedstat here")
+    data, done = b"x" * (4 << 20), threading.Event()
+
+    def spin():
+        while not done.is_set():
+            hashlib.sha256(data).digest()  # releases the GIL: every thread runs at once
+
+    n = 3 * (os.cpu_count() or 1)
+    threads = [threading.Thread(target=spin, name=f"gpuload-test-{i}" if i % 2 else f"other-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.6)
+        got = rq.delta()  # while they run: a thread's counters go with it when it ends
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    for side in ("gpuload", "other"):
+        cpu, wait = got[side]
+        assert cpu > 0.05 and wait > 0.2 * cpu, got  # three threads per core: each waits about twice as long as it runs
+    assert rq.delta()["gpuload"][0] < got["gpuload"][0]  # the next delta starts from here
+
+
+def test_contention_is_reported_and_diagnosed():
+    import gpuload
+    from gpuload.observe.stats import Stats
+
+    def stats(queue):
+        return Stats(wall_s=10.0, batches=10, rows=100, bytes=1, wait_s=5.0, starvation=0.5, passes=1,
+                     wait_mean_s=0.5, wait_max_s=1.0, step_mean_s=0.5, step_max_s=1.0, stages={}, first_wait_s=0.1,
+                     loader="iterable", cpu_queue=queue)
+
+    busy = stats({"gpuload": (4.0, 3.0), "other": (4.0, 1.0)})
+    assert busy.cpu_contention == pytest.approx(0.5) and "waited for a core 50% as long as they ran" in str(busy)
+    d = gpuload.diagnose(busy)
+    assert "oversubscribed (measured)" in d.message and "torch.set_num_threads" in d.action
+    calm = stats({"gpuload": (4.0, 0.2), "other": (4.0, 0.1)})
+    assert "oversubscribed" not in gpuload.diagnose(calm).message
+    assert stats(None).cpu_contention is None
