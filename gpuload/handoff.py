@@ -121,13 +121,14 @@ class DlpackHandoff:
         return batch
 
 
-def join_batches(pieces: list, provenance: str | None, device) -> dict:
+def join_batches(pieces: list, provenance: str | None, device, copy: bool = False) -> dict:
     """One batch of the ``(source index, batch)`` pieces' rows, in order (a :class:`gpuload.Mix`'s
-    step; one piece is handed on as it is), plus an int64 ``provenance`` output of each row's
-    source index when named. On a GPU, call it on the stream the batch will be used on."""
+    step; one piece is handed on as it is unless ``copy``), plus an int64 ``provenance`` output of
+    each row's source index when named; new tensors on the current stream."""
     first = pieces[0][1]
     if len(pieces) == 1:
-        out = dict(first)
+        out = {k: (Ragged(v.values.clone(), v.offsets.clone()) if isinstance(v, Ragged) else v.clone()) if copy
+               else v for k, v in first.items()}
     else:
         out = {}
         for k, v in first.items():

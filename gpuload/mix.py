@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .batch import nbytes, nrows
+from .batch import Ragged, nbytes, nrows
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .dataset import ParquetDataset
 from .errors import ConfigError, setting
@@ -98,6 +98,7 @@ class Mix(torch.utils.data.IterableDataset):
                            "weights": self.weights, "mode": self.mode, "batches_per_step": self.per_step,
                            "exhausted": exhausted, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
         self._epoch, self._advance, self._restored, self._running = 0, False, False, False
+        self._epoch_set, self._after_run = False, None  # set_epoch called since the last iteration began; during one
         self._runs: list[list[int]] = []   # this epoch's runs [world, steps, taken, drawn] (see _run)
         self._states: dict = {}            # source name -> {"state", "epoch", "pass"} after the last step taken
 
@@ -159,12 +160,15 @@ class Mix(torch.utils.data.IterableDataset):
         check_set_epoch_caller(sys._getframe(1))
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
+        if self._running:  # the running iteration goes on; the next one follows this epoch
+            self._after_run = epoch
+            return
         if not (self._restored and epoch == self._epoch):
             if self._restored and self._runs and not (self._complete() and epoch == self._epoch + 1):
                 log.warning("gpuload: Mix.set_epoch(%d) after load_state_dict drops the restored position in "
                             "epoch %d", epoch, self._epoch)
             self._runs, self._states, self._restored = [], {}, False
-        self._epoch, self._advance = epoch, False
+        self._epoch, self._advance, self._epoch_set = epoch, False, True
 
     def _complete(self) -> bool:
         return bool(self._runs) and self._runs[-1][2] >= self._runs[-1][1]
@@ -192,8 +196,17 @@ class Mix(torch.utils.data.IterableDataset):
         runs = [list(map(int, r)) for r in state["runs"]]
         while len(runs) > 1 and runs[-1][2] == 0:  # a run that took no step changed nothing
             runs.pop()
-        self._epoch, self._runs, self._states = int(state["epoch"]), runs, copy.deepcopy(state["sources"])
-        self._restored, self._advance = True, self._complete()  # over: the next iteration begins the next
+        epoch, was_set = int(state["epoch"]), self._epoch_set
+        complete = bool(runs) and runs[-1][2] >= runs[-1][1]
+        self._epoch_set = False
+        if was_set and self._epoch != epoch:  # set_epoch came first (as a StatefulDataLoader restores)
+            if complete and self._epoch == epoch + 1:  # the next epoch was selected: it begins
+                self._runs, self._states, self._restored = [], {}, False
+                return
+            log.warning("gpuload: Mix.load_state_dict resumes epoch %d at step %d, not epoch %d given to set_epoch",
+                        epoch, runs[-1][2] if runs else 0, self._epoch)
+        self._epoch, self._runs, self._states = epoch, runs, copy.deepcopy(state["sources"])
+        self._restored, self._advance = True, complete and not was_set  # over: the next iteration begins the next
 
     def plan(self) -> MixPlan:
         """The :class:`gpuload.mixplan.MixPlan` of a whole epoch on the ranks of now (pure)."""
@@ -251,7 +264,7 @@ class Mix(torch.utils.data.IterableDataset):
             run = self._run(p, world)
             if run is not self._runs[-1]:  # resumed on other ranks: a new run over the rest
                 self._runs.append(run)
-        self._advance, self._restored = True, False
+        self._advance, self._restored, self._epoch_set = True, False, False
         j = len(self._runs) - 1
         steps, taken, drawn = self._runs[j][1:]
         got = labels(p, self.key, self.seed, self._epoch) if j == 0 else \
@@ -260,22 +273,23 @@ class Mix(torch.utils.data.IterableDataset):
 
     def _iterate(self) -> Iterator[dict]:
         p, lab = self._begin()
-        states = copy.deepcopy(self._states)
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        producer = Background(lambda stop: self._steps(p, lab, states, stream, stop), depth=self.prefetch,
+        states, run, epoch = copy.deepcopy(self._states), self._runs[-1], self._epoch
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        producer = Background(lambda stop: self._steps(p, lab, states, epoch, stream, stop), depth=self.prefetch,
                               name="gpuload-mix")
         m, self._running = self.metrics, True
         t0 = m.clock()
         try:
-            for batch, after in producer:
+            for batch, after, ready in producer:
+                batch = _receive(batch, ready, self.device)
                 t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
-                self._runs[-1][2] += 1
+                run[2] += 1
                 self._states = after
                 yield batch
                 t0 = m.clock()
-            self._runs[-1][1] = self._runs[-1][2]  # ended (early, where exhausted='end' ran a source out)
+            run[1] = run[2]  # ended (early, where exhausted='end' ran a source out)
             m.consumer_end(t0, m.clock())
         except GeneratorExit:  # the loop was left early
             t = m.clock()
@@ -287,14 +301,21 @@ class Mix(torch.utils.data.IterableDataset):
                 for d in self.sources:
                     d.reader.interrupt()
             producer.close()
+            if self._after_run is not None:  # set_epoch during the iteration: for the next one
+                after_run, self._after_run = self._after_run, None
+                self._runs, self._states, self._restored = [], {}, False
+                self._epoch, self._advance, self._epoch_set = after_run, False, True
 
-    def _steps(self, p: MixPlan, lab, states: dict, stream, stop) -> Iterator:
-        """The mix thread: the steps of labels ``lab``, each with the sources' states after it.
+    def _steps(self, p: MixPlan, lab, states: dict, epoch: int, stream, stop) -> Iterator:
+        """The mix thread: the steps of labels ``lab`` of ``epoch``, each with the sources' states
+        after it (a source restored but not read yet keeps its restored state) and, on a GPU, the
+        event after its kernels.
 
-        On a GPU its kernels (the sources' hand-offs, the joins) go on the training thread's
-        stream ``stream``: the sources guard their memory for that stream, and each step is
-        ordered before the training step that uses it, with no synchronisation on this thread."""
+        On a GPU the sources' hand-offs and the joins run on the mix's own ``stream`` (the
+        sources guard their memory for it); every step is a new tensor of the mix's, made there,
+        and the training thread's stream waits for its event when it takes it (:func:`_receive`)."""
         passes = {i: (states[n]["epoch"], states[n]["pass"]) for i, n in enumerate(self.names) if n in states}
+        restored = {i: states[n] for i, n in enumerate(self.names) if n in states}
         iters: dict = {}
 
         def start(i: int, ep: int, k: int, restore: dict | None) -> None:
@@ -307,17 +328,17 @@ class Mix(torch.utils.data.IterableDataset):
             iters[i], passes[i] = iter(d), (ep, k)
 
         def pass_epoch(i: int, k: int) -> int:  # see "Source i's passes" in gpuload.mixplan
-            return self._epoch if self.exhausted == "end" else self._epoch * PASS_STRIDE + k
+            return epoch if self.exhausted == "end" else epoch * PASS_STRIDE + k
 
         def next_batch(i: int):
             """Source ``i``'s next batch; its next pass when one ends (``"repeat"``), None with ``"end"``."""
             fresh = False
             while True:
                 if i not in iters:
-                    n = self.names[i]
-                    if i in passes:
-                        start(i, *passes[i], states[n]["state"] if n in states else None)
-                        states.pop(n, None)
+                    if i in restored:
+                        start(i, *passes[i], restored.pop(i)["state"])
+                    elif i in passes:
+                        start(i, *passes[i], None)
                     else:
                         start(i, pass_epoch(i, 0), 0, None)
                 b = next(iters[i], None)
@@ -344,10 +365,15 @@ class Mix(torch.utils.data.IterableDataset):
                             return
                         pieces.append((int(i), b))
                     with self.metrics.span("batch", rows=sum(nrows(b) for _, b in pieces)):
-                        batch = join_batches(pieces, self.provenance, self.device)
-                    after = {self.names[i]: {"state": self.sources[i].state_dict(), "epoch": passes[i][0],
-                                             "pass": passes[i][1]} for i in passes}
-                    yield batch, after
+                        batch = join_batches(pieces, self.provenance, self.device, copy=stream is not None)
+                    ready = None
+                    if stream is not None:
+                        ready = torch.cuda.Event()
+                        ready.record(stream)
+                    after = {self.names[i]: restored[i] if i in restored else
+                             {"state": self.sources[i].state_dict(), "epoch": passes[i][0], "pass": passes[i][1]}
+                             for i in passes}
+                    yield batch, after, ready
         finally:
             for it in iters.values():
                 it.close()
@@ -386,6 +412,19 @@ class _Counters:
     def __init__(self, sources):
         self.decoded = sum(d.reader.counters.decoded for d in sources)
         self.from_cache = sum(d.reader.counters.from_cache for d in sources)
+
+
+def _receive(batch: dict, ready, device) -> dict:
+    """On the training thread: on a GPU, make the current stream wait for the step's kernels and
+    keep the step's memory (the mix's own tensors) from reuse until that stream is done with it."""
+    if ready is None:
+        return batch
+    s = torch.cuda.current_stream(device)
+    s.wait_event(ready)
+    for v in batch.values():
+        for t in (v if isinstance(v, Ragged) else (v,)):
+            t.record_stream(s)
+    return batch
 
 
 def _spec_text(spec) -> str:

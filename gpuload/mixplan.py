@@ -24,9 +24,11 @@ What an epoch is (``exhausted``)
 source: equal on every rank).
 
 * ``"end"`` (default): the epoch ends before any source would run out: ``N`` is the most
-  steps for which every ``N_i <= R_i``. The source that runs out first is read whole; of the
-  others, the first ``N_i`` batches of their pass (the rest of that pass is not delivered;
-  the next epoch is their next pass, in a new order).
+  steps for which every ``N_i <= R_i``. The source that runs out first is read whole with
+  ``batches_per_step=1`` and in composition mode (to within ``batches_per_step - 1`` batches
+  otherwise: a step is never cut short); of the others, the first ``N_i`` batches of their
+  pass (the rest of that pass is not delivered; the next epoch is their next pass, in a new
+  order).
 * ``"repeat"``: the epoch ends when every source has been read whole at least once: ``N`` is
   the fewest steps for which every ``N_i >= R_i``; a source that runs out starts its next
   pass (a new order) and goes on, ``ceil(N_i / R_i)`` passes in all.
@@ -46,7 +48,7 @@ once, the same number of batches on every rank). The rest of the mix's epoch is 
 of steps drawn for the new ranks (:func:`rest_labels`: the same weights, a new arrangement)
 and ended by the epoch's own rule, applied to what is left: with ``"end"``, before any
 source needs more batches than its pass has left (so the source that runs out is read
-whole, exactly once, across the runs); with ``"repeat"``, once every source still in its
+whole, exactly once, across the runs, to within ``batches_per_step - 1`` batches as above); with ``"repeat"``, once every source still in its
 first pass has finished it (each of those exactly once; sources past their first pass go
 on with further passes, each row at most once per pass).
 """

@@ -83,7 +83,7 @@ def test_an_epoch_holds_each_source_exactly_its_share_with_pyarrows_values(paths
     assert np.array_equal(src, _source_of(torch.from_numpy(rows)))  # provenance names the row's source
     assert np.bincount(src, minlength=3).tolist() == [c * BS for c in p.counts]
     assert len(np.unique(rows)) == len(rows)  # every row at most once
-    limiting = int(np.argmin([SIZES[n] / W[n] for n in "abc"]))  # the source that ends the epoch: read whole
+    limiting = int(np.argmin([SIZES[n] / W[n] for n in "abc"]))  # ends the epoch: whole here (to 3 batches in general)
     name = "abc"[limiting]
     assert sorted(rows[src == limiting]) == list(range(BASE[name], BASE[name] + SIZES[name]))
     assert abs(p.counts[0] / sum(p.counts) - 0.5) <= 1 / sum(p.counts)  # proportions within one batch
@@ -164,7 +164,6 @@ def test_a_restore_never_leaks_into_later_epochs_or_rollbacks(paths, tmp_path):
     kw = dict(weights=W, bs=BS, batches_per_step=2, provenance="src")
     m = _mix(paths, tmp_path / "c", **kw)
     epoch0 = _steps(m)
-    it = iter(_mix(paths, tmp_path / "c", **kw))
     probe = _mix(paths, tmp_path / "c", **kw)
     states, it = [], iter(probe)
     for _ in range(len(epoch0) - 1):  # a state after each step, the last one after source c's last batch
@@ -184,6 +183,58 @@ def test_a_restore_never_leaks_into_later_epochs_or_rollbacks(paths, tmp_path):
     it.close()
     late.load_state_dict(states[1])
     assert _same(_steps(late), epoch0[2:])
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_chains_of_restores_stay_bit_exact(paths, tmp_path, per_step):
+    """Restore, take a step, save again, restore that: a source restored but not read since keeps
+    its restored position in the new state."""
+    kw = dict(weights=W, batches_per_step=per_step, provenance="src")
+    ref = _steps(_mix(paths, tmp_path / "c", **kw))
+    m = _mix(paths, tmp_path / "c", **kw)
+    it = iter(m)
+    head = _steps([next(it)])
+    state = m.state_dict()
+    it.close()
+    for _ in range(3):  # each time: restore, one step, save
+        m = _mix(paths, tmp_path / "c", **kw)
+        m.load_state_dict(json.loads(json.dumps(state)))
+        it = iter(m)
+        head += _steps([next(it)])
+        state = m.state_dict()
+        it.close()
+    last = _mix(paths, tmp_path / "c", **kw)
+    last.load_state_dict(state)
+    assert _same(head + _steps(last), ref)
+
+
+def test_set_epoch_before_load_state_dict_as_a_stateful_dataloader_restores(paths, tmp_path):
+    done = _mix(paths, tmp_path / "c", W)
+    epochs = [_steps(done) for _ in range(3)]  # epochs 0, 1, 2
+    state0 = _mix(paths, tmp_path / "c", W)
+    list(state0)
+    saved = state0.state_dict()  # after epoch 0's last step
+    m = _mix(paths, tmp_path / "c", W)
+    got = []
+    for e in range(3):
+        m.set_epoch(e)
+        if e == 0:
+            m.load_state_dict(saved)  # inside iter(), after the loop's set_epoch
+        got.append(_steps(m))
+    assert got[0] == [] and _same(got[1], epochs[1]) and _same(got[2], epochs[2])
+
+
+def test_set_epoch_during_an_iteration_applies_to_the_next(paths, tmp_path):
+    ref = _mix(paths, tmp_path / "c", W)
+    e0, e5 = _steps(ref), None
+    ref.set_epoch(5)
+    e5 = _steps(ref)
+    m = _mix(paths, tmp_path / "c", W)
+    it = iter(m)
+    first = _steps([next(it), next(it)])
+    m.set_epoch(5)  # the running epoch goes on
+    assert _same(first + _steps(it), e0)
+    assert _same(_steps(m), e5)
 
 
 def test_len_set_epoch_and_stats_after_the_loop_is_left_early(paths, tmp_path):
@@ -424,9 +475,16 @@ def test_on_a_gpu_the_mix_is_the_cpus(paths, tmp_path, per_step):
                                      device="cuda") for i, n in enumerate("abc")}, W,
                     batches_per_step=per_step, provenance="src")
     gpu = []
+
+    def host(t):  # a non-blocking copy queued behind a slow step on the training stream
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
+
     for b in m:
         assert all(t.is_cuda for v in b.values() for t in (v if isinstance(v, gpuload.Ragged) else (v,)))
-        gpu.append({k: (v.values.cpu(), v.offsets.cpu()) if isinstance(v, gpuload.Ragged) else v.cpu()
-                    for k, v in b.items()})  # copies ordered on the current (training) stream
-        torch.cuda._sleep(1_000_000)  # a slow step on that stream: the loader's next batches must wait for it
+        torch.cuda._sleep(5_000_000)  # the step: the copies below wait for it, the loader must not reuse memory
+        gpu.append({k: (host(v.values), host(v.offsets)) if isinstance(v, gpuload.Ragged) else host(v)
+                    for k, v in b.items()})
+    torch.cuda.current_stream().synchronize()
     assert _same(cpu, gpu)

