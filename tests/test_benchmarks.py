@@ -211,3 +211,16 @@ def test_bench_mix_compares_the_mixes_with_one_source(tmp_path):
     assert rows[0].endswith("| 1.00x |")
     steps = [int(r.split(" | ")[1].replace(",", "")) for r in rows]
     assert steps[0] == -(-30000 // 2048) and steps[1] > steps[0]  # 'repeat': the 0.2 source read whole
+
+
+def test_bench_whatif_applies_each_estimate(tmp_path):
+    import bench_whatif
+
+    out = tmp_path / "bench.md"
+    bench_whatif.main(["--rows", "200000", "--repeat", "1", "--chunk-mib", "1", "--dir", str(tmp_path / "w"),
+                       "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| first") or line.startswith("| cached")]
+    assert rows and {r.split(" | ")[0] for r in rows} <= {"| first (empty cache)", "| cached"}
+    for r in rows:  # an estimate carries its prediction and the waiting measured with it applied
+        cells = r.strip("|").split(" | ")
+        assert cells[2] == "none" or (cells[3].endswith("%") and cells[4].rstrip(" |").endswith("%"))

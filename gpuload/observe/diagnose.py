@@ -51,6 +51,7 @@ import statistics
 
 from .ranks import STRAGGLER, RankStats
 from .stats import StageStats, Stats
+from .whatif import what_if
 
 __all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP"]
 
@@ -83,6 +84,8 @@ class Diagnosis:
         (the diagnosis is then that source's), else None.
     rank : for every rank's figures (:class:`gpuload.observe.ranks.RankStats`), the straggler
         (the diagnosis is then that rank's), else None.
+    what_if : for a starved gpuload loop, :func:`gpuload.observe.whatif.what_if`'s estimates,
+        best first (the message names the best where it would cut the waiting by a fifth).
     """
 
     starvation: float
@@ -91,6 +94,7 @@ class Diagnosis:
     action: str
     source: str | None = None
     rank: int | None = None
+    what_if: tuple = ()
 
     def __str__(self) -> str:
         return (f"starvation {self.starvation:.1%}; limited by: {self.limiting}\n"
@@ -187,7 +191,8 @@ def _no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
             "with gpuload.ParquetDataset, which caches converted columns and loads them on background threads")
 
 
-def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | None = None) -> Diagnosis:
+def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | None = None,
+             cached: Stats | None = None) -> Diagnosis:
     """Name the bottleneck of a measured loop and the action that addresses it.
 
     The advice fits the loader measured (:attr:`gpuload.Stats.loader`): gpuload's settings
@@ -202,6 +207,8 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         from ``fio``; None (default): not measured, and said so.
     threads : loader threads available to the pool stages (the dataset's
         ``num_threads``); None (default): the threads seen running each stage.
+    cached : for a first epoch's stats, a later epoch's that read the cache: the estimates
+        (``what_if``) then include a warm cache.
 
     Returns
     -------
@@ -215,6 +222,15 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     if isinstance(stats, RankStats):
         return _straggler(stats, disk_gbps, threads)
     d = _diagnose(stats, disk_gbps, threads)
+    pool = threads or (stats.loader_settings or {}).get("num_threads")
+    if stats.loader == "gpuload" and d.limiting not in ("step", "startup") and isinstance(pool, int):
+        est = tuple(what_if(stats, pool, cached=cached))
+        if est and est[0].waiting_s <= 0.8 * stats.wait_s:
+            d = replace(d, what_if=est, message=f"{d.message}; what would help most (estimated from the stage "
+                        f"costs): {est[0].change}, waiting about {est[0].starvation:.0%} of the time instead of "
+                        f"{stats.starvation:.0%} ({est[0].basis})")
+        elif est:
+            d = replace(d, what_if=est)
     share = stats.cpu_contention
     if share is None or share < CONTENDED:
         return d

@@ -1,0 +1,91 @@
+"""What-if: the waiting a measured gpuload loop would have with other settings, from its stage costs.
+
+A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`):
+
+* the training thread needs ``S = wall_s - wait_s`` seconds of its own (steps and hand-off);
+* the loader needs ``L = max(P / min(threads, cores), B, C)`` seconds: ``P`` the busy seconds of
+  the stages its pool of ``threads`` threads runs (read, decode, convert, cache_read), spread over
+  at most the machine's cores; ``B`` the producer's (``batch``, ``h2d``), one thread; ``C`` the
+  cache writer's (``cache_write``), one thread;
+* the waiting is then ``startup + max(0, L - S) + rest``: ``startup`` the first ``next()`` of each
+  pass (the first shuffle window, loaded by the pool: it scales as the pool's time does),
+  ``rest`` what the measured waiting holds beyond the model (bursts that the queue did not
+  absorb), kept as measured.
+
+:func:`what_if` changes one thing at a time and recomputes: more loader threads (up to the
+cores), and, where a later epoch's cache reads were measured, a warm cache (the first epoch's
+read, decode, convert and cache writes replaced by those reads). Settings that change no
+measured stage (``prefetch``, the shuffle's kind) are not estimated. Each estimate is a
+:class:`WhatIf`; the best first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .stats import Stats
+
+__all__ = ["WhatIf", "what_if", "loader_seconds"]
+
+_POOL = ("read", "decode", "convert", "cache_read")
+_PRODUCER = ("batch", "h2d")
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """One estimate: the ``change`` in words, the ``settings`` it means (keyword arguments of
+    :class:`gpuload.ParquetDataset`, empty for a step such as building the cache), the expected
+    ``waiting_s`` and ``starvation`` of the same loop, and ``basis``: how it was computed."""
+
+    change: str
+    settings: dict
+    waiting_s: float
+    starvation: float
+    basis: str
+
+
+def _busy(stats: Stats, names) -> float:
+    return sum(stats.stages[n].seconds for n in names if n in stats.stages)
+
+
+def loader_seconds(stats: Stats, threads: int, cores: int | None = None) -> float:
+    """``L`` of the module doc: the seconds the loader needs with ``threads`` pool threads."""
+    cores = cores or os.cpu_count() or 1
+    return max(_busy(stats, _POOL) / max(1, min(threads, cores)), _busy(stats, _PRODUCER),
+               _busy(stats, ("cache_write",)))
+
+
+def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Stats | None = None) -> list[WhatIf]:
+    """Estimates for the loop measured in ``stats``, run with ``threads`` loader threads, best
+    (least waiting) first. ``cached``: the stats of a later epoch that read the cache (for the
+    warm-cache estimate of a first epoch). Empty for stats without stage timings or waiting."""
+    if not stats.stages or stats.wall_s <= 0 or stats.wait_s <= 0:
+        return []
+    cores = cores or os.cpu_count() or 1
+    own = max(0.0, stats.wall_s - stats.wait_s)  # the training thread's own seconds
+    startup = min(stats.wait_s, stats.first_wait_s or 0.0)
+    now = loader_seconds(stats, threads, cores)
+    rest = max(0.0, stats.wait_s - startup - max(0.0, now - own))
+
+    pool_now = _busy(stats, _POOL) / max(1, min(threads, cores))
+
+    def estimate(change: str, settings: dict, loader_s: float, basis: str, pool_s: float) -> WhatIf:
+        first = startup * (pool_s / pool_now if pool_now > 0 else 1.0)
+        wait = first + max(0.0, loader_s - own) + rest
+        return WhatIf(change, settings, wait, wait / (own + wait), basis)
+
+    out = []
+    for more in sorted({min(cores, threads * 2), cores} - {threads}):
+        if more > threads:
+            out.append(estimate(f"num_threads={more}", {"num_threads": more}, loader_seconds(stats, more, cores),
+                                f"the pool stages' {_busy(stats, _POOL):.2f} busy s over {min(more, cores)} "
+                                f"threads instead of {min(threads, cores)}", _busy(stats, _POOL) / min(more, cores)))
+    if cached is not None and "decode" in stats.stages and "cache_read" in cached.stages and cached.rows:
+        pool = cached.stages["cache_read"].seconds * stats.rows / cached.rows
+        loader_s = max(pool / max(1, min(threads, cores)), _busy(stats, _PRODUCER))
+        out.append(estimate("a warm cache (gpuload cache build ahead of training)", {}, loader_s,
+                            f"the first epoch's read, decode, convert and cache writes replaced by the cache reads "
+                            f"a later epoch measured ({pool:.2f} busy s for these rows)",
+                            pool / max(1, min(threads, cores))))
+    return sorted(out, key=lambda w: w.waiting_s)

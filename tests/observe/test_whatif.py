@@ -1,0 +1,56 @@
+"""What-if estimates against the model's own arithmetic on hand-made figures, in diagnose, and
+(with a real loader) the direction of the top recommendation."""
+
+from __future__ import annotations
+
+import pytest
+
+import gpuload
+from gpuload.observe.stats import StageStats, Stats
+from gpuload.observe.whatif import loader_seconds, what_if
+
+
+def _stats(stages: dict, wall=10.0, wait=6.0, first=0.5, rows=1_000_000, threads=1) -> Stats:
+    st = {n: StageStats(n, sec, 10, 1, rows, 1, 0.0, 0.0, sec / wall) for n, sec in stages.items()}
+    return Stats(wall_s=wall, batches=100, rows=rows, bytes=1, wait_s=wait, starvation=wait / wall, passes=1,
+                 wait_mean_s=wait / 100, wait_max_s=first, step_mean_s=0.04, step_max_s=0.05, stages=st,
+                 first_wait_s=first, loader="gpuload", loader_settings={"num_threads": threads, "prefetch": 2})
+
+
+def test_more_threads_spread_the_pool_stages_up_to_the_cores():
+    s = _stats({"decode": 8.0, "batch": 1.0})  # own time 4 s; the loader needs 8 s on one thread
+    assert loader_seconds(s, 1, cores=4) == 8.0 and loader_seconds(s, 2, cores=4) == 4.0
+    assert loader_seconds(s, 16, cores=4) == 2.0  # no more than the cores
+    est = what_if(s, 1, cores=4)
+    assert [w.change for w in est] == ["num_threads=4", "num_threads=2"]
+    # waiting = startup (0.5, scaled as the pool's 8 s are) + max(0, L - own 4) + rest (6 - 0.5 - (8 - 4) = 1.5)
+    assert est[0].waiting_s == pytest.approx(0.5 * 2 / 8 + 0 + 1.5)  # 4 threads: pool 2 s, L = 2
+    assert est[1].waiting_s == pytest.approx(0.5 * 4 / 8 + 0 + 1.5)  # 2 threads: pool 4 s, L = 4
+    assert est[0].starvation == pytest.approx(est[0].waiting_s / (4 + est[0].waiting_s))
+    slow_step = what_if(_stats({"decode": 8.0, "batch": 1.0}, wall=20.0, wait=6.0), 1, cores=4)
+    assert slow_step[0].waiting_s == pytest.approx(0.125 + 0 + 5.5)  # own 14 s: the loader was not the limit
+
+
+def test_a_warm_cache_replaces_the_first_epochs_decoding():
+    first = _stats({"read": 1.0, "decode": 6.0, "convert": 1.0, "cache_write": 2.0, "batch": 1.0}, threads=2)
+    cached = _stats({"cache_read": 0.5, "batch": 1.0}, wait=0.2, rows=500_000)
+    est = {w.change: w for w in what_if(first, 2, cores=2, cached=cached)}
+    warm = est["a warm cache (gpuload cache build ahead of training)"]
+    # pool 8 s over 2 threads = 4 s, the writer 2 s: L = 4, own 4: rest = 6 - 0.5 - 0 = 5.5
+    # warm: cache reads 0.5 s per 500k rows -> 1.0 s for 1M, over 2 threads 0.5 (startup x 0.5 / 4);
+    # the producer 1.0: L = 1.0
+    assert warm.waiting_s == pytest.approx(0.5 * 0.5 / 4 + 0 + 5.5) and "cache reads" in warm.basis
+    assert not what_if(_stats({}), 1) and not what_if(_stats({"decode": 1.0}, wait=0.0), 1)
+
+
+def test_diagnose_names_the_change_that_helps_most(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    d = gpuload.diagnose(_stats({"decode": 8.0, "batch": 1.0}, wait=6.0, first=0.1))
+    best = d.what_if[0]
+    assert best.change == "num_threads=4" and best.waiting_s == pytest.approx(0.1 * 2 / 8 + 1.9)
+    assert (f"what would help most (estimated from the stage costs): num_threads=4, waiting about "
+            f"{best.starvation:.0%} of the time instead of 60%") in d.message
+    busy_step = gpuload.diagnose(_stats({"decode": 1.0}, wall=10.0, wait=0.2))
+    assert busy_step.what_if == () and "what would help" not in busy_step.message
