@@ -34,7 +34,8 @@ The rules, in order (thresholds are the module constants below):
    the waiting time instead, and the advice adds moving it off that thread.
 
 Whatever the rule, where the utilisation sampler measured this process's threads waiting for
-a core at least ``CONTENDED`` (25%) as long as they ran (:attr:`gpuload.Stats.cpu_contention`,
+a core at least ``CONTENDED`` (25%) as long as they ran (over at least ``CONTENTION_MIN_S``,
+0.5 CPU seconds) (:attr:`gpuload.Stats.cpu_contention`,
 from Linux's schedstat), the message and the action add that the cores are oversubscribed.
 
 The advice fits the loader measured (:attr:`gpuload.Stats.loader`): ``gpuload cache
@@ -57,6 +58,7 @@ __all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTU
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
 CONTENDED = 0.25  # run-queue seconds per CPU second of the process's threads that mean oversubscribed cores
+CONTENTION_MIN_S = 0.5  # CPU seconds measured at least before contention is judged
 STARVED = 0.05
 #: Busy fraction of the wall time per worker below which no stage counts as saturated.
 SATURATED = 0.5
@@ -232,7 +234,7 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         elif est:
             d = replace(d, what_if=est)
     share = stats.cpu_contention
-    if share is None or share < CONTENDED:
+    if share is None or share < CONTENDED or sum(v[0] for v in stats.cpu_queue.values()) < CONTENTION_MIN_S:
         return d
     g, o = stats.cpu_queue.get("gpuload", (0.0, 0.0)), stats.cpu_queue.get("other", (0.0, 0.0))
     return replace(d, message=f"{d.message}; the cores are oversubscribed (measured): this process's threads "

@@ -57,6 +57,21 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _process_group():
+    """Under a launcher that set ``WORLD_SIZE`` > 1 (torchrun): a gloo process group for the
+    profile's gathers ("made", or "there" when one exists already); None for one process."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return "there"
+    dist.init_process_group("gloo")
+    return "made"
+
+
 def cmd_profile(args) -> int:
     from .profile import profile
 
@@ -72,10 +87,25 @@ def cmd_profile(args) -> int:
     step = "a small MLP" if args.model == "mlp" else f"a simulated {step_ms:g} ms step"
     print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {opts.batch_size:,} "
           "rows", file=sys.stderr)
+    ranks = _process_group()  # under torchrun: every rank profiles its share; rank 0 prints them all
+    if ranks is not None and args.trace:  # a trace per rank
+        import torch.distributed as dist
+
+        stem, dot, ext = args.trace.rpartition(".")
+        args.trace = f"{stem}.rank{dist.get_rank()}.{ext}" if dot else f"{args.trace}.rank{dist.get_rank()}"
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
-                      headspace=args.headspace,
+                      headspace=args.headspace, all_ranks=ranks is not None,
                       fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical, filters=src.filters,
                       storage_options=src.storage_options, **settings)
+    if ranks is not None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        dist.barrier()
+        if ranks == "made":
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
     for r in reports:
         print(r)
         print()

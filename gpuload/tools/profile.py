@@ -43,6 +43,7 @@ class EpochReport:
     decoded_chunks: int
     cached_chunks: int
     headspace: Stats | None = None  # the same epoch with no step (profile(headspace=True)), else None
+    ranks: object = None  # every rank's figures (profile(all_ranks=True) under torch.distributed), else None
 
     def __str__(self) -> str:
         s = self.stats
@@ -51,7 +52,9 @@ class EpochReport:
                 f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows_per_s:,.0f} rows/s, "
                 f"starvation {s.starvation:.1%}\n  {self.diagnosis}"
                 + (f"\n  remote source: {s.remote}" if s.remote is not None else "")
-                + ("" if self.headspace is None else f"\n  {self.bound()}"))
+                + ("" if self.headspace is None else f"\n  {self.bound()}")
+                + ("" if self.ranks is None or len(self.ranks.ranks) < 2 else
+                   f"\n{self.ranks}\n  {diagnose(self.ranks)}"))
 
     def bound(self) -> str:
         """What the headspace run says: the loader alone against the loader under the step."""
@@ -149,7 +152,7 @@ def headspace(source, columns=None, *, epochs: int = 2, **dataset_kwargs) -> lis
 
 
 def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.0, model: str | None = None,
-            trace=None, headspace: bool = False, **dataset_kwargs) -> list[EpochReport]:
+            trace=None, headspace: bool = False, all_ranks: bool = False, **dataset_kwargs) -> list[EpochReport]:
     """Run ``epochs`` epochs of ``source`` under a training step; one :class:`EpochReport` each.
 
     Parameters
@@ -161,6 +164,9 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
     trace : path of a Chrome trace-event JSON file covering every epoch (default None).
     headspace : also run the loader alone first (:func:`headspace`: no step, an empty cache of its
         own), so each report says whether the loader or the step is the limit (default False).
+    all_ranks : under torch.distributed, gather every rank's figures after each epoch (every
+        rank must call ``profile`` alike): each report then holds them (``ranks``) and names
+        the straggler (default False).
     """
     from .demo import simulated_step
 
@@ -187,7 +193,8 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
                 disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
             reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
                                        ds.reader.counters.decoded - before[0],
-                                       ds.reader.counters.from_cache - before[1], alone[epoch]))
+                                       ds.reader.counters.from_cache - before[1], alone[epoch],
+                                       ds.stats(all_ranks=True) if all_ranks else None))
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))

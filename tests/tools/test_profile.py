@@ -199,3 +199,20 @@ def test_disk_read_speed_is_measured(tmp_path):
     (tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef").mkdir()
     os.link(p, tmp_path / "cache" / LAYOUT_DIR / "0123456789abcdef" / "f.bin")
     assert disk_read_gbps([(root, (LAYOUT_DIR, "0123456789abcdef"), "f.bin")]) > 0
+
+
+@pytest.mark.slow
+def test_profile_under_torchrun_prints_every_ranks_figures(data, tmp_path):
+    import sys
+
+    from conftest import free_port, run_launch
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "gpuload", "profile", str(data),
+           "--device", "cpu", "--epochs", "2", "--step-ms", "1", "--batch-size", "2000",
+           "--cache-dir", str(tmp_path / "cache"), "--trace", str(tmp_path / "t.json")]
+    rc, out = run_launch(cmd, 180)
+    assert rc == 0, out[-4000:]
+    assert out.count("gpuload stats of 2 ranks") == 2  # a table per epoch, printed once (by rank 0)
+    assert out.count("limited by:") >= 4  # each epoch: rank 0's diagnosis and the ranks' one
+    assert (tmp_path / "t.rank0.json").exists() and (tmp_path / "t.rank1.json").exists()
