@@ -194,7 +194,7 @@ def _no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
 
 
 def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | None = None,
-             cached: Stats | None = None) -> Diagnosis:
+             cached: Stats | None = None, block_gather: float | None = None) -> Diagnosis:
     """Name the bottleneck of a measured loop and the action that addresses it.
 
     The advice fits the loader measured (:attr:`gpuload.Stats.loader`): gpuload's settings
@@ -211,6 +211,9 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         ``num_threads``); None (default): the threads seen running each stage.
     cached : for a first epoch's stats, a later epoch's that read the cache: the estimates
         (``what_if``) then include a warm cache.
+    block_gather : a block-shuffled gather's seconds over a row-shuffled one's, timed
+        (:func:`gpuload.tools.profile.block_gather_ratio`): the estimates then include
+        ``shuffle="block"``.
 
     Returns
     -------
@@ -226,7 +229,7 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     d = _diagnose(stats, disk_gbps, threads)
     pool = threads or (stats.loader_settings or {}).get("num_threads")
     if stats.loader == "gpuload" and d.limiting not in ("step", "startup") and isinstance(pool, int):
-        est = tuple(what_if(stats, pool, cached=cached))
+        est = tuple(what_if(stats, pool, cached=cached, block_gather=block_gather))
         if est and est[0].waiting_s <= 0.8 * stats.wait_s:
             d = replace(d, what_if=est, message=f"{d.message}; what would help most (estimated from the stage "
                         f"costs): {est[0].change}, waiting about {est[0].starvation:.0%} of the time instead of "

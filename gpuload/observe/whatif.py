@@ -13,9 +13,12 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
   absorb), kept as measured.
 
 :func:`what_if` changes one thing at a time and recomputes: more loader threads (up to the
-cores), and, where a later epoch's cache reads were measured, a warm cache (the first epoch's
-read, decode, convert and cache writes replaced by those reads). Settings that change no
-measured stage (``prefetch``, the shuffle's kind) are not estimated. Each estimate is a
+cores); where a later epoch's cache reads were measured, a warm cache (the first epoch's
+read, decode, convert and cache writes replaced by those reads); where a block-shuffled gather
+was timed against a row-shuffled one (``gpuload profile`` does), ``shuffle="block"`` (the
+producer's gathers scaled by that ratio). ``prefetch`` changes no stage's cost (it absorbs
+bursts, which averages do not show) and the GPU path's costs are not measured on a CPU: neither
+is estimated. Each estimate is a
 :class:`WhatIf`; the best first.
 """
 
@@ -56,10 +59,13 @@ def loader_seconds(stats: Stats, threads: int, cores: int | None = None) -> floa
                _busy(stats, ("cache_write",)))
 
 
-def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Stats | None = None) -> list[WhatIf]:
+def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Stats | None = None,
+            block_gather: float | None = None) -> list[WhatIf]:
     """Estimates for the loop measured in ``stats``, run with ``threads`` loader threads, best
     (least waiting) first. ``cached``: the stats of a later epoch that read the cache (for the
-    warm-cache estimate of a first epoch). Empty for stats without stage timings or waiting."""
+    warm-cache estimate of a first epoch). ``block_gather``: a block-shuffled gather's time over
+    a row-shuffled one's, measured (for the ``shuffle="block"`` estimate: the producer's gathers
+    scaled by it). Empty for stats without stage timings or waiting."""
     if not stats.stages or stats.wall_s <= 0 or stats.wait_s <= 0:
         return []
     cores = cores or os.cpu_count() or 1
@@ -88,4 +94,12 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
                             f"the first epoch's read, decode, convert and cache writes replaced by the cache reads "
                             f"a later epoch measured ({pool:.2f} busy s for these rows)",
                             pool / max(1, min(threads, cores))))
+    if block_gather is not None and "batch" in stats.stages:
+        gathers = stats.stages["batch"].seconds
+        producer = gathers * block_gather + _busy(stats, ("h2d",))
+        loader_s = max(_busy(stats, _POOL) / max(1, min(threads, cores)), producer, _busy(stats, ("cache_write",)))
+        out.append(estimate("shuffle='block'", {"shuffle": "block"}, loader_s,
+                            f"the producer's {gathers:.2f} s of gathers at {block_gather:.2f}x, as a block-shuffled "
+                            f"gather of one window measured against a row-shuffled one (the cache is rebuilt with "
+                            f"rows permuted in each chunk)", pool_now))
     return sorted(out, key=lambda w: w.waiting_s)

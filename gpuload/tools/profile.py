@@ -28,7 +28,7 @@ from ..observe.trace import TraceFile
 from ..observe.stats import Stats
 from ..observe.sampling import UtilSampler
 
-__all__ = ["EpochReport", "MlpStep", "profile", "headspace", "disk_read_gbps", "HEADSPACE_NEAR"]
+__all__ = ["EpochReport", "MlpStep", "profile", "headspace", "block_gather_ratio", "disk_read_gbps", "HEADSPACE_NEAR"]
 
 HEADSPACE_NEAR = 0.8  # under the step at this share of its headspace rate or more, the loader is the limit
 
@@ -129,6 +129,37 @@ def disk_read_gbps(files: list, limit_bytes: int = 1 << 30) -> float | None:
     return total / seconds / 1e9 if seconds > 0 and total else None
 
 
+def block_gather_ratio(ds: ParquetDataset) -> float | None:
+    """Seconds of a block-shuffled gather over a row-shuffled one, timed on one shuffle window of
+    ``ds``'s chunks as the cache holds them (the best of 3 each): what ``shuffle="block"``
+    would make of the gathers of a dataset with the default shuffle. None where it does not
+    apply (another shuffle, a GPU device: its gathers are not the host's)."""
+    from .. import plan
+    from ..batch import concat, nrows, take
+
+    o, r = ds.options, ds.reader
+    if o.block is not None or not o.shuffled or ds.device.type != "cpu" or not r.chunks:
+        return None
+    cols = concat([r.load(i) for i in range(min(len(r.chunks), o.shuffle_window))])
+    n = nrows(cols)
+    if n < 2 * o.block_rows:
+        return None
+    rows = plan.window_permutation(n, fingerprint=r.fingerprint, seed=o.seed, epoch=0, rank=0, window=0)
+    blocks = plan.block_permutation(n, o.block_rows, fingerprint=r.fingerprint, seed=o.seed, epoch=0, rank=0,
+                                    window=0)
+
+    def best(idx) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            take(cols, idx)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    row_s = best(rows)
+    return best(blocks) / row_s if row_s > 0 else None
+
+
 def headspace(source, columns=None, *, epochs: int = 2, **dataset_kwargs) -> list[Stats]:
     """The loader alone: ``epochs`` epochs with no step, the first on an empty cache of its own (a
     temporary folder, removed after; ``cache_dir`` is not touched), the others reading it. One
@@ -198,10 +229,13 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))
-    if len(reports) > 1 and reports[0].decoded_chunks and not reports[-1].decoded_chunks:
-        first = reports[0]  # diagnosed again, now that a cached epoch says what a warm cache would give
-        reports[0] = dataclasses.replace(first, diagnosis=diagnose(first.stats, disk_gbps=disk, threads=threads,
-                                                                   cached=reports[-1].stats))
+    ratio = block_gather_ratio(ds) if any(r.stats.stages.get("batch") for r in reports) else None
+    cached = reports[-1].stats if len(reports) > 1 and not reports[-1].decoded_chunks else None
+    for i, rep in enumerate(reports):  # again, with what the later epochs and a timed gather tell
+        if ratio is not None or (cached is not None and rep.decoded_chunks):
+            reports[i] = dataclasses.replace(rep, diagnosis=diagnose(
+                rep.stats, disk_gbps=disk, threads=threads, cached=cached if rep.decoded_chunks else None,
+                block_gather=ratio))
     return reports
 
 

@@ -54,3 +54,12 @@ def test_diagnose_names_the_change_that_helps_most(monkeypatch):
             f"{best.starvation:.0%} of the time instead of 60%") in d.message
     busy_step = gpuload.diagnose(_stats({"decode": 1.0}, wall=10.0, wait=0.2))
     assert busy_step.what_if == () and "what would help" not in busy_step.message
+
+
+def test_block_shuffling_scales_the_producers_gathers_by_the_measured_ratio():
+    s = _stats({"cache_read": 1.0, "batch": 8.0}, threads=2)  # gather-bound: L = 8, own 4, rest 6 - 0.5 - 4
+    est = {w.change: w for w in what_if(s, 2, cores=2, block_gather=0.25)}
+    block = est["shuffle='block'"]
+    assert block.settings == {"shuffle": "block"} and "0.25x" in block.basis
+    assert block.waiting_s == pytest.approx(0.5 + max(0.0, 8.0 * 0.25 - 4.0) + 1.5)
+    assert "shuffle='block'" not in {w.change for w in what_if(s, 2, cores=2)}  # not measured: not estimated

@@ -171,6 +171,17 @@ def test_headspace_runs_the_loader_alone_on_a_cache_of_its_own(data, tmp_path, c
     assert rc == 0 and "headspace (the loader alone, no step, empty cache)" in capsys.readouterr().out
 
 
+def test_a_block_shuffled_gather_is_timed_against_a_row_shuffled_one(data, tmp_path):
+    from gpuload.tools.profile import block_gather_ratio
+
+    ds = _ds(data, tmp_path / "cache", batch_size=2_000, shuffle_window=4)
+    list(ds)
+    ratio = block_gather_ratio(ds)
+    assert ratio is not None and 0 < ratio < 3
+    assert block_gather_ratio(_ds(data, tmp_path / "c2", shuffle="block")) is None  # block already
+    assert block_gather_ratio(_ds(data, tmp_path / "c3", shuffle=False)) is None
+
+
 @pytest.mark.parametrize("args, text", [(["--epochs", "0"], "--epochs"), (["--step-ms", "-1"], "--step-ms"),
                                         (["--device", "tpu"], "--device tpu")])
 def test_profile_cli_refuses_bad_settings(data, tmp_path, capsys, args, text):
