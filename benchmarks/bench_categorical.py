@@ -129,7 +129,7 @@ def epochs(files, data: pathlib.Path, work: pathlib.Path, batch: int, repeat: in
 
 def table(rates: dict, ep: dict, args) -> str:
     rows = ep["rows"]
-    lines = [f"\n## Categorical features (CPU)\n",
+    lines = ["\n## Categorical features (CPU)\n",
              f"{rows:,} Criteo-format rows (`gpuload.synth.write_criteo`: 13 int32 columns, 26 hex-string columns, "
              f"both with nulls) in {args.files} snappy files; `gpuload.Hash(buckets=2**22)` on every string column, "
              f"batch {args.batch:,}, no shuffle, best of {args.repeat}; {platform.machine()}, {os.cpu_count()} cores, "

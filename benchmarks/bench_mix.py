@@ -38,7 +38,7 @@ import gpuload
 from gpuload.synth import write_clicklog
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_step import measure  # noqa: E402
+from bench_step import measure, publish  # noqa: E402
 
 COLUMNS = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(13)],
            "cat": [f"cat_{i}" for i in range(8)], "history": "history"}
@@ -101,13 +101,7 @@ def main(argv=None) -> None:
         lines.append(f"| {m} | {steps[m]:,} | {first[m][0] / first[m][1] / 1e6:.2f} M | {rows / sec / 1e6:.2f} M | "
                      f"{waited / sec:.1%} | "
                      f"{rows / sec / base:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text)
-    if a.dir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    publish("\n".join(lines) + "\n", a.out, work, a.dir is None)
 
 
 if __name__ == "__main__":

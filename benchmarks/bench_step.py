@@ -49,6 +49,17 @@ STACKED = {"label": "label", "dense": [f"dense_{i}" for i in range(DENSE)],
            "cat": [f"cat_{i}" for i in range(SPARSE)], "history": "history"}
 
 
+def publish(text: str, out, work: pathlib.Path, remove: bool) -> None:
+    """Print a benchmark's markdown ``text``, append it to ``out`` (a path, or None), and remove
+    its ``work`` folder when ``remove`` (a temporary one)."""
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text)
+    if remove:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def consume(batch: dict) -> int:
     """Copy every tensor (a host-to-device copy's stand-in); returns the batch's rows."""
     for v in batch.values():

@@ -40,7 +40,7 @@ import gpuload
 from gpuload.synth import write_criteo
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_step import measure  # noqa: E402
+from bench_step import measure, publish  # noqa: E402
 
 EDGES = torch.tensor([0.5, 1.5, 3.5, 7.5, 15.5, 31.5, 63.5, 127.5, 255.5, 511.5, 1023.5])
 COLUMNS = {"row_id": "row_id", "label": "label", "counts": [f"I{i}" for i in range(1, 14)]}
@@ -126,13 +126,7 @@ def main(argv=None) -> None:
         base = best[modes[m][2]][0]
         lines.append(f"| {m} | {first[m][0]:.2f} | {rows / sec / 1e6:.2f} M | {waited / sec:.1%} | "
                      f"{work_s:.3f} s | {base / sec:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text)
-    if a.dir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    publish("\n".join(lines) + "\n", a.out, work, a.dir is None)
 
 
 if __name__ == "__main__":

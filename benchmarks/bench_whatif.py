@@ -30,6 +30,9 @@ import gpuload
 from gpuload.synth import write_clicklog
 from gpuload.tools.profile import profile
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from bench_step import publish  # noqa: E402
+
 COLUMNS = {"label": "label", "dense": [f"dense_{i}" for i in range(13)], "cat": [f"cat_{i}" for i in range(8)],
            "history": "history"}
 
@@ -87,13 +90,7 @@ def main(argv=None) -> None:
             lines.append(f"| {'first (empty cache)' if e == 0 else 'cached'} | {measured:.1%} | {change} | "
                          + (f"{pred:.1%} | {statistics.median(g[3] for g in same):.1%} |" if pred is not None
                             else "- | - |"))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text)
-    if a.dir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    publish("\n".join(lines) + "\n", a.out, work, a.dir is None)
 
 
 if __name__ == "__main__":
