@@ -384,7 +384,8 @@ class Mix(torch.utils.data.IterableDataset):
         source's own stats, whose waits are the mix thread's waits for that source
         (``all_ranks=True``: every rank's, gathered, as :meth:`ParquetDataset.stats` does)."""
         st = dataclasses.replace(self.metrics.stats(), loader="gpuload", loader_settings={"mix": self.names},
-                                 sources={n: d.stats() for n, d in zip(self.names, self.sources)})
+                                 sources={n: d.stats() for n, d in zip(self.names, self.sources)},
+                                 during_waits=None)  # the sources' stages run in their own Metrics
         return gather(st, _Counters(self.sources)) if all_ranks else st
 
     def reset_stats(self) -> None:

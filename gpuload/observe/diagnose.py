@@ -34,8 +34,7 @@ The rules, in order (thresholds are the module constants below):
    the waiting time instead, and the advice adds moving it off that thread.
 
 Whatever the rule, where the utilisation sampler measured this process's threads waiting for
-a core at least ``CONTENDED`` (25%) as long as they ran (over at least ``CONTENTION_MIN_S``,
-0.5 CPU seconds) (:attr:`gpuload.Stats.cpu_contention`,
+a core at least ``CONTENDED`` (25%) as long as they ran (over at least 0.5 CPU seconds) (:attr:`gpuload.Stats.cpu_contention`,
 from Linux's schedstat), the message and the action add that the cores are oversubscribed.
 
 The advice fits the loader measured (:attr:`gpuload.Stats.loader`): ``gpuload cache
@@ -58,7 +57,6 @@ __all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTU
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
 CONTENDED = 0.25  # run-queue seconds per CPU second of the process's threads that mean oversubscribed cores
-CONTENTION_MIN_S = 0.5  # CPU seconds measured at least before contention is judged
 STARVED = 0.05
 #: Busy fraction of the wall time per worker below which no stage counts as saturated.
 SATURATED = 0.5
@@ -237,7 +235,7 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         elif est:
             d = replace(d, what_if=est)
     share = stats.cpu_contention
-    if share is None or share < CONTENDED or sum(v[0] for v in stats.cpu_queue.values()) < CONTENTION_MIN_S:
+    if share is None or share < CONTENDED:
         return d
     g, o = stats.cpu_queue.get("gpuload", (0.0, 0.0)), stats.cpu_queue.get("other", (0.0, 0.0))
     return replace(d, message=f"{d.message}; the cores are oversubscribed (measured): this process's threads "
@@ -298,10 +296,10 @@ def _straggler(view: RankStats, disk_gbps: float | None, threads: int | None) ->
     """Every rank's figures: the rank that waits most, against the median, with the causes shown."""
     slow, med = view.slowest, view.median_starvation
     d = diagnose(slow.stats, disk_gbps=disk_gbps, threads=threads)
-    waits = ", ".join(f"rank {r.rank} {r.stats.starvation:.1%}" for r in view.ranks)
-    if len(view.ranks) == 1 or slow.stats.starvation - med < STRAGGLER:
+    waits = ", ".join(f"rank {r.rank} {r.stats.starvation:.1%}" for r in view.timed)
+    if len(view.timed) == 1 or slow.stats.starvation - med < STRAGGLER:
         return replace(d, message=f"no straggler: the ranks wait alike ({waits}); {d.message}")
-    others = [r for r in view.ranks if r is not slow]
+    others = [r for r in view.timed if r is not slow]
     causes = []
     decoded = statistics.median(r.decoded for r in others)
     if slow.decoded > decoded:

@@ -130,16 +130,18 @@ def serve_metrics(loader, port: int = 9464, addr: str = "127.0.0.1", labels: dic
 
     class _Collector:
         def collect(self):
-            families: dict = {}
+            groups: dict = {}  # family -> its samples: every sample of a family gets the same label names
             for s in samples(loader, labels):
-                base = s.name[:-len("_total")] if s.kind == "counter" else s.name
-                fam = families.get(base)
-                if fam is None:
-                    keys = sorted(s.labels)
-                    make = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
-                    fam = families[base] = (make(base, s.help, labels=keys), keys)
-                fam[0].add_metric([s.labels.get(k, "") for k in fam[1]], s.value)
-            return [f for f, _ in families.values()]
+                groups.setdefault(s.name[:-len("_total")] if s.kind == "counter" else s.name, []).append(s)
+            out = []
+            for base, group in groups.items():
+                keys = sorted({k for s in group for k in s.labels})  # a mix's total: source=""
+                make = CounterMetricFamily if group[0].kind == "counter" else GaugeMetricFamily
+                fam = make(base, group[0].help, labels=keys)
+                for s in group:
+                    fam.add_metric([s.labels.get(k, "") for k in keys], s.value)
+                out.append(fam)
+            return out
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector())
@@ -177,6 +179,12 @@ class MetricsReporter:
         self._stop.set()
         self._thread.join(timeout=10)
         self._report()
+
+    def __enter__(self) -> MetricsReporter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def report_metrics(loader, callback: Callable[[list], None], every_s: float = 10.0,

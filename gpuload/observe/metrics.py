@@ -292,9 +292,10 @@ class Metrics:
             runq = {k: tuple(v) for k, v in self._runq.items()} if any(v[0] for v in self._runq.values()) else None
             spans = [self._spans.field_array(k, i) for i, k in ((0, "stage"), (2, "t0"), (3, "t1"))]
             waits = [self._waits.field_array(k, i) for i, k in ((1, "t0"), (2, "t1"))]
-        per, idle = exposed(*waits, *spans, len(STAGES))
-        during = {name: float(v) for name, v in zip(STAGES, per) if v > 0}
-        if c["wait"] > 0:
+        during = {}
+        if c["wait"] > 0 and len(spans[0]) and not dropped:  # else the spans that ran cannot all be known
+            per, idle = exposed(*waits, *spans, len(STAGES))
+            during = {name: float(v) for name, v in zip(STAGES, per) if v > 0}
             during["idle"] = idle
         return Stats(wall_s=wall, batches=c["batches"], rows=c["rows"], bytes=c["bytes"], wait_s=c["wait"],
                      starvation=min(1.0, c["wait"] / wall) if wall > 0 else 0.0, passes=c["passes"],

@@ -46,13 +46,18 @@ class RankStats:
     ranks: list
 
     @property
+    def timed(self) -> list:
+        """The ranks that timed a pass (a rank that never iterated has no waiting to compare)."""
+        return [r for r in self.ranks if r.stats.wall_s > 0] or list(self.ranks)
+
+    @property
     def slowest(self) -> RankFigures:
-        """The rank that waited the largest share of its time inside ``next()``."""
-        return max(self.ranks, key=lambda r: (r.stats.starvation, -r.rank))
+        """The rank that waited the largest share of its time inside ``next()`` (of those timed)."""
+        return max(self.timed, key=lambda r: (r.stats.starvation, r.stats.wait_s, -r.rank))
 
     @property
     def median_starvation(self) -> float:
-        return statistics.median(r.stats.starvation for r in self.ranks)
+        return statistics.median(r.stats.starvation for r in self.timed)
 
     def __str__(self) -> str:
         from .diagnose import diagnose

@@ -241,9 +241,11 @@ class UtilSampler:
                     self._sample()
 
     def sample(self) -> None:
-        """Take one sample now and record it (the thread calls this every ``period``)."""
+        """Take one sample now and record it (the thread calls this every ``period``); while
+        paused, nothing is recorded (the time since the last sample was paused time)."""
         with self._cond:
-            self._sample()
+            if self._active:
+                self._sample()
 
     def _sample(self) -> None:
         gpu = mem = None

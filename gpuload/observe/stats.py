@@ -6,7 +6,9 @@ from __future__ import annotations
 import html
 from dataclasses import asdict, dataclass
 
-__all__ = ["Stats", "StageStats"]
+__all__ = ["Stats", "StageStats", "CONTENTION_MIN_S"]
+
+CONTENTION_MIN_S = 0.5  # CPU seconds measured at least before the run-queue share means anything
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,9 @@ class Stats:
         ``prefetch_factor``; a dataset's ``num_threads`` and ``prefetch``; else ``type``).
     during_waits : what the loader did while the training thread waited (the waiting prefetch did
         not hide): ``{stage: seconds its spans overlapped the waits, summed over threads}`` and
-        ``"idle"``: seconds of waiting with no stage running anywhere (nothing in flight); from
-        the events kept for the trace (all of them unless ``events_not_kept``); None without waits.
+        ``"idle"``: seconds of waiting with no stage running anywhere (nothing in flight). None
+        without waits, without stage spans in this Metrics (a watched loader; a Mix, whose
+        sources have their own), or once events were not kept (``events_not_kept``).
     cpu_queue : ``{"gpuload": (cpu s, run-queue s), "other": (...)}``: seconds this process's
         threads ran on a core and seconds they were runnable but waiting for one (Linux
         schedstat, while utilisation was sampled), gpuload's threads and the others (the
@@ -119,11 +122,12 @@ class Stats:
     @property
     def cpu_contention(self) -> float | None:
         """Run-queue seconds over CPU seconds of this process's threads (0: every thread got a
-        core when it could run; 0.5: they waited half as long as they ran), or None."""
+        core when it could run; 0.5: they waited half as long as they ran), or None where not
+        measured or measured over less than ``CONTENTION_MIN_S`` (0.5) CPU seconds."""
         if not self.cpu_queue:
             return None
         cpu = sum(v[0] for v in self.cpu_queue.values())
-        return sum(v[1] for v in self.cpu_queue.values()) / cpu if cpu > 0 else None
+        return sum(v[1] for v in self.cpu_queue.values()) / cpu if cpu >= CONTENTION_MIN_S else None
 
     def waits_text(self) -> str:
         """The waiting not hidden by prefetch and what ran during it, in words."""

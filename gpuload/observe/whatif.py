@@ -79,7 +79,7 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
     def estimate(change: str, settings: dict, loader_s: float, basis: str, pool_s: float) -> WhatIf:
         first = startup * (pool_s / pool_now if pool_now > 0 else 1.0)
         wait = first + max(0.0, loader_s - own) + rest
-        return WhatIf(change, settings, wait, wait / (own + wait), basis)
+        return WhatIf(change, settings, wait, wait / (own + wait) if own + wait > 0 else 0.0, basis)
 
     out = []
     for more in sorted({min(cores, threads * 2), cores} - {threads}):

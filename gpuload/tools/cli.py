@@ -57,6 +57,15 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def rank_path(path: str, rank: int) -> str:
+    """``path`` for one rank: ``runs.v2/t.json.gz`` -> ``runs.v2/t.rank0.json.gz`` (the folder as it is)."""
+    from pathlib import Path
+
+    p = Path(path)
+    stem, dot, ext = p.name.partition(".")
+    return str(p.with_name(f"{stem}.rank{rank}{dot}{ext}"))
+
+
 def _process_group():
     """Under a launcher that set ``WORLD_SIZE`` > 1 (torchrun): a gloo process group for the
     profile's gathers ("made", or "there" when one exists already); None for one process."""
@@ -91,8 +100,7 @@ def cmd_profile(args) -> int:
     if ranks is not None and args.trace:  # a trace per rank
         import torch.distributed as dist
 
-        stem, dot, ext = args.trace.rpartition(".")
-        args.trace = f"{stem}.rank{dist.get_rank()}.{ext}" if dot else f"{args.trace}.rank{dist.get_rank()}"
+        args.trace = rank_path(args.trace, dist.get_rank())
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
                       headspace=args.headspace, all_ranks=ranks is not None,
                       fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical, filters=src.filters,

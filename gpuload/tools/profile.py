@@ -62,10 +62,11 @@ class EpochReport:
         if h is None or not h.rows_per_s:
             return "headspace: not measured"
         share = s.rows_per_s / h.rows_per_s
-        who = ("the loader is the limit: under the step it delivers {:.0%} of what it can alone".format(share)
+        who = ("the loader is the limit: under the step it goes as fast as alone" if share >= 1 else
+               "the loader is the limit: under the step it delivers {:.0%} of what it can alone".format(share)
                if share >= HEADSPACE_NEAR else
                "the step is the limit: the loader alone is {:.1f}x faster than the step lets it go".format(1 / share))
-        return (f"headspace (the loader alone, no step, {'empty' if self.decoded_chunks else 'full'} cache): "
+        return (f"headspace (the loader alone, no step, {'empty' if 'decode' in h.stages else 'full'} cache): "
                 f"{h.rows_per_s:,.0f} rows/s against {s.rows_per_s:,.0f} under the step; {who}")
 
 
@@ -160,16 +161,20 @@ def block_gather_ratio(ds: ParquetDataset) -> float | None:
     return best(blocks) / row_s if row_s > 0 else None
 
 
-def headspace(source, columns=None, *, epochs: int = 2, **dataset_kwargs) -> list[Stats]:
+def headspace(source, columns=None, *, epochs: int = 2, warm: bool = False, **dataset_kwargs) -> list[Stats]:
     """The loader alone: ``epochs`` epochs with no step, the first on an empty cache of its own (a
-    temporary folder, removed after; ``cache_dir`` is not touched), the others reading it. One
-    :class:`gpuload.Stats` per epoch: its rows/s is what the loader can give on this node, cold
-    and cached. A remote source is fetched again for it."""
+    temporary folder, removed after; ``cache_dir`` is not touched), the others reading it (every
+    one with ``warm``: the cache is built first, unmeasured). One :class:`gpuload.Stats` per
+    epoch: its rows/s is what the loader can give on this node. A remote source is fetched again."""
     import tempfile
 
     kwargs = {k: v for k, v in dataset_kwargs.items() if k != "cache_dir"}
     with tempfile.TemporaryDirectory(prefix="gpuload-headspace-") as tmp:
         ds = ParquetDataset(source, columns, cache_dir=tmp, **kwargs)
+        if warm:  # to compare with a run whose cache is full already
+            for _ in ds:
+                pass
+            ds.reader.cache.flush()
         out = []
         for epoch in range(epochs):
             ds.set_epoch(epoch)
@@ -203,8 +208,9 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
 
     if model not in (None, "mlp"):
         raise ConfigError(f"model={model!r}: the profiler knows 'mlp' (or give step_ms)")
-    alone = _headspace(source, columns, epochs=epochs, **dataset_kwargs) if headspace else [None] * epochs
     ds = ParquetDataset(source, columns, **dataset_kwargs)
+    warm = headspace and all(ds.reader.is_cached(i) for i in range(len(ds.reader.chunks)))
+    alone = _headspace(source, columns, epochs=epochs, warm=warm, **dataset_kwargs) if headspace else [None] * epochs
     step = MlpStep(ds.device) if model == "mlp" else simulated_step(step_ms or 0.0)
     threads = ds.options.num_threads
     reports, origin, disk = [], None, None
@@ -236,6 +242,7 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
             reports[i] = dataclasses.replace(rep, diagnosis=diagnose(
                 rep.stats, disk_gbps=disk, threads=threads, cached=cached if rep.decoded_chunks else None,
                 block_gather=ratio))
+    ds.close()
     return reports
 
 

@@ -64,3 +64,14 @@ def test_against_a_brute_force_sweep(waits, spans):
 def test_merge_joins_overlapping_and_touching_intervals():
     a, b = merge(np.array([5.0, 0.0, 1.0, 8.0]), np.array([6.0, 2.0, 3.0, 9.0]))
     assert a.tolist() == [0.0, 5.0, 8.0] and b.tolist() == [3.0, 6.0, 9.0]
+
+
+def test_nothing_is_said_when_the_spans_cannot_all_be_known():
+    m = gpuload.Metrics(clock=ManualClock(), nvtx=False, max_events=40)
+    for i in range(100):  # spans and waits past what is kept: figures from them would be wrong
+        m.record("decode", float(i), i + 1.0)
+        m.consumer_wait(i + 0.5, i + 0.9, rows=1)
+    assert m.stats().events_not_kept > 0 and m.stats().during_waits is None
+    watched = gpuload.Metrics(clock=ManualClock(), nvtx=False)  # a watched loader: waits, no spans
+    watched.consumer_wait(0.0, 1.0, rows=1)
+    assert watched.stats().during_waits is None

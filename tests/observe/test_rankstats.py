@@ -42,6 +42,11 @@ def test_the_straggler_is_named_with_what_its_figures_show():
     assert "CPUs are busy (99% of all 8 cores" in gpuload.diagnose(busy).message
 
 
+def test_a_rank_that_timed_nothing_is_not_the_straggler():
+    view = RankStats([_rank(0, 0.10), RankFigures(1, _stats(0.0, wall=0.0), 0, 0, "n", 8), _rank(2, 0.40)])
+    assert view.slowest.rank == 2 and gpuload.diagnose(view).rank == 2
+
+
 def test_ranks_that_wait_alike_have_no_straggler():
     d = gpuload.diagnose(RankStats([_rank(0, 0.30), _rank(1, 0.32), _rank(2, 0.31)]))
     assert d.rank is None and d.message.startswith("no straggler: the ranks wait alike")

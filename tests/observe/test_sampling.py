@@ -249,3 +249,14 @@ def test_contention_is_reported_and_diagnosed():
     calm = stats({"gpuload": (4.0, 0.2), "other": (4.0, 0.1)})
     assert "oversubscribed" not in gpuload.diagnose(calm).message
     assert stats(None).cpu_contention is None
+
+
+def test_a_sample_taken_while_paused_records_nothing():
+    m = Metrics()
+    s = UtilSampler(m, period=60, gpu=False)
+    s.start()
+    s.stop()
+    n = m.stats().util_samples
+    s.sample()  # paused: the time since the last sample was not measured time
+    assert m.stats().util_samples == n
+    s.close()

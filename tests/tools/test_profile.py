@@ -227,3 +227,20 @@ def test_profile_under_torchrun_prints_every_ranks_figures(data, tmp_path):
     assert out.count("gpuload stats of 2 ranks") == 2  # a table per epoch, printed once (by rank 0)
     assert out.count("limited by:") >= 4  # each epoch: rank 0's diagnosis and the ranks' one
     assert (tmp_path / "t.rank0.json").exists() and (tmp_path / "t.rank1.json").exists()
+
+
+def test_each_rank_writes_a_trace_of_its_own_name():
+    from gpuload.tools.cli import rank_path
+
+    assert rank_path("t.json", 0) == "t.rank0.json"
+    assert rank_path("runs.v2/trace", 3) == "runs.v2/trace.rank3"
+    assert rank_path("./t.json.gz", 1) == "t.rank1.json.gz"
+
+
+def test_headspace_against_a_full_cache_is_measured_on_a_full_cache(data, tmp_path):
+    list(_ds(data, tmp_path / "cache"))  # the user's cache is full before profiling
+    reports = profile(data, epochs=1, step_ms=5.0, headspace=True, batch_size=2_000, chunk_bytes=80_000,
+                      shuffle_window=1, device="cpu", cache_dir=tmp_path / "cache")
+    assert reports[0].decoded_chunks == 0 and "decode" not in reports[0].headspace.stages
+    text = reports[0].bound()
+    assert "full cache" in text and not any(f"{n}%" in text for n in range(101, 1000))
