@@ -16,9 +16,10 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
 cores); where a later epoch's cache reads were measured, a warm cache (the first epoch's
 read, decode, convert and cache writes replaced by those reads); where a block-shuffled gather
 was timed against a row-shuffled one (``gpuload profile`` does), ``shuffle="block"`` (the
-producer's gathers scaled by that ratio). ``prefetch`` changes no stage's cost (it absorbs
-bursts, which averages do not show) and the GPU path's costs are not measured on a CPU: neither
-is estimated. Each estimate is a
+producer's gathers scaled by that ratio); where the training thread waited while no stage ran
+at all (``Stats.during_waits["idle"]``: nothing was in flight), twice the ``prefetch``, which
+starts that work earlier (that waiting hidden, down to what the stage costs need). The GPU
+path's costs are not measured on a CPU: it is not estimated. Each estimate is a
 :class:`WhatIf`; the best first.
 """
 
@@ -94,6 +95,15 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
                             f"the first epoch's read, decode, convert and cache writes replaced by the cache reads "
                             f"a later epoch measured ({pool:.2f} busy s for these rows)",
                             pool / max(1, min(threads, cores))))
+    idle = (stats.during_waits or {}).get("idle", 0.0)
+    prefetch = (stats.loader_settings or {}).get("prefetch")
+    if idle > 0 and isinstance(prefetch, int):  # waiting with nothing in flight: work started earlier hides it
+        floor = startup + max(0.0, now - own)
+        wait = max(floor, stats.wait_s - idle)
+        out.append(WhatIf(f"prefetch={2 * prefetch}", {"prefetch": 2 * prefetch}, wait,
+                          wait / (own + wait) if own + wait > 0 else 0.0,
+                          f"the {idle:.2f} s of waiting during which no stage ran (nothing in flight) hidden by "
+                          f"work started earlier, down to what the stage costs need"))
     if block_gather is not None and "batch" in stats.stages:
         gathers = stats.stages["batch"].seconds
         producer = gathers * block_gather + _busy(stats, ("h2d",))

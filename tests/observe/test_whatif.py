@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import gpuload
@@ -63,3 +65,13 @@ def test_block_shuffling_scales_the_producers_gathers_by_the_measured_ratio():
     assert block.settings == {"shuffle": "block"} and "0.25x" in block.basis
     assert block.waiting_s == pytest.approx(0.5 + max(0.0, 8.0 * 0.25 - 4.0) + 1.5)
     assert "shuffle='block'" not in {w.change for w in what_if(s, 2, cores=2)}  # not measured: not estimated
+
+
+def test_waiting_with_nothing_in_flight_is_what_a_deeper_prefetch_hides():
+    s = _stats({"decode": 2.0, "batch": 1.0}, wait=3.0, first=0.2)  # own 7 s: the stages keep up on average
+    s = dataclasses.replace(s, during_waits={"decode": 1.0, "idle": 2.5})
+    est = {w.change: w for w in what_if(s, 2, cores=2)}
+    deeper = est["prefetch=4"]
+    assert deeper.settings == {"prefetch": 4} and deeper.waiting_s == pytest.approx(max(0.2, 3.0 - 2.5))
+    assert "prefetch=4" not in {w.change for w in what_if(dataclasses.replace(s, during_waits=None),
+                                                          2, cores=2)}
