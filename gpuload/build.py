@@ -25,8 +25,10 @@ class CacheSummary:
     Every chunk counts once: ``built`` (decoded and written by this build),
     ``already_cached`` (in the cache when this build looked), ``built_elsewhere``
     (written meanwhile by another build of the same cache, run at the same time), or
-    ``not_cached`` (decoded but not written: ``over_budget`` of them did not fit
-    ``max_cache_bytes``; ``held`` of them were locked by another process for over a minute).
+    ``not_cached`` (decoded but not written: ``over_budget`` of them did not fit the budget
+    (``max_cache_bytes``, or the folder's quota when ``quota``), ``over_reserve`` would have left
+    less free disk than caches keep (:mod:`gpuload.cache.space`), and ``held`` of them were
+    locked by another process for over a minute).
     A chunk that could not be written for another reason fails the build
     (:class:`~gpuload.CacheError` naming the reason), so it is never in a summary.
     """
@@ -45,6 +47,8 @@ class CacheSummary:
     over_budget: int = 0
     held: int = 0
     max_cache_bytes: int | None = None
+    over_reserve: int = 0
+    quota: bool = False  # the budget was the cache folder's quota (gpuload cache quota), not max_cache_bytes
 
     def __str__(self) -> str:
         gib = self.cached_bytes / 2**30
@@ -53,8 +57,12 @@ class CacheSummary:
                 f"{self.already_cached} already cached{elsewhere}; {gib:.2f} GiB in {self.cache_dir} "
                 f"({self.seconds:.1f} s)")
         if self.over_budget:
-            text += (f"; {self.over_budget} chunks did not fit {setting('max_cache_bytes', self.max_cache_bytes)} "
-                     "and will be read from Parquet")
+            budget = (f"the cache folder's quota of {self.max_cache_bytes / 2**30:,.2f} GiB" if self.quota else
+                      setting('max_cache_bytes', self.max_cache_bytes))
+            text += f"; {self.over_budget} chunks did not fit {budget} and will be read from Parquet"
+        if self.over_reserve:
+            text += (f"; {self.over_reserve} chunks would have left less free disk than caches keep for other jobs "
+                     "($GPULOAD_CACHE_RESERVE) and will be read from Parquet")
         if self.held:
             text += (f"; {self.held} chunks were locked by another process for over a minute and are not cached "
                      "(build again once it is done)")
@@ -66,7 +74,7 @@ def _tally(outcomes: list, at_open) -> tuple[dict, list]:
     ``(chunk, outcome)``, outcome as :attr:`gpuload.cache.store.ChunkCache.outcomes` says it
     (an ``OSError`` or its ``(errno, text, path)``), plus ``"ours"`` for a chunk this build wrote
     before a worker was lost; ``at_open(chunk)``: it was cached when this build looked first."""
-    n = dict(built=0, already_cached=0, built_elsewhere=0, over_budget=0, held=0)
+    n = dict(built=0, already_cached=0, built_elsewhere=0, over_budget=0, held=0, over_reserve=0)
     failed = []
     for i, outcome in outcomes:
         if outcome in ("written", "ours"):
@@ -79,6 +87,8 @@ def _tally(outcomes: list, at_open) -> tuple[dict, list]:
             n["over_budget"] += 1
         elif outcome == "held":
             n["held"] += 1
+        elif outcome == "reserve":
+            n["over_reserve"] += 1
         else:
             failed.append((i, outcome))
     return n, failed
@@ -182,7 +192,8 @@ def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, no
         cache_dir=where, files=len(reader.files), rows=reader.num_rows, chunks=n,
         not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
         cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.outputs),
-        max_cache_bytes=opts.max_cache_bytes, **counts)
+        max_cache_bytes=reader.cache.max_bytes, quota=opts.max_cache_bytes is None and reader.cache.max_bytes is not None,
+        **counts)
 
 
 def _on_cluster(reader: ChunkReader, src: Source, opts: Options, progress, client, nodes, shared: bool,

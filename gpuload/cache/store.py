@@ -32,7 +32,8 @@ from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
-from ..errors import CorruptCacheError
+from .space import free_bytes, read_quota, reserve_bytes
+from ..errors import ConfigError, CorruptCacheError
 
 __all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
 
@@ -90,7 +91,14 @@ class ChunkCache:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
         self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
         self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
-        self.max_bytes = max_bytes
+        #: the budget: ``max_bytes``, else the folder's quota (``gpuload cache quota``), else None (the reserve)
+        self.max_bytes = max_bytes if max_bytes is not None else read_quota(self.root)
+        try:
+            self.reserve = reserve_bytes(self.root.path) if self.max_bytes is None else 0  # see gpuload.cache.space
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        except OSError:  # no statvfs here: no reserve kept
+            self.reserve = 0
         self.verify = verify
         self.full = False  # set once the budget refused a chunk
         self.lock_patience = lock_patience
@@ -281,9 +289,17 @@ class ChunkCache:
             os.close(fd)
 
     def _write(self, key: ChunkKey, cols: dict) -> None:
-        """Write ``key``'s file (a ``cache_write`` span); an ``OSError`` is warned about and noted."""
+        """Write ``key``'s file (a ``cache_write`` span) unless it would leave less than the
+        :attr:`reserve` free (without a budget); an ``OSError`` is warned about and noted."""
         try:
             head, regions, arrays, total = encode(cols, key.header_fields())
+            if self.reserve and free_bytes(self.root.path) - total < self.reserve:
+                self._warn("reserve", f"the disk of cache {self.root.path} has {free_bytes(self.root.path) / 2**30:,.1f}"
+                           f" GiB free, and caches keep {self.reserve / 2**30:,.1f} GiB free for other jobs "
+                           "($GPULOAD_CACHE_RESERVE, default 10% of the disk): chunks are read from Parquet until "
+                           "space is freed (or set max_cache_bytes, or a quota: `gpuload cache quota`)")
+                self.note(key, "reserve")
+                return
 
             def fill(fd):
                 write_regions(fd, head, regions, arrays, total)

@@ -7,6 +7,7 @@ import datetime
 import logging
 
 from ..cache.paths import default_cache_dir
+from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
 from ..errors import ConfigError
@@ -129,6 +130,7 @@ def cmd_info(args) -> int:
     s = cache.summary()
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
           f"{s['footers']} source files (a cached dataset reopens without reading its files)")
+    print(_budget_text(cache, s["bytes"]))
     if s["specs"]:
         print("column sets (spec: outputs; last used; chunks):")
     for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
@@ -220,6 +222,33 @@ def _since(text: str) -> float:
         raise ConfigError(f"--unused-since {text!r}: give a date (2026-11-01) or an age (30d, 12h)") from None
 
 
+def _budget_text(cache: ChunkCache, used: int) -> str:
+    """The cache's budget and its use, in one line."""
+    gib = 2**30
+    if cache.max_bytes is not None:
+        return (f"budget: the folder's quota of {cache.max_bytes / gib:,.2f} GiB (`gpuload cache quota`), "
+                f"{used / cache.max_bytes:.0%} used")
+    free = free_bytes(cache.root.path)
+    return (f"budget: no quota; chunks are written while the disk keeps {cache.reserve / gib:,.1f} GiB free for other "
+            f"jobs ($GPULOAD_CACHE_RESERVE, default 10% of the disk): {free / gib:,.1f} GiB free now, room for "
+            f"{max(0, free - cache.reserve) / gib:,.1f} GiB more")
+
+
+def cmd_quota(args) -> int:
+    cache = _cache(args)
+    text = args.size.strip().lower()
+    if text not in ("show", "none"):
+        try:
+            nbytes = parse_size(args.size)
+        except ValueError as e:
+            raise ConfigError(f"gpuload cache quota {args.size!r}: {e}; e.g. 500G, or none to remove it") from None
+        write_quota(cache.root, nbytes)
+    elif text == "none":
+        write_quota(cache.root, None)
+    print(_budget_text(ChunkCache(cache.root.path, create=False), cache.summary()["bytes"]))
+    return 0
+
+
 def cmd_clear(args) -> int:
     cache = _cache(args)
     since = None if args.unused_since is None else _since(args.unused_since)
@@ -237,10 +266,10 @@ def cmd_clear(args) -> int:
 
 
 def add_cache_commands(sub) -> None:
-    """``gpuload cache build | info | verify | clear`` on the command's subparsers ``sub``."""
+    """``gpuload cache build | info | verify | clear | quota`` on the command's subparsers ``sub``."""
     from ..config import BUILD_DEVICE, Options
 
-    c = sub.add_parser("cache", help="build, inspect, verify or clear the cache")
+    c = sub.add_parser("cache", help="build, inspect, verify, clear the cache, or set its quota")
     csub = c.add_subparsers(dest="action", required=True)
     b = csub.add_parser("build", help="convert a Parquet source into the cache ahead of training")
     b.add_argument("source", nargs="+", help="Parquet files, directories, globs or URLs (s3://, gs://, https://...)")
@@ -257,6 +286,10 @@ def add_cache_commands(sub) -> None:
                    "order) that owns it under shard='node' with this many nodes")
     b.add_argument("--seed", type=int, help=f"the training's seed, for --nodes (default {Options.seed})")
     b.set_defaults(fn=cmd_build)
+    q = csub.add_parser("quota", help="set the cache folder's quota for every process using it (default: none; "
+                                      "the disk then keeps 10% free)")
+    q.add_argument("size", nargs="?", default="show", help="a size (500G, 1.5T), none to remove it, or show")
+    q.set_defaults(fn=cmd_quota)
     for name, fn, text in (("info", cmd_info, "what the cache holds"),
                            ("verify", cmd_verify, "check every cache file; exit 1 if any is corrupt"),
                            ("clear", cmd_clear, "delete gpuload's files in the cache (all, or some column sets)")):
@@ -274,5 +307,5 @@ def add_cache_commands(sub) -> None:
             a.add_argument("--spec", help="only this column set (a spec hash, or its prefix, from `cache info`)")
             a.add_argument("--unused-since", help="only column sets not used since a date (2026-11-01) or for "
                                                   "an age (30d, 12h)")
-    for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear")]:
+    for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear", "quota")]:
         a.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
