@@ -162,9 +162,9 @@ def test_headspace_runs_the_loader_alone_on_a_cache_of_its_own(data, tmp_path, c
     assert [r.decoded_chunks > 0 for r in reports] == [True, False]  # the user's cache: cold, then warm
     for r in reports:
         assert r.headspace is not None and r.headspace.rows == r.stats.rows == 80_000
-        assert r.headspace.step_mean_s < 0.01 <= r.stats.step_mean_s  # no step in the headspace run
+        assert r.stats.step_mean_s >= 0.02 and r.headspace.step_mean_s < r.stats.step_mean_s  # no step alone
     assert "empty cache" in reports[0].bound() and "full cache" in reports[1].bound()
-    assert "the step is the limit" in str(reports[1])
+    assert reports[1].bound() in str(reports[1])
     assert list((tmp_path / "tmp").iterdir()) == []  # its cache removed
     rc = main(["profile", str(data), "--device", "cpu", "--epochs", "1", "--step-ms", "1", "--batch-size", "8000",
                "--cache-dir", str(tmp_path / "cache2"), "--headspace"])
@@ -177,7 +177,7 @@ def test_a_block_shuffled_gather_is_timed_against_a_row_shuffled_one(data, tmp_p
     ds = _ds(data, tmp_path / "cache", batch_size=2_000, shuffle_window=4)
     list(ds)
     ratio = block_gather_ratio(ds)
-    assert ratio is not None and 0 < ratio < 3
+    assert ratio is not None and ratio > 0  # its value is bench_whatif's to judge
     assert block_gather_ratio(_ds(data, tmp_path / "c2", shuffle="block")) is None  # block already
     assert block_gather_ratio(_ds(data, tmp_path / "c3", shuffle=False)) is None
 
@@ -229,6 +229,26 @@ def test_profile_under_torchrun_prints_every_ranks_figures(data, tmp_path):
     assert (tmp_path / "t.rank0.json").exists() and (tmp_path / "t.rank1.json").exists()
 
 
+def test_the_headspace_verdict_compares_the_rates():
+    import dataclasses
+
+    from gpuload.tools.profile import EpochReport
+
+    def st(rows_per_s, stages=()):
+        return gpuload.observe.stats.Stats(
+            wall_s=1.0, batches=1, rows=int(rows_per_s), bytes=1, wait_s=0.1, starvation=0.1, passes=1,
+            wait_mean_s=0.1, wait_max_s=0.1, step_mean_s=0.0, step_max_s=0.0,
+            stages={n: gpuload.StageStats(n, 0.1, 1, 1, 1, 1, 0.0, 0.0, 0.1) for n in stages})
+
+    d = gpuload.diagnose(st(1e6, ["cache_read"]))
+    report = EpochReport(1, st(1e6), d, 0, 4, headspace=st(4e6, ["cache_read"]))
+    assert "the step is the limit: the loader alone is 4.0x faster" in report.bound() and "full cache" in report.bound()
+    near = dataclasses.replace(report, headspace=st(1.1e6, ["decode"]))
+    assert "the loader is the limit: under the step it delivers 91%" in near.bound() and "empty cache" in near.bound()
+    faster = dataclasses.replace(report, headspace=st(0.9e6))
+    assert "as fast as alone" in faster.bound()
+
+
 def test_each_rank_writes_a_trace_of_its_own_name():
     from gpuload.tools.cli import rank_path
 
@@ -238,7 +258,9 @@ def test_each_rank_writes_a_trace_of_its_own_name():
 
 
 def test_headspace_against_a_full_cache_is_measured_on_a_full_cache(data, tmp_path):
-    list(_ds(data, tmp_path / "cache"))  # the user's cache is full before profiling
+    full = _ds(data, tmp_path / "cache")
+    list(full)
+    full.reader.cache.flush()  # the user's cache is full before profiling
     reports = profile(data, epochs=1, step_ms=5.0, headspace=True, batch_size=2_000, chunk_bytes=80_000,
                       shuffle_window=1, device="cpu", cache_dir=tmp_path / "cache")
     assert reports[0].decoded_chunks == 0 and "decode" not in reports[0].headspace.stages
