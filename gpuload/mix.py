@@ -11,7 +11,6 @@ handed out, so a restore is exact on the same ranks and every row stays once on 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import logging
@@ -22,12 +21,12 @@ import numpy as np
 import torch
 import xxhash
 
-from .batch import Ragged, nbytes, nrows
+from .batch import nbytes, nrows
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .dataset import ParquetDataset
 from .errors import ConfigError, setting
-from .handoff import join_batches
-from .mixplan import EXHAUSTED, MODES, PASS_STRIDE, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
+from .mixsteps import mix_steps, receive
+from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .observe.ranks import gather
 from .pipeline import Background
@@ -275,13 +274,13 @@ class Mix(torch.utils.data.IterableDataset):
         p, lab = self._begin()
         states, run, epoch = copy.deepcopy(self._states), self._runs[-1], self._epoch
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        producer = Background(lambda stop: self._steps(p, lab, states, epoch, stream, stop), depth=self.prefetch,
+        producer = Background(lambda stop: mix_steps(self, p, lab, states, epoch, stream, stop), depth=self.prefetch,
                               name="gpuload-mix")
         m, self._running = self.metrics, True
         t0 = m.clock()
         try:
             for batch, after, ready in producer:
-                batch = _receive(batch, ready, self.device)
+                batch = receive(batch, ready, self.device)
                 t1 = m.clock()
                 m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
                 m.queue_depth(producer.depth())
@@ -305,78 +304,6 @@ class Mix(torch.utils.data.IterableDataset):
                 after_run, self._after_run = self._after_run, None
                 self._runs, self._states, self._restored = [], {}, False
                 self._epoch, self._advance, self._epoch_set = after_run, False, True
-
-    def _steps(self, p: MixPlan, lab, states: dict, epoch: int, stream, stop) -> Iterator:
-        """The mix thread: the steps of labels ``lab`` of ``epoch``, each with the sources' states
-        after it (a source restored but not read yet keeps its restored state) and, on a GPU, the
-        event after its kernels.
-
-        On a GPU the sources' hand-offs and the joins run on the mix's own ``stream`` (the
-        sources guard their memory for it); every step is a new tensor of the mix's, made there,
-        and the training thread's stream waits for its event when it takes it (:func:`_receive`)."""
-        passes = {i: (states[n]["epoch"], states[n]["pass"]) for i, n in enumerate(self.names) if n in states}
-        restored = {i: states[n] for i, n in enumerate(self.names) if n in states}
-        iters: dict = {}
-
-        def start(i: int, ep: int, k: int, restore: dict | None) -> None:
-            d = self.sources[i]
-            if restore is not None:
-                d.load_state_dict(restore)  # its pass goes on where the last step left it
-                d.set_epoch(ep)
-            else:
-                d._cursor.fresh(ep)  # from its first batch, whatever position it held
-            iters[i], passes[i] = iter(d), (ep, k)
-
-        def pass_epoch(i: int, k: int) -> int:  # see "Source i's passes" in gpuload.mixplan
-            return epoch if self.exhausted == "end" else epoch * PASS_STRIDE + k
-
-        def next_batch(i: int):
-            """Source ``i``'s next batch; its next pass when one ends (``"repeat"``), None with ``"end"``."""
-            fresh = False
-            while True:
-                if i not in iters:
-                    if i in restored:
-                        start(i, *passes[i], restored.pop(i)["state"])
-                    elif i in passes:
-                        start(i, *passes[i], None)
-                    else:
-                        start(i, pass_epoch(i, 0), 0, None)
-                b = next(iters[i], None)
-                if b is not None:
-                    return b
-                del iters[i]
-                if fresh:
-                    raise ConfigError(f"source {self.names[i]!r} gave no batch in its pass (epoch {passes[i][0]})")
-                if self.exhausted == "end":
-                    return None
-                k = passes[i][1] + 1
-                start(i, pass_epoch(i, k), k, None)
-                fresh = True
-
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for j in range(len(lab) // p.per_step):
-                    if stop.is_set():
-                        return
-                    pieces = []
-                    for i in lab[j * p.per_step:(j + 1) * p.per_step]:
-                        b = next_batch(int(i))
-                        if b is None:  # exhausted='end': a source ran out; the epoch ends
-                            return
-                        pieces.append((int(i), b))
-                    with self.metrics.span("batch", rows=sum(nrows(b) for _, b in pieces)):
-                        batch = join_batches(pieces, self.provenance, self.device, copy=stream is not None)
-                    ready = None
-                    if stream is not None:
-                        ready = torch.cuda.Event()
-                        ready.record(stream)
-                    after = {self.names[i]: restored[i] if i in restored else
-                             {"state": self.sources[i].state_dict(), "epoch": passes[i][0], "pass": passes[i][1]}
-                             for i in passes}
-                    yield batch, after, ready
-        finally:
-            for it in iters.values():
-                it.close()
 
     # -- measurement ------------------------------------------------------------------------------
     def stats(self, all_ranks: bool = False):
@@ -413,19 +340,6 @@ class _Counters:
     def __init__(self, sources):
         self.decoded = sum(d.reader.counters.decoded for d in sources)
         self.from_cache = sum(d.reader.counters.from_cache for d in sources)
-
-
-def _receive(batch: dict, ready, device) -> dict:
-    """On the training thread: on a GPU, make the current stream wait for the step's kernels and
-    keep the step's memory (the mix's own tensors) from reuse until that stream is done with it."""
-    if ready is None:
-        return batch
-    s = torch.cuda.current_stream(device)
-    s.wait_event(ready)
-    for v in batch.values():
-        for t in (v if isinstance(v, Ragged) else (v,)):
-            t.record_stream(s)
-    return batch
 
 
 def _spec_text(spec) -> str:
