@@ -23,6 +23,7 @@ import xxhash
 
 from .batch import nbytes, nrows
 from .consumers import check_iter_caller, check_set_epoch_caller
+from .config import _positive_int
 from .dataset import ParquetDataset
 from .errors import ConfigError, setting
 from .mixsteps import mix_steps, receive
@@ -83,10 +84,10 @@ class Mix(torch.utils.data.IterableDataset):
         self.mode = mode or ("proportion" if weights is not None else "composition")
         _choice("mode", self.mode, MODES)
         _choice("exhausted", exhausted, EXHAUSTED)
-        self.exhausted, self.seed, self.provenance = exhausted, _int("seed", seed, 0), provenance
-        self.per_step = _int("batches_per_step", batches_per_step, 1)
-        self.steps_per_epoch = None if steps_per_epoch is None else _int("steps_per_epoch", steps_per_epoch, 1)
-        self.prefetch = _int("prefetch", prefetch, 1)
+        self.exhausted, self.seed, self.provenance = exhausted, _positive_int("seed", seed, 0), provenance
+        self.per_step = _positive_int("batches_per_step", batches_per_step)
+        self.steps_per_epoch = None if steps_per_epoch is None else _positive_int("steps_per_epoch", steps_per_epoch)
+        self.prefetch = _positive_int("prefetch", prefetch)
         self.weights = self._check_weights(weights)
         self._check_outputs()
         self.device = self.sources[0].device
@@ -355,8 +356,3 @@ def _choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ConfigError(f"{setting(name, value)} is not one of {', '.join(map(repr, allowed))}")
 
-
-def _int(name: str, value, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{setting(name, value)} must be an integer >= {least}")
-    return value

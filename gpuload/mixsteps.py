@@ -52,11 +52,9 @@ def mix_steps(mix, p: MixPlan, lab, states: dict, epoch: int, stream, stop) -> I
         fresh = False
         while True:
             if i not in iters:
-                if i in restored:
+                if i in restored:  # its pass goes on where the state left it
                     start(i, *passes[i], restored.pop(i)["state"])
-                elif i in passes:
-                    start(i, *passes[i], None)
-                else:
+                else:  # not read yet in this epoch (a pass that ends starts the next below)
                     start(i, pass_epoch(i, 0), 0, None)
             b = next(iters[i], None)
             if b is not None:
