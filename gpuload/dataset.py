@@ -14,11 +14,10 @@ from .consumers import check_iter_caller, check_set_epoch_caller
 from .cursor import Cursor
 from .epochs import EpochPlan, Position
 from .errors import ConfigError, flag
-from .batch import nbytes, nrows
 from .observe.metrics import Metrics
 from .observe.ranks import gather
 from .observe.stats import Stats
-from .pipeline import Background, epoch_batches
+from .pipeline import Background, epoch_batches, handed_out
 from .ranks import RankLayout
 from .reader import open_reader
 from .schema import BFLOAT16
@@ -328,22 +327,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.reader.resume()
         producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2,
                               nice=self.options.nice)
-        m = self.metrics
-        t0 = m.clock()
-        try:
-            for item in producer:
-                batch = handoff.receive(item)
-                t1 = m.clock()
-                m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
-                m.queue_depth(producer.depth())
-                pos.take()  # counted when handed out: a state taken now resumes after this batch
-                yield batch
-                t0 = m.clock()
-            m.consumer_end(t0, m.clock())
-        except GeneratorExit:  # the loop was left early
-            t = m.clock()
-            m.consumer_end(t, t)
-            raise
+        try:  # each batch counted when handed out: a state taken then resumes after it
+            yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take())
         finally:
             pos.running = False
             if not producer.finished:  # left early: no load goes on, none waits on a stalled store

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import xxhash
 
-from .batch import nbytes, nrows
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .config import _positive_int
 from .dataset import ParquetDataset
@@ -30,7 +29,7 @@ from .mixsteps import mix_steps, receive
 from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .observe.ranks import gather
-from .pipeline import Background
+from .pipeline import Background, handed_out
 
 __all__ = ["Mix", "FORMAT"]
 
@@ -277,24 +276,15 @@ class Mix(torch.utils.data.IterableDataset):
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         producer = Background(lambda stop: mix_steps(self, p, lab, states, epoch, stream, stop), depth=self.prefetch,
                               name="gpuload-mix")
-        m, self._running = self.metrics, True
-        t0 = m.clock()
+        self._running = True
+
+        def taken(item) -> None:  # the step handed out: the run counts it, the sources' states follow it
+            run[2] += 1
+            self._states = item[1]
+
         try:
-            for batch, after, ready in producer:
-                batch = receive(batch, ready, self.device)
-                t1 = m.clock()
-                m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
-                m.queue_depth(producer.depth())
-                run[2] += 1
-                self._states = after
-                yield batch
-                t0 = m.clock()
+            yield from handed_out(producer, self.metrics, lambda item: receive(item[0], item[2], self.device), taken)
             run[1] = run[2]  # ended (early, where exhausted='end' ran a source out)
-            m.consumer_end(t0, m.clock())
-        except GeneratorExit:  # the loop was left early
-            t = m.clock()
-            m.consumer_end(t, t)
-            raise
         finally:
             self._running = False
             if not producer.finished:  # a source may be stalled (a remote store): let it go now

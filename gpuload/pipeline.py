@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 from .batch import Batcher, concat, nbytes, nrows, rows
 from .plan import Segment
 
-__all__ = ["Background", "epoch_batches", "Stages", "lowered_priority"]
+__all__ = ["Background", "epoch_batches", "handed_out", "Stages", "lowered_priority"]
 
 _END = object()
 
@@ -87,6 +87,29 @@ def lowered_priority(nice: int) -> Callable[[], None]:
             pass
 
     return lower
+
+
+def handed_out(producer: Background, metrics, receive: Callable, taken: Callable) -> Iterator:
+    """The training thread's side of a loader: each item of ``producer`` made a batch by
+    ``receive(item)``, the wait inside ``next()`` and the queue's depth recorded in ``metrics``,
+    ``taken(item)`` called just before the batch is handed out (a state taken then counts it);
+    the pass closed in ``metrics`` when it ends, or when the loop is left early."""
+    m = metrics
+    t0 = m.clock()
+    try:
+        for item in producer:
+            batch = receive(item)
+            t1 = m.clock()
+            m.consumer_wait(t0, t1, rows=nrows(batch), nbytes=nbytes(batch))
+            m.queue_depth(producer.depth())
+            taken(item)
+            yield batch
+            t0 = m.clock()
+        m.consumer_end(t0, m.clock())
+    except GeneratorExit:  # the loop was left early
+        t = m.clock()
+        m.consumer_end(t, t)
+        raise
 
 
 class Background:
