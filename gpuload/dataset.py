@@ -384,8 +384,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.reader.reset_remote()
 
     def close(self) -> None:
-        """Stop remote fetches and release their connections (the dataset can still be iterated:
-        a later epoch starts new ones)."""
+        """Stop remote fetches, release their connections, and let other datasets evict this one's
+        cached chunks (the dataset can still be iterated: a later epoch starts new fetches and
+        keeps its chunks again)."""
         self.reader.close()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:

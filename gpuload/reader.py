@@ -22,7 +22,8 @@ from typing import Callable
 
 
 from .batch import permute_rows
-from .cache.paths import ChunkKey
+from .cache.paths import ChunkKey, source_folder
+from .cache.evict import usage
 from .cache.chunkfile import spec_hash
 from .categorical import Vocab, Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
@@ -130,7 +131,39 @@ class ChunkReader:
             # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
+        #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
+        self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
+        self.cache.register(self.groups)
+        self._check_room()
         self.counters = LoadCounters()
+
+    def _check_room(self) -> None:
+        """Warn at open when the cache's room (its budget or its disk's free space above the
+        reserve, less what other live readers keep) holds only part of this dataset, with
+        the numbers; the rest is read from Parquet each epoch (nothing thrashes: a reader's
+        own chunks are never evicted for its own)."""
+        space = self.cache.space
+        need = sum(c.nbytes for c in self.chunks)
+        try:
+            if space.max_bytes is None and space.short(need) <= 0:
+                return  # fits in the free space: no survey
+            others, used = usage(self.cache.root, self.groups)
+            room = (space.max_bytes if space.max_bytes is not None else used - space.short(0)) - others
+        except OSError:
+            return
+        if room >= need or need == 0:
+            return
+        per = need / len(self.chunks)
+        fit, window = max(0, int(room // per)), self.opts.shuffle_window
+        limit = ("max_cache_bytes" if self.opts.max_cache_bytes is not None else
+                 "the cache folder's quota (`gpuload cache quota`)" if space.max_bytes is not None else
+                 "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
+        what = (f"fewer than one shuffle window ({window} chunks): nearly every read comes from Parquet"
+                if fit < window else "the rest is read from Parquet every epoch")
+        log.warning("gpuload: the cache in %s has room for about %d of this dataset's %d chunks (%s of %s: %s, less "
+                    "%s other live readers keep): %s. Cache it whole with %s more room, or use fewer columns",
+                    self.cache.root.path, fit, len(self.chunks), _size(max(room, 0)), _size(need), limit,
+                    _size(others), what, _size(need - room))
 
     def _filtered(self, sizes: list, flt) -> list:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group
@@ -321,12 +354,20 @@ class ChunkReader:
         self.remote_reads.interrupt()
 
     def resume(self) -> None:
-        """Fetch again after :meth:`interrupt` or :meth:`close` (an epoch begins)."""
+        """Fetch again after :meth:`interrupt` or :meth:`close`, and date this dataset's use
+        in the cache (an epoch begins)."""
         self.remote_reads.resume()
+        self.cache.register(self.groups)
 
     def close(self) -> None:
-        """:meth:`interrupt`, and close the stores' open files."""
+        """:meth:`interrupt`, close the stores' open files, and let this dataset's chunks be
+        evicted (:meth:`resume` registers them again)."""
         self.remote_reads.close()
+        self.cache.release()
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:
     """Open ``source`` under ``options``: the device chosen and opened

@@ -20,9 +20,9 @@ from typing import Iterator, NamedTuple
 
 import xxhash
 
-from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, Identity, pwrite_all, read_header, read_regions, \
+from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, USES_DIR, Identity, pwrite_all, read_header, read_regions, \
     version_token
-from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, VOCAB, CacheRoot, Lock, kind_of
+from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, USES, VOCAB, CacheRoot, Lock, kind_of
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from .kept import KEPT_SUFFIX, check_kept_file
@@ -76,7 +76,7 @@ def walk(root: CacheRoot, layouts: bool = False, problems: list | None = None
         if layouts and not (LAYOUT.fullmatch(lname) and stat.S_ISDIR(lst.st_mode)):
             continue
         for fname, fst in _scan(root, (lname,), problems):
-            if fname in (_SPECS, _VOCABS) and lname == _LAYOUT:
+            if fname in (_SPECS, _VOCABS, USES_DIR) and lname == _LAYOUT:
                 continue
             if not (FOLDER.fullmatch(fname) and stat.S_ISDIR(fst.st_mode)):
                 yield (lname,), fname, fst  # the budget lock, or foreign: reported, never entered
@@ -332,6 +332,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
             files += gone is not None
     if chosen is None:
         root.rmdir((_LAYOUT,), _VOCABS)
+        files += _clear_records(root, foreign, failed)
     removed = []
     for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
@@ -344,6 +345,29 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
                 failed.append(f"{root.where((_LAYOUT, _SPECS), name)} ({e.strerror or e})")
     return {"freed": freed, "files": files, "specs": sorted(removed),
             "foreign": foreign + sorted({p.problem for p in problems}), "failed": failed}
+
+
+def _clear_records(root: CacheRoot, foreign: list, failed: list) -> int:
+    """A full clear's part in ``uses/`` (:mod:`gpuload.cache.evict`): the records no live reader
+    holds; the files deleted."""
+    parts, n = (_LAYOUT, USES_DIR), 0
+    for name, st in _scan(root, parts, None):
+        if not ((USES.fullmatch(name) or LOCK.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
+            foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
+        elif USES.fullmatch(name):
+            lock = Lock(root, parts, name + ".lock")
+            try:
+                if lock.acquire(blocking=False):
+                    n += root.unlink(parts, name, USES) is not None
+                    n += root.unlink(parts, name + ".lock", LOCK) is not None
+            except OSError as e:
+                failed.append(f"{root.where(parts, name)} ({e.strerror or e})")
+            finally:
+                lock.release()
+        elif TEMP.fullmatch(name):
+            n += root.unlink(parts, name, TEMP) is not None
+    root.rmdir((_LAYOUT,), USES_DIR)
+    return n
 
 
 def _drop_free_lock(root: CacheRoot, parts, name: str) -> os.stat_result | None:

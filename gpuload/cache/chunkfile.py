@@ -53,6 +53,7 @@ MAGIC = b"GPULOAD\0"
 FORMAT_VERSION = 3  # 3: cast float NaNs stored as one bit pattern (the same on the CPU and the GPU)
 LAYOUT_DIR = f"v{FORMAT_VERSION}"  #: the cache's folder for this format
 SPECS_DIR = "specs"  #: in LAYOUT_DIR: one JSON description per column set
+USES_DIR = "uses"  #: live readers' records, below the layout folder (gpuload.cache.evict)
 SUFFIX = ".glc"  #: chunk files' suffix
 ALIGN = 4096
 PREFIX = struct.Struct("<8sIIQ")

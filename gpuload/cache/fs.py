@@ -37,15 +37,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-__all__ = ["CacheRoot", "Lock", "ForeignEntry", "CHUNK", "FOOTER", "VOCAB", "TEMP", "LOCK", "FOLDER", "LAYOUT", "SPEC",
-           "kind_of"]
+__all__ = ["CacheRoot", "Lock", "ForeignEntry", "CHUNK", "FOOTER", "VOCAB", "USES", "TEMP", "LOCK", "FOLDER", "LAYOUT",
+           "SPEC", "kind_of"]
 
 _HEX = r"[0-9a-f]{16}"
 CHUNK = re.compile(rf"{_HEX}-{_HEX}-\d+-\d+\.glc")  #: a chunk file: <spec>-<version>-<rg start>-<rg stop>.glc
 FOOTER = re.compile(rf"{_HEX}\.footer")  #: a source file's Parquet footer: <version>.footer
 VOCAB = re.compile(rf"{_HEX}\.(?:vocab|kept)")  #: in ``vocab/``: a counted vocabulary <key>.vocab, or a filter's kept rows <key>.kept
-TEMP = re.compile(rf"(?:{CHUNK.pattern}|{_HEX}\.json|{FOOTER.pattern}|{VOCAB.pattern})\.tmp\.\d+\.[0-9a-f]{{8}}")  #: a writer's temporary file
-LOCK = re.compile(rf"(?:{CHUNK.pattern}|{VOCAB.pattern}|\.budget)\.lock")  #: a chunk's, vocabulary's or the budget's lock
+USES = re.compile(rf"{_HEX}\.groups")  #: in ``uses/``: the source folders and column set a dataset reads (mtime: last use)
+TEMP = re.compile(rf"(?:{CHUNK.pattern}|{_HEX}\.json|{FOOTER.pattern}|{VOCAB.pattern}|{USES.pattern})"
+                  rf"\.tmp\.\d+\.[0-9a-f]{{8}}")  #: a writer's temporary file
+#: a chunk's, vocabulary's or the budget's lock, or a dataset's live readers' (``uses/<key>.groups.lock``)
+LOCK = re.compile(rf"(?:{CHUNK.pattern}|{VOCAB.pattern}|{USES.pattern}|\.budget)\.lock")
 SPEC = re.compile(rf"{_HEX}\.json")  #: a column-set description in ``specs/``
 FOLDER = re.compile(_HEX)  #: one source file's folder
 LAYOUT = re.compile(r"v\d+")  #: one format version's folder
@@ -256,15 +259,17 @@ class CacheRoot:
 
 
 class Lock:
-    """An exclusive ``flock`` on lock file ``name`` of folder ``parts`` (created if missing).
+    """An exclusive ``flock`` on lock file ``name`` of folder ``parts`` (created if missing);
+    ``shared=True``: a shared one (many holders at once, none while an exclusive one is held).
 
     Released by the OS when the process dies. Not tied to a thread: any thread may
     :meth:`release` it. Raises ``OSError`` when the lock file cannot be made or opened
     (read-only cache, no space or inodes, too many open files, a link or folder there).
     """
 
-    def __init__(self, root: CacheRoot, parts, name: str):
+    def __init__(self, root: CacheRoot, parts, name: str, shared: bool = False):
         self.root, self.parts, self.name = root, tuple(parts), name
+        self._mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         self._fd: int | None = None
 
     def acquire(self, blocking: bool = True, timeout: float | None = None,
@@ -305,7 +310,7 @@ class Lock:
                         raise ForeignEntry(errno.EINVAL, f"{self.root.where(self.parts, self.name)} is a "
                                            f"{kind_of(st.st_mode)}, not a lock file gpuload made; remove it")
                     try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                        fcntl.flock(fd, self._mode | (0 if blocking else fcntl.LOCK_NB))
                     except BlockingIOError:
                         os.close(fd)
                         return False

@@ -27,7 +27,12 @@ import xxhash
 from .chunkfile import LAYOUT_DIR, SUFFIX, Identity, version_token
 from ..errors import CacheError, flag
 
-__all__ = ["ChunkKey", "cache_folder", "default_cache_dir"]
+__all__ = ["ChunkKey", "cache_folder", "default_cache_dir", "source_folder"]
+
+
+def source_folder(path: str) -> str:
+    """The folder (below the layout's) of the chunks of source file ``path``: the hash of the path."""
+    return xxhash.xxh64_hexdigest(path.encode())
 
 
 def default_cache_dir() -> Path:
@@ -96,8 +101,8 @@ class ChunkKey:
 
     @property
     def folder(self) -> str:
-        """The folder of the source file's chunks: the hash of its path."""
-        return xxhash.xxh64_hexdigest(self.path.encode())
+        """The folder of the source file's chunks (:func:`source_folder`)."""
+        return source_folder(self.path)
 
     @property
     def parts(self) -> tuple[str, str]:

@@ -9,19 +9,34 @@ warning, and later chunks are written again once space is freed: the cache never
 disk another job needs. A *quota* (``gpuload cache quota 500G``: a small file ``quota`` in the
 cache folder) budgets the whole folder for every process that uses it, as ``max_cache_bytes``
 budgets one dataset; ``max_cache_bytes`` given to a dataset overrides it.
+
+:class:`Space` applies these to each chunk write. When a chunk does not fit, the writer
+takes the folder's budget lock and makes room by evicting the least recently used
+chunks no live reader needs (:func:`gpuload.cache.evict.make_room`); only if that is not
+enough is the chunk left uncached, and the folder is then not surveyed again for
+:data:`RETRY_S` seconds. With a budget the check and the write happen under the lock, so
+the budget holds exactly; with the reserve the common case takes no lock, and racing
+writers may each go at most one chunk below it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import time
+from contextlib import contextmanager
+from typing import Iterator
 
-from .fs import CacheRoot
+from .admin import chunk_files
+from .chunkfile import LAYOUT_DIR
+from .evict import make_room
+from .fs import CacheRoot, Lock
 
-__all__ = ["RESERVE_FRACTION", "QUOTA_FILE", "parse_size", "reserve_bytes", "free_bytes", "read_quota",
-           "write_quota"]
+__all__ = ["RESERVE_FRACTION", "RETRY_S", "QUOTA_FILE", "Space", "parse_size", "reserve_bytes", "free_bytes",
+           "read_quota", "write_quota", "used_bytes"]
 
 RESERVE_FRACTION = 0.10
+RETRY_S = 30.0
 QUOTA_FILE = "quota"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -84,3 +99,70 @@ def write_quota(root: CacheRoot, nbytes: int | None) -> None:
         root.unlink((), QUOTA_FILE, re.compile(re.escape(QUOTA_FILE)))
         return
     root.write((), QUOTA_FILE, lambda fd: os.write(fd, f"{int(nbytes)}\n".encode()))
+
+
+def used_bytes(root: CacheRoot) -> int:
+    """Bytes of the chunk files of the current format in ``root``."""
+    return sum(st.st_size for *_, st in chunk_files(root))
+
+
+class Space:
+    """The room a cache folder has for chunks (see the module doc).
+
+    Parameters
+    ----------
+    root : the cache folder.
+    max_bytes : the budget in bytes; None (default): the folder's quota, else the reserve.
+    patience : seconds to wait for the budget lock another writer holds (default 60).
+    """
+
+    def __init__(self, root: CacheRoot, max_bytes: int | None = None, patience: float = 60.0):
+        self.root, self.patience = root, patience
+        #: the budget: ``max_bytes``, else the folder's quota (``gpuload cache quota``), else None (the reserve)
+        self.max_bytes = max_bytes if max_bytes is not None else read_quota(root)
+        try:  #: bytes the filesystem keeps free (0 under a budget); ValueError for a bad $GPULOAD_CACHE_RESERVE
+            self.reserve = reserve_bytes(root.path) if self.max_bytes is None else 0
+        except OSError:  # no statvfs here: no reserve kept
+            self.reserve = 0
+        self._refused: tuple[float, str] | None = None  # (monotonic time, why) of the last refusal
+
+    def short(self, nbytes: int) -> int:
+        """Bytes to free before a chunk of ``nbytes`` fits (<= 0: it fits now)."""
+        if self.max_bytes is not None:
+            return used_bytes(self.root) + nbytes - self.max_bytes
+        return self.reserve - (free_bytes(self.root.path) - nbytes) if self.reserve else 0
+
+    @contextmanager
+    def room(self, nbytes: int) -> Iterator[str | OSError | None]:
+        """Yields None when a chunk of ``nbytes`` may be written now (write it inside the
+        block), else why not: ``"budget"``, ``"reserve"``, ``"held"`` (another process held
+        the budget lock ``patience`` seconds) or the ``OSError`` that kept it from the lock."""
+        if self.max_bytes is None and self.short(nbytes) <= 0:
+            yield None  # the common case: no lock
+            return
+        why = "budget" if self.max_bytes is not None else "reserve"
+        if self._refused is not None and time.monotonic() - self._refused[0] < RETRY_S:
+            yield self._refused[1]
+            return
+        lock = Lock(self.root, (LAYOUT_DIR,), ".budget.lock")
+        try:
+            got = lock.acquire(timeout=self.patience)
+        except OSError as e:
+            yield e
+            return
+        if not got:
+            yield "held"
+            return
+        try:
+            short = self.short(nbytes)
+            if short > 0:
+                make_room(self.root, short)
+                short = self.short(nbytes)  # what the eviction freed (a file still open elsewhere frees nothing yet)
+            if short > 0:
+                self._refused = (time.monotonic(), why)
+                yield why
+            else:
+                self._refused = None
+                yield None
+        finally:
+            lock.release()

@@ -32,7 +32,8 @@ from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
-from .space import free_bytes, read_quota, reserve_bytes
+from .evict import Registration, register
+from .space import Space, free_bytes
 from ..errors import ConfigError, CorruptCacheError
 
 __all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
@@ -48,9 +49,10 @@ class ChunkCache:
     Parameters
     ----------
     root : the cache directory (created if missing and ``create``).
-    max_bytes : budget for chunk files in bytes; None means unbounded. When a new
-        chunk would exceed it, the chunk is not written (it is streamed from Parquet
-        every epoch instead) and nothing already cached is evicted.
+    max_bytes : budget for chunk files in bytes; None (default): the folder's quota, else
+        the disk's reserve (:mod:`gpuload.cache.space`). A chunk that does not fit makes room
+        by evicting least recently used chunks no live reader needs (:mod:`gpuload.cache.evict`),
+        else it is not written (it is read from Parquet every epoch instead).
     verify : ``True`` (default): compare a file's checksums the first time this
         process reads it (again whenever the file changes); ``"always"``: on every
         read; ``False``: never (the header and identity are still checked).
@@ -91,16 +93,13 @@ class ChunkCache:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
         self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
         self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
-        #: the budget: ``max_bytes``, else the folder's quota (``gpuload cache quota``), else None (the reserve)
-        self.max_bytes = max_bytes if max_bytes is not None else read_quota(self.root)
-        try:
-            self.reserve = reserve_bytes(self.root.path) if self.max_bytes is None else 0  # see gpuload.cache.space
+        try:  #: the room for chunks: budget, quota or reserve, and eviction (:mod:`gpuload.cache.space`)
+            self.space = Space(self.root, max_bytes, lock_patience)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        except OSError:  # no statvfs here: no reserve kept
-            self.reserve = 0
         self.verify = verify
-        self.full = False  # set once the budget refused a chunk
+        self.full = False  # set when the budget refused a chunk (no room even after eviction)
+        self.registration: Registration | None = None  # this reader's record (:meth:`register`)
         self.lock_patience = lock_patience
         self.outcomes: dict | None = None
         if create:
@@ -220,8 +219,8 @@ class ChunkCache:
             if self.max_bytes is None:
                 self._write_later(key, cols, shared, lock)
                 lock = None  # the writer releases it
-            else:
-                self._write_within_budget(key, cols)
+            else:  # written before anyone else sees ``cols``, holding the budget's lock
+                self._write(key, self._host(cols, copy=False))
             return cols, False
         finally:
             if lock is not None:
@@ -237,32 +236,6 @@ class ChunkCache:
         except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
             self._slots.release()
             raise
-
-    def _write_within_budget(self, key: ChunkKey, cols: dict) -> None:
-        """Write ``cols`` now, holding the budget's lock, if the chunk files with this one stay
-        within ``max_bytes``; else mark the cache :attr:`full` and write nothing more."""
-        budget = Lock(self.root, (LAYOUT_DIR,), ".budget.lock")
-        try:
-            if not budget.acquire(timeout=self.lock_patience):
-                self._warn("held", f"the cache budget has been locked by another process for "
-                           f"{self.lock_patience:g} s; chunks are not cached meanwhile")
-                self.note(key, "held")
-                return
-        except OSError as e:
-            self._warn(f"lock{e.errno}", f"cannot lock the cache budget ({e}); this chunk is not cached")
-            self.note(key, e)
-            return
-        try:
-            host = self._host(cols, copy=False)  # written before anyone else sees ``cols``
-            if not self.full:
-                used = sum(st.st_size for *_, st in chunk_files(self.root))
-                self.full = used + encode(host, key.header_fields())[3] > self.max_bytes
-            if not self.full:
-                self._write(key, host)
-            else:
-                self.note(key, "budget")
-        finally:
-            budget.release()
 
     def _host(self, cols: dict, copy: bool) -> dict:
         """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``."""
@@ -293,23 +266,21 @@ class ChunkCache:
         :attr:`reserve` free (without a budget); an ``OSError`` is warned about and noted."""
         try:
             head, regions, arrays, total = encode(cols, key.header_fields())
-            if self.reserve and free_bytes(self.root.path) - total < self.reserve:
-                self._warn("reserve", f"the disk of cache {self.root.path} has {free_bytes(self.root.path) / 2**30:,.1f}"
-                           f" GiB free, and caches keep {self.reserve / 2**30:,.1f} GiB free for other jobs "
-                           "($GPULOAD_CACHE_RESERVE, default 10% of the disk): chunks are read from Parquet until "
-                           "space is freed (or set max_cache_bytes, or a quota: `gpuload cache quota`)")
-                self.note(key, "reserve")
-                return
 
             def fill(fd):
                 write_regions(fd, head, regions, arrays, total)
 
-            if self.metrics is None:
-                st = self.root.write(key.parts, key.name, fill)
-            else:
-                with self.metrics.span("cache_write", rows=nrows(cols)) as span:
-                    st = self.root.write(key.parts, key.name, fill)
-                    span.nbytes = total
+            with self.space.room(total) as why:
+                if why is None:
+                    if self.metrics is None:
+                        st = self.root.write(key.parts, key.name, fill)
+                    else:
+                        with self.metrics.span("cache_write", rows=nrows(cols)) as span:
+                            st = self.root.write(key.parts, key.name, fill)
+                            span.nbytes = total
+            if why is not None:
+                self._refused(key, why)
+                return
             if self._trust_writes:
                 self._verified.add(file_identity(st))
             self.note(key, "written")
@@ -317,6 +288,23 @@ class ChunkCache:
             self._warn(f"write{e.errno}", f"could not write cache file {self.path(key)} ({e.strerror or e}); "
                        "chunks that are not cached are read from Parquet again")
             self.note(key, e)
+
+    def _refused(self, key: ChunkKey, why) -> None:
+        """Note (and warn about, once per kind) a chunk :attr:`space` had no room for."""
+        self.note(key, why)
+        if why == "budget":
+            self.full = True
+        elif why == "reserve":
+            self._warn("reserve", f"the disk of cache {self.root.path} has {free_bytes(self.root.path) / 2**30:,.1f}"
+                       f" GiB free, and caches keep {self.reserve / 2**30:,.1f} GiB free for other jobs "
+                       "($GPULOAD_CACHE_RESERVE, default 10% of the disk), even after evicting what no live reader "
+                       "needs: chunks are read from Parquet until space is freed (or set max_cache_bytes, or a quota:"
+                       " `gpuload cache quota`)")
+        elif why == "held":
+            self._warn("held", f"the cache budget has been locked by another process for {self.lock_patience:g} s; "
+                       "chunks are not cached meanwhile")
+        else:
+            self._warn(f"lock{why.errno}", f"cannot lock the cache budget ({why}); chunks are not cached meanwhile")
 
     def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
         """On the writer thread: :meth:`_write`, then release ``lock`` and a pending-write slot."""
@@ -353,6 +341,23 @@ class ChunkCache:
     def exists(self, key: ChunkKey) -> bool:
         """Whether chunk ``key`` has a regular file in the cache (not verified)."""
         return self._inode(key) is not None
+
+    max_bytes = property(lambda self: self.space.max_bytes, doc="The budget in bytes, or None (the reserve).")
+    reserve = property(lambda self: self.space.reserve, doc="Bytes the disk keeps free (0 under a budget).")
+
+    def register(self, groups) -> None:
+        """Keep this reader's chunks (``(source folder, spec)`` groups) from eviction while
+        this cache is open (:func:`gpuload.cache.evict.register`); again: the use dated anew."""
+        if self.registration is None:
+            self.registration = register(self.root, groups)
+        else:
+            self.registration.touch()
+
+    def release(self) -> None:
+        """Let this reader's chunks be evicted again (:meth:`register` takes them back)."""
+        reg, self.registration = self.registration, None
+        if reg is not None:
+            reg.release()
 
     # -- specs --------------------------------------------------------------------------
     def touch_spec(self, key_spec: str, desc: list) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import logging
 
+from ..cache.evict import datasets
 from ..cache.paths import default_cache_dir
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
@@ -131,6 +132,7 @@ def cmd_info(args) -> int:
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
           f"{s['footers']} source files (a cached dataset reopens without reading its files)")
     print(_budget_text(cache, s["bytes"]))
+    _datasets_text(cache, s["bytes"])
     if s["specs"]:
         print("column sets (spec: outputs; last used; chunks):")
     for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
@@ -232,6 +234,22 @@ def _budget_text(cache: ChunkCache, used: int) -> str:
     return (f"budget: no quota; chunks are written while the disk keeps {cache.reserve / gib:,.1f} GiB free for other "
             f"jobs ($GPULOAD_CACHE_RESERVE, default 10% of the disk): {free / gib:,.1f} GiB free now, room for "
             f"{max(0, free - cache.reserve) / gib:,.1f} GiB more")
+
+
+def _datasets_text(cache: ChunkCache, used: int) -> None:
+    """Each dataset that used the cache: its chunks against the budget, last use, and whether a
+    reader has it open (its chunks are then never evicted)."""
+    rows = datasets(cache.root)
+    if rows:
+        budget = cache.max_bytes if cache.max_bytes is not None else used + max(
+            0, free_bytes(cache.root.path) - cache.reserve)
+        print("datasets (most recently used first; evicted least recently used first when room is needed, "
+              "never while open):")
+    for d in rows:
+        share = f", {d['bytes'] / budget:.0%} of the budget" if budget else ""
+        print(f"  {d['record']}: {d['files']} source files, column set {', '.join(h[:8] for h in d['specs'])}; "
+              f"{d['chunks']} chunks, {d['bytes'] / 2**20:,.1f} MiB{share}; last used {_when(d['last_used'])}"
+              + ("; open now" if d["live"] else ""))
 
 
 def cmd_quota(args) -> int:
