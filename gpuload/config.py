@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .cache.paths import default_cache_dir
+from .cache.paths import cache_dirs, default_cache_dir
 from .errors import ConfigError, setting, value
 from .sources.settings import RemoteSettings
 from .rowfilter import RowFilter
@@ -103,7 +103,7 @@ class Options(_Settings):
     world_size: int | None = None
     shard: str = "global"
     local_world_size: int | None = None
-    cache_dir: Path | None = None  # None: $GPULOAD_CACHE_DIR, else ~/.cache/gpuload
+    cache_dir: Path | tuple[Path, ...] | None = None  # None: $GPULOAD_CACHE_DIR, else ~/.cache/gpuload
     max_cache_bytes: int | None = None
     verify_checksums: bool | str = True
     device: str = "auto"
@@ -114,6 +114,11 @@ class Options(_Settings):
     prefetch: int = 2
     num_threads: int = 2
     nice: int = 0
+
+    @property
+    def cache_where(self) -> str:
+        """The cache folder (or folders, one per drive) for messages."""
+        return ", ".join(map(str, self.cache_dir)) if isinstance(self.cache_dir, tuple) else str(self.cache_dir)
 
     @property
     def shuffled(self) -> bool:
@@ -157,6 +162,8 @@ class Options(_Settings):
         if self.shard not in ("global", "node"):
             raise ConfigError(f"shard={self.shard!r} must be 'global' or 'node'")
         cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()
-        object.__setattr__(self, "cache_dir", Path(os.fspath(cache)).expanduser())
+        if not isinstance(cache, (str, os.PathLike, list, tuple)):
+            raise ConfigError(f"{setting('cache_dir', cache)} must be a folder, or a list of folders (one per drive)")
+        object.__setattr__(self, "cache_dir", cache_dirs(cache))
         if not isinstance(self.device, str):  # a torch.device
             object.__setattr__(self, "device", str(self.device))

@@ -416,4 +416,4 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         where = "rank=? (not known yet)" if ranks is None else f"rank={ranks.rank}/{ranks.world}"
         return (f"ParquetDataset({len(self.reader.files)} files, {self.num_rows} rows, "
                 f"{len(self.reader.chunks)} chunks, outputs={self.outputs}, batch_size={self.options.batch_size}, "
-                f"{where}, device={self.device}, cache_dir={str(self.options.cache_dir)!r})")
+                f"{where}, device={self.device}, cache_dir={self.options.cache_where!r})")

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from .cache.drives import open_cache
 from .cache.store import ChunkCache
 from .errors import ConfigError, GpuloadError, setting
 from .handoff import DlpackHandoff, HostHandoff
@@ -85,7 +86,7 @@ class Host(Stages):
 
     def cache(self, options, metrics, read_pool) -> ChunkCache:
         """The chunk cache of ``options``, reading files into ``read_pool``'s reused buffers."""
-        return ChunkCache(options.cache_dir, options.max_cache_bytes, options.verify_checksums, metrics=metrics,
+        return open_cache(options.cache_dir, options.max_cache_bytes, options.verify_checksums, metrics=metrics,
                           alloc=read_pool.get)
 
     def decoder(self, cpu, metrics):
@@ -125,7 +126,7 @@ class Cuda:
         from .gpu.kvikio_read import read_chunk_device
 
         ctx = self.ctx
-        return ChunkCache(options.cache_dir, options.max_cache_bytes, options.verify_checksums,
+        return open_cache(options.cache_dir, options.max_cache_bytes, options.verify_checksums,
                           read=lambda fd, p, want, verify, seen: read_chunk_device(fd, p, want, ctx, verify, seen),
                           to_host=ctx.to_host, trust_writes=True, metrics=metrics)
 

@@ -13,18 +13,36 @@ torchrun's node variables (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``LOCAL_RANK``,
 ``RANK``), read for ``shard="node"``, must be integers that agree with each other and
 with the rank: they are checked when the dataset is made, and against the rank when it
 is known.
+
+**Slurm.** Without a process group and without torchrun's variables, a task that
+``srun`` started is rank ``SLURM_PROCID`` of ``SLURM_STEP_NUM_TASKS`` (the step's tasks,
+not ``SLURM_NTASKS``, the allocation's), with ``SLURM_STEP_TASKS_PER_NODE`` ranks per
+node and ``SLURM_LOCALID`` checked against the rank for ``shard="node"``. An srun task is
+told by ``SLURM_STEP_ID`` (a job step's number) with ``SLURM_STEP_NUM_TASKS``: a batch
+script's own process also has ``SLURM_PROCID=0`` and ``SLURM_NTASKS=N``, but no step
+variables, and is rank 0 of 1 (it is one process, and reads every row; a warning says
+so when the allocation has more tasks). The interactive step of ``salloc`` is a shell,
+not a training task (its ``SLURM_STEP_ID`` is one of Slurm's special ids) and counts as
+no step either.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["Ranks", "RankLayout", "resolve_ranks", "resolve_local_world"]
+__all__ = ["Ranks", "RankLayout", "SlurmTask", "resolve_ranks", "resolve_local_world", "slurm_task"]
+
+log = logging.getLogger("gpuload")
+_TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")
+_SPECIAL_STEPS = 0xFFFFFFF0  # Slurm's step ids from here up are the batch, extern and interactive steps
+_warned_batch = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,49 @@ def _env_int(name: str, low: int) -> int | None:
     return value
 
 
+@dataclass(frozen=True)
+class SlurmTask:
+    """An srun task's place: ``rank`` of ``world`` tasks in its step, ``per_node`` tasks on
+    each node (None when nodes have different numbers), ``local`` its rank on its node."""
+
+    rank: int
+    world: int
+    per_node: int | None
+    local: int
+
+
+def _tasks_per_node(text: str) -> int | None:
+    """``SLURM_STEP_TASKS_PER_NODE`` (``"4"``, ``"4(x2)"``, ``"4(x2),4"``) as one number, None if nodes differ."""
+    counts = {int(m.group(1)) for m in re.finditer(r"(\d+)(?:\(x\d+\))?", text)}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def slurm_task() -> SlurmTask | None:
+    """This process's place in its Slurm job step, when ``srun`` started it and torchrun's
+    variables are absent (see the module doc); None otherwise."""
+    global _warned_batch
+    env = os.environ
+    if any(name in env for name in _TORCHRUN):
+        return None
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
+    if not step.isdigit() or int(step) >= _SPECIAL_STEPS or "SLURM_STEP_NUM_TASKS" not in env:
+        tasks = env.get("SLURM_NTASKS", "").strip()
+        if tasks.isdigit() and int(tasks) > 1 and "SLURM_JOB_ID" in env and not _warned_batch:
+            _warned_batch = True
+            log.warning("gpuload: SLURM_NTASKS=%s, but srun did not start this process (no SLURM_STEP_ID): it is "
+                        "rank 0 of 1 and reads every row; start the training with `srun python ...` to shard it "
+                        "over the job's tasks", tasks)
+        return None
+    world = _env_int("SLURM_STEP_NUM_TASKS", 1)
+    rank = _env_int("SLURM_PROCID", 0)
+    rank = 0 if rank is None else rank
+    if rank >= world:
+        raise ConfigError(f"SLURM_PROCID={rank} in the environment must be below SLURM_STEP_NUM_TASKS={world}")
+    local = _env_int("SLURM_LOCALID", 0)
+    return SlurmTask(rank, world, _tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", str(world))),
+                     0 if local is None else local)
+
+
 def _group() -> tuple[int, int] | None:
     """(rank, world size) of torch.distributed's default process group, None when there is none."""
     dist = torch.distributed
@@ -87,6 +148,7 @@ class RankLayout:
         self.node = shard == "node"
         self.local: int | None = None
         self.node_env: tuple[int | None, int | None] = (None, None)  # torchrun's (GROUP_RANK, LOCAL_RANK)
+        self.slurm: SlurmTask | None = None  # where the node layout came from Slurm
         if not self.node:
             return
         if local_world_size is not None:  # explicit: the caller says where each rank is
@@ -95,9 +157,17 @@ class RankLayout:
                 raise ConfigError(f"local_world_size={self.local} must be at least 1")
             return
         self.local = _env_int("LOCAL_WORLD_SIZE", 1)
+        slurm = slurm_task() if self.local is None else None
+        if slurm is not None:
+            if slurm.per_node is None:
+                raise ConfigError(f"SLURM_STEP_TASKS_PER_NODE={os.environ.get('SLURM_STEP_TASKS_PER_NODE')!r}: "
+                                  "shard='node' needs the same number of tasks on every node (srun "
+                                  "--ntasks-per-node=N), or pass local_world_size=")
+            self.local, self.node_env, self.slurm = slurm.per_node, (None, slurm.local), slurm
+            return
         if self.local is None:
             raise ConfigError("shard='node' needs the number of ranks per node: run under torchrun (which sets "
-                              "LOCAL_WORLD_SIZE), or pass local_world_size=")
+                              "LOCAL_WORLD_SIZE) or srun (SLURM_STEP_TASKS_PER_NODE), or pass local_world_size=")
         group, local_rank = _env_int("GROUP_RANK", 0), _env_int("LOCAL_RANK", 0)
         if local_rank is not None and local_rank >= self.local:
             raise ConfigError(f"LOCAL_RANK={local_rank} in the environment must be below "
@@ -120,7 +190,7 @@ class RankLayout:
     @property
     def known(self) -> bool:
         """Whether the ranks can be told now (passed, or a process group exists)."""
-        return self.fixed or _group() is not None
+        return self.fixed or _group() is not None or slurm_task() is not None
 
     def resolve(self, strict: bool = True) -> Ranks | None:
         """The ranks now: the arguments, else the process group's, else rank 0 of 1.
@@ -131,9 +201,10 @@ class RankLayout:
         rank, world = self.rank, self.world
         if rank is None or world is None:
             group = _group()
-            if group is not None:
-                rank = group[0] if rank is None else rank
-                world = group[1] if world is None else world
+            slurm = slurm_task() if group is None else None
+            if group is not None or slurm is not None:
+                rank = (group[0] if group else slurm.rank) if rank is None else rank
+                world = (group[1] if group else slurm.world) if world is None else world
             else:
                 launched = _env_int("WORLD_SIZE", 1)
                 if launched is not None and launched > 1:
@@ -155,8 +226,8 @@ class RankLayout:
             raise ConfigError(f"local_world_size={local} must divide world_size={world} (the same number of "
                               "ranks on every node)")
         group_rank, local_rank = self.node_env
-        fix = ("shard='node' needs torchrun's rank layout; pass rank= and local_world_size= to say which node "
-               "a rank is on")
+        fix = (f"shard='node' needs {'torchrun' if self.slurm is None else 'srun'}'s rank layout; pass rank= and "
+               "local_world_size= to say which node a rank is on")
         if group_rank is not None and group_rank >= world // local:
             raise ConfigError(f"GROUP_RANK={group_rank} in the environment: world_size={world} with "
                               f"LOCAL_WORLD_SIZE={local} has {world // local} nodes (0 to {world // local - 1})")
@@ -168,8 +239,10 @@ class RankLayout:
             raise ConfigError(f"rank {rank} is not on node GROUP_RANK={group_rank} (ranks {group_rank * local} to "
                               f"{group_rank * local + local - 1} with LOCAL_WORLD_SIZE={local}): {fix}")
         elif local_rank is not None and rank % local != local_rank:
-            raise ConfigError(f"rank {rank} is not LOCAL_RANK={local_rank} of its node (rank % "
-                              f"LOCAL_WORLD_SIZE = {rank % local}): {fix}")
+            names = ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if self.slurm is None else ("SLURM_LOCALID", "tasks per node")
+            raise ConfigError(f"rank {rank} is not {names[0]}={local_rank} of its node (rank % {names[1]} = "
+                              f"{rank % local}): {fix}" + ("" if self.slurm is None else
+                                                           " (srun's default block distribution gives that layout)"))
         return Ranks(rank, world, local)
 
 

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -23,7 +22,6 @@ from typing import Callable
 
 from .batch import permute_rows
 from .cache.paths import ChunkKey, source_folder
-from .cache.evict import usage
 from .cache.chunkfile import spec_hash
 from .categorical import Vocab, Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
@@ -142,13 +140,9 @@ class ChunkReader:
         reserve, less what other live readers keep) holds only part of this dataset, with
         the numbers; the rest is read from Parquet each epoch (nothing thrashes: a reader's
         own chunks are never evicted for its own)."""
-        space = self.cache.space
         need = sum(c.nbytes for c in self.chunks)
         try:
-            if space.max_bytes is None and space.short(need) <= 0:
-                return  # fits in the free space: no survey
-            others, used = usage(self.cache.root, self.groups)
-            room = (space.max_bytes if space.max_bytes is not None else used - space.short(0)) - others
+            room, others = self.cache.room(self.groups, need)
         except OSError:
             return
         if room >= need or need == 0:
@@ -156,13 +150,13 @@ class ChunkReader:
         per = need / len(self.chunks)
         fit, window = max(0, int(room // per)), self.opts.shuffle_window
         limit = ("max_cache_bytes" if self.opts.max_cache_bytes is not None else
-                 "the cache folder's quota (`gpuload cache quota`)" if space.max_bytes is not None else
+                 "the cache folder's quota (`gpuload cache quota`)" if self.cache.max_bytes is not None else
                  "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
         what = (f"fewer than one shuffle window ({window} chunks): nearly every read comes from Parquet"
                 if fit < window else "the rest is read from Parquet every epoch")
         log.warning("gpuload: the cache in %s has room for about %d of this dataset's %d chunks (%s of %s: %s, less "
                     "%s other live readers keep): %s. Cache it whole with %s more room, or use fewer columns",
-                    self.cache.root.path, fit, len(self.chunks), _size(max(room, 0)), _size(need), limit,
+                    self.opts.cache_where, fit, len(self.chunks), _size(max(room, 0)), _size(need), limit,
                     _size(others), what, _size(need - room))
 
     def _filtered(self, sizes: list, flt) -> list:
@@ -315,12 +309,7 @@ class ChunkReader:
     def cached_file(self, i: int) -> os.stat_result | None:
         """The ``lstat`` of chunk ``i``'s cache file, None where it has none (a link, or a
         folder gpuload cannot read, counts as none)."""
-        k = self.key(i)
-        try:
-            st = self.cache.root.lstat(k.parts, k.name)
-        except OSError:
-            return None
-        return st if st is not None and stat.S_ISREG(st.st_mode) else None
+        return self.cache.stat(self.key(i))
 
     # -- remote sources: the read-ahead (gpuload.sources.readahead) ---------------------------
     def _leaves(self, f: SourceFile) -> list[int]:

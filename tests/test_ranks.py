@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -352,3 +353,89 @@ def test_node_variables_are_checked_before_the_process_group_exists(source, tmp_
     process_group(2, 4)  # a process group that puts this process elsewhere than torchrun said
     with pytest.raises(gpuload.ConfigError, match="rank 2 is not"):
         next(iter(ds))
+
+
+# ---------------------------------------------------------------------------------------
+# Slurm: the variables as Slurm 22.05 sets them (captured from a real single-node cluster)
+# ---------------------------------------------------------------------------------------
+
+_JOB = {"SLURM_JOB_ID": "2", "SLURM_JOBID": "2", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_NNODES": "1",
+        "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "4", "SLURMD_NODENAME": "localhost"}
+
+
+def _srun(rank: int, world: int = 4, per_node: str = "4", local: int | None = None) -> dict:
+    """An srun task's variables (``srun -n 4``: step 0)."""
+    return {**_JOB, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank if local is None else local),
+            "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_STEP_NUM_TASKS": str(world),
+            "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_GTIDS": "0,1,2,3",
+            "SLURM_LAUNCH_NODE_IPADDR": "127.0.0.1", "SLURM_SRUN_COMM_HOST": "127.0.0.1"}
+
+
+_BATCH_STEP = {**_JOB, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_GTIDS": "0"}  # sbatch -n 4, no srun
+_INTERACTIVE = {**_BATCH_STEP, "SLURM_STEP_ID": "4294967290", "SLURM_STEPID": "4294967290",  # salloc's shell
+                "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}
+
+
+@pytest.fixture
+def slurm_env(monkeypatch):
+    """``use(variables)``: the environment holds exactly these Slurm variables and no launcher's."""
+    import gpuload.ranks as ranks
+
+    monkeypatch.setattr(ranks, "_warned_batch", False)
+
+    def use(variables: dict) -> None:
+        for name in [n for n in os.environ if n.startswith(("SLURM", "PMI"))] + list(ranks._TORCHRUN):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+
+    return use
+
+
+def _epoch_ids(ds) -> list[np.ndarray]:
+    return [b["row_id"].numpy() for b in ds]
+
+
+def test_srun_tasks_shard_by_slurms_variables(source, tmp_path, slurm_env):
+    seen, counts = [], set()
+    for rank in range(4):
+        slurm_env(_srun(rank))
+        got = _epoch_ids(_lazy(source, tmp_path / "c", seed=3))
+        slurm_env({})
+        want = _epoch_ids(_lazy(source, tmp_path / "c", seed=3, rank=rank, world_size=4))
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+        seen.append(np.concatenate(got))
+        counts.add(len(got))
+    assert len(counts) == 1 and np.array_equal(np.sort(np.concatenate(seen)), np.arange(sum(FILES)))
+
+
+@pytest.mark.parametrize("variables", [_BATCH_STEP, _INTERACTIVE], ids=["batch-step", "salloc-shell"])
+def test_a_process_srun_did_not_start_is_one_rank_and_says_so(source, tmp_path, slurm_env, variables, caplog):
+    slurm_env(variables)
+    with caplog.at_level("WARNING", logger="gpuload"):
+        ids = np.concatenate(_epoch_ids(_lazy(source, tmp_path / "c")))
+    assert np.array_equal(np.sort(ids), np.arange(sum(FILES)))  # rank 0 of 1: every row
+    assert any("SLURM_NTASKS=4" in r.getMessage() and "srun" in r.getMessage() for r in caplog.records)
+
+
+def test_torchrun_and_a_process_group_come_before_slurm(source, tmp_path, slurm_env, process_group, monkeypatch):
+    slurm_env({**_srun(1), "WORLD_SIZE": "2"})  # torchrun inside an srun task: torchrun's ranks count
+    with pytest.raises(gpuload.ConfigError, match="WORLD_SIZE=2"):
+        list(_lazy(source, tmp_path / "c"))
+    slurm_env(_srun(1))
+    process_group(0, 2)  # Lightning's SLURMEnvironment made a group: it counts
+    assert len(_lazy(source, tmp_path / "c")) == len(_lazy(source, tmp_path / "c", rank=0, world_size=2))
+
+
+def test_node_sharding_under_srun_takes_the_tasks_per_node(source, tmp_path, slurm_env):
+    slurm_env(_srun(3, per_node="2(x2)", local=1))  # srun -N 2 --ntasks-per-node 2, block layout
+    ds = _lazy(source, tmp_path / "c", shard="node", seed=1)
+    want = _open(source, tmp_path / "c", 3, world=4, local=2, seed=1)
+    assert all(np.array_equal(a, b) for a, b in zip(_epoch_ids(ds), _epoch_ids(want)))
+    slurm_env(_srun(1, per_node="2(x2)", local=0))  # --distribution=cyclic: rank 1 is the first on node 1
+    with pytest.raises(gpuload.ConfigError, match="SLURM_LOCALID=0"):
+        _lazy(source, tmp_path / "c", shard="node")
+    slurm_env(_srun(1, world=3, per_node="2,1", local=1))  # nodes with different numbers of tasks
+    with pytest.raises(gpuload.ConfigError, match="SLURM_STEP_TASKS_PER_NODE='2,1'"):
+        _lazy(source, tmp_path / "c", shard="node")
+    assert len(_lazy(source, tmp_path / "c")) > 0  # global sharding does not need the layout

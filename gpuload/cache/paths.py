@@ -27,7 +27,7 @@ import xxhash
 from .chunkfile import LAYOUT_DIR, SUFFIX, Identity, version_token
 from ..errors import CacheError, flag
 
-__all__ = ["ChunkKey", "cache_folder", "default_cache_dir", "source_folder"]
+__all__ = ["ChunkKey", "cache_dirs", "cache_folder", "default_cache_dir", "source_folder"]
 
 
 def source_folder(path: str) -> str:
@@ -35,13 +35,28 @@ def source_folder(path: str) -> str:
     return xxhash.xxh64_hexdigest(path.encode())
 
 
-def default_cache_dir() -> Path:
-    """``$GPULOAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
+def default_cache_dir() -> Path | tuple[Path, ...]:
+    """``$GPULOAD_CACHE_DIR`` (several folders, one per drive, separated by ``os.pathsep``:
+    a tuple), else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
     env = os.environ.get("GPULOAD_CACHE_DIR")
     if env:
-        return Path(env).expanduser()
+        return cache_dirs(env)
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "gpuload"
+
+
+def cache_dirs(given) -> Path | tuple[Path, ...]:
+    """``cache_dir=`` as one folder (a ``Path``) or several (a tuple, in order, each once):
+    a path, a list or tuple of paths, or a string of paths separated by ``os.pathsep``."""
+    items = [given] if isinstance(given, (str, os.PathLike)) else list(given)
+    out: list[Path] = []
+    for item in items:
+        for part in (os.fspath(item).split(os.pathsep) if isinstance(item, str) else [os.fspath(item)]):
+            if part.strip() and Path(part).expanduser() not in out:
+                out.append(Path(part).expanduser())
+    if not out:
+        raise CacheError(f"{flag('cache_dir')}{given!r} names no folder")
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def cache_folder(root, create: bool = True) -> Path:

@@ -29,7 +29,7 @@ from typing import Iterator
 
 from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR
-from .evict import make_room
+from .evict import make_room, usage
 from .fs import CacheRoot, Lock
 
 __all__ = ["RESERVE_FRACTION", "RETRY_S", "QUOTA_FILE", "Space", "parse_size", "reserve_bytes", "free_bytes",
@@ -132,6 +132,16 @@ class Space:
             return used_bytes(self.root) + nbytes - self.max_bytes
         return self.reserve - (free_bytes(self.root.path) - nbytes) if self.reserve else 0
 
+    def room_for(self, groups, need: int) -> tuple[int, int]:
+        """(bytes the chunks of ``groups`` may take here: the budget, or the chunk files and the free
+        space above the reserve, less what other live readers keep; those bytes kept). Without a
+        budget, when ``need`` bytes fit in the free space alone, that free space (no survey)."""
+        above = None if self.max_bytes is not None else free_bytes(self.root.path) - self.reserve
+        if above is not None and above >= need:
+            return above, 0
+        others, used = usage(self.root, groups)
+        return (self.max_bytes if above is None else used + above) - others, others
+
     @contextmanager
     def room(self, nbytes: int) -> Iterator[str | OSError | None]:
         """Yields None when a chunk of ``nbytes`` may be written now (write it inside the
@@ -166,3 +176,16 @@ class Space:
                 yield None
         finally:
             lock.release()
+
+    def refusal(self, why) -> str:
+        """What to tell the user when :meth:`room` said ``why`` (not ``"budget"``: a budget's
+        refusals are counted, not warned about)."""
+        if why == "reserve":
+            return (f"the disk of cache {self.root.path} has {free_bytes(self.root.path) / 2**30:,.1f} GiB free, and "
+                    f"caches keep {self.reserve / 2**30:,.1f} GiB free for other jobs ($GPULOAD_CACHE_RESERVE, default "
+                    "10% of the disk), even after evicting what no live reader needs: chunks are read from Parquet "
+                    "until space is freed (or set max_cache_bytes, or a quota: `gpuload cache quota`)")
+        if why == "held":
+            return (f"the cache budget has been locked by another process for {self.patience:g} s; chunks are not "
+                    "cached meanwhile")
+        return f"cannot lock the cache budget ({why}); chunks are not cached meanwhile"

@@ -33,7 +33,7 @@ from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_re
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
 from .evict import Registration, register
-from .space import Space, free_bytes
+from .space import Space
 from ..errors import ConfigError, CorruptCacheError
 
 __all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
@@ -100,6 +100,9 @@ class ChunkCache:
         self.verify = verify
         self.full = False  # set when the budget refused a chunk (no room even after eviction)
         self.registration: Registration | None = None  # this reader's record (:meth:`register`)
+        #: ``spill(cache, key, host cols, why) -> bool``: another drive's write of a chunk this one could not
+        #: take (:class:`gpuload.cache.drives.Drives`); None: the chunk is not cached
+        self.spill: Callable | None = None
         self.lock_patience = lock_patience
         self.outcomes: dict | None = None
         if create:
@@ -142,7 +145,7 @@ class ChunkCache:
         (default) says the caller may hand views of the columns to code that changes
         them in place, so the writer works on its own copy.
         """
-        cols, unreadable = self._look(key)
+        cols, unreadable = self.look(key)
         if cols is not None:
             self.note(key, "cached")
             return cols, True
@@ -153,10 +156,12 @@ class ChunkCache:
             got = lock.acquire(timeout=self.lock_patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
         except OSError as e:
             why = unreadable if unreadable is not None else e
-            self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
-                       "such chunks are decoded from Parquet every time and not cached")
-            self.note(key, why)
-            return build(), False
+            cols = build()
+            if self.spill is None or not self.spill(self, key, self._host(cols, copy=shared), why):  # another drive?
+                self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
+                           "such chunks are decoded from Parquet every time and not cached")
+                self.note(key, why)
+            return cols, False
         if built:
             self.note(key, "other")
             return built[0], True
@@ -170,7 +175,7 @@ class ChunkCache:
                        "rebuilding it from its source")
         return self._build_locked(key, build, shared, lock)
 
-    def _look(self, key: ChunkKey) -> tuple[dict | None, OSError | None]:
+    def look(self, key: ChunkKey) -> tuple[dict | None, OSError | None]:
         """First look, without the lock: (the chunk's columns, None) when its file is cached
         and valid; else (None, the ``OSError`` that kept the file from being read, or None
         when it is missing or corrupt: a corrupt one is logged and rebuilt)."""
@@ -211,11 +216,13 @@ class ChunkCache:
                 self.root.unlink(key.parts, key.name, CHUNK)
             except OSError:
                 pass
-            for name, _ in self.root.scan(key.parts):  # temporaries left by a killed writer of this chunk
-                if name.startswith(key.name + ".tmp."):
-                    self.root.unlink(key.parts, name, TEMP)
+            with contextlib.suppress(OSError):  # the folder gone meanwhile (a failed drive): the write says so
+                for name, _ in self.root.scan(key.parts):  # temporaries left by a killed writer of this chunk
+                    if name.startswith(key.name + ".tmp."):
+                        self.root.unlink(key.parts, name, TEMP)
             cols = build()
-            self._drop_stale(key)
+            with contextlib.suppress(OSError):
+                self._drop_stale(key)
             if self.max_bytes is None:
                 self._write_later(key, cols, shared, lock)
                 lock = None  # the writer releases it
@@ -261,9 +268,9 @@ class ChunkCache:
         finally:
             os.close(fd)
 
-    def _write(self, key: ChunkKey, cols: dict) -> None:
-        """Write ``key``'s file (a ``cache_write`` span) unless it would leave less than the
-        :attr:`reserve` free (without a budget); an ``OSError`` is warned about and noted."""
+    def _write(self, key: ChunkKey, cols: dict, spill: bool = True) -> bool:
+        """Write ``key``'s file (a ``cache_write`` span) if :attr:`space` has room; else (or on an
+        ``OSError``, warned about and noted) hand it to :attr:`spill` if ``spill``. True if written."""
         try:
             head, regions, arrays, total = encode(cols, key.header_fields())
 
@@ -279,32 +286,27 @@ class ChunkCache:
                             st = self.root.write(key.parts, key.name, fill)
                             span.nbytes = total
             if why is not None:
-                self._refused(key, why)
-                return
+                if not (spill and self.spill is not None and self.spill(self, key, cols, why)):
+                    self._refused(key, why)
+                return False
             if self._trust_writes:
                 self._verified.add(file_identity(st))
             self.note(key, "written")
+            return True
         except OSError as e:  # disk or inodes full, read-only, a clear meanwhile: the data is still served
+            if spill and self.spill is not None and self.spill(self, key, cols, e):
+                return False
             self._warn(f"write{e.errno}", f"could not write cache file {self.path(key)} ({e.strerror or e}); "
                        "chunks that are not cached are read from Parquet again")
             self.note(key, e)
+            return False
 
     def _refused(self, key: ChunkKey, why) -> None:
         """Note (and warn about, once per kind) a chunk :attr:`space` had no room for."""
         self.note(key, why)
-        if why == "budget":
-            self.full = True
-        elif why == "reserve":
-            self._warn("reserve", f"the disk of cache {self.root.path} has {free_bytes(self.root.path) / 2**30:,.1f}"
-                       f" GiB free, and caches keep {self.reserve / 2**30:,.1f} GiB free for other jobs "
-                       "($GPULOAD_CACHE_RESERVE, default 10% of the disk), even after evicting what no live reader "
-                       "needs: chunks are read from Parquet until space is freed (or set max_cache_bytes, or a quota:"
-                       " `gpuload cache quota`)")
-        elif why == "held":
-            self._warn("held", f"the cache budget has been locked by another process for {self.lock_patience:g} s; "
-                       "chunks are not cached meanwhile")
-        else:
-            self._warn(f"lock{why.errno}", f"cannot lock the cache budget ({why}); chunks are not cached meanwhile")
+        self.full = self.full or why == "budget"
+        if why != "budget":
+            self._warn(why if isinstance(why, str) else f"lock{why.errno}", self.space.refusal(why))
 
     def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
         """On the writer thread: :meth:`_write`, then release ``lock`` and a pending-write slot."""
@@ -332,17 +334,26 @@ class ChunkCache:
 
     def _inode(self, key: ChunkKey) -> tuple | None:
         """(device, inode) of the regular file at ``key``'s name, or None."""
-        with contextlib.suppress(OSError):
-            st = self.root.lstat(key.parts, key.name)
-            if st is not None and stat.S_ISREG(st.st_mode):
-                return st.st_dev, st.st_ino
-        return None
+        st = self.stat(key)
+        return None if st is None else (st.st_dev, st.st_ino)
 
     def exists(self, key: ChunkKey) -> bool:
         """Whether chunk ``key`` has a regular file in the cache (not verified)."""
         return self._inode(key) is not None
 
+    def stat(self, key: ChunkKey) -> os.stat_result | None:
+        """The ``lstat`` of ``key``'s regular file, None where it has none (or it cannot be told)."""
+        try:
+            st = self.root.lstat(key.parts, key.name)
+        except OSError:
+            return None
+        return st if st is not None and stat.S_ISREG(st.st_mode) else None
+
     max_bytes = property(lambda self: self.space.max_bytes, doc="The budget in bytes, or None (the reserve).")
+
+    def room(self, groups, need: int) -> tuple[int, int]:
+        """(room for the chunks of ``groups``, bytes other live readers keep): :meth:`Space.room_for`."""
+        return self.space.room_for(groups, need)
     reserve = property(lambda self: self.space.reserve, doc="Bytes the disk keeps free (0 under a budget).")
 
     def register(self, groups) -> None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import logging
+import os
 
 from ..cache.evict import datasets
-from ..cache.paths import default_cache_dir
+from ..cache.paths import cache_dirs, default_cache_dir
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
@@ -78,6 +80,17 @@ def _client(args, stack: contextlib.ExitStack):
 
 def _cache(args) -> ChunkCache:
     return ChunkCache(args.cache_dir or default_cache_dir(), create=False)
+
+
+def _each_folder(fn):
+    """``fn(args)`` once per cache folder of ``--cache-dir`` (several, one per drive, separated by
+    ``os.pathsep``); the worst exit status."""
+    def run(args) -> int:
+        folders = cache_dirs(args.cache_dir or default_cache_dir())
+        if not isinstance(folders, tuple):
+            return fn(argparse.Namespace(**{**vars(args), "cache_dir": str(folders)}))
+        return max(fn(argparse.Namespace(**{**vars(args), "cache_dir": str(f)})) for f in folders)
+    return run
 
 
 def _when(t: float) -> str:
@@ -307,12 +320,12 @@ def add_cache_commands(sub) -> None:
     q = csub.add_parser("quota", help="set the cache folder's quota for every process using it (default: none; "
                                       "the disk then keeps 10% free)")
     q.add_argument("size", nargs="?", default="show", help="a size (500G, 1.5T), none to remove it, or show")
-    q.set_defaults(fn=cmd_quota)
+    q.set_defaults(fn=_each_folder(cmd_quota))
     for name, fn, text in (("info", cmd_info, "what the cache holds"),
                            ("verify", cmd_verify, "check every cache file; exit 1 if any is corrupt"),
                            ("clear", cmd_clear, "delete gpuload's files in the cache (all, or some column sets)")):
         a = csub.add_parser(name, help=text)
-        a.set_defaults(fn=fn)
+        a.set_defaults(fn=_each_folder(fn))
         if name == "info":
             a.add_argument("source", nargs="*", help="with --nodes: show each node's share of this source")
             a.add_argument("--nodes", type=int, help="number of nodes of a shard='node' training")
@@ -326,4 +339,5 @@ def add_cache_commands(sub) -> None:
             a.add_argument("--unused-since", help="only column sets not used since a date (2026-11-01) or for "
                                                   "an age (30d, 12h)")
     for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear", "quota")]:
-        a.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
+        a.add_argument("--cache-dir", help="cache folder, or folders (one per drive) separated by "
+                       f"{os.pathsep!r} (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")

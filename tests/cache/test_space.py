@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gpuload
-from gpuload.cache import space, store
+from gpuload.cache import space
 from gpuload.cache.fs import CacheRoot
 from gpuload.tools.cli import main
 
@@ -57,8 +57,7 @@ def test_a_bad_reserve_is_refused_at_open_naming_the_variable(data, tmp_path, mo
 
 def test_a_chunk_that_would_eat_into_the_reserve_is_served_but_not_cached(data, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("GPULOAD_CACHE_RESERVE", "1G")
-    for module in (space, store):  # 100 bytes above the reserve
-        monkeypatch.setattr(module, "free_bytes", lambda path: (1 << 30) + 100)
+    monkeypatch.setattr(space, "free_bytes", lambda path: (1 << 30) + 100)  # 100 bytes above the reserve
     ds = open_dataset(data, ["x"], tmp_path / "c", batch_size=500)
     with caplog.at_level(logging.WARNING, logger="gpuload"):
         rows = np.sort(np.concatenate([b["x"].numpy() for b in ds]))
@@ -68,8 +67,7 @@ def test_a_chunk_that_would_eat_into_the_reserve_is_served_but_not_cached(data, 
     assert len(warned) == 1 and "GPULOAD_CACHE_RESERVE" in warned[0]
     summary = gpuload.build_cache(data, tmp_path / "c", ["x"], progress=False)
     assert summary.over_reserve == summary.chunks > 0 and "free disk" in str(summary)
-    for module in (space, store):  # space freed: written again
-        monkeypatch.setattr(module, "free_bytes", lambda path: 2 << 30)
+    monkeypatch.setattr(space, "free_bytes", lambda path: 2 << 30)  # space freed: written again
     summary = gpuload.build_cache(data, tmp_path / "c", ["x"], progress=False)
     assert summary.built == summary.chunks and _files(tmp_path / "c") == summary.chunks
 

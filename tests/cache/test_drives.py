@@ -1,0 +1,120 @@
+"""Several drives: chunks striped over cache folders (here one on disk and one on tmpfs where
+the machine has /dev/shm), found again by every reader, routed around a folder that fails or fills."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import gpuload
+from gpuload.cache import space
+from gpuload.cache.drives import Drives
+from gpuload.cache.fs import CacheRoot
+from gpuload.tools.cli import main
+
+from conftest import open_dataset, write_parquet
+
+FILES, N = 12, 20_000
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("drives")
+    for i in range(FILES):
+        write_parquet(d / f"{i}.parquet", {"x": np.arange(i * N, (i + 1) * N)}, row_group_size=N)
+    return d
+
+
+@pytest.fixture
+def folders(tmp_path):
+    """Two cache folders: one on the test's disk, one on another filesystem (tmpfs) where there is one."""
+    shm = Path("/dev/shm")
+    other = shm / f"gpuload-test-{uuid.uuid4().hex[:8]}" if shm.is_dir() and os.access(shm, os.W_OK) else \
+        tmp_path / "second"
+    yield [tmp_path / "first", other]
+    shutil.rmtree(other, ignore_errors=True)
+
+
+def _chunks(folder) -> set[str]:
+    return {p.name for p in Path(folder).rglob("*.glc")}
+
+
+def _epoch(ds) -> list[np.ndarray]:
+    out = [b["x"].numpy().copy() for b in ds]
+    ds.reader.cache.flush()
+    return out
+
+
+def test_chunks_are_striped_once_over_the_folders_and_found_by_every_reader(source, folders, tmp_path):
+    ds = open_dataset(source, ["x"], folders, batch_size=5000, seed=4)
+    assert isinstance(ds.reader.cache, Drives)
+    first = _epoch(ds)
+    one = open_dataset(source, ["x"], tmp_path / "single", batch_size=5000, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(first, _epoch(one)))  # the same batches as one folder
+    a, b = _chunks(folders[0]), _chunks(folders[1])
+    assert a and b and not a & b and len(a | b) == FILES  # each chunk once, on one of the two
+    again = open_dataset(source, ["x"], folders[::-1], batch_size=5000, seed=4)  # another process, listed the other way
+    assert all(np.array_equal(x, y) for x, y in zip(first, _epoch(again)))
+    assert again.reader.counters.decoded == 0 and (_chunks(folders[0]), _chunks(folders[1])) == (a, b)
+
+
+def test_a_folder_that_fails_mid_epoch_is_routed_around_with_a_warning(source, folders, caplog):
+    ds = open_dataset(source, ["x"], folders, batch_size=5000, shuffle=False, prefetch=0, num_threads=1)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        for i, batch in enumerate(ds):
+            got.append(batch["x"].numpy().copy())
+            if i == 8:  # two chunks in: the first folder's drive goes away, a file left where it was mounted
+                folders[0].rename(folders[0].with_name("unmounted"))
+                folders[0].write_text("not a folder")
+        ds.reader.cache.flush()
+    assert np.array_equal(np.sort(np.concatenate(got)), np.arange(FILES * N))
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warned) == 1 and str(folders[0]) in warned[0] and str(folders[1]) in warned[0]
+    assert len(_chunks(folders[1])) >= FILES - 3  # the rest went to the folder that works
+    assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N)) and len(_chunks(folders[1])) == FILES
+
+
+def _chunk_bytes(source, tmp_path) -> int:
+    _epoch(open_dataset(source, ["x"], tmp_path / "probe", batch_size=5000))
+    return max(p.stat().st_size for p in (tmp_path / "probe").rglob("*.glc"))
+
+
+def test_a_full_folder_passes_its_chunks_to_the_next(source, folders, tmp_path):
+    chunk = _chunk_bytes(source, tmp_path)
+    space.write_quota(CacheRoot(folders[1]), int(2.5 * chunk))  # the second folder fills after two chunks
+    ds = open_dataset(source, ["x"], folders, batch_size=5000)
+    assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    assert len(_chunks(folders[1])) == 2 and len(_chunks(folders[0])) == FILES - 2
+    decoded = ds.reader.counters.decoded
+    assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    assert ds.reader.counters.decoded == decoded  # all cached: found where they went
+
+
+def test_a_budget_is_split_over_the_folders(source, folders, tmp_path):
+    chunk = _chunk_bytes(source, tmp_path)
+    ds = open_dataset(source, ["x"], folders, batch_size=5000, max_cache_bytes=4 * chunk)
+    _epoch(ds)
+    assert ds.reader.cache.max_bytes == 4 * chunk
+    assert all(space.used_bytes(CacheRoot(f)) <= 2 * chunk for f in folders) and 2 <= sum(
+        len(_chunks(f)) for f in folders) <= 4
+
+
+def test_folders_come_from_the_environment_and_the_command(source, folders, monkeypatch, capsys):
+    monkeypatch.setenv("GPULOAD_CACHE_DIR", os.pathsep.join(map(str, folders)))
+    ds = open_dataset(source, ["x"], batch_size=5000)
+    assert ds.options.cache_dir == tuple(folders)
+    _epoch(ds)
+    assert main(["cache", "info"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"cache {os.path.realpath(f)}:" in out for f in folders)
+    assert main(["cache", "clear", "--cache-dir", os.pathsep.join(map(str, folders))]) == 0
+    assert not _chunks(folders[0]) and not _chunks(folders[1])
+    with pytest.raises(gpuload.CacheError, match="names no folder"):
+        open_dataset(source, ["x"], [], batch_size=5000)
