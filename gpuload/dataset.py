@@ -67,13 +67,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     seed : shuffle seed (default 0); with the epoch it fixes the order completely.
     drop_last : drop the tail that does not fill a batch on every rank (default False:
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).
-    cache_dir : cache folder; None: ``$GPULOAD_CACHE_DIR``, else ``~/.cache/gpuload``.
+    cache_dir : cache folder, or a list of folders (one per drive: chunks are striped over them,
+        :mod:`gpuload.cache.drives`); None: ``$GPULOAD_CACHE_DIR`` (folders separated by
+        ``os.pathsep``), else ``~/.cache/gpuload``.
     device : ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
     rank, world_size : this process's shard; passed, they are fixed. By default they come from
         ``torch.distributed``, asked when each iteration begins (also by ``len()``,
         :meth:`state_dict` and the other methods that need them), so the dataset may be made
         before ``init_process_group`` (under torchrun, in a LightningModule's ``__init__``);
-        without a process group, 0 and 1. Iterating where a launcher set ``WORLD_SIZE>1`` but
+        without one, a task ``srun`` started takes them from Slurm (:mod:`gpuload.ranks`), any
+        other process is 0 of 1. Iterating where a launcher set ``WORLD_SIZE>1`` but
         no process group exists raises :class:`~gpuload.ConfigError` (each rank would read
         every row).
     shard : how chunks are shared by ranks (default ``"global"``: each epoch permutes every
@@ -113,9 +116,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         loader takes what is left: a step whose own CPU work matters (torch intra-op threads
         on a small host) runs faster, at the price of more waiting for data when the cores
         are short (docs/benchmarks.md, "Peers").
-    max_cache_bytes : cache budget in bytes (default None: unbounded). When the data
-        does not fit, chunks are cached until full and the rest is read from Parquet
-        every epoch; nothing is evicted.
+    max_cache_bytes : cache budget in bytes (default None: the folder's quota, ``gpuload cache
+        quota``, else the disk less a reserve of 10%, ``$GPULOAD_CACHE_RESERVE``). A chunk that
+        does not fit evicts the least recently used chunks no open dataset reads
+        (:mod:`gpuload.cache.evict`); when that is not enough it is read from Parquet every
+        epoch, and opening says how much of the dataset fits.
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the
@@ -226,26 +231,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     @property
     def host_bytes_bound(self) -> int:
-        """Upper bound of the host memory the loader holds at once, in bytes (CPU path).
-
-        With C the largest chunk's converted bytes (``chunk_bytes`` at most): the window
-        being cut and the next one joined (2 x ``shuffle_window`` C), the next window's
-        chunks and those loaded ahead (``shuffle_window + prefetch + 1`` cache files of
-        about C; in file order, ``2 x prefetch + 6``, batches being views of them), the
-        batches queued, held and being cut (``prefetch + 6`` of ``batch_size`` rows), per
-        loader thread (``num_threads``) a chunk being decoded (3 C: the Arrow table, the
-        converted and the packed arrays; 4 C with block shuffling), the cache writer's 2
-        chunks, and for a remote source the read-ahead and requests in flight
-        (``RemoteSettings.readahead_bytes + max_inflight_bytes``) plus ``num_threads + 1``
-        chunks' fetched ranges, and what :attr:`metrics` keeps for the trace (68 MB at most).
-        Pooled buffers count up to 12.5% and 1 MiB over their size, and the pools never keep
-        more than their terms; measured peaks were 51-84% of it (``benchmarks/bench_memory.py``,
-        above the opened dataset's RSS). Independent of the dataset's size;
-        batches the training loop keeps, and the dataset's metadata (footers, the plan), are
-        not in it. Lower it with ``chunk_bytes``, ``shuffle_window``, ``prefetch``,
-        ``num_threads`` and, for remote sources, ``remote={"readahead_bytes": ...}``;
-        ``self.reader.host_budget()`` gives the terms. On a GPU, windows and batches live in
-        device memory (:attr:`device_bytes_bound`) and this bound is not tight.
+        """Upper bound of the host memory the loader holds at once, in bytes (CPU path): windows,
+        chunks loaded ahead, queued batches, chunks being decoded and written, a remote source's
+        read-ahead, the trace (:func:`gpuload.memory.host_budget` gives the terms, and
+        ``self.reader.host_budget()`` their values). Independent of the dataset's size; measured
+        peaks were 51-84% of it (``benchmarks/bench_memory.py``). Batches the training loop keeps
+        and the dataset's metadata are not in it. Lower it with ``chunk_bytes``, ``shuffle_window``,
+        ``prefetch``, ``num_threads`` and ``remote={"readahead_bytes": ...}``. On a GPU, windows and
+        batches live in device memory (:attr:`device_bytes_bound`) and this bound is not tight.
         """
         return self.reader.host_budget().total
 

@@ -224,3 +224,15 @@ def test_bench_whatif_applies_each_estimate(tmp_path):
     for r in rows:  # an estimate carries its prediction and the waiting measured with it applied
         cells = r.strip("|").split(" | ")
         assert cells[2] == "none" or (cells[3].endswith("%") and cells[4].rstrip(" |").endswith("%"))
+
+
+def test_bench_drives_compares_two_folders_with_one(tmp_path):
+    import bench_drives
+
+    out = tmp_path / "bench.md"
+    bench_drives.main(["--rows", "60000", "--repeat", "1", "--batch", "4096", "--threads", "2", "--dir",
+                       str(tmp_path / "w"), "--out", str(out)])
+    text = out.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| one folder") or line.startswith("| two folders")]
+    assert len(rows) == 2 and all(float(r.rsplit("|", 2)[1].replace(",", "")) > 0 for r in rows)
+    assert "striped / one folder:" in text and len(list((tmp_path / "w" / "b").rglob("*.glc"))) > 0
