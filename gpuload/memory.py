@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["device_bound", "HostPool", "HostBudget", "host_budget"]
+__all__ = ["device_bound", "file_bytes", "HostPool", "HostBudget", "host_budget"]
 
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
 
@@ -140,6 +140,12 @@ class HostBudget:
         return sum(getattr(self, f.name) for f in fields(self))
 
 
+def file_bytes(chunk_bytes: int, arrays: int) -> int:
+    """The most a cache file of a chunk of ``chunk_bytes`` converted bytes in ``arrays`` arrays
+    takes on disk: its arrays, each 4 KiB aligned, and its header (64 KiB at most)."""
+    return int(chunk_bytes) + 4096 * (arrays + 2) + (64 << 10)
+
+
 def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: int, shuffle_window: int,
                 prefetch: int, num_threads: int, shuffle: bool = True, block: bool = False, remote=None,
                 pending_writes: int = 2, trace_bytes: int = 0) -> HostBudget:
@@ -166,7 +172,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     fetched ranges (their compressed bytes, taken as at most C).
     """
     c = int(chunk_bytes)
-    file = _kept(c + 4096 * (arrays + 2) + (64 << 10))
+    file = _kept(file_bytes(c, arrays))
     batch = _kept(batch_size * row_bytes) + arrays * (1 << 20)
     if shuffle:
         windows = 2 * (_kept(shuffle_window * c) + arrays * (1 << 20))

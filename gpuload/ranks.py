@@ -222,6 +222,10 @@ class RankLayout:
         if self.local is None:
             return Ranks(rank, world)
         local = self.local
+        if self.slurm is not None and world != self.slurm.world:  # e.g. one srun task per node spawning ranks
+            raise ConfigError(f"shard='node': {world} ranks, but srun started {self.slurm.world} tasks "
+                              f"(SLURM_STEP_NUM_TASKS), so its tasks per node are not the ranks per node; pass "
+                              "local_world_size=")
         if world % local:
             raise ConfigError(f"local_world_size={local} must divide world_size={world} (the same number of "
                               "ranks on every node)")

@@ -33,7 +33,7 @@ from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
-from .memory import HostBudget, HostPool, device_bound, host_budget
+from .memory import HostBudget, HostPool, device_bound, file_bytes, host_budget
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -124,14 +124,14 @@ class ChunkReader:
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns),
                                      metrics)
+        #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
+        self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
+        self.cache.register(self.groups)
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
         if scan_nulls and flt is None:  # else (a cluster worker: its caller checked these files; a filter:
             # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
-        #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
-        self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
-        self.cache.register(self.groups)
         self._check_room()
         self.counters = LoadCounters()
 
@@ -140,7 +140,7 @@ class ChunkReader:
         reserve, less what other live readers keep) holds only part of this dataset, with
         the numbers; the rest is read from Parquet each epoch (nothing thrashes: a reader's
         own chunks are never evicted for its own)."""
-        need = sum(c.nbytes for c in self.chunks)
+        need = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
         try:
             room, others = self.cache.room(self.groups, need)
         except OSError:
@@ -154,8 +154,8 @@ class ChunkReader:
                  "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
         what = (f"fewer than one shuffle window ({window} chunks): nearly every read comes from Parquet"
                 if fit < window else "the rest is read from Parquet every epoch")
-        log.warning("gpuload: the cache in %s has room for about %d of this dataset's %d chunks (%s of %s: %s, less "
-                    "%s other live readers keep): %s. Cache it whole with %s more room, or use fewer columns",
+        log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
+                    "less %s other live readers keep): %s. Cache it whole with %s more space, or use fewer columns",
                     self.opts.cache_where, fit, len(self.chunks), _size(max(room, 0)), _size(need), limit,
                     _size(others), what, _size(need - room))
 
@@ -241,7 +241,7 @@ class ChunkReader:
         return host_budget(self.max_chunk_bytes(), row, self.arrays_per_chunk, batch_size=o.batch_size,
                            shuffle_window=o.shuffle_window, prefetch=o.prefetch, num_threads=o.num_threads,
                            shuffle=o.shuffled, block=o.block is not None,
-                           remote=self.remote if self.has_remote else None,
+                           remote=self.remote if self.has_remote else None, pending_writes=self.cache.pending_writes,
                            trace_bytes=self.metrics.max_trace_nbytes() if self.metrics is not None else 0)
 
     def device_bound(self) -> int:
@@ -355,7 +355,10 @@ class ChunkReader:
         self.cache.release()
 
 def _size(nbytes: float) -> str:
-    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(nbytes)} bytes"
 
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:

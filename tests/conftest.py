@@ -649,3 +649,28 @@ def cli(capsys):
         return subprocess.CompletedProcess(["gpuload", *args], rc, out, err)
 
     return call
+
+
+def _tmpfs(path: Path, **opts) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    o = ",".join(f"{k}={v}" for k, v in opts.items())
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", o, "tmpfs", str(path)], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """``make(name, **tmpfs options)``: a small tmpfs mounted at ``tmp_path / name`` (a real
+    filesystem that fills, or can be remounted read-only); skips where this process may not
+    mount (root and mount rights); unmounted after the test."""
+    mounted = []
+
+    def make(name, **opts):
+        p = tmp_path / name
+        if os.geteuid() != 0 or not _tmpfs(p, **opts):
+            pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+        mounted.append(p)
+        return p
+
+    yield make
+    for p in mounted:
+        subprocess.run(["umount", "-l", str(p)], capture_output=True)

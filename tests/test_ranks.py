@@ -439,3 +439,11 @@ def test_node_sharding_under_srun_takes_the_tasks_per_node(source, tmp_path, slu
     with pytest.raises(gpuload.ConfigError, match="SLURM_STEP_TASKS_PER_NODE='2,1'"):
         _lazy(source, tmp_path / "c", shard="node")
     assert len(_lazy(source, tmp_path / "c")) > 0  # global sharding does not need the layout
+
+
+def test_srun_tasks_per_node_are_not_taken_for_a_process_groups_ranks(source, tmp_path, slurm_env, process_group):
+    slurm_env(_srun(1, world=2, per_node="1(x2)", local=0))  # one srun task per node, each spawning 8 ranks
+    ds = _lazy(source, tmp_path / "c", shard="node")
+    process_group(3, 16)
+    with pytest.raises(gpuload.ConfigError, match="srun started 2 tasks"):
+        len(ds)

@@ -95,7 +95,7 @@ def chunk_files(root: CacheRoot, layouts: bool = False, problems: list | None = 
 
 def temporaries(root: CacheRoot) -> Iterator[Path]:
     """Temporary files left by writers that were killed."""
-    specs = [((_LAYOUT, _SPECS), name, st) for name, st in _scan(root, (_LAYOUT, _SPECS), None)]
+    specs = [((_LAYOUT, d), name, st) for d in (_SPECS, USES_DIR) for name, st in _scan(root, (_LAYOUT, d), None)]
     for parts, name, st in [*walk(root), *specs]:
         if TEMP.fullmatch(name) and stat.S_ISREG(st.st_mode):
             yield root.where(parts, name)
@@ -366,6 +366,9 @@ def _clear_records(root: CacheRoot, foreign: list, failed: list) -> int:
                 lock.release()
         elif TEMP.fullmatch(name):
             n += root.unlink(parts, name, TEMP) is not None
+    for name, _ in _scan(root, parts, None):  # the folder's own lock, and locks of records already gone
+        if LOCK.fullmatch(name) and _drop_free_lock(root, parts, name) is not None:
+            n += 1
     root.rmdir((_LAYOUT,), USES_DIR)
     return n
 

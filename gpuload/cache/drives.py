@@ -1,24 +1,29 @@
 """Several drives: one cache striped over several folders, each on its own disk.
 
 One NVMe drive cannot feed eight GPUs; ``cache_dir=[...]`` (or ``$GPULOAD_CACHE_DIR``
-with folders separated by ``os.pathsep``) spreads the chunks over several. Each chunk
-has an order of the folders of its own, drawn from its file name (rendezvous hashing),
-so every process, rank and epoch looks for it first where it was written, and adding a
-folder moves only the chunks the new one takes. Each folder is a whole
-:class:`gpuload.cache.store.ChunkCache` with its own writer thread, lock files, reserve,
-quota and eviction; a chunk's reads run where it lives, so the loader's threads read
-several drives at once. ``max_cache_bytes`` is split evenly over the folders.
+and ``--cache-dir`` with absolute folders separated by ``os.pathsep``) spreads the chunks
+over several. Each chunk has an order of the folders of its own, drawn from its file name
+and each folder's path (rendezvous hashing), so every process, rank and epoch looks for
+it first where it was written, whatever order the folders are listed in, and adding or
+removing a folder moves only the chunks that folder takes or held. Each folder is a whole
+:class:`gpuload.cache.store.ChunkCache` with its own writer thread (and up to two chunks
+waiting for it: the host memory bound counts them per folder), lock files, reserve,
+quota and eviction; a chunk's reads run where it lives, so the loader's threads
+(``num_threads``: at least one per drive) read several drives at once. A quota is per
+folder; ``max_cache_bytes`` is split evenly over the folders.
 
-A folder that fails (a write or lock error: read-only, I/O error, gone) is left out of
-later writes, with one warning naming it; a folder that is full (its reserve, quota or
-budget, after eviction) passes the chunk to the next folder in the chunk's order. Reads
-look in every folder in that order, so chunks written elsewhere meanwhile are found, and
-a chunk a failed folder cannot serve is decoded again and written to the next one. The
-small files (footers, vocabularies, column-set records) live in the first folder.
+A folder that fails (read-only, an I/O error, gone, no permission: at open or on a write
+or lock) is left out of later writes, with one warning naming it; a folder that is full
+(its reserve, quota or budget, after eviction) or meets a passing error (too many open
+files) hands that chunk to the next folder in the chunk's order. Reads look in the first
+folder the chunk would be written to, then in the others (chunks routed around a full
+or failed one are found there; a corrupt copy there is deleted). The small files
+(footers, vocabularies, column-set records) live in the first folder that opened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -28,14 +33,19 @@ from typing import Callable, Iterator
 
 import xxhash
 
+from .fs import CHUNK, ForeignEntry
 from .paths import ChunkKey
 from .store import ChunkCache
+from ..errors import CacheError
 
 __all__ = ["Drives", "open_cache"]
 
 log = logging.getLogger("gpuload")
 
-_FULL = (errno.ENOSPC, errno.EDQUOT)  # a full drive is routed around for one chunk, not left out
+#: errors that say the folder itself is unusable: it is left out of writes (others, such as a full disk
+#: or too many open files, pass: that chunk goes elsewhere)
+_BROKEN = (errno.EROFS, errno.EIO, errno.ENODEV, errno.ENXIO, errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM,
+           errno.ESTALE)
 
 
 def open_cache(cache_dir, max_bytes: int | None = None, *args, **kwargs):
@@ -57,18 +67,28 @@ class Drives:
 
     def __init__(self, roots, max_bytes: int | None = None, *args, **kwargs):
         share = None if max_bytes is None else max_bytes // len(roots)
-        self.caches = [ChunkCache(r, share, *args, **kwargs) for r in roots]
-        self.root = self.caches[0].root  #: the first folder: footers, vocabularies, column-set records
+        self.caches: list[ChunkCache] = []
+        for r in roots:
+            try:
+                self.caches.append(ChunkCache(r, share, *args, **kwargs))
+            except CacheError as e:  # a folder that cannot be made: left out while another works
+                if r is roots[-1] and not self.caches:
+                    raise
+                log.warning("gpuload: cache folder %s left out: %s", r, e)
+        self.root = self.caches[0].root  #: the first folder that opened: footers, vocabularies, column-set records
         self._failed: dict[int, str] = {}  # folder index -> why it is left out of writes
         self._lock = threading.Lock()
+        self._names = [str(c.root.path) for c in self.caches]
         for cache in self.caches:
             cache.spill = self._spill
 
     # -- where a chunk goes --------------------------------------------------------------
     def order(self, key: ChunkKey) -> list[int]:
-        """The folders' indices in ``key``'s own order (rendezvous hashing on its file name)."""
+        """The folders' indices in ``key``'s own order (rendezvous hashing of its file name with
+        each folder's path: the same whatever order the folders are listed in)."""
         name = key.relpath()
-        return sorted(range(len(self.caches)), key=lambda i: xxhash.xxh64_intdigest(f"{i}/{name}".encode()))
+        return sorted(range(len(self.caches)),
+                      key=lambda i: xxhash.xxh64_intdigest(f"{self._names[i]}/{name}".encode()))
 
     def _writable(self, key: ChunkKey) -> list[int]:
         return [i for i in self.order(key) if i not in self._failed]
@@ -86,7 +106,7 @@ class Drives:
         """A folder could not take ``key`` (``why``: no room, or an ``OSError``): write it to the
         next folder of its order that can; True if one did."""
         src = self.caches.index(cache)
-        if isinstance(why, OSError) and why.errno not in _FULL:
+        if isinstance(why, OSError) and why.errno in _BROKEN and not isinstance(why, ForeignEntry):
             self._fail(src, why)
         order = self._writable(key)
         for i in order[order.index(src) + 1:] if src in order else order:
@@ -101,14 +121,24 @@ class Drives:
         """:meth:`ChunkCache.load`, the chunk looked for in every folder in its order, built
         and written in the first that has not failed."""
         order = self.order(key)
-        for i in order[1:]:  # the first folder is looked at by its own load below
-            if self.caches[i].exists(key):
-                cols, _ = self.caches[i].look(key)
-                if cols is not None:
-                    self.caches[i].note(key, "cached")
-                    return cols, True
         writable = self._writable(key)
-        return self.caches[writable[0] if writable else order[0]].load(key, build, shared)
+        first = writable[0] if writable else order[0]
+        cols, _ = self.caches[first].look(key)
+        if cols is None:  # routed around a full or failed folder: elsewhere
+            for i in order:
+                c = self.caches[i]
+                if i != first and c.exists(key):
+                    cols, unreadable = c.look(key)
+                    if cols is not None:
+                        first = i
+                        break
+                    if unreadable is None:  # corrupt (logged): the rebuilt copy goes to the first folder
+                        with contextlib.suppress(OSError):
+                            c.root.unlink(key.parts, key.name, CHUNK)
+        if cols is not None:
+            self.caches[first].note(key, "cached")
+            return cols, True
+        return self.caches[first].load(key, build, shared)  # looks once more, then locks and builds
 
     def exists(self, key: ChunkKey) -> bool:
         return any(c.exists(key) for c in self.caches)
@@ -118,11 +148,14 @@ class Drives:
 
     def path(self, key: ChunkKey) -> Path:
         """Where ``key``'s file is, else where it would be written."""
+        return self.root_of(key).where(key.parts, key.name)
+
+    def root_of(self, key: ChunkKey):
+        """The folder (a :class:`gpuload.cache.fs.CacheRoot`) holding ``key``'s file, else the one it would go to."""
         for i in self.order(key):
             if self.caches[i].exists(key):
-                return self.caches[i].path(key)
-        writable = self._writable(key)
-        return self.caches[(writable or self.order(key))[0]].path(key)
+                return self.caches[i].root
+        return self.caches[(self._writable(key) or self.order(key))[0]].root
 
     def probe(self, key: ChunkKey) -> None:
         """Raise the ``OSError`` writing ``key`` would meet in every folder (one that can write: none)."""
@@ -177,9 +210,20 @@ class Drives:
             c.release()
 
     def room(self, groups, need: int) -> tuple[int, int]:
-        """:meth:`ChunkCache.room` added up over the folders that have not failed."""
-        parts = [c.room(groups, need) for i, c in enumerate(self.caches) if i not in self._failed]
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        """:meth:`ChunkCache.room` added up over the folders that have not failed (folders on one
+        filesystem without a budget share its free space: counted once)."""
+        rooms: dict = {}
+        for i, c in enumerate(self.caches):
+            if i not in self._failed:
+                room, others = c.room(groups, need)
+                where = (i,) if c.max_bytes is not None else ("fs", os.stat(c.root.path).st_dev)
+                rooms[where] = max(rooms.get(where, (0, 0)), (room, others))
+        return sum(r for r, _ in rooms.values()), sum(o for _, o in rooms.values())
+
+    @property
+    def pending_writes(self) -> int:
+        """Chunks that may wait for the folders' writers at once."""
+        return sum(c.pending_writes for c in self.caches)
 
     def touch_spec(self, key_spec: str, desc: list) -> None:
         for c in self.caches:  # each folder describes its own column sets (`gpuload cache info`)

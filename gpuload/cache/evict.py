@@ -9,14 +9,17 @@ source file, in a record shared by every reader of the same dataset::
 
 A reader holds its shared lock for as long as it is open; the OS drops it when the
 process ends or is killed, so a killed reader's registration expires at once, on every
-host that shares the kernel. A writer that needs room (:func:`make_room`, called holding
-the folder's budget lock) tries each record's lock *exclusively* without waiting: a
-record it cannot lock has a live reader, and every chunk of its groups is kept; the
-others only date their groups' last use. It then deletes chunk files of the current
-format, least recently used first (a group's last use, else the file's own mtime),
-until the room is made, and holds the free records' locks meanwhile, so a reader that
-opens in the middle waits (milliseconds) instead of losing chunks under it. A live
-reader whose record cannot be read protects everything: nothing is evicted then.
+host that shares the kernel (``flock``: the cache must be on a local filesystem, as it
+should be anyway). A writer that needs room (:func:`make_room`, called holding the
+folder's budget lock) lists the chunk files, then takes ``uses/.uses.lock``
+exclusively and tries each record's lock *exclusively* without waiting: a record it
+cannot lock has a live reader, and every chunk of its groups is kept; the others only
+date their groups' last use. It deletes chunk files of the current format, least
+recently used first (a group's last use, else the file's own mtime), until the room is
+made, and only then lets ``.uses.lock`` go. Readers register (make or join a record and
+take its shared lock) holding ``.uses.lock`` shared, so one that opens during an
+eviction waits for its deletions (milliseconds) instead of losing chunks under it. A
+live reader whose record cannot be read protects everything: nothing is evicted then.
 
 What is kept is a superset of what any live reader's epochs still need (all its chunks,
 not only the rest of this epoch), so a dataset larger than its budget keeps a stable part
@@ -46,6 +49,7 @@ log = logging.getLogger("gpuload")
 
 _PARTS = (LAYOUT_DIR, USES_DIR)
 _PATIENCE = 10.0  # seconds a reader waits for an eviction that holds its record (milliseconds, normally)
+_FOLDER_LOCK = ".uses.lock"  # shared by readers registering, exclusive while an eviction decides and deletes
 
 
 class Registration:
@@ -76,11 +80,13 @@ def register(root: CacheRoot, groups) -> Registration | None:
     either, so nothing of ours can be evicted from it)."""
     text = _text(groups)
     name = xxhash.xxh64_hexdigest(text.encode()) + ".groups"
+    folder = Lock(root, _PARTS, _FOLDER_LOCK, shared=True)  # no eviction between our record and its lock
     lock = Lock(root, _PARTS, name + ".lock", shared=True)
     try:
-        if not lock.acquire(timeout=_PATIENCE):
+        if not (folder.acquire(timeout=_PATIENCE) and lock.acquire(timeout=_PATIENCE)):
             log.warning("gpuload: %s has been locked for %g s by a process making room in the cache; this "
-                        "dataset's chunks are not protected from eviction", root.where(_PARTS, name), _PATIENCE)
+                        "dataset's chunks are not protected from eviction", root.where(_PARTS), _PATIENCE)
+            lock.release()
             return None
         st = root.lstat(_PARTS, name)
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != len(text):
@@ -89,6 +95,8 @@ def register(root: CacheRoot, groups) -> Registration | None:
         lock.release()
         log.debug("gpuload: cannot register this reader in %s (%s)", root.path, e)
         return None
+    finally:
+        folder.release()
     reg = Registration(root, name, lock)
     reg.touch()
     return reg
@@ -119,22 +127,18 @@ def _groups(root: CacheRoot, name: str) -> set[tuple[str, str]] | None:
 
 @dataclass
 class Survey:
-    """The records of a cache folder, looked at once: what live readers keep, each other
-    group's last use, and the free records' locks (held until :meth:`release`)."""
+    """The records of a cache folder, looked at once: what live readers keep, and each other
+    group's last use."""
 
     kept: set = field(default_factory=set)  #: groups some live reader reads
     last_use: dict = field(default_factory=dict)  #: group -> latest mtime of the free records naming it
     unknown: bool = False  #: a live reader whose record cannot be read: evict nothing
-    free: list = field(default_factory=list)  #: (record name, its groups, its lock held exclusively)
-
-    def release(self) -> None:
-        for _, _, lock in self.free:
-            lock.release()
-        self.free = []
+    free: dict = field(default_factory=dict)  #: record name -> its groups, for records no reader holds
 
 
 def survey(root: CacheRoot) -> Survey:
-    """Look at every record of ``root`` (see the module doc); never waits for a reader."""
+    """Look at every record of ``root`` (see the module doc); never waits for a reader. What it
+    says holds while ``.uses.lock`` is held exclusively (:func:`make_room`)."""
     out = Survey()
     try:
         entries = dict(root.scan(_PARTS))
@@ -145,15 +149,17 @@ def survey(root: CacheRoot) -> Survey:
         lock = Lock(root, _PARTS, name + ".lock")
         try:
             free = lock.acquire(blocking=False)
-        except OSError:
+        except OSError:  # a read-only folder: nothing can be deleted there anyway
             free = False
+        finally:
+            lock.release()
         groups = _groups(root, name)
         if free:
             st = entries.get(name)
             when = st.st_mtime if st is not None else 0.0
             for g in groups or ():
                 out.last_use[g] = max(out.last_use.get(g, 0.0), when)
-            out.free.append((name, groups or set(), lock))
+            out.free[name] = groups or set()
         elif groups is None:
             out.unknown = True
         else:
@@ -165,15 +171,22 @@ def make_room(root: CacheRoot, nbytes: int) -> int:
     """Delete unneeded chunk files of ``root``, least recently used first, until ``nbytes``
     are freed (or nothing more may go); the bytes freed. Call it holding the folder's
     budget lock. Free records whose groups have no chunk left are deleted too."""
-    s = survey(root)
+    files = [(parts, name, st) for parts, name, st in chunk_files(root)]  # the long part, before any lock
+    folder = Lock(root, _PARTS, _FOLDER_LOCK)
+    try:
+        if not folder.acquire(timeout=_PATIENCE):
+            return 0
+    except OSError:  # no records can be kept here (a read-only folder): nothing can be deleted either
+        return 0
     freed = 0
     try:
+        s = survey(root)
         if s.unknown:
             log.debug("gpuload: a live reader of %s has an unreadable record; nothing evicted", root.path)
             return 0
         left: dict = {}
         candidates = []
-        for parts, name, st in chunk_files(root):
+        for parts, name, st in files:
             group = (parts[1], name[:16])
             left[group] = left.get(group, 0) + 1
             if group not in s.kept:
@@ -187,23 +200,30 @@ def make_room(root: CacheRoot, nbytes: int) -> int:
                     freed += gone.st_size
                     left[group] -= 1
                     log.debug("gpuload: evicted %s (%d bytes)", root.where(parts, name), gone.st_size)
-        for name, groups, lock in s.free:  # records of datasets none of whose chunks are left
+        for name, groups in s.free.items():  # records of datasets none of whose chunks are left
             if not any(left.get(g) for g in groups):
                 with contextlib.suppress(OSError):
                     root.unlink(_PARTS, name, USES)
-                    root.unlink(_PARTS, name + ".lock", LOCK)
+                    _drop_free(root, name + ".lock")
     finally:
-        s.release()
+        folder.release()
     return freed
 
+
+def _drop_free(root: CacheRoot, name: str) -> None:
+    """Delete lock file ``name`` of ``uses/`` unless someone holds it."""
+    lock = Lock(root, _PARTS, name)
+    try:
+        if lock.acquire(blocking=False):
+            root.unlink(_PARTS, name, LOCK)
+    finally:
+        lock.release()
 
 
 def usage(root: CacheRoot, mine) -> tuple[int, int]:
     """(bytes of chunks other live readers keep, outside the groups ``mine``; bytes of all
     chunk files) in ``root``."""
-    s = survey(root)
-    s.release()
-    kept = s.kept - set(mine)
+    kept = survey(root).kept - set(mine)
     others = used = 0
     for parts, name, st in chunk_files(root):
         used += st.st_size
@@ -214,9 +234,7 @@ def usage(root: CacheRoot, mine) -> tuple[int, int]:
 def datasets(root: CacheRoot) -> list[dict]:
     """Each dataset recorded in ``root``: ``{"record", "files", "specs", "chunks", "bytes",
     "last_used" (epoch seconds), "live" (a reader has it open)}``, most recently used first."""
-    s = survey(root)
-    free = {name for name, _, _ in s.free}
-    s.release()
+    free = set(survey(root).free)
     per_group: dict = {}
     for parts, name, st in chunk_files(root):
         c = per_group.setdefault((parts[1], name[:16]), [0, 0])

@@ -47,8 +47,9 @@ VOCAB = re.compile(rf"{_HEX}\.(?:vocab|kept)")  #: in ``vocab/``: a counted voca
 USES = re.compile(rf"{_HEX}\.groups")  #: in ``uses/``: the source folders and column set a dataset reads (mtime: last use)
 TEMP = re.compile(rf"(?:{CHUNK.pattern}|{_HEX}\.json|{FOOTER.pattern}|{VOCAB.pattern}|{USES.pattern})"
                   rf"\.tmp\.\d+\.[0-9a-f]{{8}}")  #: a writer's temporary file
-#: a chunk's, vocabulary's or the budget's lock, or a dataset's live readers' (``uses/<key>.groups.lock``)
-LOCK = re.compile(rf"(?:{CHUNK.pattern}|{VOCAB.pattern}|{USES.pattern}|\.budget)\.lock")
+#: a chunk's, vocabulary's or the budget's lock, a dataset's live readers' (``uses/<key>.groups.lock``), or
+#: the records' own (``uses/.uses.lock``)
+LOCK = re.compile(rf"(?:{CHUNK.pattern}|{VOCAB.pattern}|{USES.pattern}|\.budget|\.uses)\.lock")
 SPEC = re.compile(rf"{_HEX}\.json")  #: a column-set description in ``specs/``
 FOLDER = re.compile(_HEX)  #: one source file's folder
 LAYOUT = re.compile(r"v\d+")  #: one format version's folder

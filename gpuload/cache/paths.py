@@ -25,9 +25,9 @@ from pathlib import Path
 import xxhash
 
 from .chunkfile import LAYOUT_DIR, SUFFIX, Identity, version_token
-from ..errors import CacheError, flag
+from ..errors import CacheError, ConfigError, flag
 
-__all__ = ["ChunkKey", "cache_dirs", "cache_folder", "default_cache_dir", "source_folder"]
+__all__ = ["ChunkKey", "cache_dirs", "cache_folder", "default_cache_dir", "source_folder", "split_dirs"]
 
 
 def source_folder(path: str) -> str:
@@ -40,22 +40,36 @@ def default_cache_dir() -> Path | tuple[Path, ...]:
     a tuple), else ``$XDG_CACHE_HOME/gpuload``, else ``~/.cache/gpuload``."""
     env = os.environ.get("GPULOAD_CACHE_DIR")
     if env:
-        return cache_dirs(env)
+        return cache_dirs(split_dirs(env, "$GPULOAD_CACHE_DIR"))
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "gpuload"
 
 
+def split_dirs(text: str, where: str) -> str | list[str]:
+    """A folder list in one string (``$GPULOAD_CACHE_DIR``, ``--cache-dir``: ``where``) split at
+    ``os.pathsep``; one folder stays a string. Several must be absolute paths, so a folder
+    whose name holds the separator is refused rather than cut in two (a ``ConfigError``)."""
+    parts = [p for p in text.split(os.pathsep) if p.strip()]
+    if len(parts) <= 1:
+        return text
+    relative = [p for p in parts if not os.path.isabs(os.path.expanduser(p))]
+    if relative:
+        raise ConfigError(f"{where}={text!r}: {relative[0]!r} is not an absolute path; give several cache folders "
+                          f"as absolute paths separated by {os.pathsep!r}")
+    return parts
+
+
 def cache_dirs(given) -> Path | tuple[Path, ...]:
-    """``cache_dir=`` as one folder (a ``Path``) or several (a tuple, in order, each once):
-    a path, a list or tuple of paths, or a string of paths separated by ``os.pathsep``."""
+    """``cache_dir=`` as one folder (a ``Path``: a string or path, never split) or several (a
+    tuple, in order, each folder once: a list or tuple of them)."""
     items = [given] if isinstance(given, (str, os.PathLike)) else list(given)
     out: list[Path] = []
     for item in items:
-        for part in (os.fspath(item).split(os.pathsep) if isinstance(item, str) else [os.fspath(item)]):
-            if part.strip() and Path(part).expanduser() not in out:
-                out.append(Path(part).expanduser())
+        path = Path(os.fspath(item)).expanduser()
+        if os.fspath(item).strip() and os.path.realpath(path) not in map(os.path.realpath, out):
+            out.append(path)
     if not out:
-        raise CacheError(f"{flag('cache_dir')}{given!r} names no folder")
+        raise ConfigError(f"{flag('cache_dir')}{given!r} names no folder")
     return out[0] if len(out) == 1 else tuple(out)
 
 

@@ -14,7 +14,9 @@ budgets one dataset; ``max_cache_bytes`` given to a dataset overrides it.
 takes the folder's budget lock and makes room by evicting the least recently used
 chunks no live reader needs (:func:`gpuload.cache.evict.make_room`); only if that is not
 enough is the chunk left uncached, and the folder is then not surveyed again for
-:data:`RETRY_S` seconds. With a budget the check and the write happen under the lock, so
+:data:`RETRY_S` seconds. An eviction makes room for several chunks at once (eight of
+this one's size, at most a sixteenth of a budget), so the surveys come once per several
+writes, not per write. With a budget the check and the write happen under the lock, so
 the budget holds exactly; with the reserve the common case takes no lock, and racing
 writers may each go at most one chunk below it.
 """
@@ -37,6 +39,7 @@ __all__ = ["RESERVE_FRACTION", "RETRY_S", "QUOTA_FILE", "Space", "parse_size", "
 
 RESERVE_FRACTION = 0.10
 RETRY_S = 30.0
+_SLACK = 8  # an eviction frees room for this many chunks, so the next ones need no survey
 QUOTA_FILE = "quota"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -165,9 +168,12 @@ class Space:
             return
         try:
             short = self.short(nbytes)
-            if short > 0:
-                make_room(self.root, short)
-                short = self.short(nbytes)  # what the eviction freed (a file still open elsewhere frees nothing yet)
+            if short > 0:  # room for this chunk and the next few: an eviction surveys the whole folder
+                slack = _SLACK * nbytes if self.max_bytes is None else min(_SLACK * nbytes, self.max_bytes // 16)
+                freed = make_room(self.root, max(short, slack))
+                # under a budget every write happens under this lock: the usage only fell by what was freed;
+                # without, ask the disk (a file still open elsewhere frees nothing yet)
+                short = short - freed if self.max_bytes is not None else self.short(nbytes)
             if short > 0:
                 self._refused = (time.monotonic(), why)
                 yield why

@@ -103,7 +103,6 @@ class ChunkCache:
         #: ``spill(cache, key, host cols, why) -> bool``: another drive's write of a chunk this one could not
         #: take (:class:`gpuload.cache.drives.Drives`); None: the chunk is not cached
         self.spill: Callable | None = None
-        self.lock_patience = lock_patience
         self.outcomes: dict | None = None
         if create:
             with contextlib.suppress(OSError):  # a read-only cache is still served
@@ -113,6 +112,10 @@ class ChunkCache:
     def path(self, key: ChunkKey) -> Path:
         """Where ``key``'s chunk file is (or would be)."""
         return self.root.where(key.parts, key.name)
+
+    def root_of(self, key: ChunkKey) -> CacheRoot:
+        """The cache folder of ``key``'s file: :attr:`root` (:class:`gpuload.cache.drives.Drives`: where it is)."""
+        return self.root
 
     def note(self, key: ChunkKey, outcome) -> None:
         """Record what became of ``key``'s file here, when :attr:`outcomes` is on."""
@@ -292,6 +295,7 @@ class ChunkCache:
             if self._trust_writes:
                 self._verified.add(file_identity(st))
             self.note(key, "written")
+            self.full = False
             return True
         except OSError as e:  # disk or inodes full, read-only, a clear meanwhile: the data is still served
             if spill and self.spill is not None and self.spill(self, key, cols, e):
@@ -350,6 +354,10 @@ class ChunkCache:
         return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
     max_bytes = property(lambda self: self.space.max_bytes, doc="The budget in bytes, or None (the reserve).")
+    pending_writes = _PENDING_WRITES  #: chunks that may wait for the writer thread at once
+
+    lock_patience = property(lambda self: self.space.patience, lambda self, s: setattr(self.space, "patience", s),
+                             doc="Seconds to wait for a lock another process holds (a chunk's, the budget's).")
 
     def room(self, groups, need: int) -> tuple[int, int]:
         """(room for the chunks of ``groups``, bytes other live readers keep): :meth:`Space.room_for`."""

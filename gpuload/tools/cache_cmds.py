@@ -9,7 +9,7 @@ import logging
 import os
 
 from ..cache.evict import datasets
-from ..cache.paths import cache_dirs, default_cache_dir
+from ..cache.paths import cache_dirs, default_cache_dir, split_dirs
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
@@ -86,7 +86,7 @@ def _each_folder(fn):
     """``fn(args)`` once per cache folder of ``--cache-dir`` (several, one per drive, separated by
     ``os.pathsep``); the worst exit status."""
     def run(args) -> int:
-        folders = cache_dirs(args.cache_dir or default_cache_dir())
+        folders = cache_dirs(split_dirs(args.cache_dir, "--cache-dir") if args.cache_dir else default_cache_dir())
         if not isinstance(folders, tuple):
             return fn(argparse.Namespace(**{**vars(args), "cache_dir": str(folders)}))
         return max(fn(argparse.Namespace(**{**vars(args), "cache_dir": str(f)})) for f in folders)

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 
+from ..cache.paths import split_dirs
 from ..categorical import Hash, Vocab, encoder_from_json
 from ..config import MiB, Options, Source
 from ..errors import FLAGS, ConfigError
@@ -140,6 +141,8 @@ def loader_settings(args) -> dict:
     """The loader settings of the flags given (``--chunk-mib`` in bytes, ``--block-rows N`` as
     ``shuffle="block", block_rows=N``); flags left out are not there."""
     out = {s: getattr(args, _dest(s)) for s in _SETTINGS if getattr(args, _dest(s), None) is not None}
+    if "cache_dir" in out:  # several folders, one per drive: a:b
+        out["cache_dir"] = split_dirs(out["cache_dir"], "--cache-dir")
     if getattr(args, "chunk_mib", None) is not None:
         finite("--chunk-mib", args.chunk_mib, strict=True)
         if args.chunk_mib * MiB < 4096:

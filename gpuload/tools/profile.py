@@ -227,7 +227,7 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
             stats = ds.stats()
             if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
                 keys = [ds.reader.key(i) for i in range(len(ds.reader.chunks))]
-                disk = disk_read_gbps([(ds.reader.cache.root, k.parts, k.name) for k in keys])
+                disk = disk_read_gbps([(ds.reader.cache.root_of(k), k.parts, k.name) for k in keys])
             reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
                                        ds.reader.counters.decoded - before[0],
                                        ds.reader.counters.from_cache - before[1], alone[epoch],

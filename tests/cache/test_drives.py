@@ -116,5 +116,62 @@ def test_folders_come_from_the_environment_and_the_command(source, folders, monk
     assert all(f"cache {os.path.realpath(f)}:" in out for f in folders)
     assert main(["cache", "clear", "--cache-dir", os.pathsep.join(map(str, folders))]) == 0
     assert not _chunks(folders[0]) and not _chunks(folders[1])
-    with pytest.raises(gpuload.CacheError, match="names no folder"):
+    with pytest.raises(gpuload.ConfigError, match="names no folder"):
         open_dataset(source, ["x"], [], batch_size=5000)
+    monkeypatch.setenv("GPULOAD_CACHE_DIR", f"{folders[0]}{os.pathsep}relative/b")  # a name cut in two: refused
+    with pytest.raises(gpuload.ConfigError, match="'relative/b' is not an absolute path"):
+        open_dataset(source, ["x"], batch_size=5000)
+    colon = open_dataset(source, ["x"], str(folders[0]) + os.pathsep + "42", batch_size=5000)
+    assert colon.options.cache_dir == Path(str(folders[0]) + os.pathsep + "42")  # in Python a string is one folder
+
+
+def test_a_folder_that_cannot_be_made_is_left_out_at_open(source, folders, tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        ds = open_dataset(source, ["x"], [tmp_path / "file" / "cache", folders[1]], batch_size=5000)
+    assert any("left out" in r.getMessage() and "file" in r.getMessage() for r in caplog.records)
+    assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    assert len(_chunks(folders[1])) == FILES
+
+
+def test_a_corrupt_copy_in_another_folder_is_deleted_once(source, folders, caplog):
+    ds = open_dataset(source, ["x"], folders, batch_size=5000)
+    _epoch(ds)
+    cache = ds.reader.cache
+    key = ds.reader.key(0)
+    first, other = cache.order(key)[0], cache.order(key)[1]
+    good = cache.caches[first].path(key)
+    bad = cache.caches[other].path(key)
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    data = bytearray(good.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a stale, damaged duplicate where the chunk is looked for second
+    bad.write_bytes(bytes(data))
+    good.unlink()
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+        assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    assert not bad.exists() and good.exists()  # rebuilt where it belongs, the damaged copy gone
+    assert len([r for r in caplog.records if "checksum" in r.getMessage() or "rebuilding" in r.getMessage()]) == 1
+
+
+@pytest.mark.slow  # mounts a tmpfs
+def test_a_drive_remounted_read_only_mid_epoch_is_routed_around(source, tmp_path, tiny_fs, caplog):
+    import subprocess
+
+    drive, disk = tiny_fs("nvme1", size="64m"), tmp_path / "nvme0"
+    ds = open_dataset(source, ["x"], [drive, disk], batch_size=5000, shuffle=False, prefetch=0, num_threads=1)
+    got = []
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        for i, batch in enumerate(ds):
+            got.append(batch["x"].numpy().copy())
+            if i == 8:  # the drive goes read-only under the running epoch
+                ds.reader.cache.flush()
+                assert subprocess.run(["mount", "-o", "remount,ro", str(drive)]).returncode == 0
+        ds.reader.cache.flush()
+    assert np.array_equal(np.sort(np.concatenate(got)), np.arange(FILES * N))
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warned) == 1 and str(drive) in warned[0] and "Read-only" in warned[0]
+    on_drive, decoded = _chunks(drive), ds.reader.counters.decoded
+    assert on_drive and len(on_drive | _chunks(disk)) == FILES  # what it took before stays readable
+    assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    assert ds.reader.counters.decoded == decoded  # every chunk cached, on one drive or the other

@@ -76,7 +76,7 @@ def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_pat
     before = _chunks(c, sources["a"])
     with caplog.at_level(logging.WARNING, logger="gpuload"):
         b = open_dataset(sources["b"], ["x"], c, batch_size=25_000)
-    warned = [r.getMessage() for r in caplog.records if "has room for about" in r.getMessage()]
+    warned = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
     assert len(warned) == 1 and "about 1 of this dataset's 3 chunks" in warned[0] and "quota" in warned[0]
     assert np.array_equal(_epoch(b), _rows(1))
     assert _chunks(c, sources["a"]) == before and len(_chunks(c, sources["b"])) == 1  # a is open: kept whole
@@ -251,3 +251,24 @@ def test_readers_racing_under_a_small_budget_with_sigkills_stay_exact_and_within
     for k, name in enumerate("abc"):  # what the killed writers left serves exact rows
         assert np.array_equal(_epoch(open_dataset(sources[name], ["x"], c, batch_size=25_000)), _rows(k))
     assert main(["cache", "verify", "--cache-dir", str(c)]) == 0
+
+
+def test_a_reader_registering_during_an_eviction_keeps_its_chunks(sources, tmp_path, monkeypatch):
+    c = tmp_path / "c"
+    both = [open_dataset(sources[n], ["x"], c, batch_size=25_000) for n in "ab"]
+    for ds in both:
+        _epoch(ds)
+    groups_a = both[0].reader.groups
+    for ds in both:
+        ds.close()
+    root, held, walk = CacheRoot(c), [], evict.chunk_files
+
+    def walk_then_register(r, *args):  # a reader of a alone (a new record) opens while the eviction lists files
+        files = list(walk(r, *args))
+        held.append(evict.register(r, groups_a))
+        return files
+
+    monkeypatch.setattr(evict, "chunk_files", walk_then_register)
+    assert evict.make_room(root, 1 << 40) > 0 and held[0] is not None
+    assert len(_chunks(c, sources["a"])) == 3 and not _chunks(c, sources["b"])  # its chunks stay; b's went
+    held[0].release()

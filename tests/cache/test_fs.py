@@ -583,28 +583,6 @@ def test_mode_000_chunk_and_folder_are_decoded_with_a_warning(data, shared, refe
     assert "Traceback" not in v.stderr and v.returncode == 1 and "UNREADABLE" in v.stdout, v.stdout + v.stderr
 
 
-def _tmpfs(path: Path, **opts) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    o = ",".join(f"{k}={v}" for k, v in opts.items())
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", o, "tmpfs", str(path)], capture_output=True).returncode == 0
-
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    mounted = []
-
-    def make(name, **opts):
-        p = tmp_path / name
-        if os.geteuid() != 0 or not _tmpfs(p, **opts):
-            pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
-        mounted.append(p)
-        return p
-
-    yield make
-    for p in mounted:
-        subprocess.run(["umount", "-l", str(p)], capture_output=True)
-
-
 @pytest.mark.slow  # mount and umount a tmpfs
 @pytest.mark.parametrize("opts", [dict(size="160k", nr_inodes=1000), dict(size="64m", nr_inodes=12),
                                   dict(size="64m", nr_inodes=5)])
