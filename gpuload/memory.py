@@ -159,7 +159,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     batch_size, shuffle_window, prefetch, num_threads, shuffle, block : the dataset's settings
         (``block``: block shuffling, whose chunks are permuted once more when decoded).
     remote : the :class:`gpuload.RemoteSettings` of a remote source, or None (local files).
-    pending_writes : chunks the cache writer may hold (``gpuload.cache.store._PENDING_WRITES``).
+    pending_writes : chunks the cache writers may hold (``gpuload.cache.writer.PENDING`` per cache folder).
     trace_bytes : the most the dataset's :class:`gpuload.Metrics` keeps for its trace.
 
     Terms (C: ``chunk_bytes``; a chunk file is C plus its header and 4 KiB alignment; a

@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -79,8 +80,9 @@ class Drives:
         self._failed: dict[int, str] = {}  # folder index -> why it is left out of writes
         self._lock = threading.Lock()
         self._names = [str(c.root.path) for c in self.caches]
+        spill = weakref.WeakMethod(self._spill)  # no cycle: the folders (and their records) go with this object
         for cache in self.caches:
-            cache.spill = self._spill
+            cache.spill = lambda *args: (lambda f: f is not None and f(*args))(spill())
 
     # -- where a chunk goes --------------------------------------------------------------
     def order(self, key: ChunkKey) -> list[int]:

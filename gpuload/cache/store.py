@@ -21,8 +21,6 @@ import contextlib
 import logging
 import os
 import stat
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,13 +32,13 @@ from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
 from .evict import Registration, register
 from .space import Space
+from .writer import PENDING, Writer
 from ..errors import ConfigError, CorruptCacheError
 
 __all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
 
 log = logging.getLogger("gpuload")
 
-_PENDING_WRITES = 2
 
 
 class ChunkCache:
@@ -90,9 +88,7 @@ class ChunkCache:
         self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
         self._warned: set = set()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
-        self._slots = threading.Semaphore(_PENDING_WRITES)  # chunks waiting to be written, at most
-        self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
+        self._writer = Writer()  # without a budget, chunks are written on its thread
         try:  #: the room for chunks: budget, quota or reserve, and eviction (:mod:`gpuload.cache.space`)
             self.space = Space(self.root, max_bytes, lock_patience)
         except ValueError as e:
@@ -226,26 +222,15 @@ class ChunkCache:
             cols = build()
             with contextlib.suppress(OSError):
                 self._drop_stale(key)
-            if self.max_bytes is None:
-                self._write_later(key, cols, shared, lock)
-                lock = None  # the writer releases it
+            if self.max_bytes is None:  # the writer releases the lock (its copy: the caller may change ``cols``)
+                self._writer.submit(self._write, key, lambda: self._host(cols, copy=shared), lock)
+                lock = None
             else:  # written before anyone else sees ``cols``, holding the budget's lock
                 self._write(key, self._host(cols, copy=False))
             return cols, False
         finally:
             if lock is not None:
                 lock.release()
-
-    def _write_later(self, key: ChunkKey, cols: dict, shared: bool, lock: Lock) -> None:
-        """Hand ``cols`` (a copy when ``shared``) to the background writer, which writes them
-        and releases ``lock``; waits while :data:`_PENDING_WRITES` chunks are pending."""
-        self._slots.acquire()
-        try:
-            snapshot = self._host(cols, copy=shared)  # the caller may change ``cols`` before the write
-            self._writer.submit(self._write_and_release, key, snapshot, lock)
-        except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
-            self._slots.release()
-            raise
 
     def _host(self, cols: dict, copy: bool) -> dict:
         """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``."""
@@ -312,21 +297,9 @@ class ChunkCache:
         if why != "budget":
             self._warn(why if isinstance(why, str) else f"lock{why.errno}", self.space.refusal(why))
 
-    def _write_and_release(self, key: ChunkKey, cols: dict, lock: Lock) -> None:
-        """On the writer thread: :meth:`_write`, then release ``lock`` and a pending-write slot."""
-        try:
-            self._write(key, cols)
-        finally:
-            lock.release()
-            self._slots.release()
-
     def flush(self) -> None:
         """Wait until every background write has finished (safe from several threads at once)."""
-        with self._flushing:
-            for _ in range(_PENDING_WRITES):
-                self._slots.acquire()
-            for _ in range(_PENDING_WRITES):
-                self._slots.release()
+        self._writer.flush()
 
     def _drop_stale(self, key: ChunkKey) -> None:
         """Delete chunks (same spec) and footers of older versions of ``key``'s source file."""
@@ -354,7 +327,7 @@ class ChunkCache:
         return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
     max_bytes = property(lambda self: self.space.max_bytes, doc="The budget in bytes, or None (the reserve).")
-    pending_writes = _PENDING_WRITES  #: chunks that may wait for the writer thread at once
+    pending_writes = PENDING  #: chunks that may wait for the writer thread at once
 
     lock_patience = property(lambda self: self.space.patience, lambda self, s: setattr(self.space, "patience", s),
                              doc="Seconds to wait for a lock another process holds (a chunk's, the budget's).")

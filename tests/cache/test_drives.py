@@ -175,3 +175,13 @@ def test_a_drive_remounted_read_only_mid_epoch_is_routed_around(source, tmp_path
     assert on_drive and len(on_drive | _chunks(disk)) == FILES  # what it took before stays readable
     assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
     assert ds.reader.counters.decoded == decoded  # every chunk cached, on one drive or the other
+
+
+def test_a_dropped_dataset_lets_its_chunks_go_at_once(source, folders):
+    from gpuload.cache import evict
+
+    ds = open_dataset(source, ["x"], folders, batch_size=5000)
+    _epoch(ds)
+    assert all(d["live"] for f in folders for d in evict.datasets(CacheRoot(f)))
+    del ds  # no reference cycle keeps its records held until a garbage collection
+    assert not any(d["live"] for f in folders for d in evict.datasets(CacheRoot(f)))

@@ -1,0 +1,52 @@
+"""The cache's background writer: chunk files written (and fsynced) on a thread of their own.
+
+Without a budget, a chunk built by a loader thread is handed to one writer thread per
+cache folder, which writes it and then releases the chunk's build lock, so decoding goes
+on meanwhile. At most :data:`PENDING` chunks wait for it (the caller blocks beyond that):
+the host memory bound counts them (:func:`gpuload.memory.host_budget`, ``pending_writes``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+__all__ = ["PENDING", "Writer"]
+
+PENDING = 2  #: chunks that may wait for one writer thread at once
+
+
+class Writer:
+    """One writer thread (it ends when the writer is collected: hold no reference back to it)."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-write")
+        self._slots = threading.Semaphore(PENDING)  # chunks waiting to be written, at most
+        self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
+
+    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock) -> None:
+        """``write(key, make_cols())`` on the writer thread (``make_cols`` called here: e.g. a copy
+        the caller may not change), then release ``lock`` (any object with ``release()``); waits
+        while :data:`PENDING` chunks are pending. ``lock`` is the writer's once this returns."""
+        self._slots.acquire()
+        try:
+            self._pool.submit(self._write_and_release, write, key, make_cols(), lock)
+        except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
+            self._slots.release()
+            raise
+
+    def _write_and_release(self, write: Callable, key, cols: dict, lock) -> None:
+        try:
+            write(key, cols)
+        finally:
+            lock.release()
+            self._slots.release()
+
+    def flush(self) -> None:
+        """Wait until every write handed over so far has finished (safe from several threads at once)."""
+        with self._flushing:
+            for _ in range(PENDING):
+                self._slots.acquire()
+            for _ in range(PENDING):
+                self._slots.release()
