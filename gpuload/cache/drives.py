@@ -78,6 +78,7 @@ class Drives:
                 log.warning("gpuload: cache folder %s left out: %s", r, e)
         self.root = self.caches[0].root  #: the first folder that opened: footers, vocabularies, column-set records
         self._failed: dict[int, str] = {}  # folder index -> why it is left out of writes
+        self._full: set[int] = set()  # folders that were full once (warned about)
         self._lock = threading.Lock()
         self._names = [str(c.root.path) for c in self.caches]
         spill = weakref.WeakMethod(self._spill)  # no cycle: the folders (and their records) go with this object
@@ -114,7 +115,14 @@ class Drives:
         for i in order[order.index(src) + 1:] if src in order else order:
             other = self.caches[i]
             if other._write(key, cols, spill=False):
-                log.debug("gpuload: %s went to %s instead of %s (%s)", key.name, other.root.path, cache.root.path, why)
+                full = why in ("budget", "reserve") or getattr(why, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+                with self._lock:
+                    first = full and src not in self._full
+                    if full:
+                        self._full.add(src)
+                log.log(logging.WARNING if first else logging.DEBUG, "gpuload: cache folder %s is full (%s); its "
+                        "chunks go to the next folders (%s here) while it is", cache.root.path,
+                        why if isinstance(why, str) else why.strerror, other.root.path)
                 return True
         return False
 

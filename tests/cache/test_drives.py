@@ -86,11 +86,14 @@ def _chunk_bytes(source, tmp_path) -> int:
     return max(p.stat().st_size for p in (tmp_path / "probe").rglob("*.glc"))
 
 
-def test_a_full_folder_passes_its_chunks_to_the_next(source, folders, tmp_path):
+def test_a_full_folder_passes_its_chunks_to_the_next(source, folders, tmp_path, caplog):
     chunk = _chunk_bytes(source, tmp_path)
     space.write_quota(CacheRoot(folders[1]), int(2.5 * chunk))  # the second folder fills after two chunks
     ds = open_dataset(source, ["x"], folders, batch_size=5000)
-    assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
+    warned = [r.getMessage() for r in caplog.records if "is full" in r.getMessage()]
+    assert len(warned) == 1 and str(os.path.realpath(folders[1])) in warned[0] and "budget" in warned[0]
     assert len(_chunks(folders[1])) == 2 and len(_chunks(folders[0])) == FILES - 2
     decoded = ds.reader.counters.decoded
     assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
