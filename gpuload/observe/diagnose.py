@@ -49,21 +49,23 @@ from dataclasses import dataclass, replace
 
 import statistics
 
-from .ranks import STRAGGLER, RankStats
 from .stats import StageStats, Stats
 from .whatif import what_if
 
-__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP"]
+__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP", "STRAGGLER"]
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
-CONTENDED = 0.25  # run-queue seconds per CPU second of the process's threads that mean oversubscribed cores
 STARVED = 0.05
+#: Run-queue seconds per CPU second of the process's threads that mean oversubscribed cores.
+CONTENDED = 0.25
 #: Busy fraction of the wall time per worker below which no stage counts as saturated.
 SATURATED = 0.5
 #: Fraction of the disk's speed from which cache reads count as disk-bound.
 DISK_NEAR = 0.8
 #: Share of the waiting that, spent in the longest next() of each pass, makes start-up the limit.
 STARTUP = 0.6
+#: a rank waiting this much more (fraction of its time) than the median rank is a straggler
+STRAGGLER = 0.05
 
 _POOL = frozenset({"read", "decode", "convert", "cache_write", "cache_read"})
 
@@ -222,7 +224,7 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     ValueError
         When ``stats`` timed no ``next()`` call at all.
     """
-    if isinstance(stats, RankStats):
+    if not isinstance(stats, Stats):  # every rank's figures (gpuload.observe.ranks.RankStats)
         return _straggler(stats, disk_gbps, threads)
     d = _diagnose(stats, disk_gbps, threads)
     pool = threads or (stats.loader_settings or {}).get("num_threads")
@@ -292,7 +294,7 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
     return Diagnosis(st, s.name, message, action)
 
 
-def _straggler(view: RankStats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
+def _straggler(view, disk_gbps: float | None, threads: int | None) -> Diagnosis:
     """Every rank's figures: the rank that waits most, against the median, with the causes shown."""
     slow, med = view.slowest, view.median_starvation
     d = diagnose(slow.stats, disk_gbps=disk_gbps, threads=threads)

@@ -7,7 +7,7 @@
 In a DDP job every rank steps together, so one rank starved of data holds back all of them:
 the others wait in the gradient all-reduce, not in ``next()``. The rank whose training thread
 waited most inside ``next()`` is therefore the one to look at; :func:`gpuload.diagnose` names
-it when it waits at least ``STRAGGLER`` (5 points) more than the median rank, with the causes
+it when it waits at least ``gpuload.observe.diagnose.STRAGGLER`` (5 points) more than the median rank, with the causes
 the figures show (a cold cache where the others read theirs, a remote source, busy CPUs) and
 that rank's own diagnosis.
 """
@@ -19,11 +19,10 @@ import socket
 import statistics
 from dataclasses import dataclass
 
+from .diagnose import diagnose
 from .stats import Stats
 
-__all__ = ["RankFigures", "RankStats", "gather", "STRAGGLER"]
-
-STRAGGLER = 0.05  # a rank waiting this much more (fraction of its time) than the median rank is a straggler
+__all__ = ["RankFigures", "RankStats", "gather"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +59,6 @@ class RankStats:
         return statistics.median(r.stats.starvation for r in self.timed)
 
     def __str__(self) -> str:
-        from .diagnose import diagnose
-
         head = ("rank", "host", "waiting", "rows/s", "limited by", "chunks decoded", "cached", "remote requests")
         rows = []
         for r in self.ranks:
