@@ -39,7 +39,7 @@ def sources(tmp_path, monkeypatch):
 
 
 def _epoch(ds) -> np.ndarray:
-    out = np.sort(np.concatenate([b["x"].numpy() for b in ds]))
+    out = np.sort(np.concatenate([b["x"].cpu().numpy() for b in ds]))
     ds.reader.cache.flush()
     return out
 
@@ -88,12 +88,12 @@ def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_pat
     assert len(_chunks(c, sources["b"])) == 3
 
 
-def test_two_datasets_alternating_under_one_and_a_half_budgets_stay_exact_and_within_it(sources, tmp_path):
+def test_two_datasets_alternating_under_one_and_a_half_budgets_stay_exact_and_within_it(sources, tmp_path, device):
     c, size = tmp_path / "c", _chunk_bytes(tmp_path, sources["a"])
     space.write_quota(CacheRoot(c), int(size * 4.5))
     for _ in range(3):
         for k, name in enumerate("ab"):
-            ds = open_dataset(sources[name], ["x"], c, batch_size=25_000)
+            ds = open_dataset(sources[name], ["x"], c, batch_size=25_000, device=device)
             assert np.array_equal(_epoch(ds), _rows(k)) and _used(c) <= size * 4.5
             decoded = ds.reader.counters.decoded
             assert np.array_equal(_epoch(ds), _rows(k))  # alone in the budget: its second epoch reads no Parquet
