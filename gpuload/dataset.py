@@ -116,11 +116,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         loader takes what is left: a step whose own CPU work matters (torch intra-op threads
         on a small host) runs faster, at the price of more waiting for data when the cores
         are short (docs/benchmarks.md, "Peers").
-    max_cache_bytes : cache budget in bytes (default None: the folder's quota, ``gpuload cache
-        quota``, else the disk less a reserve of 10%, ``$GPULOAD_CACHE_RESERVE``). A chunk that
-        does not fit evicts the least recently used chunks no open dataset reads
-        (:mod:`gpuload.cache.evict`); when that is not enough it is read from Parquet every
-        epoch, and opening says how much of the dataset fits.
+    max_cache_bytes : this dataset's own cache budget in bytes (default None: none; split over
+        several folders). Whatever it says, the folder's quota (``gpuload cache quota``), else a
+        reserve of 10% of the disk (``$GPULOAD_CACHE_RESERVE``), holds: a chunk that does not fit
+        them evicts the least recently used chunks no open dataset reads
+        (:mod:`gpuload.cache.evict`). What does not fit is read from Parquet every epoch, and
+        opening says how much of the dataset fits.
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the

@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["device_bound", "file_bytes", "HostPool", "HostBudget", "host_budget"]
+__all__ = ["device_bound", "file_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
 
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
 
@@ -138,6 +138,14 @@ class HostBudget:
     @property
     def total(self) -> int:
         return sum(getattr(self, f.name) for f in fields(self))
+
+
+def size_text(nbytes: float) -> str:
+    """``nbytes`` for people: ``"1.25 GiB"``, ``"3.0 MiB"``, ``"12.0 KiB"``, ``"512 bytes"``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{int(nbytes)} bytes"
 
 
 def file_bytes(chunk_bytes: int, arrays: int) -> int:

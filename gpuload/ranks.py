@@ -41,6 +41,7 @@ __all__ = ["Ranks", "RankLayout", "SlurmTask", "resolve_ranks", "resolve_local_w
 
 log = logging.getLogger("gpuload")
 _TORCHRUN = ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")
+_LAUNCHED = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")  # the world size a launcher other than srun says
 _SPECIAL_STEPS = 0xFFFFFFF0  # Slurm's step ids from here up are the batch, extern and interactive steps
 _warned_batch = False
 
@@ -109,6 +110,9 @@ def slurm_task() -> SlurmTask | None:
                         "over the job's tasks", tasks)
         return None
     world = _env_int("SLURM_STEP_NUM_TASKS", 1)
+    mpi = os.environ.get("OMPI_COMM_WORLD_SIZE", "").strip()
+    if mpi and mpi != str(world):  # mpirun inside the allocation: its ranks are not srun's tasks
+        return None
     rank = _env_int("SLURM_PROCID", 0)
     rank = 0 if rank is None else rank
     if rank >= world:
@@ -206,13 +210,14 @@ class RankLayout:
                 rank = (group[0] if group else slurm.rank) if rank is None else rank
                 world = (group[1] if group else slurm.world) if world is None else world
             else:
-                launched = _env_int("WORLD_SIZE", 1)
+                name = next((n for n in _LAUNCHED if os.environ.get(n) is not None), "WORLD_SIZE")
+                launched = _env_int(name, 1)
                 if launched is not None and launched > 1:
                     if not strict:
                         return None
                     raise ConfigError(
-                        f"WORLD_SIZE={launched} in the environment (a launcher started this process: torchrun, "
-                        "Lightning, accelerate), but torch.distributed has no process group yet, so this rank "
+                        f"{name}={launched} in the environment (a launcher started this process: torchrun, "
+                        "Lightning, accelerate, mpirun), but torch.distributed has no process group yet, so this rank "
                         "would read every row: call torch.distributed.init_process_group() before iterating "
                         "the dataset (it may be made before), or pass rank= and world_size=")
         rank = 0 if rank is None else rank

@@ -33,7 +33,7 @@ from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
-from .memory import HostBudget, HostPool, device_bound, file_bytes, host_budget
+from .memory import HostBudget, HostPool, device_bound, file_bytes, host_budget, size_text
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -156,8 +156,8 @@ class ChunkReader:
                 if fit < window else "the rest is read from Parquet every epoch")
         log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
                     "less %s other live readers keep): %s. Cache it whole with %s more space, or use fewer columns",
-                    self.opts.cache_where, fit, len(self.chunks), _size(max(room, 0)), _size(need), limit,
-                    _size(others), what, _size(need - room))
+                    self.opts.cache_where, fit, len(self.chunks), size_text(max(room, 0)), size_text(need), limit,
+                    size_text(others), what, size_text(need - max(room, 0)))
 
     def _filtered(self, sizes: list, flt) -> list:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group
@@ -353,13 +353,6 @@ class ChunkReader:
         evicted (:meth:`resume` registers them again)."""
         self.remote_reads.close()
         self.cache.release()
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:,.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{int(nbytes)} bytes"
-
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:
     """Open ``source`` under ``options``: the device chosen and opened

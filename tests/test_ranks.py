@@ -447,3 +447,9 @@ def test_srun_tasks_per_node_are_not_taken_for_a_process_groups_ranks(source, tm
     process_group(3, 16)
     with pytest.raises(gpuload.ConfigError, match="srun started 2 tasks"):
         len(ds)
+
+
+def test_mpirun_inside_an_allocation_is_not_taken_for_srun(source, tmp_path, slurm_env):
+    slurm_env({**_srun(0, world=2, per_node="1(x2)"), "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_RANK": "5"})
+    with pytest.raises(gpuload.ConfigError, match="OMPI_COMM_WORLD_SIZE=16"):
+        list(_lazy(source, tmp_path / "c"))  # no process group: each rank would read every row

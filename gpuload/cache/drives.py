@@ -10,12 +10,13 @@ removing a folder moves only the chunks that folder takes or held. Each folder i
 waiting for it: the host memory bound counts them per folder), lock files, reserve,
 quota and eviction; a chunk's reads run where it lives, so the loader's threads
 (``num_threads``: at least one per drive) read several drives at once. A quota is per
-folder; ``max_cache_bytes`` is split evenly over the folders.
+folder; ``max_cache_bytes`` is split evenly over the folders that open.
 
-A folder that fails (read-only, an I/O error, gone, no permission: at open or on a write
-or lock) is left out of later writes, with one warning naming it; a folder that is full
-(its reserve, quota or budget, after eviction) or meets a passing error (too many open
-files) hands that chunk to the next folder in the chunk's order. Reads look in the first
+A folder that fails (a file cannot be written in it: read-only, an I/O error, gone, no
+permission; probed at open and after any write or lock error) is left out of later
+writes, with one warning naming it; a folder that is full (its reserve, quota or budget,
+after eviction), or whose error concerns one chunk only (a subfolder another user made,
+too many open files), hands that chunk to the next folder in the chunk's order. Reads look in the first
 folder the chunk would be written to, then in the others (chunks routed around a full
 or failed one are found there; a corrupt copy there is deleted). The small files
 (footers, vocabularies, column-set records) live in the first folder that opened.
@@ -34,7 +35,8 @@ from typing import Callable, Iterator
 
 import xxhash
 
-from .fs import CHUNK, ForeignEntry
+from .chunkfile import LAYOUT_DIR
+from .fs import CHUNK
 from .paths import ChunkKey
 from .store import ChunkCache
 from ..errors import CacheError
@@ -42,11 +44,6 @@ from ..errors import CacheError
 __all__ = ["Drives", "open_cache"]
 
 log = logging.getLogger("gpuload")
-
-#: errors that say the folder itself is unusable: it is left out of writes (others, such as a full disk
-#: or too many open files, pass: that chunk goes elsewhere)
-_BROKEN = (errno.EROFS, errno.EIO, errno.ENODEV, errno.ENXIO, errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.EPERM,
-           errno.ESTALE)
 
 
 def open_cache(cache_dir, max_bytes: int | None = None, *args, **kwargs):
@@ -76,11 +73,18 @@ class Drives:
                 if r is roots[-1] and not self.caches:
                     raise
                 log.warning("gpuload: cache folder %s left out: %s", r, e)
+        if max_bytes is not None:  # split over the folders that opened
+            for c in self.caches:
+                c.space.limit = max_bytes // len(self.caches)
         self.root = self.caches[0].root  #: the first folder that opened: footers, vocabularies, column-set records
         self._failed: dict[int, str] = {}  # folder index -> why it is left out of writes
         self._full: set[int] = set()  # folders that were full once (warned about)
         self._lock = threading.Lock()
         self._names = [str(c.root.path) for c in self.caches]
+        for i in range(len(self.caches)):  # a folder that cannot be written (read-only...) is left out now
+            error = self._broken(i)
+            if error is not None:
+                self._fail(i, error)
         spill = weakref.WeakMethod(self._spill)  # no cycle: the folders (and their records) go with this object
         for cache in self.caches:
             cache.spill = lambda *args: (lambda f: f is not None and f(*args))(spill())
@@ -96,6 +100,14 @@ class Drives:
     def _writable(self, key: ChunkKey) -> list[int]:
         return [i for i in self.order(key) if i not in self._failed]
 
+    def _broken(self, i: int) -> OSError | None:
+        """The ``OSError`` that writing a file in folder ``i``'s layout folder meets, None if it can be written."""
+        try:
+            self.caches[i].root.probe_write((LAYOUT_DIR,), "probe")
+        except OSError as e:
+            return None if e.errno in (errno.ENOSPC, errno.EDQUOT) else e  # full: routed around, not left out
+        return None
+
     def _fail(self, i: int, why: OSError) -> None:
         with self._lock:
             if i in self._failed:
@@ -109,8 +121,10 @@ class Drives:
         """A folder could not take ``key`` (``why``: no room, or an ``OSError``): write it to the
         next folder of its order that can; True if one did."""
         src = self.caches.index(cache)
-        if isinstance(why, OSError) and why.errno in _BROKEN and not isinstance(why, ForeignEntry):
-            self._fail(src, why)
+        if isinstance(why, OSError):  # the folder itself, or only this chunk's path?
+            error = self._broken(src)
+            if error is not None:
+                self._fail(src, error)
         order = self._writable(key)
         for i in order[order.index(src) + 1:] if src in order else order:
             other = self.caches[i]

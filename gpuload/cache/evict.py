@@ -76,25 +76,33 @@ def _text(groups) -> str:
 
 def register(root: CacheRoot, groups) -> Registration | None:
     """Register a live reader of ``groups`` (``(source folder, spec)`` pairs) in ``root``;
-    None when the folder cannot hold the record (read-only: nothing is written there
-    either, so nothing of ours can be evicted from it)."""
+    None when the folder cannot hold its lock (read-only: nothing is written there either,
+    so nothing of ours can be evicted from it). A record that cannot be written leaves the
+    lock held alone: evictions then keep everything (a warning says so)."""
     text = _text(groups)
     name = xxhash.xxh64_hexdigest(text.encode()) + ".groups"
     folder = Lock(root, _PARTS, _FOLDER_LOCK, shared=True)  # no eviction between our record and its lock
     lock = Lock(root, _PARTS, name + ".lock", shared=True)
     try:
-        if not (folder.acquire(timeout=_PATIENCE) and lock.acquire(timeout=_PATIENCE)):
+        ok = folder.acquire(timeout=_PATIENCE) and lock.acquire(timeout=_PATIENCE)
+    except OSError as e:  # no lock here (a read-only folder: nothing of ours can be evicted from it either)
+        ok = False
+        log.debug("gpuload: cannot register this reader in %s (%s)", root.path, e)
+    else:
+        if not ok:
             log.warning("gpuload: %s has been locked for %g s by a process making room in the cache; this "
                         "dataset's chunks are not protected from eviction", root.where(_PARTS), _PATIENCE)
-            lock.release()
-            return None
+    if not ok:
+        lock.release()
+        folder.release()
+        return None
+    try:
         st = root.lstat(_PARTS, name)
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != len(text):
             root.write(_PARTS, name, lambda fd: _write_all(fd, text.encode()))
-    except OSError as e:
-        lock.release()
-        log.debug("gpuload: cannot register this reader in %s (%s)", root.path, e)
-        return None
+    except OSError as e:  # the lock alone keeps everything here from eviction (an unreadable live record)
+        log.debug("gpuload: cannot write this reader's record in %s (%s); while it is open nothing is evicted "
+                    "from this cache folder", root.where(_PARTS), e.strerror or e)
     finally:
         folder.release()
     reg = Registration(root, name, lock)

@@ -1,24 +1,27 @@
-"""Cache space: the free space every cache leaves on its disk, and a cache folder's quota.
+"""Cache space: the free space every cache leaves on its disk, a cache folder's quota, and a
+dataset's own budget.
 
-A GPU node's local disk is shared by every job on it. Without a budget (``max_cache_bytes``
-unset and no quota), a cache writes a chunk only while the filesystem keeps at least a
-*reserve* free after it: ``RESERVE_FRACTION`` (10%) of the filesystem's size, or
-``$GPULOAD_CACHE_RESERVE`` (bytes with an optional K/M/G/T suffix, or a percentage such as
-``"5%"``). A chunk that does not fit is served from Parquet as any uncached chunk is, with one
-warning, and later chunks are written again once space is freed: the cache never fills the
-disk another job needs. A *quota* (``gpuload cache quota 500G``: a small file ``quota`` in the
-cache folder) budgets the whole folder for every process that uses it, as ``max_cache_bytes``
-budgets one dataset; ``max_cache_bytes`` given to a dataset overrides it.
+A GPU node's local disk is shared by every job on it. Without a quota, a cache writes a
+chunk only while the filesystem keeps at least a *reserve* free after it:
+``RESERVE_FRACTION`` (10%) of the filesystem's size, or ``$GPULOAD_CACHE_RESERVE`` (bytes
+with an optional K/M/G/T suffix, or a percentage such as ``"5%"``). A chunk that does not
+fit is served from Parquet as any uncached chunk is, with one warning, and later chunks are
+written again once space is freed: the cache never fills the disk another job needs. A
+*quota* (``gpuload cache quota 500G``: a small file ``quota`` in the cache folder, read
+when a dataset opens) budgets the whole folder for every process that uses it, in place
+of the reserve. ``max_cache_bytes`` budgets one dataset's chunks within that: it counts
+only the dataset's own chunk files, is never met by evicting (not others', which do not
+count against it, nor its own), and the quota or reserve still hold.
 
-:class:`Space` applies these to each chunk write. When a chunk does not fit, the writer
-takes the folder's budget lock and makes room by evicting the least recently used
-chunks no live reader needs (:func:`gpuload.cache.evict.make_room`); only if that is not
-enough is the chunk left uncached, and the folder is then not surveyed again for
-:data:`RETRY_S` seconds. An eviction makes room for several chunks at once (eight of
-this one's size, at most a sixteenth of a budget), so the surveys come once per several
-writes, not per write. With a budget the check and the write happen under the lock, so
-the budget holds exactly; with the reserve the common case takes no lock, and racing
-writers may each go at most one chunk below it.
+:class:`Space` applies these to each chunk write. When a chunk does not fit the quota or
+reserve, the writer takes the folder's budget lock and makes room by evicting the least
+recently used chunks no live reader needs (:func:`gpuload.cache.evict.make_room`); only if
+that is not enough is the chunk left uncached, and the folder is then not surveyed again
+for :data:`RETRY_S` seconds. An eviction makes room for several chunks at once (eight of
+this one's size, at most a sixteenth of a quota), so the surveys come once per several
+writes, not per write. Under a quota or ``max_cache_bytes`` the check and the write happen
+under the lock, so they hold exactly; with the reserve the common case takes no lock, and
+racing writers may each go at most one chunk below it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR
 from .evict import make_room, usage
 from .fs import CacheRoot, Lock
+from ..memory import size_text
 
 __all__ = ["RESERVE_FRACTION", "RETRY_S", "QUOTA_FILE", "Space", "parse_size", "reserve_bytes", "free_bytes",
            "read_quota", "write_quota", "used_bytes"]
@@ -110,50 +114,73 @@ def used_bytes(root: CacheRoot) -> int:
 
 
 class Space:
-    """The room a cache folder has for chunks (see the module doc).
+    """The room a cache folder has for one dataset's chunks (see the module doc).
 
     Parameters
     ----------
     root : the cache folder.
-    max_bytes : the budget in bytes; None (default): the folder's quota, else the reserve.
+    max_bytes : this dataset's budget in this folder (``max_cache_bytes``), counting the chunk
+        files of its groups (:attr:`groups`; all the folder's until it registers); None (default):
+        no budget of its own. Never met by evicting: other datasets do not count against it,
+        and its own chunks stay.
     patience : seconds to wait for the budget lock another writer holds (default 60).
+
+    Whatever ``max_bytes`` says, the folder's quota (``gpuload cache quota``), else the reserve
+    of its disk, holds too, made room for by evicting what no live reader needs.
     """
 
     def __init__(self, root: CacheRoot, max_bytes: int | None = None, patience: float = 60.0):
         self.root, self.patience = root, patience
-        #: the budget: ``max_bytes``, else the folder's quota (``gpuload cache quota``), else None (the reserve)
-        self.max_bytes = max_bytes if max_bytes is not None else read_quota(root)
-        try:  #: bytes the filesystem keeps free (0 under a budget); ValueError for a bad $GPULOAD_CACHE_RESERVE
-            self.reserve = reserve_bytes(root.path) if self.max_bytes is None else 0
+        self.limit = max_bytes  #: this dataset's budget here, or None
+        self.quota = read_quota(root)  #: the folder's budget for every process (read at open), or None
+        try:  #: bytes the filesystem keeps free (0 under a quota); ValueError for a bad $GPULOAD_CACHE_RESERVE
+            self.reserve = reserve_bytes(root.path) if self.quota is None else 0
         except OSError:  # no statvfs here: no reserve kept
             self.reserve = 0
+        self.groups: set | None = None  #: this dataset's chunk groups (set when it registers)
         self._refused: tuple[float, str] | None = None  # (monotonic time, why) of the last refusal
 
-    def short(self, nbytes: int) -> int:
-        """Bytes to free before a chunk of ``nbytes`` fits (<= 0: it fits now)."""
-        if self.max_bytes is not None:
-            return used_bytes(self.root) + nbytes - self.max_bytes
+    @property
+    def max_bytes(self) -> int | None:
+        """The budget that binds this dataset first: ``max_bytes``, else the quota, else None (the reserve)."""
+        return self.limit if self.limit is not None else self.quota
+
+    def _usage(self) -> tuple[int, int]:
+        """(bytes of every chunk file here, bytes of this dataset's)."""
+        used = own = 0
+        for parts, name, st in chunk_files(self.root):
+            used += st.st_size
+            own += st.st_size if self.groups is None or (parts[1], name[:16]) in self.groups else 0
+        return used, own
+
+    def short(self, nbytes: int, used: int | None = None) -> int:
+        """Bytes the folder must free before a chunk of ``nbytes`` fits its quota or reserve (<= 0: it
+        fits now); ``used``: the chunk files' bytes, when known."""
+        if self.quota is not None:
+            return (used if used is not None else used_bytes(self.root)) + nbytes - self.quota
         return self.reserve - (free_bytes(self.root.path) - nbytes) if self.reserve else 0
 
     def room_for(self, groups, need: int) -> tuple[int, int]:
-        """(bytes the chunks of ``groups`` may take here: the budget, or the chunk files and the free
-        space above the reserve, less what other live readers keep; those bytes kept). Without a
-        budget, when ``need`` bytes fit in the free space alone, that free space (no survey)."""
-        above = None if self.max_bytes is not None else free_bytes(self.root.path) - self.reserve
+        """(bytes the chunks of ``groups`` may take here: ``max_bytes`` at most, and the quota, or the
+        chunk files and the free space above the reserve, less what other live readers keep; those
+        bytes kept). Without a quota, when ``need`` bytes fit in the free space alone, that free
+        space (no survey)."""
+        above = None if self.quota is not None else free_bytes(self.root.path) - self.reserve
         if above is not None and above >= need:
-            return above, 0
+            return (above if self.limit is None else min(above, self.limit)), 0
         others, used = usage(self.root, groups)
-        return (self.max_bytes if above is None else used + above) - others, others
+        room = (self.quota if above is None else used + above) - others
+        return (room if self.limit is None else min(room, self.limit)), others
 
     @contextmanager
     def room(self, nbytes: int) -> Iterator[str | OSError | None]:
         """Yields None when a chunk of ``nbytes`` may be written now (write it inside the
-        block), else why not: ``"budget"``, ``"reserve"``, ``"held"`` (another process held
-        the budget lock ``patience`` seconds) or the ``OSError`` that kept it from the lock."""
-        if self.max_bytes is None and self.short(nbytes) <= 0:
+        block), else why not: ``"budget"`` (``max_bytes`` or the quota), ``"reserve"``, ``"held"``
+        (another process held the budget lock ``patience`` seconds) or the ``OSError`` that kept
+        it from the lock."""
+        if self.limit is None and self.quota is None and self.short(nbytes) <= 0:
             yield None  # the common case: no lock
             return
-        why = "budget" if self.max_bytes is not None else "reserve"
         if self._refused is not None and time.monotonic() - self._refused[0] < RETRY_S:
             yield self._refused[1]
             return
@@ -167,30 +194,37 @@ class Space:
             yield "held"
             return
         try:
-            short = self.short(nbytes)
-            if short > 0:  # room for this chunk and the next few: an eviction surveys the whole folder
-                slack = _SLACK * nbytes if self.max_bytes is None else min(_SLACK * nbytes, self.max_bytes // 16)
-                freed = make_room(self.root, max(short, slack))
-                # under a budget every write happens under this lock: the usage only fell by what was freed;
-                # without, ask the disk (a file still open elsewhere frees nothing yet)
-                short = short - freed if self.max_bytes is not None else self.short(nbytes)
-            if short > 0:
-                self._refused = (time.monotonic(), why)
-                yield why
-            else:
-                self._refused = None
-                yield None
+            why = self._make_room(nbytes)
+            self._refused = None if why is None else (time.monotonic(), why)
+            yield why
         finally:
             lock.release()
+
+    def _make_room(self, nbytes: int) -> str | None:
+        """Holding the budget lock: None when ``nbytes`` more fit (after evicting for the quota or
+        reserve), else ``"budget"`` or ``"reserve"``."""
+        used, own = self._usage() if self.limit is not None or self.quota is not None else (None, 0)
+        if self.limit is not None and own + nbytes > self.limit:
+            return "budget"  # its own budget: never met by evicting
+        short = self.short(nbytes, used)
+        if short > 0:  # room for this chunk and the next few: an eviction surveys the whole folder
+            slack = _SLACK * nbytes if self.quota is None else min(_SLACK * nbytes, self.quota // 16)
+            freed = make_room(self.root, max(short, slack))
+            # under a quota every write happens under this lock: the usage only fell by what was freed;
+            # without, ask the disk (a file still open elsewhere frees nothing yet)
+            short = short - freed if self.quota is not None else self.short(nbytes)
+        if short > 0:
+            return "budget" if self.quota is not None else "reserve"
+        return None
 
     def refusal(self, why) -> str:
         """What to tell the user when :meth:`room` said ``why`` (not ``"budget"``: a budget's
         refusals are counted, not warned about)."""
         if why == "reserve":
-            return (f"the disk of cache {self.root.path} has {free_bytes(self.root.path) / 2**30:,.1f} GiB free, and "
-                    f"caches keep {self.reserve / 2**30:,.1f} GiB free for other jobs ($GPULOAD_CACHE_RESERVE, default "
+            return (f"the disk of cache {self.root.path} has {size_text(free_bytes(self.root.path))} free, and "
+                    f"caches keep {size_text(self.reserve)} free for other jobs ($GPULOAD_CACHE_RESERVE, default "
                     "10% of the disk), even after evicting what no live reader needs: chunks are read from Parquet "
-                    "until space is freed (or set max_cache_bytes, or a quota: `gpuload cache quota`)")
+                    "until space is freed (or set a quota: `gpuload cache quota`)")
         if why == "held":
             return (f"the cache budget has been locked by another process for {self.patience:g} s; chunks are not "
                     "cached meanwhile")

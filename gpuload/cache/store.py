@@ -339,14 +339,18 @@ class ChunkCache:
 
     def register(self, groups) -> None:
         """Keep this reader's chunks (``(source folder, spec)`` groups) from eviction while
-        this cache is open (:func:`gpuload.cache.evict.register`); again: the use dated anew."""
+        this cache is open (:func:`gpuload.cache.evict.register`), and count them against
+        ``max_bytes``; again: the use dated anew."""
+        self.space.groups = set(groups)
         if self.registration is None:
             self.registration = register(self.root, groups)
         else:
             self.registration.touch()
 
     def release(self) -> None:
-        """Let this reader's chunks be evicted again (:meth:`register` takes them back)."""
+        """Let this reader's chunks be evicted again, once its pending writes are done (:meth:`register`
+        takes them back)."""
+        self.flush()  # a pending write that needs room must not evict this reader's own chunks
         reg, self.registration = self.registration, None
         if reg is not None:
             reg.release()

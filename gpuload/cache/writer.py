@@ -8,11 +8,14 @@ the host memory bound counts them (:func:`gpuload.memory.host_budget`, ``pending
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 __all__ = ["PENDING", "Writer"]
+
+log = logging.getLogger("gpuload")
 
 PENDING = 2  #: chunks that may wait for one writer thread at once
 
@@ -38,7 +41,9 @@ class Writer:
 
     def _write_and_release(self, write: Callable, key, cols: dict, lock) -> None:
         try:
-            write(key, cols)
+            write(key, cols)  # an OSError is the write's to say; anything else would be lost in the pool
+        except Exception:
+            log.exception("gpuload: writing the cache file of %s failed; the chunk is not cached", key)
         finally:
             lock.release()
             self._slots.release()

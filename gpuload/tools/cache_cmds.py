@@ -13,7 +13,7 @@ from ..cache.paths import cache_dirs, default_cache_dir, split_dirs
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
-from ..errors import ConfigError
+from ..errors import ConfigError, GpuloadError
 from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
 __all__ = ["add_cache_commands"]
@@ -89,7 +89,15 @@ def _each_folder(fn):
         folders = cache_dirs(split_dirs(args.cache_dir, "--cache-dir") if args.cache_dir else default_cache_dir())
         if not isinstance(folders, tuple):
             return fn(argparse.Namespace(**{**vars(args), "cache_dir": str(folders)}))
-        return max(fn(argparse.Namespace(**{**vars(args), "cache_dir": str(f)})) for f in folders)
+        worst = 0
+        for f in folders:  # a folder that fails (a dead drive) is said, and the others still done
+            print(f"== {f}")
+            try:
+                worst = max(worst, fn(argparse.Namespace(**{**vars(args), "cache_dir": str(f)})))
+            except GpuloadError as e:
+                print(f"gpuload: {e}")
+                worst = max(worst, 1)
+        return worst
     return run
 
 
@@ -307,7 +315,8 @@ def add_cache_commands(sub) -> None:
     add_source_flags(b)
     add_chunk_flags(b)
     b.add_argument("--threads", type=int, help=f"decode threads (default {Options.num_threads})")
-    b.add_argument("--max-gib", type=float, help="cache budget in GiB (default unbounded)")
+    b.add_argument("--max-gib", type=float, help="this dataset's cache budget in GiB, within the folder's quota "
+                   "or reserve (default none)")
     b.add_argument("--device", default=BUILD_DEVICE, help=f"cpu, cuda or auto: where to decode (default {BUILD_DEVICE})")
     how = b.add_mutually_exclusive_group()
     how.add_argument("--scheduler", help="build on this Dask cluster (a scheduler address, tcp://host:8786)")

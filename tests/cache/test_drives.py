@@ -168,13 +168,19 @@ def test_a_corrupt_copy_in_another_folder_is_deleted_once(source, folders, caplo
 def test_a_drive_remounted_read_only_mid_epoch_is_routed_around(source, tmp_path, tiny_fs, caplog):
     import subprocess
 
-    drive, disk = tiny_fs("nvme1", size="64m"), tmp_path / "nvme0"
+    disk, keys = tmp_path / "nvme0", [open_dataset(source, ["x"], tmp_path / "probe").reader.key(i) for i in range(FILES)]
+    for n in range(50):  # a drive name whose chunks come early and again later in file order
+        name = f"nvme1-{n}"
+        mine = [i for i, k in enumerate(keys) if Drives([tmp_path / name, disk]).order(k)[0] == 0]
+        if mine and mine[0] <= 5 and any(i >= mine[0] + 4 for i in mine):
+            break
+    drive = tiny_fs(name, size="64m")
     ds = open_dataset(source, ["x"], [drive, disk], batch_size=5000, shuffle=False, prefetch=0, num_threads=1)
     got = []
     with caplog.at_level(logging.WARNING, logger="gpuload"):
         for i, batch in enumerate(ds):
             got.append(batch["x"].numpy().copy())
-            if i == 8:  # the drive goes read-only under the running epoch
+            if i == 4 * mine[0] + 3:  # the drive's first chunk is written: it goes read-only under the epoch
                 ds.reader.cache.flush()
                 assert subprocess.run(["mount", "-o", "remount,ro", str(drive)]).returncode == 0
         ds.reader.cache.flush()
@@ -182,7 +188,7 @@ def test_a_drive_remounted_read_only_mid_epoch_is_routed_around(source, tmp_path
     warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
     assert len(warned) == 1 and str(drive) in warned[0] and "Read-only" in warned[0]
     on_drive, decoded = _chunks(drive), ds.reader.counters.decoded
-    assert on_drive and len(on_drive | _chunks(disk)) == FILES  # what it took before stays readable
+    assert keys[mine[0]].name in on_drive and len(on_drive | _chunks(disk)) == FILES  # what it took stays readable
     assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
     assert ds.reader.counters.decoded == decoded  # every chunk cached, on one drive or the other
 

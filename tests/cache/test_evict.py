@@ -10,13 +10,15 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
 import pytest
 
+import gpuload
 from gpuload.cache import evict, space
-from gpuload.cache.fs import CacheRoot, Lock
+from gpuload.cache.fs import CHUNK, CacheRoot, Lock
 from gpuload.tools.cli import main
 
 from conftest import open_dataset, write_parquet
@@ -253,7 +255,7 @@ def test_readers_racing_under_a_small_budget_with_sigkills_stay_exact_and_within
     assert main(["cache", "verify", "--cache-dir", str(c)]) == 0
 
 
-def test_a_reader_registering_during_an_eviction_keeps_its_chunks(sources, tmp_path, monkeypatch):
+def test_a_reader_registering_during_an_eviction_waits_for_its_deletions(sources, tmp_path, monkeypatch):
     c = tmp_path / "c"
     both = [open_dataset(sources[n], ["x"], c, batch_size=25_000) for n in "ab"]
     for ds in both:
@@ -261,14 +263,46 @@ def test_a_reader_registering_during_an_eviction_keeps_its_chunks(sources, tmp_p
     groups_a = both[0].reader.groups
     for ds in both:
         ds.close()
-    root, held, walk = CacheRoot(c), [], evict.chunk_files
+    root, held, during = CacheRoot(c), [], []
+    registered = threading.Event()
+    unlink = root.unlink
 
-    def walk_then_register(r, *args):  # a reader of a alone (a new record) opens while the eviction lists files
-        files = list(walk(r, *args))
-        held.append(evict.register(r, groups_a))
-        return files
+    def register_a():  # a reader of a opens while the eviction deletes
+        held.append(evict.register(CacheRoot(c), groups_a))
+        registered.set()
 
-    monkeypatch.setattr(evict, "chunk_files", walk_then_register)
-    assert evict.make_room(root, 1 << 40) > 0 and held[0] is not None
-    assert len(_chunks(c, sources["a"])) == 3 and not _chunks(c, sources["b"])  # its chunks stay; b's went
+    def slow_unlink(parts, name, pattern):
+        if pattern is CHUNK and not during:
+            threading.Thread(target=register_a).start()
+            during.append(registered.wait(0.5))  # it must wait: the eviction decided without it
+        return unlink(parts, name, pattern)
+
+    monkeypatch.setattr(root, "unlink", slow_unlink)
+    assert evict.make_room(root, 1 << 40) > 0
+    assert during == [False] and registered.wait(10) and held[0] is not None  # registered after the deletions
+    assert {d["live"] for d in evict.datasets(CacheRoot(c)) if d["files"] == 3} >= {True}
     held[0].release()
+
+
+def test_max_cache_bytes_budgets_one_dataset_and_never_evicts_another(sources, tmp_path):
+    c, size = tmp_path / "c", _chunk_bytes(tmp_path, sources["a"])
+    b = open_dataset(sources["b"], ["x"], c, batch_size=25_000)
+    _epoch(b)
+    b.close()  # b's chunks may be evicted for the folder's quota or reserve, not for a's own budget
+    kept = _chunks(c, sources["b"])
+    a = open_dataset(sources["a"], ["x"], c, batch_size=25_000, max_cache_bytes=int(1.5 * size))
+    assert np.array_equal(_epoch(a), _rows(0)) and np.array_equal(_epoch(a), _rows(0))
+    assert len(_chunks(c, sources["a"])) == 1 and _chunks(c, sources["b"]) == kept  # b untouched
+    assert a.reader.counters.decoded == 3 + 2  # a keeps its one chunk; the other two stream each epoch
+
+
+@pytest.mark.slow  # mounts a tmpfs
+def test_a_build_keeps_what_it_wrote_when_its_last_writes_need_room(tmp_path, tiny_fs, monkeypatch):
+    for i in range(7):  # seven chunks of 0.8 MB on an 8 MB disk that keeps 3 MB free: the last ones must evict
+        write_parquet(tmp_path / "src" / f"{i}.parquet", {"x": np.arange(i * 100_000, (i + 1) * 100_000)})
+    cache = tiny_fs("nvme", size="8m")
+    monkeypatch.setenv("GPULOAD_CACHE_RESERVE", "3M")
+    summary = gpuload.build_cache(tmp_path / "src", cache, ["x"], num_threads=4, progress=False)
+    on_disk = len(list(cache.rglob("*.glc")))
+    assert on_disk == summary.built + summary.already_cached > 0, str(summary)  # none of its own evicted
+    assert summary.built + summary.over_reserve == 7

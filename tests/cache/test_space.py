@@ -72,19 +72,24 @@ def test_a_chunk_that_would_eat_into_the_reserve_is_served_but_not_cached(data, 
     assert summary.built == summary.chunks and _files(tmp_path / "c") == summary.chunks
 
 
-def test_a_quota_budgets_the_folder_for_every_dataset_and_max_cache_bytes_overrides_it(data, tmp_path):
+def test_a_quota_budgets_the_folder_and_max_cache_bytes_the_dataset_within_it(data, tmp_path):
     gpuload.build_cache(data, tmp_path / "one", ["x"], progress=False)
     chunk = max(p.stat().st_size for p in (tmp_path / "one").rglob("*.glc"))
     space.write_quota(CacheRoot(tmp_path / "c"), int(chunk * 1.5))  # room for one chunk
     summary = gpuload.build_cache(data, tmp_path / "c", ["x"], progress=False)
     assert summary.built == 1 and summary.over_budget == summary.chunks - 1 and summary.quota
     assert "the cache folder's quota" in str(summary)
-    ds = open_dataset(data, ["x"], tmp_path / "c", max_cache_bytes=10 * chunk)  # the dataset's own budget wins
+    ds = open_dataset(data, ["x"], tmp_path / "c", max_cache_bytes=10 * chunk)  # the folder's quota still holds
     assert ds.reader.cache.max_bytes == 10 * chunk
     list(ds)
-    assert _files(tmp_path / "c") == summary.chunks
+    ds.reader.cache.flush()
+    assert _files(tmp_path / "c") == 1
     space.write_quota(CacheRoot(tmp_path / "c"), None)
     assert space.read_quota(CacheRoot(tmp_path / "c")) is None
+    ds = open_dataset(data, ["x"], tmp_path / "c", max_cache_bytes=int(2.5 * chunk))  # no quota: its own budget
+    list(ds)
+    ds.reader.cache.flush()
+    assert _files(tmp_path / "c") == 2
 
 
 def test_the_quota_command_sets_shows_and_removes_it(tmp_path, capsys):
