@@ -8,7 +8,7 @@ with an optional K/M/G/T suffix, or a percentage such as ``"5%"``). A chunk that
 fit is served from Parquet as any uncached chunk is, with one warning, and later chunks are
 written again once space is freed: the cache never fills the disk another job needs. A
 *quota* (``gpuload cache quota 500G``: a small file ``quota`` in the cache folder, read
-when a dataset opens) budgets the whole folder for every process that uses it, in place
+when a dataset opens and every :data:`RETRY_S` seconds after) budgets the whole folder for every process that uses it, in place
 of the reserve. ``max_cache_bytes`` budgets one dataset's chunks within that: it counts
 only the dataset's own chunk files, is never met by evicting (not others', which do not
 count against it, nor its own), and the quota or reserve still hold.
@@ -26,6 +26,7 @@ racing writers may each go at most one chunk below it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -139,6 +140,19 @@ class Space:
             self.reserve = 0
         self.groups: set | None = None  #: this dataset's chunk groups (set when it registers)
         self._refused: tuple[float, str] | None = None  # (monotonic time, why) of the last refusal
+        self._checked = time.monotonic()  # when the quota file was last read
+
+    def _reread(self) -> None:
+        """Read the folder's quota again every :data:`RETRY_S` seconds: one set, changed or removed
+        while this dataset runs binds it then."""
+        if time.monotonic() - self._checked < RETRY_S:
+            return
+        self._checked = time.monotonic()
+        quota = read_quota(self.root)
+        if quota != self.quota:
+            with contextlib.suppress(ValueError, OSError):
+                self.reserve = reserve_bytes(self.root.path) if quota is None else 0
+            self.quota, self._refused = quota, None
 
     @property
     def max_bytes(self) -> int | None:
@@ -178,6 +192,7 @@ class Space:
         block), else why not: ``"budget"`` (``max_bytes`` or the quota), ``"reserve"``, ``"held"``
         (another process held the budget lock ``patience`` seconds) or the ``OSError`` that kept
         it from the lock."""
+        self._reread()
         if self.limit is None and self.quota is None and self.short(nbytes) <= 0:
             yield None  # the common case: no lock
             return

@@ -104,3 +104,21 @@ def test_the_quota_command_sets_shows_and_removes_it(tmp_path, capsys):
     assert main(["cache", "quota", "lots", "--cache-dir", cache]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cache quota 'lots'" in err
+
+
+def test_a_quota_set_while_a_dataset_runs_binds_it_within_the_retry_time(data, tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(space.time, "monotonic", lambda: clock[0])  # a virtual clock
+    ds = open_dataset(data, ["x"], tmp_path / "c", batch_size=500)
+    assert ds.reader.cache.max_bytes is None
+    space.write_quota(CacheRoot(tmp_path / "c"), 1)  # no room for any chunk
+    clock[0] += space.RETRY_S - 1
+    list(ds)
+    ds.reader.cache.flush()
+    assert _files(tmp_path / "c") == 3  # not read yet: the reserve still rules
+    for p in (tmp_path / "c").rglob("*.glc"):
+        p.unlink()
+    clock[0] += 2
+    list(ds)
+    ds.reader.cache.flush()
+    assert ds.reader.cache.max_bytes == 1 and _files(tmp_path / "c") == 0  # read again: nothing fits
