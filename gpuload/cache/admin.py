@@ -29,7 +29,8 @@ from .kept import KEPT_SUFFIX, check_kept_file
 from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
 from ..schema import desc_outputs
 
-__all__ = ["Problem", "walk", "chunk_files", "temporaries", "record_spec", "specs", "summary", "verify_all", "delete", "clear"]
+__all__ = ["Problem", "walk", "chunk_files", "temporaries", "record_spec", "specs", "summary", "verify_all", "delete", "clear",
+           "drop_free_lock"]
 
 _LAYOUT, _SPECS, _VOCABS = LAYOUT_DIR, SPECS_DIR, VOCAB_DIR
 
@@ -309,7 +310,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
             continue  # footers serve every column set: only a full clear removes them
         try:
             if LOCK.fullmatch(name):
-                gone = _drop_free_lock(root, parts, name)
+                gone = drop_free_lock(root, parts, name)
             else:
                 pattern = next(p for p in (CHUNK, FOOTER, TEMP) if p.fullmatch(name))
                 gone = root.unlink(parts, name, pattern)
@@ -324,7 +325,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     for name, st in _vocab_folder(root, problems, foreign):  # they serve every column set: a full clear only
         if chosen is None:
             try:
-                gone = (_drop_free_lock(root, (_LAYOUT, _VOCABS), name) if LOCK.fullmatch(name) else
+                gone = (drop_free_lock(root, (_LAYOUT, _VOCABS), name) if LOCK.fullmatch(name) else
                         root.unlink((_LAYOUT, _VOCABS), name, VOCAB if VOCAB.fullmatch(name) else TEMP))
             except OSError as e:
                 failed.append(f"{root.where((_LAYOUT, _VOCABS), name)} ({e.strerror or e})")
@@ -357,23 +358,22 @@ def _clear_records(root: CacheRoot, foreign: list, failed: list) -> int:
         elif USES.fullmatch(name):
             lock = Lock(root, parts, name + ".lock")
             try:
-                if lock.acquire(blocking=False):
+                if lock.acquire(blocking=False):  # no reader holds it: its lock file goes below
                     n += root.unlink(parts, name, USES) is not None
-                    n += root.unlink(parts, name + ".lock", LOCK) is not None
             except OSError as e:
                 failed.append(f"{root.where(parts, name)} ({e.strerror or e})")
             finally:
                 lock.release()
         elif TEMP.fullmatch(name):
             n += root.unlink(parts, name, TEMP) is not None
-    for name, _ in _scan(root, parts, None):  # the folder's own lock, and locks of records already gone
-        if LOCK.fullmatch(name) and _drop_free_lock(root, parts, name) is not None:
+    for name, _ in _scan(root, parts, None):  # the lock files no one holds: the records', and the folder's own
+        if LOCK.fullmatch(name) and drop_free_lock(root, parts, name) is not None:
             n += 1
     root.rmdir((_LAYOUT,), USES_DIR)
     return n
 
 
-def _drop_free_lock(root: CacheRoot, parts, name: str) -> os.stat_result | None:
+def drop_free_lock(root: CacheRoot, parts, name: str) -> os.stat_result | None:
     """Delete lock file ``name`` unless a builder holds it; its lstat if deleted."""
     lock = Lock(root, parts, name)
     try:

@@ -31,7 +31,7 @@ import os
 import threading
 import weakref
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import xxhash
 
@@ -64,11 +64,10 @@ class Drives:
     """
 
     def __init__(self, roots, max_bytes: int | None = None, *args, **kwargs):
-        share = None if max_bytes is None else max_bytes // len(roots)
         self.caches: list[ChunkCache] = []
         for r in roots:
             try:
-                self.caches.append(ChunkCache(r, share, *args, **kwargs))
+                self.caches.append(ChunkCache(r, None, *args, **kwargs))
             except CacheError as e:  # a folder that cannot be made: left out while another works
                 if r is roots[-1] and not self.caches:
                     raise
@@ -78,7 +77,7 @@ class Drives:
                 c.space.limit = max_bytes // len(self.caches)
         self.root = self.caches[0].root  #: the first folder that opened: footers, vocabularies, column-set records
         self._failed: dict[int, str] = {}  # folder index -> why it is left out of writes
-        self._full: set[int] = set()  # folders that were full once (warned about)
+        self._full: set[int] = set()  # folders found full once (warned about)
         self._lock = threading.Lock()
         self._names = [str(c.root.path) for c in self.caches]
         for i in range(len(self.caches)):  # a folder that cannot be written (read-only...) is left out now
@@ -86,8 +85,13 @@ class Drives:
             if error is not None:
                 self._fail(i, error)
         spill = weakref.WeakMethod(self._spill)  # no cycle: the folders (and their records) go with this object
+
+        def spill_on(*args) -> bool:
+            method = spill()
+            return method is not None and method(*args)
+
         for cache in self.caches:
-            cache.spill = lambda *args: (lambda f: f is not None and f(*args))(spill())
+            cache.spill = spill_on
 
     # -- where a chunk goes --------------------------------------------------------------
     def order(self, key: ChunkKey) -> list[int]:
@@ -132,11 +136,13 @@ class Drives:
                 full = why in ("budget", "reserve") or getattr(why, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
                 with self._lock:
                     first = full and src not in self._full
-                    if full:
+                    if first:
                         self._full.add(src)
-                log.log(logging.WARNING if first else logging.DEBUG, "gpuload: cache folder %s is full (%s); its "
-                        "chunks go to the next folders (%s here) while it is", cache.root.path,
-                        why if isinstance(why, str) else why.strerror, other.root.path)
+                if first:
+                    log.warning("gpuload: cache folder %s is full (%s); its chunks go to the next folders (%s here) "
+                                "while it is", cache.root.path, why if isinstance(why, str) else why.strerror,
+                                other.root.path)
+                log.debug("gpuload: %s went to %s instead of %s (%s)", key.name, other.root.path, cache.root.path, why)
                 return True
         return False
 
@@ -208,19 +214,6 @@ class Drives:
         budgets = [c.max_bytes for c in self.caches]
         return None if None in budgets else sum(budgets)
 
-    @property
-    def reserve(self) -> int:
-        return self.caches[0].reserve
-
-    @property
-    def full(self) -> bool:
-        return all(c.full for c in self.caches)
-
-    @property
-    def failed(self) -> dict[int, str]:
-        """The folders left out of writes (index -> why)."""
-        return dict(self._failed)
-
     def flush(self) -> None:
         for c in self.caches:
             c.flush()
@@ -252,7 +245,3 @@ class Drives:
     def touch_spec(self, key_spec: str, desc: list) -> None:
         for c in self.caches:  # each folder describes its own column sets (`gpuload cache info`)
             c.touch_spec(key_spec, desc)
-
-    def entries(self) -> Iterator[Path]:
-        for c in self.caches:
-            yield from c.entries()

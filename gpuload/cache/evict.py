@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from .admin import chunk_files
-from .chunkfile import LAYOUT_DIR, USES_DIR
+from .admin import chunk_files, drop_free_lock
+from .chunkfile import LAYOUT_DIR, USES_DIR, pwrite_all
 from .fs import CHUNK, LOCK, USES, CacheRoot, Lock
 
 __all__ = ["USES_DIR", "Registration", "register", "Survey", "survey", "make_room", "usage", "datasets"]
@@ -99,7 +99,7 @@ def register(root: CacheRoot, groups) -> Registration | None:
     try:
         st = root.lstat(_PARTS, name)
         if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != len(text):
-            root.write(_PARTS, name, lambda fd: _write_all(fd, text.encode()))
+            root.write(_PARTS, name, lambda fd: pwrite_all(fd, text.encode(), 0))
     except OSError as e:  # the lock alone keeps everything here from eviction (an unreadable live record)
         log.debug("gpuload: cannot write this reader's record in %s (%s); while it is open nothing is evicted "
                     "from this cache folder", root.where(_PARTS), e.strerror or e)
@@ -108,12 +108,6 @@ def register(root: CacheRoot, groups) -> Registration | None:
     reg = Registration(root, name, lock)
     reg.touch()
     return reg
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def _groups(root: CacheRoot, name: str) -> set[tuple[str, str]] | None:
@@ -142,6 +136,7 @@ class Survey:
     last_use: dict = field(default_factory=dict)  #: group -> latest mtime of the free records naming it
     unknown: bool = False  #: a live reader whose record cannot be read: evict nothing
     free: dict = field(default_factory=dict)  #: record name -> its groups, for records no reader holds
+    records: dict = field(default_factory=dict)  #: record name -> (its groups, its mtime, live), every record file
 
 
 def survey(root: CacheRoot) -> Survey:
@@ -162,9 +157,11 @@ def survey(root: CacheRoot) -> Survey:
         finally:
             lock.release()
         groups = _groups(root, name)
+        st = entries.get(name)
+        when = st.st_mtime if st is not None else 0.0
+        if st is not None:  # (a lock without its record: a reader writing it)
+            out.records[name] = (groups or set(), when, not free)
         if free:
-            st = entries.get(name)
-            when = st.st_mtime if st is not None else 0.0
             for g in groups or ():
                 out.last_use[g] = max(out.last_use.get(g, 0.0), when)
             out.free[name] = groups or set()
@@ -212,20 +209,10 @@ def make_room(root: CacheRoot, nbytes: int) -> int:
             if not any(left.get(g) for g in groups):
                 with contextlib.suppress(OSError):
                     root.unlink(_PARTS, name, USES)
-                    _drop_free(root, name + ".lock")
+                    drop_free_lock(root, _PARTS, name + ".lock")
     finally:
         folder.release()
     return freed
-
-
-def _drop_free(root: CacheRoot, name: str) -> None:
-    """Delete lock file ``name`` of ``uses/`` unless someone holds it."""
-    lock = Lock(root, _PARTS, name)
-    try:
-        if lock.acquire(blocking=False):
-            root.unlink(_PARTS, name, LOCK)
-    finally:
-        lock.release()
 
 
 def usage(root: CacheRoot, mine) -> tuple[int, int]:
@@ -242,21 +229,14 @@ def usage(root: CacheRoot, mine) -> tuple[int, int]:
 def datasets(root: CacheRoot) -> list[dict]:
     """Each dataset recorded in ``root``: ``{"record", "files", "specs", "chunks", "bytes",
     "last_used" (epoch seconds), "live" (a reader has it open)}``, most recently used first."""
-    free = set(survey(root).free)
     per_group: dict = {}
     for parts, name, st in chunk_files(root):
         c = per_group.setdefault((parts[1], name[:16]), [0, 0])
         c[0] += 1
         c[1] += st.st_size
     out = []
-    try:
-        entries = dict(root.scan(_PARTS))
-    except OSError:
-        entries = {}
-    for name in sorted(n for n in entries if USES.fullmatch(n)):
-        groups = _groups(root, name) or set()
+    for name, (groups, when, live) in survey(root).records.items():
         out.append({"record": name[:16], "files": len({f for f, _ in groups}), "specs": sorted({p for _, p in groups}),
                     "chunks": sum(per_group.get(g, (0, 0))[0] for g in groups),
-                    "bytes": sum(per_group.get(g, (0, 0))[1] for g in groups),
-                    "last_used": entries[name].st_mtime, "live": name not in free})
+                    "bytes": sum(per_group.get(g, (0, 0))[1] for g in groups), "last_used": when, "live": live})
     return sorted(out, key=lambda d: -d["last_used"])

@@ -167,11 +167,11 @@ class Space:
             own += st.st_size if self.groups is None or (parts[1], name[:16]) in self.groups else 0
         return used, own
 
-    def short(self, nbytes: int, used: int | None = None) -> int:
-        """Bytes the folder must free before a chunk of ``nbytes`` fits its quota or reserve (<= 0: it
-        fits now); ``used``: the chunk files' bytes, when known."""
+    def short(self, nbytes: int, used: int = 0) -> int:
+        """Bytes the folder must free before a chunk of ``nbytes`` fits its quota (``used``: its chunk
+        files' bytes) or reserve (<= 0: it fits now)."""
         if self.quota is not None:
-            return (used if used is not None else used_bytes(self.root)) + nbytes - self.quota
+            return used + nbytes - self.quota
         return self.reserve - (free_bytes(self.root.path) - nbytes) if self.reserve else 0
 
     def room_for(self, groups, need: int) -> tuple[int, int]:
@@ -218,7 +218,7 @@ class Space:
     def _make_room(self, nbytes: int) -> str | None:
         """Holding the budget lock: None when ``nbytes`` more fit (after evicting for the quota or
         reserve), else ``"budget"`` or ``"reserve"``."""
-        used, own = self._usage() if self.limit is not None or self.quota is not None else (None, 0)
+        used, own = self._usage() if self.limit is not None or self.quota is not None else (0, 0)
         if self.limit is not None and own + nbytes > self.limit:
             return "budget"  # its own budget: never met by evicting
         short = self.short(nbytes, used)

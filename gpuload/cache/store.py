@@ -94,7 +94,6 @@ class ChunkCache:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.verify = verify
-        self.full = False  # set when the budget refused a chunk (no room even after eviction)
         self.registration: Registration | None = None  # this reader's record (:meth:`register`)
         #: ``spill(cache, key, host cols, why) -> bool``: another drive's write of a chunk this one could not
         #: take (:class:`gpuload.cache.drives.Drives`); None: the chunk is not cached
@@ -280,7 +279,6 @@ class ChunkCache:
             if self._trust_writes:
                 self._verified.add(file_identity(st))
             self.note(key, "written")
-            self.full = False
             return True
         except OSError as e:  # disk or inodes full, read-only, a clear meanwhile: the data is still served
             if spill and self.spill is not None and self.spill(self, key, cols, e):
@@ -293,7 +291,6 @@ class ChunkCache:
     def _refused(self, key: ChunkKey, why) -> None:
         """Note (and warn about, once per kind) a chunk :attr:`space` had no room for."""
         self.note(key, why)
-        self.full = self.full or why == "budget"
         if why != "budget":
             self._warn(why if isinstance(why, str) else f"lock{why.errno}", self.space.refusal(why))
 
@@ -326,16 +323,16 @@ class ChunkCache:
             return None
         return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
+    # -- room and registration (gpuload.cache.space, gpuload.cache.evict) -----------------
     max_bytes = property(lambda self: self.space.max_bytes, doc="The budget in bytes, or None (the reserve).")
-    pending_writes = PENDING  #: chunks that may wait for the writer thread at once
-
+    reserve = property(lambda self: self.space.reserve, doc="Bytes the disk keeps free (0 under a quota).")
     lock_patience = property(lambda self: self.space.patience, lambda self, s: setattr(self.space, "patience", s),
                              doc="Seconds to wait for a lock another process holds (a chunk's, the budget's).")
+    pending_writes = PENDING  #: chunks that may wait for the writer thread at once
 
     def room(self, groups, need: int) -> tuple[int, int]:
         """(room for the chunks of ``groups``, bytes other live readers keep): :meth:`Space.room_for`."""
         return self.space.room_for(groups, need)
-    reserve = property(lambda self: self.space.reserve, doc="Bytes the disk keeps free (0 under a budget).")
 
     def register(self, groups) -> None:
         """Keep this reader's chunks (``(source folder, spec)`` groups) from eviction while

@@ -14,6 +14,7 @@ from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
 from ..errors import ConfigError, GpuloadError
+from ..memory import size_text
 from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
 __all__ = ["add_cache_commands"]
@@ -79,7 +80,7 @@ def _client(args, stack: contextlib.ExitStack):
 
 
 def _cache(args) -> ChunkCache:
-    return ChunkCache(args.cache_dir or default_cache_dir(), create=False)
+    return ChunkCache(args.cache_dir, create=False)  # one folder: _each_folder gives it
 
 
 def _each_folder(fn):
@@ -152,7 +153,7 @@ def cmd_info(args) -> int:
     s = cache.summary()
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
           f"{s['footers']} source files (a cached dataset reopens without reading its files)")
-    print(_budget_text(cache, s["bytes"]))
+    print(_budget(cache, s["bytes"])[1])
     _datasets_text(cache, s["bytes"])
     if s["specs"]:
         print("column sets (spec: outputs; last used; chunks):")
@@ -245,31 +246,30 @@ def _since(text: str) -> float:
         raise ConfigError(f"--unused-since {text!r}: give a date (2026-11-01) or an age (30d, 12h)") from None
 
 
-def _budget_text(cache: ChunkCache, used: int) -> str:
-    """The cache's budget and its use, in one line."""
-    gib = 2**30
+def _budget(cache: ChunkCache, used: int) -> tuple[int, str]:
+    """(the bytes chunks may take in the cache folder, one line saying so and how much is used)."""
     if cache.max_bytes is not None:
-        return (f"budget: the folder's quota of {cache.max_bytes / gib:,.2f} GiB (`gpuload cache quota`), "
-                f"{used / cache.max_bytes:.0%} used")
-    free = free_bytes(cache.root.path)
-    return (f"budget: no quota; chunks are written while the disk keeps {cache.reserve / gib:,.1f} GiB free for other "
-            f"jobs ($GPULOAD_CACHE_RESERVE, default 10% of the disk): {free / gib:,.1f} GiB free now, room for "
-            f"{max(0, free - cache.reserve) / gib:,.1f} GiB more")
+        return cache.max_bytes, (f"budget: the folder's quota of {size_text(cache.max_bytes)} (`gpuload cache quota`), "
+                                 f"{used / cache.max_bytes:.0%} used")
+    above = max(0, free_bytes(cache.root.path) - cache.reserve)
+    return used + above, (f"budget: no quota; chunks are written while the disk keeps {size_text(cache.reserve)} free "
+                          f"for other jobs ($GPULOAD_CACHE_RESERVE, default 10% of the disk): room for "
+                          f"{size_text(above)} more")
 
 
 def _datasets_text(cache: ChunkCache, used: int) -> None:
     """Each dataset that used the cache: its chunks against the budget, last use, and whether a
     reader has it open (its chunks are then never evicted)."""
     rows = datasets(cache.root)
-    if rows:
-        budget = cache.max_bytes if cache.max_bytes is not None else used + max(
-            0, free_bytes(cache.root.path) - cache.reserve)
-        print("datasets (most recently used first; evicted least recently used first when room is needed, "
-              "never while open):")
+    if not rows:
+        return
+    print("datasets (most recently used first; evicted least recently used first when room is needed, never while "
+          "open):")
+    budget = _budget(cache, used)[0]
     for d in rows:
         share = f", {d['bytes'] / budget:.0%} of the budget" if budget else ""
         print(f"  {d['record']}: {d['files']} source files, column set {', '.join(h[:8] for h in d['specs'])}; "
-              f"{d['chunks']} chunks, {d['bytes'] / 2**20:,.1f} MiB{share}; last used {_when(d['last_used'])}"
+              f"{d['chunks']} chunks, {size_text(d['bytes'])}{share}; last used {_when(d['last_used'])}"
               + ("; open now" if d["live"] else ""))
 
 
@@ -284,7 +284,7 @@ def cmd_quota(args) -> int:
         write_quota(cache.root, nbytes)
     elif text == "none":
         write_quota(cache.root, None)
-    print(_budget_text(ChunkCache(cache.root.path, create=False), cache.summary()["bytes"]))
+    print(_budget(ChunkCache(cache.root.path, create=False), cache.summary()["bytes"])[1])  # the quota read again
     return 0
 
 
