@@ -110,7 +110,7 @@ def slurm_task() -> SlurmTask | None:
                         "over the job's tasks", tasks)
         return None
     world = _env_int("SLURM_STEP_NUM_TASKS", 1)
-    mpi = os.environ.get("OMPI_COMM_WORLD_SIZE", "").strip()
+    mpi = env.get("OMPI_COMM_WORLD_SIZE", "").strip()
     if mpi and mpi != str(world):  # mpirun inside the allocation: its ranks are not srun's tasks
         return None
     rank = _env_int("SLURM_PROCID", 0)
