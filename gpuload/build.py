@@ -112,15 +112,15 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
 def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
                 dtypes=Source.dtypes, categorical=Source.categorical, transform=Source.transform, filters=Source.filters,
                 chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
-                max_cache_bytes: int | None = Options.max_cache_bytes,
+                max_cache_bytes: int | None = Options.max_cache_bytes, cache_io: str = Options.cache_io,
                 progress: Callable[[int], None] | bool | None = None, device=BUILD_DEVICE, decode: str = Options.decode,
                 filesystem=Source.filesystem, storage_options: dict | None = Source.storage_options,
                 remote=Source.remote, client=None, nodes=None, seed: int = Options.seed, layout: str = Options.layout,
                 shuffle: bool | str = Options.shuffle, block_rows: int = Options.block_rows) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
-    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``categorical``, ``transform``, ``chunk_bytes`` and ``layout``
-    as :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
+    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``categorical``, ``transform``, ``chunk_bytes``, ``layout``
+    and ``cache_io`` as :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
     cached); ``shuffle="block"`` (with ``block_rows``) builds the row-permuted chunks that
     block shuffling reads, any other ``shuffle`` the plain ones. ``progress(n)`` is called with each finished chunk's row count
     (``progress=True``: a progress bar, a widget in Jupyter where ipywidgets is installed,

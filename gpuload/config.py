@@ -105,6 +105,7 @@ class Options(_Settings):
     local_world_size: int | None = None
     cache_dir: Path | tuple[Path, ...] | None = None  # None: $GPULOAD_CACHE_DIR, else ~/.cache/gpuload
     max_cache_bytes: int | None = None
+    cache_io: str = "auto"
     verify_checksums: bool | str = True
     device: str = "auto"
     decode: str = "auto"
@@ -157,6 +158,8 @@ class Options(_Settings):
             raise ConfigError(f"decode={self.decode!r} must be 'auto', 'gpu' or 'cpu'")
         if self.kvikio_compat not in ("auto", "on", "off"):
             raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
+        if self.cache_io not in ("auto", "direct", "buffered"):
+            raise ConfigError(f"{setting('cache_io', self.cache_io)} must be 'auto', 'direct' or 'buffered'")
         if self.layout not in ("rows", "columns"):
             raise ConfigError(f"{setting('layout', self.layout)} must be 'rows' or 'columns'")
         if self.shard not in ("global", "node"):

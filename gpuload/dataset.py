@@ -122,6 +122,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         them evicts the least recently used chunks no open dataset reads
         (:mod:`gpuload.cache.evict`). What does not fit is read from Parquet every epoch, and
         opening says how much of the dataset fits.
+    cache_io : ``"auto"`` (default), ``"direct"`` or ``"buffered"``: whether cache files are
+        written and read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`).
+        ``"auto"`` is direct when the dataset's cache files take more than half the memory
+        (the machine's, or its cgroup's limit): the page cache could not keep them from one
+        epoch to the next, and a first epoch that writes them through it pays for copies and
+        evicts other files. ``"direct"`` makes a first epoch cheaper and leaves the page
+        cache alone for any size; cached epochs then read the disk, not memory. File systems
+        that refuse it get buffered I/O.
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the
@@ -159,7 +167,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
                  categorical=Source.categorical, transform=Source.transform, filters=Source.filters, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
                  prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
-                 max_cache_bytes: int | None = Options.max_cache_bytes,
+                 max_cache_bytes: int | None = Options.max_cache_bytes, cache_io: str = Options.cache_io,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,
                  max_device_bytes: int | None = Options.max_device_bytes, kvikio_threads: int = Options.kvikio_threads,
                  kvikio_compat: str = Options.kvikio_compat, filesystem=Source.filesystem,

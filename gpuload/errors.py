@@ -31,7 +31,7 @@ _style = "python"
 #: The ``gpuload`` command's flag for each setting it takes (``num_threads`` is ``--threads``).
 FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtypes", "batch_size": "--batch-size",
           "cache_dir": "--cache-dir", "device": "--device", "num_threads": "--threads", "prefetch": "--prefetch",
-          "nice": "--nice",
+          "nice": "--nice", "cache_io": "--cache-io",
           "chunk_bytes": "--chunk-mib", "max_cache_bytes": "--max-gib", "storage_options": "--storage-options",
           "layout": "--layout", "block_rows": "--block-rows", "seed": "--seed", "nodes": "--nodes",
           "step_ms": "--step-ms", "model": "--model", "epochs": "--epochs", "workers": "--workers",

@@ -21,14 +21,16 @@ reuse never adds to it.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-__all__ = ["device_bound", "file_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
+__all__ = ["device_bound", "direct_io", "file_bytes", "memory_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
 
+ALIGN = 4096  #: where pooled arrays start: a page, as direct I/O needs (gpuload.cache.directio)
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
 
 
@@ -39,6 +41,13 @@ def _size_class(nbytes: int) -> int:
     n = -(-nbytes // _ROUND) * _ROUND
     step = max(_ROUND, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step
+
+
+def _aligned(buf: np.ndarray, nbytes: int) -> np.ndarray:
+    """The first ``nbytes`` of ``buf`` from its first :data:`ALIGN` boundary (a view: it
+    keeps ``buf`` alive, which is what tells the pool the buffer is in use)."""
+    start = -buf.ctypes.data % ALIGN
+    return buf[start:start + nbytes]
 
 
 class HostPool:
@@ -64,24 +73,25 @@ class HostPool:
         return sys.getrefcount(bufs[i])
 
     def get(self, nbytes: int) -> np.ndarray:
-        """A writable uint8 array of ``nbytes`` bytes (contents undefined)."""
+        """A writable uint8 array of ``nbytes`` bytes (contents undefined), starting on a
+        :data:`ALIGN` boundary when it is pooled (so direct I/O can read into it)."""
         if nbytes < _ROUND:
             return np.empty(nbytes, np.uint8)
         with self._lock:
             best = -1
             for i in range(len(self._bufs)):
-                size = self._bufs[i].nbytes
+                size = self._bufs[i].nbytes - ALIGN
                 if size >= nbytes and self._refs(self._bufs, i) <= self._free_refs and (
-                        best < 0 or size < self._bufs[best].nbytes):
+                        best < 0 or size < self._bufs[best].nbytes - ALIGN):
                     best = i
             if best >= 0:
-                return self._bufs[best][:nbytes]
-            size = _size_class(nbytes)
+                return _aligned(self._bufs[best], nbytes)
+            size = _size_class(nbytes) + ALIGN
             if not self._make_room(size):
-                return np.empty(nbytes, np.uint8)  # not kept: freed with its last user
+                return _aligned(np.empty(nbytes + ALIGN, np.uint8), nbytes)  # not kept: freed with its last user
             buf = np.empty(size, np.uint8)
             self._bufs.append(buf)
-            return buf[:nbytes]
+            return _aligned(buf, nbytes)
 
     def _make_room(self, size: int) -> bool:
         """Forget free buffers until one more of ``size`` bytes fits both limits (smallest
@@ -211,3 +221,29 @@ def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_
     row = chunk_bytes / max(1, chunk_rows)
     decoding = num_threads * (2 * chunk_bytes + 24 * chunk_rows) if gpu_decode else 0
     return int((3 * shuffle_window + prefetch + 1) * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))
+
+
+def memory_bytes() -> int:
+    """Bytes of memory this process and its page cache may use: the machine's, or its
+    cgroup's limit where that is lower (a container, a Slurm job)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def direct_io(cache_io: str, cache_bytes: int, memory: int | None = None) -> bool:
+    """Whether a dataset whose chunk files take ``cache_bytes`` writes and reads them around
+    the page cache (:mod:`gpuload.cache.directio`): ``cache_io="direct"`` yes, ``"buffered"``
+    no, ``"auto"`` when they are more than half of ``memory`` (default :func:`memory_bytes`):
+    the page cache could not keep them from one epoch to the next beside everything else,
+    so caching their pages would only cost the first epoch its copies and evict other files."""
+    if cache_io != "auto":
+        return cache_io == "direct"
+    return cache_bytes > (memory_bytes() if memory is None else memory) // 2

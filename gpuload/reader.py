@@ -33,7 +33,7 @@ from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
-from .memory import HostBudget, HostPool, device_bound, file_bytes, host_budget, size_text
+from .memory import HostBudget, HostPool, device_bound, direct_io, file_bytes, host_budget, size_text
 from .layout import Layout
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -121,6 +121,9 @@ class ChunkReader:
         #: arrays per stored chunk
         self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
+        #: chunk files written and read around the page cache (``cache_io``; :func:`gpuload.memory.direct_io`)
+        self.cache.direct = direct_io(opts.cache_io, sum(file_bytes(c.nbytes, self.arrays_per_chunk)
+                                                         for c in self.chunks))
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns),
                                      metrics)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpuload.memory import HostPool, _size_class
+from gpuload.memory import ALIGN, HostPool, _size_class
 
 MiB = 1 << 20
 
@@ -34,7 +34,7 @@ def test_buffer_reused_after_last_reference_dies():
 def test_pool_is_bounded_and_small_requests_bypass_it():
     pool = HostPool(max_buffers=2)
     held = [pool.get(2 * MiB) for _ in range(5)]
-    assert pool.held_bytes <= 2 * 2 * MiB
+    assert pool.held_bytes <= 2 * (2 * MiB + ALIGN)
     assert pool.get(100).base is None or pool.get(100).nbytes == 100
     arr = pool.array((MiB, 3), np.float32)
     assert arr.shape == (MiB, 3) and arr.dtype == np.float32 and arr.flags.c_contiguous
@@ -60,18 +60,28 @@ def test_pool_keeps_at_most_max_bytes():
     """A byte cap: free buffers are forgotten to make room, and what cannot fit is handed
     out without being kept (freed with its last user)."""
     pool = HostPool(max_buffers=16, max_bytes=10 * MiB)
+    kept = 4 * MiB + ALIGN  # a pooled buffer: its size class and room to start on a page
     a = pool.get(4 * MiB)
     b = pool.get(4 * MiB)
-    assert pool.held_bytes == 8 * MiB
+    assert pool.held_bytes == 2 * kept
     c = pool.get(4 * MiB)  # 12 MiB would go beyond the cap, and nothing is free: not kept
-    assert pool.held_bytes == 8 * MiB and c.base is None and c.nbytes == 4 * MiB  # its own memory
+    assert pool.held_bytes == 2 * kept and c.nbytes == 4 * MiB
+    assert all(c.base is not buf for buf in pool._bufs)  # its own memory
     del a, b, c
     d = pool.get(8 * MiB)  # two free 4 MiB buffers cannot serve it: they are forgotten to make room
-    assert pool.held_bytes == 8 * MiB and d.nbytes == 8 * MiB
+    assert pool.held_bytes == 8 * MiB + ALIGN and d.nbytes == 8 * MiB
     e = pool.get(12 * MiB)  # larger than the cap itself
-    assert pool.held_bytes == 8 * MiB and e.nbytes == 12 * MiB
+    assert pool.held_bytes == 8 * MiB + ALIGN and e.nbytes == 12 * MiB
     del d
-    assert pool.get(5 * MiB).ctypes.data == pool._bufs[0].ctypes.data  # the kept one is reused
+    assert pool.get(5 * MiB).base is pool._bufs[0]  # the kept one is reused
+
+
+def test_pooled_arrays_start_on_a_page():
+    """Direct I/O reads straight into pooled buffers only where they are page-aligned."""
+    pool = HostPool(max_buffers=4, max_bytes=64 * MiB)
+    for n in (MiB, 3 * MiB + 17, 5 * MiB):
+        assert pool.get(n).ctypes.data % ALIGN == 0
+    assert pool.get(200 * MiB).ctypes.data % ALIGN == 0  # beyond the cap: not kept, still aligned
 
 
 def test_host_budget_terms():

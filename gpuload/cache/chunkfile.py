@@ -43,6 +43,7 @@ import xxhash
 
 from ..batch import Ragged
 from ..errors import CorruptCacheError
+from . import directio
 from .fs import CacheRoot
 
 __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
@@ -134,8 +135,13 @@ def encode(cols: dict, ident: dict) -> tuple[bytes, list[dict], list[np.ndarray]
         blob = again
 
 
-def pread_all(fd: int, buf, offset: int) -> int:
-    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes read."""
+def pread_all(fd: int, buf, offset: int, direct: bool = False) -> int:
+    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes
+    read. ``direct``: around the page cache where it can (:func:`gpuload.cache.directio.read_into`)."""
+    if direct:
+        got = directio.read_into(fd, buf, offset)
+        if got is not None:
+            return got
     view = memoryview(buf).cast("B")
     got = 0
     while got < len(view):
@@ -183,13 +189,19 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
 
 
-def write_regions(fd: int, head: bytes, regions: list[dict], arrays: list, total: int) -> None:
-    """Write an encoded chunk (from :func:`encode`) to ``fd``."""
+def write_regions(fd: int, head: bytes, regions: list[dict], arrays: list, total: int, direct: bool = False) -> bool:
+    """Write an encoded chunk (from :func:`encode`) to ``fd``; ``direct``: around the page
+    cache (:func:`gpuload.cache.directio.write`). True if it was written directly (the file's
+    bytes are the same either way)."""
+    if direct and directio.write(fd, [(0, head)] + [(r["offset"], a) for r, a in zip(regions, arrays) if a.nbytes],
+                                 total):
+        return True
     pwrite_all(fd, head, 0)
     for r, arr in zip(regions, arrays):
         if arr.nbytes:
             pwrite_all(fd, arr, r["offset"])
     os.ftruncate(fd, total)
+    return False
 
 
 def read_header(fd: int, path) -> tuple[dict, int]:
@@ -350,7 +362,7 @@ def open_chunk(fd: int, path, want: Identity | None, verify: bool, verified: set
 
 
 def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: set | None = None,
-                 alloc=None) -> tuple[dict, dict]:
+                 alloc=None, direct: bool = False) -> tuple[dict, dict]:
     """Read an open cache file into host memory: (header, column set of views into one buffer).
 
     The bytes are copied (``preadv``) into a buffer of ``alloc(nbytes)`` (default: a new
@@ -358,11 +370,12 @@ def read_regions(fd: int, path, want: Identity | None, verify: bool, verified: s
     truncating it) can reach a batch. ``want`` (None: not checked) is the identity the
     header must state. With ``verify`` every region's checksum is compared, except for
     files in ``verified`` (identities of files already checked; a verified file's
-    identity is added to it). Raises :class:`CorruptCacheError`.
+    identity is added to it). ``direct``: read around the page cache where the file system
+    and ``buf`` allow (see :mod:`gpuload.cache.directio`). Raises :class:`CorruptCacheError`.
     """
     header, start, span, verify, ident = open_chunk(fd, path, want, verify, verified)
     buf = alloc(span) if alloc is not None else np.empty(span, np.uint8)
-    got = pread_all(fd, buf, start)
+    got = pread_all(fd, buf, start, direct)
     if got != span:
         raise CorruptCacheError(f"{path}: truncated cache file ({start + got} of {start + span} bytes)")
     try:

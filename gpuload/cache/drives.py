@@ -238,6 +238,16 @@ class Drives:
         return sum(r for r, _ in rooms.values()), sum(o for _, o in rooms.values())
 
     @property
+    def direct(self) -> bool:
+        """Whether some folder writes around the page cache (:attr:`ChunkCache.direct`)."""
+        return any(c.direct for c in self.caches)
+
+    @direct.setter
+    def direct(self, value: bool) -> None:
+        for c in self.caches:
+            c.direct = value
+
+    @property
     def pending_writes(self) -> int:
         """Chunks that may wait for the folders' writers at once."""
         return sum(c.pending_writes for c in self.caches)

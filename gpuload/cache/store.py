@@ -83,7 +83,7 @@ class ChunkCache:
                  metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
         self.root = CacheRoot(cache_folder(root, create))
         self.metrics = metrics
-        self._read_fn = read or (lambda fd, p, want, v, s: read_regions(fd, p, want, v, s, alloc)[1])
+        self._read_fn, self._alloc = read, alloc  # (no closure over self: a dropped cache is freed at once)
         self._to_host = to_host
         self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
@@ -99,6 +99,9 @@ class ChunkCache:
         #: take (:class:`gpuload.cache.drives.Drives`); None: the chunk is not cached
         self.spill: Callable | None = None
         self.outcomes: dict | None = None
+        #: write chunk files (and read them into host memory) around the page cache, where the file
+        #: system allows (:mod:`gpuload.cache.directio`; the reader sets it: :func:`gpuload.memory.direct_io`)
+        self.direct = False
         if create:
             with contextlib.suppress(OSError):  # a read-only cache is still served
                 with self.root.folder((LAYOUT_DIR,), create=True):
@@ -247,13 +250,18 @@ class ChunkCache:
         fd = self.root.open_read(key.parts, key.name)
         try:
             if self.metrics is None:
-                return self._read_fn(fd, path, key.identity, verify, seen)
+                return self._read_file(fd, path, key, verify, seen)
             with self.metrics.span("cache_read") as span:  # a missing or corrupt file records nothing
-                cols = self._read_fn(fd, path, key.identity, verify, seen)
+                cols = self._read_file(fd, path, key, verify, seen)
                 span.nbytes, span.rows = nbytes(cols), nrows(cols)
             return cols
         finally:
             os.close(fd)
+
+    def _read_file(self, fd: int, path: Path, key: ChunkKey, verify: bool, seen: set | None) -> dict:
+        if self._read_fn is not None:
+            return self._read_fn(fd, path, key.identity, verify, seen)
+        return read_regions(fd, path, key.identity, verify, seen, self._alloc, self.direct)[1]
 
     def _write(self, key: ChunkKey, cols: dict, spill: bool = True) -> bool:
         """Write ``key``'s file (a ``cache_write`` span) if :attr:`space` has room; else (or on an
@@ -262,7 +270,8 @@ class ChunkCache:
             head, regions, arrays, total = encode(cols, key.header_fields())
 
             def fill(fd):
-                write_regions(fd, head, regions, arrays, total)
+                if not write_regions(fd, head, regions, arrays, total, self.direct) and self.direct:
+                    self.direct = False  # the file system refuses direct I/O: buffered from now on
 
             with self.space.room(total) as why:
                 if why is None:

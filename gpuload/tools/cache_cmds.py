@@ -15,7 +15,7 @@ from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
 from ..errors import ConfigError, GpuloadError
 from ..memory import size_text
-from .flags import add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
+from .flags import add_cache_io_flag, add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
 __all__ = ["add_cache_commands"]
 
@@ -318,6 +318,7 @@ def add_cache_commands(sub) -> None:
     b.add_argument("--max-gib", type=float, help="this dataset's cache budget in GiB, within the folder's quota "
                    "or reserve (default none)")
     b.add_argument("--device", default=BUILD_DEVICE, help=f"cpu, cuda or auto: where to decode (default {BUILD_DEVICE})")
+    add_cache_io_flag(b)
     how = b.add_mutually_exclusive_group()
     how.add_argument("--scheduler", help="build on this Dask cluster (a scheduler address, tcp://host:8786)")
     how.add_argument("--workers", type=int, help="build on a local Dask cluster of this many worker processes "

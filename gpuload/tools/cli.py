@@ -17,7 +17,7 @@ from .. import __version__
 from ..config import Options
 from ..errors import ConfigError, GpuloadError, set_style
 from .cache_cmds import add_cache_commands
-from .flags import add_chunk_flags, add_source_flags, check_options, finite, loader_settings, source_of
+from .flags import add_cache_io_flag, add_chunk_flags, add_source_flags, check_options, finite, loader_settings, source_of
 from .flags import bar as flag_bar
 
 __all__ = ["main", "parser"]
@@ -160,6 +160,7 @@ def parser() -> argparse.ArgumentParser:
                    help="first run the loader alone (no step, an empty temporary cache): is the loader or the "
                         "step the limit?")
     f.add_argument("--cache-dir", help="cache folder (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")
+    add_cache_io_flag(f)
     f.set_defaults(fn=cmd_profile)
 
     add_cache_commands(sub)

@@ -74,6 +74,13 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
                    f"'[[\"day\", \">=\", 20260101], [\"country\", \"in\", [\"DE\", \"FR\"]]]'{was}")
 
 
+def add_cache_io_flag(p: argparse.ArgumentParser) -> None:
+    """--cache-io: whether cache files bypass the page cache."""
+    p.add_argument("--cache-io", help=f"auto, direct or buffered: write and read cache files around the page cache "
+                   f"(direct), through it (buffered), or direct when the dataset's cache is more than half the "
+                   f"memory (default {Options.cache_io})")
+
+
 def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:
     """--chunk-mib, --layout and (``block_rows``) --block-rows: what decides a cache's files."""
     p.add_argument("--chunk-mib", type=float, help=f"chunk size bound in MiB (default {Options.chunk_bytes // MiB}; "
@@ -129,7 +136,7 @@ def source_of(args) -> Source:
 
 
 #: the loader settings a command's flags may give as they are (each flag: errors.FLAGS)
-_SETTINGS = ("batch_size", "num_threads", "nice", "prefetch", "device", "cache_dir", "layout", "seed")
+_SETTINGS = ("batch_size", "num_threads", "nice", "prefetch", "device", "cache_dir", "cache_io", "layout", "seed")
 
 
 def _dest(setting: str) -> str:

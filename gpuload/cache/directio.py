@@ -1,0 +1,153 @@
+"""Direct I/O: cache files written and read around the page cache (``cache_io=``).
+
+A buffered write copies every byte of a chunk into the page cache, which the kernel then
+writes back; a cache larger than the memory the page cache can keep gains nothing from
+those pages (they are evicted before the next epoch reads them) and pays for them in the
+first epoch: the copy, the page allocations, the writeback, and the other files' pages it
+pushes out (the Parquet sources', the training job's). With ``O_DIRECT`` the disk reads
+and writes the process's own buffers.
+
+* **Writes** go through one page-aligned bounce buffer per thread (:data:`BOUNCE` bytes,
+  kept for the thread's life): each region is copied into it and written in whole
+  :data:`BLOCK` s, padded with zeros, so the file's bytes are exactly a buffered write's
+  (the format's regions start on 4096-byte boundaries and its padding is zeros).
+* **Reads** go straight into the caller's buffer when it and the offset are aligned (the
+  host pools' buffers are, :class:`gpuload.memory.HostPool`); the last partial block
+  comes through a small aligned buffer.
+* A file system that refuses ``O_DIRECT`` (``EINVAL``), or a buffer that is not
+  aligned, gets buffered I/O instead: the functions here return False / None and the
+  caller does what it always did.
+
+Which datasets use it is decided by :func:`gpuload.memory.direct_io`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+import numpy as np
+
+__all__ = ["BLOCK", "BOUNCE", "write", "read_into", "resident_share"]
+
+BLOCK = 4096  #: alignment of offsets, lengths and buffers (the largest logical block size in use)
+BOUNCE = 8 << 20  #: bytes of each thread's bounce buffer for writes
+_local = threading.local()
+
+
+def _bounce() -> np.ndarray:
+    """This thread's page-aligned bounce buffer (anonymous memory: always aligned)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = np.frombuffer(mmap.mmap(-1, BOUNCE), np.uint8)
+    return buf
+
+
+def _direct(fd: int) -> int | None:
+    """Turn on ``O_DIRECT`` for ``fd``; its previous flags, or None if the file system (or the
+    platform: Linux has it) refuses."""
+    if not hasattr(os, "O_DIRECT"):
+        return None
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    return flags
+
+
+def _bytes(data) -> np.ndarray:
+    return np.frombuffer(memoryview(data).cast("B"), np.uint8)
+
+
+def write(fd: int, pieces: list, total: int) -> bool:
+    """Write ``pieces`` (``(offset, buffer)``, each offset a multiple of :data:`BLOCK`) to
+    ``fd`` with ``O_DIRECT``, then truncate it to ``total`` bytes (a multiple of
+    :data:`BLOCK` at least the end of every piece's last block). False if the file system
+    refused direct I/O before or during the writes (nothing is promised of the file's
+    contents then: write it again, buffered). Other ``OSError`` s are raised."""
+    flags = _direct(fd)
+    if flags is None:
+        return False
+    b = _bounce()
+    try:
+        for offset, data in pieces:
+            view = _bytes(data)
+            for pos in range(0, len(view), BOUNCE):
+                n = min(BOUNCE, len(view) - pos)
+                b[:n] = view[pos:pos + n]
+                m = -(-n // BLOCK) * BLOCK
+                b[n:m] = 0  # a region's padding: the zeros a buffered write leaves as a hole
+                done = 0
+                while done < m:
+                    done += os.pwrite(fd, memoryview(b)[done:m], offset + pos + done)
+        os.ftruncate(fd, total)
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # accepted at open, refused at the write (some FUSE and network file systems)
+            return False
+        raise
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return True
+
+
+def read_into(fd: int, buf, offset: int) -> int | None:
+    """Read into ``buf`` from ``offset`` of ``fd`` with ``O_DIRECT`` until full or the end of
+    the file; bytes read, or None when it cannot (``buf`` or ``offset`` not aligned, or the
+    file system refuses): read it buffered then."""
+    view = _bytes(buf)
+    if offset % BLOCK or view.ctypes.data % BLOCK or not view.flags.writeable:
+        return None
+    flags = _direct(fd)
+    if flags is None:
+        return None
+    try:
+        body = len(view) // BLOCK * BLOCK
+        got = 0
+        while got < body:
+            n = os.preadv(fd, [memoryview(view)[got:body]], offset + got)
+            if n == 0:
+                return got
+            got += n
+        if got < len(view):  # the last partial block, through an aligned block
+            tail = _bounce()[:BLOCK]
+            n = os.preadv(fd, [memoryview(tail)], offset + got)
+            k = min(n, len(view) - got)
+            view[got:got + k] = tail[:k]
+            got += k
+        return got
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return None
+        raise
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
+def resident_share(path) -> float:
+    """The share of ``path``'s pages that are in the page cache now (``mincore`` over a
+    read-only mapping; Linux): what buffered I/O left there and direct I/O did not."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0.0
+    pages = -(-size // mmap.PAGESIZE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    try:
+        view = np.frombuffer(m, np.uint8)
+        vec = ctypes.create_string_buffer(pages)
+        rc = libc.mincore(ctypes.c_void_p(view.ctypes.data), size, vec)
+        del view
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(path))
+        return sum(b & 1 for b in vec.raw) / pages
+    finally:
+        m.close()
