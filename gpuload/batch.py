@@ -82,17 +82,18 @@ def _take_ragged(v: Ragged, idx, alloc=None):
     total = int(off[-1])
     if total == 0:
         return v.values[:0].copy(), off
-    # source position of every output value: consecutive inside a row, so store the
-    # steps (1 inside a row, a jump at each non-empty row's start) and cumsum them
+    if xp is np:  # source position of every output value: its row's start, shifted, plus its own position
+        src = np.repeat(starts - off[:-1], lengths)
+        src += np.arange(total, dtype=np.int64)
+        return np.take(v.values, src, out=_empty(np, (total,), v.values.dtype, alloc)), off
+    # CuPy repeats by host counts only: store the steps (1 inside a row, a jump at each
+    # non-empty row's start) and cumsum them
     nonempty = lengths > 0
     s, n = starts[nonempty], lengths[nonempty]
     src = xp.ones(total, dtype=xp.int64)
     jumps = s.copy()
     jumps[1:] -= s[:-1] + n[:-1] - 1
     src[off[:-1][nonempty]] = jumps
-    if xp is np:
-        np.cumsum(src, out=src)
-        return np.take(v.values, src, out=_empty(np, (total,), v.values.dtype, alloc)), off
     src = xp.cumsum(src)  # CuPy's scan does not promise in-place results
     return xp.take(v.values, src), off
 

@@ -6,8 +6,10 @@ null or an out-of-range value, so a dataset checks, when it opens:
 * that every file has every selected column with one (dictionary-decoded) type;
 * nulls in columns without a fill value: from the footers' statistics where they can
   tell; where they cannot (list columns, whose leaf null count also counts empty
-  lists and null elements, and files written without statistics), by reading just
-  those columns of just those row groups once. Row groups whose chunks are already
+  lists and null elements, and files written without statistics), from the footers'
+  definition-level histograms where the writer kept them (pyarrow does:
+  :mod:`gpuload.sources.levels`), else by reading just those columns of just those row
+  groups once. Row groups whose chunks are already
   cached are never read (they were converted under the same spec);
 * ``dtypes=`` casts to integers or bool, against the statistics' minimum and maximum,
   and every fill value against its output dtype.
@@ -29,6 +31,7 @@ from .categorical import Hash, hashable, parse_key, registered
 from .convert import cast_values, nulls_error
 from .errors import ConfigError, SchemaError, SourceError, flag, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value
+from .sources.levels import null_counts
 from .sources.listing import SourceFile
 
 __all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error", "old_arrow_error",
@@ -161,7 +164,14 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                         entry[2].append(f.path)
                     elif (not known or (lists and st.null_count)) and not cached(i, g):
                         unknown.append(g)
-                if unknown and not f.remote:  # remote: not fetched twice, the conversion raises the same error
+                if not unknown:
+                    continue
+                counted = null_counts(f.metadata, f.schema, c, leaf, unknown, lists)  # the footer's histograms
+                if counted is not None:
+                    if counted:
+                        entry[0] += counted
+                        entry[2].append(f.path)
+                elif not f.remote:  # remote: not fetched twice, the conversion raises the same error
                     jobs.append((f, c, unknown, lists))
     if jobs:
         for (f, c, _, _), n in zip(jobs, _scan_all(jobs, threads)):

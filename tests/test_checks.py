@@ -26,23 +26,45 @@ def _lists(n, null_at=None, empty=True, null_elem_at=None):
     return pa.array(out, pa.list_(pa.int64()))
 
 
-def _files(root, nfiles=20, rows=500, last=None, statistics=True):
-    """``nfiles`` files of rows with a list column (with empty lists); the last gets ``last``."""
+def _files(root, nfiles=20, rows=500, last=None, statistics=True, writer="pyarrow"):
+    """``nfiles`` files of rows with a list column (with empty lists); the last gets ``last``.
+    ``writer="polars"``: written by Polars, whose files hold no definition-level histograms
+    (so the check reads the column); pyarrow's do."""
     for f in range(nfiles):
         h = _lists(rows, **(last if f == nfiles - 1 and last else {}))
         t = pa.table({"row_id": np.arange(f * rows, (f + 1) * rows), "h": h,
                       "fixed": pa.FixedSizeListArray.from_arrays(pa.array(np.arange(rows * 2.0)), 2)})
-        write_parquet(root / f"part-{f:03d}.parquet", t, row_group_size=100, write_statistics=statistics)
+        path = root / f"part-{f:03d}.parquet"
+        if writer == "polars":
+            import polars as pl
+
+            root.mkdir(parents=True, exist_ok=True)
+            pl.from_arrow(t).write_parquet(path, row_group_size=100, statistics=statistics)
+        else:
+            write_parquet(path, t, row_group_size=100, write_statistics=statistics)
     return root
 
 
+def _count_scans(monkeypatch) -> list:
+    """The column reads of the open-time null check: (file, column, row groups) each."""
+    scans = []
+    real = checks._scan
+    monkeypatch.setattr(checks, "_scan", lambda f, c, groups, lists: scans.append((f.path, c, groups))
+                        or real(f, c, groups, lists))
+    return scans
+
+
+@pytest.mark.parametrize("writer", ["pyarrow", "polars"])
 @pytest.mark.parametrize("statistics", [True, False])
 @pytest.mark.parametrize("fault", [dict(null_at=333), dict(null_elem_at=8)])
-def test_null_list_in_the_last_file_is_found_at_open(tmp_path, statistics, fault):
-    """20 files, one null list in the last: refused when the dataset opens, naming the fix."""
-    data = _files(tmp_path / "d", last=fault, statistics=statistics)
+def test_null_list_in_the_last_file_is_found_at_open(tmp_path, monkeypatch, statistics, fault, writer):
+    """20 files, one null list in the last: refused when the dataset opens, naming the fix;
+    from pyarrow's footers alone (their definition-level histograms), else by reading the column."""
+    data = _files(tmp_path / "d", last=fault, statistics=statistics, writer=writer)
+    scans = _count_scans(monkeypatch)
     with pytest.raises(gpuload.NullValuesError) as info:
         gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
+    assert (scans == []) == (writer == "pyarrow")
     msg = str(info.value)
     assert "'h'" in msg and "part-019.parquet" in msg and "part-000" not in msg
     assert "fill_nulls={'h': 0}" in msg and "empty" in msg
@@ -58,12 +80,10 @@ def test_empty_lists_are_not_nulls(tmp_path):
 
 
 def test_open_reads_no_column_data_for_cached_chunks(tmp_path, monkeypatch):
-    """The scan for null lists reads a list column once; a reopened, cached dataset reads none."""
-    data = _files(tmp_path / "d", nfiles=4)
-    scans = []
-    real = checks._scan
-    monkeypatch.setattr(checks, "_scan", lambda f, c, groups, lists: scans.append((f.path, c, groups))
-                        or real(f, c, groups, lists))
+    """The scan for null lists (files without definition-level histograms) reads a list column
+    once; a reopened, cached dataset reads none."""
+    data = _files(tmp_path / "d", nfiles=4, writer="polars")
+    scans = _count_scans(monkeypatch)
     ds = gpuload.ParquetDataset(data, ["row_id", "h"], cache_dir=tmp_path / "c", device="cpu", batch_size=100)
     # each row group's list column read once (statistics cannot rule nulls out), a few row groups per job
     read = sorted((p, g) for p, _, groups in scans for g in groups)

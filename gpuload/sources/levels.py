@@ -1,0 +1,199 @@
+"""Definition-level histograms from Parquet footers: nulls counted without reading a column.
+
+A list column's statistics cannot say whether it holds nulls: their null count also counts
+empty lists. Parquet's ``SizeStatistics`` (format 2.10) can: each column chunk's
+*definition-level histogram* counts, per definition level, the values written at it, and for
+a list ``optional group (LIST) { repeated group list { optional element } }`` level 0 is a
+null list, 1 an empty one, 2 a null element and 3 a value. pyarrow writes these histograms
+in every file (since Arrow 19) but does not expose them in Python, so this module reads them
+from the footer's Thrift bytes (the compact protocol; every other field is skipped).
+
+:func:`null_counts` answers for one column of one file, or says it cannot (no histograms,
+as with files from writers that leave them out, a schema whose levels it does not map, a
+footer it cannot parse); :func:`gpuload.checks.check_nulls` then reads the column as before.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pyarrow as pa
+
+__all__ = ["null_counts", "definition_histograms"]
+
+# compact-protocol field types
+_TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = range(1, 13)
+_FILE_ROW_GROUPS, _ROW_GROUP_COLUMNS, _CHUNK_META, _META_SIZE_STATS, _SIZE_DEF_HIST = 4, 1, 3, 16, 3
+
+
+class _Reader:
+    """Just enough of Thrift's compact protocol to walk a footer and skip what is not wanted."""
+
+    def __init__(self, data: bytes):
+        self.data, self.pos = memoryview(data), 0
+
+    def byte(self) -> int:
+        b = self.data[self.pos]
+        self.pos += 1
+        return b
+
+    def varint(self) -> int:
+        shift = out = 0
+        while True:
+            b = self.byte()
+            out |= (b & 0x7F) << shift
+            if b < 0x80:
+                return out
+            shift += 7
+            if shift > 70:
+                raise ValueError("varint too long")
+
+    def zigzag(self) -> int:
+        n = self.varint()
+        return (n >> 1) ^ -(n & 1)
+
+    def fields(self):
+        """(field id, type) of a struct's fields, until its stop byte."""
+        last = 0
+        while True:
+            head = self.byte()
+            if head == 0:
+                return
+            delta, kind = head >> 4, head & 0x0F
+            last = last + delta if delta else self.zigzag()
+            yield last, kind
+
+    def list_header(self) -> tuple[int, int]:
+        head = self.byte()
+        size = head >> 4
+        return (self.varint() if size == 15 else size), head & 0x0F
+
+    def skip(self, kind: int) -> None:
+        if kind in (_TRUE, _FALSE):
+            return
+        if kind == _BYTE:
+            self.pos += 1
+        elif kind in (_I16, _I32, _I64):
+            self.varint()
+        elif kind == _DOUBLE:
+            self.pos += 8
+        elif kind == _BINARY:
+            n = self.varint()  # (read before the position it moves is added to)
+            self.pos += n
+        elif kind in (_LIST, _SET):
+            size, elem = self.list_header()
+            for _ in range(size):
+                self.byte() if elem in (_TRUE, _FALSE) else self.skip(elem)
+        elif kind == _MAP:
+            size = self.varint()
+            if size:
+                types = self.byte()
+                for _ in range(size):
+                    self.skip(types >> 4)
+                    self.skip(types & 0x0F)
+        elif kind == _STRUCT:
+            for _, k in self.fields():
+                self.skip(k)
+        else:
+            raise ValueError(f"unknown Thrift type {kind}")
+        if self.pos > len(self.data):
+            raise ValueError("footer ends early")
+
+
+def _histogram(r: _Reader) -> list[int] | None:
+    """A ColumnChunk's definition-level histogram (or None), the reader left after the chunk."""
+    found = None
+    for fid, kind in r.fields():
+        if fid != _CHUNK_META or kind != _STRUCT:
+            r.skip(kind)
+            continue
+        for mid, mkind in r.fields():  # ColumnMetaData
+            if mid != _META_SIZE_STATS or mkind != _STRUCT:
+                r.skip(mkind)
+                continue
+            for sid, skind in r.fields():  # SizeStatistics
+                if sid == _SIZE_DEF_HIST and skind == _LIST:
+                    size, elem = r.list_header()
+                    if elem != _I64:
+                        raise ValueError("a definition-level histogram of non-i64")
+                    found = [r.zigzag() for _ in range(size)]
+                else:
+                    r.skip(skind)
+    return found
+
+
+def definition_histograms(thrift: bytes, leaf: int, groups: Sequence[int]) -> dict[int, list[int] | None]:
+    """``{row group: definition-level histogram of leaf column leaf, or None}`` for ``groups``,
+    from a footer's Thrift bytes (``FileMetaData``). Raises ValueError on bytes it cannot walk."""
+    want, out = set(groups), {}
+    r = _Reader(thrift)
+    try:
+        for fid, kind in r.fields():  # FileMetaData
+            if fid != _FILE_ROW_GROUPS or kind != _LIST:
+                r.skip(kind)
+                continue
+            count, _ = r.list_header()
+            for g in range(count):
+                for gid, gkind in r.fields():  # RowGroup
+                    if gid != _ROW_GROUP_COLUMNS or gkind != _LIST:
+                        r.skip(gkind)
+                        continue
+                    n, _ = r.list_header()
+                    for c in range(n):
+                        if g in want and c == leaf:
+                            out[g] = _histogram(r)
+                        else:
+                            r.skip(_STRUCT)
+                if len(out) == len(want):
+                    return out  # the rest of the footer is not needed
+            break
+    except IndexError:
+        raise ValueError("footer ends early") from None
+    return out
+
+
+def _levels(field: pa.Field, lists: bool) -> tuple[int, list[int]] | None:
+    """(the leaf's max definition level, the levels that are nulls to count) of a top-level
+    column ``field``: a flat one, or a list (variable or fixed size) of flat values; None for
+    any other shape."""
+    if not lists:
+        return (1, [0]) if field.nullable else (0, [])
+    t = field.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+        return None
+    inner = t.value_field
+    if pa.types.is_nested(inner.type):
+        return None
+    outer, elem = int(field.nullable), int(inner.nullable)
+    # levels: [null list] (if the list is optional), empty list, [null element], value
+    nulls = ([0] if outer else []) + ([outer + 1] if elem else [])
+    return outer + 1 + elem, nulls
+
+
+def null_counts(metadata, schema: pa.Schema, column: str, leaf: int, groups: Sequence[int],
+                lists: bool) -> int | None:
+    """Nulls (null lists plus null elements for lists) of top-level ``column`` (Parquet leaf
+    ``leaf``) in row groups ``groups`` of a file whose footer is ``metadata``
+    (``pq.FileMetaData``) and Arrow schema ``schema``, from its definition-level histograms;
+    None when they cannot tell (then read the column)."""
+    shape = _levels(schema.field(column), lists)
+    if shape is None:
+        return None
+    max_def, nulls = shape
+    parquet_leaf = metadata.schema.column(leaf)
+    if parquet_leaf.max_definition_level != max_def or parquet_leaf.max_repetition_level != int(lists):
+        return None  # another encoding of the same type (a legacy two-level list): not mapped
+    if not nulls:
+        return 0
+    try:
+        thrift = metadata.__reduce__()[1][0]  # the footer as pyarrow holds it: its Thrift bytes
+        found = definition_histograms(bytes(thrift), leaf, groups)
+    except (ValueError, TypeError, IndexError, AttributeError):
+        return None
+    total = 0
+    for g in groups:
+        h = found.get(g)
+        if h is None or len(h) != max_def + 1 or sum(h) != metadata.row_group(g).column(leaf).num_values:
+            return None  # missing, or not what this schema promises: do not trust it
+        total += sum(h[level] for level in nulls)
+    return total

@@ -1,0 +1,114 @@
+"""Nulls counted from footers' definition-level histograms (gpuload.sources.levels), against
+pyarrow reading the column; and the cases where the histograms must not be trusted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from gpuload.sources.levels import definition_histograms, null_counts
+
+
+def _read_nulls(path, column: str, groups, lists: bool) -> int:
+    """The reference: the column read, null lists plus null elements counted."""
+    col = pq.ParquetFile(path).read_row_groups(list(groups), columns=[column]).column(0)
+    return col.null_count + (pc.list_flatten(col).null_count if lists else 0)
+
+
+def _values(rng, n: int, null_lists: bool, null_elements: bool, fixed: int = 0):
+    out = []
+    for i in range(n):
+        r = rng.random()
+        if null_lists and r < 0.05:
+            out.append(None)
+        elif not fixed and r < 0.15:
+            out.append([])
+        else:
+            k = fixed or int(rng.integers(1, 5))
+            out.append([None if null_elements and rng.random() < 0.1 else int(v) for v in rng.integers(0, 99, k)])
+    return out
+
+
+TYPES = {"list": pa.list_, "large_list": pa.large_list, "fixed": lambda v: pa.list_(v, 3)}
+# (nullable list, nullable element, null lists written, null elements written)
+NULLS = sorted({(n_l, n_e, w_l, w_e) for n_l in (True, False) for n_e in (True, False)
+                for w_l in (False, n_l) for w_e in (False, n_e)})
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+@pytest.mark.parametrize("nullable_list, nullable_element, null_lists, null_elements", NULLS)
+def test_list_nulls_equal_what_reading_the_column_finds(tmp_path, kind, null_lists, null_elements, nullable_list,
+                                                         nullable_element):
+    rng = np.random.default_rng(sorted(TYPES).index(kind) * 16 + 2 * null_lists + null_elements)
+    value = pa.field("element", pa.int64(), nullable=nullable_element)
+    t = TYPES[kind](value)
+    schema = pa.schema([pa.field("id", pa.int64()), pa.field("h", t, nullable=nullable_list)])
+    data = _values(rng, 3000, null_lists, null_elements, fixed=3 if kind == "fixed" else 0)
+    path = tmp_path / "a.parquet"
+    pq.write_table(pa.table({"id": np.arange(3000), "h": pa.array(data, t)}, schema=schema), path,
+                   row_group_size=700)
+    md = pq.ParquetFile(path).metadata
+    for groups in ([0], [1, 3], list(range(md.num_row_groups))):
+        got = null_counts(md, pq.ParquetFile(path).schema_arrow, "h", 1, groups, lists=True)
+        assert got == _read_nulls(path, "h", groups, True), groups
+    if null_lists or null_elements:
+        assert null_counts(md, pq.ParquetFile(path).schema_arrow, "h", 1, range(md.num_row_groups), True) > 0
+
+
+def test_flat_column_nulls_and_several_list_columns(tmp_path):
+    rng = np.random.default_rng(5)
+    n = 2500
+    x = pa.array([None if rng.random() < 0.02 else float(i) for i in range(n)])
+    a = pa.array(_values(rng, n, True, False))
+    b = pa.array(_values(rng, n, False, True))
+    path = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"x": x, "a": a, "b": b}), path, row_group_size=600)
+    pf = pq.ParquetFile(path)
+    for leaf, (col, lists) in enumerate([("x", False), ("a", True), ("b", True)]):
+        groups = range(pf.metadata.num_row_groups)
+        assert null_counts(pf.metadata, pf.schema_arrow, col, leaf, groups, lists) == _read_nulls(path, col, groups,
+                                                                                                     lists) > 0
+
+
+def test_what_they_cannot_tell_is_left_to_reading(tmp_path):
+    """No histograms (Polars, DuckDB), a list of structs (another shape of levels), and a
+    histogram that does not add up to the chunk's values: None, never a guess."""
+    import duckdb
+    import polars as pl
+
+    t = pa.table({"h": pa.array([[1, None], None, [], [4]] * 100, pa.list_(pa.int64()))})
+    pl.from_arrow(t).write_parquet(tmp_path / "p.parquet")
+    duckdb.sql(f"COPY (SELECT * FROM read_parquet('{tmp_path / 'p.parquet'}')) TO '{tmp_path / 'd.parquet'}' "
+               "(FORMAT parquet)")
+    for name in ("p.parquet", "d.parquet"):
+        pf = pq.ParquetFile(tmp_path / name)
+        assert null_counts(pf.metadata, pf.schema_arrow, "h", 0, [0], True) is None, name
+    s = pa.table({"h": pa.array([[{"a": 1}], None], pa.list_(pa.struct([("a", pa.int64())])))})
+    pq.write_table(s, tmp_path / "s.parquet")
+    pf = pq.ParquetFile(tmp_path / "s.parquet")
+    assert null_counts(pf.metadata, pf.schema_arrow, "h", 0, [0], True) is None
+    pq.write_table(t, tmp_path / "a.parquet")
+    pf = pq.ParquetFile(tmp_path / "a.parquet")
+    assert null_counts(pf.metadata, pf.schema_arrow, "h", 0, [0], True) == 200  # 100 null lists, 100 elements
+
+
+def test_footer_bytes_it_cannot_walk_raise_value_error(tmp_path):
+    t = pa.table({"h": pa.array([[1], None] * 50, pa.list_(pa.int64()))})
+    pq.write_table(t, tmp_path / "a.parquet", row_group_size=30)
+    thrift = bytes(pq.ParquetFile(tmp_path / "a.parquet").metadata.__reduce__()[1][0])
+    whole = definition_histograms(thrift, 0, range(4))
+    assert sorted(whole) == [0, 1, 2, 3] and sum(sum(h) for h in whole.values()) == 100  # rows: one entry each
+    cut_short = 0
+    for cut in range(0, len(thrift), 7):  # cut anywhere: the right answer or ValueError, never a wrong one
+        try:
+            got = definition_histograms(thrift[:cut], 0, range(4))
+        except ValueError:
+            cut_short += 1
+            continue
+        assert got == whole, cut
+    assert cut_short > 10
+    with pytest.raises(ValueError):
+        definition_histograms(b"\x1f" + thrift[1:], 0, range(4))  # a field of an unknown type
