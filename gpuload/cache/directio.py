@@ -75,8 +75,8 @@ def write(fd: int, pieces: list, total: int) -> bool:
     flags = _direct(fd)
     if flags is None:
         return False
-    b = _bounce()
     try:
+        b = _bounce()
         for offset, data in pieces:
             view = _bytes(data)
             for pos in range(0, len(view), BOUNCE):

@@ -8,9 +8,12 @@ null list, 1 an empty one, 2 a null element and 3 a value. pyarrow writes these 
 in every file (since Arrow 19) but does not expose them in Python, so this module reads them
 from the footer's Thrift bytes (the compact protocol; every other field is skipped).
 
-:func:`null_counts` answers for one column of one file, or says it cannot (no histograms,
-as with files from writers that leave them out, a schema whose levels it does not map, a
-footer it cannot parse); :func:`gpuload.checks.check_nulls` then reads the column as before.
+:func:`null_counts` answers for the columns of one file (one walk of its footer), or says
+for each that it cannot (no histograms, as with files from writers that leave them out, a
+schema whose levels it does not map, a footer it cannot parse);
+:func:`gpuload.checks.check_nulls` then reads that column as before. The walk is pure
+Python: it is used for list columns, whose reading it saves; a flat column without
+statistics is read as before.
 """
 
 from __future__ import annotations
@@ -68,6 +71,13 @@ class _Reader:
         size = head >> 4
         return (self.varint() if size == 15 else size), head & 0x0F
 
+    def _element(self, kind: int) -> None:
+        """Skip one element of a container (where a bool takes a byte, unlike a struct field's)."""
+        if kind in (_TRUE, _FALSE):
+            self.pos += 1
+        else:
+            self.skip(kind)
+
     def skip(self, kind: int) -> None:
         if kind in (_TRUE, _FALSE):
             return
@@ -83,14 +93,14 @@ class _Reader:
         elif kind in (_LIST, _SET):
             size, elem = self.list_header()
             for _ in range(size):
-                self.byte() if elem in (_TRUE, _FALSE) else self.skip(elem)
+                self._element(elem)
         elif kind == _MAP:
             size = self.varint()
             if size:
                 types = self.byte()
                 for _ in range(size):
-                    self.skip(types >> 4)
-                    self.skip(types & 0x0F)
+                    self._element(types >> 4)
+                    self._element(types & 0x0F)
         elif kind == _STRUCT:
             for _, k in self.fields():
                 self.skip(k)
@@ -122,10 +132,13 @@ def _histogram(r: _Reader) -> list[int] | None:
     return found
 
 
-def definition_histograms(thrift: bytes, leaf: int, groups: Sequence[int]) -> dict[int, list[int] | None]:
-    """``{row group: definition-level histogram of leaf column leaf, or None}`` for ``groups``,
-    from a footer's Thrift bytes (``FileMetaData``). Raises ValueError on bytes it cannot walk."""
-    want, out = set(groups), {}
+def definition_histograms(thrift: bytes, leaves, groups) -> dict[tuple[int, int], list[int] | None]:
+    """``{(row group, leaf): definition-level histogram, or None}`` of the leaf columns ``leaves``
+    in row groups ``groups``, from a footer's Thrift bytes (``FileMetaData``), in one walk that
+    ends after the last row group wanted. Raises ValueError on bytes it cannot walk."""
+    want_leaves, want_groups = set(leaves), set(groups)
+    out: dict = {}
+    last = max(want_groups, default=-1)
     r = _Reader(thrift)
     try:
         for fid, kind in r.fields():  # FileMetaData
@@ -133,20 +146,18 @@ def definition_histograms(thrift: bytes, leaf: int, groups: Sequence[int]) -> di
                 r.skip(kind)
                 continue
             count, _ = r.list_header()
-            for g in range(count):
+            for g in range(min(count, last + 1)):
                 for gid, gkind in r.fields():  # RowGroup
                     if gid != _ROW_GROUP_COLUMNS or gkind != _LIST:
                         r.skip(gkind)
                         continue
                     n, _ = r.list_header()
                     for c in range(n):
-                        if g in want and c == leaf:
-                            out[g] = _histogram(r)
+                        if g in want_groups and c in want_leaves:
+                            out[g, c] = _histogram(r)
                         else:
                             r.skip(_STRUCT)
-                if len(out) == len(want):
-                    return out  # the rest of the footer is not needed
-            break
+            return out  # nothing after the last row group wanted is needed
     except IndexError:
         raise ValueError("footer ends early") from None
     return out
@@ -170,30 +181,40 @@ def _levels(field: pa.Field, lists: bool) -> tuple[int, list[int]] | None:
     return outer + 1 + elem, nulls
 
 
-def null_counts(metadata, schema: pa.Schema, column: str, leaf: int, groups: Sequence[int],
-                lists: bool) -> int | None:
-    """Nulls (null lists plus null elements for lists) of top-level ``column`` (Parquet leaf
-    ``leaf``) in row groups ``groups`` of a file whose footer is ``metadata``
-    (``pq.FileMetaData``) and Arrow schema ``schema``, from its definition-level histograms;
-    None when they cannot tell (then read the column)."""
-    shape = _levels(schema.field(column), lists)
-    if shape is None:
-        return None
-    max_def, nulls = shape
-    parquet_leaf = metadata.schema.column(leaf)
-    if parquet_leaf.max_definition_level != max_def or parquet_leaf.max_repetition_level != int(lists):
-        return None  # another encoding of the same type (a legacy two-level list): not mapped
-    if not nulls:
-        return 0
-    try:
-        thrift = metadata.__reduce__()[1][0]  # the footer as pyarrow holds it: its Thrift bytes
-        found = definition_histograms(bytes(thrift), leaf, groups)
-    except (ValueError, TypeError, IndexError, AttributeError):
-        return None
-    total = 0
-    for g in groups:
-        h = found.get(g)
-        if h is None or len(h) != max_def + 1 or sum(h) != metadata.row_group(g).column(leaf).num_values:
-            return None  # missing, or not what this schema promises: do not trust it
-        total += sum(h[level] for level in nulls)
-    return total
+def null_counts(metadata, schema: pa.Schema, wanted: Sequence[tuple[str, int, Sequence[int], bool]]
+                ) -> list[int | None]:
+    """Nulls (null lists plus null elements for lists) of each ``(column, leaf, row groups,
+    lists)`` of ``wanted`` (a top-level column, its Parquet leaf) in a file whose footer is
+    ``metadata`` (``pq.FileMetaData``) and Arrow schema ``schema``, from its definition-level
+    histograms (the footer walked once); None for each it cannot tell (then read the column)."""
+    shapes = []
+    for column, leaf, groups, lists in wanted:
+        shape = _levels(schema.field(column), lists)
+        parquet_leaf = metadata.schema.column(leaf)
+        if shape is not None and (parquet_leaf.max_definition_level != shape[0]
+                                  or parquet_leaf.max_repetition_level != int(lists)):
+            shape = None  # another encoding of the same type (a legacy two-level list): not mapped
+        shapes.append(shape)
+    need = [(w, sh) for w, sh in zip(wanted, shapes) if sh is not None and sh[1]]
+    found: dict = {}
+    if need:
+        try:
+            thrift = bytes(metadata.__reduce__()[1][0])  # the footer as pyarrow holds it: its Thrift bytes
+            found = definition_histograms(thrift, {w[1] for w, _ in need}, {g for w, _ in need for g in w[2]})
+        except (ValueError, TypeError, IndexError, AttributeError):
+            return [0 if sh is not None and not sh[1] else None for sh in shapes]
+    out: list[int | None] = []
+    for (column, leaf, groups, lists), shape in zip(wanted, shapes):
+        if shape is None:
+            out.append(None)
+            continue
+        max_def, nulls = shape
+        total = 0
+        for g in groups if nulls else ():
+            h = found.get((g, leaf))
+            if h is None or len(h) != max_def + 1 or sum(h) != metadata.row_group(g).column(leaf).num_values:
+                total = None  # missing, or not what this schema promises: do not trust it
+                break
+            total += sum(h[level] for level in nulls)
+        out.append(total)
+    return out

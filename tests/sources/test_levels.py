@@ -52,10 +52,10 @@ def test_list_nulls_equal_what_reading_the_column_finds(tmp_path, kind, null_lis
                    row_group_size=700)
     md = pq.ParquetFile(path).metadata
     for groups in ([0], [1, 3], list(range(md.num_row_groups))):
-        got = null_counts(md, pq.ParquetFile(path).schema_arrow, "h", 1, groups, lists=True)
+        got, = null_counts(md, pq.ParquetFile(path).schema_arrow, [("h", 1, groups, True)])
         assert got == _read_nulls(path, "h", groups, True), groups
     if null_lists or null_elements:
-        assert null_counts(md, pq.ParquetFile(path).schema_arrow, "h", 1, range(md.num_row_groups), True) > 0
+        assert null_counts(md, pq.ParquetFile(path).schema_arrow, [("h", 1, range(md.num_row_groups), True)])[0] > 0
 
 
 def test_flat_column_nulls_and_several_list_columns(tmp_path):
@@ -67,10 +67,10 @@ def test_flat_column_nulls_and_several_list_columns(tmp_path):
     path = tmp_path / "b.parquet"
     pq.write_table(pa.table({"x": x, "a": a, "b": b}), path, row_group_size=600)
     pf = pq.ParquetFile(path)
-    for leaf, (col, lists) in enumerate([("x", False), ("a", True), ("b", True)]):
-        groups = range(pf.metadata.num_row_groups)
-        assert null_counts(pf.metadata, pf.schema_arrow, col, leaf, groups, lists) == _read_nulls(path, col, groups,
-                                                                                                     lists) > 0
+    groups = range(pf.metadata.num_row_groups)
+    wanted = [(col, leaf, groups, lists) for leaf, (col, lists) in enumerate([("x", False), ("a", True), ("b", True)])]
+    got = null_counts(pf.metadata, pf.schema_arrow, wanted)  # one walk of the footer for all three
+    assert got == [_read_nulls(path, col, groups, lists) for col, _, _, lists in wanted] and min(got) > 0
 
 
 def test_what_they_cannot_tell_is_left_to_reading(tmp_path):
@@ -85,30 +85,30 @@ def test_what_they_cannot_tell_is_left_to_reading(tmp_path):
                "(FORMAT parquet)")
     for name in ("p.parquet", "d.parquet"):
         pf = pq.ParquetFile(tmp_path / name)
-        assert null_counts(pf.metadata, pf.schema_arrow, "h", 0, [0], True) is None, name
+        assert null_counts(pf.metadata, pf.schema_arrow, [("h", 0, [0], True)]) == [None], name
     s = pa.table({"h": pa.array([[{"a": 1}], None], pa.list_(pa.struct([("a", pa.int64())])))})
     pq.write_table(s, tmp_path / "s.parquet")
     pf = pq.ParquetFile(tmp_path / "s.parquet")
-    assert null_counts(pf.metadata, pf.schema_arrow, "h", 0, [0], True) is None
+    assert null_counts(pf.metadata, pf.schema_arrow, [("h", 0, [0], True)]) == [None]
     pq.write_table(t, tmp_path / "a.parquet")
     pf = pq.ParquetFile(tmp_path / "a.parquet")
-    assert null_counts(pf.metadata, pf.schema_arrow, "h", 0, [0], True) == 200  # 100 null lists, 100 elements
+    assert null_counts(pf.metadata, pf.schema_arrow, [("h", 0, [0], True)]) == [200]  # 100 null lists, 100 elements
 
 
 def test_footer_bytes_it_cannot_walk_raise_value_error(tmp_path):
     t = pa.table({"h": pa.array([[1], None] * 50, pa.list_(pa.int64()))})
     pq.write_table(t, tmp_path / "a.parquet", row_group_size=30)
     thrift = bytes(pq.ParquetFile(tmp_path / "a.parquet").metadata.__reduce__()[1][0])
-    whole = definition_histograms(thrift, 0, range(4))
-    assert sorted(whole) == [0, 1, 2, 3] and sum(sum(h) for h in whole.values()) == 100  # rows: one entry each
+    whole = definition_histograms(thrift, {0}, range(4))
+    assert sorted(whole) == [(g, 0) for g in range(4)] and sum(sum(h) for h in whole.values()) == 100  # one a row
     cut_short = 0
     for cut in range(0, len(thrift), 7):  # cut anywhere: the right answer or ValueError, never a wrong one
         try:
-            got = definition_histograms(thrift[:cut], 0, range(4))
+            got = definition_histograms(thrift[:cut], {0}, range(4))
         except ValueError:
             cut_short += 1
             continue
         assert got == whole, cut
     assert cut_short > 10
     with pytest.raises(ValueError):
-        definition_histograms(b"\x1f" + thrift[1:], 0, range(4))  # a field of an unknown type
+        definition_histograms(b"\x1f" + thrift[1:], {0}, range(4))  # a field of an unknown type
