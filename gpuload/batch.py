@@ -9,7 +9,7 @@ one batching implementation and therefore one order.
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -159,11 +159,18 @@ class _Piece:
         self.cols, self.perm, self.pos, self.alloc = cols, perm, 0, alloc
         self.n = nrows(cols) if perm is None else len(perm)
 
-    def take(self, k: int) -> dict:
+    def plan(self, k: int) -> Callable[[], dict]:
+        """The next ``k`` rows, as a function that makes them (safe to call on any thread:
+        it only reads the piece's arrays)."""
         a, self.pos = self.pos, self.pos + k
+        cols, alloc = self.cols, self.alloc
         if self.perm is None:
-            return rows(self.cols, a, a + k)
-        return take(self.cols, self.perm[a:a + k], self.alloc)
+            return lambda: rows(cols, a, a + k)
+        idx = self.perm[a:a + k]
+        return lambda: take(cols, idx, alloc)
+
+    def take(self, k: int) -> dict:
+        return self.plan(k)()
 
 
 class Batcher:
@@ -178,10 +185,14 @@ class Batcher:
     sizes : the batch sizes this rank yields this epoch (from :func:`gpuload.plan.batch_sizes`).
     alloc : ``alloc(shape, dtype)`` for the arrays of gathered or joined batches (NumPy
         only; default: new arrays), e.g. a :class:`gpuload.memory.HostPool`'s ``array``.
+    deferred : yield each batch as a function that gathers it (default False: the batch),
+        so that several threads can gather batches at once; the order of the functions is
+        the batches' order, and each only reads the windows it was cut from.
     """
 
-    def __init__(self, sizes: Sequence[int], alloc=None):
+    def __init__(self, sizes: Sequence[int], alloc=None, deferred: bool = False):
         self._sizes, self._next, self._alloc = sizes, 0, alloc  # an index: sizes may be long (plan.BatchSizes)
+        self._deferred = deferred
         self._pieces: deque[_Piece] = deque()
         self._available = 0
 
@@ -200,17 +211,22 @@ class Batcher:
         self._pieces = deque(_Piece(p.take(p.n - p.pos), None, self._alloc) if p.perm is not None else p
                              for p in self._pieces)
 
-    def _cut(self, size: int) -> dict:
-        parts = []
+    def _cut(self, size: int):
+        plans = []
         while size:
             p = self._pieces[0]
             k = min(size, p.n - p.pos)
-            parts.append(p.take(k))
+            plans.append(p.plan(k))
             size -= k
             self._available -= k
             if p.pos == p.n:
                 self._pieces.popleft()
-        return concat(parts, self._alloc)
+        alloc = self._alloc
+
+        def cut() -> dict:
+            return concat([make() for make in plans], alloc)
+
+        return cut if self._deferred else cut()
 
     @property
     def done(self) -> bool:

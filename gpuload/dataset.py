@@ -109,7 +109,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
-    num_threads : threads that read and decode chunks (default 2).
+    num_threads : threads that read and decode chunks, and on the CPU that gather batches
+        (default 2).
     nice : how many nice steps below the thread that starts an epoch gpuload's background
         threads run (default 0: the same priority; 0 to 19; Linux only, elsewhere ignored).
         With ``nice=10`` the training thread and its torch threads get a core first and the
@@ -124,8 +125,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         opening says how much of the dataset fits.
     cache_io : ``"auto"`` (default), ``"direct"`` or ``"buffered"``: whether cache files are
         written and read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`).
-        ``"auto"`` is direct when the dataset's cache files take more than half the memory
-        (the machine's, or its cgroup's limit): the page cache could not keep them from one
+        ``"auto"`` is direct when the dataset's cache files (all of them, or ``max_cache_bytes``
+        if less; with ``shard="node"`` every node's share counts) take more than half the
+        memory (the machine's, or its cgroup's limit): the page cache could not keep them from one
         epoch to the next, and a first epoch that writes them through it pays for copies and
         evicts other files. ``"direct"`` makes a first epoch cheaper and leaves the page
         cache alone for any size; cached epochs then read the disk, not memory. File systems
@@ -408,7 +410,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  threads=o.num_threads,
                                  prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
                                  batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
-                                 warm=r.warm if remote else None, forget=r.forget_ahead if remote else None)
+                                 warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
+                                 cut_threads=o.num_threads)
 
     def __repr__(self) -> str:
         try:

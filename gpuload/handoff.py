@@ -75,10 +75,17 @@ class HostHandoff:
         self.transform = None
 
     def __call__(self, cols: dict) -> dict:
+        return self.finish(self.prepare(cols))
+
+    def prepare(self, cols: dict) -> dict:
+        """The tensors of ``cols`` (blocks unpacked): safe on several threads at once."""
         if self.layout is not None:
             cols = self.layout.unpack(cols, self.alloc)
-        out = _map(cols, _tensor, self.views)
-        return out if self.transform is None else self.transform(out)
+        return _map(cols, _tensor, self.views)
+
+    def finish(self, batch: dict) -> dict:
+        """``batch`` after :attr:`transform`, which numbers the batches it sees: call it in order."""
+        return batch if self.transform is None else self.transform(batch)
 
     def receive(self, batch: dict) -> dict:
         """Called on the training thread; nothing to wait for on the CPU."""

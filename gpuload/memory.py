@@ -139,7 +139,7 @@ class HostBudget:
 
     windows: int  #: joined shuffle windows: the one being cut and the next one (window pool)
     chunks: int  #: chunks loaded and not joined yet: the next window's and those ahead (read pool)
-    batches: int  #: batches queued, held by the consumer, being cut or handed off (batch pool)
+    batches: int  #: batches queued, held by the consumer, being cut (one per loader thread) or handed off (batch pool)
     decode: int  #: per loader thread, a chunk being decoded: Arrow table, converted and packed arrays
     writes: int  #: decoded chunks waiting for the cache writer
     remote: int  #: remote sources: read-ahead, requests in flight, and the ranges being decoded
@@ -183,8 +183,9 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     Terms (C: ``chunk_bytes``; a chunk file is C plus its header and 4 KiB alignment; a
     pooled buffer up to 12.5% and 1 MiB larger than asked): shuffled, 2 windows of
     ``shuffle_window`` chunks and ``shuffle_window + prefetch + 1`` chunks not joined yet;
-    in file order, no windows but ``2 x prefetch + 6`` chunks (loaded ahead, and kept by the
-    batches that are views of them); ``prefetch + 6`` batches of ``batch_size`` rows; per
+    in file order, no windows but ``2 x prefetch + 6 + num_threads`` chunks (loaded ahead, and
+    kept by the batches that are views of them); ``prefetch + 6 + num_threads`` batches of ``batch_size``
+    rows (the CPU path gathers one per loader thread at once, in order); per
     loader thread 3 C being decoded (4 with block shuffling); ``pending_writes`` C; and for a
     remote source ``readahead_bytes + max_inflight_bytes`` plus ``num_threads + 1`` chunks'
     fetched ranges (their compressed bytes, taken as at most C).
@@ -196,10 +197,10 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
         windows = 2 * (_kept(shuffle_window * c) + arrays * (1 << 20))
         chunks = (shuffle_window + prefetch + 1) * file
     else:
-        windows, chunks = 0, (2 * prefetch + 6) * file
+        windows, chunks = 0, (2 * prefetch + 6 + num_threads) * file
     remote_bytes = 0 if remote is None else (remote.readahead_bytes + remote.max_inflight_bytes
                                              + (num_threads + 1) * c)
-    return HostBudget(windows=windows, chunks=chunks, batches=(prefetch + 6) * batch,
+    return HostBudget(windows=windows, chunks=chunks, batches=(prefetch + 6 + num_threads) * batch,
                       decode=num_threads * (4 if block else 3) * c, writes=pending_writes * c, remote=remote_bytes,
                       trace=int(trace_bytes))
 
@@ -223,19 +224,43 @@ def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_
     return int((3 * shuffle_window + prefetch + 1) * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))
 
 
-def memory_bytes() -> int:
-    """Bytes of memory this process and its page cache may use: the machine's, or its
-    cgroup's limit where that is lower (a container, a Slurm job)."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+def _cgroup_limits(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
+    """The memory limits (bytes) of this process's cgroup and every cgroup above it: cgroup v2
+    (``memory.max``) and v1 (``memory.limit_in_bytes``), as ``/proc/self/cgroup`` places them."""
+    try:
+        with open(proc) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    files = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one unified hierarchy
+            base, name = root, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # the process's own cgroup, then each parent up to the root
+            files.append(os.path.join(base, *parts[:depth], name))
+    limits = []
+    for path in files:
         try:
             with open(path) as f:
                 text = f.read().strip()
         except OSError:
             continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
+        if text.isdigit():  # "max" (v2) or a huge number (v1: unlimited) changes nothing below
+            limits.append(int(text))
+    return limits
+
+
+def memory_bytes() -> int:
+    """Bytes of memory this process and its page cache may use: the machine's, or the lowest
+    limit of its cgroup and the cgroups above it (a container, a Slurm job, a systemd slice)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min([total, *_cgroup_limits()])
 
 
 def direct_io(cache_io: str, cache_bytes: int, memory: int | None = None) -> bool:

@@ -3,10 +3,10 @@
 The training thread only takes finished batches from a bounded queue. Behind it, a
 thread pool loads chunks (cache reads or decodes) up to ``prefetch`` chunks ahead, a
 window thread joins each shuffle window's chunks and draws its permutation while the
-window before it is being cut, and one producer thread gathers, slices and hands off
-each batch. Futures are consumed in plan
-order, so thread count and prefetch depth never change the order (docs/architecture.md,
-Invariants 1).
+window before it is being cut, and one producer thread slices and hands off each batch (on
+the CPU its gathers and tensors are made on ``cut_threads`` threads at once, taken back in
+order). Futures are consumed in plan order, so thread count and prefetch depth never change
+the order (docs/architecture.md, Invariants 1).
 Memory is bounded by the window, the chunks in flight and the batch queue.
 
 On the GPU path the loader threads run on one CUDA stream and the window and producer
@@ -218,7 +218,7 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
                   *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
                   stages: Stages | None = None, metrics=None,
                   warm: Callable[[int], bool] | None = None, forget: Callable[[], None] | None = None,
-                  batch_alloc=None) -> Iterator:
+                  batch_alloc=None, cut_threads: int = 1) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -239,12 +239,15 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
         concatenation and for cutting (gathering) and handing off each batch.
     warm, forget : remote sources: ``warm(chunk)`` starts a chunk's fetch ahead of its load
         (False: not now, the read-ahead is full); ``forget()`` drops unused ones at the end.
+    cut_threads : threads that gather batches and make their tensors at once (default 1: the
+        producer thread); more only where ``handoff`` can ``prepare`` batches on any thread
+        (the CPU path). Batches are still handed on in plan order.
     """
     stages = stages or Stages()
     try:
         with stages.batching():  # the producer thread: cuts, gathers and hands off batches
             yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, stages,
-                                metrics, warm, batch_alloc)
+                                metrics, warm, batch_alloc, cut_threads)
     finally:
         if forget is not None:
             forget()
@@ -267,8 +270,41 @@ def _timed(batches: Iterator, handoff, metrics) -> Iterator:
         yield out
 
 
+class _Cutters:
+    """Batches gathered and made tensors on ``threads`` threads at once (the CPU path), handed
+    on in their order: ``add`` takes the batches of a deferred :class:`Batcher`, and yields those
+    whose turn has come, keeping at most ``threads + 1`` in flight; ``drain`` yields the rest."""
+
+    def __init__(self, pool: ThreadPoolExecutor, threads: int, handoff, metrics):
+        self._pool, self._limit, self._handoff, self._metrics = pool, threads + 1, handoff, metrics
+        self._pending: deque[Future] = deque()
+
+    def _make(self, cut: Callable[[], dict]):
+        if self._metrics is None:
+            return self._handoff.prepare(cut())
+        with self._metrics.span("batch") as span:
+            b = cut()
+            out = self._handoff.prepare(b)
+            span.nbytes, span.rows = nbytes(b), nrows(b)
+        return out
+
+    def add(self, cuts: Iterator) -> Iterator:
+        for cut in cuts:
+            self._pending.append(self._pool.submit(self._make, cut))
+            while len(self._pending) > self._limit:
+                yield self._handoff.finish(self._pending.popleft().result())
+
+    def drain(self) -> Iterator:
+        while self._pending:
+            yield self._handoff.finish(self._pending.popleft().result())
+
+    def cancel(self) -> None:
+        for f in self._pending:
+            f.cancel()
+
+
 def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, stages, metrics,
-             warm, batch_alloc) -> Iterator:
+             warm, batch_alloc, cut_threads) -> Iterator:
     def load_in(i: int):
         if stop.is_set():  # the consumer left: queued loads are not run
             raise RuntimeError("gpuload: the epoch was stopped")
@@ -280,11 +316,19 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
     starts = list(range(len(segments) + 1)) if permutation is None else [0]
     for window in windows if permutation is not None else ():
         starts.append(starts[-1] + len(window))
-    batcher = Batcher(sizes, batch_alloc)
+    # on the CPU, batches are gathered on `cut_threads` threads at once (in order: _Cutters);
+    # on a GPU, on the producer thread alone, where its stream and events are
+    parallel = cut_threads > 1 and hasattr(handoff, "prepare")
+    batcher = Batcher(sizes, batch_alloc, deferred=parallel)
     halt = threading.Event()  # the epoch ended early: the window being assembled is not wanted
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-window") as assembler:
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-window") as assembler, \
+            ThreadPoolExecutor(max_workers=cut_threads if parallel else 1, thread_name_prefix="gpuload-cut") as cutting:
         look = _Lookahead(pool, segments, load_in, prefetch, warm, stages.receive)
+        cutters = _Cutters(cutting, cut_threads, handoff, metrics) if parallel else None
+
+        def cut(batches: Iterator) -> Iterator:
+            return cutters.add(batches) if parallel else _timed(batches, handoff, metrics)
 
         def assemble(w: int):
             """Group ``w``'s chunk pieces (in file order), or its rows joined with their permutation."""
@@ -312,18 +356,24 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
         try:
             for w in range(n):
                 got = ahead.result()
+                if parallel:  # the last window's batches are gathered before a third window is joined
+                    yield from cutters.drain()
                 ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
                 if got is None:
                     return
                 if permutation is None:
                     for p in got:
-                        yield from _timed(batcher.add(p), handoff, metrics)
+                        yield from cut(batcher.add(p))
                 else:
                     cols, perm = got
                     del got
-                    yield from _timed(batcher.add(cols, perm), handoff, metrics)
+                    yield from cut(batcher.add(cols, perm))
                     del cols, perm
+            if parallel:
+                yield from cutters.drain()
         finally:
+            if cutters is not None:
+                cutters.cancel()
             if ahead is not None and not ahead.cancel():  # it is taking chunks: stop it, then the loads
                 halt.set()
                 try:

@@ -122,8 +122,8 @@ class ChunkReader:
         self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
         #: chunk files written and read around the page cache (``cache_io``; :func:`gpuload.memory.direct_io`)
-        self.cache.direct = direct_io(opts.cache_io, sum(file_bytes(c.nbytes, self.arrays_per_chunk)
-                                                         for c in self.chunks))
+        cached = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
+        self.cache.direct = direct_io(opts.cache_io, min(cached, opts.max_cache_bytes or cached))
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns),
                                      metrics)
@@ -214,7 +214,7 @@ class ChunkReader:
         o, stored, budget = self.opts, self.arrays_per_chunk, self.host_budget()
         self.read_pool.max_bytes = budget.chunks
         self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=budget.windows)
-        self.batch_pool = HostPool(max_buffers=(o.prefetch + 6) * (stored + len(self.layout.blocks)),
+        self.batch_pool = HostPool(max_buffers=(o.prefetch + 6 + o.num_threads) * (stored + len(self.layout.blocks)),
                                    max_bytes=budget.batches)
 
     def _check_data(self) -> None:

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["rows", "columns"])
-@pytest.mark.parametrize("shuffle", [True, "block"])
+@pytest.mark.parametrize("shuffle", [True, "block", False])
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
 def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, world, rank, shuffle, layout):
     kw = dict(seed=11, rank=rank, world_size=world, shuffle_window=3, shuffle=shuffle, layout=layout)
@@ -127,6 +127,38 @@ def test_background_exception_reaches_consumer(click, tmp_path):
     assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_failing_gather_on_a_cut_thread_reaches_the_consumer(click, tmp_path, monkeypatch, shuffle):
+    """The CPU path gathers batches on the loader's cut threads: an error there reaches the
+    consumer at that batch (the batches before it delivered, in order), and no thread is left."""
+    from gpuload import layout as layout_mod
+
+    ds = click.open(tmp_path / "cache", num_threads=3, prefetch=1, shuffle=shuffle)
+    expected = [b["row_id"].clone() for b in ds]
+    ds.set_epoch(0)
+    real, calls, seen = layout_mod.Layout.unpack, [], []
+
+    def unpack(self, cols, alloc=None):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 5:
+            raise RuntimeError("gather failed")
+        return real(self, cols, alloc)
+
+    monkeypatch.setattr(layout_mod.Layout, "unpack", unpack)
+    with pytest.raises(RuntimeError, match="gather failed"):
+        for b in ds:
+            seen.append(b["row_id"].clone())
+    assert all(name.startswith("gpuload-cut") for name in calls)
+    # the 5th gather started failed: batches before it came in order (at most threads + 1 were
+    # gathered ahead of the consumer, in any order)
+    assert len(seen) <= 4 + 4 and all(a.equal(b) for a, b in zip(seen, expected))
+    assert wait_no_threads(include_writer=False) == []
+    monkeypatch.setattr(layout_mod.Layout, "unpack", real)
+    ds.set_epoch(0)
+    again = [b["row_id"] for b in ds]
+    assert len(again) == len(expected) and all(a.equal(b) for a, b in zip(expected, again))
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 @pytest.mark.parametrize("nice", [0, 5])
 def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_path, nice):
@@ -146,6 +178,6 @@ def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_
                         pass
 
     run_with_timeout(consume)
-    assert {"gpuload-producer", "gpuload-load", "gpuload-window", "gpuload-write"} <= set(seen)
+    assert {"gpuload-producer", "gpuload-load", "gpuload-window", "gpuload-write", "gpuload-cut"} <= set(seen)
     assert set(seen.values()) == {min(19, base + nice)}
     assert os.getpriority(os.PRIO_PROCESS, 0) == base

@@ -387,9 +387,10 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
                 "hand-off does), or keep the whole pipeline on the GPU (device=cuda with the gpu extra: "
                 "GPU decode and cache reads into device memory), so that no per-batch copy remains")
     if s.name == "batch":
-        return (f"the shuffle gather is the limit at {_rate(s.rows_per_s)} rows/s on the producer thread: {where}",
+        return (f"the shuffle gather is the limit at {_rate(s.rows_per_s)} rows/s: {where}",
                 ("use a smaller shuffle_window (fewer rows gathered per window)" + ("" if on_gpu else
-                 ", or device=cuda to shuffle on the GPU")) if ours
+                 ", more num_threads (the CPU path gathers batches on them), or device=cuda to shuffle on the GPU"))
+                if ours
                 else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")
     return (f"listing the source files is the limit: {where}",
             "pass a list of files instead of a directory or glob on slow storage")

@@ -5,8 +5,8 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
 * the training thread needs ``S = wall_s - wait_s`` seconds of its own (steps and hand-off);
 * the loader needs ``L = max(P / min(threads, cores), B, C)`` seconds: ``P`` the busy seconds of
   the stages its pool of ``threads`` threads runs (read, decode, convert, cache_read), spread over
-  at most the machine's cores; ``B`` the producer's (``batch``, ``h2d``), one thread; ``C`` the
-  cache writer's (``cache_write``), one thread;
+  at most the machine's cores; ``B`` the batches' (``batch``, ``h2d``): gathered on ``threads``
+  threads at once on the CPU, on one on a GPU; ``C`` the cache writer's (``cache_write``), one thread;
 * the waiting is then ``startup + max(0, L - S) + rest``: ``startup`` the first ``next()`` of each
   pass (the first shuffle window, loaded by the pool: it scales as the pool's time does),
   ``rest`` what the measured waiting holds beyond the model (bursts that the queue did not
@@ -53,10 +53,16 @@ def _busy(stats: Stats, names) -> float:
     return sum(stats.stages[n].seconds for n in names if n in stats.stages)
 
 
+def _producer(stats: Stats, threads: int, cores: int) -> float:
+    """``B`` of the module doc: the CPU path gathers batches on its ``threads`` threads at once."""
+    on_cpu = (stats.loader_settings or {}).get("device", "cpu") == "cpu"
+    return _busy(stats, _PRODUCER) / (max(1, min(threads, cores)) if on_cpu else 1)
+
+
 def loader_seconds(stats: Stats, threads: int, cores: int | None = None) -> float:
     """``L`` of the module doc: the seconds the loader needs with ``threads`` pool threads."""
     cores = cores or os.cpu_count() or 1
-    return max(_busy(stats, _POOL) / max(1, min(threads, cores)), _busy(stats, _PRODUCER),
+    return max(_busy(stats, _POOL) / max(1, min(threads, cores)), _producer(stats, threads, cores),
                _busy(stats, ("cache_write",)))
 
 
@@ -90,7 +96,7 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
                                 f"threads instead of {min(threads, cores)}", _busy(stats, _POOL) / min(more, cores)))
     if cached is not None and "decode" in stats.stages and "cache_read" in cached.stages and cached.rows:
         pool = cached.stages["cache_read"].seconds * stats.rows / cached.rows
-        loader_s = max(pool / max(1, min(threads, cores)), _busy(stats, _PRODUCER))
+        loader_s = max(pool / max(1, min(threads, cores)), _producer(stats, threads, cores))
         out.append(estimate("a warm cache (gpuload cache build ahead of training)", {}, loader_s,
                             f"the first epoch's read, decode, convert and cache writes replaced by the cache reads "
                             f"a later epoch measured ({pool:.2f} busy s for these rows)",
@@ -106,7 +112,8 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
                           f"work started earlier, down to what the stage costs need"))
     if block_gather is not None and "batch" in stats.stages:
         gathers = stats.stages["batch"].seconds
-        producer = gathers * block_gather + _busy(stats, ("h2d",))
+        producer = (gathers * block_gather + _busy(stats, ("h2d",))) * _producer(stats, threads, cores) / max(
+            1e-12, _busy(stats, _PRODUCER))
         loader_s = max(_busy(stats, _POOL) / max(1, min(threads, cores)), producer, _busy(stats, ("cache_write",)))
         out.append(estimate("shuffle='block'", {"shuffle": "block"}, loader_s,
                             f"the producer's {gathers:.2f} s of gathers at {block_gather:.2f}x, as a block-shuffled "

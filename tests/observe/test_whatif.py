@@ -59,12 +59,21 @@ def test_diagnose_names_the_change_that_helps_most(monkeypatch):
 
 
 def test_block_shuffling_scales_the_producers_gathers_by_the_measured_ratio():
-    s = _stats({"cache_read": 1.0, "batch": 8.0}, threads=2)  # gather-bound: L = 8, own 4, rest 6 - 0.5 - 4
-    est = {w.change: w for w in what_if(s, 2, cores=2, block_gather=0.25)}
+    s = _stats({"cache_read": 1.0, "batch": 8.0}, threads=1)  # gather-bound: L = 8, own 4, rest 6 - 0.5 - 4
+    est = {w.change: w for w in what_if(s, 1, cores=2, block_gather=0.25)}
     block = est["shuffle='block'"]
     assert block.settings == {"shuffle": "block"} and "0.25x" in block.basis
     assert block.waiting_s == pytest.approx(0.5 + max(0.0, 8.0 * 0.25 - 4.0) + 1.5)
-    assert "shuffle='block'" not in {w.change for w in what_if(s, 2, cores=2)}  # not measured: not estimated
+    assert "shuffle='block'" not in {w.change for w in what_if(s, 1, cores=2)}  # not measured: not estimated
+
+
+def test_the_cpu_path_gathers_batches_on_its_loader_threads():
+    """B: the CPU path's batches are gathered on num_threads threads at once, a GPU's on one."""
+    s = _stats({"cache_read": 1.0, "batch": 8.0}, threads=2)
+    assert loader_seconds(s, 2, cores=2) == pytest.approx(4.0) and loader_seconds(s, 1, cores=2) == 8.0
+    assert loader_seconds(s, 2, cores=1) == 8.0  # one core: no gain from threads
+    gpu = dataclasses.replace(s, loader_settings={"num_threads": 2, "prefetch": 2, "device": "cuda"})
+    assert loader_seconds(gpu, 2, cores=2) == 8.0
 
 
 def test_waiting_with_nothing_in_flight_is_what_a_deeper_prefetch_hides():
