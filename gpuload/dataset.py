@@ -17,7 +17,7 @@ from .errors import ConfigError, flag
 from .observe.metrics import Metrics
 from .observe.ranks import gather
 from .observe.stats import Stats
-from .pipeline import Background, epoch_batches, handed_out
+from .pipeline import Background, cut_threads, epoch_batches, handed_out
 from .ranks import RankLayout
 from .reader import open_reader
 from .schema import BFLOAT16
@@ -109,8 +109,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2).
-    num_threads : threads that read and decode chunks, and on the CPU that gather batches
-        (default 2).
+    num_threads : threads that read and decode chunks (default 2); on the CPU, on a machine
+        with cores to spare (at least ``num_threads + 3``), they also gather batches.
     nice : how many nice steps below the thread that starts an epoch gpuload's background
         threads run (default 0: the same priority; 0 to 19; Linux only, elsewhere ignored).
         With ``nice=10`` the training thread and its torch threads get a core first and the
@@ -411,7 +411,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
                                  batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
-                                 cut_threads=o.num_threads)
+                                 cut_threads=cut_threads(o.num_threads))
 
     def __repr__(self) -> str:
         try:

@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Sequence
 from .batch import Batcher, concat, nbytes, nrows, rows
 from .plan import Segment
 
-__all__ = ["Background", "epoch_batches", "handed_out", "Stages", "lowered_priority"]
+__all__ = ["Background", "epoch_batches", "handed_out", "Stages", "lowered_priority", "cut_threads"]
 
 _END = object()
 
@@ -58,6 +58,18 @@ class Stages:
 
     def receive(self, item) -> dict:
         return item
+
+
+def cut_threads(num_threads: int, cores: int | None = None) -> int:
+    """Threads the CPU path gathers batches on: the loader's ``num_threads`` where the process
+    has cores for them beside the loader threads, the producer and the training thread
+    (``cores``: default the ones it may run on), else 1 (the producer alone). Measured on 2 cores,
+    cached epochs of 8M rows: gathering on 2 threads was 1.3x as fast with no training step, and
+    9% slower with a 2 ms step and a consumer copying every tensor (threads fighting for the
+    two cores): docs/benchmarks.md, "Gathering batches on several threads"."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return num_threads if cores >= num_threads + 3 else 1
 
 
 class _Failure:

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import run_with_timeout, wait_no_threads
+from gpuload import dataset as dataset_mod
+from gpuload.pipeline import cut_threads
 from reference import same_batches
 
 pytestmark = pytest.mark.usefixtures("no_leftover_threads")
@@ -26,7 +28,9 @@ pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("shuffle", [True, "block", False])
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
-def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, world, rank, shuffle, layout):
+def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, monkeypatch, world, rank, shuffle,
+                                                            layout):
+    monkeypatch.setattr(dataset_mod, "cut_threads", lambda n: n)  # gathers on several threads, even on 2 cores
     kw = dict(seed=11, rank=rank, world_size=world, shuffle_window=3, shuffle=shuffle, layout=layout)
     warm = tmp_path / "warm"
     base_ds = click.open(warm, prefetch=2, num_threads=2, **kw)
@@ -127,12 +131,18 @@ def test_background_exception_reaches_consumer(click, tmp_path):
     assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
 
 
+def test_batches_are_gathered_on_several_threads_only_with_cores_to_spare():
+    assert cut_threads(2, cores=5) == 2 and cut_threads(4, cores=16) == 4
+    assert cut_threads(2, cores=4) == 1 and cut_threads(2, cores=2) == 1 and cut_threads(1, cores=64) == 1
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_a_failing_gather_on_a_cut_thread_reaches_the_consumer(click, tmp_path, monkeypatch, shuffle):
     """The CPU path gathers batches on the loader's cut threads: an error there reaches the
     consumer at that batch (the batches before it delivered, in order), and no thread is left."""
     from gpuload import layout as layout_mod
 
+    monkeypatch.setattr(dataset_mod, "cut_threads", lambda n: n)
     ds = click.open(tmp_path / "cache", num_threads=3, prefetch=1, shuffle=shuffle)
     expected = [b["row_id"].clone() for b in ds]
     ds.set_epoch(0)
@@ -161,10 +171,11 @@ def test_a_failing_gather_on_a_cut_thread_reaches_the_consumer(click, tmp_path, 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 @pytest.mark.parametrize("nice", [0, 5])
-def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_path, nice):
+def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_path, monkeypatch, nice):
     """Loader, window, producer and cache writer threads yield the CPU to the training thread's own
     threads: ``nice`` steps below it (the training thread itself is left as it is)."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
+    monkeypatch.setattr(dataset_mod, "cut_threads", lambda n: n)  # the cut threads too
     ds = click.open(tmp_path / "cache", nice=nice, prefetch=1, num_threads=2)  # cold: the writer runs too
     seen: dict[str, int] = {}
 

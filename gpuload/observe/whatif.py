@@ -5,8 +5,8 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
 * the training thread needs ``S = wall_s - wait_s`` seconds of its own (steps and hand-off);
 * the loader needs ``L = max(P / min(threads, cores), B, C)`` seconds: ``P`` the busy seconds of
   the stages its pool of ``threads`` threads runs (read, decode, convert, cache_read), spread over
-  at most the machine's cores; ``B`` the batches' (``batch``, ``h2d``): gathered on ``threads``
-  threads at once on the CPU, on one on a GPU; ``C`` the cache writer's (``cache_write``), one thread;
+  at most the machine's cores; ``B`` the batches' (``batch``, ``h2d``): gathered on
+  :func:`gpuload.pipeline.cut_threads` threads at once on the CPU, on one on a GPU; ``C`` the cache writer's (``cache_write``), one thread;
 * the waiting is then ``startup + max(0, L - S) + rest``: ``startup`` the first ``next()`` of each
   pass (the first shuffle window, loaded by the pool: it scales as the pool's time does),
   ``rest`` what the measured waiting holds beyond the model (bursts that the queue did not
@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..pipeline import cut_threads
 from .stats import Stats
 
 __all__ = ["WhatIf", "what_if", "loader_seconds"]
@@ -56,7 +57,7 @@ def _busy(stats: Stats, names) -> float:
 def _producer(stats: Stats, threads: int, cores: int) -> float:
     """``B`` of the module doc: the CPU path gathers batches on its ``threads`` threads at once."""
     on_cpu = (stats.loader_settings or {}).get("device", "cpu") == "cpu"
-    return _busy(stats, _PRODUCER) / (max(1, min(threads, cores)) if on_cpu else 1)
+    return _busy(stats, _PRODUCER) / (cut_threads(threads, cores) if on_cpu else 1)
 
 
 def loader_seconds(stats: Stats, threads: int, cores: int | None = None) -> float:
