@@ -70,6 +70,7 @@ LOADERS = {
     "gpuload-block": Spec("gpuload_runner.py", "block"),
     "gpuload-stacked": Spec("gpuload_runner.py", "stacked"),
     "gpuload-nice": Spec("gpuload_runner.py", "nice"),
+    "gpuload-direct": Spec("gpuload_runner.py", "direct"),
     "naive": Spec("reference.py", "naive"),
     "torch-dataloader": Spec("torch_loaders.py", "dataloader"),
     "torchdata-nodes": Spec("torch_loaders.py", "nodes"),
@@ -225,6 +226,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", type=pathlib.Path, help="default: a temporary folder, removed at the end")
     ap.add_argument("--keep", action="store_true", help="keep the work folder and every loader's converted data")
     ap.add_argument("--json", type=pathlib.Path, help="also write every result as JSON here")
+    ap.add_argument("--merge", type=pathlib.Path,
+                    help="an earlier run's --json: its rows for the loaders not run now are kept (the tables say "
+                         "which rows come from which run)")
     ap.add_argument("--out", type=pathlib.Path, help="markdown file whose '## Peers' section gets the results")
     ap.add_argument("--readme", type=pathlib.Path,
                     help="markdown file whose block between '<!-- peers:start -->' and '<!-- peers:end -->' gets "
@@ -256,6 +260,16 @@ def main(argv=None) -> int:
             for t in threads:
                 results[(key, t)] = run_one(key, LOADERS[key], args, data, work, rows, window, t)
         load1 = os.getloadavg()
+        merged = None
+        if args.merge:  # an earlier run's rows for the loaders not run now, in the loaders' order
+            earlier = json.loads(args.merge.read_text())
+            kept = {(r["key"], r["threads"]): {k: v for k, v in r.items() if k not in ("key", "threads")}
+                    for r in earlier["results"] if r["key"] in LOADERS and r["key"] not in keys}
+            results = {(k, t): (results.get((k, t)) or kept[(k, t)]) for k in LOADERS for t in threads
+                       if (k, t) in results or (k, t) in kept}
+            merged = (f"rows of {', '.join(keys)} from this run; the others from the run of "
+                      f"{earlier['info'].get('date', '?')} ({earlier['info'].get('command', '?')}), same machine "
+                      f"and data")
         bad = [f"{k} ({t})" for (k, t), r in results.items()
                if "error" not in r and any(ep["verified"] is not True and not str(ep["verified"]).startswith("partial")
                                            for ep in r["epochs"])]
@@ -288,6 +302,7 @@ def main(argv=None) -> int:
             "versions": "; ".join(f"{', '.join(ks)}: {vs}" for vs, ks in versions.items()),
             "date": datetime.datetime.now().isoformat(timespec="minutes"),
             "command": "python benchmarks/bench_peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **({"merged": merged} if merged else {}),
             "runtime": f"{time.perf_counter() - t_start:.0f} s; load average (1, 5, 15 min) "
                        f"{', '.join(f'{x:.2f}' for x in load0)} at start, "
                        f"{', '.join(f'{x:.2f}' for x in load1)} at end",
@@ -303,7 +318,7 @@ def main(argv=None) -> int:
             replace_section(args.out, "## Peers", section + "\n")
         if args.readme:
             block = (f"Consumer with torch threads = {threads[0]} ({info['dataset']}; {info['machine']}; "
-                     f"{info['date']}; {info['runtime']}"
+                     f"{info['date']}; {info['runtime']}" + (f"; {info['merged']}" if "merged" in info else "")
                      + (f"; caution: {info['caution']}" if "caution" in info else "")
                      + "):\n\n" + table(results, threads[0], rows) + "\n")
             replace_block(args.readme, block)

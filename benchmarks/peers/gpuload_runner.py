@@ -1,5 +1,6 @@
 """gpuload: ParquetDataset on the CPU; the first epoch builds its cache (opening and the last durable cache
-write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked, nice (the default with nice=10)."""
+write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked, nice (the default
+with nice=10), direct (the default with cache_io="direct": cache files written and read around the page cache)."""
 
 import os
 import sys
@@ -16,7 +17,8 @@ PER_COLUMN = {"row_id": "row_id", **bench_step.PER_COLUMN}
 STACKED = {"row_id": "row_id", **bench_step.STACKED}
 VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": False}),
             "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {}),
-            "nice": (PER_COLUMN, {"nice": 10})}  # the default, its threads 10 nice steps below the training thread
+            "nice": (PER_COLUMN, {"nice": 10}),  # the default, its threads 10 nice steps below the training thread
+            "direct": (PER_COLUMN, {"cache_io": "direct"})}  # the default, its cache around the page cache
 
 
 class Gpuload(Peer):
