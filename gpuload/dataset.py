@@ -123,15 +123,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         them evicts the least recently used chunks no open dataset reads
         (:mod:`gpuload.cache.evict`). What does not fit is read from Parquet every epoch, and
         opening says how much of the dataset fits.
-    cache_io : ``"auto"`` (default), ``"direct"`` or ``"buffered"``: whether cache files are
-        written and read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`).
-        ``"auto"`` is direct when the dataset's cache files (all of them, or ``max_cache_bytes``
-        if less; with ``shard="node"`` every node's share counts) take more than half the
-        memory (the machine's, or its cgroup's limit): the page cache could not keep them from one
-        epoch to the next, and a first epoch that writes them through it pays for copies and
-        evicts other files. ``"direct"`` makes a first epoch cheaper and leaves the page
-        cache alone for any size; cached epochs then read the disk, not memory. File systems
-        that refuse it get buffered I/O.
+    cache_io : ``"auto"`` (default), ``"direct"`` or ``"buffered"``: cache files written and
+        read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`) or through it.
+        ``"auto"``: direct when they take more than half the memory (see
+        :func:`gpuload.memory.direct_io`): a cheaper first epoch, other files' pages kept;
+        cached epochs then read the disk, not memory.
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the

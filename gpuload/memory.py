@@ -268,7 +268,9 @@ def direct_io(cache_io: str, cache_bytes: int, memory: int | None = None) -> boo
     the page cache (:mod:`gpuload.cache.directio`): ``cache_io="direct"`` yes, ``"buffered"``
     no, ``"auto"`` when they are more than half of ``memory`` (default :func:`memory_bytes`):
     the page cache could not keep them from one epoch to the next beside everything else,
-    so caching their pages would only cost the first epoch its copies and evict other files."""
+    so caching their pages would only cost the first epoch its copies and evict other files.
+    The reader passes all of a dataset's chunk files (at most its ``max_cache_bytes``); with
+    ``shard="node"``, every node's share counts, as ranks are known only when an epoch begins."""
     if cache_io != "auto":
         return cache_io == "direct"
     return cache_bytes > (memory_bytes() if memory is None else memory) // 2
