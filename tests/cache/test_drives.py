@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -181,8 +182,15 @@ def test_a_drive_remounted_read_only_mid_epoch_is_routed_around(source, tmp_path
         for i, batch in enumerate(ds):
             got.append(batch["x"].numpy().copy())
             if i == 4 * mine[0] + 3:  # the drive's first chunk is written: it goes read-only under the epoch
-                ds.reader.cache.flush()
-                assert subprocess.run(["mount", "-o", "remount,ro", str(drive)]).returncode == 0
+                # loads ahead of this batch may be writing a chunk ("mount point is busy"): the paused consumer
+                # lets them finish, then the remount goes through
+                for _ in range(250):
+                    ds.reader.cache.flush()
+                    if subprocess.run(["mount", "-o", "remount,ro", str(drive)], capture_output=True).returncode == 0:
+                        break
+                    time.sleep(0.02)
+                else:
+                    pytest.fail(f"{drive} stayed busy: it could not be remounted read-only")
         ds.reader.cache.flush()
     assert np.array_equal(np.sort(np.concatenate(got)), np.arange(FILES * N))
     warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
