@@ -79,7 +79,7 @@ def test_unaligned_buffers_and_offsets_are_read_buffered(tmp_path):
     path.write_bytes(data.tobytes())
     fd = os.open(path, os.O_RDONLY)
     try:
-        raw = np.empty(4 * ALIGN + 1, np.uint8)
+        raw = np.empty(len(data) + 2 * ALIGN, np.uint8)  # room for an aligned start, and one byte past it
         start = -raw.ctypes.data % ALIGN
         aligned, unaligned = raw[start:start + len(data)], raw[start + 1:start + 1 + len(data)]
         assert directio.read_into(fd, unaligned, 0) is None and directio.read_into(fd, aligned, 1) is None
