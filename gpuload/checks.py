@@ -171,15 +171,15 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 if unknown:
                     todo.setdefault(i, []).append((c, leaf, unknown, lists))
     for i, wanted in todo.items():  # list columns: the footer's definition-level histograms, one walk a file
-        f = files[i]
-        lists = [w for w in wanted if w[3]]
-        md = f.metadata
-        data = sum(md.row_group(g).column(leaf).total_uncompressed_size for _, leaf, groups, _ in lists for g in groups)
+        f, md = files[i], files[i].metadata
+        list_columns = [w for w in wanted if w[3]]
+        data = sum(md.row_group(g).column(leaf).total_uncompressed_size
+                   for _, leaf, groups, _ in list_columns for g in groups)
         # a small footer is walked (tens of ms); a large one only where reading the columns would cost more
         walk = md.serialized_size <= _WALK_FREE or md.serialized_size * _WALK_COST < data
-        counted = null_counts(md, f.schema, lists) if walk else [None] * len(lists)
+        counted = iter(null_counts(md, f.schema, list_columns) if walk else [None] * len(list_columns))
         for (c, _, unknown, lists) in wanted:
-            n = counted.pop(0) if lists else None
+            n = next(counted) if lists else None
             if n is None and not f.remote:  # remote: not fetched twice, the conversion raises the same error
                 jobs.append((f, c, unknown, lists))
             elif n:

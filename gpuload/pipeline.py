@@ -265,44 +265,33 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
             forget()
 
 
-def _timed(batches: Iterator, handoff, metrics) -> Iterator:
-    """Hand off each batch of ``batches``, recording the time to cut and hand it off."""
+def _made(cut: Callable[[], dict], hand: Callable[[dict], object], metrics):
+    """``hand(cut())``: a batch gathered and handed off (or prepared), timed as a ``batch`` span."""
     if metrics is None:
-        for b in batches:
-            yield handoff(b)
-        return
-    while True:
-        with metrics.span("batch") as span:
-            b = next(batches, None)
-            if b is not None:
-                out = handoff(b)
-                span.nbytes, span.rows = nbytes(b), nrows(b)
-        if b is None:
-            return
-        yield out
+        return hand(cut())
+    with metrics.span("batch") as span:
+        b = cut()
+        out = hand(b)
+        span.nbytes, span.rows = nbytes(b), nrows(b)
+    return out
 
 
 class _Cutters:
-    """Batches gathered and made tensors on ``threads`` threads at once (the CPU path), handed
-    on in their order: ``add`` takes the batches of a deferred :class:`Batcher`, and yields those
-    whose turn has come, keeping at most ``threads + 1`` in flight; ``drain`` yields the rest."""
+    """Batches of a deferred :class:`Batcher` made in their order: on the producer thread one at a
+    time (``pool`` None), or on ``pool``'s ``threads`` threads at once (the CPU path: gathers and
+    tensors), at most ``threads + 1`` in flight, each handed on when its turn comes; ``drain``
+    yields those still in flight."""
 
-    def __init__(self, pool: ThreadPoolExecutor, threads: int, handoff, metrics):
+    def __init__(self, pool: ThreadPoolExecutor | None, threads: int, handoff, metrics):
         self._pool, self._limit, self._handoff, self._metrics = pool, threads + 1, handoff, metrics
         self._pending: deque[Future] = deque()
 
-    def _make(self, cut: Callable[[], dict]):
-        if self._metrics is None:
-            return self._handoff.prepare(cut())
-        with self._metrics.span("batch") as span:
-            b = cut()
-            out = self._handoff.prepare(b)
-            span.nbytes, span.rows = nbytes(b), nrows(b)
-        return out
-
     def add(self, cuts: Iterator) -> Iterator:
         for cut in cuts:
-            self._pending.append(self._pool.submit(self._make, cut))
+            if self._pool is None:
+                yield _made(cut, self._handoff, self._metrics)
+                continue
+            self._pending.append(self._pool.submit(_made, cut, self._handoff.prepare, self._metrics))
             while len(self._pending) > self._limit:
                 yield self._handoff.finish(self._pending.popleft().result())
 
@@ -331,16 +320,14 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
     # on the CPU, batches are gathered on `cut_threads` threads at once (in order: _Cutters);
     # on a GPU, on the producer thread alone, where its stream and events are
     parallel = cut_threads > 1 and hasattr(handoff, "prepare")
-    batcher = Batcher(sizes, batch_alloc, deferred=parallel)
+    batcher = Batcher(sizes, batch_alloc, deferred=True)
     halt = threading.Event()  # the epoch ended early: the window being assembled is not wanted
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gpuload-load") as pool, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-window") as assembler, \
-            ThreadPoolExecutor(max_workers=cut_threads if parallel else 1, thread_name_prefix="gpuload-cut") as cutting:
+            (ThreadPoolExecutor(max_workers=cut_threads, thread_name_prefix="gpuload-cut") if parallel
+             else contextlib.nullcontext()) as cutting:
         look = _Lookahead(pool, segments, load_in, prefetch, warm, stages.receive)
-        cutters = _Cutters(cutting, cut_threads, handoff, metrics) if parallel else None
-
-        def cut(batches: Iterator) -> Iterator:
-            return cutters.add(batches) if parallel else _timed(batches, handoff, metrics)
+        cutters = _Cutters(cutting, cut_threads, handoff, metrics)
 
         def assemble(w: int):
             """Group ``w``'s chunk pieces (in file order), or its rows joined with their permutation."""
@@ -368,24 +355,21 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
         try:
             for w in range(n):
                 got = ahead.result()
-                if parallel:  # the last window's batches are gathered before a third window is joined
-                    yield from cutters.drain()
+                yield from cutters.drain()  # the last window's batches are gathered before a third is joined
                 ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
                 if got is None:
                     return
                 if permutation is None:
                     for p in got:
-                        yield from cut(batcher.add(p))
+                        yield from cutters.add(batcher.add(p))
                 else:
                     cols, perm = got
                     del got
-                    yield from cut(batcher.add(cols, perm))
+                    yield from cutters.add(batcher.add(cols, perm))
                     del cols, perm
-            if parallel:
-                yield from cutters.drain()
+            yield from cutters.drain()
         finally:
-            if cutters is not None:
-                cutters.cancel()
+            cutters.cancel()
             if ahead is not None and not ahead.cancel():  # it is taking chunks: stop it, then the loads
                 halt.set()
                 try:

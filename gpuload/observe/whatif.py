@@ -54,10 +54,15 @@ def _busy(stats: Stats, names) -> float:
     return sum(stats.stages[n].seconds for n in names if n in stats.stages)
 
 
-def _producer(stats: Stats, threads: int, cores: int) -> float:
-    """``B`` of the module doc: the CPU path gathers batches on its ``threads`` threads at once."""
+def _gatherers(stats: Stats, threads: int, cores: int) -> int:
+    """Threads the batches are gathered on: the CPU path's cut threads, a GPU's producer alone."""
     on_cpu = (stats.loader_settings or {}).get("device", "cpu") == "cpu"
-    return _busy(stats, _PRODUCER) / (cut_threads(threads, cores) if on_cpu else 1)
+    return cut_threads(threads, cores) if on_cpu else 1
+
+
+def _producer(stats: Stats, threads: int, cores: int) -> float:
+    """``B`` of the module doc."""
+    return _busy(stats, _PRODUCER) / _gatherers(stats, threads, cores)
 
 
 def loader_seconds(stats: Stats, threads: int, cores: int | None = None) -> float:
@@ -113,8 +118,7 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
                           f"work started earlier, down to what the stage costs need"))
     if block_gather is not None and "batch" in stats.stages:
         gathers = stats.stages["batch"].seconds
-        producer = (gathers * block_gather + _busy(stats, ("h2d",))) * _producer(stats, threads, cores) / max(
-            1e-12, _busy(stats, _PRODUCER))
+        producer = (gathers * block_gather + _busy(stats, ("h2d",))) / _gatherers(stats, threads, cores)
         loader_s = max(_busy(stats, _POOL) / max(1, min(threads, cores)), producer, _busy(stats, ("cache_write",)))
         out.append(estimate("shuffle='block'", {"shuffle": "block"}, loader_s,
                             f"the producer's {gathers:.2f} s of gathers at {block_gather:.2f}x, as a block-shuffled "
