@@ -130,9 +130,9 @@ def _warm_page_cache(files) -> None:
                 pass
 
 
-def _host_plus_copy(data, cache, epoch) -> float:
+def _host_plus_copy(data, cache, epoch, **kw) -> float:
     """The CPU path with a pageable host-to-device copy of every batch (what a CPU loader gives a GPU)."""
-    ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cpu", shuffle=True)
+    ds = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cpu", shuffle=True, **kw)
     ds.set_epoch(epoch)
     t0 = time.perf_counter()
     for b in ds:
@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--decode", choices=["auto", "gpu", "cpu"], default="auto",
                     help="first-epoch decode on the GPU: gpu (cuDF), cpu (pyarrow + copies), auto (cuDF if installed)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="num_threads of every gpuload pass, GPU and CPU alike (default: gpuload's)")
     ap.add_argument("--quick", action="store_true", help="only the cached epoch against raw reads, and starvation")
     ap.add_argument("--dir", default=None, help="work folder on the local NVMe (default: a temporary one)")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
@@ -249,6 +251,8 @@ def main(argv=None) -> int:
     data = work / "data"
     parquet = write_clicklog(data, a.rows, files=a.files)
     kw = dict(batch_size=a.batch, shuffle=True, seed=0)
+    threads = {} if a.threads is None else {"num_threads": a.threads}
+    kw.update(threads)
     notes = _Notes(a.trace)
     res = {}
     seconds: dict[str, list] = {}
@@ -269,7 +273,7 @@ def main(argv=None) -> int:
                     notes.add(f"first epoch, {'cuDF' if cudf else 'pyarrow'} decode", ds)
                 ds.reader.cache.flush()
             else:
-                out.append(_host_plus_copy(data, cache, 0))
+                out.append(_host_plus_copy(data, cache, 0, **threads))
     seconds.update(cold_gpu=cold_gpu, cold_cpu=cold_cpu)
     if compare:
         res["first epoch: cuDF decode vs pyarrow decode + H2D copies"] = (min(cold_cpu) / min(cold_gpu), ">= 3x")
@@ -304,7 +308,7 @@ def main(argv=None) -> int:
         host = []
         for r in range(a.repeat):
             _warm_page_cache(sorted((work / "cold-cpu").rglob("*.glc")))
-            host.append(_host_plus_copy(data, work / "cold-cpu", 2 + r))
+            host.append(_host_plus_copy(data, work / "cold-cpu", 2 + r, **threads))
         seconds["host"] = host
         res["cached epoch vs CPU path + H2D copies"] = (min(host) / min(t for t, _ in warm), "> 1x")
 
@@ -327,7 +331,7 @@ def main(argv=None) -> int:
     props = torch.cuda.get_device_properties(0)
     lines = [f"\n## GPU: {props.name}{' (quick)' if a.quick else ''}\n",
              f"{a.rows:,} rows in {a.files} files, {region_bytes / 2**30:.2f} GiB of cached columns, batch {a.batch}, "
-             f"best of {a.repeat}. {_versions()}.\n",
+             f"best of {a.repeat}, {a.threads or 'default'} loader threads. {_versions()}.\n",
              "| measurement | result | target |", "|---|---|---|"]
     for k, (v, target) in res.items():
         lines.append(f"| {k} | {v:.1%} |" if "waiting" in k else f"| {k} | {v:.2f}x |")
@@ -343,7 +347,7 @@ def main(argv=None) -> int:
         with open(a.out, "a") as f:
             f.write(text + "\n")
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": props.name, "rows": a.rows, "quick": a.quick, "decode": decode,
+        Path(a.json).write_text(json.dumps({"device": props.name, "rows": a.rows, "quick": a.quick, "decode": decode, "threads": a.threads,
                                             "cached_bytes": region_bytes, "results": res, "gbps": gbps,
                                             "starvation": frac, "starvation_after_first": steady, "step_ms": step, "versions": _versions(),
                                             "seconds": seconds}, indent=1))
