@@ -437,7 +437,7 @@ def test_nulls_in_a_remote_list_column_are_found_at_open_from_the_footer_alone(s
     """pyarrow's footers hold definition-level histograms: a null list is refused when the dataset
     opens, with no GET beyond the footer's. Polars' hold none: the first epoch finds it, without
     fetching the column twice."""
-    import polars as pl
+    pl = pytest.importorskip("polars")
 
     name = f"b{uuid.uuid4().hex[:12]}"
     folder = tmp_path / "src"
