@@ -75,27 +75,31 @@ def _take_ragged(v: Ragged, idx, alloc=None):
     """Values and offsets of rows ``idx`` of a ragged column."""
     xp = _xp(v.values)
     starts = v.offsets[idx]
-    lengths = v.offsets[idx + 1] - starts
+    lengths = v.offsets[idx + 1]
+    lengths -= starts
     off = _empty(xp, (len(idx) + 1,), xp.int64, alloc)
     off[0] = 0
     xp.cumsum(lengths, out=off[1:])
-    total = int(off[-1])
+    total = int(off[-1])  # on a GPU, the batch's one wait for the device
     if total == 0:
         return v.values[:0].copy(), off
     if xp is np:  # source position of every output value: its row's start, shifted, plus its own position
         src = np.repeat(starts - off[:-1], lengths)
         src += np.arange(total, dtype=np.int64)
         return np.take(v.values, src, out=_empty(np, (total,), v.values.dtype, alloc)), off
-    # CuPy repeats by host counts only: store the steps (1 inside a row, a jump at each
-    # non-empty row's start) and cumsum them
-    nonempty = lengths > 0
-    s, n = starts[nonempty], lengths[nonempty]
-    src = xp.ones(total, dtype=xp.int64)
-    jumps = s.copy()
-    jumps[1:] -= s[:-1] + n[:-1] - 1
-    src[off[:-1][nonempty]] = jumps
-    src = xp.cumsum(src)  # CuPy's scan does not promise in-place results
-    return xp.take(v.values, src), off
+    return xp.take(v.values, ragged_sources(xp, starts, off, total)), off
+
+
+def ragged_sources(xp, starts, off, total: int):
+    """Source position of each of the ``total`` values of gathered ragged rows whose sources
+    start at ``starts`` and whose output offsets are ``off`` (``off[0] == 0``, ``off[-1] ==
+    total``): a few whole-array operations (a row found by binary search per value), no
+    wait for the device and no boolean masks (CuPy sizes those on the host)."""
+    pos = xp.arange(total, dtype=xp.int64)
+    row = xp.searchsorted(off[1:], pos, side="right")  # the row of each value (empty rows skipped)
+    pos -= off[row]
+    pos += starts[row]
+    return pos
 
 
 def take(cols: dict, idx, alloc=None) -> dict:

@@ -332,6 +332,10 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
         def assemble(w: int):
             """Group ``w``'s chunk pieces (in file order), or its rows joined with their permutation."""
             with stages.batching():  # the window thread
+                if permutation is not None:  # drawn while the window's chunks load (its size is planned)
+                    planned = sum(s.hi - s.lo for s in windows[w])
+                    with contextlib.nullcontext() if metrics is None else metrics.span("batch"):
+                        perm = permutation(w, planned)
                 parts = []
                 for pos in range(starts[w], starts[w + 1]):
                     parts.append(look.take(pos))
@@ -342,7 +346,9 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                 with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
                     cols = concat(parts, alloc)
                     del parts
-                    perm = permutation(w, nrows(cols))
+                    if nrows(cols) != planned:
+                        raise RuntimeError(f"gpuload internal error: window {w} has {nrows(cols)} rows, "
+                                           f"{planned} planned")
                     if span is not None:
                         span.nbytes = nbytes(cols)
                 return cols, perm

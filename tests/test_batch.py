@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gpuload import plan
-from gpuload.batch import Batcher, Ragged, concat, nbytes, nrows, rows, take
+from gpuload.batch import Batcher, Ragged, concat, nbytes, nrows, ragged_sources, rows, take
 
 SETTINGS = settings(max_examples=120, deadline=None)
 
@@ -53,6 +53,23 @@ def assert_cols_are(cols: dict, ids) -> None:
 
 
 # -- take / rows / concat -----------------------------------------------------------------
+@SETTINGS
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.data())
+def test_ragged_sources_the_gpu_gather_uses_are_the_rows_values(lengths, data):
+    """The device path's source positions (binary search, no masks), run here with NumPy:
+    each gathered row's values in order, empty rows (first, last, in runs) included."""
+    lists = [[100 * i + j for j in range(n)] for i, n in enumerate(lengths)]
+    r = ragged_of(lists)
+    idx = np.array(data.draw(st.lists(st.integers(0, len(lists) - 1), max_size=60)), dtype=np.int64)
+    starts = r.offsets[idx]
+    off = np.zeros(len(idx) + 1, np.int64)
+    np.cumsum(r.offsets[idx + 1] - starts, out=off[1:])
+    total = int(off[-1])
+    assume(total > 0)
+    got = r.values[ragged_sources(np, starts, off, total)]
+    assert got.tolist() == [v for i in idx for v in lists[i]]
+
+
 @SETTINGS
 @given(st.integers(0, 40), st.data())
 def test_take_gathers_rows_in_index_order(n, data):
