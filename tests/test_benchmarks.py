@@ -236,3 +236,27 @@ def test_bench_drives_compares_two_folders_with_one(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| one folder") or line.startswith("| two folders")]
     assert len(rows) == 2 and all(float(r.rsplit("|", 2)[1].replace(",", "")) > 0 for r in rows)
     assert "striped / one folder:" in text and len(list((tmp_path / "w" / "b").rglob("*.glc"))) > 0
+
+
+def test_profile_threads_names_each_thread_groups_lines(tmp_path):
+    """The sampling profile of a first and a cached epoch: every loader thread group is
+    sampled and its time lands on gpuload's own lines."""
+    import profile_threads
+
+    out = tmp_path / "prof.txt"
+    assert profile_threads.main(["--rows", "60000", "--files", "2", "--device", "cpu", "--epochs", "2",
+                                 "--dir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    text = out.read_text()
+    first, cached = text.split("## 2 cached epochs")
+    for part in (first, cached):
+        assert "### gpuload-producer:" in part and "### gpuload-load:" in part and "### MainThread:" in part
+    assert "read_columns" in first and "read_columns" not in cached  # Parquet decoded in the first epoch alone
+    assert text.count("epoch ") >= 4
+
+
+def test_profile_threads_groups_executor_threads():
+    import profile_threads
+
+    assert [profile_threads.Sampler.group(n) for n in ("gpuload-load_3", "gpuload-producer", "MainThread",
+                                                       "Thread-2 (run)", "a_b")] == \
+        ["gpuload-load", "gpuload-producer", "MainThread", "Thread-2 (run)", "a_b"]
