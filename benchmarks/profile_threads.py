@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--decode", choices=["auto", "gpu", "cpu"], default="auto")
     ap.add_argument("--threads", type=int, default=None, help="num_threads (default: gpuload's)")
+    ap.add_argument("--batch", type=int, default=65536)
+    ap.add_argument("--shuffle", choices=["rows", "block", "none"], default="rows",
+                    help="shuffle=True, 'block' or False")
     ap.add_argument("--epochs", type=int, default=3, help="cached epochs sampled together")
     ap.add_argument("--interval", type=float, default=0.0005, help="seconds between samples")
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
@@ -120,7 +123,8 @@ def main(argv=None) -> int:
         write_clicklog(work / "data", a.rows, files=a.files)
         kw = {} if a.threads is None else {"num_threads": a.threads}
         ds = gpuload.ParquetDataset(work / "data", COLUMNS, cache_dir=work / "cache", device=a.device,
-                                    decode=a.decode, batch_size=65536, shuffle=True, seed=0, **kw)
+                                    decode=a.decode, batch_size=a.batch, seed=0, **kw,
+                                    shuffle={"rows": True, "block": "block", "none": False}[a.shuffle])
 
         def epoch(e: int) -> None:
             ds.set_epoch(e)

@@ -13,7 +13,9 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Ragged", "nrows", "take", "permute_rows", "rows", "concat", "Batcher", "nbytes"]
+__all__ = ["Ragged", "nrows", "take", "permute_rows", "rows", "concat", "Batcher", "nbytes", "Parts", "long_runs"]
+
+RUN_ROWS = 16  # mean rows per run of a permutation from which copying runs beats gathering rows
 
 
 class Ragged(NamedTuple):
@@ -153,14 +155,60 @@ def concat(parts: Sequence[dict], alloc=None) -> dict:
     return out
 
 
+def long_runs(perm) -> bool:
+    """Whether the host permutation ``perm`` takes its rows in runs of consecutive rows (a
+    block shuffle's), :data:`RUN_ROWS` or more on average: then copying the runs straight
+    from a window's chunks (:class:`Parts`) beats joining them and gathering row by row."""
+    if not isinstance(perm, np.ndarray) or len(perm) < 2:
+        return False
+    return int(np.count_nonzero(np.diff(perm) != 1)) * RUN_ROWS < len(perm)
+
+
+class Parts:
+    """A window's chunk pieces (column sets, host arrays), not joined: rows of their
+    concatenation are copied out run by run, each run of consecutive rows one slice per
+    output, so the window is never copied as a whole (see :func:`long_runs`)."""
+
+    __slots__ = ("parts", "starts")
+
+    def __init__(self, parts: Sequence[dict]):
+        self.parts = list(parts)
+        self.starts = np.cumsum([0] + [nrows(p) for p in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes(p) for p in self.parts)
+
+    def take(self, idx: np.ndarray, alloc=None) -> dict:
+        """Rows ``idx`` (positions in the concatenation, host int64) in new arrays (from
+        ``alloc(shape, dtype)`` when given, as in :func:`concat`)."""
+        starts, slices = self.starts, []
+        if len(idx):
+            cut = np.flatnonzero(np.diff(idx) != 1) + 1
+            lo, hi = idx[np.r_[0, cut]], idx[np.r_[cut - 1, len(idx) - 1]] + 1
+            first = np.searchsorted(starts, lo, side="right") - 1
+            last = np.searchsorted(starts, hi - 1, side="right") - 1
+            for a, b, p, q in zip(lo.tolist(), hi.tolist(), first.tolist(), last.tolist()):
+                while p < q:  # a run across the end of a piece
+                    slices.append(rows(self.parts[p], a - int(starts[p]), int(starts[p + 1] - starts[p])))
+                    a, p = int(starts[p + 1]), p + 1
+                slices.append(rows(self.parts[p], a - int(starts[p]), b - int(starts[p])))
+        if len(slices) < 2:  # concat hands a single set back as it is: add an empty one, so it copies
+            slices.append(rows(self.parts[0], 0, 0))
+        return concat(slices, alloc)
+
+
 class _Piece:
     """Rows waiting to be batched: a column set, optionally read through a permutation
-    (which may take only some of its rows)."""
+    (which may take only some of its rows), or a window's :class:`Parts` read through one."""
 
     __slots__ = ("cols", "perm", "pos", "n", "alloc")
 
-    def __init__(self, cols: dict, perm, alloc=None):
-        self.cols, self.perm, self.pos, self.alloc = cols, perm, 0, alloc
+    def __init__(self, cols, perm, alloc=None):
+        self.cols, self.perm, self.pos, self.alloc = cols, perm, 0, alloc  # cols: a column set or Parts
         self.n = nrows(cols) if perm is None else len(perm)
 
     def plan(self, k: int) -> Callable[[], dict]:
@@ -171,6 +219,8 @@ class _Piece:
         if self.perm is None:
             return lambda: rows(cols, a, a + k)
         idx = self.perm[a:a + k]
+        if isinstance(cols, Parts):
+            return lambda: cols.take(idx, alloc)
         return lambda: take(cols, idx, alloc)
 
     def take(self, k: int) -> dict:

@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
-from .batch import Batcher, concat, nbytes, nrows, rows
+from .batch import Batcher, Parts, concat, long_runs, nbytes, nrows, rows
 from .plan import Segment
 
 __all__ = ["Background", "epoch_batches", "handed_out", "Stages", "lowered_priority", "cut_threads"]
@@ -343,14 +343,18 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                         return None
                 if permutation is None:
                     return parts
-                with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
-                    cols = concat(parts, alloc)
-                    del parts
-                    if nrows(cols) != planned:
-                        raise RuntimeError(f"gpuload internal error: window {w} has {nrows(cols)} rows, "
-                                           f"{planned} planned")
-                    if span is not None:
-                        span.nbytes = nbytes(cols)
+                if long_runs(perm):  # a host permutation (a GPU's is on the device) of long runs: a block
+                    cols = Parts(parts)  # shuffle's batches copy them straight from the chunks, no join
+                    got = len(cols)
+                else:
+                    with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
+                        cols = concat(parts, alloc)
+                        got = nrows(cols)
+                        if span is not None:
+                            span.nbytes = nbytes(cols)
+                del parts
+                if got != planned:
+                    raise RuntimeError(f"gpuload internal error: window {w} has {got} rows, {planned} planned")
                 return cols, perm
 
         # window w + 1 is loaded and joined on its own thread while window w is cut into batches,

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gpuload import plan
-from gpuload.batch import Batcher, Ragged, concat, nbytes, nrows, ragged_sources, rows, take
+from gpuload.batch import Batcher, Parts, Ragged, concat, long_runs, nbytes, nrows, ragged_sources, rows, take
 
 SETTINGS = settings(max_examples=120, deadline=None)
 
@@ -68,6 +68,38 @@ def test_ragged_sources_the_gpu_gather_uses_are_the_rows_values(lengths, data):
     assume(total > 0)
     got = r.values[ragged_sources(np, starts, off, total)]
     assert got.tolist() == [v for i in idx for v in lists[i]]
+
+
+@SETTINGS
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=6), st.integers(1, 9), st.data())
+def test_parts_copy_a_block_shuffles_rows_without_joining_the_window(sizes, block, data):
+    """A window's chunk pieces (empty ones too), read through a block permutation or any
+    index: the rows of their concatenation, runs across a piece's end included, in new
+    arrays, the same as the joined window's gather."""
+    bounds = np.cumsum([0] + sizes)
+    parts = [cols_of(np.arange(a, b) + 5) for a, b in zip(bounds[:-1], bounds[1:])]
+    n = int(bounds[-1])
+    assume(n > 0)
+    starts = data.draw(st.permutations(list(range(0, n, block))))
+    perm = np.concatenate([np.arange(a, min(a + block, n)) for a in starts]).astype(np.int64)
+    lo = data.draw(st.integers(0, n))
+    idx = perm[lo:data.draw(st.integers(lo, n))] if data.draw(st.booleans()) else \
+        np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=40)), np.int64)
+    window = Parts(parts)
+    assert len(window) == n and window.nbytes == sum(nbytes(p) for p in parts)
+    got = window.take(idx)
+    assert_cols_are(got, idx + 5)
+    for k, v in got.items():  # copies: the pieces can go
+        for a in (v.values, v.offsets) if isinstance(v, Ragged) else (v,):
+            assert not any(np.shares_memory(a, b) for p in parts for b in
+                           ((p[k].values, p[k].offsets) if isinstance(p[k], Ragged) else (p[k],)))
+
+
+def test_long_runs_tells_a_block_permutation_from_a_row_permutation():
+    rng = np.random.default_rng(1)
+    blocks = np.concatenate([np.arange(a, a + 64) for a in rng.permutation(100) * 64])
+    assert long_runs(blocks) and not long_runs(rng.permutation(6400))
+    assert not long_runs(np.arange(1)) and not long_runs(np.arange(5) * 2)
 
 
 @SETTINGS
