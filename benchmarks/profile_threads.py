@@ -108,10 +108,12 @@ def main(argv=None) -> int:
                     help="shuffle=True, 'block' or False")
     ap.add_argument("--epochs", type=int, default=3, help="cached epochs sampled together")
     ap.add_argument("--interval", type=float, default=0.0005, help="seconds between samples")
-    ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    ap.add_argument("--dir", default=None, help="work folder, emptied first (default: a temporary one)")
     ap.add_argument("--out", default=None, help="also write the report to this file")
     a = ap.parse_args(argv)
     work = Path(a.dir or tempfile.mkdtemp(prefix="gpuload-profile-"))
+    shutil.rmtree(work / "data", ignore_errors=True)  # the first epoch decodes: no earlier data or cache
+    shutil.rmtree(work / "cache", ignore_errors=True)
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
     report: list[str] = []
 
@@ -139,13 +141,14 @@ def main(argv=None) -> int:
         say(str(ds.stats()))
         say(first.report(f"first epoch, device={a.device}, decode={a.decode}"))
         ds.reader.cache.flush()
-        epoch(1)  # reads every cached file once (verified), not sampled
+        epoch(1)  # the cache's first read (its checksums checked once), not sampled
         ds.reset_stats()
         with Sampler(a.interval) as cached:
             for e in range(2, 2 + a.epochs):
                 epoch(e)
         say(str(ds.stats()))
         say(cached.report(f"{a.epochs} cached epochs, device={a.device}"))
+        ds.close()
     finally:
         if not a.dir:
             shutil.rmtree(work, ignore_errors=True)

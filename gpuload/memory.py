@@ -137,7 +137,7 @@ def _kept(nbytes: float) -> int:
 class HostBudget:
     """What the CPU path can hold at once, in bytes, term by term (see :func:`host_budget`)."""
 
-    windows: int  #: joined shuffle windows: the one being cut and the next one (window pool)
+    windows: int  #: joined shuffle windows: the one being cut and the next one (window pool; with a block shuffle, their chunks, not joined, in the read pool)
     chunks: int  #: chunks loaded and not joined yet: the next window's and those ahead (read pool)
     batches: int  #: batches queued, held by the consumer, being cut (one per loader thread) or handed off (batch pool)
     decode: int  #: per loader thread, a chunk being decoded: Arrow table, converted and packed arrays

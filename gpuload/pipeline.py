@@ -212,10 +212,14 @@ class _Lookahead:
                 break
             self._warmed += 1
 
+    def start(self, index: int) -> None:
+        """Queue the loads that taking segment ``index`` needs, and those ``ahead`` of it."""
+        self._fill(index + 1 + self._ahead)
+
     def take(self, index: int) -> dict:
         """Column set of segment ``index`` (segments must be taken in order), received (see
         :meth:`Stages.receive`) before it is sliced."""
-        self._fill(index + 1 + self._ahead)
+        self.start(index)
         cols = self._receive(self._futures.popleft().result())
         s = self._segments[index]
         return cols if s.lo == 0 and s.hi == nrows(cols) else rows(cols, s.lo, s.hi)
@@ -333,6 +337,7 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
             """Group ``w``'s chunk pieces (in file order), or its rows joined with their permutation."""
             with stages.batching():  # the window thread
                 if permutation is not None:  # drawn while the window's chunks load (its size is planned)
+                    look.start(starts[w])
                     planned = sum(s.hi - s.lo for s in windows[w])
                     with contextlib.nullcontext() if metrics is None else metrics.span("batch"):
                         perm = permutation(w, planned)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-from .batch import permute_rows
+from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
 from .categorical import Vocab, Vocabulary, parse_key
@@ -212,8 +212,12 @@ class ChunkReader:
         (:func:`gpuload.memory.host_budget`): cache reads, shuffle windows (2 per array), and
         batches gathered or joined and blocks unpacked (queued, held by the consumer, being cut)."""
         o, stored, budget = self.opts, self.arrays_per_chunk, self.host_budget()
-        self.read_pool.max_bytes = budget.chunks
-        self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=budget.windows)
+        # a block shuffle's windows are not joined (gpuload.batch.Parts): their chunks are held
+        # instead, in the read pool, which keeps the windows' term too
+        runs = o.block is not None and o.block > RUN_ROWS
+        self.read_pool.max_bytes = budget.chunks + (budget.windows if runs else 0)
+        self.read_pool.max_buffers += 2 * o.shuffle_window if runs else 0
+        self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=0 if runs else budget.windows)
         self.batch_pool = HostPool(max_buffers=(o.prefetch + 6 + o.num_threads) * (stored + len(self.layout.blocks)),
                                    max_bytes=budget.batches)
 

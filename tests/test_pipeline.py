@@ -192,3 +192,25 @@ def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_
     assert {"gpuload-producer", "gpuload-load", "gpuload-window", "gpuload-write", "gpuload-cut"} <= set(seen)
     assert set(seen.values()) == {min(19, base + nice)}
     assert os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_a_block_shuffle_copies_runs_from_the_chunks_as_a_joined_window_gives(click, tmp_path, monkeypatch, shuffle):
+    """A block-shuffled window is not joined: each batch copies its runs of rows straight from
+    the window's chunks (batch.Parts). Its batches equal those of the joined window's gather,
+    and a row-shuffled window is still joined."""
+    from gpuload import batch, pipeline
+
+    kw = dict(seed=5, shuffle_window=3, shuffle=shuffle, prefetch=1, num_threads=2)
+    ds = click.open(tmp_path / "c", **kw)
+    ds.set_epoch(2)
+    joined = []
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "long_runs", lambda perm: False)
+        joined = list(ds)
+    taken = []
+    real = batch.Parts.take
+    monkeypatch.setattr(batch.Parts, "take", lambda self, idx, alloc=None: taken.append(len(idx)) or real(self, idx, alloc))
+    ds.set_epoch(2)
+    same_batches(joined, list(ds))
+    assert (sum(taken) == ds.num_rows) == (shuffle == "block") and (not taken) == (shuffle is True)

@@ -132,16 +132,18 @@ def disk_read_gbps(files: list, limit_bytes: int = 1 << 30) -> float | None:
 
 def block_gather_ratio(ds: ParquetDataset) -> float | None:
     """Seconds of a block-shuffled gather over a row-shuffled one, timed on one shuffle window of
-    ``ds``'s chunks as the cache holds them (the best of 3 each): what ``shuffle="block"``
-    would make of the gathers of a dataset with the default shuffle. None where it does not
-    apply (another shuffle, a GPU device: its gathers are not the host's)."""
+    ``ds``'s chunks as the cache holds them (the best of 3 each; the block side copies its runs
+    from the chunks, as the pipeline does, the row side gathers from the joined window): what
+    ``shuffle="block"`` would make of the gathers of a dataset with the default shuffle. None
+    where it does not apply (another shuffle, a GPU device: its gathers are not the host's)."""
     from .. import plan
-    from ..batch import concat, nrows, take
+    from ..batch import Parts, concat, long_runs, nrows, take
 
     o, r = ds.options, ds.reader
     if o.block is not None or not o.shuffled or ds.device.type != "cpu" or not r.chunks:
         return None
-    cols = concat([r.load(i) for i in range(min(len(r.chunks), o.shuffle_window))])
+    parts = [r.load(i) for i in range(min(len(r.chunks), o.shuffle_window))]
+    cols = concat(parts)
     n = nrows(cols)
     if n < 2 * o.block_rows:
         return None
@@ -149,16 +151,18 @@ def block_gather_ratio(ds: ParquetDataset) -> float | None:
     blocks = plan.block_permutation(n, o.block_rows, fingerprint=r.fingerprint, seed=o.seed, epoch=0, rank=0,
                                     window=0)
 
-    def best(idx) -> float:
+    def best(gather, idx) -> float:
         times = []
         for _ in range(3):
             t0 = time.perf_counter()
-            take(cols, idx)
+            gather(idx)
             times.append(time.perf_counter() - t0)
         return min(times)
 
-    row_s = best(rows)
-    return best(blocks) / row_s if row_s > 0 else None
+    row_s = best(lambda idx: take(cols, idx), rows)
+    window = Parts(parts) if long_runs(blocks) else None
+    block_s = best(lambda idx: take(cols, idx) if window is None else window.take(idx), blocks)
+    return block_s / row_s if row_s > 0 else None
 
 
 def headspace(source, columns=None, *, epochs: int = 2, warm: bool = False, **dataset_kwargs) -> list[Stats]:
