@@ -167,13 +167,20 @@ def long_runs(perm) -> bool:
 class Parts:
     """A window's chunk pieces (column sets, host arrays), not joined: rows of their
     concatenation are copied out run by run, each run of consecutive rows one slice per
-    output, so the window is never copied as a whole (see :func:`long_runs`)."""
+    array, so the window is never copied as a whole (see :func:`long_runs`)."""
 
-    __slots__ = ("parts", "starts")
+    __slots__ = ("parts", "starts", "offsets")
 
     def __init__(self, parts: Sequence[dict]):
         self.parts = list(parts)
         self.starts = np.cumsum([0] + [nrows(p) for p in self.parts])
+        #: each list output's row offsets over the whole window (its rows' lengths, by window row)
+        self.offsets = {}
+        for k, v in self.parts[0].items() if self.parts else ():
+            if isinstance(v, Ragged):
+                ends = np.cumsum([0] + [int(p[k].offsets[-1] - p[k].offsets[0]) for p in self.parts])
+                self.offsets[k] = np.concatenate([p[k].offsets[:-1] - p[k].offsets[0] + e
+                                                  for p, e in zip(self.parts, ends[:-1])] + [ends[-1:]])
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -185,7 +192,7 @@ class Parts:
     def take(self, idx: np.ndarray, alloc=None) -> dict:
         """Rows ``idx`` (positions in the concatenation, host int64) in new arrays (from
         ``alloc(shape, dtype)`` when given, as in :func:`concat`)."""
-        starts, slices = self.starts, []
+        starts, slices = self.starts, []  # (piece, first row, end row) of each run, in order
         if len(idx):
             cut = np.flatnonzero(np.diff(idx) != 1) + 1
             lo, hi = idx[np.r_[0, cut]], idx[np.r_[cut - 1, len(idx) - 1]] + 1
@@ -193,12 +200,23 @@ class Parts:
             last = np.searchsorted(starts, hi - 1, side="right") - 1
             for a, b, p, q in zip(lo.tolist(), hi.tolist(), first.tolist(), last.tolist()):
                 while p < q:  # a run across the end of a piece
-                    slices.append(rows(self.parts[p], a - int(starts[p]), int(starts[p + 1] - starts[p])))
+                    slices.append((p, a - int(starts[p]), int(starts[p + 1] - starts[p])))
                     a, p = int(starts[p + 1]), p + 1
-                slices.append(rows(self.parts[p], a - int(starts[p]), b - int(starts[p])))
-        if len(slices) < 2:  # concat hands a single set back as it is: add an empty one, so it copies
-            slices.append(rows(self.parts[0], 0, 0))
-        return concat(slices, alloc)
+                slices.append((p, a - int(starts[p]), b - int(starts[p])))
+        slices = slices or [(0, 0, 0)]
+        out = {}
+        for k, v in self.parts[0].items():
+            if isinstance(v, Ragged):
+                values = _join([self.parts[p][k].values[self.parts[p][k].offsets[a]:self.parts[p][k].offsets[b]]
+                                for p, a, b in slices], alloc)
+                window = self.offsets[k]
+                off = _empty(np, (len(idx) + 1,), np.int64, alloc)
+                off[0] = 0
+                np.cumsum(window[idx + 1] - window[idx], out=off[1:])
+                out[k] = Ragged(values, off)
+            else:
+                out[k] = _join([self.parts[p][k][a:b] for p, a, b in slices], alloc)  # a copy, even of one
+        return out
 
 
 class _Piece:
