@@ -33,8 +33,10 @@ and there, once the bundle is installed, any steps in order::
 Steps: ``install`` (the test wheels into the site folder), ``env`` (versions, the GPU,
 ``gpuload.gpu_status()``, KvikIO's settings and a one-file check that the CPU, cuDF and
 pyarrow-plus-copy paths give the same batches), ``gpu`` (``pytest -m gpu -v``), ``bench``
-(``benchmarks/bench_gpu.py``, 4M rows, with its details, JSON and traces), ``suite`` (every test not
-marked ``gpu``, with a GPU present). Each needs the RAPIDS stack (it says so in one line and
+(``benchmarks/bench_gpu.py``, 4M rows, with its details, JSON and traces), ``profile``
+(``benchmarks/profile_threads.py`` at ``--rows``: each thread's time in a first epoch, decoded
+by cuDF where it is installed, and in cached epochs), ``suite`` (every test not
+marked ``gpu``, with a GPU present). Each but ``install`` and ``profile`` needs the RAPIDS stack (it says so in one line and
 does not start without it) and runs under ``GPULOAD_REQUIRE_GPU=cudf``; ``proof`` needs only
 torch and CuPy and runs under ``GPULOAD_REQUIRE_GPU=1``: a test that would skip for want of
 what the step needs fails the step instead. Each writes ``<step>.log`` (and its results) to
@@ -117,7 +119,7 @@ def wheels(a) -> int:
 
 # -- on the node -------------------------------------------------------------------------------
 RAPIDS = ["pylibcudf", "rmm", "kvikio"]  # what the steps after `proof` need (the bundle installs them)
-STEP_CAP = {"install": 60, "env": 60, "gpu": 180, "bench": 120, "suite": 600}  # seconds, each at most
+STEP_CAP = {"install": 60, "env": 60, "gpu": 180, "bench": 120, "profile": 120, "suite": 600}  # seconds, each at most
 
 
 def _env(require: str = "cudf") -> dict:
@@ -406,7 +408,7 @@ def run(a) -> int:
     summary: list[str] = []
     for step in a.steps:
         if step not in STEP_CAP:
-            raise SystemExit(f"unknown step {step!r}: proof, install, env, gpu, bench or suite")
+            raise SystemExit(f"unknown step {step!r}: proof, install, env, gpu, bench, profile or suite")
     for step in a.steps:
         left = min(STEP_CAP[step], deadline - time.monotonic() - 5)
         if left <= 10:
@@ -414,7 +416,7 @@ def run(a) -> int:
             continue
         log = out / f"{step}.log"
         t0 = time.monotonic()
-        needs = None if step == "install" else _missing(RAPIDS)
+        needs = None if step in ("install", "profile") else _missing(RAPIDS)
         if needs is not None:  # fail fast, in one line, before starting anything
             rc = 2
             log.write_text(f"{step} needs the RAPIDS stack (stage the bundle's loads and run its install.sh "
@@ -432,6 +434,9 @@ def run(a) -> int:
             rc = _run([sys.executable, "-c", ENV_CHECK], log, left)
         elif step == "gpu":
             rc = _run(_pytest(["-m", "gpu", "-v", "-n", "4"]), log, left)
+        elif step == "profile":  # where each thread's time goes, first epoch (cuDF where installed) and cached
+            rc = _run([sys.executable, "benchmarks/profile_threads.py", "--rows", str(a.rows), "--dir",
+                       str(Path(a.bench_dir) / "profile")], log, left)
         elif step == "suite":
             rc = _run(_pytest(["-q", "-m", "not gpu", "-n", str(a.workers)]), log, left)
         else:  # bench
@@ -458,7 +463,7 @@ def main(argv=None) -> int:
     w.add_argument("--set", choices=sorted(TEST_NEEDS), default="remote",
                    help="remote: what the GPU tests of remote objects need (default); all: every test's")
     r = sub.add_parser("run", help="there: run steps of the GPU proof")
-    r.add_argument("steps", nargs="+", help="proof (alone), or any of install, env, gpu, bench, suite")
+    r.add_argument("steps", nargs="+", help="proof (alone), or any of install, env, gpu, bench, profile, suite")
     r.add_argument("--out", default=None, help="log folder (default: $OUT, else gpu-node-logs/)")
     r.add_argument("--limit", type=float, default=None,
                    help="seconds for all the steps of this call (default: 270 for proof, else 570)")

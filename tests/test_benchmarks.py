@@ -260,3 +260,14 @@ def test_profile_threads_groups_executor_threads():
     assert [profile_threads.Sampler.group(n) for n in ("gpuload-load_3", "gpuload-producer", "MainThread",
                                                        "Thread-2 (run)", "a_b")] == \
         ["gpuload-load", "gpuload-producer", "MainThread", "Thread-2 (run)", "a_b"]
+
+
+@pytest.mark.slow
+def test_gpu_node_profile_step_runs_without_the_rapids_stack(tmp_path):
+    """The node's ``profile`` step needs no cuDF: here it profiles on the CPU, into profile.log."""
+    import gpu_node
+
+    assert gpu_node.main(["run", "profile", "--rows", "60000", "--out", str(tmp_path), "--bench-dir",
+                          str(tmp_path / "b"), "--limit", "200"]) == 0
+    log = (tmp_path / "profile.log").read_text()
+    assert "## first epoch" in log and "### gpuload-producer:" in log and "cached epochs" in log
