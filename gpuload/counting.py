@@ -7,7 +7,9 @@ filter's columns are read (remote objects: only their byte ranges), on ``threads
 
 :func:`vocabulary_for` returns the vocabulary kept in the cache under the column's and the
 files' identity (:mod:`gpuload.cache.vocabs`), or counts it: only that column is read
-(remote objects: only its byte ranges), one row group at a time on ``threads`` threads,
+(remote objects: only its byte ranges), one row group at a time on ``threads`` threads
+(with a row filter, over the rows it keeps: the filter's columns are read too, and row
+groups the statistics rule out are not read),
 string columns as dictionaries (each row group's distinct values counted through their
 indices). Values are counted as bytes (a string and the same bytes as binary are one
 value); nulls are not counted. The vocabulary orders the values seen at least
@@ -18,6 +20,7 @@ cache count once: the first takes the vocabulary's lock, the others read its fil
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -60,15 +63,21 @@ def _counted_values(values: pa.Array) -> pa.Array:
     return values.cast(pa.large_binary())
 
 
-def _count_group(f: SourceFile, index: int, group: int, column: str, fetch: Callable | None
-                 ) -> list[tuple[pa.Array, np.ndarray]]:
-    """The distinct values and counts of ``column`` in row group ``group`` of file ``f`` (number ``index``)."""
+def _count_group(f: SourceFile, index: int, group: int, column: str, fetch: Callable | None,
+                 flt: RowFilter | None = None, filter_columns: Sequence[str] = ()) -> list[tuple[pa.Array, np.ndarray]]:
+    """The distinct values and counts of ``column`` in row group ``group`` of file ``f`` (number
+    ``index``), in the rows ``flt`` keeps where given (reading ``filter_columns``, its columns)."""
     rows = f.metadata.row_group(group).num_rows
+    chunk = Chunk(index, group, group + 1, rows, 0)
+    kept = None if flt is None else kept_positions(f, chunk, flt, filter_columns, fetch)
+    if kept is not None and len(kept) == rows:
+        kept = None  # every row: nothing to take
+    if kept is not None and not len(kept):
+        return []
     if column in f.partition_names:  # a Hive key: one value in every row (a null key: none counted)
         value = f.partition_scalar(column)
         return [] if not value.is_valid else [(_counted_values(pa.array([value.as_py()], value.type)),
-                                               np.array([rows], np.int64))]
-    chunk = Chunk(index, group, group + 1, rows, 0)
+                                               np.array([rows if kept is None else len(kept)], np.int64))]
     leaves = list(f.leaves(column))
     listed = list_value(f.schema.field(column).type) is not None
     try:
@@ -77,25 +86,27 @@ def _count_group(f: SourceFile, index: int, group: int, column: str, fetch: Call
     except (OSError, pa.ArrowException) as e:
         raise SourceError(f"{f.path} (row group {group}): column {column!r} cannot be read to count its vocabulary "
                           f"({' '.join(str(e).split())})") from None
-    out = []
-    for arr in table.column(0).chunks:
-        out.append(_counted(arr.flatten() if listed else arr))
-    return out
+    col = table.column(0) if kept is None else table.column(0).take(pa.array(kept))
+    return [_counted(arr.flatten() if listed else arr) for arr in col.chunks]
 
 
 def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, threads: int = 1,
-                     fetch: Callable | None = None) -> Vocabulary:
-    """Count ``column`` over every row group of ``files`` (see the module) into a :class:`Vocabulary`.
+                     fetch: Callable | None = None, flt: RowFilter | None = None,
+                     filter_columns: Sequence[str] = ()) -> Vocabulary:
+    """Count ``column`` over every row group of ``files`` (see the module) into a :class:`Vocabulary`;
+    with ``flt``, over the rows it keeps (``filter_columns``: its columns).
 
     Raises :class:`~gpuload.ConfigError` when more than ``vocab.max_size`` values are seen at
     least ``vocab.min_count`` times, naming the ``min_count`` that would fit.
     """
-    jobs = [(f, i, g) for i, f in enumerate(files) for g in range(f.metadata.num_row_groups)]
+    jobs = [(f, i, g) for i, f in enumerate(files)
+            for g in (range(f.metadata.num_row_groups) if flt is None else candidate_groups(f, flt))]
     if threads > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="gpuload-count") as pool:
-            parts = [p for ps in pool.map(lambda j: _count_group(*j, column, fetch), jobs) for p in ps]
+            parts = [p for ps in pool.map(lambda j: _count_group(*j, column, fetch, flt, filter_columns), jobs)
+                     for p in ps]
     else:
-        parts = [p for j in jobs for p in _count_group(*j, column, fetch)]
+        parts = [p for j in jobs for p in _count_group(*j, column, fetch, flt, filter_columns)]
     if parts:
         table = pa.table({"value": pa.concat_arrays([v for v, _ in parts]),
                           "count": pa.array(np.concatenate([c for _, c in parts]), pa.int64())})
@@ -115,11 +126,14 @@ def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, thr
 
 
 def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root: CacheRoot | None,
-                   threads: int = 1, fetch: Callable | None = None) -> Vocabulary:
-    """The vocabulary of ``column`` by ``vocab`` over ``files``: read from the cache (``root``),
-    else counted (under the vocabulary's lock, so that concurrent openers count once) and kept
-    there; registered for this process's conversions either way."""
-    key = vocab_key(column, vocab, [_identity(f) for f in files])
+                   threads: int = 1, fetch: Callable | None = None, flt: RowFilter | None = None,
+                   filter_columns: Sequence[str] = ()) -> Vocabulary:
+    """The vocabulary of ``column`` by ``vocab`` over ``files`` (over the rows ``flt`` keeps, where
+    given: ``filter_columns`` are its columns): read from the cache (``root``), else counted
+    (under the vocabulary's lock, so that concurrent openers count once) and kept there;
+    registered for this process's conversions either way."""
+    key = vocab_key(column, vocab, [_identity(f) for f in files], None if flt is None else flt.key)
+    count = functools.partial(count_vocabulary, files, column, vocab, threads, fetch, flt, filter_columns)
     got = load_vocabulary(root, key)
     if got is None and root is not None:
         try:
@@ -132,7 +146,7 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
         try:
             got = load_vocabulary(root, key)  # counted by another opener while this one waited
             if got is None:
-                got = count_vocabulary(files, column, vocab, threads, fetch)
+                got = count()
                 try:
                     save_vocabulary(root, key, got, len(files))
                 except OSError as e:
@@ -142,7 +156,7 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
             if lock is not None:
                 lock.release()
     elif got is None:
-        got = count_vocabulary(files, column, vocab, threads, fetch)
+        got = count()
     return register(got)
 
 

@@ -26,7 +26,7 @@ from .cache.chunkfile import spec_hash
 from .categorical import Vocab, Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options, Source
-from .errors import ConfigError, SourceError, flag
+from .errors import SourceError, flag
 from .convert import needed_columns
 from .counting import kept_groups, vocabulary_for
 from .decode import ArrowDecoder
@@ -89,10 +89,6 @@ class ChunkReader:
             list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
             self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
-        if source.filters is not None and _has_vocab(source.categorical):  # before any vocabulary is counted
-            raise ConfigError(f"{flag('filters')} with a gpuload.Vocab column is not supported yet (its vocabulary "
-                              "would be counted over every row, not the kept ones): use gpuload.Hash for it, or no "
-                              "filter")
         self.specs: list[OutputSpec] = self._resolve_outputs()  #: what is decoded and converted
         t = source.transform
         #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
@@ -194,6 +190,9 @@ class ChunkReader:
         encoder key (so the cache key follows the vocabulary), read from the cache or counted;
         :attr:`vocabularies` holds them by column."""
         self.vocabularies: dict[str, Vocabulary] = {}
+        flt = self.source.filters  # a vocabulary counts the rows the filter keeps
+        filter_columns = [] if flt is None or not _has_vocab(self.source.categorical) else \
+            flt.columns(common_columns(self.files)[0])
         out = []
         for s in specs:
             sources = []
@@ -201,7 +200,8 @@ class ChunkReader:
                 if vt.encode.startswith("vocab:"):
                     if c not in self.vocabularies:
                         self.vocabularies[c] = vocabulary_for(self.files, c, parse_key(vt.encode), self.cache.root,
-                                                              self.opts.num_threads, self.remote_reads.fetch)
+                                                              self.opts.num_threads, self.remote_reads.fetch, flt,
+                                                              filter_columns)
                     vt = dataclasses.replace(vt, encode=self.vocabularies[c].key)
                 sources.append(vt)
             out.append(dataclasses.replace(s, sources=tuple(sources)))

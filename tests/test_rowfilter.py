@@ -3,6 +3,8 @@ row groups the statistics exclude are never read; the filter is part of the cach
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -162,9 +164,29 @@ def test_bad_filters_are_refused_naming_what_to_do(data, tmp_path):
         _ds(data, tmp_path / "c", filters=[("day", "~", 1)])
     with pytest.raises(gpuload.ConfigError, match="must be a pyarrow.compute expression"):
         _ds(data, tmp_path / "c", filters="day > 1")
-    with pytest.raises(gpuload.ConfigError, match="Vocab column is not supported yet"):
-        _ds(data, tmp_path / "c", ["id", "country"], filters=[("day", ">", 1)],
-            categorical={"country": gpuload.Vocab()})
+
+
+def test_a_vocabulary_counts_the_rows_the_filter_keeps(data, tmp_path, monkeypatch):
+    """A gpuload.Vocab column of a filtered dataset: its vocabulary is counted over the kept rows
+    (each value's count, most frequent first, then by bytes), kept in the cache under the filter,
+    and every delivered id is the kept rows' id of the row's value."""
+    counted = []
+    real = gpuload.counting.count_vocabulary
+    monkeypatch.setattr(gpuload.counting, "count_vocabulary", lambda *a, **k: counted.append(1) or real(*a, **k))
+    filters = ([("day", ">=", 20260150), ("country", "in", ["FR", "US"])], [("day", "<", 20260130)])
+    for k, f in enumerate(filters):
+        kept = pq.read_table(data, filters=f)
+        counts = collections.Counter(c for c in kept["country"].to_pylist() if c is not None)
+        want = {v: i for i, v in enumerate(sorted(counts, key=lambda v: (-counts[v], v.encode())), 1)}
+        assert k or want == {"FR": 1, "US": 2}  # over every row: DE 1, FR 2, US 3
+        ds = _ds(data, tmp_path / "c", ["id", "country"], filters=f, categorical={"country": gpuload.Vocab()})
+        assert ds.vocabulary("country").to_dict() == want
+        country = dict(zip(kept["id"].to_pylist(), kept["country"].to_pylist()))
+        for b in ds:
+            assert b["country"].tolist() == [want.get(country[i], 0) for i in b["id"].tolist()]
+        assert len(counted) == k + 1
+    _ds(data, tmp_path / "c", ["id", "country"], filters=filters[0], categorical={"country": gpuload.Vocab()})
+    assert len(counted) == 2  # the same filter again: read from the cache, not counted
 
 
 def test_the_filters_columns_and_text():

@@ -42,11 +42,14 @@ PREFIX = struct.Struct("<8sIIQ")
 _PARTS = (LAYOUT_DIR, VOCAB_DIR)
 
 
-def vocab_key(column: str, vocab: Vocab, sources: list[tuple]) -> str:
+def vocab_key(column: str, vocab: Vocab, sources: list[tuple], filter_key: str | None = None) -> str:
     """The name (16 hex digits) of the count of ``column`` by ``vocab`` over ``sources``
-    (``(path, size, mtime_ns, tag)`` of every source file, in any order)."""
-    text = json.dumps({"column": column, "vocab": vocab.as_json(), "sources": sorted(map(list, sources)),
-                       "version": VERSION}, separators=(",", ":"))
+    (``(path, size, mtime_ns, tag)`` of every source file, in any order), over the rows the
+    row filter ``filter_key`` (:attr:`gpuload.rowfilter.RowFilter.key`) keeps where given."""
+    named = {"column": column, "vocab": vocab.as_json(), "sources": sorted(map(list, sources)), "version": VERSION}
+    if filter_key is not None:
+        named["filter"] = filter_key
+    text = json.dumps(named, separators=(",", ":"))
     return xxhash.xxh64_hexdigest(text.encode())
 
 
