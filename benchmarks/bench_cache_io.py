@@ -39,22 +39,12 @@ def _cpu() -> float:
 
 
 def _epoch(ds, step_s: float) -> dict:
-    """One epoch under the consumer: seconds, CPU seconds, rows, share of the time spent waiting."""
-    t0, c0, rows, waited = time.perf_counter(), _cpu(), 0, 0.0
-    it = iter(ds)
-    while True:
-        w0 = time.perf_counter()
-        b = next(it, None)
-        waited += time.perf_counter() - w0
-        if b is None:
-            break
-        for v in b.values():
-            for t in (v.values, v.offsets) if hasattr(v, "offsets") else (v,):
-                t.clone()
-        rows += len(b["label"])
-        if step_s:
-            time.sleep(step_s)
-    return {"s": time.perf_counter() - t0, "cpu_s": _cpu() - c0, "rows": rows, "wait": waited}
+    """One epoch under the consumer (bench_step's): seconds, CPU seconds, rows, seconds spent waiting."""
+    from bench_step import measure
+
+    c0 = _cpu()
+    rows, seconds, waited = measure(ds, step_s)
+    return {"s": seconds, "cpu_s": _cpu() - c0, "rows": rows, "wait": waited}
 
 
 def _resident(folder: pathlib.Path) -> float:
@@ -147,13 +137,9 @@ def main(argv=None) -> None:
     lines.append(f"\ndirect / buffered: first epoch **{med('buffered', 'first', 's') / med('direct', 'first', 's'):.2f}x** "
                  f"as fast, {med('direct', 'first', 'cpu_s') / med('buffered', 'first', 'cpu_s'):.2f}x the CPU; cached "
                  f"epoch {med('buffered', 'cached', 's') / med('direct', 'cached', 's'):.2f}x as fast.\n")
-    text = "\n".join(lines)
-    print(text)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(text)
-    if a.dir is None:
-        shutil.rmtree(work, ignore_errors=True)
+    from bench_step import publish
+
+    publish("\n".join(lines), a.out, work, remove=a.dir is None)
 
 
 if __name__ == "__main__":
