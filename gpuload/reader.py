@@ -23,7 +23,7 @@ from typing import Callable
 from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
-from .categorical import Vocab, Vocabulary, parse_key
+from .categorical import Vocabulary, parse_key
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
 from .config import Options, Source
 from .errors import SourceError, flag
@@ -62,12 +62,6 @@ class LoadCounters:
                 self.decoded += 1
 
 
-def _has_vocab(categorical) -> bool:
-    """Whether ``categorical=`` names a :class:`gpuload.Vocab` (for every column, or for one)."""
-    values = categorical.values() if isinstance(categorical, dict) else [categorical]
-    return any(isinstance(v, Vocab) or v == "vocab" for v in values)
-
-
 class ChunkReader:
     """The chunks of ``source`` under ``opts``, and how to load each one.
 
@@ -89,6 +83,9 @@ class ChunkReader:
             list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
             self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
+        #: the columns the row filter reads (its kept rows are counted over them, and Vocab columns' values)
+        self.filter_columns: list[str] = [] if source.filters is None else \
+            source.filters.columns(common_columns(self.files)[0])
         self.specs: list[OutputSpec] = self._resolve_outputs()  #: what is decoded and converted
         t = source.transform
         #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
@@ -105,7 +102,6 @@ class ChunkReader:
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
-        self.filter_columns: list[str] = []  #: the columns the row filter reads
         if flt is not None:  # chunks hold the kept rows only
             sizes = self._filtered(sizes, flt)
         self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
@@ -161,8 +157,6 @@ class ChunkReader:
     def _filtered(self, sizes: list, flt) -> list:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group
         with none becomes None (never read), the others their kept rows and as many bytes per row."""
-        schema = common_columns(self.files)[0]
-        self.filter_columns = flt.columns(schema)
         kept = kept_groups(self.files, flt, self.filter_columns, self.opts.num_threads, self.remote_reads.fetch,
                            self.cache.root)
         return [[(n, size * n // max(rows, 1)) if n else None for (rows, size), n in zip(groups, k)]
@@ -191,8 +185,6 @@ class ChunkReader:
         :attr:`vocabularies` holds them by column."""
         self.vocabularies: dict[str, Vocabulary] = {}
         flt = self.source.filters  # a vocabulary counts the rows the filter keeps
-        filter_columns = [] if flt is None or not _has_vocab(self.source.categorical) else \
-            flt.columns(common_columns(self.files)[0])
         out = []
         for s in specs:
             sources = []
@@ -201,7 +193,7 @@ class ChunkReader:
                     if c not in self.vocabularies:
                         self.vocabularies[c] = vocabulary_for(self.files, c, parse_key(vt.encode), self.cache.root,
                                                               self.opts.num_threads, self.remote_reads.fetch, flt,
-                                                              filter_columns)
+                                                              self.filter_columns)
                     vt = dataclasses.replace(vt, encode=self.vocabularies[c].key)
                 sources.append(vt)
             out.append(dataclasses.replace(s, sources=tuple(sources)))
