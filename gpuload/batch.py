@@ -206,16 +206,16 @@ class Parts:
         slices = slices or [(0, 0, 0)]
         out = {}
         for k, v in self.parts[0].items():
+            pieces = [(self.parts[p][k], a, b) for p, a, b in slices]
             if isinstance(v, Ragged):
-                values = _join([self.parts[p][k].values[self.parts[p][k].offsets[a]:self.parts[p][k].offsets[b]]
-                                for p, a, b in slices], alloc)
+                values = _join([r.values[r.offsets[a]:r.offsets[b]] for r, a, b in pieces], alloc)
                 window = self.offsets[k]
                 off = _empty(np, (len(idx) + 1,), np.int64, alloc)
                 off[0] = 0
                 np.cumsum(window[idx + 1] - window[idx], out=off[1:])
                 out[k] = Ragged(values, off)
             else:
-                out[k] = _join([self.parts[p][k][a:b] for p, a, b in slices], alloc)  # a copy, even of one
+                out[k] = _join([c[a:b] for c, a, b in pieces], alloc)  # a copy, even of one
         return out
 
 
