@@ -235,7 +235,19 @@ def test_bench_drives_compares_two_folders_with_one(tmp_path):
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| one folder") or line.startswith("| two folders")]
     assert len(rows) == 2 and all(float(r.rsplit("|", 2)[1].replace(",", "")) > 0 for r in rows)
-    assert "striped / one folder:" in text and len(list((tmp_path / "w" / "b").rglob("*.glc"))) > 0
+    assert "striped / one folder:" in text
+    # the striped chunks are the single folder's, each in the folder its rendezvous order names first
+    # (which folder that is depends on the temporary paths: all of them may land in one)
+    from types import SimpleNamespace
+
+    from gpuload.cache.drives import Drives
+
+    w = tmp_path / "w"
+    drives = Drives([w / "a", w / "b"])
+    placed = {p.relative_to(w / f).as_posix(): i for i, f in enumerate("ab") for p in (w / f).rglob("*.glc")}
+    assert sorted(placed) == sorted(p.relative_to(w / "one").as_posix() for p in (w / "one").rglob("*.glc"))
+    assert len(placed) >= 8 and all(drives.order(SimpleNamespace(relpath=lambda r=r: r))[0] == i
+                                    for r, i in placed.items())
 
 
 def test_profile_threads_names_each_thread_groups_lines(tmp_path):
