@@ -76,32 +76,53 @@ def _empty(xp, shape, dtype, alloc):
 def _take_ragged(v: Ragged, idx, alloc=None):
     """Values and offsets of rows ``idx`` of a ragged column."""
     xp = _xp(v.values)
+    if xp is not np:
+        return _take_ragged_device(xp, v, idx)
     starts = v.offsets[idx]
     lengths = v.offsets[idx + 1]
     lengths -= starts
-    off = _empty(xp, (len(idx) + 1,), xp.int64, alloc)
+    off = _empty(np, (len(idx) + 1,), np.int64, alloc)
     off[0] = 0
-    xp.cumsum(lengths, out=off[1:])
-    total = int(off[-1])  # on a GPU, the batch's one wait for the device
+    np.cumsum(lengths, out=off[1:])
+    total = int(off[-1])
     if total == 0:
         return v.values[:0].copy(), off
-    if xp is np:  # source position of every output value: its row's start, shifted, plus its own position
-        src = np.repeat(starts - off[:-1], lengths)
-        src += np.arange(total, dtype=np.int64)
-        return np.take(v.values, src, out=_empty(np, (total,), v.values.dtype, alloc)), off
-    return xp.take(v.values, ragged_sources(xp, starts, off, total)), off
+    src = np.repeat(starts - off[:-1], lengths)  # source position of every output value: its row's
+    src += np.arange(total, dtype=np.int64)  # start, shifted, plus its own position
+    return np.take(v.values, src, out=_empty(np, (total,), v.values.dtype, alloc)), off
 
 
-def ragged_sources(xp, starts, off, total: int):
-    """Source position of each of the ``total`` values of gathered ragged rows whose sources
-    start at ``starts`` and whose output offsets are ``off`` (``off[0] == 0``, ``off[-1] ==
-    total``): a few whole-array operations (a row found by binary search per value), no
-    wait for the device and no boolean masks (CuPy sizes those on the host)."""
-    pos = xp.arange(total, dtype=xp.int64)
-    row = xp.searchsorted(off[1:], pos, side="right")  # the row of each value (empty rows skipped)
-    pos -= off[row]
-    pos += starts[row]
-    return pos
+_KERNELS: dict = {}  # CuPy's compiled kernels of the device gather, made on first use
+
+# row spans: for each taken row, where its values start in the window and how many there are
+_SPANS = ("I row, raw int64 offsets", "int64 start, int64 length",
+          "start = offsets[row]; length = offsets[row + 1] - start;")
+# the gather: output value i belongs to the last taken row r with off[r] <= i (a binary search
+# over the batch's offsets; empty rows are skipped since the next row starts where they end)
+_GATHER = ("raw T values, raw int64 starts, raw int64 off, int64 nrows", "T out", """
+    long long lo = 0, hi = nrows, at = (long long)i;
+    while (hi - lo > 1) { long long mid = (lo + hi) >> 1; if (off[mid] <= at) lo = mid; else hi = mid; }
+    out = values[starts[lo] + (at - off[lo])];""")
+
+
+def _take_ragged_device(cupy, v: Ragged, idx):
+    """The device gather of rows ``idx`` of a ragged column (CuPy arrays, the current stream):
+    one kernel for the rows' spans, a scan for the offsets, one kernel for the values (each
+    output value finds its row by binary search), so four device arrays and one wait for the
+    device (the values' count) per column and batch."""
+    kernels = _KERNELS.get("ragged")
+    if kernels is None:  # two threads may both make them: the same kernels, either kept
+        kernels = _KERNELS["ragged"] = (cupy.ElementwiseKernel(*_SPANS, "gpuload_ragged_spans"),
+                                        cupy.ElementwiseKernel(*_GATHER, "gpuload_ragged_gather"))
+    spans, gather = kernels
+    starts, lengths = spans(idx, v.offsets)
+    off = cupy.empty(len(idx) + 1, cupy.int64)
+    off[:1] = 0
+    cupy.cumsum(lengths, out=off[1:])
+    total = int(off[-1])  # the batch's one wait for the device
+    if total == 0:
+        return v.values[:0].copy(), off
+    return gather(v.values, starts, off, len(idx), cupy.empty(total, v.values.dtype)), off
 
 
 def take(cols: dict, idx, alloc=None) -> dict:

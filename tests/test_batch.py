@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gpuload import plan
-from gpuload.batch import Batcher, Parts, Ragged, concat, long_runs, nbytes, nrows, ragged_sources, rows, take
+from gpuload.batch import Batcher, Parts, Ragged, concat, long_runs, nbytes, nrows, rows, take
 
 SETTINGS = settings(max_examples=120, deadline=None)
 
@@ -53,21 +53,28 @@ def assert_cols_are(cols: dict, ids) -> None:
 
 
 # -- take / rows / concat -----------------------------------------------------------------
-@SETTINGS
-@given(st.lists(st.integers(0, 6), min_size=1, max_size=40), st.data())
-def test_ragged_sources_the_gpu_gather_uses_are_the_rows_values(lengths, data):
-    """The device path's source positions (binary search, no masks), run here with NumPy:
-    each gathered row's values in order, empty rows (first, last, in runs) included."""
-    lists = [[100 * i + j for j in range(n)] for i, n in enumerate(lengths)]
-    r = ragged_of(lists)
-    idx = np.array(data.draw(st.lists(st.integers(0, len(lists) - 1), max_size=60)), dtype=np.int64)
-    starts = r.offsets[idx]
-    off = np.zeros(len(idx) + 1, np.int64)
-    np.cumsum(r.offsets[idx + 1] - starts, out=off[1:])
-    total = int(off[-1])
-    assume(total > 0)
-    got = r.values[ragged_sources(np, starts, off, total)]
-    assert got.tolist() == [v for i in idx for v in lists[i]]
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.int64, np.float32, np.bool_, np.int8])
+def test_device_ragged_gather_equals_the_host_one(dtype):
+    """The device gather (its own kernels) gives the host gather's values and offsets:
+    empty rows first, last and in runs, repeated rows, int32 and int64 indices, no rows,
+    only empty rows."""
+    import cupy
+
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 5, 3000)
+    lengths[:3] = lengths[-3:] = 0
+    lengths[1000:1200] = 0
+    lists = [list(rng.integers(-50, 50, n)) for n in lengths]
+    host = ragged_of(lists, dtype)
+    dev = Ragged(cupy.asarray(host.values), cupy.asarray(host.offsets))
+    cases = [rng.permutation(3000), rng.integers(0, 3000, 5000).astype(np.int32), np.arange(1000, 1200),
+             np.array([2999, 0, 0, 1500]), np.zeros(0, np.int64)]
+    for idx in cases:
+        want = take({"r": host}, idx)["r"]
+        got = take({"r": dev}, cupy.asarray(idx))["r"]
+        assert got.values.dtype == want.values.dtype and cupy.asnumpy(got.offsets).tolist() == want.offsets.tolist()
+        assert cupy.asnumpy(got.values).tolist() == want.values.tolist()
 
 
 @SETTINGS
