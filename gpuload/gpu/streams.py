@@ -251,9 +251,16 @@ class DeviceContext:
         return self.metrics.span(stage, nbytes=nbytes(cols), rows=nrows(cols))
 
     def to_host(self, cols: dict) -> dict:
-        """Device column set (made on the read stream) -> new NumPy arrays; a host set is
-        returned as is. The copies are queued on the read stream, then the calling thread
-        waits for one event recorded after them (not for the whole stream)."""
+        """Device column set (made on the read stream) -> NumPy arrays in pinned memory (for
+        the cache writer); a host set is returned as is. The copies are queued on the read
+        stream, then the calling thread waits for one event recorded after them (not for
+        the whole stream).
+
+        The arrays are views of pinned blocks from torch's host allocator: the copies run at
+        the bus's speed (into pageable memory the driver stages them, about a third of it),
+        and each block goes back to torch's cache of pinned blocks, for the next chunk, when
+        the writer drops its arrays. That cache keeps what the largest chunks in flight at
+        once needed (the writer holds a bounded number), rounded up to powers of two."""
         import cupy
 
         if not isinstance(_first_array(cols), cupy.ndarray):
@@ -261,7 +268,8 @@ class DeviceContext:
         cp_read = self._cp[self.read_stream]
 
         def one(a):
-            out = np.empty(a.shape, a.dtype)
+            pinned = torch.empty(a.nbytes, dtype=torch.uint8, pin_memory=True).numpy()  # keeps the block
+            out = pinned.view(a.dtype).reshape(a.shape)
             a.get(stream=cp_read, out=out, blocking=False)  # a strided view is made contiguous on cp_read first
             return out
 

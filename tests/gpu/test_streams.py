@@ -227,6 +227,32 @@ def test_chunks_cross_from_the_loader_threads_to_the_batching_threads(shuffle):
         assert steps == ["load", "handover", "receive"]
 
 
+@pytest.mark.gpu
+def test_copies_for_the_cache_writer_are_exact_and_pinned():
+    """What the cache writer gets from the device: the values, dtypes and shapes of each
+    array (a strided view, no rows, a list column), in pinned memory, after the host wait."""
+    import cupy
+
+    ctx = streams.DeviceContext(torch.device("cuda", 0))
+    rng = np.random.default_rng(3)
+    host = {"d": rng.random((1000, 13), dtype=np.float32), "b": rng.integers(0, 2, 1000).astype(bool),
+            "r": Ragged(rng.integers(0, 99, 4000), np.arange(0, 4001, 4)), "e": np.zeros((0, 3), np.int8)}
+    with ctx.reading():
+        dev = {k: Ragged(cupy.asarray(v.values), cupy.asarray(v.offsets)) if isinstance(v, Ragged)
+               else cupy.asarray(v) for k, v in host.items()}
+        dev["s"] = dev["d"][:, ::2]  # a strided view: made contiguous on the read stream first
+        torch.cuda._sleep(50_000_000)  # queued before the copies: to_host must wait for it
+        got = ctx.to_host(dev)
+    host["s"] = host["d"][:, ::2]
+    for k, v in host.items():
+        g = got[k]
+        for want, out in ((v.values, g.values), (v.offsets, g.offsets)) if isinstance(v, Ragged) else ((v, g),):
+            assert isinstance(out, np.ndarray) and out.dtype == want.dtype and out.shape == want.shape
+            assert np.array_equal(out, want), k
+            if out.nbytes:
+                assert torch.from_numpy(out).is_pinned(), k
+
+
 def test_gpu_decoder_waits_for_its_chunk_not_the_stream(monkeypatch, tmp_path):
     """GpuDecoder times decode and conversion with events on the read stream (ctx.read_done),
     never stream.synchronize() (which would wait for other threads' later reads)."""
