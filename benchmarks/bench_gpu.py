@@ -13,6 +13,9 @@ Measures, on one generated click log (cache on local disk):
    of wall time the training thread waited for data (target < 5%), for a cached epoch
    and (no target; with cuDF) for a first epoch, whose decoding shares the GPU with the step.
 
+``--grid 2:2,8:16`` also times cached epochs with each (``num_threads``, ``prefetch``) pair,
+against the raw pinned reads: whether more cache reads in flight move a cached epoch.
+
 ``--quick`` measures only 1 and 4 (the cache filled by one first epoch): the short
 bench of the first step on a GPU node with torch and CuPy alone (docs/gpu-testing.md).
 
@@ -223,6 +226,21 @@ def _has(module: str) -> bool:
         return False
 
 
+def parse_grid(text: str) -> tuple[tuple[int, int], ...]:
+    """``"2:2,8:16"`` -> ``((2, 2), (8, 16))``: (num_threads, prefetch) pairs for ``--grid``."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        threads, _, prefetch = item.partition(":")
+        try:
+            pair = int(threads), int(prefetch)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not num_threads:prefetch (two integers)") from None
+        if pair[0] < 1 or pair[1] < 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: num_threads must be >= 1 and prefetch >= 0")
+        pairs.append(pair)
+    return tuple(pairs)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8_000_000)
@@ -235,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="num_threads of every gpuload pass, GPU and CPU alike (default: gpuload's)")
     ap.add_argument("--quick", action="store_true", help="only the cached epoch against raw reads, and starvation")
+    ap.add_argument("--grid", type=parse_grid, default=(),
+                    help="also time cached epochs with each num_threads:prefetch pair, e.g. 2:2,2:8,8:16 "
+                         "(each against the raw pinned reads)")
     ap.add_argument("--dir", default=None, help="work folder on the local NVMe (default: a temporary one)")
     ap.add_argument("--out", default=None, help="append the markdown table to this file")
     ap.add_argument("--json", default=None, help="write the results as JSON to this file")
@@ -304,6 +325,18 @@ def main(argv=None) -> int:
         what = "pinned-memory reads" if name == "pinned" else "KvikIO reads"
         res[f"cached epoch vs raw {what} of the cache files (GB/s)"] = (gbps_gl / gbps[name], ">= 0.8x")
     seconds["warm"] = [t for t, _ in warm]
+    for threads_n, prefetch in a.grid:  # how far more loads in flight move the cached epoch
+        grid_kw = {**kw, "num_threads": threads_n, "prefetch": prefetch}
+        ds_grid = gpuload.ParquetDataset(data, COLUMNS, cache_dir=cache, device="cuda", **grid_kw)
+        _epoch(ds_grid, 1)  # as above: its first read of each file checks it
+        times = []
+        for r in range(a.repeat):
+            _warm_page_cache(files)
+            times.append(_epoch(ds_grid, 2 + r)[0])
+        ds_grid.close()
+        seconds[f"warm_{threads_n}_{prefetch}"] = times
+        res[f"cached epoch, num_threads={threads_n}, prefetch={prefetch}, vs raw pinned-memory reads"] = (
+            region_bytes / min(times) / 1e9 / gbps["pinned"], "-")
     if not a.quick:
         host = []
         for r in range(a.repeat):

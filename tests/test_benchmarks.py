@@ -65,6 +65,17 @@ def test_bench_gpu_spans_are_the_cached_regions(tmp_path):
         assert set(cols) >= {"row_id", "dense", "history"}
 
 
+def test_bench_gpu_grid_pairs_and_refusals():
+    import argparse
+
+    import bench_gpu
+
+    assert bench_gpu.parse_grid("2:2,8:16,") == ((2, 2), (8, 16))
+    for bad in ("2", "a:1", "0:2", "2:-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad.replace("-", r"\-")):
+            bench_gpu.parse_grid(bad)
+
+
 def test_bench_gpu_without_a_gpu_says_why(capsys):
     if gpuload.gpu.runtime.gpu_usable():
         pytest.skip("a GPU is usable here")
