@@ -245,8 +245,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         peaks were 51-84% of it (``benchmarks/bench_memory.py``). Batches the training loop keeps
         and the dataset's metadata are not in it. Lower it with ``chunk_bytes``, ``shuffle_window``,
         ``prefetch``, ``num_threads`` and ``remote={"readahead_bytes": ...}``. On a GPU, windows and
-        batches live in device memory (:attr:`device_bytes_bound`) and this bound is not tight.
-        """
+        batches live in device memory (:attr:`device_bytes_bound`) and this bound is not tight
+        (the cache writes' host copies, pinned blocks rounded up to powers of two, take up to twice
+        their term, well within the windows' term the GPU path leaves unused)."""
         return self.reader.host_budget().total
 
     def set_epoch(self, epoch: int) -> None:

@@ -75,6 +75,13 @@ def test_device_ragged_gather_equals_the_host_one(dtype):
         got = take({"r": dev}, cupy.asarray(idx))["r"]
         assert got.values.dtype == want.values.dtype and cupy.asnumpy(got.offsets).tolist() == want.offsets.tolist()
         assert cupy.asnumpy(got.values).tolist() == want.values.tolist()
+    # rows of a slice (its values a view at an offset) through a strided index
+    part_host, part_dev = rows({"r": host}, 700, 2900), rows({"r": dev}, 700, 2900)
+    idx = rng.permutation(2200)
+    want = take(part_host, idx[::3])["r"]
+    got = take(part_dev, cupy.asarray(idx)[::3])["r"]
+    assert cupy.asnumpy(got.offsets).tolist() == want.offsets.tolist()
+    assert cupy.asnumpy(got.values).tolist() == want.values.tolist()
 
 
 @SETTINGS

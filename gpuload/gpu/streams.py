@@ -274,9 +274,11 @@ class DeviceContext:
             return out
 
         with self._span("cache_write", cols):  # the device-to-host half of a cache write
-            host = {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v)
-                    for k, v in cols.items()}
-            self.read_done()
+            try:
+                host = {k: Ragged(one(v.values), one(v.offsets)) if isinstance(v, Ragged) else one(v)
+                        for k, v in cols.items()}
+            finally:  # also when one fails: no block goes back to torch with a copy into it queued
+                self.read_done()
         return host
 
     def upload_index(self, idx: np.ndarray):
