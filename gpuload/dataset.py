@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import plan, resume
+from . import plan, preload, resume
 from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .cursor import Cursor
@@ -108,7 +108,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         returns (default None). Its key is part of the cache key. See :mod:`gpuload.transforms`.
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
     shuffle_window : chunks whose rows are shuffled together (default 4).
-    prefetch : chunks loaded ahead of the one being batched (default 2).
+    prefetch : chunks loaded ahead of the one being batched (default 2); while an epoch's last
+        window is cut, the next epoch's first window and ``prefetch`` chunks more are loaded
+        (:mod:`gpuload.preload`). 0: no chunk is loaded ahead, within an epoch or across.
     num_threads : threads that read and decode chunks (default 2); on the CPU, on a machine
         with cores to spare (at least ``num_threads + 3``), they also gather batches.
     nice : how many nice steps below the thread that starts an epoch gpuload's background
@@ -194,6 +196,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             "batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
         self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
+        self._preload = None  # the next epoch's first chunks, loading since this one's last (gpuload.preload)
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -326,7 +329,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             handoff.transform = BatchTransform.starting(self.batch_transform, pos, self.reader.fingerprint,
                                                         self.options.seed, self.device)
         self.reader.resume()
-        producer = Background(lambda stop: self._batches(pos, handoff, stop), depth=self.options.prefetch + 2,
+        pre, self._preload = self._preload, None
+        if pre is not None and pre.key != self.reader.device.consumer_stream():  # guarded for another stream
+            pre.drop()
+            pre = None
+        producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=self.options.prefetch + 2,
                               nice=self.options.nice)
         try:  # each batch counted when handed out: a state taken then resumes after it
             yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take())
@@ -336,6 +343,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 producer.stop.set()
                 self.reader.interrupt()
             producer.close()
+            if pre is not None:  # what this epoch did not take
+                pre.drop()
+            nxt = self._preload
+            if nxt is not None and producer.finished:  # an epoch ends with the next one's first chunks in
+                nxt.wait()
+            elif nxt is not None:  # left early: none kept
+                nxt.drop()
+                self._preload = None
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -385,19 +400,27 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self.reader.reset_remote()
 
     def close(self) -> None:
-        """Stop remote fetches, release their connections, and let other datasets evict this one's
-        cached chunks (the dataset can still be iterated: a later epoch starts new fetches and
-        keeps its chunks again)."""
+        """Stop remote fetches, release their connections, drop the next epoch's chunks loaded
+        ahead (:mod:`gpuload.preload`), and let other datasets evict this one's cached chunks (the
+        dataset can still be iterated: a later epoch starts new fetches and keeps its chunks again)."""
+        if self._preload is not None:
+            self._preload.drop()
+            self._preload = None
         self.reader.close()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         return self._cursor.plan_epoch(epoch)
 
-    def _batches(self, pos: Position, handoff: Callable, stop) -> Iterator:
+    def _batches(self, pos: Position, handoff: Callable, stop, pre) -> Iterator:
         o, r = self.options, self.reader
         rest = self._plan.rest(pos, pos.ranks.rank)
         device = r.device
+
+        def loaded() -> None:  # this epoch's last chunk is in: the next epoch's first ones load meanwhile
+            if not stop.is_set():
+                self._preload = preload.next_epoch(self._cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads,
+                                                   device, r.load)
 
         def permutation(i: int, n: int):  # window i's rows, the same order on every device
             return device.upload_index(self._plan.permutation(pos.epoch, rest.takes[i], n))
@@ -408,7 +431,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
                                  batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
-                                 cut_threads=cut_threads(o.num_threads))
+                                 cut_threads=cut_threads(o.num_threads), preloaded=pre,
+                                 loaded=loaded if o.prefetch else None)
 
     def __repr__(self) -> str:
         try:

@@ -98,6 +98,10 @@ class Host(Stages):
         blocks unpacked into ``batch_pool``'s buffers."""
         return HostHandoff(views, layout, batch_pool.array)
 
+    def consumer_stream(self):
+        """The stream batches are used on, which loaded memory is guarded for: none here."""
+        return None
+
     def check_bound(self, bound: int, limit: int | None, terms: str) -> None:
         """Nothing: ``max_device_bytes`` limits device memory (the host's bound is
         :attr:`gpuload.ParquetDataset.host_bytes_bound`)."""
@@ -144,6 +148,10 @@ class Cuda:
         guarded for (and waited on by) the stream current now."""
         self.ctx.consumer = torch.cuda.current_stream(self.torch_device)
         return DlpackHandoff(self.ctx, views, layout)
+
+    def consumer_stream(self):
+        """The stream batches are used on (set by :meth:`handoff`), which loaded memory is guarded for."""
+        return self.ctx.consumer
 
     def check_bound(self, bound: int, limit: int | None, terms: str) -> None:
         """Refuse settings whose device memory bound (``bound`` bytes, made of ``terms``) is over ``limit``."""

@@ -195,15 +195,19 @@ class _Lookahead:
     """Loads segments' chunks on a pool, ``ahead`` segments beyond the one being taken."""
 
     def __init__(self, pool: ThreadPoolExecutor, segments: Sequence[Segment], load: Callable[[int], object],
-                 ahead: int, warm: Callable[[int], bool] | None = None, receive: Callable[[object], dict] = None):
+                 ahead: int, warm: Callable[[int], bool] | None = None, receive: Callable[[object], dict] = None,
+                 preloaded=None):
         self._pool, self._segments, self._load, self._ahead, self._warm = pool, segments, load, ahead, warm
         self._receive = receive or (lambda item: item)
-        self._futures: deque[Future] = deque()
+        self._preloaded = preloaded  # a gpuload.preload.Preload, or None
+        self._futures: deque[tuple[Future, bool]] = deque()  # (load, whether it was preloaded)
         self._next = self._warmed = 0
 
     def _fill(self, upto: int) -> None:
         while self._next < min(upto, len(self._segments)):
-            self._futures.append(self._pool.submit(self._load, self._segments[self._next].chunk))
+            chunk = self._segments[self._next].chunk
+            f = None if self._preloaded is None else self._preloaded.take(chunk)
+            self._futures.append((f, True) if f is not None else (self._pool.submit(self._load, chunk), False))
             self._next += 1
         # remote sources: start the fetches of later chunks, as far as the reader's read-ahead allows
         self._warmed = max(self._warmed, self._next)
@@ -220,12 +224,19 @@ class _Lookahead:
         """Column set of segment ``index`` (segments must be taken in order), received (see
         :meth:`Stages.receive`) before it is sliced."""
         self.start(index)
-        cols = self._receive(self._futures.popleft().result())
         s = self._segments[index]
+        f, preloaded = self._futures.popleft()
+        try:
+            item = f.result()
+        except Exception:
+            if not preloaded:
+                raise
+            item = self._pool.submit(self._load, s.chunk).result()  # interrupted with an earlier iteration: again
+        cols = self._receive(item)
         return cols if s.lo == 0 and s.hi == nrows(cols) else rows(cols, s.lo, s.hi)
 
     def cancel(self) -> None:
-        for f in self._futures:
+        for f, _ in self._futures:
             f.cancel()
 
 
@@ -234,7 +245,8 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
                   *, threads: int, prefetch: int, stop: threading.Event, alloc=None,
                   stages: Stages | None = None, metrics=None,
                   warm: Callable[[int], bool] | None = None, forget: Callable[[], None] | None = None,
-                  batch_alloc=None, cut_threads: int = 1) -> Iterator:
+                  batch_alloc=None, cut_threads: int = 1, preloaded=None,
+                  loaded: Callable[[], None] | None = None) -> Iterator:
     """Yield this rank's batches for one epoch, handed off, in plan order.
 
     Parameters
@@ -258,12 +270,16 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     cut_threads : threads that gather batches and make their tensors at once (default 1: the
         producer thread); more only where ``handoff`` can ``prepare`` batches on any thread
         (the CPU path). Batches are still handed on in plan order.
+    preloaded : a :class:`gpuload.preload.Preload` whose loads are taken for the chunks it
+        holds, in place of new ones (default None).
+    loaded : called once, on the window thread, when the epoch's last chunk is loaded and
+        taken (not when the epoch stops early): the dataset then preloads the next epoch's.
     """
     stages = stages or Stages()
     try:
         with stages.batching():  # the producer thread: cuts, gathers and hands off batches
             yield from _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, stages,
-                                metrics, warm, batch_alloc, cut_threads)
+                                metrics, warm, batch_alloc, cut_threads, preloaded, loaded)
     finally:
         if forget is not None:
             forget()
@@ -309,7 +325,7 @@ class _Cutters:
 
 
 def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop, alloc, stages, metrics,
-             warm, batch_alloc, cut_threads) -> Iterator:
+             warm, batch_alloc, cut_threads, preloaded, loaded) -> Iterator:
     def load_in(i: int):
         if stop.is_set():  # the consumer left: queued loads are not run
             raise RuntimeError("gpuload: the epoch was stopped")
@@ -330,7 +346,7 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-window") as assembler, \
             (ThreadPoolExecutor(max_workers=cut_threads, thread_name_prefix="gpuload-cut") if parallel
              else contextlib.nullcontext()) as cutting:
-        look = _Lookahead(pool, segments, load_in, prefetch, warm, stages.receive)
+        look = _Lookahead(pool, segments, load_in, prefetch, warm, stages.receive, preloaded)
         cutters = _Cutters(cutting, cut_threads, handoff, metrics)
 
         def assemble(w: int):
@@ -346,6 +362,8 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                     parts.append(look.take(pos))
                     if stop.is_set() or halt.is_set():
                         return None
+                if loaded is not None and w == len(starts) - 2:  # the epoch's last load is in
+                    loaded()
                 if permutation is None:
                     return parts
                 if long_runs(perm):  # a host permutation (a GPU's is on the device) of long runs: a block

@@ -77,7 +77,7 @@ def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_pat
     space.write_quota(CacheRoot(c), int(size * 4.5))  # one and a half datasets
     before = _chunks(c, sources["a"])
     with caplog.at_level(logging.WARNING, logger="gpuload"):
-        b = open_dataset(sources["b"], ["x"], c, batch_size=25_000)
+        b = open_dataset(sources["b"], ["x"], c, batch_size=25_000, prefetch=0)  # each epoch's loads its own
     warned = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
     assert len(warned) == 1 and "about 1 of this dataset's 3 chunks" in warned[0] and "quota" in warned[0]
     assert np.array_equal(_epoch(b), _rows(1))
@@ -290,7 +290,8 @@ def test_max_cache_bytes_budgets_one_dataset_and_never_evicts_another(sources, t
     _epoch(b)
     b.close()  # b's chunks may be evicted for the folder's quota or reserve, not for a's own budget
     kept = _chunks(c, sources["b"])
-    a = open_dataset(sources["a"], ["x"], c, batch_size=25_000, max_cache_bytes=int(1.5 * size))
+    a = open_dataset(sources["a"], ["x"], c, batch_size=25_000, max_cache_bytes=int(1.5 * size),
+                     prefetch=0)  # its decodes counted per epoch: none for a next epoch
     assert np.array_equal(_epoch(a), _rows(0)) and np.array_equal(_epoch(a), _rows(0))
     assert len(_chunks(c, sources["a"])) == 1 and _chunks(c, sources["b"]) == kept  # b untouched
     assert a.reader.counters.decoded == 3 + 2  # a keeps its one chunk; the other two stream each epoch

@@ -492,7 +492,8 @@ from gpuload.synth import clicklog_columns
 logging.basicConfig(level=logging.WARNING, format="WARN %(message)s")
 data, cache, out = sys.argv[1:4]
 columns = {**clicklog_columns(2, 2), "row_id": "row_id"}
-ds = gpuload.ParquetDataset(data, columns, cache_dir=cache, chunk_bytes=1 << 14, device="cpu", batch_size=400)
+ds = gpuload.ParquetDataset(data, columns, cache_dir=cache, chunk_bytes=1 << 14, device="cpu", batch_size=400,
+                            prefetch=0)  # its loads counted: none for a next epoch
 ids, label = [], []
 for b in ds:
     ids.append(b["row_id"].numpy()); label.append(b["label"].numpy())

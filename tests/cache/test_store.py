@@ -216,7 +216,7 @@ def test_bad_magic_or_version_raises(chunk_file, field):
 def test_dataset_rebuilds_corrupt_chunk(click, tmp_path, how):
     data, files, ref = click
     cache = tmp_path / "cache"
-    ds = _dataset(data, cache, shuffle=True)
+    ds = _dataset(data, cache, shuffle=True, prefetch=0)  # no read ahead of the corruption
     check_epoch(ds, ref)
     ds.reader.cache.flush()
     n = len(ds.reader.chunks)
@@ -260,7 +260,7 @@ def test_silent_corruption_after_verified_read(click, tmp_path):
     catches it on a newly opened dataset."""
     data, files, ref = click
     cache = tmp_path / "cache"
-    ds = _dataset(data, cache, verify_checksums="always")
+    ds = _dataset(data, cache, verify_checksums="always", prefetch=0)  # no read ahead of the corruption
     check_epoch(ds, ref)
     ds.reader.cache.flush()
     ds.set_epoch(1)
@@ -290,7 +290,7 @@ def test_corrupt_chunk_with_source_gone_raises(tmp_path):
     files = clicklog(data)
     ref = Reference(files)
     cache = tmp_path / "cache"
-    ds = _dataset(data, cache, shuffle=False, num_threads=1)
+    ds = _dataset(data, cache, shuffle=False, num_threads=1, prefetch=0)  # no read ahead of the corruption
     check_epoch(ds, ref)
     ds.reader.cache.flush()
     victim_chunk = next(i for i, c in enumerate(ds.reader.chunks) if c.file == 1)
@@ -338,7 +338,7 @@ def test_rewritten_source_file_invalidates_only_its_chunks(tmp_path):
     os.utime(target, ns=(later, later))
     new_ref = Reference(files)
 
-    ds2 = _dataset(data, cache)
+    ds2 = _dataset(data, cache, prefetch=0)  # its loads counted: none for a next epoch
     check_epoch(ds2, new_ref)
     ds2.reader.cache.flush()
     n_target = sum(1 for c in ds2.reader.chunks if ds2.reader.files[c.file].path == str(target.resolve()))
@@ -578,7 +578,8 @@ import gpuload
 data, cache, out, go, columns, seed, device = sys.argv[1:8]
 seed = int(seed)
 ds = gpuload.ParquetDataset(data, json.loads(columns), cache_dir=cache, batch_size=997, chunk_bytes=65536,
-                            device=device, shuffle=seed >= 2, seed=seed, num_threads=2)
+                            device=device, shuffle=seed >= 2, seed=seed, num_threads=2,
+                            prefetch=0)  # its loads counted: none for a next epoch
 open(out + ".ready", "w").close()
 while not os.path.exists(go):
     time.sleep(0.001)
@@ -715,7 +716,7 @@ def test_budget_caches_some_chunks_and_streams_the_rest(click, tmp_path):
 
     budget = int(total * 0.4)
     cache = tmp_path / "cache"
-    ds = _dataset(data, cache, max_cache_bytes=budget, shuffle=True)
+    ds = _dataset(data, cache, max_cache_bytes=budget, shuffle=True, prefetch=0)  # decodes counted per epoch
     check_epoch(ds, ref)
     ds.reader.cache.flush()
     used = _cache_bytes(cache)
@@ -734,7 +735,7 @@ def test_budget_caches_some_chunks_and_streams_the_rest(click, tmp_path):
     assert _cache_bytes(cache) <= budget
 
     # a new dataset object under the same budget: still within it, still exact
-    ds2 = _dataset(data, cache, max_cache_bytes=budget, seed=5)
+    ds2 = _dataset(data, cache, max_cache_bytes=budget, seed=5, prefetch=0)
     check_epoch(ds2, ref)
     ds2.reader.cache.flush()
     assert _cache_bytes(cache) <= budget

@@ -35,7 +35,8 @@ def _scrape(url: str) -> dict:
 
 
 def test_a_scrape_holds_what_stats_says(data, tmp_path):
-    ds = open_dataset(data / "a", ["row_id", "x"], tmp_path / "c", batch_size=100)
+    # prefetch=0: no next epoch's reads recorded between the scrape and stats()
+    ds = open_dataset(data / "a", ["row_id", "x"], tmp_path / "c", batch_size=100, prefetch=0)
     with gpuload.serve_metrics(ds, port=0, labels={"run": "test"}) as server:
         assert server.url.startswith("http://127.0.0.1:") and server.url.endswith("/metrics")
         list(ds)

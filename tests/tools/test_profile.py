@@ -54,7 +54,7 @@ _ds = dataset_factory(batch_size=2_000, chunk_bytes=80_000, shuffle_window=1)
 
 
 def test_dataset_records_every_stage_it_runs(data, tmp_path):
-    ds = _ds(data, tmp_path / "cache")
+    ds = _ds(data, tmp_path / "cache", prefetch=0)  # each epoch's stages its own: no next epoch's reads in them
     cold = _run(ds)
     assert cold.rows == ds.num_rows and cold.batches == len(ds)
     for stage in ("read", "decode", "convert", "cache_write", "batch"):

@@ -1,0 +1,110 @@
+"""Preload: the next epoch's first chunks, loaded while this epoch's last window is cut.
+
+An epoch's first batch waits for its whole first window to be read (and, shuffled,
+permuted): the longest wait of a cached epoch, most of what a training step waited over
+a whole epoch on the H100 (``docs/benchmarks.md``, GPU). So once an epoch's last chunks are
+loaded, :class:`gpuload.ParquetDataset` starts loading the chunks the *next* epoch takes
+first (its first window, and ``prefetch`` chunks after it): epoch + 1, the one an iteration
+without ``set_epoch`` follows and the one a loop calling ``set_epoch(epoch + 1)`` asks for.
+The next iteration takes each of them it needs instead of loading it again. A chunk's
+columns are the same in every epoch (orders are applied after loading), so a wrong guess
+(another epoch set, a state restored, other ranks) costs reads, never the order: the
+chunks not taken are dropped when that iteration ends, and a preloaded load that failed
+(an iteration left early interrupts loads) is simply loaded again.
+
+An iteration that runs to its end returns once these loads are done (they began while its
+last window was cut, so by then they usually are): nothing of the dataset reads after an
+epoch, and :meth:`gpuload.ParquetDataset.stats` holds still between epochs. One left early
+starts none (or drops them). The preloaded chunks are held until the next iteration takes
+them, or :meth:`gpuload.ParquetDataset.close`; they stand in for the next window the memory
+bounds count already (``device_bytes_bound``, ``host_bytes_bound``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+from .plan import Segment
+
+__all__ = ["Preload", "first_chunks", "next_epoch"]
+
+log = logging.getLogger("gpuload")
+
+
+class Preload:
+    """Loads of ``chunks`` started now, on ``threads`` threads of their own (which end with
+    the loads), each taken at most once by the iteration that needs it.
+
+    Parameters
+    ----------
+    load : chunk index -> what the pipeline's loads return (inside the device's read side).
+    chunks : the chunk indices, in the order they are needed (repeats loaded once).
+    threads : loader threads (the dataset's ``num_threads``).
+    key : what the taking iteration must match for the loads to be used (the GPU path: the
+        consumer's stream, which the device memory of the loads is guarded for).
+    """
+
+    def __init__(self, load: Callable[[int], object], chunks: Sequence[int], threads: int, key=None):
+        self.key = key
+        self._lock = threading.Lock()
+        pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="gpuload-load")
+        try:
+            self._futures: dict[int, Future] = {c: pool.submit(load, c) for c in dict.fromkeys(chunks)}
+        finally:
+            pool.shutdown(wait=False)  # its threads end when the loads are done
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    def take(self, chunk: int) -> Future | None:
+        """The load of ``chunk`` if it was preloaded and not taken yet (then it is taken), else None."""
+        with self._lock:
+            return self._futures.pop(chunk, None)
+
+    def wait(self) -> None:
+        """Block until every load not taken yet has finished (failed ones included)."""
+        with self._lock:
+            futures = list(self._futures.values())
+        for f in futures:
+            try:
+                f.exception()
+            except BaseException:  # noqa: S110 - cancelled: nothing to wait for
+                pass
+
+    def drop(self) -> None:
+        """Forget the loads not taken: those not started are cancelled, the others' results dropped."""
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+        for f in futures:
+            f.cancel()
+
+
+def first_chunks(windows: Sequence[Sequence[Segment]], prefetch: int) -> list[int]:
+    """The chunks an epoch of ``windows`` (a rank's segments by shuffle window) loads first:
+    those of its first window and of the ``prefetch`` segments after it."""
+    if not windows:
+        return []
+    segments = [s for w in windows for s in w]
+    return [s.chunk for s in segments[:len(windows[0]) + prefetch]]
+
+
+def next_epoch(plan_epoch: Callable, epoch: int, prefetch: int, threads: int, device,
+               load: Callable) -> Preload | None:
+    """The preload of epoch ``epoch + 1``'s first chunks (:func:`first_chunks` of
+    ``plan_epoch(epoch + 1)``, a rank's windows), each loaded by ``load`` inside ``device``'s
+    read side and handed over as the pipeline's loads are, keyed by the consumer's stream.
+    None where that epoch cannot be planned now (its iteration will say why)."""
+    try:
+        windows, _ = plan_epoch(epoch + 1)
+    except Exception as e:  # noqa: BLE001 - a guess: the next iteration plans (and reports) for real
+        log.debug("gpuload: epoch %d not preloaded: %s", epoch + 1, e)
+        return None
+
+    def one(chunk: int):
+        with device.reading():
+            return device.handover(load(chunk))
+
+    return Preload(one, first_chunks(windows, prefetch), threads, key=device.consumer_stream())

@@ -1,0 +1,181 @@
+"""Preload: the next epoch's first chunks loaded while an epoch's last window is cut, taken by
+the next iteration instead of loaded again; orders never change, wrong guesses cost reads only."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from conftest import open_dataset, record_loads, row_ids, wait_until, write_parquet
+from gpuload.pipeline import epoch_batches
+from gpuload.plan import Segment
+from gpuload.preload import Preload, first_chunks
+
+pytestmark = pytest.mark.usefixtures("no_leftover_threads")
+
+FILES, ROWS = 6, 2000
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    d = tmp_path_factory.mktemp("preload")
+    for f in range(FILES):
+        ids = np.arange(f * ROWS, (f + 1) * ROWS, dtype=np.int64)
+        write_parquet(d / f"part-{f}.parquet", pa.table({"row_id": ids, "x": ids * 0.5}), row_group_size=500)
+    return d
+
+
+def _open(source, cache, **kw):
+    return open_dataset(source, ["row_id", "x"], cache, batch_size=700, chunk_bytes=4096, shuffle_window=2, **kw)
+
+
+def _settled(ds) -> None:
+    """An epoch that ran to its end returned with its preload's loads done: nothing reads after it."""
+    assert ds._preload is not None and all(f.done() for f in ds._preload._futures.values())
+
+
+def test_first_chunks_are_the_first_window_and_prefetch_more():
+    windows = [[Segment(5, 0, 9), Segment(2, 0, 9)], [Segment(7, 0, 9)], [Segment(1, 0, 4), Segment(1, 4, 9)]]
+    assert first_chunks(windows, 0) == [5, 2]
+    assert first_chunks(windows, 2) == [5, 2, 7, 1]
+    assert first_chunks(windows, 9) == [5, 2, 7, 1, 1]
+    assert first_chunks([], 2) == []
+
+
+def test_each_load_is_taken_once_and_a_drop_cancels_those_not_started():
+    release, calls = threading.Event(), []
+
+    def load(c):
+        calls.append(c)
+        release.wait(10)
+        return c * 10
+
+    pre = Preload(load, [3, 1, 3, 4, 5], threads=1)
+    assert len(pre) == 4  # the repeated 3 loaded once
+    wait_until(lambda: calls == [3], 10)
+    first = pre.take(3)
+    assert pre.take(3) is None and pre.take(9) is None
+    pre.drop()  # 1, 4, 5 not started: never loaded
+    release.set()
+    assert first.result(10) == 30
+    time.sleep(0.05)
+    assert calls == [3] and pre.take(1) is None
+
+
+def _run(windows, sizes, load, **kw):
+    perm = (lambda w, n: np.random.default_rng(w).permutation(n))
+    return [b["x"].copy() for b in epoch_batches(windows, sizes, load, perm, lambda c: c, threads=2, prefetch=1,
+                                                 stop=threading.Event(), **kw)]
+
+
+def test_the_pipeline_takes_preloaded_chunks_and_reloads_one_that_failed():
+    chunks = {i: {"x": np.arange(i * 10, i * 10 + 10)} for i in range(6)}
+    windows = [[Segment(0, 0, 10), Segment(1, 0, 10)], [Segment(2, 0, 10), Segment(3, 0, 10)],
+               [Segment(4, 0, 10), Segment(5, 0, 10)]]
+    sizes = [7] * 8 + [4]
+    calls, events = [], []
+
+    def load(i):
+        calls.append(i)
+        return chunks[i]
+
+    want = _run(windows, sizes, load)
+    calls.clear()
+
+    def preload_load(i):
+        if i == 1:
+            raise OSError("interrupted")  # as a load cut short by an iteration left early
+        return chunks[i]
+
+    pre = Preload(preload_load, [0, 1, 2], threads=2)
+    got = _run(windows, sizes, lambda i: (events.append(("load", i)), load(i))[1], preloaded=pre,
+               loaded=lambda: events.append(("loaded",)))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    assert sorted(calls) == [1, 3, 4, 5]  # 0 and 2 taken as preloaded; 1 failed there, loaded again
+    assert events[-1] == ("loaded",) and events.count(("loaded",)) == 1  # once, after the last load
+
+
+def test_an_epoch_stopped_early_preloads_nothing():
+    chunks = {i: {"x": np.arange(i * 10, i * 10 + 10)} for i in range(4)}
+    windows = [[Segment(0, 0, 10), Segment(1, 0, 10)], [Segment(2, 0, 10), Segment(3, 0, 10)]]
+    called, stop = [], threading.Event()
+    it = epoch_batches(windows, [5] * 8, lambda i: chunks[i], None, lambda c: c, threads=2, prefetch=1, stop=stop,
+                       loaded=lambda: called.append(1))
+    next(it)
+    stop.set()
+    it.close()
+    assert called == []
+
+
+@pytest.mark.parametrize("shuffle", [True, "block", False])
+def test_the_next_epoch_is_loaded_ahead_and_its_order_is_unchanged(source, tmp_path, shuffle):
+    ds = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)
+    ref = _open(source, tmp_path / "c", shuffle=shuffle, seed=3, prefetch=0)
+    loaded = record_loads(ds)
+    first = row_ids(ds)  # epoch 0 (the cache is built)
+    _settled(ds)
+    ahead = set(first_chunks(ds.plan_epoch(1)[0], ds.options.prefetch))
+    n = len(ds.reader.chunks)
+    assert sorted(loaded[:n]) == list(range(n)) and set(loaded[n:]) == ahead and len(loaded) == n + len(ahead)
+    del loaded[:]
+    second = row_ids(ds)  # epoch 1: follows epoch 0 without set_epoch
+    ref.set_epoch(1)
+    assert np.array_equal(second, row_ids(ref))
+    assert np.array_equal(first, second) == (shuffle is False)
+    this_epoch = loaded[:n - len(ahead)]  # what epoch 1 loaded itself, then epoch 2's first chunks
+    assert sorted(this_epoch + list(ahead)) == list(range(n))
+    ds.close()
+    assert ds._preload is None
+
+
+def test_another_epoch_set_is_right_and_loads_what_the_guess_missed(source, tmp_path):
+    ds = _open(source, tmp_path / "c", seed=1)
+    row_ids(ds)
+    _settled(ds)
+    guessed = set(first_chunks(ds.plan_epoch(1)[0], ds.options.prefetch))
+    loaded = record_loads(ds)
+    ds.set_epoch(5)
+    got = row_ids(ds)
+    ref = _open(source, tmp_path / "c", seed=1, prefetch=0)
+    ref.set_epoch(5)
+    assert np.array_equal(got, row_ids(ref))
+    n = len(ds.reader.chunks)
+    own = loaded[:n - len(guessed)]  # before epoch 6's preload: every chunk not guessed, once
+    assert sorted(own + sorted(guessed)) == list(range(n))
+    ds.close()
+
+
+def test_prefetch_0_loads_nothing_ahead_and_another_consumer_stream_drops_the_preload(source, tmp_path, monkeypatch):
+    ds = _open(source, tmp_path / "c", prefetch=0)
+    loaded = record_loads(ds)
+    row_ids(ds)
+    assert ds._preload is None and sorted(loaded) == list(range(len(ds.reader.chunks)))
+
+    ds = _open(source, tmp_path / "c")
+    row_ids(ds)
+    _settled(ds)
+    assert ds._preload is not None and len(ds._preload)
+    monkeypatch.setattr(ds.reader.device, "consumer_stream", lambda: "another stream")  # the GPU path's guard
+    loaded = record_loads(ds)
+    row_ids(ds)
+    n = len(ds.reader.chunks)
+    assert sorted(loaded[:n]) == list(range(n))  # every chunk loaded again: the preload was not used
+    ds.close()
+
+
+def test_an_iteration_left_early_keeps_no_preload(source, tmp_path, monkeypatch):
+    import gpuload.preload
+
+    made, real = [], gpuload.preload.next_epoch
+    monkeypatch.setattr(gpuload.preload, "next_epoch", lambda *a: made.append(real(*a)) or made[-1])
+    ds = _open(source, tmp_path / "c", shuffle=False)
+    row_ids(ds)  # built
+    n = len(ds)
+    for i, _ in enumerate(ds):
+        if i == n - 1:  # its last batch taken (the next epoch's preload begun), the iteration not ended
+            break
+    assert len(made) == 2 and ds._preload is None
