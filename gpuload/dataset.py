@@ -196,7 +196,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             "batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
         self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
-        self._preload = None  # the next epoch's first chunks, loading since this one's last (gpuload.preload)
+        self._ahead = preload.Ahead()  # the next epoch's first chunks, loaded while this one ends
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -329,10 +329,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             handoff.transform = BatchTransform.starting(self.batch_transform, pos, self.reader.fingerprint,
                                                         self.options.seed, self.device)
         self.reader.resume()
-        pre, self._preload = self._preload, None
-        if pre is not None and pre.key != self.reader.device.consumer_stream():  # guarded for another stream
-            pre.drop()
-            pre = None
+        pre = self._ahead.take(self.reader.device.consumer_stream())
         producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=self.options.prefetch + 2,
                               nice=self.options.nice)
         try:  # each batch counted when handed out: a state taken then resumes after it
@@ -343,14 +340,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                 producer.stop.set()
                 self.reader.interrupt()
             producer.close()
-            if pre is not None:  # what this epoch did not take
-                pre.drop()
-            nxt = self._preload
-            if nxt is not None and producer.finished:  # an epoch ends with the next one's first chunks in
-                nxt.wait()
-            elif nxt is not None:  # left early: none kept
-                nxt.drop()
-                self._preload = None
+            self._ahead.settle(pre, producer.finished)
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -403,9 +393,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """Stop remote fetches, release their connections, drop the next epoch's chunks loaded
         ahead (:mod:`gpuload.preload`), and let other datasets evict this one's cached chunks (the
         dataset can still be iterated: a later epoch starts new fetches and keeps its chunks again)."""
-        if self._preload is not None:
-            self._preload.drop()
-            self._preload = None
+        self._ahead.drop()
         self.reader.close()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
@@ -419,8 +407,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
         def loaded() -> None:  # this epoch's last chunk is in: the next epoch's first ones load meanwhile
             if not stop.is_set():
-                self._preload = preload.next_epoch(self._cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads,
-                                                   device, r.load)
+                self._ahead.start(self._cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
 
         def permutation(i: int, n: int):  # window i's rows, the same order on every device
             return device.upload_index(self._plan.permutation(pos.epoch, rest.takes[i], n))

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from .plan import Segment
 
-__all__ = ["Preload", "first_chunks", "next_epoch"]
+__all__ = ["Ahead", "Preload", "first_chunks", "next_epoch"]
 
 log = logging.getLogger("gpuload")
 
@@ -80,6 +80,46 @@ class Preload:
             futures, self._futures = list(self._futures.values()), {}
         for f in futures:
             f.cancel()
+
+
+class Ahead:
+    """A dataset's slot for the next epoch's preload: started when an epoch's last chunk is in
+    (:meth:`start`), taken when the next iteration begins (:meth:`take`), settled when an
+    iteration ends (:meth:`settle`), dropped by :meth:`drop`."""
+
+    def __init__(self):
+        self.pending: Preload | None = None
+
+    def start(self, *args) -> None:
+        """Preload as :func:`next_epoch` (same arguments) says, in place of any pending preload."""
+        old, self.pending = self.pending, next_epoch(*args)
+        if old is not None:
+            old.drop()
+
+    def take(self, key) -> Preload | None:
+        """The pending preload for an iteration whose consumer stream is ``key`` (None: none,
+        or one made for another stream, dropped: its device memory is guarded for that one)."""
+        pre, self.pending = self.pending, None
+        if pre is not None and pre.key != key:
+            pre.drop()
+            return None
+        return pre
+
+    def settle(self, used: Preload | None, finished: bool) -> None:
+        """At an iteration's end: drop what it did not take of ``used``; then wait for the next
+        epoch's loads if it ran to its ``finished`` end, else drop them."""
+        if used is not None:
+            used.drop()
+        if self.pending is not None and finished:
+            self.pending.wait()
+        elif self.pending is not None:
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget the pending preload."""
+        pre, self.pending = self.pending, None
+        if pre is not None:
+            pre.drop()
 
 
 def first_chunks(windows: Sequence[Sequence[Segment]], prefetch: int) -> list[int]:
