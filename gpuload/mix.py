@@ -97,6 +97,7 @@ class Mix(torch.utils.data.IterableDataset):
                            "weights": self.weights, "mode": self.mode, "batches_per_step": self.per_step,
                            "exhausted": exhausted, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
         self._epoch, self._advance, self._restored, self._running = 0, False, False, False
+        self._stream = None  # the sources' consumer stream on a GPU: one for all epochs (their preloads are kept for it)
         self._epoch_set, self._after_run = False, None  # set_epoch called since the last iteration began; during one
         self._runs: list[list[int]] = []   # this epoch's runs [world, steps, taken, drawn] (see _run)
         self._states: dict = {}            # source name -> {"state", "epoch", "pass"} after the last step taken
@@ -273,7 +274,9 @@ class Mix(torch.utils.data.IterableDataset):
     def _iterate(self) -> Iterator[dict]:
         p, lab = self._begin()
         states, run, epoch = copy.deepcopy(self._states), self._runs[-1], self._epoch
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self._stream is None and self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+        stream = self._stream
         producer = Background(lambda stop: mix_steps(self, p, lab, states, epoch, stream, stop), depth=self.prefetch,
                               name="gpuload-mix")
         self._running = True

@@ -212,7 +212,8 @@ class _Lookahead:
         # remote sources: start the fetches of later chunks, as far as the reader's read-ahead allows
         self._warmed = max(self._warmed, self._next)
         while self._warm is not None and self._warmed < len(self._segments):
-            if not self._warm(self._segments[self._warmed].chunk):
+            chunk = self._segments[self._warmed].chunk  # one the preload holds is loading already
+            if not (self._preloaded is not None and self._preloaded.holds(chunk)) and not self._warm(chunk):
                 break
             self._warmed += 1
 
@@ -272,8 +273,10 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
         (the CPU path). Batches are still handed on in plan order.
     preloaded : a :class:`gpuload.preload.Preload` whose loads are taken for the chunks it
         holds, in place of new ones (default None).
-    loaded : called once, on the window thread, when the epoch's last chunk is loaded and
-        taken (not when the epoch stops early): the dataset then preloads the next epoch's.
+    loaded : called once, on the producer thread, when the epoch's last window is assembled and
+        the one before it cut (not when the epoch stops early): the dataset then preloads the
+        next epoch's first chunks, which take the place of the window the memory bounds count
+        as being assembled.
     """
     stages = stages or Stages()
     try:
@@ -362,8 +365,6 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                     parts.append(look.take(pos))
                     if stop.is_set() or halt.is_set():
                         return None
-                if loaded is not None and w == len(starts) - 2:  # the epoch's last load is in
-                    loaded()
                 if permutation is None:
                     return parts
                 if long_runs(perm):  # a host permutation (a GPU's is on the device) of long runs: a block
@@ -392,6 +393,8 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                 ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
                 if got is None:
                     return
+                if loaded is not None and w == n - 1:  # the last window is in, its predecessor cut
+                    loaded()
                 if permutation is None:
                     for p in got:
                         yield from cutters.add(batcher.add(p))

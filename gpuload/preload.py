@@ -2,8 +2,8 @@
 
 An epoch's first batch waits for its whole first window to be read (and, shuffled,
 permuted): the longest wait of a cached epoch, most of what a training step waited over
-a whole epoch on the H100 (``docs/benchmarks.md``, GPU). So once an epoch's last chunks are
-loaded, :class:`gpuload.ParquetDataset` starts loading the chunks the *next* epoch takes
+a whole epoch on the H100 (``docs/benchmarks.md``, GPU). So once an epoch's last window is
+assembled, :class:`gpuload.ParquetDataset` starts loading the chunks the *next* epoch takes
 first (its first window, and ``prefetch`` chunks after it): epoch + 1, the one an iteration
 without ``set_epoch`` follows and the one a loop calling ``set_epoch(epoch + 1)`` asks for.
 The next iteration takes each of them it needs instead of loading it again. A chunk's
@@ -14,7 +14,9 @@ chunks not taken are dropped when that iteration ends, and a preloaded load that
 
 An iteration that runs to its end returns once these loads are done (they began while its
 last window was cut, so by then they usually are): nothing of the dataset reads after an
-epoch, and :meth:`gpuload.ParquetDataset.stats` holds still between epochs. One left early
+epoch, and :meth:`gpuload.ParquetDataset.stats` holds still between epochs. Those loads are
+counted with the epoch that made them (``stats()``, ``reader.counters``): for one epoch's
+own reads alone, ``prefetch=0``. One left early
 starts none (or drops them). The preloaded chunks are held until the next iteration takes
 them, or :meth:`gpuload.ParquetDataset.close`; they stand in for the next window the memory
 bounds count already (``device_bytes_bound``, ``host_bytes_bound``).
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Callable, Sequence
 
 from .plan import Segment
@@ -59,6 +61,11 @@ class Preload:
     def __len__(self) -> int:
         return len(self._futures)
 
+    def holds(self, chunk: int) -> bool:
+        """Whether the load of ``chunk`` is here, not taken yet."""
+        with self._lock:
+            return chunk in self._futures
+
     def take(self, chunk: int) -> Future | None:
         """The load of ``chunk`` if it was preloaded and not taken yet (then it is taken), else None."""
         with self._lock:
@@ -70,8 +77,8 @@ class Preload:
             futures = list(self._futures.values())
         for f in futures:
             try:
-                f.exception()
-            except BaseException:  # noqa: S110 - cancelled: nothing to wait for
+                f.exception()  # a failed load's exception is returned, not raised
+            except CancelledError:
                 pass
 
     def drop(self) -> None:
@@ -89,17 +96,26 @@ class Ahead:
 
     def __init__(self):
         self.pending: Preload | None = None
+        self._lock = threading.Lock()
 
     def start(self, *args) -> None:
-        """Preload as :func:`next_epoch` (same arguments) says, in place of any pending preload."""
-        old, self.pending = self.pending, next_epoch(*args)
+        """Preload as :func:`next_epoch` (same arguments) says, in place of any pending preload.
+        Never raises: the preload is a guess, the next iteration loads what it lacks."""
+        try:
+            new = next_epoch(*args)
+        except Exception as e:  # noqa: BLE001 - no thread to start (the process's limit), ...
+            log.debug("gpuload: next epoch not preloaded: %s", e)
+            new = None
+        with self._lock:
+            old, self.pending = self.pending, new
         if old is not None:
             old.drop()
 
     def take(self, key) -> Preload | None:
         """The pending preload for an iteration whose consumer stream is ``key`` (None: none,
         or one made for another stream, dropped: its device memory is guarded for that one)."""
-        pre, self.pending = self.pending, None
+        with self._lock:
+            pre, self.pending = self.pending, None
         if pre is not None and pre.key != key:
             pre.drop()
             return None
@@ -110,14 +126,16 @@ class Ahead:
         epoch's loads if it ran to its ``finished`` end, else drop them."""
         if used is not None:
             used.drop()
-        if self.pending is not None and finished:
-            self.pending.wait()
-        elif self.pending is not None:
+        pending = self.pending
+        if pending is not None and finished:
+            pending.wait()
+        elif pending is not None:
             self.drop()
 
     def drop(self) -> None:
         """Forget the pending preload."""
-        pre, self.pending = self.pending, None
+        with self._lock:
+            pre, self.pending = self.pending, None
         if pre is not None:
             pre.drop()
 

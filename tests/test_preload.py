@@ -99,16 +99,35 @@ def test_the_pipeline_takes_preloaded_chunks_and_reloads_one_that_failed():
     assert events[-1] == ("loaded",) and events.count(("loaded",)) == 1  # once, after the last load
 
 
-def test_an_epoch_stopped_early_preloads_nothing():
+def test_an_epoch_stopped_while_its_last_window_loads_preloads_nothing():
     chunks = {i: {"x": np.arange(i * 10, i * 10 + 10)} for i in range(4)}
     windows = [[Segment(0, 0, 10), Segment(1, 0, 10)], [Segment(2, 0, 10), Segment(3, 0, 10)]]
-    called, stop = [], threading.Event()
-    it = epoch_batches(windows, [5] * 8, lambda i: chunks[i], None, lambda c: c, threads=2, prefetch=1, stop=stop,
+    called, stop, gate, waiting = [], threading.Event(), threading.Event(), threading.Event()
+
+    def load(i):
+        if i == 3:  # the last window's last chunk: held until the consumer has gone
+            waiting.set()
+            gate.wait(10)
+        return chunks[i]
+
+    perm = (lambda w, n: np.arange(n))
+    it = epoch_batches(windows, [5] * 8, load, perm, lambda c: c, threads=2, prefetch=1, stop=stop,
                        loaded=lambda: called.append(1))
     next(it)
-    stop.set()
-    it.close()
+    wait_until(waiting.is_set, 10)
+    stop.set()  # the consumer goes: the window thread finds it after its last load
+    gate.set()
+    list(it)  # the producer meets the abandoned window
     assert called == []
+
+
+def test_chunks_the_preload_holds_are_not_fetched_ahead_again():
+    chunks = {i: {"x": np.arange(i * 10, i * 10 + 10)} for i in range(6)}
+    windows = [[Segment(i, 0, 10), Segment(i + 1, 0, 10)] for i in (0, 2, 4)]
+    warmed = []
+    pre = Preload(lambda i: chunks[i], first_chunks(windows, 2), threads=2)
+    _run(windows, [6] * 10, lambda i: chunks[i], preloaded=pre, warm=lambda c: warmed.append(c) or True)
+    assert warmed and not set(warmed) & {0, 1, 2, 3}  # a remote source's read-ahead: only the others
 
 
 @pytest.mark.parametrize("shuffle", [True, "block", False])
