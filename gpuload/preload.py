@@ -16,10 +16,10 @@ An iteration that runs to its end returns once these loads are done (they began 
 last window was cut, so by then they usually are): nothing of the dataset reads after an
 epoch, and :meth:`gpuload.ParquetDataset.stats` holds still between epochs. Those loads are
 counted with the epoch that made them (``stats()``, ``reader.counters``): for one epoch's
-own reads alone, ``prefetch=0``. One left early
-starts none (or drops them). The preloaded chunks are held until the next iteration takes
-them, or :meth:`gpuload.ParquetDataset.close`; they stand in for the next window the memory
-bounds count already (``device_bytes_bound``, ``host_bytes_bound``).
+own reads alone, ``prefetch=0``. An iteration left early starts none (or drops them). The
+preloaded chunks are held until the next iteration takes them, or
+:meth:`gpuload.ParquetDataset.close`; they stand in for the window being assembled that the
+memory bounds count already (``device_bytes_bound``, ``host_bytes_bound``).
 """
 
 from __future__ import annotations
