@@ -219,7 +219,10 @@ class CacheRoot:
             tmp = f"{name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
             os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
                              dir_fd=d))
-            os.unlink(tmp, dir_fd=d)
+            try:
+                os.unlink(tmp, dir_fd=d)
+            except FileNotFoundError:  # another writer of the chunk cleared its leftover temporaries meanwhile
+                pass
 
     def unlink(self, parts, name: str, pattern: re.Pattern) -> os.stat_result | None:
         """Delete ``name`` if it is a regular file whose name matches ``pattern``; returns

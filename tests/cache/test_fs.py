@@ -633,3 +633,18 @@ def test_injected_os_errors_serve_exact_data(data, tmp_path, monkeypatch, err, w
     _check(ds, reference)  # and once the fault is gone, the cache fills again
     ds.reader.cache.flush()
     assert len(list(cache.rglob("*.glc"))) == len(ds.reader.chunks)
+
+
+def test_a_probe_whose_temporary_another_writer_removed_still_passes(tmp_path, monkeypatch):
+    """Two builds at once: a writer holding a chunk's lock clears the chunk's leftover
+    temporaries, the other build's probe file among them; the probe succeeded all the same."""
+    root, real = CacheRoot(tmp_path / "c"), os.unlink
+
+    def cleared_first(name, *, dir_fd=None):
+        real(name, dir_fd=dir_fd)  # the other writer's cleanup, just before
+        return real(name, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", cleared_first)
+    root.probe_write((LAYOUT_DIR, "ab12"), "x-y-0-1.glc")
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "c" / LAYOUT_DIR / "ab12").iterdir()] == []
