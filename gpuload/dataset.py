@@ -405,7 +405,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         rest = self._plan.rest(pos, pos.ranks.rank)
         device = r.device
 
-        def loaded() -> None:  # this epoch's last chunk is in: the next epoch's first ones load meanwhile
+        def loaded() -> None:  # this epoch's last window is in: the next epoch's first chunks load meanwhile
             if not stop.is_set():
                 self._ahead.start(self._cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
 

@@ -103,7 +103,7 @@ class Ahead:
         Never raises: the preload is a guess, the next iteration loads what it lacks."""
         try:
             new = next_epoch(*args)
-        except Exception as e:  # noqa: BLE001 - no thread to start (the process's limit), ...
+        except Exception as e:  # noqa: BLE001 - an epoch not plannable now, no thread to start, ...
             log.debug("gpuload: next epoch not preloaded: %s", e)
             new = None
         with self._lock:
@@ -149,17 +149,13 @@ def first_chunks(windows: Sequence[Sequence[Segment]], prefetch: int) -> list[in
     return [s.chunk for s in segments[:len(windows[0]) + prefetch]]
 
 
-def next_epoch(plan_epoch: Callable, epoch: int, prefetch: int, threads: int, device,
-               load: Callable) -> Preload | None:
+def next_epoch(plan_epoch: Callable, epoch: int, prefetch: int, threads: int, device, load: Callable) -> Preload:
     """The preload of epoch ``epoch + 1``'s first chunks (:func:`first_chunks` of
     ``plan_epoch(epoch + 1)``, a rank's windows), each loaded by ``load`` inside ``device``'s
-    read side and handed over as the pipeline's loads are, keyed by the consumer's stream.
-    None where that epoch cannot be planned now (its iteration will say why)."""
-    try:
-        windows, _ = plan_epoch(epoch + 1)
-    except Exception as e:  # noqa: BLE001 - a guess: the next iteration plans (and reports) for real
-        log.debug("gpuload: epoch %d not preloaded: %s", epoch + 1, e)
-        return None
+    read side and handed over as the pipeline's loads are, keyed by the consumer's stream
+    (an epoch that cannot be planned now raises: :meth:`Ahead.start` then preloads nothing,
+    and the next iteration plans, and reports, for real)."""
+    windows, _ = plan_epoch(epoch + 1)
 
     def one(chunk: int):
         with device.reading():
