@@ -139,12 +139,12 @@ def take(cols: dict, idx, alloc=None) -> dict:
     return out
 
 
-def permute_rows(cols: dict, perm: np.ndarray) -> dict:
+def permute_rows(cols: dict, perm: np.ndarray, alloc=None) -> dict:
     """``cols``' rows in the order of the host permutation ``perm``, gathered where ``cols``
-    lives (NumPy, or CuPy on the current stream)."""
+    lives (NumPy, into ``alloc(shape, dtype)`` when given; or CuPy on the current stream)."""
     first = next(iter(cols.values()))
     xp = _xp(first.values if isinstance(first, Ragged) else first)
-    return take(cols, perm if xp is np else xp.asarray(perm))
+    return take(cols, perm, alloc) if xp is np else take(cols, xp.asarray(perm))
 
 
 def _join(arrays: list, alloc):

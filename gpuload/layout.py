@@ -68,9 +68,10 @@ class Layout:
         self.blocks = block_members(desc)
         self._where = {m: (b, j) for b, ms in self.blocks.items() for j, m in enumerate(ms)}
 
-    def pack(self, cols: dict) -> dict:
-        """Stored column set of a chunk's decoded outputs ``cols`` (new block arrays; the
-        other outputs unchanged), in the order of :func:`stored_outputs`."""
+    def pack(self, cols: dict, alloc=None) -> dict:
+        """Stored column set of a chunk's decoded outputs ``cols`` (new block arrays, from
+        ``alloc(shape, dtype)`` when given, NumPy only; the other outputs unchanged), in the
+        order of :func:`stored_outputs`."""
         if not self.blocks:
             return cols
         out = {}
@@ -79,7 +80,7 @@ class Layout:
             if where is None:
                 out[name] = cols[name]
             elif where[1] == 0:
-                out[where[0]] = _stack([cols[m] for m in self.blocks[where[0]]])
+                out[where[0]] = _stack([cols[m] for m in self.blocks[where[0]]], alloc)
         return out
 
     def unpack(self, cols: dict, alloc=None) -> dict:
@@ -106,11 +107,14 @@ class Layout:
 _TILE = 1 << 14  # rows per tile when interleaving columns on the CPU: the tile stays in cache
 
 
-def _stack(columns: list):
-    """``[rows, k]`` C-contiguous array whose column ``j`` is ``columns[j]``."""
+def _stack(columns: list, alloc=None):
+    """``[rows, k]`` C-contiguous array whose column ``j`` is ``columns[j]`` (from
+    ``alloc(shape, dtype)`` when given and the columns are NumPy arrays)."""
     xp = _xp(columns[0])
     n = len(columns[0])
-    out = xp.empty((n, len(columns)), dtype=columns[0].dtype)
+    shape = (n, len(columns))
+    out = xp.empty(shape, dtype=columns[0].dtype) if alloc is None or xp.__name__ != "numpy" else alloc(
+        shape, columns[0].dtype)
     tile = _TILE if xp.__name__ == "numpy" else max(n, 1)  # on a GPU: one strided copy kernel per column
     for a in range(0, n, tile):  # on the CPU: strided stores a tile at a time, not k passes over the block
         t = out[a:a + tile]

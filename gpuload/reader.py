@@ -295,11 +295,13 @@ class ChunkReader:
             with self.metrics.span("convert", rows=c.rows) if self.metrics is not None else contextlib.nullcontext():
                 cols = apply_transform(self.source.transform, cols, self.specs, self.outputs,
                                        f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
-        cols = self.layout.pack(cols)
+        # host blocks from the read pool: the first epoch's chunks reuse the pages of those cached
+        # and joined before them (as cache reads do), instead of faulting in fresh ones
+        cols = self.layout.pack(cols, self.read_pool.array)
         if self.opts.block is None:
             return cols
         return permute_rows(cols, chunk_row_permutation(
-            c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}"))
+            c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}"), self.read_pool.array)
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified)."""

@@ -58,3 +58,39 @@ def test_second_epoch_opens_no_parquet_file(click, tmp_path, monkeypatch):
     assert opened == []
     assert ds.reader.counters.decoded == len(ds.reader.chunks)
     assert other.reader.counters.decoded == 0
+
+
+# ---------------------------------------------------------------------------------------
+# the first epoch's chunks reuse host memory
+# ---------------------------------------------------------------------------------------
+
+def test_decoded_chunks_are_packed_into_reused_host_buffers(tmp_path):
+    """A decoded chunk's blocks come from the reader's host pool, as cache reads do: chunks
+    decoded one after another refill one buffer instead of faulting in new pages, with pyarrow's values."""
+    import pyarrow as pa
+
+    import gpuload
+
+    data = tmp_path / "data"
+    data.mkdir()
+    tables = []
+    for f in range(2):  # one chunk per file; its int64 block (40,000 x 4) is over the pool's 1 MiB floor
+        ids = np.arange(f * 40_000, (f + 1) * 40_000, dtype=np.int64)
+        tables.append(pa.table({"a": ids, "b": ids * 3, "c": -ids, "d": ids % 7}))
+        pq.write_table(tables[-1], data / f"part-{f}.parquet")
+    ds = gpuload.ParquetDataset(data, ["a", "b", "c", "d"], batch_size=1000, cache_dir=tmp_path / "cache",
+                                device="cpu", prefetch=0)
+    r = ds.reader
+    try:
+        assert [c.rows for c in r.chunks] == [40_000, 40_000]
+        first = r._stored(0)["#<i8"]
+        where = first.ctypes.data
+        assert any(np.shares_memory(first, b) for b in r.read_pool._bufs)
+        np.testing.assert_array_equal(first[:, 1], tables[0]["b"].to_numpy())
+        del first
+        second = r._stored(1)["#<i8"]
+        assert second.ctypes.data == where and any(np.shares_memory(second, b) for b in r.read_pool._bufs)
+        for j, name in enumerate("abcd"):
+            np.testing.assert_array_equal(second[:, j], tables[1][name].to_numpy())
+    finally:
+        ds.close()
