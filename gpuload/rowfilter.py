@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as pds
 import pyarrow.parquet as pq
 import xxhash
 
@@ -104,6 +103,8 @@ def _serialized(expr: pc.Expression) -> bytes:
 def candidate_groups(f, flt: RowFilter) -> list[int]:
     """Row groups of ``f`` (a :class:`gpuload.sources.listing.SourceFile`) whose statistics and
     Hive keys do not rule the filter out (no read: the footer ``f`` holds is used)."""
+    import pyarrow.dataset as pds  # here, not at import: it loads pandas too (0.1-0.2 s), for filters only
+
     sink = pa.BufferOutputStream()
     f.metadata.write_metadata_file(sink)  # a footer-only file: what pyarrow needs to prune by statistics
     part = pc.scalar(True)

@@ -274,14 +274,14 @@ def _hive_keys(path: str, base: str) -> set[str]:
 def _partitions(listed: Sequence[Listed]) -> dict[str, tuple[pa.Schema, tuple]]:
     """Per identity path with Hive partition folders: (partition fields, ((name, value), ...)),
     as pyarrow discovers them from the listed paths (names only: no file is opened)."""
-    import pyarrow.dataset as pds
-    import pyarrow.fs as pafs
-
     by_base: dict[str, list[tuple[str, str]]] = {}
     out = {x.path: x.table for x in listed if x.table is not None}  # a table's files: keys from its log
     for x in listed:
         if x.base is not None and _hive_keys(x.shown, x.base):
             by_base.setdefault(x.base, []).append((x.shown, x.path))
+    if by_base:  # only then: pyarrow.dataset loads pandas too (0.1-0.2 s at the first open)
+        import pyarrow.dataset as pds
+        import pyarrow.fs as pafs
     for base, pairs in by_base.items():
         real = dict(pairs)
         opts = pds.FileSystemFactoryOptions(partition_base_dir=base)
