@@ -221,8 +221,7 @@ def _list_parts(arr: pa.Array, spec: OutputSpec, where: str) -> tuple[pa.Array, 
         k = arr.type.list_size
         off = (np.arange(len(arr) + 1, dtype=np.int64) + arr.offset) * k
     else:
-        off = arr.offsets
-        off = (o if (o := _view(off)) is not None else np.asarray(off)).astype(np.int64, copy=False)
+        off = _view(arr.offsets).astype(np.int64, copy=False)  # offsets: int32 or int64, never null
     values = arr.values.slice(off[0], off[-1] - off[0])
     off = off - off[0]
     if arr.null_count == 0:

@@ -25,7 +25,7 @@ their members are recorded in the spec description (each member's entry carries
 
 from __future__ import annotations
 
-from .batch import _xp
+from .batch import _empty, _xp
 
 __all__ = ["LAYOUTS", "Layout", "block_members", "stored_outputs", "is_block"]
 
@@ -112,9 +112,7 @@ def _stack(columns: list, alloc=None):
     ``alloc(shape, dtype)`` when given and the columns are NumPy arrays)."""
     xp = _xp(columns[0])
     n = len(columns[0])
-    shape = (n, len(columns))
-    out = xp.empty(shape, dtype=columns[0].dtype) if alloc is None or xp.__name__ != "numpy" else alloc(
-        shape, columns[0].dtype)
+    out = _empty(xp, (n, len(columns)), columns[0].dtype, alloc)
     tile = _TILE if xp.__name__ == "numpy" else max(n, 1)  # on a GPU: one strided copy kernel per column
     for a in range(0, n, tile):  # on the CPU: strided stores a tile at a time, not k passes over the block
         t = out[a:a + tile]
