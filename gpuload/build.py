@@ -138,7 +138,9 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
     node's worker names, hosts or addresses) each chunk is built on the node that owns it
     under ``ParquetDataset(shard="node", seed=seed)`` with that many nodes, node ``n``
     being the training's ``GROUP_RANK`` ``n``: give each node's workers its local
-    ``cache_dir`` (``None``: each worker's ``$GPULOAD_CACHE_DIR``).
+    ``cache_dir`` (``None``: each worker's ``$GPULOAD_CACHE_DIR``). A node's workers
+    restarted on other ports (a nanny, a job scheduler) are found again by host or name;
+    a node left with no worker for 60 s fails the build, keeping what was built.
     """
     if nodes is not None and client is None:
         raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")

@@ -14,8 +14,9 @@ the file is on disk. So:
   (``ParquetDataset(shard="node")`` with the same seed and number of nodes);
 * a worker that dies mid-build leaves at most a temporary file (cache files are written
   under a temporary name and renamed); Dask gives its tasks to other workers (of the same
-  node, with ``nodes=``), and a chunk whose workers keep dying fails the build with an
-  error that names the chunk and its file.
+  node, with ``nodes=``: by host or name, so workers restarted on other ports count), and
+  a chunk whose workers keep dying fails the build with an error that names the chunk
+  and its file.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def _matches(names: list[str], address: str, info: dict) -> bool:
 def node_workers(client, nodes) -> list[list[str]]:
     """Who may build each node's chunks: ``nodes`` as a list (node rank -> worker names,
     host names or addresses; the workers' addresses now), or a count of hosts, numbered in
-    sorted host order (the hosts: a worker restarted on another port is found again).
+    sorted host order (the hosts: a worker restarted on another port is found again; names
+    are looked up again by the build's watch).
     """
     workers = _workers(client)
     if isinstance(nodes, int) and not isinstance(nodes, bool):
@@ -106,16 +108,24 @@ def node_workers(client, nodes) -> list[list[str]]:
     if not isinstance(nodes, Sequence) or isinstance(nodes, str) or not nodes:
         raise ConfigError(f"nodes={nodes!r} must be a number of hosts or a list of worker names or hosts per node")
     groups, owner = [], {}
-    for n, names in enumerate(nodes):
-        names = [names] if isinstance(names, str) else [str(x) for x in names]
-        found = [a for a, w in workers.items() if _matches(names, a, w)]
+    for n, names in enumerate(_names(nodes)):
+        found = _found(workers, names)
         if not found:
             raise ConfigError(f"nodes[{n}]={names!r}: no worker of the cluster has that name, host or address")
         for a in found:
             if owner.setdefault(a, n) != n:
                 raise ConfigError(f"worker {a} is in nodes[{owner[a]}] and nodes[{n}]: a worker belongs to one node")
-        groups.append(sorted(found))
+        groups.append(found)
     return groups
+
+
+def _names(nodes) -> list[list[str]]:
+    return [[names] if isinstance(names, str) else [str(x) for x in names] for names in nodes]
+
+
+def _found(workers: dict, names: list[str]) -> list[str]:
+    """The addresses of the workers in ``workers`` (the scheduler's) that ``names`` name."""
+    return sorted(a for a, w in workers.items() if _matches(names, a, w))
 
 
 def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] | None = None, nodes=None,
@@ -144,22 +154,39 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
         owned = plan.node_chunks([c.rows for c in reader.chunks], len(groups), fingerprint=reader.fingerprint,
                                  seed=opts.seed)
         owner = {int(c): n for n, cs in enumerate(owned) for c in cs}
-    futures = {}
-    for i in range(len(reader.chunks)):
-        kw = {} if owner is None else {"workers": groups[owner[i]], "allow_other_workers": False}
-        fut = client.submit(build_chunk, token, src, opts, own_dirs, reader.fingerprint, i, key=f"gpuload-build-{token}-{i}",
-                            pure=False, **kw)
+    futures, keys, lock = {}, {}, threading.Lock()
+
+    def submit(i: int, workers: list[str] | None):
+        tried = keys.setdefault(i, [])
+        tried.append(key := f"gpuload-build-{token}-{i}" + (f"-{len(tried)}" if tried else ""))
+        kw = {} if workers is None else {"workers": workers, "allow_other_workers": False}
+        fut = client.submit(build_chunk, token, src, opts, own_dirs, reader.fingerprint, i, key=key, pure=False, **kw)
         futures[fut] = i
+        return fut
+
+    for i in range(len(reader.chunks)):
+        submit(i, None if owner is None else groups[owner[i]])
+    done = as_completed(list(futures))
+
+    def retarget(stuck: set, workers: list[str]) -> None:  # on the watch thread
+        with lock:
+            old = [f for f in futures if f.key in stuck]
+            for f in old:
+                done.add(submit(futures.pop(f), workers))
+        client.cancel(old)
+
     results, failed, stop = [], [], threading.Event()
-    lock = threading.Lock()
     if groups is not None:  # a node without workers would leave its tasks waiting forever
-        watch = threading.Thread(target=_watch_nodes, args=(client, groups, owner, futures, lock, reader, failed, stop),
-                                 name="gpuload-build-watch", daemon=True)
+        names = None if isinstance(nodes, int) else _names(nodes)  # hosts: Dask finds restarted workers itself
+        watch = threading.Thread(target=_watch_nodes, args=(client, groups, names, owner, futures, lock, reader, failed,
+                                                            stop, retarget), name="gpuload-build-watch", daemon=True)
         watch.start()
     try:
-        for fut in as_completed(list(futures)):
+        for fut in done:
             with lock:
-                i = futures[fut]
+                i = futures.get(fut)
+            if i is None:  # given to its node's restarted workers under another key
+                continue
             try:  # its worker may die before the result is gathered: it stays watched until then
                 results.append(fut.result())
             except KilledWorker as e:
@@ -168,6 +195,9 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
             except CancelledError:
                 if failed:
                     raise failed[0] from None
+                with lock:
+                    if fut not in futures:  # its result was lost with its worker, and it was given to the new one
+                        continue
                 raise
             with lock:
                 del futures[fut]
@@ -179,9 +209,9 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
         with lock:
             client.cancel(list(futures))
         client.run(_forget, token)
-    found = [r[0] for r in results if r[1] in ("cached", "other")]
-    rerun = _ran_on_lost_workers(client, {f"gpuload-build-{token}-{i}" for i in found}) if found else set()
-    return sorted((i, "ours" if f"gpuload-build-{token}-{i}" in rerun else outcome, size, mtime)
+    found = {r[0] for r in results if r[1] in ("cached", "other")}
+    rerun = _ran_on_lost_workers(client, {k for i in found for k in keys[i]}) if found else set()
+    return sorted((i, "ours" if rerun.intersection(keys[i]) else outcome, size, mtime)
                   for i, outcome, size, mtime in results)
 
 
@@ -212,11 +242,14 @@ def _no_worker(dask_scheduler, keys) -> list:
     return [k for k in keys if (ts := dask_scheduler.tasks.get(k)) is not None and ts.state == "no-worker"]
 
 
-def _watch_nodes(client, groups, owner, futures, lock, reader, failed: list, stop: threading.Event,
-                 every: float = 1.0) -> None:
-    """Fail the build (cancel its tasks, the reason in ``failed``) when chunks of a node have
-    waited ``NODE_GRACE_S`` seconds for a worker: that node's workers are gone (or came back on
-    other addresses), and Dask would keep the tasks waiting forever."""
+def _watch_nodes(client, groups, names, owner, futures, lock, reader, failed: list, stop: threading.Event,
+                 retarget, every: float = 1.0) -> None:
+    """Watch the chunks waiting for a worker of their node (``groups[n]``, the addresses they
+    were given). Where ``names`` (``nodes=`` by name or address) match workers at other
+    addresses, the node's workers were restarted (a nanny, a job scheduler): its waiting
+    chunks are given to them (``retarget``). Where none match for ``NODE_GRACE_S`` seconds,
+    fail the build (cancel its tasks, the reason in ``failed``): Dask would keep the tasks
+    waiting forever."""
     import time
 
     since: dict[int, float] = {}
@@ -225,6 +258,7 @@ def _watch_nodes(client, groups, owner, futures, lock, reader, failed: list, sto
             left = {f.key: i for f, i in futures.items()}
         try:
             stuck = client.run_on_scheduler(_no_worker, keys=list(left))
+            workers = _workers(client) if stuck and names is not None else {}
         except Exception:  # the client is closing
             return
         nodes = {owner[left[k]] for k in stuck if k in left}
@@ -232,12 +266,15 @@ def _watch_nodes(client, groups, owner, futures, lock, reader, failed: list, sto
             if n not in nodes:
                 del since[n]
         for n in sorted(nodes):
-            if time.monotonic() - since.setdefault(n, time.monotonic()) > NODE_GRACE_S:
-                first = min(left[k] for k in stuck if k in left and owner[left[k]] == n)
+            mine = {k for k in stuck if k in left and owner[left[k]] == n}
+            if names is not None and (now := _found(workers, names[n])) and now != groups[n]:
+                groups[n] = now
+                retarget(mine, now)
+            elif time.monotonic() - since.setdefault(n, time.monotonic()) > NODE_GRACE_S:
                 failed.append(CacheError(
                     f"node {n} ({', '.join(groups[n])}) has had no worker for {NODE_GRACE_S:.0f} s: its chunks, "
-                    f"{_where(reader, first)} first, cannot be built; start its workers again (by host name, they "
-                    "are found again after a restart) and rerun build_cache (what was built is kept)"))
+                    f"{_where(reader, min(left[k] for k in mine))} first, cannot be built; start its workers again "
+                    "and rerun build_cache (what was built is kept)"))
                 with lock:
                     client.cancel(list(futures))
                 return

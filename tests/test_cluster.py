@@ -5,7 +5,8 @@
 * a worker killed with SIGKILL mid-build loses nothing: the build completes, every file
   in the cache is whole and verified;
 * node-affine builds: each node's workers (their own ``$GPULOAD_CACHE_DIR``) build
-  exactly the chunks ``ParquetDataset(shard="node")`` gives that node;
+  exactly the chunks ``ParquetDataset(shard="node")`` gives that node, also when a node's
+  only worker is killed and its nanny starts it on another port;
 * errors on a worker name the chunk and its file; bad ``nodes=`` are refused.
 """
 
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpuload
+import gpuload.cluster
 import gpuload.decode
 from gpuload.cache.store import ChunkCache
 
@@ -140,6 +142,10 @@ def test_node_affine_build_puts_each_chunk_on_its_node(source, tmp_path):
                                     nodes=[["w0b"], ["w1a", "w1b"]], seed=7)
     assert again.built == 0 and again.already_cached == again.chunks
     assert summary.built == summary.chunks and len(done) == summary.chunks
+    _each_node_holds_its_share(source, caches)
+
+
+def _each_node_holds_its_share(source, caches) -> None:
     ranks = [gpuload.ParquetDataset(source, cache_dir=caches[r], device="cpu", chunk_bytes=CHUNK, seed=7,
                                     rank=r, world_size=2, shard="node", local_world_size=1) for r in (0, 1)]
     owned = ranks[0].node_chunks()
@@ -151,6 +157,30 @@ def test_node_affine_build_puts_each_chunk_on_its_node(source, tmp_path):
         ds.set_epoch(1)
         list(ds)
         assert ds.reader.counters.decoded == 0  # the node's share is all there
+
+
+@pytest.mark.filterwarnings("ignore:Port 8787 is already in use")
+def test_a_node_whose_only_worker_restarts_on_another_port_builds_its_chunks(source, tmp_path):
+    caches = [tmp_path / "node0", tmp_path / "node1"]
+    with _two_nodes(caches) as spec, distributed.Client(spec) as client:
+        def w0() -> dict:
+            return {a: w for a, w in gpuload.cluster._workers(client).items() if w["name"] == "w0"}
+
+        before = w0()
+        victim = client.run(os.getpid, workers=list(before))
+        done = []
+
+        def progress(n):  # node 0's only worker is killed; its nanny starts it again, on another port
+            done.append(n)
+            if len(done) == 2:
+                os.kill(next(iter(victim.values())), signal.SIGKILL)
+
+        summary = gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client, nodes=[["w0"], ["w1"]],
+                                      seed=7, progress=progress)
+        after = w0()
+    assert summary.built == summary.chunks and len(done) == summary.chunks
+    assert len(after) == 1 and set(after).isdisjoint(before)  # the chunks went to the new address
+    _each_node_holds_its_share(source, caches)
 
 
 @pytest.mark.filterwarnings("ignore:Port 8787 is already in use")
