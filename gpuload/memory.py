@@ -17,6 +17,9 @@ buffers (the OS gets their memory back) or hands out buffers it does not keep.
 (:attr:`gpuload.ParquetDataset.host_bytes_bound` is its total); the pools of a
 :class:`gpuload.reader.ChunkReader` are capped at their terms, so what they keep for
 reuse never adds to it.
+
+:func:`memory_bytes` and :func:`cores`: what this process may use of the machine, its
+cgroup's limits (a container, a Slurm job) and its CPU affinity included.
 """
 
 from __future__ import annotations
@@ -224,36 +227,62 @@ def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_
     return int((3 * shuffle_window + prefetch + 1) * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))
 
 
-def _cgroup_limits(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
-    """The memory limits (bytes) of this process's cgroup and every cgroup above it: cgroup v2
-    (``memory.max``) and v1 (``memory.limit_in_bytes``), as ``/proc/self/cgroup`` places them."""
+def _cgroup_dirs(controller: str, proc: str, root: str) -> list[tuple[str, bool]]:
+    """``(folder, is_v2)`` of this process's cgroup and of every cgroup above it, for
+    ``controller`` (cgroup v2's unified hierarchy, or v1's hierarchy of that controller), as
+    ``/proc/self/cgroup`` places them: the process's own first."""
     try:
         with open(proc) as f:
             lines = f.read().splitlines()
     except OSError:
         return []
-    files = []
+    dirs = []
     for line in lines:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":  # v2: one unified hierarchy
-            base, name = root, "memory.max"
-        elif "memory" in controllers.split(","):
-            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+            base, v2 = root, True
+        elif controller in controllers.split(","):
+            base, v2 = os.path.join(root, controller), False  # v1 mounts "cpu,cpuacct" with a "cpu" link to it
         else:
             continue
         parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):  # the process's own cgroup, then each parent up to the root
-            files.append(os.path.join(base, *parts[:depth], name))
+        dirs += [(os.path.join(base, *parts[:depth]), v2) for depth in range(len(parts), -1, -1)]
+    return dirs
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cgroup_limits(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
+    """The memory limits (bytes) of this process's cgroup and every cgroup above it: cgroup v2
+    (``memory.max``) and v1 (``memory.limit_in_bytes``)."""
     limits = []
-    for path in files:
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text.isdigit():  # "max" (v2) or a huge number (v1: unlimited) changes nothing below
+    for folder, v2 in _cgroup_dirs("memory", proc, root):
+        text = _read(os.path.join(folder, "memory.max" if v2 else "memory.limit_in_bytes"))
+        if text is not None and text.isdigit():  # "max" (v2) or a huge number (v1: unlimited) changes nothing below
             limits.append(int(text))
     return limits
+
+
+def _cgroup_cpus(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
+    """The CPU quotas, in whole cores rounded up, of this process's cgroup and every cgroup
+    above it: cgroup v2 (``cpu.max``: quota and period in µs, or ``max``) and v1
+    (``cpu.cfs_quota_us``, -1 for none, over ``cpu.cfs_period_us``). A container's CPU limit."""
+    quotas = []
+    for folder, v2 in _cgroup_dirs("cpu", proc, root):
+        if v2:
+            quota, period = ((_read(os.path.join(folder, "cpu.max")) or "max").split() + ["100000"])[:2]
+        else:
+            quota = _read(os.path.join(folder, "cpu.cfs_quota_us")) or "-1"
+            period = _read(os.path.join(folder, "cpu.cfs_period_us")) or "100000"
+        if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
+            quotas.append(-(-int(quota) // int(period)))
+    return quotas
 
 
 def memory_bytes() -> int:
@@ -261,6 +290,14 @@ def memory_bytes() -> int:
     limit of its cgroup and the cgroups above it (a container, a Slurm job, a systemd slice)."""
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return min([total, *_cgroup_limits()])
+
+
+def cores() -> int:
+    """CPU cores this process may use: those it may run on (its affinity: ``taskset``, a Slurm
+    job's cpuset), at most the lowest CPU quota of its cgroup and the cgroups above it, rounded
+    up (a container's CPU limit, which leaves the affinity at every core of the node)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min([n, *_cgroup_cpus()]))
 
 
 def direct_io(cache_io: str, cache_bytes: int, memory: int | None = None) -> bool:

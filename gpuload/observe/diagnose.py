@@ -44,11 +44,11 @@ build``, ``shuffle_window`` and the other gpuload settings only for gpuload's da
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import statistics
 
+from ..memory import cores as _cores
 from .stats import StageStats, Stats
 from .whatif import what_if
 
@@ -132,10 +132,6 @@ def _candidates(stats: Stats) -> list[StageStats]:
 def _kind(stats: Stats) -> str | None:
     """The loader the stats measured: as they say, else gpuload's when they have stage timings."""
     return stats.loader if stats.loader is not None else ("gpuload" if stats.stages else None)
-
-
-def _cores() -> int:
-    return os.cpu_count() or 1
 
 
 def _startup(stats: Stats, kind: str | None) -> tuple[str, str]:
@@ -314,7 +310,8 @@ def _straggler(view, disk_gbps: float | None, threads: int | None) -> Diagnosis:
     cpu = slow.stats.system_cpu_percent
     busy = [r.stats.system_cpu_percent for r in others if r.stats.system_cpu_percent is not None]
     if cpu is not None and cpu >= 90 and (not busy or cpu > statistics.median(busy) + 10):
-        causes.append(f"its node's CPUs are busy ({cpu:.0f}% of all {slow.cpus} cores of {slow.host})")
+        causes.append(f"its node's CPUs are busy ({cpu:.0f}% of all of {slow.host}'s cores; the rank may use "
+                      f"{slow.cpus})")
     why = "; ".join(causes) + "; " if causes else ""
     return Diagnosis(slow.stats.starvation, d.limiting,
                      f"rank {slow.rank} ({slow.host}) is the straggler: it waited {slow.stats.starvation:.1%} of its "

@@ -14,11 +14,11 @@ that rank's own diagnosis.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 from dataclasses import dataclass
 
+from ..memory import cores as usable_cores
 from .diagnose import diagnose
 from .stats import Stats
 
@@ -28,7 +28,8 @@ __all__ = ["RankFigures", "RankStats", "gather"]
 @dataclass(frozen=True)
 class RankFigures:
     """One rank's figures: its ``rank``, ``stats`` (a :class:`gpuload.Stats`), the chunks it
-    ``decoded`` from Parquet and read ``cached``, its ``host`` and the ``cpus`` there."""
+    ``decoded`` from Parquet and read ``cached``, its ``host`` and the ``cpus`` it may use there
+    (:func:`gpuload.memory.cores`: its affinity and CPU quota)."""
 
     rank: int
     stats: Stats
@@ -76,7 +77,7 @@ class RankStats:
 
 def _figures(stats: Stats, counters, rank: int) -> RankFigures:
     return RankFigures(rank, stats, int(getattr(counters, "decoded", 0)), int(getattr(counters, "from_cache", 0)),
-                       socket.gethostname(), os.cpu_count() or 1)
+                       socket.gethostname(), usable_cores())
 
 
 def gather(stats: Stats, counters=None) -> RankStats:

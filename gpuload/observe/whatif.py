@@ -5,7 +5,7 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
 * the training thread needs ``S = wall_s - wait_s`` seconds of its own (steps and hand-off);
 * the loader needs ``L = max(P / min(threads, cores), B, C)`` seconds: ``P`` the busy seconds of
   the stages its pool of ``threads`` threads runs (read, decode, convert, cache_read), spread over
-  at most the machine's cores; ``B`` the batches' (``batch``, ``h2d``): gathered on
+  at most the cores the process may use (:func:`gpuload.memory.cores`); ``B`` the batches' (``batch``, ``h2d``): gathered on
   :func:`gpuload.pipeline.cut_threads` threads at once on the CPU, on one on a GPU; ``C`` the cache writer's (``cache_write``), one thread;
 * the waiting is then ``startup + max(0, L - S) + rest``: ``startup`` the first ``next()`` of each
   pass (the first shuffle window, loaded by the pool: it scales as the pool's time does),
@@ -25,9 +25,9 @@ path's costs are not measured on a CPU: it is not estimated. Each estimate is a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from ..memory import cores as usable_cores
 from ..pipeline import cut_threads
 from .stats import Stats
 
@@ -67,7 +67,7 @@ def _producer(stats: Stats, threads: int, cores: int) -> float:
 
 def loader_seconds(stats: Stats, threads: int, cores: int | None = None) -> float:
     """``L`` of the module doc: the seconds the loader needs with ``threads`` pool threads."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     return max(_busy(stats, _POOL) / max(1, min(threads, cores)), _producer(stats, threads, cores),
                _busy(stats, ("cache_write",)))
 
@@ -81,7 +81,7 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
     scaled by it). Empty for stats without stage timings or waiting."""
     if not stats.stages or stats.wall_s <= 0 or stats.wait_s <= 0:
         return []
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     own = max(0.0, stats.wall_s - stats.wait_s)  # the training thread's own seconds
     startup = min(stats.wait_s, stats.first_wait_s or 0.0)
     now = loader_seconds(stats, threads, cores)
