@@ -62,8 +62,9 @@ SITE = Path(os.environ.get("GPUSITE", "/tmp/site"))
 SITES = [SITE, Path("/opt/wheelhouse/site")]  # bundle.py's install.sh, wheelhouse.py's unpack.sh
 
 # What the test suite needs beyond gpuload's own dependencies and the gpu stack: "remote" for the
-# GPU tests of remote objects (tests/sources/test_remote.py: an S3 server and s3fs), "all" for every test.
-TEST_NEEDS = {"remote": ["moto[s3]>=5", "flask", "flask-cors", "s3fs>=2024.2"],
+# GPU tests of remote objects (tests/sources/test_remote.py: an S3 server and s3fs) and the peers that
+# benchmarks/gpu_peers.sh runs (torchdata), "all" for every test.
+TEST_NEEDS = {"remote": ["moto[s3]>=5", "flask", "flask-cors", "s3fs>=2024.2", "torchdata>=0.8"],
               "all": ["moto[s3,server]>=5", "s3fs>=2024.2", "dask[distributed]>=2024.1", "torchdata>=0.8",
                       "hypothesis>=6", "werkzeug>=3", "aiohttp>=3.9"]}
 # Packages the lent GPU nodes' image already has (read on one of them, 2026-11-17): not shipped.
