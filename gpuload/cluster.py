@@ -142,6 +142,7 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
     """
     from concurrent.futures import CancelledError
 
+    import dask
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
@@ -167,15 +168,30 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
     for i in range(len(reader.chunks)):
         submit(i, None if owner is None else groups[owner[i]])
     done = as_completed(list(futures))
-
-    def retarget(stuck: set, workers: list[str]) -> None:  # on the watch thread
-        with lock:
-            old = [f for f in futures if f.key in stuck]
-            for f in old:
-                done.add(submit(futures.pop(f), workers))
-        client.cancel(old)
-
     results, failed, stop = [], [], threading.Event()
+    allowed = int(dask.config.get("distributed.scheduler.allowed-failures", 3))
+
+    def retarget(stuck: set, workers: list[str]) -> CacheError | None:  # on the watch thread
+        """Give the chunks of keys ``stuck`` to ``workers`` under new keys, unless the build is
+        over, or they were on workers that died more than Dask allows (new keys would restart
+        its count): then the error to fail the build with."""
+        with lock:
+            if stop.is_set():
+                return None
+            old = {futures[f]: f for f in futures if f.key in stuck}
+            deaths = _deaths(client, {i: keys[i] for i in old})
+            worst = max(sorted(old), key=lambda i: deaths[i], default=None)
+            if worst is not None and deaths[worst] > allowed:
+                others = sum(d > allowed for d in deaths.values()) - 1  # queued on the same workers (Dask counts them too)
+                return _kept_dying(reader, worst, f"{deaths[worst]} workers died while it"
+                                   + (f" and {others} other chunks were" if others else " was") + " given to them: "
+                                   + ("one of them" if others else "it") + " may crash its worker, out of memory?")
+            for i, f in old.items():
+                del futures[f]
+                done.add(submit(i, workers))
+        client.cancel(list(old.values()))
+        return None
+
     if groups is not None:  # a node without workers would leave its tasks waiting forever
         names = None if isinstance(nodes, int) else _names(nodes)  # hosts: Dask finds restarted workers itself
         watch = threading.Thread(target=_watch_nodes, args=(client, groups, names, owner, futures, lock, reader, failed,
@@ -190,8 +206,7 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
             try:  # its worker may die before the result is gathered: it stays watched until then
                 results.append(fut.result())
             except KilledWorker as e:
-                raise CacheError(f"{_where(reader, i)}: the workers building it kept dying ({e}); what was built "
-                                 "is kept, and a new build_cache finishes the rest") from None
+                raise _kept_dying(reader, i, str(e)) from None
             except CancelledError:
                 if failed:
                     raise failed[0] from None
@@ -205,8 +220,8 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
             if progress is not None:
                 progress(reader.chunks[i].rows)
     finally:
-        stop.set()
-        with lock:
+        with lock:  # a retarget on the watch thread finishes first, and none starts
+            stop.set()
             client.cancel(list(futures))
         client.run(_forget, token)
     found = {r[0] for r in results if r[1] in ("cached", "other")}
@@ -215,18 +230,36 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
                   for i, outcome, size, mtime in results)
 
 
-def _ran_on_lost_workers(client, keys: set) -> set:
-    """Which of ``keys`` were running, or done, on a worker the cluster lost (the scheduler's
-    ``remove-worker`` events): their first run may have written the file their rerun found."""
+def _removals(client) -> list[tuple[set, set]]:
+    """``(keys given to it, keys it had computed)`` of each worker the cluster lost (the
+    scheduler's ``remove-worker`` events; none from an old scheduler without events)."""
     try:
         events = client.get_events("all")
-    except Exception:  # an old scheduler without events: count such chunks as another build's
-        return set()
+    except Exception:
+        return []
+    return [({str(k) for k in msg.get("processing-tasks", ())}, {str(k) for k in msg.get("lost-computed-tasks", ())})
+            for _, msg in events if isinstance(msg, dict) and msg.get("action") == "remove-worker"]
+
+
+def _ran_on_lost_workers(client, keys: set) -> set:
+    """Which of ``keys`` were running, or done, on a worker the cluster lost: their first run
+    may have written the file their rerun found (none known: counted as another build's)."""
     lost = set()
-    for _, msg in events:
-        if isinstance(msg, dict) and msg.get("action") == "remove-worker":
-            lost.update(str(k) for k in (*msg.get("processing-tasks", ()), *msg.get("lost-computed-tasks", ())))
+    for given, computed in _removals(client):
+        lost |= given | computed
     return keys & lost
+
+
+def _deaths(client, keys: dict[int, list[str]]) -> dict[int, int]:
+    """For each chunk (``keys``: its task keys so far), how many workers the cluster lost while
+    one of its tasks was given to them: Dask's count of a task's suspicious deaths, across keys."""
+    removals = _removals(client)
+    return {i: sum(1 for given, _ in removals if not given.isdisjoint(ks)) for i, ks in keys.items()}
+
+
+def _kept_dying(reader, i: int, detail: str) -> CacheError:
+    return CacheError(f"{_where(reader, i)}: the workers building it kept dying ({detail}); what was built is kept, "
+                      "and a new build_cache finishes the rest")
 
 
 def _where(reader, i: int) -> str:
@@ -245,11 +278,11 @@ def _no_worker(dask_scheduler, keys) -> list:
 def _watch_nodes(client, groups, names, owner, futures, lock, reader, failed: list, stop: threading.Event,
                  retarget, every: float = 1.0) -> None:
     """Watch the chunks waiting for a worker of their node (``groups[n]``, the addresses they
-    were given). Where ``names`` (``nodes=`` by name or address) match workers at other
+    were given). Where ``names`` (``nodes=`` as worker names or hosts) match workers at other
     addresses, the node's workers were restarted (a nanny, a job scheduler): its waiting
-    chunks are given to them (``retarget``). Where none match for ``NODE_GRACE_S`` seconds,
-    fail the build (cancel its tasks, the reason in ``failed``): Dask would keep the tasks
-    waiting forever."""
+    chunks are given to them (``retarget``; it returns an error where their workers died
+    too often). Where none match for ``NODE_GRACE_S`` seconds, fail the build (cancel its
+    tasks, the reason in ``failed``): Dask would keep the tasks waiting forever."""
     import time
 
     since: dict[int, float] = {}
@@ -267,14 +300,20 @@ def _watch_nodes(client, groups, names, owner, futures, lock, reader, failed: li
                 del since[n]
         for n in sorted(nodes):
             mine = {k for k in stuck if k in left and owner[left[k]] == n}
+            error = None
             if names is not None and (now := _found(workers, names[n])) and now != groups[n]:
                 groups[n] = now
-                retarget(mine, now)
+                try:
+                    error = retarget(mine, now)
+                except Exception:  # the client is closing
+                    return
             elif time.monotonic() - since.setdefault(n, time.monotonic()) > NODE_GRACE_S:
-                failed.append(CacheError(
+                error = CacheError(
                     f"node {n} ({', '.join(groups[n])}) has had no worker for {NODE_GRACE_S:.0f} s: its chunks, "
                     f"{_where(reader, min(left[k] for k in mine))} first, cannot be built; start its workers again "
-                    "and rerun build_cache (what was built is kept)"))
+                    "and rerun build_cache (what was built is kept)")
+            if error is not None:
+                failed.append(error)
                 with lock:
                     client.cancel(list(futures))
                 return

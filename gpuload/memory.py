@@ -242,7 +242,9 @@ def _cgroup_dirs(controller: str, proc: str, root: str) -> list[tuple[str, bool]
         if controllers == "":  # v2: one unified hierarchy
             base, v2 = root, True
         elif controller in controllers.split(","):
-            base, v2 = os.path.join(root, controller), False  # v1 mounts "cpu,cpuacct" with a "cpu" link to it
+            base, v2 = os.path.join(root, controller), False  # v1 mounts "cpu,cpuacct", mostly with a "cpu" link
+            if not os.path.isdir(base):
+                base = os.path.join(root, controllers)
         else:
             continue
         parts = [p for p in path.split("/") if p]

@@ -27,7 +27,7 @@ import gpuload.cluster
 import gpuload.decode
 from gpuload.cache.store import ChunkCache
 
-from conftest import at_once, write_parquet
+from conftest import at_once, run_with_timeout, write_parquet
 
 distributed = pytest.importorskip("distributed")  # the dask extra; in [dev], so CI runs these
 
@@ -181,6 +181,29 @@ def test_a_node_whose_only_worker_restarts_on_another_port_builds_its_chunks(sou
     assert summary.built == summary.chunks and len(done) == summary.chunks
     assert len(after) == 1 and set(after).isdisjoint(before)  # the chunks went to the new address
     _each_node_holds_its_share(source, caches)
+
+
+@pytest.mark.filterwarnings("ignore:Port 8787 is already in use")
+def test_a_chunk_that_keeps_crashing_its_restarted_worker_fails_the_build(source, tmp_path):
+    """Each time its worker comes back on another port, a chunk is given to it under a new key;
+    Dask's count of the deaths it saw must carry over, or a crashing chunk is retried forever."""
+    import re
+
+    import dask
+    from distributed.diagnostics.plugin import WorkerPlugin
+
+    class CrashOnChunk0(WorkerPlugin):  # defined here: pickled by value to the worker processes
+        def transition(self, key, start, finish, **kw):
+            if finish == "executing" and re.fullmatch(r"gpuload-build-[0-9a-f]+-0(-\d+)?", str(key)):
+                os._exit(1)  # like a chunk that runs its worker out of memory, every time
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}), \
+            _two_nodes([tmp_path / "n0", tmp_path / "n1"]) as spec, distributed.Client(spec) as client:
+        client.register_plugin(CrashOnChunk0())
+        with pytest.raises(gpuload.CacheError, match=r"chunk 0 \(.*part0\.parquet, row groups 0-\d+\): the workers "
+                                                      r"building it kept dying \(2 workers died while it (and \d+ other chunks were|was) given to them"):
+            run_with_timeout(lambda: gpuload.build_cache(source, None, chunk_bytes=CHUNK, client=client,
+                                                         nodes=[["w0"], ["w1"]], seed=7), timeout=120)
 
 
 @pytest.mark.filterwarnings("ignore:Port 8787 is already in use")

@@ -194,15 +194,20 @@ def test_the_cpu_quota_is_the_lowest_of_the_process_cgroup_and_its_parents(tmp_p
     (root / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     proc.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
     assert _cgroup_cpus(str(proc), str(root)) == [4]
+    (root / "cpu").rename(root / "cpu,cpuacct")  # mounted without the "cpu" link
+    assert _cgroup_cpus(str(proc), str(root)) == [4]
+    v1 = root / "cpu,cpuacct" / "docker" / "abc"
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert _cgroup_cpus(str(proc), str(root)) == []
     assert _cgroup_cpus(str(tmp_path / "missing"), str(root)) == []
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux: a thread's CPU affinity")
 def test_cores_are_the_affinity_within_the_cpu_quota(monkeypatch):
     import gpuload.memory as memory
     from gpuload.pipeline import cut_threads
 
+    monkeypatch.setattr(memory, "_cgroup_cpus", lambda: [])  # this machine's own quota, if any, left out
     mine = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(mine)})  # this thread (taskset, a Slurm cpuset): one core
