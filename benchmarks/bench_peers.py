@@ -71,6 +71,7 @@ LOADERS = {
     "gpuload-stacked": Spec("gpuload_runner.py", "stacked"),
     "gpuload-nice": Spec("gpuload_runner.py", "nice"),
     "gpuload-direct": Spec("gpuload_runner.py", "direct"),
+    "gpuload-wide": Spec("gpuload_runner.py", "wide"),  # num_threads for every core: for many-core nodes
     "naive": Spec("reference.py", "naive"),
     "torch-dataloader": Spec("torch_loaders.py", "dataloader"),
     "torchdata-nodes": Spec("torch_loaders.py", "nodes"),

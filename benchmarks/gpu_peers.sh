@@ -4,7 +4,8 @@
 # the development VM, whose fresh memory costs more than the work (docs/benchmarks.md):
 #   carry [".gpu-test-wheels"], timeout_s 330:  bash benchmarks/gpu_peers.sh
 # The loaders that need no venv of their own (torchdata comes in the test wheels), 8M rows, the CPU path,
-# a 1-thread consumer: pinned to 2 cores (the targets are for 2 cores), then on every core.
+# a 1-thread consumer: pinned to 2 cores (the targets are for 2 cores), then on every core, where
+# gpuload-wide (num_threads = the cores - 3) says what the default num_threads=2 leaves on the table.
 # Four files come back in $OUT: each run's markdown table and JSON.
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu-node-logs}; mkdir -p "$OUT"
@@ -23,6 +24,7 @@ peers() {  # $1: the run's name, $2: seconds it may take, then the command's pre
     echo "peers $name: exit $? in $(( $(date +%s) - T0 )) s"; grep -E "^\| (gpuload|ideal|torchdata|naive)" "$OUT/peers-$name.md" | cut -c1-160
 }
 peers 2cores "$(left 200)" taskset -c 0,1
+LOADERS=$LOADERS,gpuload-wide  # num_threads = the cores - 3: what the default of 2 leaves on a many-core node
 peers allcores "$(left 310)"
 rm -rf /tmp/peers
 ls "$OUT"

@@ -1,6 +1,7 @@
 """gpuload: ParquetDataset on the CPU; the first epoch builds its cache (opening and the last durable cache
 write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked, nice (the default
-with nice=10), direct (the default with cache_io="direct": cache files written and read around the page cache)."""
+with nice=10), direct (the default with cache_io="direct": cache files written and read around the page cache),
+wide (the default with num_threads = the process's cores - 3, at least 2: decoding on every core)."""
 
 import os
 import sys
@@ -11,6 +12,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", ".."), os.path.join(HERE, "..")]
 import bench_step  # noqa: E402
 import gpuload  # noqa: E402
+import gpuload.memory  # noqa: E402
 
 # bench_step's outputs, with the row ids every epoch is checked against
 PER_COLUMN = {"row_id": "row_id", **bench_step.PER_COLUMN}
@@ -18,7 +20,9 @@ STACKED = {"row_id": "row_id", **bench_step.STACKED}
 VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": False}),
             "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {}),
             "nice": (PER_COLUMN, {"nice": 10}),  # the default, its threads 10 nice steps below the training thread
-            "direct": (PER_COLUMN, {"cache_io": "direct"})}  # the default, its cache around the page cache
+            "direct": (PER_COLUMN, {"cache_io": "direct"}),  # the default, its cache around the page cache
+            # the default with a loader thread for every core but the training thread's, the producer's and one more
+            "wide": (PER_COLUMN, {"num_threads": max(2, gpuload.memory.cores() - 3)})}
 
 
 class Gpuload(Peer):
