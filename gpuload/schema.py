@@ -82,7 +82,8 @@ def parse_dtype(value, what: str) -> str:
     try:
         dtype = np.dtype(value)
     except TypeError as e:
-        raise ConfigError(f"{what}={value!r} is not a dtype: {e}") from None
+        raise ConfigError(f"{what}={value!r} is not a dtype ({e}): give a numeric one such as float32, int32, "
+                          "bfloat16 or torch.float16") from None
     if dtype.kind not in "biuf":
         raise ConfigError(f"{what}={dtype} is not a numeric dtype (bool, integers, floats, bfloat16)")
     dtype = dtype.newbyteorder("=")  # the cache and torch hold native byte order; the values are the same
@@ -308,7 +309,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     if isinstance(fill_nulls, Mapping):
         unknown = sorted(set(fill_nulls) - used)
         if unknown:
-            raise ConfigError(f"fill_nulls names columns that are not loaded: {unknown}")
+            raise ConfigError(f"{flag('fill_nulls')} names columns that are not loaded: {unknown}; load them too "
+                              f"({flag('columns')}) or leave them out of {flag('fill_nulls')}")
     encoders = _encoders(categorical, used)
     dtypes = dict(dtypes or {})
     unknown = sorted(set(dtypes) - {n for n, _, _ in requested})
@@ -338,7 +340,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             kind, width, dtype = kinds[0], widths[0], np.dtype(vts[0].dtype)
         dtype = np.dtype(dtype).str
         if name in dtypes:
-            dtype = parse_dtype(dtypes[name], f"dtypes[{name!r}]")
+            dtype = parse_dtype(dtypes[name], f"dtypes[{name!r}]" if flag("dtypes") == "dtypes=" else
+                                f"{flag('dtypes')} {name}")
             if dtype != BFLOAT16 and np.dtype(dtype).kind in "iu":  # decimals: exact unscaled integers
                 vts = [ValueType("<i8", "unscaled:" + v.temporal[8:]) if v.temporal.startswith("decimal:") else v
                        for v in vts]

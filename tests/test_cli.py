@@ -35,6 +35,9 @@ def run(*args):
     (["cache", "build", "DATA", "--nodes", "2"], "give --scheduler too"),
     (["cache", "build", "DATA", "--nodes", "2", "--workers", "2"], "give --scheduler too"),
     (["cache", "build", "DATA", "--workers", "0"], "--workers 0"),
+    (["profile", "DATA", "--layout", "diagonal"], "argument --layout: invalid choice: 'diagonal'"),  # argparse's
+    (["cache", "frobnicate"], "invalid choice: 'frobnicate'"),
+    (["cache", "info", "DATA", "--nodes", "0"], "--nodes 0: the training's number of nodes is at least 1"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
     import torch
@@ -282,6 +285,8 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["profile", "DATA", "--chunk-mib", "0.001"], "--chunk-mib 0.001"),
     (["profile", "DATA", "--device", "cuda:0"], "--device cuda:0"),
     (["cache", "info", "DATA", "--nodes", "2", "--block-rows", "0"], "--block-rows 0"),
+    (["cache", "build", "DATA", "--columns", "label", "--fill-nulls", '{"dense_0": 0}'], "--fill-nulls"),
+    (["cache", "build", "DATA", "--dtypes", '{"label": "float17"}'], "--dtypes label='float17' is not a dtype"),
     (["demo", "--device", "cuda:0", "--rows", "2000"], "--device cuda:0"),
 ])
 def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tmp_path, capsys):
@@ -303,3 +308,25 @@ def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tm
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpuload: error:") and flag in lines[0], err
     assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]
+
+
+def test_every_command_prints_its_help(capsys):
+    """`gpuload ... --help` of every command and subcommand (argparse formats help texts with %)."""
+    import argparse
+
+    from gpuload.tools.cli import parser
+
+    def commands(p, path):
+        yield path
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from commands(sub, path + [name])
+
+    paths = list(commands(parser(), []))
+    assert ["cache", "quota"] in paths and ["profile"] in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as e:
+            parser().parse_args([*path, "--help"])
+        assert e.value.code == 0, path
+        assert capsys.readouterr().out.startswith("usage: gpuload"), path

@@ -190,8 +190,10 @@ def cmd_info(args) -> int:
 
 def _share_options(args):
     """The Options `cache info SOURCE --nodes N` opens the source with."""
-    if args.nodes is None or args.nodes < 1:
+    if args.nodes is None:
         raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes {args.nodes}: the training's number of nodes is at least 1")
     return check_options(dict(loader_settings(args), device="cpu"))
 
 def _node_shares(args, opts) -> None:
@@ -328,7 +330,7 @@ def add_cache_commands(sub) -> None:
     b.add_argument("--seed", type=int, help=f"the training's seed, for --nodes (default {Options.seed})")
     b.set_defaults(fn=cmd_build)
     q = csub.add_parser("quota", help="set the cache folder's quota for every process using it (default: none; "
-                                      "the disk then keeps 10% free)")
+                                      "the disk then keeps 10%% free)")
     q.add_argument("size", nargs="?", default="show", help="a size (500G, 1.5T), none to remove it, or show")
     q.set_defaults(fn=_each_folder(cmd_quota))
     for name, fn, text in (("info", cmd_info, "what the cache holds"),

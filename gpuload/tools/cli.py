@@ -124,8 +124,16 @@ def cmd_profile(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too: they take its class) with each error in one line,
+    as every other error of the command, and where to look."""
+
+    def error(self, message):
+        self.exit(2, f"gpuload: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpuload", description="Parquet to training batches, cached and converted.")
+    p = _Parser(prog="gpuload", description="Parquet to training batches, cached and converted.")
     p.add_argument("--version", action="version", version=f"gpuload {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log what gpuload does")
     sub = p.add_subparsers(dest="command", required=True)
