@@ -136,6 +136,17 @@ def test_info_shows_column_sets_and_clear_removes_one_or_the_unused(data, tmp_pa
     left = {p.name[:16] for p in (tmp_path / "cache").rglob("*.glc")}
     assert left == {h for h in specs if h != old}
     assert main(["cache", "clear", "--cache-dir", cache, "--spec", "ffff"]) == 2  # unknown: an error
+    # column sets that differ only in what nulls become, with a list column: told apart in one look
+    for fill in ("0", "7"):
+        assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns", "dense_0,history",
+                     "--fill-nulls", f'{{"dense_0": {fill}}}']) == 0
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert "dense_0 (float32, nulls as 0.0), history (lists of int64)" in out
+    assert "dense_0 (float32, nulls as 7.0), history (lists of int64)" in out
+    for h in [line.split(":")[0].strip() for line in out.splitlines() if "nulls as" in line]:
+        assert main(["cache", "clear", "--cache-dir", cache, "--spec", h]) == 0
     assert main(["cache", "clear", "--cache-dir", cache, "--spec", next(iter(left))[:8]]) == 0
     assert not list((tmp_path / "cache").rglob("*.glc"))
 

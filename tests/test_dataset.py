@@ -299,6 +299,10 @@ def test_nulls_without_fill(tmp_path, statistics):
     assert "'v'" in msg and "fill_nulls" in msg
     if statistics:
         assert "37" in msg
+    from gpuload.cache.evict import datasets
+    from gpuload.cache.fs import CacheRoot
+
+    assert datasets(CacheRoot(tmp_path / "c")) == []  # refused at open: no dataset recorded in the cache
     # with a fill value, the same file loads, nulls replaced
     ds = gpuload.ParquetDataset(p, ["row_id", "v"], cache_dir=tmp_path / "c2", device="cpu", batch_size=64,
                                 fill_nulls={"v": -1.5}, shuffle=False)

@@ -117,7 +117,11 @@ def _spec_text(desc) -> str:
         cols = d["columns"][0] if len(d["columns"]) == 1 else "[" + ", ".join(d["columns"]) + "]"
         dtype = d["dtype"] if d["dtype"] == "bfloat16" else np.dtype(d["dtype"]).name
         encoders = sorted({_encoder_text(src[2]) for src in d.get("sources", []) if len(src) > 2})
-        what = f"{dtype}, ids of {' and '.join(encoders)}" if encoders else dtype  # categorical columns
+        shape = {"ragged": f"lists of {dtype}", "fixed": f"lists of {d.get('width')} {dtype}"}.get(d.get("kind"), dtype)
+        what = f"{shape}, ids of {' and '.join(encoders)}" if encoders else shape  # categorical columns
+        fills = [f for f in d.get("fills", []) if f is not None]  # what nulls became: caches differ by it
+        if fills:
+            what += ", nulls as " + ("/".join(dict.fromkeys(repr(f) for f in fills)))
         named = d["name"] if d["name"] == cols or not d["columns"] else d["name"] + "=" + cols  # none: a transform's
         parts.append(f"{named} ({what})")
     made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})
