@@ -94,21 +94,23 @@ def cmd_profile(args) -> int:
     src = source_of(args)
     step_ms = 5.0 if args.step_ms is None else args.step_ms
     step = "a small MLP" if args.model == "mlp" else f"a simulated {step_ms:g} ms step"
-    print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of {opts.batch_size:,} "
-          "rows", file=sys.stderr)
     ranks = _process_group()  # under torchrun: every rank profiles its share; rank 0 prints them all
-    if ranks is not None and args.trace:  # a trace per rank
+    rank = 0
+    if ranks is not None:
         import torch.distributed as dist
 
-        args.trace = rank_path(args.trace, dist.get_rank())
+        rank = dist.get_rank()
+        if args.trace:  # a trace per rank
+            args.trace = rank_path(args.trace, rank)
+    if rank == 0:
+        print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of "
+              f"{opts.batch_size:,} rows" + ("" if ranks is None else f" on each of {dist.get_world_size()} ranks"),
+              file=sys.stderr)
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
                       headspace=args.headspace, all_ranks=ranks is not None,
                       fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical, filters=src.filters,
                       storage_options=src.storage_options, **settings)
     if ranks is not None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank()
         dist.barrier()
         if ranks == "made":
             dist.destroy_process_group()

@@ -225,6 +225,7 @@ def test_profile_under_torchrun_prints_every_ranks_figures(data, tmp_path):
     rc, out = run_launch(cmd, 180)
     assert rc == 0, out[-4000:]
     assert out.count("gpuload stats of 2 ranks") == 2  # a table per epoch, printed once (by rank 0)
+    assert out.count("profiling 2 epochs") == 1 and "on each of 2 ranks" in out  # the header too
     assert out.count("limited by:") >= 4  # each epoch: rank 0's diagnosis and the ranks' one
     assert (tmp_path / "t.rank0.json").exists() and (tmp_path / "t.rank1.json").exists()
 
