@@ -385,9 +385,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                            "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu")}
 
     def reset_stats(self) -> None:
-        """Start :meth:`stats` afresh (e.g. to look at one epoch)."""
+        """Start :meth:`stats` afresh (e.g. to look at one epoch), the chunks counted as decoded
+        or read from the cache (``reader.counters``, each rank's in ``stats(all_ranks=True)``) too."""
         self.metrics.reset()
         self.reader.reset_remote()
+        self.reader.counters.reset()
 
     def close(self) -> None:
         """Stop remote fetches, release their connections, drop the next epoch's chunks loaded

@@ -61,6 +61,10 @@ class LoadCounters:
             else:
                 self.decoded += 1
 
+    def reset(self) -> None:
+        with self._lock:
+            self.from_cache = self.decoded = 0
+
 
 class ChunkReader:
     """The chunks of ``source`` under ``opts``, and how to load each one.

@@ -59,6 +59,13 @@ def test_without_a_process_group_all_ranks_is_this_one(tmp_path):
     view = ds.stats(all_ranks=True)
     assert [r.rank for r in view.ranks] == [0] and view.ranks[0].decoded == ds.reader.counters.decoded > 0
     assert view.ranks[0].stats.rows == 500 and str(view).startswith("gpuload stats of 1 rank ")
+    decoded = view.ranks[0].decoded
+    ds.reader.cache.flush()
+    ds.reset_stats()  # the chunks' counts start afresh with the rest: a cached epoch decodes none
+    ds.set_epoch(1)
+    list(ds)
+    again = ds.stats(all_ranks=True).ranks[0]
+    assert again.decoded == 0 and again.cached == decoded and again.stats.rows == 500
 
 
 SCRIPT = textwrap.dedent('''
