@@ -126,11 +126,14 @@ class ChunkReader:
         #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
         self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
-        if scan_nulls and flt is None:  # else (a cluster worker: its caller checked these files; a filter:
-            # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
+        scan = scan_nulls and flt is None  # else (a cluster worker: its caller checked these files; a filter:
+        if scan:  # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()
         self.cache.register(self.groups)  # once the data is known to load: a refused open leaves no record
-        self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}  # none evicted meanwhile
+        if scan:
+            # a chunk the scan skipped as cached and that was evicted meanwhile is built again, from the very
+            # row groups its key names (so they load): it counts as not cached at open
+            self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}
         self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self._check_room()
         self.counters = LoadCounters()

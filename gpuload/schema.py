@@ -208,7 +208,8 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
     if isinstance(value, (bool, np.bool_)):
         return bool(value) if dtype.kind == "b" else int(value)
     if not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigError(f"fill_nulls for column {column!r} must be a number, got {value!r}")
+        raise ConfigError(f"{setting('fill_nulls', {column: value})}: the fill value of column {column!r} must be "
+                          "a number")
     if dtype.kind in "iu":
         if not float(value).is_integer():
             raise ConfigError(f"{setting('fill_nulls', {column: value})}: column {column!r} holds integers, and {value!r} is not one")
@@ -315,7 +316,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     dtypes = dict(dtypes or {})
     unknown = sorted(set(dtypes) - {n for n, _, _ in requested})
     if unknown:
-        raise ConfigError(f"dtypes names outputs that do not exist: {unknown}")
+        raise ConfigError(f"{flag('dtypes')} names outputs that do not exist: {unknown}; name outputs of "
+                          f"{flag('columns')}")
 
     specs = []
     for name, cols, is_group in requested:

@@ -38,6 +38,7 @@ def run(*args):
     (["profile", "DATA", "--layout", "diagonal"], "argument --layout: invalid choice: 'diagonal'"),  # argparse's
     (["cache", "frobnicate"], "invalid choice: 'frobnicate'"),
     (["cache", "info", "DATA", "--nodes", "0"], "--nodes 0: the training's number of nodes is at least 1"),
+    (["cache", "info", "DATA", "--bogus"], "unrecognized arguments: --bogus (see gpuload COMMAND --help)"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
     import torch
@@ -298,6 +299,8 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["cache", "info", "DATA", "--nodes", "2", "--block-rows", "0"], "--block-rows 0"),
     (["cache", "build", "DATA", "--columns", "label", "--fill-nulls", '{"dense_0": 0}'], "--fill-nulls"),
     (["cache", "build", "DATA", "--dtypes", '{"label": "float17"}'], "--dtypes label='float17' is not a dtype"),
+    (["cache", "build", "DATA", "--dtypes", '{"nope": "float32"}'], "--dtypes names outputs that do not exist"),
+    (["cache", "build", "DATA", "--columns", "label", "--fill-nulls", '{"label": "x"}'], "--fill-nulls"),
     (["demo", "--device", "cuda:0", "--rows", "2000"], "--device cuda:0"),
 ])
 def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tmp_path, capsys):
@@ -341,3 +344,16 @@ def test_every_command_prints_its_help(capsys):
             parser().parse_args([*path, "--help"])
         assert e.value.code == 0, path
         assert capsys.readouterr().out.startswith("usage: gpuload"), path
+
+
+def test_column_sets_show_each_members_fill_where_they_differ():
+    from gpuload.tools.cache_cmds import _spec_text
+
+    def desc(fills):
+        return [{"name": "x", "columns": ["a", "b"], "kind": "group", "dtype": "<f4", "width": 2, "sources": [],
+                 "fills": fills}]
+
+    assert _spec_text(desc([0.0, None])) == "x=[a, b] (float32, nulls as a: 0.0, b: refused)"
+    assert _spec_text(desc([0.0, 7.0])) != _spec_text(desc([7.0, 0.0]))
+    assert _spec_text(desc([7.0, 7.0])) == "x=[a, b] (float32, nulls as 7.0)"
+    assert _spec_text(desc([None, None])) == "x=[a, b] (float32)"

@@ -119,9 +119,12 @@ def _spec_text(desc) -> str:
         encoders = sorted({_encoder_text(src[2]) for src in d.get("sources", []) if len(src) > 2})
         shape = {"ragged": f"lists of {dtype}", "fixed": f"lists of {d.get('width')} {dtype}"}.get(d.get("kind"), dtype)
         what = f"{shape}, ids of {' and '.join(encoders)}" if encoders else shape  # categorical columns
-        fills = [f for f in d.get("fills", []) if f is not None]  # what nulls became: caches differ by it
-        if fills:
-            what += ", nulls as " + ("/".join(dict.fromkeys(repr(f) for f in fills)))
+        fills = d.get("fills", [])  # what nulls became, per source column: caches differ by it
+        if len(set(map(repr, fills))) > 1:
+            what += ", nulls as " + ", ".join(f"{c}: {'refused' if f is None else repr(f)}"
+                                              for c, f in zip(d["columns"], fills))
+        elif fills and fills[0] is not None:
+            what += f", nulls as {fills[0]!r}"
         named = d["name"] if d["name"] == cols or not d["columns"] else d["name"] + "=" + cols  # none: a transform's
         parts.append(f"{named} ({what})")
     made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})

@@ -131,7 +131,8 @@ class _Parser(argparse.ArgumentParser):
     as every other error of the command, and where to look."""
 
     def error(self, message):
-        self.exit(2, f"gpuload: error: {message} (see {self.prog} --help)\n")
+        where = "gpuload COMMAND --help" if self.prog == "gpuload" else f"{self.prog} --help"  # a subcommand's flag
+        self.exit(2, f"gpuload: error: {message} (see {where})\n")
 
 
 def parser() -> argparse.ArgumentParser:
