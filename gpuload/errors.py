@@ -23,6 +23,7 @@ __all__ = [
     "CorruptCacheError",
     "setting",
     "set_style",
+    "entry",
     "flag",
     "value",
 ]
@@ -76,6 +77,12 @@ def setting(name: str, value) -> str:
 def value(name: str, value) -> str:
     """``value`` of setting ``name`` alone, in the unit the user gives it (``--chunk-mib``: MiB)."""
     return str(_cli_value(name, value)) if _style == "cli" and name in FLAGS else repr(value)
+
+
+def entry(name: str, key) -> str:
+    """One entry of a mapping setting, without its value: ``dtypes['f1']`` in Python, ``--dtypes f1``
+    from the ``gpuload`` command."""
+    return f"{FLAGS[name]} {key}" if _style == "cli" and name in FLAGS else f"{name}[{key!r}]"
 
 
 def flag(name: str) -> str:

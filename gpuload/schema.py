@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from .categorical import Hash, Vocab, hashable
-from .errors import ConfigError, SchemaError, flag, setting
+from .errors import ConfigError, SchemaError, entry, flag, setting
 from .layout import stored_outputs
 
 __all__ = ["OutputSpec", "ValueType", "value_type", "list_value", "resolve_outputs", "spec_description", "desc_outputs",
@@ -342,8 +342,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             kind, width, dtype = kinds[0], widths[0], np.dtype(vts[0].dtype)
         dtype = np.dtype(dtype).str
         if name in dtypes:
-            dtype = parse_dtype(dtypes[name], f"dtypes[{name!r}]" if flag("dtypes") == "dtypes=" else
-                                f"{flag('dtypes')} {name}")
+            dtype = parse_dtype(dtypes[name], entry("dtypes", name))
             if dtype != BFLOAT16 and np.dtype(dtype).kind in "iu":  # decimals: exact unscaled integers
                 vts = [ValueType("<i8", "unscaled:" + v.temporal[8:]) if v.temporal.startswith("decimal:") else v
                        for v in vts]
