@@ -24,6 +24,7 @@ cgroup's limits (a container, a Slurm job) and its CPU affinity included.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -122,7 +123,8 @@ class HostPool:
     def array(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool."""
         dtype = np.dtype(dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        n = int(math.prod(shape)) * dtype.itemsize  # math.prod: np.prod costs 3 us a call, a few dozen a batch
         return self.get(n).view(dtype).reshape(shape)
 
     @property
