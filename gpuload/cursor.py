@@ -114,14 +114,17 @@ class Cursor:
                               "StatefulDataLoader, restore with loader.load_state_dict, which drops its iterator")
         epoch, runs, saved = resume.check_state(state)
         resume.check_signature(saved, self._signature)
-        complete = self._plan.runs(runs)[-1].complete  # also checks that the runs are possible
-        while len(runs) > 1 and runs[-1].taken == 0:  # a run that took no batch changed nothing
-            runs = runs[:-1]
+        self._plan.runs(runs)  # refuses runs this dataset cannot have
+        while len(runs) > 1 and runs[-1].taken == 0:  # a run that took no batch changed nothing (even one
+            runs = runs[:-1]  # with none to take: the ranks before it go on exactly, others share the rest)
         pending = Position(epoch, runs)
-        pending.complete = complete
+        pending.complete = self._plan.runs(runs)[-1].complete
         ranks = self._layout.resolve(strict=False)
         if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
             pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
+            # over as these ranks go on: a rest with no batch for them (a drop_last rest, say)
+            pending.complete = self._plan.runs(pending.runs)[-1].complete
+        complete = pending.complete
         self.position = None
         was_set, self.epoch_set = self.epoch_set, False
         if was_set and self.epoch != epoch:
@@ -179,6 +182,14 @@ class Cursor:
         (a :class:`gpuload.Mix` starting one of its sources' passes)."""
         self.pending, self.position = None, None
         self.epoch, self.epoch_set, self.advance = epoch, True, False
+
+    def batches_next(self) -> int:
+        """Batches each rank's next iteration yields: the rest of the restored epoch it goes on
+        with (see :meth:`begin`), else a whole epoch."""
+        p = self.pending
+        if p is not None and not self.advance and p.epoch == self.epoch:
+            return self.left()
+        return self.batches()
 
     def left(self) -> int | None:
         """Batches each rank has left of a restored position on the ranks of now (0 when it was

@@ -294,9 +294,18 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         self._cursor.load_state_dict(state)
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (the same on every rank; a resumed epoch yields
-        only the rest), for the ranks of now (see ``rank``)."""
+        """Batches this rank yields in a whole epoch (the same on every rank), for the ranks of now
+        (see ``rank``). After :meth:`load_state_dict` too, as a ``DataLoader``'s length stays, and as
+        Lightning counts a resumed epoch's batches (those done before the checkpoint and after)
+        against it; the rest a restored epoch yields is :attr:`batches_left`."""
         return self._cursor.batches()
+
+    @property
+    def batches_left(self) -> int:
+        """Batches this rank's next iteration yields: after :meth:`load_state_dict`, the rest of the
+        restored epoch (0 if it was over and is selected again; the same on every rank, on the
+        ranks of now), else ``len(self)``."""
+        return self._cursor.batches_next()
 
     @property
     def shard(self) -> str:

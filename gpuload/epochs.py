@@ -30,8 +30,9 @@ class Position:
     ranks that run them (None: a restored position not yet fitted to this dataset's ranks), and
     whether an iteration is ``running`` it.
 
-    A restored position also keeps ``raw`` (its runs as saved), ``complete`` (whether its epoch
-    was over) and ``warned`` (the world size its resume was logged for).
+    A restored position also keeps ``raw`` (its runs as saved, less trailing runs that took no
+    batch), ``complete`` (whether its epoch is over as the ranks it was fitted to go on with it,
+    else as saved) and ``warned`` (the world size its resume was logged for).
     """
 
     def __init__(self, epoch: int, runs: tuple[Run, ...], ranks: Ranks | None = None):
@@ -124,7 +125,7 @@ class EpochPlan:
             return self.first_run(ranks)
         # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
         same = runs[-1].world == ranks.world and (len(runs) > 1 or runs[0].local == ranks.local)
-        if same or p.complete:
+        if same or self.runs(runs)[-1].complete:  # (the saved runs', not p.complete: that is these ranks')
             return runs
         runs += (Run(ranks.world, 0),)  # elastic: a new run over the rest of the epoch
         if not warn or p.warned == ranks.world:

@@ -219,8 +219,15 @@ class Mix(torch.utils.data.IterableDataset):
                         exhausted=self.exhausted, steps=self.steps_per_epoch)
 
     def __len__(self) -> int:
-        """Steps each rank yields per epoch; after :meth:`load_state_dict` (before iterating), the
-        steps left of the restored epoch."""
+        """Steps each rank yields in a whole epoch, after :meth:`load_state_dict` too (as
+        :class:`gpuload.ParquetDataset`'s ``len``: Lightning counts a resumed epoch's steps against
+        it); the rest a restored epoch yields is :attr:`steps_left`."""
+        return self.plan().steps
+
+    @property
+    def steps_left(self) -> int:
+        """Steps each rank's next iteration yields: after :meth:`load_state_dict`, the rest of the
+        restored epoch (the same on every rank, on the ranks of now), else ``len(self)``."""
         if self._restored and self._runs and not self._advance:
             run = self._run(self.plan(), self.sources[0].world_size)
             return run[1] - run[2]

@@ -155,7 +155,7 @@ def test_resume_at_every_position_is_bit_exact(paths, tmp_path, exhausted):
         it.close()
         fresh = _mix(paths, tmp_path / "c", **kw)
         fresh.load_state_dict(state)
-        assert fresh.epoch == 3 and len(fresh) == (len(ref) - k or len(nxt))  # after the last step: the next epoch
+        assert fresh.epoch == 3 and fresh.steps_left == (len(ref) - k or len(nxt))  # after the last step: the next epoch
         rest = _steps(fresh)
         assert fresh.epoch == (3 if k < len(ref) else 4)
         assert _same(head + rest, ref) if k < len(ref) else _same(head, ref) and _same(rest, nxt), k
@@ -245,7 +245,7 @@ def test_len_set_epoch_and_stats_after_the_loop_is_left_early(paths, tmp_path):
     for _ in range(3):
         next(it)
     it.close()
-    assert len(m) == whole  # the next iteration is a whole epoch
+    assert len(m) == whole == m.steps_left  # the next iteration is a whole epoch
     m.set_epoch(0)  # after a break: epoch 0 again, from its first step
     ref = _steps(_mix(paths, tmp_path / "c2", W, batches_per_step=2))
     assert _same(_steps(m), ref)
@@ -297,8 +297,9 @@ def test_a_resume_on_other_ranks_delivers_each_row_at_most_once_per_pass_with_eq
     after = _ranked(paths, tmp_path / "c", new_world, exhausted=exhausted)
     for m in after:
         m.load_state_dict(states[0])
-    planned = {len(m) for m in after}
+    planned = {m.steps_left for m in after}
     assert len(planned) == 1  # ('end': 0 when a source the rest begins with had finished its pass)
+    assert {len(m) for m in after} == {len(_ranked(paths, tmp_path / "c", new_world, exhausted=exhausted)[0])}
     tails = [_passes(m, iter(m)) for m in after]
     assert {len(t) for t in tails} == planned  # every rank the steps len() said
     groups: dict = {}
@@ -345,10 +346,11 @@ def test_random_mixes_resumed_anywhere_on_any_ranks(paths, tmp_path, data):
     after = [_mix(paths, tmp_path / "c", weights, rank=r, world=new_world, **kw) for r in range(new_world)]
     for m in after:
         m.load_state_dict(state)
-    left = {len(m) for m in after}
+    left = {m.steps_left for m in after}
     tails = [[(b["src"].numpy().copy(), b["row_id"].numpy().copy(), m.state_dict()["sources"]) for b in m]
              for m in after]
-    assert len(left) == 1 and {len(t) for t in tails} == left  # every rank the same steps, as len() said
+    assert len(left) == 1 and {len(t) for t in tails} == left  # every rank the same steps, as steps_left said
+    assert {len(m) for m in after} == {after[0].plan().steps}  # len(): a whole epoch, resumed or not
     if new_world == world and k < p.steps:  # the same ranks: the epoch holds exactly its planned batches per source
         if per_step == 1:  # a step is one source's batch
             steps = [int(s[0]) for part in head + tails for s, _, _ in part]

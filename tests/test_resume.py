@@ -187,7 +187,10 @@ def _resumed(ds, state, last_epoch) -> list:
     out = []
     for e in range(state["epoch"], last_epoch + 1):
         ds.set_epoch(e)
+        left, whole = ds.batches_left, len(ds)
         out.extend((e, b) for b in ds)
+        assert sum(1 for x in out if x[0] == e) == left, "batches_left is not what the iteration yielded"
+        assert len(ds) == whole == ds.batches_left  # len(): a whole epoch, resumed or not
     return out
 
 
