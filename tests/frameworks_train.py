@@ -7,9 +7,13 @@ One script, three ways to run it, each as the README's recipe for that framework
   with ``DistributedDataParallel``, calling ``set_epoch`` each epoch;
 * ``lightning``: a ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` started by
   this script (Lightning re-runs it for rank 1); the datasets are made in the
-  LightningModule's ``__init__``, before any process group; Lightning never calls
-  ``set_epoch``; a validation set (not shuffled) runs the sanity check and each epoch's
-  validation;
+  LightningModule's ``__init__``, before any process group, and returned by the
+  ``*_dataloader`` hooks themselves (so Lightning keeps the training set's state in its
+  checkpoints); Lightning never calls ``set_epoch``; a validation set (not shuffled) runs
+  the sanity check and each epoch's validation. With ``--checkpoint-every K`` a
+  ``ModelCheckpoint`` saves every K steps into ``<out>/checkpoints``; with ``--die-at S``
+  each rank leaves with ``os._exit`` as step S begins (a preempted job: ``<out>/died.<rank>``
+  says it did); with ``--resume CKPT`` the job goes on from that checkpoint;
 * ``accelerate``: run under ``python -m accelerate.commands.launch --multi_gpu
   --num_processes 2`` with ``Accelerator(cpu=True)``; first the two patterns that would
   re-shard gpuload's batches (``accelerator.prepare(DataLoader(ds))``, with accelerate's
@@ -99,7 +103,7 @@ def run_torchrun(args) -> None:
 
 def run_lightning(args) -> None:
     import lightning as L
-    from torch.utils.data import DataLoader
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -115,13 +119,16 @@ def run_lightning(args) -> None:
                 self.log_file = Log(args.out, self.global_rank)
             return self.log_file
 
-        def train_dataloader(self):
-            return DataLoader(self.train_set, batch_size=None)
+        def train_dataloader(self):  # the dataset itself: Lightning saves its state_dict in checkpoints
+            return self.train_set
 
         def val_dataloader(self):
-            return DataLoader(self.val_set, batch_size=None)
+            return self.val_set
 
         def training_step(self, batch, batch_idx):
+            if self.global_step == args.die_at:  # preempted as this step begins
+                (args.out / f"died.{self.global_rank}").write_text(str(self.global_step))
+                os._exit(0)
             self._log().batch(self.current_epoch, batch)
             return step(self.net, batch)
 
@@ -139,10 +146,13 @@ def run_lightning(args) -> None:
                              train_len=self.trainer.num_training_batches)
 
     module = Module()
+    every = args.checkpoint_every
+    callbacks = [] if every is None else [ModelCheckpoint(
+        dirpath=str(args.out / "checkpoints"), every_n_train_steps=every, save_top_k=-1)]
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(args.out), num_sanity_val_steps=2)
-    trainer.fit(module)
+                        enable_checkpointing=every is not None, callbacks=callbacks, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(args.out), num_sanity_val_steps=2)
+    trainer.fit(module, ckpt_path=args.resume)
     for child in getattr(trainer.strategy.launcher, "procs", []):  # rank 0 started rank 1: let it finish
         child.wait(timeout=120)
 
@@ -194,6 +204,9 @@ def main() -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=50)
+    p.add_argument("--checkpoint-every", type=int, default=None)  # lightning: a checkpoint every K steps
+    p.add_argument("--die-at", type=int, default=-1)  # lightning: every rank leaves as step S begins
+    p.add_argument("--resume", default=None)  # lightning: the checkpoint to go on from
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

@@ -115,15 +115,48 @@ def test_torchrun_dataset_made_before_init_process_group(source, tmp_path):
         assert "init_process_group" in d["refused_before_init"] and "rank=" in d["refused_before_init"]
 
 
-def test_lightning_ddp_dataset_made_in_module_init(source, tmp_path):
-    done = _launch([sys.executable, *_script_args("lightning", source, tmp_path)], tmp_path)
+@pytest.fixture(scope="module")
+def lightning_job(source, tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The Lightning job run uninterrupted: its output folder and each rank's ``done`` record."""
+    out = tmp_path_factory.mktemp("lightning")
+    return out, _launch([sys.executable, *_script_args("lightning", source, out)], out)
+
+
+def test_lightning_ddp_dataset_made_in_module_init(lightning_job):
+    out, done = lightning_job
     assert all(d["world"] == 2 and d["train_len"] == d["len"] for d in done)
-    batches = _check_training(tmp_path, done)
+    batches = _check_training(out, done)
     # validation: the sanity check's 2 batches per rank, then one whole run per epoch
     assert [len(b) for b in batches["val0"]] == [2, 2]
     for run in range(1, EPOCHS + 1):
         _each_row_once(batches[f"val{run}"], f"validation {run}")
     assert f"val{EPOCHS + 1}" not in batches
+
+
+def test_lightning_ddp_resumes_mid_epoch_from_its_checkpoint(source, tmp_path, lightning_job):
+    """A job preempted in epoch 1 (every rank gone with ``os._exit`` as step 40 begins, the last
+    checkpoint at step 40) and started again with ``ckpt_path``: each rank trains on exactly the
+    batches of the uninterrupted job, in the same order, no batch lost or repeated (Lightning keeps
+    the dataset's state in its checkpoint because the hook returns the dataset itself)."""
+    ref = _batches(lightning_job[0])
+    per_epoch = len(ref["0"][0])
+    at = per_epoch + per_epoch // 3  # mid-epoch 1
+    base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every", str(at)]
+    rc, log = run_launch([*base, "--die-at", str(at)], TIMEOUT)
+    deadline = time.monotonic() + 60  # rank 1 leaves on its own, as rank 0 did
+    while not all((tmp_path / f"died.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all((tmp_path / f"died.{r}").read_text() == str(at) for r in range(2)), log[-6000:]
+    checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
+    assert [c.name for c in checkpoints] == [f"epoch=1-step={at}.ckpt"], log[-6000:]
+    done = _launch([*base, "--resume", str(checkpoints[0])], tmp_path)  # the rows logged go on in the same files
+    got = _batches(tmp_path)
+    for e in range(EPOCHS):
+        for r in range(2):
+            assert len(got[str(e)][r]) == len(ref[str(e)][r]), (e, r, "batches lost or repeated")
+            assert all(np.array_equal(a, b) for a, b in zip(got[str(e)][r], ref[str(e)][r])), (
+                e, r, "the resumed job trained on other batches than the uninterrupted one")
+    assert all(d["counts"][str(EPOCHS - 1)] == per_epoch for d in done)
 
 
 def test_accelerate_launch(source, tmp_path):
