@@ -118,10 +118,11 @@ def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, thr
     counts = table.column("count").to_numpy()
     if vocab.max_size is not None and len(counts) > vocab.max_size:
         fits = int(counts[vocab.max_size]) + 1  # leaves out every value as rare as the first that does not fit
+        kept = int((counts >= fits).sum())
         raise ConfigError(f"{setting('categorical', {column: vocab})}: column {column!r} has {len(counts):,} values "
                           f"seen at least {vocab.min_count} times, more than max_size={vocab.max_size:,}; raise "
-                          f"max_size, or min_count to {fits} (a vocabulary of "
-                          f"{int((counts >= fits).sum()):,} values), or use gpuload.Hash(buckets=...)")
+                          f"max_size, or min_count to {fits} (a vocabulary of {kept:,} value{'' if kept == 1 else 's'}), "
+                          f"or use gpuload.Hash(buckets=...)")
     return Vocabulary(column, table.column("value").combine_chunks(), counts, vocab)
 
 

@@ -112,6 +112,11 @@ class ChunkReader:
         if not self.chunks and flt is not None:
             raise SourceError(f"{flag('filters')} {flt.text} keeps no row of the {len(self.files)} files "
                               f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")
+        if not self.chunks:  # every file is empty: say which (a dataset of no rows has no epochs)
+            shown = ", ".join(str(f.path) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
+            many = len(self.files) > 1
+            raise SourceError(f"the {len(self.files)} file{'s' if many else ''} of the source hold{'' if many else 's'} "
+                              f"no rows ({shown}): check that it names the files you mean")
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         #: arrays per stored chunk

@@ -19,6 +19,7 @@ the cache key: cached chunks hold only the kept rows.
 
 from __future__ import annotations
 
+import re
 import pickle
 from dataclasses import dataclass
 
@@ -79,6 +80,10 @@ class RowFilter:
         try:
             pa.table(empty).filter(self.expr)
         except (pa.ArrowException, TypeError, ValueError) as e:
+            missing = re.search(r"No match for FieldRef\.Name\((.*?)\) in ", str(e))
+            if missing:  # pyarrow's text goes on with the whole schema: the column alone is said
+                raise SchemaError(f"{flag('filters')} {self.text} names column {missing.group(1)!r}, which the "
+                                  f"files do not have; name columns they have ({', '.join(schema.names)})") from None
             raise SchemaError(f"{flag('filters')} {self.text} cannot be applied to the files' columns "
                               f"({' '.join(str(e).split())}); name columns the files have "
                               f"({', '.join(schema.names)})") from None

@@ -22,6 +22,16 @@ def test_empty_files_contribute_no_chunks(mixed, tmp_path):
     assert sum(c.rows for c in ds.reader.chunks) == mixed.ref.n
 
 
+
+def test_a_source_of_empty_files_is_refused_naming_them(tmp_path, write_parquet):
+    for n in (1, 4):
+        paths = [write_parquet(tmp_path / f"s{n}" / f"part{i}.parquet", {"x": np.arange(0)}) for i in range(n)]
+        said = "the 1 file of the source holds no rows" if n == 1 else "the 4 files of the source hold no rows"
+        with pytest.raises(gpuload.SourceError, match=said) as e:
+            gpuload.ParquetDataset(tmp_path / f"s{n}", ["x"], batch_size=4, cache_dir=tmp_path / "c", device="cpu")
+        assert str(paths[0]) in str(e.value) and (n == 1 or str(e.value).count("part") == 3)
+
+
 # ---------------------------------------------------------------------------------------
 # later epochs read the cache only
 # ---------------------------------------------------------------------------------------

@@ -158,8 +158,11 @@ def test_nulls_count_only_in_kept_rows(data, tmp_path):
 def test_bad_filters_are_refused_naming_what_to_do(data, tmp_path):
     with pytest.raises(gpuload.SourceError, match=r"filters= .*keeps no row of the 2 files \(8,000 rows\)"):
         _ds(data, tmp_path / "c", filters=[("day", ">", 30000000)])
-    with pytest.raises(gpuload.SchemaError, match=r"filters= .*cannot be applied.*name columns the files have"):
+    with pytest.raises(gpuload.SchemaError, match=r"filters= .*names column 'dya', which the files do not have; "
+                                                  r"name columns they have \(id, "):
         _ds(data, tmp_path / "c", filters=[("dya", ">", 1)])
+    with pytest.raises(gpuload.SchemaError, match=r"filters= .*cannot be applied.*name columns the files have"):
+        _ds(data, tmp_path / "c", filters=[("day", "==", "x")])  # a type no kernel compares with
     with pytest.raises(gpuload.ConfigError, match="is not a filter"):
         _ds(data, tmp_path / "c", filters=[("day", "~", 1)])
     with pytest.raises(gpuload.ConfigError, match="must be a pyarrow.compute expression"):
