@@ -34,7 +34,7 @@ from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value
 from .sources.levels import null_counts
 from .sources.listing import SourceFile
 
-__all__ = ["check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error", "old_arrow_error",
+__all__ = ["wider", "widened", "check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error", "old_arrow_error",
            "column_names"]
 
 
@@ -52,20 +52,83 @@ def _same_ids(a: pa.DataType, b: pa.DataType) -> bool:
             and (not fixed(a) or a.list_size == b.list_size) and hashable(inner_a) and hashable(inner_b))
 
 
-def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
-    """Every file has every selected column, with the same (dictionary-decoded) type."""
+_SIGNED = {8: pa.int8(), 16: pa.int16(), 32: pa.int32(), 64: pa.int64()}
+_EXACT_IN = {16: 11, 32: 24, 64: 53}  # a float's significand bits: the integers it holds exactly
+
+
+def wider(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
+    """The type that holds every value of both ``a`` and ``b`` exactly, where the files of one
+    source disagree (schema drift: int32 here, int64 there; a float column where another
+    writer kept integers; ``list`` against ``large_list``), else None. Integers of one
+    signedness take the wider; signed and unsigned a signed type twice the unsigned width
+    (none for uint64); floats the wider; integers and floats a float whose significand holds
+    the integers (int8/16 in float32, int32 in float64; int64 in none); lists of such values
+    their list (``large_list`` if either is), fixed-size lists only of one size."""
+    a, b = _logical(a), _logical(b)
+    if a == b:
+        return a
+    la, lb = list_value(a), list_value(b)
+    if la is not None or lb is not None:
+        fixed = pa.types.is_fixed_size_list
+        if la is None or lb is None or fixed(a) != fixed(b) or (fixed(a) and a.list_size != b.list_size):
+            return None
+        v = wider(la, lb)
+        if v is None:
+            return None
+        if fixed(a):
+            return pa.list_(v, a.list_size)
+        return pa.large_list(v) if pa.types.is_large_list(a) or pa.types.is_large_list(b) else pa.list_(v)
+    ints, floats = pa.types.is_integer, pa.types.is_floating
+    if floats(a) and floats(b):
+        return a if a.bit_width >= b.bit_width else b
+    if ints(a) and ints(b):
+        if pa.types.is_signed_integer(a) == pa.types.is_signed_integer(b):
+            return a if a.bit_width >= b.bit_width else b
+        s, u = (a, b) if pa.types.is_signed_integer(a) else (b, a)
+        return _SIGNED.get(max(s.bit_width, 2 * u.bit_width))
+    if (ints(a) and floats(b)) or (floats(a) and ints(b)):
+        i, f = (a, b) if ints(a) else (b, a)
+        bits = i.bit_width - pa.types.is_signed_integer(i)  # the magnitude bits
+        for width in sorted(_EXACT_IN):
+            if width >= f.bit_width and bits <= _EXACT_IN[width]:
+                return {16: pa.float16(), 32: pa.float32(), 64: pa.float64()}[width]
+    return None
+
+
+def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
+    """``schema`` (the first file's, or the columns every file has) with each column every file
+    has as the type :func:`wider` makes of all the files' types where they differ; columns
+    whose types cannot be combined are left as they are (:func:`check_consistent` refuses them)."""
+    fields = []
+    for field in schema:
+        t = _logical(field.type)
+        for f in files:
+            if t is None or f.schema.names.count(field.name) != 1:  # missing, or twice: refused later
+                break
+            got = _logical(f.schema.field(field.name).type)
+            t = t if _same_ids(got, t) else wider(t, got)
+        fields.append(field if t is None or t == _logical(field.type) else field.with_type(t))
+    return pa.schema(fields)
+
+
+def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], schema: pa.Schema) -> None:
+    """Every file has every selected column, with the (dictionary-decoded) type of ``schema``
+    (from :func:`widened`), or one it widens exactly."""
     first = files[0]
-    for f in files[1:]:
+    for f in files:
         for s in specs:
             for c in s.columns:
-                want = _logical(first.schema.field(c).type)
+                want = _logical(schema.field(c).type)
                 if c not in f.schema.names:
                     raise SchemaError(f"column {c!r} is in {first.path} but not in {f.path}; "
                                       "select columns every file has, or fix the files")
                 got = _logical(f.schema.field(c).type)
-                if got != want and not _same_ids(got, want):
-                    raise SchemaError(f"column {c!r} is {want} in {first.path} but {got} in {f.path}; "
-                                      "rewrite the files with one type for it")
+                if got != want and not _same_ids(got, want) and wider(got, want) != want:
+                    was = _logical(first.schema.field(c).type)
+                    raise SchemaError(f"column {c!r} is {was} in {first.path} but {got} in {f.path}, and no type "
+                                      f"holds both exactly (integers and floats of any width combine, and lists "
+                                      f"of them; not int64 with floats, uint64 with signed integers, or numbers "
+                                      f"with other types); rewrite the files with one type for it")
 
 
 def _files_text(where: list[str], shown: int = 3) -> str:

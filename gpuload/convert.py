@@ -58,6 +58,9 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
         return _decimal(arr, vt, fill, column, where)
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
+    if (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) and not vt.temporal \
+            and np.dtype(arr.type.to_pandas_dtype()) != np.dtype(vt.dtype):  # a file of a narrower type
+        arr = arr.cast(pa.from_numpy_dtype(np.dtype(vt.dtype)))  # (gpuload.checks.widened): exact
     if vt.temporal:  # reinterpret the stored integers, widened to int64
         arr = arr.view(pa.int32() if arr.type.bit_width == 32 else pa.int64()).cast(pa.int64())
         if vt.temporal == "date64":  # whole days, rounded down (a time before midnight is the day before)

@@ -24,7 +24,7 @@ from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
 from .categorical import Vocabulary, parse_key
-from .checks import check_casts, check_consistent, check_nulls, check_partition_keys
+from .checks import check_casts, check_consistent, check_nulls, check_partition_keys, widened
 from .config import Options, Source
 from .errors import SourceError, flag
 from .convert import needed_columns
@@ -185,9 +185,10 @@ class ChunkReader:
             if left_out:
                 log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
                             "only what every file has, or fix the files", ", ".join(left_out))
+        schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                 int96=frozenset().union(*(f.int96 for f in self.files)), categorical=src.categorical)
-        check_consistent(self.files, specs)
+        check_consistent(self.files, specs, schema)
         specs = self._count_vocabularies(specs)
         check_casts(self.files, specs)
         return specs

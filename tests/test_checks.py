@@ -243,3 +243,68 @@ def test_a_large_footer_over_little_data_is_not_walked(tmp_path, monkeypatch):
     with pytest.raises(gpuload.NullValuesError, match="'h' has 1 null"):
         gpuload.ParquetDataset(tmp_path / "d", ["h"], cache_dir=tmp_path / "c", device="cpu")
     assert [c for _, c, _ in scans] and all(c == "h" for _, c, _ in scans)
+
+
+# ---------------------------------------------------------------------------------------
+# schema drift: files of one source whose types differ
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("a, b, want", [
+    (pa.int32(), pa.int64(), pa.int64()), (pa.int8(), pa.int16(), pa.int16()), (pa.uint8(), pa.uint32(), pa.uint32()),
+    (pa.int8(), pa.uint8(), pa.int16()), (pa.int64(), pa.uint32(), pa.int64()), (pa.int16(), pa.uint32(), pa.int64()),
+    (pa.int64(), pa.uint64(), None), (pa.float32(), pa.float64(), pa.float64()),
+    (pa.int16(), pa.float32(), pa.float32()), (pa.int32(), pa.float32(), pa.float64()),
+    (pa.uint32(), pa.float64(), pa.float64()), (pa.int64(), pa.float64(), None), (pa.bool_(), pa.int8(), None),
+    (pa.list_(pa.int32()), pa.large_list(pa.int64()), pa.large_list(pa.int64())),
+    (pa.list_(pa.float32()), pa.list_(pa.float64()), pa.list_(pa.float64())),
+    (pa.list_(pa.int32(), 3), pa.list_(pa.int64(), 3), pa.list_(pa.int64(), 3)),
+    (pa.list_(pa.int32(), 3), pa.list_(pa.int32(), 4), None), (pa.list_(pa.int32()), pa.int32(), None),
+    (pa.dictionary(pa.int8(), pa.int32()), pa.int64(), pa.int64()), (pa.timestamp("ms"), pa.timestamp("us"), None),
+])
+def test_wider_holds_both_types_exactly_or_is_none(a, b, want):
+    assert checks.wider(a, b) == want and checks.wider(b, a) == want
+
+
+def test_files_whose_types_drift_are_read_in_the_type_that_holds_them_all(tmp_path):
+    """pyarrow's int32 and float32 beside DuckDB's int64 and double, an int column beside one
+    pandas made float (its nulls), pyarrow's list beside Polars' large_list: each output in the
+    type that holds every file's values, equal to pyarrow's own reading of each file cast to it."""
+    import duckdb
+    import polars as pl
+
+    a = tmp_path / "src" / "a.parquet"
+    write_parquet(a, pa.table({"id": pa.array(np.arange(40), pa.int32()),
+                               "x": pa.array(np.linspace(0, 1, 40), pa.float32()),
+                               "n": pa.array(np.arange(40) * 3, pa.int16()),
+                               "h": pa.array([list(range(i % 4)) for i in range(40)], pa.list_(pa.int32()))}),
+                  row_group_size=16)
+    duckdb.sql("SELECT (i + 40)::BIGINT AS id, i / 7.0 ::DOUBLE AS x, CASE WHEN i % 5 = 0 THEN NULL ELSE i * 0.5 END "
+               "::FLOAT AS n, [i, i + 1]::BIGINT[] AS h FROM range(30) t(i)").write_parquet(str(tmp_path / "src" / "b.parquet"))
+    pl.DataFrame({"id": np.arange(70, 90, dtype=np.int64), "x": np.linspace(2, 3, 20),
+                  "n": np.arange(20, dtype=np.float32), "h": [[i] for i in range(20)]},
+                 schema_overrides={"h": pl.List(pl.Int64)}).write_parquet(tmp_path / "src" / "c.parquet")
+    ds = gpuload.ParquetDataset(tmp_path / "src", ["id", "x", "n", "h"], batch_size=7, shuffle=False, device="cpu",
+                                cache_dir=tmp_path / "c", fill_nulls={"n": -1.5})
+    types = {"id": pa.int64(), "x": pa.float64(), "n": pa.float32(), "h": pa.large_list(pa.int64())}
+    want = pa.concat_tables(pq.read_table(f).select(list(types)).cast(pa.schema(types))
+                            for f in sorted((tmp_path / "src").glob("*.parquet")))
+    for _ in range(2):  # decoded, then from the cache
+        got = {k: [] for k in types}
+        for b in ds:
+            for k in ("id", "x", "n"):
+                got[k].append(b[k].numpy())
+            got["h"].extend(np.split(b["h"].values.numpy(), b["h"].offsets.numpy()[1:-1]))
+        assert [a.dtype for a in (got["id"][0], got["x"][0], got["n"][0], got["h"][0])] == \
+            [np.int64, np.float64, np.float32, np.int64]
+        assert np.array_equal(np.concatenate(got["id"]), want["id"].to_numpy())
+        assert np.array_equal(np.concatenate(got["x"]), want["x"].to_numpy())
+        assert np.array_equal(np.concatenate(got["n"]), want["n"].fill_null(-1.5).to_numpy())
+        assert [h.tolist() for h in got["h"]] == want["h"].to_pylist()
+
+
+def test_types_no_type_holds_exactly_are_refused_naming_both_files(tmp_path):
+    write_parquet(tmp_path / "src" / "a.parquet", {"id": np.arange(5, dtype=np.int64)})
+    write_parquet(tmp_path / "src" / "b.parquet", {"id": np.arange(5, dtype=np.float64)})  # pandas' ints with NaN
+    with pytest.raises(gpuload.SchemaError, match=r"column 'id' is int64 in .*a\.parquet but double in .*b\.parquet, "
+                                                  r"and no type holds both exactly .*rewrite the files"):
+        gpuload.ParquetDataset(tmp_path / "src", ["id"], batch_size=2, device="cpu", cache_dir=tmp_path / "c")

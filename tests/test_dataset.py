@@ -255,7 +255,7 @@ def test_non_parquet_file_named_parquet(tmp_path):
 
 def test_files_disagree_on_column_type(tmp_path):
     d = tmp_path / "d"
-    _write(d / "a.parquet", pa.table({"v": pa.array([1, 2, 3], pa.int32())}))
+    _write(d / "a.parquet", pa.table({"v": pa.array([1, 2, 3], pa.int64())}))  # no float holds every int64
     _write(d / "b.parquet", pa.table({"v": pa.array([1.0, 2.0], pa.float32())}))
     with pytest.raises(gpuload.SchemaError) as info:
         gpuload.ParquetDataset(d, ["v"], cache_dir=tmp_path / "c", device="cpu")
