@@ -3,7 +3,8 @@
 An epoch that dies at 80% after hours of decoding is the worst way to learn about a
 null or an out-of-range value, so a dataset checks, when it opens:
 
-* that every file has every selected column with one (dictionary-decoded) type;
+* that every file has every selected column with one (dictionary-decoded) type, or types
+  that one type holds exactly (:func:`widened`: schema drift between writers);
 * nulls in columns without a fill value: from the footers' statistics where they can
   tell; where they cannot (list columns, whose leaf null count also counts empty
   lists and null elements, and files written without statistics), from the footers'
@@ -19,6 +20,7 @@ The decoders still check every value, so a file without statistics is never serv
 
 from __future__ import annotations
 
+import collections
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -53,60 +55,59 @@ def _same_ids(a: pa.DataType, b: pa.DataType) -> bool:
 
 
 _SIGNED = {8: pa.int8(), 16: pa.int16(), 32: pa.int32(), 64: pa.int64()}
-_EXACT_IN = {16: 11, 32: 24, 64: 53}  # a float's significand bits: the integers it holds exactly
+_FLOATS = ((16, 11, pa.float16()), (32, 24, pa.float32()), (64, 53, pa.float64()))  # width, significand bits
 
 
-def wider(a: pa.DataType, b: pa.DataType) -> pa.DataType | None:
-    """The type that holds every value of both ``a`` and ``b`` exactly, where the files of one
+def wider(*types: pa.DataType) -> pa.DataType | None:
+    """The one type that holds every value of all ``types`` exactly, where the files of one
     source disagree (schema drift: int32 here, int64 there; a float column where another
-    writer kept integers; ``list`` against ``large_list``), else None. Integers of one
-    signedness take the wider; signed and unsigned a signed type twice the unsigned width
-    (none for uint64); floats the wider; integers and floats a float whose significand holds
-    the integers (int8/16 in float32, int32 in float64; int64 in none); lists of such values
-    their list (``large_list`` if either is), fixed-size lists only of one size."""
-    a, b = _logical(a), _logical(b)
-    if a == b:
-        return a
-    la, lb = list_value(a), list_value(b)
-    if la is not None or lb is not None:
-        fixed = pa.types.is_fixed_size_list
-        if la is None or lb is None or fixed(a) != fixed(b) or (fixed(a) and a.list_size != b.list_size):
+    writer kept integers; ``list`` against ``large_list``), else None; the same whatever their
+    order. Integers of one signedness take the widest; signed and unsigned a signed type of
+    the widest signed width and at least twice the widest unsigned one (none past int64);
+    with floats, the narrowest float at least as wide as each whose significand holds every
+    integer (int8/16 in float32, int32 in float64, int64 in none); lists of such values their
+    list (``large_list`` if any is), fixed-size lists only of one size."""
+    types = list(dict.fromkeys(_logical(t) for t in types))
+    if len(types) == 1:
+        return types[0]
+    inner = [list_value(t) for t in types]
+    if any(v is not None for v in inner):
+        fixed = {pa.types.is_fixed_size_list(t) and t.list_size for t in types}
+        if any(v is None for v in inner) or len(fixed) > 1:
             return None
-        v = wider(la, lb)
+        v = wider(*inner)
         if v is None:
             return None
-        if fixed(a):
-            return pa.list_(v, a.list_size)
-        return pa.large_list(v) if pa.types.is_large_list(a) or pa.types.is_large_list(b) else pa.list_(v)
-    ints, floats = pa.types.is_integer, pa.types.is_floating
-    if floats(a) and floats(b):
-        return a if a.bit_width >= b.bit_width else b
-    if ints(a) and ints(b):
-        if pa.types.is_signed_integer(a) == pa.types.is_signed_integer(b):
-            return a if a.bit_width >= b.bit_width else b
-        s, u = (a, b) if pa.types.is_signed_integer(a) else (b, a)
-        return _SIGNED.get(max(s.bit_width, 2 * u.bit_width))
-    if (ints(a) and floats(b)) or (floats(a) and ints(b)):
-        i, f = (a, b) if ints(a) else (b, a)
-        bits = i.bit_width - pa.types.is_signed_integer(i)  # the magnitude bits
-        for width in sorted(_EXACT_IN):
-            if width >= f.bit_width and bits <= _EXACT_IN[width]:
-                return {16: pa.float16(), 32: pa.float32(), 64: pa.float64()}[width]
-    return None
+        if fixed != {False}:
+            return pa.list_(v, types[0].list_size)
+        return pa.large_list(v) if any(pa.types.is_large_list(t) for t in types) else pa.list_(v)
+    if not all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in types):
+        return None
+    ints = [t for t in types if pa.types.is_integer(t)]
+    signed = max((t.bit_width for t in ints if pa.types.is_signed_integer(t)), default=0)
+    unsigned = max((t.bit_width for t in ints if not pa.types.is_signed_integer(t)), default=0)
+    floats = [t.bit_width for t in types if pa.types.is_floating(t)]
+    if not floats:
+        if not signed:
+            return max(ints, key=lambda t: t.bit_width)
+        return _SIGNED.get(max(signed, 2 * unsigned))
+    magnitude = max(signed - 1, unsigned)  # bits an integer needs in a float's significand
+    return next((f for width, bits, f in _FLOATS if width >= max(floats) and bits >= magnitude), None)
 
 
 def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
     """``schema`` (the first file's, or the columns every file has) with each column every file
     has as the type :func:`wider` makes of all the files' types where they differ; columns
     whose types cannot be combined are left as they are (:func:`check_consistent` refuses them)."""
+    if all(f.schema.equals(schema) for f in files):  # no drift: the usual case, and a fast one
+        return schema
+    names = [collections.Counter(f.schema.names) for f in files]
     fields = []
     for field in schema:
-        t = _logical(field.type)
-        for f in files:
-            if t is None or f.schema.names.count(field.name) != 1:  # missing, or twice: refused later
-                break
-            got = _logical(f.schema.field(field.name).type)
-            t = t if _same_ids(got, t) else wider(t, got)
+        t = None
+        if all(n.get(field.name) == 1 for n in names):  # missing, or twice: refused later
+            got = [f.schema.field(field.name).type for f in files]
+            t = _logical(field.type) if all(_same_ids(g, field.type) for g in got) else wider(field.type, *got)
         fields.append(field if t is None or t == _logical(field.type) else field.with_type(t))
     return pa.schema(fields)
 
@@ -124,11 +125,14 @@ def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], s
                                       "select columns every file has, or fix the files")
                 got = _logical(f.schema.field(c).type)
                 if got != want and not _same_ids(got, want) and wider(got, want) != want:
-                    was = _logical(first.schema.field(c).type)
-                    raise SchemaError(f"column {c!r} is {was} in {first.path} but {got} in {f.path}, and no type "
-                                      f"holds both exactly (integers and floats of any width combine, and lists "
-                                      f"of them; not int64 with floats, uint64 with signed integers, or numbers "
-                                      f"with other types); rewrite the files with one type for it")
+                    seen: dict = {}  # each type the column has, with the first file that has it
+                    for g in files:
+                        seen.setdefault(str(_logical(g.schema.field(c).type)), g.path)
+                    kinds = ", ".join(f"{t} in {p}" for t, p in list(seen.items())[:4])
+                    raise SchemaError(f"column {c!r} is {kinds}{' and more' if len(seen) > 4 else ''}, and no type "
+                                      f"holds all of them exactly (integers and floats of any width combine, and "
+                                      f"lists of them; not int64 with floats, uint64 with signed integers, or "
+                                      f"numbers with other types); rewrite the files with one type for it")
 
 
 def _files_text(where: list[str], shown: int = 3) -> str:

@@ -58,9 +58,11 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
         return _decimal(arr, vt, fill, column, where)
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
-    if (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) and not vt.temporal \
-            and np.dtype(arr.type.to_pandas_dtype()) != np.dtype(vt.dtype):  # a file of a narrower type
-        arr = arr.cast(pa.from_numpy_dtype(np.dtype(vt.dtype)))  # (gpuload.checks.widened): exact
+    widened = (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) and not vt.temporal \
+        and np.dtype(arr.type.to_pandas_dtype()) != np.dtype(vt.dtype)  # a file of a narrower type
+    if widened:  # (gpuload.checks.widened): exact, and before the fill, which the wide type holds
+        widened = pa.types.is_floating(arr.type)  # whose NaNs become the positive quiet NaN, as cast_values makes
+        arr = arr.cast(pa.from_numpy_dtype(np.dtype(vt.dtype)))
     if vt.temporal:  # reinterpret the stored integers, widened to int64
         arr = arr.view(pa.int32() if arr.type.bit_width == 32 else pa.int64()).cast(pa.int64())
         if vt.temporal == "date64":  # whole days, rounded down (a time before midnight is the day before)
@@ -74,7 +76,13 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     out = _view(arr)
     if out is None:
         out = arr.to_numpy(zero_copy_only=False)
-    return out.astype(vt.dtype, copy=False)
+    out = out.astype(vt.dtype, copy=False)
+    if widened:
+        nan = np.isnan(out)
+        if nan.any():
+            out = out.copy()
+            out.view(f"u{out.itemsize}")[nan] = _QUIET_NAN[out.itemsize]
+    return out
 
 
 def _decimal(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:

@@ -11,7 +11,8 @@ Supported Arrow types and what they become:
 Arrow type                      output
 ==============================  ==========================================================
 bool                            ``torch.bool``
-int8..int64, uint8..uint64      the same integer dtype
+int8..int64, uint8..uint64      the same integer dtype (files that drift: the type that
+                                holds them all, :func:`gpuload.checks.wider`)
 float16, float32, float64       the same float dtype
 date32, date64                  int64, days since 1970-01-01
 timestamp[unit, tz]             int64, ``unit`` since 1970-01-01 UTC (tz dropped)
@@ -285,7 +286,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
 
     Parameters
     ----------
-    schema : Arrow schema of the first source file.
+    schema : Arrow schema of the first source file, or of the columns every file has, with
+        drifting types widened (:func:`gpuload.checks.widened`).
     columns : None (every supported column), a list of names, or a dict
         ``{output: column}`` / ``{output: [columns]}`` (a list stacks into ``[rows, k]``).
     fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.

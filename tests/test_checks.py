@@ -265,6 +265,18 @@ def test_wider_holds_both_types_exactly_or_is_none(a, b, want):
     assert checks.wider(a, b) == want and checks.wider(b, a) == want
 
 
+@pytest.mark.parametrize("types, want", [
+    ((pa.int32(), pa.uint32(), pa.float32()), pa.float64()),  # pairwise, int32 and uint32 first, it was refused
+    ((pa.int16(), pa.uint16(), pa.float32()), pa.float32()),
+    ((pa.int32(), pa.float64(), pa.int64()), None),
+    ((pa.int8(), pa.uint16(), pa.int16()), pa.int32()),
+])
+def test_wider_is_one_type_for_all_whatever_their_order(types, want):
+    import itertools
+
+    assert {checks.wider(*p) for p in itertools.permutations(types)} == {want}
+
+
 def test_files_whose_types_drift_are_read_in_the_type_that_holds_them_all(tmp_path):
     """pyarrow's int32 and float32 beside DuckDB's int64 and double, an int column beside one
     pandas made float (its nulls), pyarrow's list beside Polars' large_list: each output in the
@@ -305,6 +317,20 @@ def test_files_whose_types_drift_are_read_in_the_type_that_holds_them_all(tmp_pa
 def test_types_no_type_holds_exactly_are_refused_naming_both_files(tmp_path):
     write_parquet(tmp_path / "src" / "a.parquet", {"id": np.arange(5, dtype=np.int64)})
     write_parquet(tmp_path / "src" / "b.parquet", {"id": np.arange(5, dtype=np.float64)})  # pandas' ints with NaN
-    with pytest.raises(gpuload.SchemaError, match=r"column 'id' is int64 in .*a\.parquet but double in .*b\.parquet, "
-                                                  r"and no type holds both exactly .*rewrite the files"):
+    write_parquet(tmp_path / "src" / "c.parquet", {"id": np.arange(5, dtype=np.int32)})  # held by both: not named
+    with pytest.raises(gpuload.SchemaError, match=r"column 'id' is int64 in .*a\.parquet, double in .*b\.parquet, "
+                                                  r"int32 in .*c\.parquet, and no type holds all of them exactly "
+                                                  r".*rewrite the files"):
         gpuload.ParquetDataset(tmp_path / "src", ["id"], batch_size=2, device="cpu", cache_dir=tmp_path / "c")
+
+
+def test_widened_float_nans_are_the_positive_quiet_nan(tmp_path):
+    """A float32 file's NaN of any sign and payload, beside a float64 file: float64's positive
+    quiet NaN, as a dtypes= cast makes it (the bytes do not depend on the path)."""
+    odd = np.array([0xFFC00001, 0x7FC00000, 0x3F800000], np.uint32).view(np.float32)  # -NaN with a payload, NaN, 1.0
+    write_parquet(tmp_path / "src" / "a.parquet", {"v": odd})
+    write_parquet(tmp_path / "src" / "b.parquet", {"v": np.array([2.0])})
+    ds = gpuload.ParquetDataset(tmp_path / "src", ["v"], batch_size=4, shuffle=False, device="cpu",
+                                cache_dir=tmp_path / "c")
+    got = next(iter(ds))["v"].numpy().view(np.uint64).tolist()
+    assert got == [0x7FF8000000000000, 0x7FF8000000000000, 0x3FF0000000000000, 0x4000000000000000]
