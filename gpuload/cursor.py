@@ -51,8 +51,8 @@ Transitions
     or failed) its position stops running.
 ``state_dict()``
     The running position, or the latest one while no position is pending and its epoch is
-    ``epoch``; else the pending position as these ranks will go on with it (as saved while
-    they are unknown); else the first run of ``epoch``, nothing taken. A complete position
+    ``epoch``; else the pending position as these ranks will go on with it (as saved, less
+    runs after the first that took no batch, while they are unknown); else the first run of ``epoch``, nothing taken. A complete position
     restores to the next epoch (see ``load_state_dict``).
 
 Warnings are logged on the ``gpuload`` logger: a restored position dropped by
@@ -122,8 +122,8 @@ class Cursor:
         ranks = self._layout.resolve(strict=False)
         if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
             pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
-            # over as these ranks go on: a rest with no batch for them (a drop_last rest, say)
-            pending.complete = self._plan.runs(pending.runs)[-1].complete
+        # complete as saved, whichever ranks go on: a rest with no batch for them (more ranks than its
+        # rows, say) is still that epoch's rest, an empty iteration, wherever the ranks become known
         complete = pending.complete
         self.position = None
         was_set, self.epoch_set = self.epoch_set, False

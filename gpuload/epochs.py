@@ -31,8 +31,7 @@ class Position:
     whether an iteration is ``running`` it.
 
     A restored position also keeps ``raw`` (its runs as saved, less trailing runs that took no
-    batch), ``complete`` (whether its epoch is over as the ranks it was fitted to go on with it,
-    else as saved) and ``warned`` (the world size its resume was logged for).
+    batch), ``complete`` (whether its epoch was over as saved) and ``warned`` (the world size its resume was logged for).
     """
 
     def __init__(self, epoch: int, runs: tuple[Run, ...], ranks: Ranks | None = None):
@@ -125,7 +124,7 @@ class EpochPlan:
             return self.first_run(ranks)
         # the same ranks go on with the last run; a first run also needs the same plan (node-affine or not)
         same = runs[-1].world == ranks.world and (len(runs) > 1 or runs[0].local == ranks.local)
-        if same or self.runs(runs)[-1].complete:  # (the saved runs', not p.complete: that is these ranks')
+        if same or p.complete:
             return runs
         runs += (Run(ranks.world, 0),)  # elastic: a new run over the rest of the epoch
         if not warn or p.warned == ranks.world:

@@ -9,9 +9,9 @@ One script, three ways to run it, each as the README's recipe for that framework
   this script (Lightning re-runs it for rank 1); the datasets are made in the
   LightningModule's ``__init__``, before any process group, and returned by the
   ``*_dataloader`` hooks themselves (so Lightning keeps the training set's state in its
-  checkpoints); Lightning never calls ``set_epoch``; a validation set (not shuffled) runs
+  checkpoints), the training set told Lightning's epoch in ``on_train_epoch_start``; a validation set (not shuffled) runs
   the sanity check and each epoch's validation. With ``--checkpoint-every K`` a
-  ``ModelCheckpoint`` saves every K steps into ``<out>/checkpoints``; with ``--die-at S``
+  ``ModelCheckpoint`` saves every K steps (0: at each epoch's end) into ``<out>/checkpoints``; with ``--die-at S``
   each rank leaves with ``os._exit`` as step S begins (a preempted job: ``<out>/died.<rank>``
   says it did); with ``--resume CKPT`` the job goes on from that checkpoint;
 * ``accelerate``: run under ``python -m accelerate.commands.launch --multi_gpu
@@ -122,6 +122,9 @@ def run_lightning(args) -> None:
         def train_dataloader(self):  # the dataset itself: Lightning saves its state_dict in checkpoints
             return self.train_set
 
+        def on_train_epoch_start(self):  # Lightning's epoch: restored even where Lightning skips the state
+            self.train_set.set_epoch(self.current_epoch)  # (a checkpoint at an epoch's end)
+
         def val_dataloader(self):
             return self.val_set
 
@@ -147,8 +150,8 @@ def run_lightning(args) -> None:
 
     module = Module()
     every = args.checkpoint_every
-    callbacks = [] if every is None else [ModelCheckpoint(
-        dirpath=str(args.out / "checkpoints"), every_n_train_steps=every, save_top_k=-1)]
+    callbacks = [] if every is None else [ModelCheckpoint(  # 0: Lightning's default, at each epoch's end
+        dirpath=str(args.out / "checkpoints"), every_n_train_steps=every or None, save_top_k=-1)]
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs, logger=False,
                         enable_checkpointing=every is not None, callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(args.out), num_sanity_val_steps=2)

@@ -172,10 +172,10 @@ def test_a_run_that_took_no_batch_is_not_kept():
 
 
 def test_a_run_with_no_batch_to_take_leaves_no_trace_either():
-    """A resize to more ranks than the rest can feed (4 rows left for 5 ranks: none get a batch) is
-    over for those ranks, and a state saved there (before or after the empty rest) still resumes
-    exactly on the ranks before it, and shares the rest on others (the 5-rank run is no complete run
-    of the 1-rank one: taken as one, rank 4 of it had no place in the earlier run)."""
+    """A resize to more ranks than the rest can feed (4 rows left for 5 ranks: none get a batch)
+    gives those ranks an empty rest, whenever they become known; a state saved there still
+    resumes exactly on the ranks before it, and shares the rest on others (the 5-rank run is
+    no complete run of the 1-rank one: taken as one, rank 4 of it had no place in the earlier run)."""
     plan = EpochPlan(ROWS, 7, Options(batch_size=32, shuffle_window=2))
     state = _state(0, [[1, BATCHES - 1], [5, 0]])  # 13 batches of 32 taken: 4 rows left
     c = _cursor()  # the original rank: its last batch, then the next epoch
@@ -183,17 +183,17 @@ def test_a_run_with_no_batch_to_take_leaves_no_trace_either():
     assert c.state_dict() == _state(0, [[1, BATCHES - 1]])
     pos = c.begin()
     assert (pos.epoch, pos.runs) == (0, (Run(1, BATCHES - 1),)) and len(plan.rest(pos, 0).sizes) == 1
-    five = [_cursor(world=5, rank=r) for r in range(5)]  # those 5 ranks: over, so the next epoch begins
-    for f in five:
-        f.load_state_dict(state)
-        assert f.state_dict() == state and f.left() == 0
-    assert {(p.epoch, p.runs) for p in (f.begin() for f in five)} == {(1, (Run(5, 0),))}
-    for r in range(5):  # and with the loop at epoch 0 again: an empty rest on every one of them
-        f = _cursor(world=5, rank=r)
-        f.load_state_dict(state)
-        f.set_epoch(0)
-        pos = f.begin()
-        assert pos.runs == (Run(1, BATCHES - 1), Run(5, 0)) and len(plan.rest(pos, r).sizes) == 0
+    for known in (True, False):  # those 5 ranks, known when the state is loaded or only when iterating:
+        for r in range(5):  # the epoch's rest, empty on every one of them, then the next epoch
+            f = _cursor(world=5 if known else None, rank=r if known else None)
+            f.load_state_dict(state)
+            assert f.state_dict() == (state if known else _state(0, [[1, BATCHES - 1]]))
+            f._layout = RankLayout(r, 5, "global", None)
+            assert f.batches_next() == 0
+            pos = f.begin()
+            assert (pos.epoch, pos.runs) == (0, (Run(1, BATCHES - 1), Run(5, 0))) and not plan.rest(pos, r).sizes
+            pos.running = False
+            assert f.begin().epoch == 1
     three = []  # 3 ranks: the 4 rows shared, each once
     for r in range(3):
         t = _cursor(world=3, rank=r)

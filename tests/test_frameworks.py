@@ -133,22 +133,26 @@ def test_lightning_ddp_dataset_made_in_module_init(lightning_job):
     assert f"val{EPOCHS + 1}" not in batches
 
 
-def test_lightning_ddp_resumes_mid_epoch_from_its_checkpoint(source, tmp_path, lightning_job):
-    """A job preempted in epoch 1 (every rank gone with ``os._exit`` as step 40 begins, the last
-    checkpoint at step 40) and started again with ``ckpt_path``: each rank trains on exactly the
-    batches of the uninterrupted job, in the same order, no batch lost or repeated (Lightning keeps
-    the dataset's state in its checkpoint because the hook returns the dataset itself)."""
+@pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
+def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, where):
+    """A job preempted in epoch 1 (every rank gone with ``os._exit`` as step ``at`` begins, the
+    last checkpoint at that step) and started again with ``ckpt_path``: each rank trains on exactly
+    the batches of the uninterrupted job, in the same order, no batch lost or repeated. Lightning
+    keeps the dataset's state in its checkpoint because the hook returns the dataset itself; from
+    a checkpoint at an epoch's end it does not restore it, and ``set_epoch(current_epoch)`` in
+    ``on_train_epoch_start`` (the README's recipe) starts the right epoch."""
     ref = _batches(lightning_job[0])
     per_epoch = len(ref["0"][0])
-    at = per_epoch + per_epoch // 3  # mid-epoch 1
-    base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every", str(at)]
+    at = per_epoch + per_epoch // 3 if where == "mid-epoch" else per_epoch
+    every = at if where == "mid-epoch" else 0  # 0: Lightning's default checkpoint, at each epoch's end
+    base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every", str(every)]
     rc, log = run_launch([*base, "--die-at", str(at)], TIMEOUT)
     deadline = time.monotonic() + 60  # rank 1 leaves on its own, as rank 0 did
     while not all((tmp_path / f"died.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all((tmp_path / f"died.{r}").read_text() == str(at) for r in range(2)), log[-6000:]
     checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
-    assert [c.name for c in checkpoints] == [f"epoch=1-step={at}.ckpt"], log[-6000:]
+    assert [c.name for c in checkpoints] == [f"epoch={0 if at == per_epoch else 1}-step={at}.ckpt"], log[-6000:]
     done = _launch([*base, "--resume", str(checkpoints[0])], tmp_path)  # the rows logged go on in the same files
     got = _batches(tmp_path)
     for e in range(EPOCHS):
