@@ -36,8 +36,8 @@ from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value
 from .sources.levels import null_counts
 from .sources.listing import SourceFile
 
-__all__ = ["wider", "widened", "check_consistent", "check_nulls", "check_casts", "check_partition_keys", "stored_key_error", "old_arrow_error",
-           "column_names"]
+__all__ = ["wider", "widened", "check_consistent", "check_nulls", "check_casts", "check_partition_keys",
+           "stored_key_error", "old_arrow_error", "files_text", "column_names"]
 
 
 def _logical(t: pa.DataType) -> pa.DataType:
@@ -135,7 +135,8 @@ def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], s
                                       f"numbers with other types); rewrite the files with one type for it")
 
 
-def _files_text(where: list[str], shown: int = 3) -> str:
+def files_text(where: list[str], shown: int = 3) -> str:
+    """``(in a, b, c and 2 more files)``: the first ``shown`` distinct files of ``where``, for messages."""
     files = list(dict.fromkeys(where))
     more = f" and {len(files) - shown} more files" if len(files) > shown else ""
     return f"(in {', '.join(files[:shown])}{more})"
@@ -259,7 +260,7 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 found[c][2].append(f.path)
         pa.default_memory_pool().release_unused()  # what Arrow's allocator kept of the columns read goes back
     order = {f.path: i for i, f in enumerate(files)}  # messages name files in the order given
-    bad = [(c, nulls, lists, _files_text(sorted(where, key=order.__getitem__)))
+    bad = [(c, nulls, lists, files_text(sorted(where, key=order.__getitem__)))
            for c, (nulls, lists, where) in found.items() if nulls]
     if bad:  # every such column at once: one run finds them all
         raise nulls_error(bad)

@@ -77,12 +77,7 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     if out is None:
         out = arr.to_numpy(zero_copy_only=False)
     out = out.astype(vt.dtype, copy=False)
-    if widened:
-        nan = np.isnan(out)
-        if nan.any():
-            out = out.copy()
-            out.view(f"u{out.itemsize}")[nan] = _QUIET_NAN[out.itemsize]
-    return out
+    return _quiet_nans(out) if widened else out
 
 
 def _decimal(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:
@@ -193,6 +188,17 @@ def _bfloat16_bits(values):
     return bits
 
 
+def _quiet_nans(out):
+    """``out`` (floats, NumPy or CuPy) with every NaN the positive quiet NaN of its type, copied
+    first where it is read-only and holds one: the bits a cast NaN gets on every device."""
+    nan = _xp(out).isnan(out)
+    if bool(nan.any()):
+        if not getattr(out.flags, "writeable", True):
+            out = out.copy()
+        out.view(f"u{out.itemsize}")[nan] = _QUIET_NAN[out.itemsize]
+    return out
+
+
 def cast_values(values, dtype: str, column: str, where: str):
     """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round; casts to integers
     or bool must keep every value exactly, else :class:`ConfigError` names the column and the value.
@@ -209,9 +215,7 @@ def cast_values(values, dtype: str, column: str, where: str):
     with np.errstate(invalid="ignore", over="ignore"):  # checked below for integers; floats may round
         out = values.astype(dst)
     if dst.kind == "f" and values.dtype.kind == "f":
-        nan = _xp(values).isnan(values)
-        if bool(nan.any()):
-            out.view(f"u{dst.itemsize}")[nan] = _QUIET_NAN[dst.itemsize]
+        out = _quiet_nans(out)
     if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
         with np.errstate(invalid="ignore", over="ignore"):  # a value must come back unchanged, with its sign
             bad = (out.astype(values.dtype) != values) | ((out < 0) != (values < 0))

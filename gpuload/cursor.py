@@ -51,9 +51,10 @@ Transitions
     or failed) its position stops running.
 ``state_dict()``
     The running position, or the latest one while no position is pending and its epoch is
-    ``epoch``; else the pending position as these ranks will go on with it (as saved, less
-    runs after the first that took no batch, while they are unknown); else the first run of ``epoch``, nothing taken. A complete position
-    restores to the next epoch (see ``load_state_dict``).
+    ``epoch``; else the pending position as these ranks will go on with it (while they are
+    unknown, as saved less runs after the first that took no batch); else the first run of
+    ``epoch``, nothing taken. A complete position restores to the next epoch (see
+    ``load_state_dict``).
 
 Warnings are logged on the ``gpuload`` logger: a restored position dropped by
 ``set_epoch``, a state resumed at another epoch than ``set_epoch`` gave, and (by
@@ -117,14 +118,14 @@ class Cursor:
         self._plan.runs(runs)  # refuses runs this dataset cannot have
         while len(runs) > 1 and runs[-1].taken == 0:  # a run that took no batch changed nothing (even one
             runs = runs[:-1]  # with none to take: the ranks before it go on exactly, others share the rest)
+        # complete as saved, whichever ranks go on: a rest with no batch for them (more ranks than
+        # its rows, say) is still that epoch's rest, an empty iteration
+        complete = self._plan.runs(runs)[-1].complete
         pending = Position(epoch, runs)
-        pending.complete = self._plan.runs(runs)[-1].complete
+        pending.complete = complete
         ranks = self._layout.resolve(strict=False)
         if ranks is not None:  # how these ranks will go on, said now (else when the iteration begins)
             pending.runs, pending.ranks = self._plan.go_on(pending, self._plan.check(ranks), warn=True), ranks
-        # complete as saved, whichever ranks go on: a rest with no batch for them (more ranks than its
-        # rows, say) is still that epoch's rest, an empty iteration, wherever the ranks become known
-        complete = pending.complete
         self.position = None
         was_set, self.epoch_set = self.epoch_set, False
         if was_set and self.epoch != epoch:

@@ -31,7 +31,8 @@ class Position:
     whether an iteration is ``running`` it.
 
     A restored position also keeps ``raw`` (its runs as saved, less trailing runs that took no
-    batch), ``complete`` (whether its epoch was over as saved) and ``warned`` (the world size its resume was logged for).
+    batch), ``complete`` (whether its epoch was over as saved) and ``warned`` (the world size
+    its resume was logged for).
     """
 
     def __init__(self, epoch: int, runs: tuple[Run, ...], ranks: Ranks | None = None):

@@ -24,7 +24,7 @@ from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
 from .categorical import Vocabulary, parse_key
-from .checks import check_casts, check_consistent, check_nulls, check_partition_keys, widened
+from .checks import check_casts, check_consistent, check_nulls, check_partition_keys, files_text, widened
 from .config import Options, Source
 from .errors import SourceError, flag
 from .convert import needed_columns
@@ -113,10 +113,10 @@ class ChunkReader:
             raise SourceError(f"{flag('filters')} {flt.text} keeps no row of the {len(self.files)} files "
                               f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")
         if not self.chunks:  # every file is empty: say which (a dataset of no rows has no epochs)
-            shown = ", ".join(str(f.path) for f in self.files[:3]) + (", ..." if len(self.files) > 3 else "")
             many = len(self.files) > 1
             raise SourceError(f"the {len(self.files)} file{'s' if many else ''} of the source hold{'' if many else 's'} "
-                              f"no rows ({shown}): check that it names the files you mean")
+                              f"no rows {files_text([str(f.path) for f in self.files])}: check that it names the "
+                              f"files you mean")
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         #: arrays per stored chunk
