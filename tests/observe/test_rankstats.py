@@ -77,9 +77,10 @@ SCRIPT = textwrap.dedent('''
     data, out, warm, cold = sys.argv[1:5]
     ds = gpuload.ParquetDataset(data, ["row_id"], batch_size=100, device="cpu", chunk_bytes=4096,
                                 cache_dir=cold if rank == 2 else warm, shuffle_window=1)
-    if rank == 2:  # a rank whose node's cache is cold, and whose decoding is slow
+    if rank == 2:  # a rank whose node's cache is cold, and whose decoding is slow: 0.3 s a chunk of
+        # 5 batches, far slower than a step with its barrier even on busy cores (0.05 s was not)
         decode = ds.reader.decode
-        ds.reader.decode = lambda *a: (time.sleep(0.05), decode(*a))[1]
+        ds.reader.decode = lambda *a: (time.sleep(0.3), decode(*a))[1]
     for batch in ds:
         time.sleep(0.002)  # the step
         dist.barrier()     # every rank steps together, as DDP's all-reduce makes them
