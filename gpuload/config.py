@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .cache.paths import cache_dirs, default_cache_dir
-from .errors import ConfigError, setting, value
+from .errors import ConfigError, integer, setting, value
 from .sources.settings import RemoteSettings
 from .rowfilter import RowFilter
 from .transforms import check_transform
@@ -32,17 +32,18 @@ BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaul
 
 
 def _positive_int(name: str, given: Any, minimum: int = 1, maximum: int | None = None) -> int:
-    """``given``, an integer of at least ``minimum`` (and at most ``maximum``, if given), else a
+    """``given`` as an int (a NumPy integer too), of at least ``minimum`` (and at most ``maximum``, if given), else a
     :class:`ConfigError` naming the setting as the user gave it (``num_threads=0`` in Python,
     ``--threads 0`` from the command)."""
-    if isinstance(given, bool) or not isinstance(given, int):
+    n = integer(given)
+    if n is None:
         raise ConfigError(f"{setting(name, given)} must be an integer")
-    if maximum is not None and not minimum <= given <= maximum:
+    if maximum is not None and not minimum <= n <= maximum:
         raise ConfigError(f"{setting(name, given)} must be an integer from {value(name, minimum)} "
                           f"to {value(name, maximum)}")
-    if given < minimum:
+    if n < minimum:
         raise ConfigError(f"{setting(name, given)} must be an integer >= {value(name, minimum)}")
-    return given
+    return n
 
 
 class _Settings:
@@ -136,24 +137,20 @@ class Options(_Settings):
             object.__setattr__(self, "shuffle", bool(self.shuffle))
         if not (isinstance(self.shuffle, bool) or (isinstance(self.shuffle, str) and self.shuffle == "block")):
             raise ConfigError(f"shuffle={self.shuffle!r} must be True (rows permuted in windows), 'block' or False")
-        if self.shuffle == "block":
-            _positive_int("block_rows", self.block_rows)
-        _positive_int("batch_size", self.batch_size)
-        _positive_int("shuffle_window", self.shuffle_window)
-        _positive_int("prefetch", self.prefetch, 0)
-        _positive_int("num_threads", self.num_threads)
-        _positive_int("nice", self.nice, 0, 19)
-        _positive_int("chunk_bytes", self.chunk_bytes, 4096)
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        ints = [("batch_size", 1, None), ("shuffle_window", 1, None), ("prefetch", 0, None), ("num_threads", 1, None),
+                ("nice", 0, 19), ("chunk_bytes", 4096, None), ("kvikio_threads", 1, None)]
+        ints += [("block_rows", 1, None)] if self.shuffle == "block" else []
+        ints += [("max_cache_bytes", 0, None)] if self.max_cache_bytes is not None else []
+        ints += [("max_device_bytes", 1, None)] if self.max_device_bytes is not None else []
+        for name, low, high in ints:  # kept as Python ints: NumPy's would reach JSON headers and keys
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name), low, high))
+        seed = integer(self.seed)
+        if seed is None:
             raise ConfigError(f"{setting('seed', self.seed)} must be an integer")
+        object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.verify_checksums not in (True, False, "always"):
             raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")
-        if self.max_cache_bytes is not None:
-            _positive_int("max_cache_bytes", self.max_cache_bytes, 0)
-        if self.max_device_bytes is not None:
-            _positive_int("max_device_bytes", self.max_device_bytes)
-        _positive_int("kvikio_threads", self.kvikio_threads)
         if self.decode not in ("auto", "gpu", "cpu"):
             raise ConfigError(f"decode={self.decode!r} must be 'auto', 'gpu' or 'cpu'")
         if self.kvikio_compat not in ("auto", "on", "off"):

@@ -12,6 +12,7 @@ from the ``gpuload`` command (which calls :func:`set_style`).
 from __future__ import annotations
 
 import json
+import operator
 
 __all__ = [
     "GpuloadError",
@@ -26,6 +27,7 @@ __all__ = [
     "entry",
     "flag",
     "value",
+    "integer",
 ]
 
 _style = "python"
@@ -127,3 +129,14 @@ class CacheError(GpuloadError):
 
 class CorruptCacheError(CacheError):
     """A cache entry failed verification (bad header, size or checksum)."""
+
+
+def integer(v) -> int | None:
+    """``v`` as a Python int when it is an integer of any kind (``int``, a NumPy or torch
+    integer scalar: anything with ``__index__``), else None; booleans are not integers here."""
+    if isinstance(v, bool) or type(v).__name__ == "bool_":
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None

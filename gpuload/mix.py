@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import numbers
 import sys
 from typing import Iterator, Mapping
 
@@ -24,7 +25,7 @@ import xxhash
 from .consumers import check_iter_caller, check_set_epoch_caller
 from .config import _positive_int
 from .dataset import ParquetDataset
-from .errors import ConfigError, setting
+from .errors import ConfigError, integer, setting
 from .mixsteps import mix_steps, receive
 from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
@@ -115,7 +116,7 @@ class Mix(torch.utils.data.IterableDataset):
         out = []
         for n in self.names:
             w = weights[n]
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 < w < float("inf")):
+            if isinstance(w, bool) or not isinstance(w, numbers.Real) or not (0 < w < float("inf")):  # NumPy's too
                 raise ConfigError(f"weights[{n!r}]={w!r} must be a positive number")
             out.append(float(w))
         sizes = {n: d.options.batch_size for n, d in zip(self.names, self.sources)}
@@ -158,8 +159,9 @@ class Mix(torch.utils.data.IterableDataset):
         restored after its last step then yields nothing), and of the next epoch (when the
         restored one was complete) starts it; another epoch drops the position, with a warning."""
         check_set_epoch_caller(sys._getframe(1))
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"epoch={epoch!r} must be a non-negative integer")
+        given, epoch = epoch, integer(epoch)
+        if epoch is None or epoch < 0:
+            raise ConfigError(f"epoch={given!r} must be a non-negative integer")
         if self._running:  # the running iteration goes on; the next one follows this epoch
             self._after_run = epoch
             return

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, integer
 
 __all__ = ["Ranks", "RankLayout", "SlurmTask", "resolve_ranks", "resolve_local_world", "slurm_task"]
 
@@ -56,9 +56,10 @@ class Ranks:
 
 
 def _check_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
+    n = integer(v)
+    if n is None:
         raise ConfigError(f"{name}={v!r} must be an integer")
-    return v
+    return n
 
 
 def _env_int(name: str, low: int) -> int | None:

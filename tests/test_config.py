@@ -88,3 +88,15 @@ def test_settings_travel_pickled_as_they_are(tmp_path):
     s, o = Source([str(tmp_path / "a.parquet")], columns={"x": ["a", "b"]}, remote={"retries": 1}), \
         Options(cache_dir=tmp_path / "c", shuffle="block", block_rows=8, device="cpu")
     assert pickle.loads(pickle.dumps(s)) == s and pickle.loads(pickle.dumps(o)) == o
+
+
+def test_numpy_integers_are_integers_and_kept_as_python_ints():
+    """Settings from NumPy or pandas (np.int64) are accepted and stored as Python ints (they
+    reach JSON headers and cache keys); floats and booleans stay refused."""
+    o = Options(batch_size=np.int64(64), seed=np.int32(5), prefetch=np.uint8(3), chunk_bytes=np.int64(1 << 20),
+                max_cache_bytes=np.int64(0), shuffle="block", block_rows=np.int16(8))
+    got = (o.batch_size, o.seed, o.prefetch, o.chunk_bytes, o.max_cache_bytes, o.block_rows)
+    assert got == (64, 5, 3, 1 << 20, 0, 8) and {type(v) for v in got} == {int}
+    for bad in (64.0, np.float64(64), True, np.bool_(True), "64"):
+        with pytest.raises(gpuload.ConfigError, match="batch_size=.* must be an integer"):
+            Options(batch_size=bad)

@@ -157,6 +157,9 @@ def test_epochs_and_seeds_change_the_order(click, tmp_path, shuffle):
     # rows are shuffled within windows, not just chunks reordered
     first = e0[:997]
     assert len(np.unique(first // 1000)) > 1
+    # NumPy integers (a loop over np.arange, settings from pandas) mean what the ints mean
+    assert np.array_equal(order(np.int64(0), np.int64(1)), e1)
+    assert set(order(np.int32(0), np.uint8(0), rank=np.int64(0), world_size=np.int64(2)).tolist()) == r0
 
 
 @LAYOUTS

@@ -161,6 +161,15 @@ def test_resume_at_every_position_is_bit_exact(paths, tmp_path, exhausted):
         assert _same(head + rest, ref) if k < len(ref) else _same(head, ref) and _same(rest, nxt), k
 
 
+def test_numpy_weights_and_epochs_mean_what_python_numbers_mean(paths, tmp_path):
+    kw = dict(bs=BS, batches_per_step=2, provenance="src")
+    m = _mix(paths, tmp_path / "c", weights={"a": 5, "b": 3, "c": 2}, **kw)
+    m.set_epoch(1)
+    n = _mix(paths, tmp_path / "c", weights={"a": np.int64(5), "b": np.uint8(3), "c": np.float32(2)}, **kw)
+    n.set_epoch(np.int64(1))
+    assert _same(_steps(n), _steps(m)) and n.epoch == 1 and type(n.epoch) is int
+
+
 def test_a_restore_never_leaks_into_later_epochs_or_rollbacks(paths, tmp_path):
     kw = dict(weights=W, bs=BS, batches_per_step=2, provenance="src")
     m = _mix(paths, tmp_path / "c", **kw)
