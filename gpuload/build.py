@@ -191,7 +191,7 @@ def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, no
         raise _unwritable(where, failed, counts, n, lambda i: reader.cache.path(reader.key(i)) if shared
                           else f"chunk {i} on a worker")
     return CacheSummary(
-        cache_dir=where, files=len(reader.files), rows=reader.num_rows, chunks=n,
+        cache_dir=reader.cache.where if shared else where, files=len(reader.files), rows=reader.num_rows, chunks=n,
         not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
         cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.outputs),
         max_cache_bytes=reader.cache.max_bytes, quota=opts.max_cache_bytes is None and reader.cache.max_bytes is not None,

@@ -302,6 +302,13 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["cache", "build", "DATA", "--dtypes", '{"nope": "float32"}'], "--dtypes names outputs that do not exist"),
     (["cache", "build", "DATA", "--columns", "label", "--fill-nulls", '{"label": "x"}'], "--fill-nulls"),
     (["demo", "--device", "cuda:0", "--rows", "2000"], "--device cuda:0"),
+    (["demo", "--files", "0", "--rows", "2000"], "--files 0"),  # these four were tracebacks
+    (["demo", "--step-ms", "-1", "--rows", "2000"], "--step-ms -1"),
+    (["demo", "--workdir", "FILE", "--rows", "2000"], "--workdir"),
+    (["cache", "build", "DATA", "--scheduler", "notanaddress"], "--scheduler 'notanaddress'"),
+    (["profile", "DATA", "--trace", "FILE/t.json"], "--trace"),  # was the OS's error, naming no flag
+    (["cache", "build", "DATA", "--columns", "[1, 2]"], "--columns"),
+    (["cache", "build", "DATA", "--cache-dir", ""], "--cache-dir=''"),
 ])
 def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tmp_path, capsys):
     """Through the real command: a non-zero exit, one line, the flag as the user typed it,
@@ -357,3 +364,18 @@ def test_column_sets_show_each_members_fill_where_they_differ():
     assert _spec_text(desc([0.0, 7.0])) != _spec_text(desc([7.0, 0.0]))
     assert _spec_text(desc([7.0, 7.0])) == "x=[a, b] (float32, nulls as 7.0)"
     assert _spec_text(desc([None, None])) == "x=[a, b] (float32)"
+
+
+def test_profile_says_nothing_before_its_source_opens(tmp_path, capsys):
+    """The heading comes once the source and the cache folder are open: a bad source prints only its error."""
+    (tmp_path / "c").mkdir()
+    assert main(["profile", str(tmp_path / "nope"), "--device", "cpu", "--cache-dir", str(tmp_path / "c")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("gpuload: error:"), err
+
+
+def test_columns_take_a_json_list_too():
+    from gpuload.tools.flags import columns
+
+    assert columns('["label", "dense_0"]') == columns("label, dense_0") == ["label", "dense_0"]
+    assert columns('{"x": ["a", "b"]}') == {"x": ["a", "b"]}

@@ -117,9 +117,8 @@ class Drives:
             if i in self._failed:
                 return
             self._failed[i] = str(why)
-        left = [str(c.root.path) for j, c in enumerate(self.caches) if j not in self._failed]
         log.warning("gpuload: cache folder %s failed (%s); chunks go to %s from now on", self.caches[i].root.path,
-                    why.strerror or why, ", ".join(left) or "no folder: they are read from Parquet")
+                    why.strerror or why, self.where)
 
     def _spill(self, cache: ChunkCache, key: ChunkKey, cols: dict, why) -> bool:
         """A folder could not take ``key`` (``why``: no room, or an ``OSError``): write it to the
@@ -208,6 +207,12 @@ class Drives:
     def outcomes(self, value: dict | None) -> None:
         for c in self.caches:  # one dict: a chunk's outcome wherever it went
             c.outcomes = value
+
+    @property
+    def where(self) -> str:
+        """The folders chunks go to now, for messages (those left out not named)."""
+        left = [str(c.root.path) for j, c in enumerate(self.caches) if j not in self._failed]
+        return ", ".join(left) or "no folder: they are read from Parquet"
 
     @property
     def max_bytes(self) -> int | None:

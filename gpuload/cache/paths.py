@@ -69,7 +69,7 @@ def cache_dirs(given) -> Path | tuple[Path, ...]:
         if os.fspath(item).strip() and os.path.realpath(path) not in map(os.path.realpath, out):
             out.append(path)
     if not out:
-        raise ConfigError(f"{flag('cache_dir')}{given!r} names no folder")
+        raise ConfigError(f"{flag('cache_dir').rstrip('=')}={given!r} names no folder")
     return out[0] if len(out) == 1 else tuple(out)
 
 

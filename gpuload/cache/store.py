@@ -334,6 +334,7 @@ class ChunkCache:
 
     # -- room and registration (gpuload.cache.space, gpuload.cache.evict) -----------------
     max_bytes = property(lambda self: self.space.max_bytes, doc="The budget in bytes, or None (the reserve).")
+    where = property(lambda self: str(self.root.path), doc="The folder, for messages.")
     reserve = property(lambda self: self.space.reserve, doc="Bytes the disk keeps free (0 under a quota).")
     lock_patience = property(lambda self: self.space.patience, lambda self, s: setattr(self.space, "patience", s),
                              doc="Seconds to wait for a lock another process holds (a chunk's, the budget's).")

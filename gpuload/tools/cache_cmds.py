@@ -13,7 +13,7 @@ from ..cache.paths import cache_dirs, default_cache_dir, split_dirs
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
-from ..errors import ConfigError, GpuloadError
+from ..errors import CacheError, ConfigError, GpuloadError
 from ..memory import size_text
 from .flags import add_cache_io_flag, add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
@@ -57,7 +57,12 @@ def _client(args, stack: contextlib.ExitStack):
     except ImportError:
         raise ConfigError("--scheduler and --workers need Dask: pip install 'gpuload[dask]'") from None
     if args.scheduler is not None:
-        return stack.enter_context(distributed.Client(args.scheduler))
+        try:
+            return stack.enter_context(distributed.Client(args.scheduler))
+        except (ValueError, OSError) as e:  # a malformed address; none reached in Dask's connect timeout
+            raise ConfigError(f"--scheduler {args.scheduler!r}: no Dask scheduler reached there ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())}); give a running scheduler's address, e.g. "
+                              "tcp://host:8786") from None
     logging.getLogger("distributed").setLevel(logging.ERROR)  # its start and close chatter, around our bar
     if args.device.startswith("cuda"):  # one worker per GPU, decoding with cuDF
         try:
@@ -85,16 +90,26 @@ def _cache(args) -> ChunkCache:
 
 def _each_folder(fn):
     """``fn(args)`` once per cache folder of ``--cache-dir`` (several, one per drive, separated by
-    ``os.pathsep``); the worst exit status."""
+    ``os.pathsep``); the worst exit status. An ``OSError`` in a folder (read-only, gone, no
+    permission) becomes a :class:`CacheError` naming the folder and ``--cache-dir``."""
+    def one(args, folder) -> int:
+        try:
+            return fn(argparse.Namespace(**{**vars(args), "cache_dir": str(folder)}))
+        except OSError as e:
+            what = e.strerror or type(e).__name__
+            raise CacheError(f"`gpuload cache {args.action}` cannot use the cache folder {folder} ({what}"
+                             + (f": {e.filename}" if e.filename else "") + "); check --cache-dir "
+                             "(it must be writable for quota and clear)") from None
+
     def run(args) -> int:
         folders = cache_dirs(split_dirs(args.cache_dir, "--cache-dir") if args.cache_dir else default_cache_dir())
         if not isinstance(folders, tuple):
-            return fn(argparse.Namespace(**{**vars(args), "cache_dir": str(folders)}))
+            return one(args, folders)
         worst = 0
         for f in folders:  # a folder that fails (a dead drive) is said, and the others still done
             print(f"== {f}")
             try:
-                worst = max(worst, fn(argparse.Namespace(**{**vars(args), "cache_dir": str(f)})))
+                worst = max(worst, one(args, f))
             except GpuloadError as e:
                 print(f"gpuload: {e}")
                 worst = max(worst, 1)
@@ -257,6 +272,10 @@ def _since(text: str) -> float:
 
 def _budget(cache: ChunkCache, used: int) -> tuple[int, str]:
     """(the bytes chunks may take in the cache folder, one line saying so and how much is used)."""
+    if cache.max_bytes == 0:
+        kept = f"{size_text(used)} kept from before; " if used else ""
+        return 0, ("budget: the folder's quota is 0 (`gpuload cache quota`): nothing new is cached here, datasets "
+                   f"read Parquet for what is not ({kept}`gpuload cache quota none` removes the quota)")
     if cache.max_bytes is not None:
         return cache.max_bytes, (f"budget: the folder's quota of {size_text(cache.max_bytes)} (`gpuload cache quota`), "
                                  f"{used / cache.max_bytes:.0%} used")

@@ -28,6 +28,13 @@ def cmd_demo(args) -> int:
 
     if args.rows < 1000:
         raise ConfigError(f"--rows {args.rows}: the demo needs at least 1000 rows")
+    if not 1 <= args.files <= args.rows:
+        raise ConfigError(f"--files {args.files}: give from 1 to --rows ({args.rows:,}) files")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size}: give at least 1 row")
+    finite("--step-ms", args.step_ms)  # every mistake before the data is generated
+    if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+        raise ConfigError(f"--workdir {args.workdir}: that is a file; give a folder (made if missing)")
     owned = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="gpuload-demo-")) if owned else Path(args.workdir)
     bars = []
@@ -86,6 +93,9 @@ def cmd_profile(args) -> int:
 
     if args.epochs < 1:
         raise ConfigError(f"--epochs {args.epochs}: profile at least one epoch")
+    if args.trace and (Path(args.trace).is_dir() or not Path(args.trace).parent.is_dir()):
+        raise ConfigError(f"--trace {args.trace}: " + ("that is a folder; give a file name" if Path(args.trace).is_dir()
+                                                       else f"its folder {Path(args.trace).parent} does not exist"))
     finite("--step-ms", args.step_ms)
     if args.step_ms is not None and args.step_ms > 60_000:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
@@ -102,12 +112,15 @@ def cmd_profile(args) -> int:
         rank = dist.get_rank()
         if args.trace:  # a trace per rank
             args.trace = rank_path(args.trace, rank)
-    if rank == 0:
-        print(f"profiling {args.epochs} epochs of {', '.join(args.source)} under {step}, batches of "
-              f"{opts.batch_size:,} rows" + ("" if ranks is None else f" on each of {dist.get_world_size()} ranks"),
-              file=sys.stderr)
+
+    def heading(ds) -> None:  # once the source and the cache folder are open: a mistake prints only its error
+        if rank == 0:
+            print(f"profiling {args.epochs} epoch{'s' if args.epochs > 1 else ''} of {', '.join(args.source)} under "
+                  f"{step}, batches of {opts.batch_size:,} rows"
+                  + ("" if ranks is None else f" on each of {dist.get_world_size()} ranks"), file=sys.stderr)
+
     reports = profile(src.source, src.columns, epochs=args.epochs, step_ms=step_ms, model=args.model, trace=args.trace,
-                      headspace=args.headspace, all_ranks=ranks is not None,
+                      headspace=args.headspace, all_ranks=ranks is not None, opened=heading,
                       fill_nulls=src.fill_nulls, dtypes=src.dtypes, categorical=src.categorical, filters=src.filters,
                       storage_options=src.storage_options, **settings)
     if ranks is not None:

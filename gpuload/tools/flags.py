@@ -21,15 +21,18 @@ __all__ = ["add_source_flags", "add_chunk_flags", "source_of", "loader_settings"
 
 
 def columns(text: str | None):
-    """``a,b,c`` -> list; a JSON object -> dict (groups); None -> None."""
+    """``a,b,c`` or a JSON list of names -> list; a JSON object -> dict (groups); None -> None."""
     if text is None:
         return None
     text = text.strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
-            return json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--columns is not valid JSON: {e}") from None
+        if isinstance(value, list) and not all(isinstance(c, str) for c in value):
+            raise ConfigError(f"--columns {text!r}: a JSON list must hold column names (strings)")
+        return value
     names = [c.strip() for c in text.split(",") if c.strip()]
     if not names:
         raise ConfigError("--columns is empty: give names separated by commas, or a JSON object")
@@ -63,7 +66,8 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
     looks at a cache, which must name them as the cache was built with)."""
     was = "; as the cache was built with" if as_built else ""
     p.add_argument("--storage-options", help="a JSON object for the URL's fsspec filesystem, e.g. '{\"anon\": true}'")
-    p.add_argument("--columns", help=f"a,b,c or a JSON object {{\"output\": [\"col\", ...]}} (default: all{was})")
+    p.add_argument("--columns", help=f"a,b,c, a JSON list, or a JSON object {{\"output\": [\"col\", ...]}} "
+                   f"(default: all{was})")
     p.add_argument("--fill-nulls", help=f"a number, or a JSON object {{\"column\": value}}{was}")
     p.add_argument("--dtypes", help=f"a JSON object {{\"output\": \"float16\"}} (numpy or torch dtype names){was}")
     p.add_argument("--categorical", help="ids for string and binary columns: a number of hash buckets, or vocab, "

@@ -192,7 +192,8 @@ def headspace(source, columns=None, *, epochs: int = 2, warm: bool = False, **da
 
 
 def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.0, model: str | None = None,
-            trace=None, headspace: bool = False, all_ranks: bool = False, **dataset_kwargs) -> list[EpochReport]:
+            trace=None, headspace: bool = False, all_ranks: bool = False, opened=None,
+            **dataset_kwargs) -> list[EpochReport]:
     """Run ``epochs`` epochs of ``source`` under a training step; one :class:`EpochReport` each.
 
     Parameters
@@ -207,12 +208,16 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
     all_ranks : under torch.distributed, gather every rank's figures after each epoch (every
         rank must call ``profile`` alike): each report then holds them (``ranks``) and names
         the straggler (default False).
+    opened : ``opened(dataset)`` is called once the dataset is open, before any epoch (the
+        command prints its heading then, after the source and settings are known good).
     """
     from .demo import simulated_step
 
     if model not in (None, "mlp"):
         raise ConfigError(f"model={model!r}: the profiler knows 'mlp' (or give step_ms)")
     ds = ParquetDataset(source, columns, **dataset_kwargs)
+    if opened is not None:
+        opened(ds)
     warm = headspace and all(ds.reader.is_cached(i) for i in range(len(ds.reader.chunks)))
     alone = _headspace(source, columns, epochs=epochs, warm=warm, **dataset_kwargs) if headspace else [None] * epochs
     step = MlpStep(ds.device) if model == "mlp" else simulated_step(step_ms or 0.0)

@@ -158,6 +158,8 @@ def test_a_folder_that_cannot_be_made_is_left_out_at_open(source, folders, tmp_p
     assert any("left out" in r.getMessage() and "file" in r.getMessage() for r in caplog.records)
     assert np.array_equal(np.sort(np.concatenate(_epoch(ds))), np.arange(FILES * N))
     assert len(_chunks(folders[1])) == FILES
+    built = gpuload.build_cache(source, [tmp_path / "file" / "cache", folders[1]], ["x"], progress=False)
+    assert built.cache_dir == str(folders[1])  # the summary names the folder used, not the one left out
 
 
 def test_a_corrupt_copy_in_another_folder_is_deleted_once(source, folders, caplog):

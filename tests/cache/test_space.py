@@ -106,6 +106,40 @@ def test_the_quota_command_sets_shows_and_removes_it(tmp_path, capsys):
     assert err.count("\n") == 1 and "cache quota 'lots'" in err
 
 
+def test_a_quota_of_zero_is_shown_and_caches_nothing_new(data, tmp_path, capsys):
+    """`cache quota 0` divided by zero (info and quota then failed on the folder until removed)."""
+    cache = str(tmp_path / "c")
+    list(open_dataset(data, ["x"], tmp_path / "c", batch_size=500))
+    assert main(["cache", "quota", "0", "--cache-dir", cache]) == 0
+    assert main(["cache", "info", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the folder's quota is 0") == 2 and "kept from before" in out and "%" not in out
+    before = _files(tmp_path / "c")
+    (tmp_path / "c2").mkdir()
+    space.write_quota(CacheRoot(tmp_path / "c2"), 0)
+    ds = open_dataset(data, ["x"], tmp_path / "c2", batch_size=500)
+    for _ in range(2):  # read from Parquet both times, every row once
+        assert np.array_equal(np.sort(np.concatenate([b["x"].numpy() for b in ds])), np.arange(3000))
+    ds.reader.cache.flush()
+    assert _files(tmp_path / "c2") == 0 and _files(tmp_path / "c") == before
+
+
+def test_a_folder_the_command_cannot_write_is_named_with_the_flag(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from gpuload.tools import cache_cmds
+
+    def read_only(root, nbytes):
+        raise OSError(errno.EROFS, "Read-only file system", "quota.tmp.1.ab")
+
+    monkeypatch.setattr(cache_cmds, "write_quota", read_only)
+    (tmp_path / "c").mkdir()
+    assert main(["cache", "quota", "5G", "--cache-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cache folder {tmp_path / 'c'} (Read-only file system: quota.tmp.1.ab)" in err
+    assert "--cache-dir" in err
+
+
 def test_a_quota_set_while_a_dataset_runs_binds_it_within_the_retry_time(data, tmp_path, monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(space.time, "monotonic", lambda: clock[0])  # a virtual clock
