@@ -98,8 +98,8 @@ def _each_folder(fn):
         except OSError as e:
             what = e.strerror or type(e).__name__
             raise CacheError(f"`gpuload cache {args.action}` cannot use the cache folder {folder} ({what}"
-                             + (f": {e.filename}" if e.filename else "") + "); check --cache-dir "
-                             "(it must be writable for quota and clear)") from None
+                             + (f": {e.filename}" if e.filename else "") + "); check --cache-dir (it must be "
+                             + ("writable)" if args.action in ("quota", "clear") else "readable)")) from None
 
     def run(args) -> int:
         folders = cache_dirs(split_dirs(args.cache_dir, "--cache-dir") if args.cache_dir else default_cache_dir())
