@@ -153,6 +153,14 @@ class Cuda:
         """The stream batches are used on (set by :meth:`handoff`), which loaded memory is guarded for."""
         return self.ctx.consumer
 
+    def hold(self, made_on):
+        """``hold(tensor, reader)``: ``tensor``, made on stream ``made_on`` by torch's allocator,
+        kept from reuse until stream ``reader`` is done with it (a :class:`gpuload.Mix`'s steps)."""
+        from .gpu.streams import held_for
+
+        rmm = self.ctx.rmm
+        return lambda tensor, reader: held_for(tensor, made_on, [reader], rmm)
+
     def check_bound(self, bound: int, limit: int | None, terms: str) -> None:
         """Refuse settings whose device memory bound (``bound`` bytes, made of ``terms``) is over ``limit``."""
         if limit is not None and bound > limit:

@@ -295,7 +295,9 @@ class Mix(torch.utils.data.IterableDataset):
             self._states = item[1]
 
         try:
-            yield from handed_out(producer, self.metrics, lambda item: receive(item[0], item[2], self.device), taken)
+            hold = None if stream is None else self.sources[0].reader.device.hold(stream)
+            yield from handed_out(producer, self.metrics, lambda item: receive(item[0], item[2], self.device, hold),
+                                  taken)
             run[1] = run[2]  # ended (early, where exhausted='end' ran a source out)
         finally:
             self._running = False

@@ -94,14 +94,14 @@ def mix_steps(mix, p: MixPlan, lab, states: dict, epoch: int, stream, stop) -> I
             it.close()
 
 
-def receive(batch: dict, ready, device) -> dict:
+def receive(batch: dict, ready, device, hold) -> dict:
     """On the training thread: on a GPU, make the current stream wait for the step's kernels and
-    keep the step's memory (the mix's own tensors) from reuse until that stream is done with it."""
+    keep the step's memory (the mix's own tensors) from reuse until that stream is done with it:
+    ``hold(tensor, reader)`` returns the tensor so kept (:meth:`gpuload.device.Cuda.hold`:
+    ``record_stream``, or with RMM's allocator, which ignores it, an owner that waits)."""
     if ready is None:
         return batch
     s = torch.cuda.current_stream(device)
     s.wait_event(ready)
-    for v in batch.values():
-        for t in (v if isinstance(v, Ragged) else (v,)):
-            t.record_stream(s)
-    return batch
+    return {k: Ragged(hold(v.values, s), hold(v.offsets, s)) if isinstance(v, Ragged) else hold(v, s)
+            for k, v in batch.items()}

@@ -30,7 +30,7 @@ import torch
 from ..batch import Ragged, nbytes, nrows
 from .rmm_pool import stream_ordered, torch_uses_rmm
 
-__all__ = ["DeviceContext", "guard", "Loaded"]
+__all__ = ["DeviceContext", "guard", "held_for", "Loaded"]
 
 
 class Loaded:
@@ -57,6 +57,27 @@ def guard(tensor, stream, readers, rmm: bool):
     for s in readers:
         tensor.record_stream(s)
     return tensor
+
+
+def held_for(tensor: torch.Tensor, stream, readers, rmm: bool) -> torch.Tensor:
+    """``tensor`` (made on ``stream``) kept from reuse until the work ``readers`` queued before
+    its release is done (:func:`guard`): with torch's caching allocator the tensor itself;
+    with RMM's (``rmm``), a view of the same memory whose owner makes ``stream`` wait for the
+    readers before the free."""
+    if tensor.untyped_storage().nbytes() == 0:  # no memory to guard
+        return tensor
+    owner = guard(tensor, stream, readers, rmm)
+    if owner is tensor:
+        return tensor
+    import cupy
+
+    storage, index = tensor.untyped_storage(), tensor.device.index
+    with cupy.cuda.Device(index):
+        raw = cupy.ndarray((storage.nbytes(),), cupy.uint8, cupy.cuda.MemoryPointer(
+            cupy.cuda.UnownedMemory(storage.data_ptr(), storage.nbytes(), owner, index), 0))
+    held = torch.from_dlpack(raw).untyped_storage()  # keeps raw, so the owner, so the tensor
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        held, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 class _ReleasedAfter:
@@ -112,7 +133,7 @@ class DeviceContext:
         with cupy.cuda.Device(self.index):  # CuPy binds a stream to the device current at its creation
             self._cp = {self.read_stream: _cupy_stream(cupy, self.read_stream, self.index),
                         self.batch_stream: _cupy_stream(cupy, self.batch_stream, self.index)}
-        self._rmm = torch_uses_rmm()
+        self.rmm = torch_uses_rmm()  #: whether torch allocates from RMM (which ignores record_stream)
         self._local = threading.local()
         self._decode = None  # the read stream for libcudf, made on first use
         self.gds = gds  #: cache reads by GPUDirect Storage: see gpuload.gpu.kvikio_read
@@ -182,7 +203,7 @@ class DeviceContext:
 
         stream = torch.cuda.current_stream(self.index)  # the read or the batch stream (see _on)
         t = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # ordered on `stream`
-        owner = guard(t, stream, self.readers(stream), self._rmm)
+        owner = guard(t, stream, self.readers(stream), self.rmm)
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, owner, self.index), 0)
 
     def hand_out(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -190,20 +211,7 @@ class DeviceContext:
         guarded for the consumer's stream as gpuload's own blocks are (:func:`guard`): with
         torch's caching allocator the tensor itself; with RMM's, a view of the same memory
         whose owner makes the batch stream wait for the consumer's work before the free."""
-        if tensor.untyped_storage().nbytes() == 0:  # no memory to guard
-            return tensor
-        owner = guard(tensor, self.batch_stream, [self.consumer], self._rmm)
-        if owner is tensor:
-            return tensor
-        import cupy
-
-        storage = tensor.untyped_storage()
-        with cupy.cuda.Device(self.index):
-            raw = cupy.ndarray((storage.nbytes(),), cupy.uint8, cupy.cuda.MemoryPointer(
-                cupy.cuda.UnownedMemory(storage.data_ptr(), storage.nbytes(), owner, self.index), 0))
-        held = torch.from_dlpack(raw).untyped_storage()  # keeps raw, so the owner, so the tensor
-        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-            held, tensor.storage_offset(), tensor.size(), tensor.stride())
+        return held_for(tensor, self.batch_stream, [self.consumer], self.rmm)
 
     def empty_bytes(self, nbytes: int):
         """An uninitialised CuPy uint8 array of ``nbytes`` (call inside :meth:`reading` or :meth:`batching`)."""
@@ -266,9 +274,13 @@ class DeviceContext:
         if not isinstance(_first_array(cols), cupy.ndarray):
             return cols  # decoded on the CPU: already host arrays
         cp_read = self._cp[self.read_stream]
+        queued = []  # every block a copy was queued into, held until the event: if one() fails
+        # half-way, unwinding would free the blocks already queued before read_done ran (CuPy's
+        # copies record nothing in torch's host allocator, which would hand them out again)
 
         def one(a):
             pinned = torch.empty(a.nbytes, dtype=torch.uint8, pin_memory=True).numpy()  # keeps the block
+            queued.append(pinned)
             out = pinned.view(a.dtype).reshape(a.shape)
             a.get(stream=cp_read, out=out, blocking=False)  # a strided view is made contiguous on cp_read first
             return out
