@@ -164,7 +164,7 @@ def test_gpu_node_proof_parts_select_what_they_claim():
     parts = {name: _collected(how) for name, _, _, how in gpu_node.PROOF if isinstance(how, list)}
     assert sorted(parts["identity"]) == sorted(f"{gpu_node._IDENTITY}[cuda-arrow-{c}]" for c in CONFIGS)
     assert parts["memory"] == [gpu_node._MEMORY]
-    assert parts["streams"] == [f"{gpu_node._BUSY}[{i}-torch]" for i in (0, 1)]
+    assert parts["streams"] == [f"{gpu_node._BUSY}[{case}-torch]" for case in ("0-dataset", "1-dataset", "0-mix")]
     rest = parts["gpu"]
     assert "tests/cache/test_store.py::test_concurrent_processes_build_each_chunk_once[cuda]" in rest
     assert "tests/gpu/test_runtime.py::test_caches_are_shared_between_cpu_and_gpu" in rest
