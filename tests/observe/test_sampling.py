@@ -221,7 +221,12 @@ def test_run_queue_measures_threads_waiting_for_a_core():
     for t in threads:
         t.start()
     try:
+        # until they ran 0.6 s of CPU in all, about 0.3 s a side (0.6 s of wall time on one idle core): on
+        # busy cores 0.6 s of wall time gave a side 0.03 s
+        cpu0, end = time.process_time(), time.monotonic() + 60
         time.sleep(0.6)
+        while time.process_time() - cpu0 < 0.6 and time.monotonic() < end:
+            time.sleep(0.05)
         got = rq.delta()  # while they run: a thread's counters go with it when it ends
     finally:
         done.set()
