@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .cache.paths import cache_dirs, default_cache_dir
-from .errors import ConfigError, integer, setting, value
+from .errors import ConfigError, counted, integer, setting
 from .sources.settings import RemoteSettings
 from .rowfilter import RowFilter
 from .transforms import check_transform
@@ -29,21 +29,6 @@ __all__ = ["Source", "Options", "MiB", "BUILD_DEVICE"]
 
 MiB = 1 << 20
 BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaults to ``Options.device``, "auto")
-
-
-def _positive_int(name: str, given: Any, minimum: int = 1, maximum: int | None = None) -> int:
-    """``given`` as an int (a NumPy integer too), of at least ``minimum`` (and at most ``maximum``, if given), else a
-    :class:`ConfigError` naming the setting as the user gave it (``num_threads=0`` in Python,
-    ``--threads 0`` from the command)."""
-    n = integer(given)
-    if n is None:
-        raise ConfigError(f"{setting(name, given)} must be an integer")
-    if maximum is not None and not minimum <= n <= maximum:
-        raise ConfigError(f"{setting(name, given)} must be an integer from {value(name, minimum)} "
-                          f"to {value(name, maximum)}")
-    if n < minimum:
-        raise ConfigError(f"{setting(name, given)} must be an integer >= {value(name, minimum)}")
-    return n
 
 
 class _Settings:
@@ -143,7 +128,7 @@ class Options(_Settings):
         ints += [("max_cache_bytes", 0, None)] if self.max_cache_bytes is not None else []
         ints += [("max_device_bytes", 1, None)] if self.max_device_bytes is not None else []
         for name, low, high in ints:  # kept as Python ints: NumPy's would reach JSON headers and keys
-            object.__setattr__(self, name, _positive_int(name, getattr(self, name), low, high))
+            object.__setattr__(self, name, counted(name, getattr(self, name), low, high))
         seed = integer(self.seed)
         if seed is None:
             raise ConfigError(f"{setting('seed', self.seed)} must be an integer")

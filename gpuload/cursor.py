@@ -68,7 +68,7 @@ import logging
 
 from . import plan, resume
 from .epochs import EpochPlan, Position
-from .errors import ConfigError, integer
+from .errors import ConfigError, counted
 from .ranks import RankLayout, Ranks
 
 __all__ = ["Cursor"]
@@ -94,9 +94,7 @@ class Cursor:
     # -- transitions ----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration follows (see ``set_epoch`` in the module doc)."""
-        given, epoch = epoch, integer(epoch)
-        if epoch is None or epoch < 0:
-            raise ConfigError(f"epoch={given!r} must be a non-negative integer")
+        epoch = counted("epoch", epoch, 0)
         p = self.pending
         if p is not None and epoch != p.epoch:
             if not (epoch == p.epoch + 1 and p.complete):

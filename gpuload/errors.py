@@ -81,6 +81,21 @@ def value(name: str, value) -> str:
     return str(_cli_value(name, value)) if _style == "cli" and name in FLAGS else repr(value)
 
 
+def counted(name: str, given: object, minimum: int = 1, maximum: int | None = None) -> int:
+    """``given`` as a Python int (a NumPy integer too), of at least ``minimum`` (and at most ``maximum``, if given), else a
+    :class:`ConfigError` naming the setting as the user gave it (``num_threads=0`` in Python,
+    ``--threads 0`` from the command)."""
+    n = integer(given)
+    if n is None:
+        raise ConfigError(f"{setting(name, given)} must be an integer")
+    if maximum is not None and not minimum <= n <= maximum:
+        raise ConfigError(f"{setting(name, given)} must be an integer from {value(name, minimum)} "
+                          f"to {value(name, maximum)}")
+    if n < minimum:
+        raise ConfigError(f"{setting(name, given)} must be an integer >= {value(name, minimum)}")
+    return n
+
+
 def entry(name: str, key) -> str:
     """One entry of a mapping setting, without its value: ``dtypes['f1']`` in Python, ``--dtypes f1``
     from the ``gpuload`` command."""

@@ -23,9 +23,8 @@ import torch
 import xxhash
 
 from .consumers import check_iter_caller, check_set_epoch_caller
-from .config import _positive_int
 from .dataset import ParquetDataset
-from .errors import ConfigError, integer, setting
+from .errors import ConfigError, counted, setting
 from .mixsteps import mix_steps, receive
 from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
@@ -84,10 +83,10 @@ class Mix(torch.utils.data.IterableDataset):
         self.mode = mode or ("proportion" if weights is not None else "composition")
         _choice("mode", self.mode, MODES)
         _choice("exhausted", exhausted, EXHAUSTED)
-        self.exhausted, self.seed, self.provenance = exhausted, _positive_int("seed", seed, 0), provenance
-        self.per_step = _positive_int("batches_per_step", batches_per_step)
-        self.steps_per_epoch = None if steps_per_epoch is None else _positive_int("steps_per_epoch", steps_per_epoch)
-        self.prefetch = _positive_int("prefetch", prefetch)
+        self.exhausted, self.seed, self.provenance = exhausted, counted("seed", seed, 0), provenance
+        self.per_step = counted("batches_per_step", batches_per_step)
+        self.steps_per_epoch = None if steps_per_epoch is None else counted("steps_per_epoch", steps_per_epoch)
+        self.prefetch = counted("prefetch", prefetch)
         self.weights = self._check_weights(weights)
         self._check_outputs()
         self.device = self.sources[0].device
@@ -159,9 +158,7 @@ class Mix(torch.utils.data.IterableDataset):
         restored after its last step then yields nothing), and of the next epoch (when the
         restored one was complete) starts it; another epoch drops the position, with a warning."""
         check_set_epoch_caller(sys._getframe(1))
-        given, epoch = epoch, integer(epoch)
-        if epoch is None or epoch < 0:
-            raise ConfigError(f"epoch={given!r} must be a non-negative integer")
+        epoch = counted("epoch", epoch, 0)
         if self._running:  # the running iteration goes on; the next one follows this epoch
             self._after_run = epoch
             return
