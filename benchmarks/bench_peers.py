@@ -14,6 +14,7 @@ largest sampled sum over the process and its children. Once per consumer: ``--th
     python benchmarks/bench_peers.py                                      # 8M rows, every loader
     python benchmarks/bench_peers.py --rows 300000 --loaders gpuload,naive,ideal,ideal-window
     python benchmarks/bench_peers.py --out docs/benchmarks.md --workdir /tmp/peers --keep
+    python benchmarks/bench_peers.py --loaders ideal,gpuload,gpuload-block,daft --threads 1 --repeat 3
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import pathlib
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,9 +161,43 @@ def run_one(key: str, spec: Spec, args, data: pathlib.Path, work: pathlib.Path, 
     return res
 
 
+def combine(runs: list[dict]) -> dict:
+    """One loader's repeated runs (interleaved with the others', ``--repeat``) as one result: each epoch's
+    medians (rows/s, seconds, waiting, first batch, conversion), its rows/s range over the runs that
+    succeeded (``rows_per_s_range``, with ``runs`` and ``failed``), the median peak RSS; an epoch is
+    verified only if it was in every run. A single run is returned as it is; all failed: the first error."""
+    good = [r for r in runs if "error" not in r]
+    if len(runs) == 1 or not good:
+        return runs[0]
+    out = dict(good[0])
+    epochs = []
+    for i in range(min(len(r["epochs"]) for r in good)):
+        eps = [r["epochs"][i] for r in good]
+        ep = dict(eps[0])
+        for k in ("rows_per_s", "seconds", "wait_fraction", "first_batch_s", "conversion_s"):
+            xs = [e[k] for e in eps if e.get(k) is not None]
+            if xs:
+                ep[k] = round(statistics.median(xs), 1 if k == "rows_per_s" else 4)
+        ep["rows_per_s_range"] = [min(e["rows_per_s"] for e in eps), max(e["rows_per_s"] for e in eps)]
+        ep["verified"] = next((e["verified"] for e in eps if e["verified"] is not True), True)
+        epochs.append(ep)
+    out["epochs"] = epochs
+    out["peak_rss_bytes"] = statistics.median(r["peak_rss_bytes"] for r in good)
+    out["runs"], out["failed"] = len(good), [r["error"] for r in runs if "error" in r]
+    return out
+
+
 # -- the report -----------------------------------------------------------------------------------------------
 def _rate(x: float) -> str:
     return f"{x / 1e6:.2f} M" if x >= 1e5 else f"{x / 1e3:.1f} k"
+
+
+def _rates(ep: dict) -> str:
+    """An epoch's rows/s; with repeated runs, their median and range."""
+    lo_hi = ep.get("rows_per_s_range")
+    if not lo_hi or lo_hi[0] == lo_hi[1]:
+        return _rate(ep["rows_per_s"])
+    return f"{_rate(ep['rows_per_s'])} ({_rate(lo_hi[0])}-{_rate(lo_hi[1])})"
 
 
 def _verified(res: dict, total: int) -> str:
@@ -170,6 +206,11 @@ def _verified(res: dict, total: int) -> str:
         return "; ".join(bad)
     budget = res["epochs"][0]["rows"]
     return "yes" if budget >= total else f"yes, of its {budget:,}-row budget"
+
+
+def _failed(res: dict) -> str:
+    failed = res.get("failed")
+    return f"; {len(failed)} of {res['runs'] + len(failed)} runs failed: {failed[0]}" if failed else ""
 
 
 def table(results: dict, threads: str, total: int) -> str:
@@ -191,10 +232,10 @@ def table(results: dict, threads: str, total: int) -> str:
         ratio = "" if ref is None or len(eps) < 2 else \
             f"{ref[0]['rows_per_s'] / e1['rows_per_s']:.2f}x, {ref[-1]['rows_per_s'] / e2['rows_per_s']:.2f}x"
         lines.append(
-            f"| {res['loader']} | {res['shuffle']} | {_rate(e1['rows_per_s'])} | {e1['wait_fraction']:.0%} "
+            f"| {res['loader']} | {res['shuffle']} | {_rates(e1)} | {e1['wait_fraction']:.0%} "
             f"| {e1['first_batch_s'] if e1['first_batch_s'] is not None else '-'} s | {conv:.2f} s "
-            f"| {_rate(e2['rows_per_s'])} | {e2['wait_fraction']:.0%} | {res['peak_rss_bytes'] / 2**30:.2f} GiB "
-            f"| {ratio} | {_verified(res, total)} |")
+            f"| {_rates(e2)} | {e2['wait_fraction']:.0%} | {res['peak_rss_bytes'] / 2**30:.2f} GiB "
+            f"| {ratio} | {_verified(res, total)}{_failed(res)} |")
     return "\n".join(lines)
 
 
@@ -223,6 +264,9 @@ def main(argv=None) -> int:
                     help="row budget of the loaders that honour one (default: their own: 2,000,000 for "
                          "streaming and 500,000 for litdata, whose per-row conversions run at ~60k and ~10k rows/s "
                          "here; 0: all rows)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every loader, in interleaved rounds (each round runs every loader once); the "
+                         "tables show each epoch's median rows/s and, in brackets, the range (default 1)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before a loader's process is killed")
     ap.add_argument("--workdir", type=pathlib.Path, help="default: a temporary folder, removed at the end")
     ap.add_argument("--keep", action="store_true", help="keep the work folder and every loader's converted data")
@@ -239,6 +283,8 @@ def main(argv=None) -> int:
     unknown = [k for k in keys if k not in LOADERS]
     if unknown:
         ap.error(f"unknown loaders {unknown}; known: {', '.join(LOADERS)}")
+    if args.repeat < 1:
+        ap.error(f"--repeat {args.repeat}: give at least 1 run per loader")
     threads = [t.strip() for t in args.threads.split(",") if t.strip()]
     work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="gpuload-peers-"))
     t_start, load0 = time.perf_counter(), os.getloadavg()
@@ -256,10 +302,14 @@ def main(argv=None) -> int:
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
         window = shuffle_window_rows(files, work, args.batch_size)
         say(f"{rows:,} rows; gpuload's default shuffle window: {window:,} rows")
-        results = {}
-        for key in keys:
-            for t in threads:
-                results[(key, t)] = run_one(key, LOADERS[key], args, data, work, rows, window, t)
+        runs: dict = {}
+        for r in range(args.repeat):  # rounds: a slow minute of a shared machine hits one run of each loader
+            if args.repeat > 1:
+                say(f"round {r + 1} of {args.repeat}")
+            for key in keys:
+                for t in threads:
+                    runs.setdefault((key, t), []).append(run_one(key, LOADERS[key], args, data, work, rows, window, t))
+        results = {kt: combine(rs) for kt, rs in runs.items()}
         load1 = os.getloadavg()
         merged = None
         if args.merge:  # an earlier run's rows for the loaders not run now, in the loaders' order
@@ -293,6 +343,9 @@ def main(argv=None) -> int:
                        f"26 cat, history list<int64>; batch_size {args.batch_size:,}",
             "consumer": f"clone() of every tensor, then sleep {args.step_ms:g} ms; row_ids marked (every row "
                         f"once per epoch or the row says FAILED); torch threads {', '.join(threads)}",
+            **({"repeats": f"{args.repeat} interleaved rounds (each runs every loader once); rows/s: the median, "
+                              f"in brackets the range; waiting, first batch, conversion and peak RSS: medians"}
+               if args.repeat > 1 else {}),
             "epochs": "1st: from Parquet, including opening the loader and any conversion into its own format "
                       "or cache (also shown alone); cached: the 2nd epoch in the same process. Waiting: share of "
                       "the epoch the training thread spent outside its step (conversion included). Peak RSS: the "

@@ -63,6 +63,31 @@ def test_run_epoch_fails_a_loader_that_repeats_or_drops_rows():
     assert run_epoch(Good(None), 0, 5, 0.0, None, prepare=False)["verified"].startswith("FAILED")
 
 
+def _result(rates, verified=(True, True), rss=1 << 30):
+    return {"loader": "x", "shuffle": "none", "notes": [], "versions": {}, "peak_rss_bytes": rss,
+            "epochs": [{"epoch": i + 1, "rows": 8, "rows_per_s": r, "seconds": 8 / r, "wait_fraction": 0.1 * (i + 1),
+                        "first_batch_s": 0.5, "verified": v} for i, (r, v) in enumerate(zip(rates, verified))]}
+
+
+def test_repeated_runs_combine_into_medians_and_ranges_and_fail_if_one_run_did():
+    from bench_peers import combine, table
+
+    runs = [_result([1e6, 3e6]), {"error": "exit 1: boom"}, _result([2e6, 2e6], rss=3 << 30),
+            _result([4e6, 2.5e6], verified=(True, "FAILED: 7 rows delivered"))]
+    got = combine(runs)
+    (e1, e2) = got["epochs"]
+    assert (e1["rows_per_s"], e1["rows_per_s_range"]) == (2e6, [1e6, 4e6])
+    assert (e2["rows_per_s"], e2["rows_per_s_range"]) == (2.5e6, [2e6, 3e6])
+    assert e1["verified"] is True and e2["verified"] == "FAILED: 7 rows delivered"  # one bad run fails the epoch
+    assert got["peak_rss_bytes"] == 1 << 30 and got["runs"] == 3 and got["failed"] == ["exit 1: boom"]
+    assert combine([runs[1], {"error": "exit 2"}]) == runs[1]  # every run failed: the first error
+    one = _result([1e6, 2e6])
+    assert combine([one]) is one
+    row = table({("x", "1"): got}, "1", 8).splitlines()[-1]
+    assert "| 2.00 M (1.00 M-4.00 M) |" in row and "| 2.50 M (2.00 M-3.00 M) |" in row
+    assert "FAILED: 7 rows delivered" in row and "1 of 4 runs failed: exit 1: boom" in row
+
+
 @pytest.mark.slow
 def test_local_loaders_deliver_every_row_once(tmp_path, capsys):
     import bench_peers
