@@ -300,7 +300,7 @@ def windows(segments: Sequence[Segment], size: int) -> list[list[Segment]]:
 
 def window_permutation(n: int, *, fingerprint: int, seed: int, epoch: int, rank: int, window: int) -> np.ndarray:
     """Row permutation of window number ``window`` of ``rank`` (int64, length ``n``)."""
-    return _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64)
+    return _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64, copy=False)
 
 
 def block_permutation(n: int, block_rows: int, *, fingerprint: int, seed: int, epoch: int, rank: int,

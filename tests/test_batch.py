@@ -159,6 +159,19 @@ def test_take_ragged_float_values_and_long_rows():
     assert np.diff(out.offsets).tolist() == [len(lists[i]) for i in idx]
 
 
+def test_take_ragged_batches_larger_than_any_before_and_after_them():
+    """The gather's kept positions (0, 1, 2, ...) grow with the largest batch and stay read-only:
+    batches of 3, 40,000 and 5 values, in that order, each equal to the lists they name."""
+    from gpuload import batch
+
+    lists = [[7] * 3, list(range(40_000)), [1, 2, 3, 4, 5]]
+    r = ragged_of(lists)
+    for i in (0, 1, 2, 1, 0):
+        out = take({"r": r}, np.array([i]))["r"]
+        assert to_lists(out) == [lists[i]]
+    assert len(batch._counts) >= 40_000 and not batch._counts.flags.writeable
+
+
 @SETTINGS
 @given(st.integers(0, 40), st.data())
 def test_rows_slices_and_rebases_offsets(n, data):
