@@ -70,7 +70,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     cache_dir : cache folder, or a list of folders (one per drive: chunks are striped over them,
         :mod:`gpuload.cache.drives`); None: ``$GPULOAD_CACHE_DIR`` (folders separated by
         ``os.pathsep``), else ``~/.cache/gpuload``.
-    device : ``"auto"`` (a GPU if torch sees one, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    device : ``"auto"`` (the GPU where the GPU path can run: torch sees a GPU and CuPy is
+        installed and sees it; else the CPU, with a log line saying why), ``"cpu"``, ``"cuda"``,
+        ``"cuda:N"``.
     rank, world_size : this process's shard; passed, they are fixed. By default they come from
         ``torch.distributed``, asked when each iteration begins (also by ``len()``,
         :meth:`state_dict` and the other methods that need them), so the dataset may be made
