@@ -173,9 +173,26 @@ class Cursor:
         return self._plan.check(self._layout.resolve())
 
     # -- a whole epoch on the ranks of now -----------------------------------------------
-    def batches(self) -> int:
+    def whole(self) -> int:
         """Batches each rank yields in a whole epoch."""
         return self._plan.first(self.ranks()).batches
+
+    def batches(self) -> int:
+        """The epoch's batches per rank as a framework counts them: a whole epoch, except in an epoch
+        begun on other ranks (restored, or running, elastic), where it is the batches each rank took in
+        the epoch's earlier runs plus those of the run that goes on (Lightning counts the batches done
+        before a checkpoint and after it against this; a whole epoch of the new ranks would stop it
+        short of its rows, or run it past them)."""
+        p, pending = self.position, self.pending
+        if p is not None and p.running:
+            runs = p.runs
+        elif pending is not None and not self.advance and pending.epoch == self.epoch and not pending.complete:
+            ranks = self.ranks()
+            runs = pending.runs if pending.ranks == ranks else self._plan.go_on(pending, ranks, warn=False)
+        else:
+            return self.whole()
+        done = self._plan.runs(runs)
+        return sum(r.taken for r in done[:-1]) + done[-1].batches
 
     def fresh(self, epoch: int) -> None:
         """Select ``epoch`` from its first batch, dropping a restored or left position silently
@@ -189,7 +206,7 @@ class Cursor:
         p = self.pending
         if p is not None and not self.advance and p.epoch == self.epoch:
             return self.left()
-        return self.batches()
+        return self.whole()
 
     def left(self) -> int | None:
         """Batches each rank has left of a restored position on the ranks of now (0 when it was

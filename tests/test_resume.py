@@ -290,6 +290,44 @@ def test_elastic_chain_within_one_epoch(source, tmp_path):
     assert len(np.unique(ids)) == len(ids) and len(ids) == sum(ROWS)
 
 
+@pytest.mark.parametrize("chain", [((2, 5), (3, None)), ((2, 5), (4, None)), ((2, 7), (1, None)),
+                                   ((3, 2), (2, 3), (4, None))])
+def test_a_count_against_len_ends_an_elastic_epoch_with_its_last_row(source, tmp_path, chain):
+    """Lightning counts a resumed epoch's batches, those before the checkpoint and after, against
+    ``len(ds)`` and stops there (a user's trial: 2 ranks, then 3, lost 8% of the epoch's rows, as
+    len was a whole epoch of 3 ranks). On any chain of rank counts that count ends with each rank's
+    last batch of the epoch, len stays while the epoch runs, and every row comes once."""
+    cache = tmp_path / "c"
+    seen, state, counter = [], None, 0
+    for world, steps in chain:
+        counts, states = set(), []
+        for r in range(world):
+            ds = _open(source, cache, world, r)
+            if state is not None:
+                ds.load_state_dict(state)
+            ds.set_epoch(1)
+            length = len(ds)
+            assert length == counter + ds.batches_left, (world, r)
+            it, n = iter(ds), counter
+            while n < length and (steps is None or n < counter + steps):
+                seen.append(next(it))
+                n += 1
+                assert len(ds) == length  # the same while the epoch runs
+            if steps is None:
+                assert next(it, None) is None, (world, r, "the count stopped before the rank's last batch")
+            counts.add(n)
+            states.append(ds.state_dict())
+            it.close()
+        assert len(counts) == 1 and all(s == states[0] for s in states)
+        state, counter = states[0], counts.pop()
+    ids = row_ids(seen)
+    assert len(np.unique(ids)) == len(ids) and len(ids) >= sum(ROWS) - (chain[-1][0] - 1)
+    ds = _open(source, cache, chain[-1][0], 0)
+    ds.load_state_dict(state)
+    ds.set_epoch(2)
+    assert len(ds) == len(_open(source, cache, chain[-1][0], 0))  # the next epoch is a whole one
+
+
 def test_state_is_small_json_and_round_trips_without_iterating(source, tmp_path):
     ds = _open(source, tmp_path / "c", 2, 0)
     ds.set_epoch(3)
