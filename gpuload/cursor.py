@@ -90,6 +90,7 @@ class Cursor:
         self.position: Position | None = None
         self.epoch_set = False
         self.advance = False
+        self.told: int | None = None  # what len() said last, until an iteration begins
 
     # -- transitions ----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -135,6 +136,15 @@ class Cursor:
                         epoch, runs[-1].taken, self.epoch)
         self.epoch, self.pending = epoch, pending
         self.advance = complete and not was_set  # an epoch that was over: the next iteration begins the next
+        told, self.told = self.told, None
+        if told is not None and ranks is not None and not complete:
+            now = self.batches()
+            if now > told:
+                log.warning("gpuload: len() said %d batches before this restore of epoch %d, which began on other "
+                            "ranks; it is %d now (the batches each rank took before plus this run's): a loop that "
+                            "counted to len() before the restore stops %d batches a rank short of the epoch's end "
+                            "(Lightning counts so when its own checkpoint restores the dataset: restore it in "
+                            "on_load_checkpoint instead, see the README)", told, epoch, now, now - told)
 
     def begin(self) -> Position:
         """The running position of the iteration beginning now (see ``begin()`` in the module doc)."""
@@ -146,7 +156,7 @@ class Cursor:
             p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=True)
         pos = Position(self.epoch, runs, ranks)
         pos.running = True
-        self.pending, self.position, self.epoch_set, self.advance = None, pos, False, True
+        self.pending, self.position, self.epoch_set, self.advance, self.told = None, pos, False, True, None
         return pos
 
     # -- what the state is now -----------------------------------------------------------
@@ -190,9 +200,11 @@ class Cursor:
             ranks = self.ranks()
             runs = pending.runs if pending.ranks == ranks else self._plan.go_on(pending, ranks, warn=False)
         else:
-            return self.whole()
+            self.told = self.whole()
+            return self.told
         done = self._plan.runs(runs)
-        return sum(r.taken for r in done[:-1]) + done[-1].batches
+        self.told = sum(r.taken for r in done[:-1]) + done[-1].batches
+        return self.told
 
     def fresh(self, epoch: int) -> None:
         """Select ``epoch`` from its first batch, dropping a restored or left position silently

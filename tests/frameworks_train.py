@@ -5,11 +5,13 @@ One script, three ways to run it, each as the README's recipe for that framework
 * ``torchrun``: run under ``python -m torch.distributed.run --nproc_per_node=2``; the dataset
   is made *before* ``init_process_group`` (and tried once before it too), then trained
   with ``DistributedDataParallel``, calling ``set_epoch`` each epoch;
-* ``lightning``: a ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` started by
-  this script (Lightning re-runs it for rank 1); the datasets are made in the
+* ``lightning``: a ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (``--devices``) started by
+  this script (Lightning re-runs it for the other ranks); the datasets are made in the
   LightningModule's ``__init__``, before any process group, and returned by the
   ``*_dataloader`` hooks themselves (so Lightning keeps the training set's state in its
-  checkpoints), the training set told Lightning's epoch in ``on_train_epoch_start``; a validation set (not shuffled) runs
+  checkpoints), the training set told Lightning's epoch in ``on_train_epoch_start`` and its state
+  also kept by ``on_save_checkpoint`` and restored by ``on_load_checkpoint`` (before Lightning
+  takes ``len``, which an elastic resume changes); a validation set (not shuffled) runs
   the sanity check and each epoch's validation. With ``--checkpoint-every K`` a
   ``ModelCheckpoint`` saves every K steps (0: at each epoch's end) into ``<out>/checkpoints``; with ``--die-at S``
   each rank leaves with ``os._exit`` as step S begins (a preempted job: ``<out>/died.<rank>``
@@ -125,6 +127,12 @@ def run_lightning(args) -> None:
         def on_train_epoch_start(self):  # Lightning's epoch: restored even where Lightning skips the state
             self.train_set.set_epoch(self.current_epoch)  # (a checkpoint at an epoch's end)
 
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["train_set"] = self.train_set.state_dict()
+
+        def on_load_checkpoint(self, checkpoint):  # before Lightning counts the epoch's batches: on
+            self.train_set.load_state_dict(checkpoint["train_set"])  # other ranks, len(ds) then counts right
+
         def val_dataloader(self):
             return self.val_set
 
@@ -152,7 +160,7 @@ def run_lightning(args) -> None:
     every = args.checkpoint_every
     callbacks = [] if every is None else [ModelCheckpoint(  # 0: Lightning's default, at each epoch's end
         dirpath=str(args.out / "checkpoints"), every_n_train_steps=every or None, save_top_k=-1)]
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs, logger=False,
                         enable_checkpointing=every is not None, callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(args.out), num_sanity_val_steps=2)
     trainer.fit(module, ckpt_path=args.resume)
@@ -210,6 +218,7 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, default=None)  # lightning: a checkpoint every K steps
     p.add_argument("--die-at", type=int, default=-1)  # lightning: every rank leaves as step S begins
     p.add_argument("--resume", default=None)  # lightning: the checkpoint to go on from
+    p.add_argument("--devices", type=int, default=2)  # lightning: processes
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

@@ -328,6 +328,33 @@ def test_a_count_against_len_ends_an_elastic_epoch_with_its_last_row(source, tmp
     assert len(ds) == len(_open(source, cache, chain[-1][0], 0))  # the next epoch is a whole one
 
 
+def test_a_length_taken_before_an_elastic_restore_that_grows_it_is_warned_of(source, tmp_path, caplog):
+    """Lightning takes len(ds) before its checkpoint restores the dataset: a restore that makes the
+    epoch's count longer says so (the count would stop short of the epoch's rows), and names the fix."""
+    cache = tmp_path / "c"
+    old = _open(source, cache, 2, 0)
+    old.set_epoch(1)
+    it = iter(old)
+    for _ in range(5):
+        next(it)
+    state = old.state_dict()
+    it.close()
+    late, early = _open(source, cache, 3, 0), _open(source, cache, 3, 0)
+    whole = len(late)  # taken first, as Lightning does
+    with caplog.at_level("WARNING", logger="gpuload"):
+        late.load_state_dict(state)
+    grown = len(late)
+    assert grown > whole
+    said = [r.getMessage() for r in caplog.records if "before this restore" in r.getMessage()]
+    assert len(said) == 1 and f"len() said {whole} batches" in said[0] and f"it is {grown} now" in said[0]
+    assert "on_load_checkpoint" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpuload"):
+        early.load_state_dict(state)  # restored before its length is asked: nothing to warn of
+        late.load_state_dict(state)  # the same restore again (Lightning's, after the hook's)
+    assert len(early) == grown and not [r for r in caplog.records if "before this restore" in r.getMessage()]
+
+
 def test_state_is_small_json_and_round_trips_without_iterating(source, tmp_path):
     ds = _open(source, tmp_path / "c", 2, 0)
     ds.set_epoch(3)
