@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from .cache.paths import cache_dirs, default_cache_dir
-from .errors import ConfigError, counted, integer, setting
+from .errors import ConfigError, counted, setting
+from .plan import MAX_KEY
 from .sources.settings import RemoteSettings
 from .rowfilter import RowFilter
 from .transforms import check_transform
@@ -129,10 +130,10 @@ class Options(_Settings):
         ints += [("max_device_bytes", 1, None)] if self.max_device_bytes is not None else []
         for name, low, high in ints:  # kept as Python ints: NumPy's would reach JSON headers and keys
             object.__setattr__(self, name, counted(name, getattr(self, name), low, high))
-        seed = integer(self.seed)
-        if seed is None:
-            raise ConfigError(f"{setting('seed', self.seed)} must be an integer")
-        object.__setattr__(self, "seed", seed)
+        # seeds and epochs key the order's generators on 63 bits (gpuload.plan): larger ones would wrap
+        object.__setattr__(self, "seed", counted("seed", self.seed, 0, MAX_KEY))
+        if not isinstance(self.drop_last, (bool, np.bool_)):  # bool("no") is True: rows dropped unasked
+            raise ConfigError(f"{setting('drop_last', self.drop_last)} must be True or False")
         object.__setattr__(self, "drop_last", bool(self.drop_last))
         if self.verify_checksums not in (True, False, "always"):
             raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")

@@ -26,6 +26,7 @@ from .consumers import check_iter_caller, check_set_epoch_caller
 from .dataset import ParquetDataset
 from .errors import ConfigError, counted, setting
 from .mixsteps import mix_steps, receive
+from .plan import MAX_KEY
 from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .observe.ranks import gather
@@ -83,7 +84,7 @@ class Mix(torch.utils.data.IterableDataset):
         self.mode = mode or ("proportion" if weights is not None else "composition")
         _choice("mode", self.mode, MODES)
         _choice("exhausted", exhausted, EXHAUSTED)
-        self.exhausted, self.seed, self.provenance = exhausted, counted("seed", seed, 0), provenance
+        self.exhausted, self.seed, self.provenance = exhausted, counted("seed", seed, 0, MAX_KEY), provenance
         self.per_step = counted("batches_per_step", batches_per_step)
         self.steps_per_epoch = None if steps_per_epoch is None else counted("steps_per_epoch", steps_per_epoch)
         self.prefetch = counted("prefetch", prefetch)
@@ -158,7 +159,7 @@ class Mix(torch.utils.data.IterableDataset):
         restored after its last step then yields nothing), and of the next epoch (when the
         restored one was complete) starts it; another epoch drops the position, with a warning."""
         check_set_epoch_caller(sys._getframe(1))
-        epoch = counted("epoch", epoch, 0)
+        epoch = counted("epoch", epoch, 0, MAX_KEY)
         if self._running:  # the running iteration goes on; the next one follows this epoch
             self._after_run = epoch
             return

@@ -73,7 +73,7 @@ import numpy as np
 from .errors import ConfigError, setting
 
 __all__ = [
-    "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
+    "MAX_KEY", "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
     "num_batches", "batch_sizes", "BatchSizes", "check_balance", "feasible", "trim", "windows", "window_permutation",
     "node_chunks", "node_rank_rows", "node_shares", "node_segments", "even_batch_sizes",
 ]
@@ -124,8 +124,11 @@ def make_chunks(row_groups: Sequence[Sequence[tuple[int, int]]], chunk_bytes: in
     return chunks
 
 
+MAX_KEY = 2**63 - 1  #: the largest seed and epoch: the order's generators are keyed on 63 bits
+
+
 def _rng(*key: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) & (2**63 - 1) for k in key])))
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) & MAX_KEY for k in key])))
 
 
 def chunk_order(n_chunks: int, *, fingerprint: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

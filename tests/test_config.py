@@ -100,3 +100,15 @@ def test_numpy_integers_are_integers_and_kept_as_python_ints():
     for bad in (64.0, np.float64(64), True, np.bool_(True), "64"):
         with pytest.raises(gpuload.ConfigError, match="batch_size=.* must be an integer"):
             Options(batch_size=bad)
+
+
+def test_seeds_beyond_the_orders_63_bits_and_drop_last_that_is_not_a_bool_are_refused():
+    """The order's generators are keyed on 63 bits: seed=2**63 would silently give seed 0's order,
+    and seed=-1 that of 2**63 - 1. drop_last="no" would drop rows (bool("no") is True)."""
+    assert Options(seed=2**63 - 1).seed == 2**63 - 1 and Options(drop_last=np.bool_(True)).drop_last is True
+    for bad in (-1, 2**63, 2**64):
+        with pytest.raises(gpuload.ConfigError, match=rf"seed={bad} must be an integer from 0 to {2**63 - 1}"):
+            Options(seed=bad)
+    for bad in ("no", "false", 1, None):
+        with pytest.raises(gpuload.ConfigError, match=r"drop_last=.* must be True or False"):
+            Options(drop_last=bad)

@@ -187,10 +187,12 @@ def _resumed(ds, state, last_epoch) -> list:
     out = []
     for e in range(state["epoch"], last_epoch + 1):
         ds.set_epoch(e)
-        left, whole = ds.batches_left, len(ds)
+        left, counted = ds.batches_left, len(ds)
         out.extend((e, b) for b in ds)
         assert sum(1 for x in out if x[0] == e) == left, "batches_left is not what the iteration yielded"
-        assert len(ds) == whole == ds.batches_left  # len(): a whole epoch, resumed or not
+        # len(): a whole epoch, resumed or not, but for the rest of one begun on other ranks (elastic):
+        # what each rank took before plus the new run (the count test below); then whole epochs again
+        assert counted >= left and len(ds) == ds.batches_left
     return out
 
 
