@@ -26,7 +26,7 @@ from types import CodeType, FrameType
 
 from .errors import ConfigError
 
-__all__ = ["check_iter_caller", "check_set_epoch_caller"]
+__all__ = ["check_iter_caller", "check_set_epoch_caller", "refuse_copy"]
 
 _DEPTH = 12  # frames looked at above the dataset's own: accelerate's loop is ~7 calls up from iter(ds)
 
@@ -83,3 +83,15 @@ def check_iter_caller(caller: FrameType) -> None:
 def check_set_epoch_caller(caller: FrameType) -> None:
     """Refuse ``set_epoch`` called by accelerate's re-sharding loaders (they call it before iterating)."""
     _refuse_accelerate(caller)
+
+
+def refuse_copy(what: str) -> None:
+    """Raised by a loader's ``__getstate__``: pickling (a spawned process, a DataLoader worker
+    under spawn or forkserver) or ``copy.deepcopy`` would need its threads, pools and open
+    files; ``what`` names the loader's class."""
+    raise ConfigError(
+        f"a {what} cannot be pickled or copied (it holds gpuload's threads, pools and open cache files): make "
+        f"it in the process that iterates it. Under Lightning's ddp_spawn (or any launcher that pickles the "
+        f"LightningModule) make it in setup() or train_dataloader(), or use strategy='ddp'; with a DataLoader "
+        f"keep num_workers=0 (gpuload reads on threads of its own); for a second loader of the same data make "
+        f"another {what}")

@@ -10,7 +10,7 @@ import torch
 
 from . import plan, preload, resume
 from .config import Options, Source
-from .consumers import check_iter_caller, check_set_epoch_caller
+from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .cursor import Cursor
 from .epochs import EpochPlan, Position
 from .errors import ConfigError, flag
@@ -436,6 +436,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
                                  cut_threads=cut_threads(o.num_threads), preloaded=pre,
                                  loaded=loaded if o.prefetch else None)
+
+    def __getstate__(self):
+        refuse_copy("ParquetDataset")
 
     def __repr__(self) -> str:
         try:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .consumers import check_iter_caller, check_set_epoch_caller
+from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .dataset import ParquetDataset
 from .errors import ConfigError, counted, setting
 from .mixsteps import mix_steps, receive
@@ -331,6 +331,9 @@ class Mix(torch.utils.data.IterableDataset):
     def outputs(self) -> list[str]:
         """Names of the tensors in each batch (the provenance output last, when asked for)."""
         return self.sources[0].outputs + ([self.provenance] if self.provenance else [])
+
+    def __getstate__(self):
+        refuse_copy("Mix")
 
     def __repr__(self) -> str:
         what = f"weights={dict(zip(self.names, self.weights))}" if self.weights else "composition"

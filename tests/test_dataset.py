@@ -373,6 +373,24 @@ def test_dataloader_with_workers_is_refused(click, tmp_path):
         run_with_timeout(lambda: next(iter(dl)), timeout=60)
     assert isinstance(info.value, gpuload.ConfigError) or "ConfigError" in str(info.value)
     assert "num_workers=0" in str(info.value)
+    spawned = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(gpuload.ConfigError, match="cannot be pickled or copied .*num_workers=0"):  # Python 3.14's
+        run_with_timeout(lambda: next(iter(spawned)), timeout=60)  # default: the dataset is pickled, not forked
+
+
+def test_pickling_or_copying_a_dataset_is_refused_with_what_to_do(click, tmp_path):
+    """A spawned process (Lightning's ddp_spawn, a DataLoader worker under spawn or forkserver,
+    Python 3.14's default) pickles the dataset, and deepcopy copies it: refused by a ConfigError
+    naming the fixes, not a TypeError about a lock from deep inside."""
+    import copy
+    import pickle
+
+    ds = click.open(tmp_path / "cache")
+    for attempt in (lambda: pickle.dumps(ds), lambda: copy.deepcopy(ds), lambda: copy.copy(ds)):
+        with pytest.raises(gpuload.ConfigError, match=r"a ParquetDataset cannot be pickled or copied .*ddp_spawn.*"
+                                                      r"num_workers=0"):
+            attempt()
+    assert len(_epoch(ds)) == len(ds)  # the dataset itself is unharmed
 
 
 # ---------------------------------------------------------------------------------------
