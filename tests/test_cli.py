@@ -309,6 +309,9 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["profile", "DATA", "--trace", "FILE/t.json"], "--trace"),  # was the OS's error, naming no flag
     (["cache", "build", "DATA", "--columns", "[1, 2]"], "--columns"),
     (["cache", "build", "DATA", "--cache-dir", ""], "--cache-dir=''"),
+    (["cache", "info", "DATA", "--nodes", "2", "--dtypes", '{"label": "int33"}'], "--dtypes"),  # these three
+    (["cache", "info", "DATA", "--nodes", "2", "--columns", "nope"], "nope"),  # printed the cache's summary
+    (["cache", "info", "FILE/none", "--nodes", "2"], "none"),  # before the error
 ])
 def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tmp_path, capsys):
     """Through the real command: a non-zero exit, one line, the flag as the user typed it,

@@ -170,7 +170,8 @@ def _left_alone(foreign: list[str]) -> None:
 
 
 def cmd_info(args) -> int:
-    opts = _share_options(args) if args.source else None  # bad flags are refused before anything is printed
+    # the source is opened first: bad flags, columns or files are refused before anything is printed
+    shares = _node_shares(args, _share_options(args)) if args.source else []
     cache = _cache(args)
     s = cache.summary()
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
@@ -205,8 +206,8 @@ def cmd_info(args) -> int:
     if s["foreign"]:
         print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
               + "; ".join(s["foreign"][:5]))
-    if args.source:
-        _node_shares(args, opts)
+    for line in shares:
+        print(line)
     return 0
 
 
@@ -218,8 +219,10 @@ def _share_options(args):
         raise ConfigError(f"--nodes {args.nodes}: the training's number of nodes is at least 1")
     return check_options(dict(loader_settings(args), device="cpu"))
 
-def _node_shares(args, opts) -> None:
-    """Per node share of a source (shard='node' with --nodes nodes): chunks owned, and cached here."""
+
+def _node_shares(args, opts) -> list[str]:
+    """The lines of a source's per node shares (shard='node' with --nodes nodes): chunks owned, and
+    cached here."""
     from ..plan import node_chunks
     from ..reader import open_reader
 
@@ -227,13 +230,14 @@ def _node_shares(args, opts) -> None:
     try:
         owned = node_chunks([c.rows for c in reader.chunks], args.nodes, fingerprint=reader.fingerprint,
                             seed=opts.seed)
-        print(f"node shares of {', '.join(args.source)} ({len(reader.chunks)} chunks; shard='node', "
-              f"{args.nodes} nodes, seed {opts.seed}):")
+        lines = [f"node shares of {', '.join(args.source)} ({len(reader.chunks)} chunks; shard='node', "
+                 f"{args.nodes} nodes, seed {opts.seed}):"]
         for n, chunks in enumerate(owned):
             sizes = [st.st_size for st in map(reader.cached_file, map(int, chunks)) if st is not None]
             rows = sum(reader.chunks[int(i)].rows for i in chunks)
-            print(f"  node {n}: {len(chunks)} chunks, {rows:,} rows; {len(sizes)} cached here "
-                  f"({sum(sizes) / 2**20:,.1f} MiB)")
+            lines.append(f"  node {n}: {len(chunks)} chunks, {rows:,} rows; {len(sizes)} cached here "
+                         f"({sum(sizes) / 2**20:,.1f} MiB)")
+        return lines
     finally:
         reader.close()
 
