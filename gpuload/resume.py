@@ -276,7 +276,11 @@ def check_signature(saved: dict, here: dict) -> None:
         diffs.append("source: the source files differ (other paths, or files rewritten since)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):
-        if saved.get(key) != here.get(key):
+        if saved.get(key) == here.get(key):
+            continue
+        if key == "block_rows" and (saved.get(key) is None) != (here.get(key) is None):  # rows or blocks shuffled
+            diffs.append(f"shuffle: {_shuffle(saved)} in the state, {_shuffle(here)} here")
+        else:
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here.get(key)!r} here")
     if saved.get("chunks") != here["chunks"] and not explained:
         diffs.append("chunks: the chunk layout differs (another chunk_bytes?)")
@@ -284,6 +288,13 @@ def check_signature(saved: dict, here: dict) -> None:
         raise ConfigError("the state was saved from another dataset: " + "; ".join(diffs)
                           + ". Open the dataset as it was when the state was saved, or do not load the state "
                             "(the epoch then starts from its first batch)")
+
+
+def _shuffle(signature: dict) -> str:
+    """The shuffle setting a signature was made with, as the user gives it."""
+    if signature.get("block_rows") is not None:
+        return f"shuffle='block' (block_rows={signature['block_rows']})"
+    return f"shuffle={bool(signature.get('shuffle'))}"
 
 
 def _outputs(outputs) -> str:
