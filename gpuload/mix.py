@@ -221,8 +221,16 @@ class Mix(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         """Steps each rank yields in a whole epoch, after :meth:`load_state_dict` too (as
         :class:`gpuload.ParquetDataset`'s ``len``: Lightning counts a resumed epoch's steps against
-        it); the rest a restored epoch yields is :attr:`steps_left`."""
-        return self.plan().steps
+        it); the rest a restored epoch yields is :attr:`steps_left`. In an epoch begun on another
+        number of ranks (restored, or running), the steps each rank took before plus those of the new
+        ranks' run, so that such a count ends with the epoch's last step."""
+        runs = self._runs
+        if self._restored and runs and not self._advance:
+            run = self._run(self.plan(), self.sources[0].world_size)
+            runs = runs if run is runs[-1] else runs + [run]
+        elif not (self._running and runs):
+            return self.plan().steps
+        return sum(r[2] for r in runs[:-1]) + runs[-1][1]
 
     @property
     def steps_left(self) -> int:
