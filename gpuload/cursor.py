@@ -141,7 +141,7 @@ class Cursor:
         if told is not None and ranks is not None and not complete:
             now = self.batches()
             if now > told:
-                log.warning("gpuload: len() said %d batches before this restore of epoch %d, which began on other "
+                log.warning("gpuload: len() said %d batches before this restore of epoch %d, which began on fewer "
                             "ranks; it is %d now (the batches each rank took before plus this run's): a loop that "
                             "counted to len() before the restore stops %d batches a rank short of the epoch's end "
                             "(Lightning counts so when its own checkpoint restores the dataset: restore it in "
@@ -190,10 +190,12 @@ class Cursor:
 
     def batches(self) -> int:
         """The epoch's batches per rank as a framework counts them: a whole epoch, except in an epoch
-        begun on other ranks (restored, or running, elastic), where it is the batches each rank took in
-        the epoch's earlier runs plus those of the run that goes on (Lightning counts the batches done
-        before a checkpoint and after it against this; a whole epoch of the new ranks would stop it
-        short of its rows, or run it past them)."""
+        begun on more ranks before (restored, or running, elastic), where the batches each rank took in
+        the epoch's earlier runs plus those of the run that goes on are more. Lightning counts the
+        batches done before a checkpoint and after it against this, and keeps the count it read for
+        the epochs after: a whole epoch of the new ranks would stop the resumed one short of its rows,
+        the resumed one's count alone (smaller, on fewer ranks) every later one; with the larger of
+        the two an epoch ends with its last batch, at most a few batches before the count."""
         p, pending = self.position, self.pending
         if p is not None and p.running:
             runs = p.runs
@@ -204,7 +206,7 @@ class Cursor:
             self.told = self.whole()
             return self.told
         done = self._plan.runs(runs)
-        self.told = sum(r.taken for r in done[:-1]) + done[-1].batches
+        self.told = max(self.whole(), sum(r.taken for r in done[:-1]) + done[-1].batches)
         return self.told
 
     def fresh(self, epoch: int) -> None:

@@ -300,9 +300,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         (see ``rank``). After :meth:`load_state_dict` too, as a ``DataLoader``'s length stays, and as
         Lightning counts a resumed epoch's batches (those done before the checkpoint and after)
         against it; the rest a restored epoch yields is :attr:`batches_left`. In an epoch begun on
-        another number of ranks (an elastic resume, restored or running), the batches each rank took
-        before the restore plus those the new ranks' run has, so that such a count ends with the
-        epoch's last row."""
+        fewer ranks (an elastic resume, restored or running), the batches each rank took before the
+        restore plus those the new ranks' run has, where that is more than a whole epoch, so that
+        such a count ends with the epoch's last row (an iteration may end a few batches before it)."""
         return self._cursor.batches()
 
     @property

@@ -99,6 +99,7 @@ class Mix(torch.utils.data.IterableDataset):
                            "exhausted": exhausted, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
         self._epoch, self._advance, self._restored, self._running = 0, False, False, False
         self._stream = None  # the sources' consumer stream on a GPU: one for all epochs (their preloads are kept for it)
+        self._counted = None  # (the state it was worked out for, len) of a restored rest
         self._epoch_set, self._after_run = False, None  # set_epoch called since the last iteration began; during one
         self._runs: list[list[int]] = []   # this epoch's runs [world, steps, taken, drawn] (see _run)
         self._states: dict = {}            # source name -> {"state", "epoch", "pass"} after the last step taken
@@ -221,16 +222,22 @@ class Mix(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         """Steps each rank yields in a whole epoch, after :meth:`load_state_dict` too (as
         :class:`gpuload.ParquetDataset`'s ``len``: Lightning counts a resumed epoch's steps against
-        it); the rest a restored epoch yields is :attr:`steps_left`. In an epoch begun on another
-        number of ranks (restored, or running), the steps each rank took before plus those of the new
-        ranks' run, so that such a count ends with the epoch's last step."""
+        it); the rest a restored epoch yields is :attr:`steps_left`. In an epoch begun on fewer ranks
+        (restored, or running), the steps each rank took before plus those of the new ranks' run,
+        where that is more (see :class:`gpuload.ParquetDataset`'s ``len``)."""
+        whole, world = self.plan().steps, self.sources[0].world_size
+        key = (self._epoch, world, self._restored, self._advance, self._running, str(self._runs))
+        if self._counted is not None and self._counted[0] == key:  # a restored rest is worked out once (its
+            return self._counted[1]  # sources' load_state_dict would log an elastic resume each time)
         runs = self._runs
         if self._restored and runs and not self._advance:
-            run = self._run(self.plan(), self.sources[0].world_size)
+            run = self._run(self.plan(), world)
             runs = runs if run is runs[-1] else runs + [run]
         elif not (self._running and runs):
-            return self.plan().steps
-        return sum(r[2] for r in runs[:-1]) + runs[-1][1]
+            return whole
+        n = max(whole, sum(r[2] for r in runs[:-1]) + runs[-1][1])
+        self._counted = (key, n)
+        return n
 
     @property
     def steps_left(self) -> int:

@@ -275,10 +275,11 @@ def check_signature(saved: dict, here: dict) -> None:
     if saved.get("source") != here["source"]:
         diffs.append("source: the source files differ (other paths, or files rewritten since)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
+    modes = (saved.get("block_rows") is None) != (here.get("block_rows") is None)  # blocks on one side only
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):
-        if saved.get(key) == here.get(key):
+        if saved.get(key) == here.get(key) or (modes and key == "shuffle"):
             continue
-        if key == "block_rows" and (saved.get(key) is None) != (here.get(key) is None):  # rows or blocks shuffled
+        if modes and key == "block_rows":  # named as the user set it: shuffle=True, False or 'block'
             diffs.append(f"shuffle: {_shuffle(saved)} in the state, {_shuffle(here)} here")
         else:
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here.get(key)!r} here")

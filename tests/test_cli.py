@@ -312,6 +312,7 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["cache", "info", "DATA", "--nodes", "2", "--dtypes", '{"label": "int33"}'], "--dtypes"),  # these three
     (["cache", "info", "DATA", "--nodes", "2", "--columns", "nope"], "nope"),  # printed the cache's summary
     (["cache", "info", "FILE/none", "--nodes", "2"], "none"),  # before the error
+    (["cache", "info", "DATA", "--nodes", "2", "--cache-dir", "FILEtypo"], "--cache-dir"),  # not made by the open
 ])
 def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tmp_path, capsys):
     """Through the real command: a non-zero exit, one line, the flag as the user typed it,
@@ -331,6 +332,7 @@ def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tm
     assert rc != 0 and out == "", out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gpuload: error:") and flag in lines[0], err
+    assert not (tmp_path / "FILEtypo").exists()  # a mistyped cache folder is named, not made
     assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]
 
 

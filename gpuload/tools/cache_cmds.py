@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import datetime
 import logging
 import os
@@ -170,9 +171,21 @@ def _left_alone(foreign: list[str]) -> None:
 
 
 def cmd_info(args) -> int:
-    # the source is opened first: bad flags, columns or files are refused before anything is printed
-    shares = _node_shares(args, _share_options(args)) if args.source else []
-    cache = _cache(args)
+    opts = _share_options(args) if args.source else None  # bad flags are refused before anything is printed,
+    cache = _cache(args)  # and a cache folder that is not there (opening the source would make it)
+    summary = io.StringIO()
+    with contextlib.redirect_stdout(summary):  # the cache as it was, before the source's opening used it
+        _summary(cache)
+    # opened before anything is printed: bad columns or files are refused with the error alone
+    shares = _node_shares(args, opts) if args.source else []
+    print(summary.getvalue(), end="")
+    for line in shares:
+        print(line)
+    return 0
+
+
+def _summary(cache) -> None:
+    """Print what ``cache info`` says of the cache itself."""
     s = cache.summary()
     print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
           f"{s['footers']} source files (a cached dataset reopens without reading its files)")
@@ -206,9 +219,6 @@ def cmd_info(args) -> int:
     if s["foreign"]:
         print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
               + "; ".join(s["foreign"][:5]))
-    for line in shares:
-        print(line)
-    return 0
 
 
 def _share_options(args):
