@@ -148,7 +148,8 @@ class _Server:
             self.range_bytes.clear()
             self.sent_bytes.clear()
 
-    def start(self):
+    def start(self, port: int = 0):
+        """Serve on ``port`` (0: a free one; the port of a stopped server starts it again there)."""
         from werkzeug.serving import WSGIRequestHandler, make_server
 
         class Quiet(WSGIRequestHandler):
@@ -164,7 +165,8 @@ class _Server:
                 except _Reset:
                     self.close_connection = True
 
-        self._srv = make_server("127.0.0.1", 0, _Middleware(self._app(), self), threaded=True,
+        self._stop.clear()
+        self._srv = make_server("127.0.0.1", port, _Middleware(self._app(), self), threaded=True,
                                 request_handler=Quiet)
         self._srv.daemon_threads = True
         self.port = self._srv.server_port

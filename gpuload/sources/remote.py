@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from ..errors import SourceError, setting
+from .retry import transient
 
 __all__ = ["Store", "ObjectInfo", "Stopped", "is_url", "store_for", "hidden", "same_version"]
 
@@ -222,7 +223,9 @@ class Store:
             return ("directory" if fi.type == pafs.FileType.Directory else "missing"), None
         try:
             raw = self._call("info", path)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            if transient(e):  # a failed connection (fsspec's HTTP store calls it "not found"): tried again
+                raise
             return "missing", None
         if raw.get("type") == "directory" or (self.protocol.startswith("http") and (
                 path.endswith("/") or raw.get("mimetype") == "text/html")):  # an index page

@@ -56,6 +56,8 @@ def transient(e: BaseException) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(e, FileNotFoundError) and _unreached(e) is not e:
+            return True  # fsspec's HTTP store says "not found" for a refused connection too
         if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
             return False
         if isinstance(e, (TimeoutError, asyncio.TimeoutError, ConnectionError, Truncated)):
@@ -78,6 +80,41 @@ def transient(e: BaseException) -> bool:
     return False
 
 
+_CONNECT_CLASSES = {"EndpointConnectionError", "ClientConnectorError", "ClientConnectorDNSError",
+                    "NewConnectionError", "ProxyConnectionError", "gaierror"}
+
+
+def _unreached(e: BaseException) -> BaseException:
+    """The error to name for ``e``: for a FileNotFoundError that a failed connection caused (fsspec's
+    HTTP store raises ``FileNotFoundError(url)`` from any failure of its request), that failure;
+    else ``e`` itself."""
+    if not isinstance(e, FileNotFoundError):
+        return e
+    seen, c = {id(e)}, e.__cause__ or e.__context__
+    while c is not None and id(c) not in seen:
+        seen.add(id(c))
+        if _status(c) is not None:  # an answer (a 404): the object is not there
+            return e
+        if isinstance(c, (ConnectionError, TimeoutError, asyncio.TimeoutError)) or type(c).__name__ in \
+                _TRANSIENT_CLASSES | _CONNECT_CLASSES or (isinstance(c, OSError) and c.errno in _TRANSIENT_ERRNO):
+            return c
+        c = c.__cause__ or c.__context__
+    return e
+
+
+def _no_connection(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is a connection that could not be made: a refused port, an
+    unknown host, no route."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ in _CONNECT_CLASSES or isinstance(e, ConnectionRefusedError) or (
+                isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class Truncated(Exception):
     """A body shorter than the range asked for (a dropped connection): worth another try."""
 
@@ -95,8 +132,13 @@ def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_re
             if not transient(e):
                 raise SourceError(f"{what}: {type(e).__name__}: {e}" + _hint(e)) from None
             if attempt == settings.retries or (stop is not None and stop.is_set()):
-                raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(e).__name__}: {e}; the "
-                                  "store may be down or throttling: try again later, or raise remote retries") from None
+                last = _unreached(e)
+                why = ("no connection to the store: check its address (the URL's host and port, or for S3 "
+                       "storage_options['client_kwargs']['endpoint_url']) and that it is up; remote retries "
+                       "($GPULOAD_REMOTE_RETRIES) set how long gpuload waits for it") if _no_connection(e) else \
+                    "the store may be down or throttling: try again later, or raise remote retries"
+                raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(last).__name__}: {last}; "
+                                  + why) from None
             if on_retry is not None:
                 on_retry()
             pause = random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt))

@@ -76,9 +76,9 @@ class _Status(Exception):
         self.status = status
 
 
-def _wrapped(cause: BaseException) -> OSError:
+def _wrapped(cause: BaseException, kind=OSError) -> OSError:
     try:
-        raise OSError("the store said no") from cause
+        raise kind("the store said no") from cause
     except OSError as e:
         return e
 
@@ -91,7 +91,13 @@ def _wrapped(cause: BaseException) -> OSError:
                                            (OSError(16, "Please reduce your request rate."), True),  # s3fs SlowDown
                                            (_wrapped(_Status(503)), True), (_wrapped(_Status(403)), False),
                                            (type("NoCredentialsError", (Exception,), {})("none"), False),
-                                           (type("EndpointConnectionError", (Exception,), {})("x"), True)])
+                                           (type("EndpointConnectionError", (Exception,), {})("x"), True),
+                                           # fsspec's HTTP store: FileNotFoundError(url) from whatever failed
+                                           (_wrapped(ConnectionRefusedError(111, "refused"), FileNotFoundError), True),
+                                           (_wrapped(type("ClientConnectorError", (OSError,), {})("x"),
+                                                     FileNotFoundError), True),
+                                           (_wrapped(_Status(404), FileNotFoundError), False),
+                                           (FileNotFoundError("gone"), False)])
 def test_transient_classification(err, expected):
     assert transient(err) is expected
 

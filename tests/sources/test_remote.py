@@ -284,6 +284,42 @@ def test_http_with_latency_and_faults_still_yields_exactly_pyarrows_rows(http_fi
         assert srv.count() == 0
 
 
+def test_an_http_server_down_for_a_second_mid_epoch_costs_no_row(http_files, tmp_path):
+    """fsspec's HTTP store raises FileNotFoundError(url) for a refused connection too: it is retried
+    like one (a user's trial: a 3 s outage ended the epoch, "the object is gone")."""
+    import threading
+    import time
+
+    folder, tables = http_files
+    with HttpServer(folder) as srv:
+        urls = [srv.url(f"d/part-{i}.parquet") for i in range(N_FILES)]
+        ds = gpuload.ParquetDataset(urls, COLUMNS, batch_size=800, cache_dir=tmp_path / "c", chunk_bytes=120_000,
+                                    remote={"retries": 20, "backoff_s": 0.05, "max_backoff_s": 0.3, "timeout_s": 2.0,
+                                            "readahead_bytes": 1, "max_requests": 1}, device="cpu")
+        it, got = iter(ds), []
+        got.append(next(it))
+        srv.stop()  # down: connections are refused
+        again = threading.Timer(1.0, srv.start, kwargs={"port": srv.port})
+        again.start()
+        t0 = time.monotonic()
+        got.extend(it)
+        again.join()
+        assert ds.stats().remote.retried > 0 and time.monotonic() - t0 > 0.5  # it waited for the server
+        _check_equal(_rows_by_id(got), tables)
+
+
+def test_an_address_nothing_answers_is_named_with_what_to_check(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SourceError, match=rf"127.0.0.1:{port}/d/x.parquet: listing: failed 3 times, last with "
+                                          r"\w*Connect\w*Error: .*no connection to the store: check its address"):
+        gpuload.ParquetDataset(f"http://127.0.0.1:{port}/d/x.parquet", cache_dir=tmp_path / "c", device="cpu",
+                               remote=FAST_RETRY | {"retries": 2})
+
+
 def test_a_store_that_fails_every_request_ends_in_a_clear_error_and_caches_nothing(http_files, tmp_path):
     folder, tables = http_files
     cache = tmp_path / "c"
