@@ -393,10 +393,17 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def loader_description(self) -> tuple[str, dict]:
         """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader
-        (settings: ``num_threads``, ``prefetch``, ``device`` (``"cpu"`` or ``"cuda"``) and
-        ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF))."""
-        return "gpuload", {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
-                           "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu")}
+        (settings: ``num_threads``, ``prefetch``, ``device`` (``"cpu"`` or ``"cuda"``),
+        ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF), and where
+        given, ``transform`` (its key) and ``batch_transform`` (the function's name): work of the
+        user's that :func:`gpuload.diagnose` names when its stage is the limit)."""
+        settings = {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
+                    "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu")}
+        if self.reader.source.transform is not None:
+            settings["transform"] = self.reader.source.transform.key
+        if self.batch_transform is not None:
+            settings["batch_transform"] = getattr(self.batch_transform, "__name__", type(self.batch_transform).__name__)
+        return "gpuload", settings
 
     def reset_stats(self) -> None:
         """Start :meth:`stats` afresh (e.g. to look at one epoch), the chunks counted as decoded

@@ -282,7 +282,7 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
         action += ("; and move the loading off the training thread (gpuload loads on background threads)"
                    if kind == "gpuload" else "; and move the loading off the training thread (DataLoader "
                    "num_workers > 0, or a background thread)")
-    elif busy < SATURATED:
+    elif busy < SATURATED and not (s.name == "batch" and (stats.loader_settings or {}).get("batch_transform")):
         message += (f"; no stage is busy more than {SATURATED:.0%} of the run per thread, so the loader is not "
                     "keeping enough work in flight")
         action = (f"raise prefetch first; then: {action}" if kind == "gpuload" else
@@ -343,7 +343,20 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
                   disk_gbps: float | None) -> tuple[str, str]:
     """(message, action) for the limiting stage ``s``; gpuload's commands only for gpuload's loaders."""
     ours = kind == "gpuload"
-    on_gpu = (stats.loader_settings or {}).get("device") == "cuda"  # not said: advise as for the CPU
+    settings = stats.loader_settings or {}
+    on_gpu = settings.get("device") == "cuda"  # not said: advise as for the CPU
+    if s.name == "batch" and settings.get("batch_transform"):
+        return (f"batches are made at {_rate(s.rows_per_s)} rows/s, with the batch_transform "
+                f"'{settings['batch_transform']}' on the producer thread (one thread, in order): {where}",
+                "time the batch_transform alone and make it cheaper, or do its work in the training step (on the "
+                "GPU); work that is the same in every epoch belongs in transform=, computed once per chunk and "
+                "cached")
+    if s.name in ("decode", "convert") and settings.get("transform"):
+        return (f"first epoch is bound by decoding and converting, which includes the transform "
+                f"'{settings['transform']}' (timed as conversion): {where}",
+                "time the transform alone and make it cheaper (it runs once per chunk, in the first epoch only: "
+                "later epochs read its cached result), raise num_threads, or build the cache ahead with "
+                "`gpuload cache build`")
     if s.name in ("decode", "convert") and ours and (stats.loader_settings or {}).get("decode") == "gpu":
         return (f"first epoch is decode-bound, with cuDF decoding on the GPU: {where}",
                 "raise num_threads (each loader thread reads, decodes and converts one chunk at a time), or build "

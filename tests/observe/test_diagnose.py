@@ -356,6 +356,40 @@ def test_advice_on_a_gpu_names_what_helps_there_not_device_cuda():
     assert "install cuDF" not in cudf.action and "num_threads" in cudf.action
 
 
+def test_the_users_own_transforms_are_named_when_their_stage_is_the_limit(tmp_path):
+    """A slow batch_transform is the producer's work, on one thread: raising prefetch or shrinking the
+    shuffle window does nothing for it (a user's trial followed that advice to no effect); a slow
+    transform= is timed as conversion, which device=cuda would not speed up."""
+    batch = [stage("cache_read", 1.0, 2, 10**9), stage("batch", 9.0, 2, 10**9, 6_553_600)]
+    decode = [stage("read", 1.0, 2, 10**9), stage("decode", 1.0, 2, 10**9, 6_553_600),
+              stage("convert", 17.0, 2, 4 * 10**9, 6_553_600)]
+    plain = {"num_threads": 2, "prefetch": 2, "device": "cpu"}
+    slow_bt = gpuload.diagnose(make_stats(0.6, stages=batch, loader="gpuload", loader_settings=plain | {
+        "batch_transform": "augment"}))
+    assert slow_bt.limiting == "batch" and "batch_transform 'augment'" in slow_bt.message
+    assert "prefetch" not in slow_bt.action and "shuffle_window" not in slow_bt.action
+    assert "transform=" in slow_bt.action  # work that is the same each epoch: computed once
+    assert "shuffle_window" in gpuload.diagnose(make_stats(0.6, stages=batch, loader="gpuload",
+                                                            loader_settings=plain)).action
+    slow_t = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload", loader_settings=plain | {
+        "transform": "features-v1"}))
+    assert slow_t.limiting == "decode" and "transform 'features-v1'" in slow_t.message
+    assert "device=cuda" not in slow_t.action and "first epoch only" in slow_t.action
+    ds = gpuload.ParquetDataset(_clicks(tmp_path), ["row_id"], cache_dir=tmp_path / "c", device="cpu",
+                                batch_size=500, batch_transform=lambda b, g: b,
+                                transform=gpuload.Transform(lambda o: o, key="same-v1"))
+    assert sum(len(b["row_id"]) for b in ds) == 2000
+    assert ds.stats().loader_settings["transform"] == "same-v1"
+    assert ds.stats().loader_settings["batch_transform"] == "<lambda>"
+
+
+def _clicks(tmp_path):
+    from gpuload.synth import write_clicklog
+
+    write_clicklog(tmp_path / "d", rows=2000, files=1)
+    return tmp_path / "d"
+
+
 def test_a_datasets_stats_say_which_loader_and_device(tmp_path):
     from gpuload.synth import write_clicklog
 
