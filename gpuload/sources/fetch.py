@@ -116,8 +116,8 @@ def _wait(f: Future, stop: threading.Event | None = None):
 
 class _Requests:
     """``workers`` threads running submitted calls in priority order (lowest first): requests
-    of earlier fetches before those of later ones, so the chunk decoding waits for is never
-    queued behind the read-ahead."""
+    of the fetches decoders wait on first, then those started ahead, each kind in the order the
+    fetches began, so the chunk decoding waits for is never queued behind the read-ahead."""
 
     def __init__(self, workers: int):
         self._q: queue.PriorityQueue = queue.PriorityQueue()
@@ -260,14 +260,15 @@ class Fetcher:
         finally:
             self._budget.release(granted)
 
-    def start(self, path: str, ranges, check: Callable[[], None] | None = None) -> Job:
+    def start(self, path: str, ranges, check: Callable[[], None] | None = None, urgent: bool = False) -> Job:
         """Start fetching the (coalesced) ``ranges`` of ``path``; returns at once. ``check()``
         runs once they have all arrived (the object's identity asked again: a rewrite
-        between listing and fetching must not be decoded as the listed version)."""
+        between listing and fetching must not be decoded as the listed version). An ``urgent``
+        fetch (one a decoder waits on now) is queued before every fetch started ahead."""
         self._refuse_if_stopped(path)
         s, stop, pool = self.settings, self.stop, self._pool
         merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
-        job = next(self._jobs)
+        job = (0 if urgent else 1, next(self._jobs))
         try:
             futures = [pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
             after = None

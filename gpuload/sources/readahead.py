@@ -55,7 +55,8 @@ class ReadAhead:
                 got = self._fetchers[id(store)] = Fetcher(store, self.settings, clock)
             return got
 
-    def _start(self, f: SourceFile, groups: Sequence[int], leaves: Sequence[int], footer: bool) -> Job:
+    def _start(self, f: SourceFile, groups: Sequence[int], leaves: Sequence[int], footer: bool,
+               urgent: bool = False) -> Job:
         if footer:  # for libcudf, which reads the file itself: also magic, page indexes and footer
             ranges = image_ranges(f.metadata, f.size, f.tail, groups, leaves)
         else:
@@ -68,7 +69,7 @@ class ReadAhead:
                                   f"version {f.tag or '-'} -> {tag or '-'}, last modified {f.mtime_ns} -> {mtime} "
                                   "ns); open the dataset again to pick up the new object")
 
-        return self.fetcher(f.store).start(f.key, ranges, check=unchanged)
+        return self.fetcher(f.store).start(f.key, ranges, check=unchanged, urgent=urgent)
 
     def warm(self, f: SourceFile, chunk, leaves: Sequence[int], footer: bool, cached: Callable[[], bool]) -> bool:
         """Start fetching ``chunk`` of remote ``f`` (``leaves``: the Parquet leaf columns to
@@ -118,8 +119,8 @@ class ReadAhead:
         if job is not None:
             with self._lock:
                 self.ahead_used += 1
-        else:
-            job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer)
+        else:  # a decoder waits on it now: before everything started ahead
+            job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer, urgent=True)
         m = self.metrics
         t0 = m.clock() if m is not None else 0.0
         fetcher = self.fetcher(f.store)

@@ -137,6 +137,29 @@ def test_a_fetchs_version_check_runs_before_later_fetches_requests():
     f.close()
 
 
+def test_a_fetch_a_decoder_waits_on_goes_before_the_read_ahead():
+    """Chunks fetched ahead are queued first; the chunk a loader thread then decodes (its fetch not
+    started ahead) must not wait behind them all (a user's trial: nothing arrived for 11 s of a
+    first epoch while the read-ahead of three files went first)."""
+    order = []
+
+    class Recording(_Store):
+        def read(self, path, start, end, timeout=None, stop=None):
+            order.append(path)
+            return bytes(end - start)
+
+    f = Fetcher(Recording(delay=0), RemoteSettings(max_requests=1, coalesce_bytes=0))
+    gate = threading.Event()
+    blocker = f.start("blocker", [(0, 1)], check=lambda: gate.wait(5))
+    ahead = [f.start(f"ahead-{i}", [(0, 10)]) for i in range(3)]
+    now = [f.start(f"now-{i}", [(0, 10)], urgent=True) for i in range(2)]
+    gate.set()
+    for j in [blocker, *ahead, *now]:
+        j.result()
+    assert order == ["blocker", "now-0", "now-1", "ahead-0", "ahead-1", "ahead-2"]
+    f.close()
+
+
 def test_a_failed_version_check_fails_the_fetch_with_its_message():
     f = Fetcher(_Store(delay=0), RemoteSettings(retries=0))
 
