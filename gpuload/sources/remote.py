@@ -353,6 +353,19 @@ def is_local_fs(fs) -> bool:
     return bool(set(protos) & {"file", "local"})
 
 
+def _single_tries(proto: str, storage_options: dict | None) -> dict:
+    """``storage_options`` with botocore's own retries off unless given (and then s3fs's: see
+    :func:`store_for`): gpuload retries
+    each request itself (:class:`gpuload.RemoteSettings`), and the layers multiplied (an endpoint
+    that refused connections took 62 s to be reported, 7 x 5 x 5 tries)."""
+    opts = dict(storage_options or {})
+    if proto in ("s3", "s3a"):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})  # botocore's
+        opts["config_kwargs"] = config
+    return opts
+
+
 def store_for(url: str | None, filesystem=None, storage_options: dict | None = None,
               timeout: float | None = None) -> Store:
     """The :class:`Store` for ``url`` (or for ``filesystem``), creating the fsspec
@@ -368,7 +381,10 @@ def store_for(url: str | None, filesystem=None, storage_options: dict | None = N
     import fsspec  # a dependency of gpuload; the protocols' packages are extras
     try:
         cls = fsspec.get_filesystem_class(proto)
-        fs = cls(**(storage_options or {}))
+        opts = _single_tries(proto, storage_options)
+        fs = cls(**opts)
+        if opts != (storage_options or {}) and isinstance(getattr(fs, "retries", None), int):
+            fs.retries = 1  # s3fs's own loop (tries in all), on the instance our options made
     except ImportError as e:
         extra = _EXTRAS.get(proto)
         hint = f"pip install gpuload[{extra}]" if extra else f"install the fsspec package for {proto}://"

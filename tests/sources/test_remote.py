@@ -251,6 +251,20 @@ def test_missing_objects_and_protocols_say_what_to_do(s3, bucket, tmp_path):
         gpuload.ParquetDataset("nosuchproto://x/y.parquet", cache_dir=tmp_path / "c", device="cpu")
 
 
+def test_s3_requests_are_tried_by_gpuload_alone_unless_the_user_set_retries():
+    """s3fs (5 tries) and botocore (5) retry too: over gpuload's 7 tries an endpoint that refused
+    connections was reported after 62 s. gpuload turns theirs off, unless storage_options set them."""
+    from gpuload.sources.remote import store_for
+
+    opts = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}, "key": "k", "secret": "s"}
+    fs = store_for("s3://b/x.parquet", storage_options=opts).fs
+    assert fs.retries == 1 and fs.config_kwargs["retries"] == {"total_max_attempts": 1}
+    assert "config_kwargs" not in opts  # the caller's dict is left as it was
+    mine = {**opts, "config_kwargs": {"retries": {"max_attempts": 3}}}
+    fs = store_for("s3://b/x.parquet", storage_options=mine).fs
+    assert fs.config_kwargs["retries"] == {"max_attempts": 3}
+
+
 # -- plain HTTP, with latency and faults --------------------------------------------------------
 @pytest.fixture
 def http_files(tmp_path):
