@@ -1,4 +1,5 @@
-"""Consumers that would batch or shard gpuload's batches a second time, refused when they start.
+"""Consumers that would batch or shard gpuload's batches a second time, refused when they start;
+and copies of a loader (pickling, deepcopy), refused with what to do instead.
 
 gpuload batches, shuffles and shards by itself: every rank reads its own share of each
 epoch and yields the same number of batches. Two common wrappers would do some of that
