@@ -137,6 +137,12 @@ def _kind(stats: Stats) -> str | None:
 def _startup(stats: Stats, kind: str | None) -> tuple[str, str]:
     """(what the first next() of a pass waits for, what to do about it), for the loader ``kind``."""
     steady = "nothing to fix in steady state, and longer epochs amortise it"
+    if kind == "gpuload" and stats.remote is not None and stats.remote.requests and stats.stages.get("read"):
+        return (f", while the loader fills its first shuffle window from the object store ({stats.remote}; "
+                f"{stats.stages['read'].seconds:.2f} s of reads)",
+                "build the cache ahead (`gpuload cache build URL`) so that epochs read the local cache and make no "
+                "request, or keep more requests in flight (remote={'max_requests': 64}); a smaller shuffle_window "
+                "or chunk_bytes makes the first window smaller")
     if kind == "gpuload":
         return (", while the loader fills its first shuffle window",
                 f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes, and build the cache ahead "

@@ -203,6 +203,12 @@ def test_startup_wait_is_named_apart_from_steady_state():
     assert d.limiting == "startup" and "0.90 of 1.00 s" in d.message and "shuffle_window" in d.action
     spread = gpuload.diagnose(make_stats(0.1, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
     assert spread.limiting == "batch"  # the same waiting spread over every batch is the gather
+    # a remote source whose pass is about one window: the start-up is the fetching, not nothing to fix
+    remote = gpuload.RemoteStats(6, 9 * 10**5, 0, 0, 0.73, 0.73, 0.73)
+    d = gpuload.diagnose(make_stats(0.1, wait_max_s=0.9, remote=remote, loader="gpuload",
+                                    stages=[stage("read", 2.4, 2), stage("batch", 0.1)]))
+    assert d.limiting == "startup" and "from the object store (6 requests" in d.message
+    assert "nothing to fix" not in d.action and "gpuload cache build URL" in d.action
 
 
 def _run_passes(m, clock, passes, between: float = 0.0) -> None:
