@@ -304,6 +304,8 @@ class ChunkReader:
         (once, here: :func:`gpuload.plan.chunk_row_permutation`)."""
         c = self.chunks[i]
         f = self.files[c.file]
+        if i in self.cached_at_open:  # cached at open and made again: the cache was cleared meanwhile, and
+            self.cache.touch_spec(self.spec_hash, self.spec_desc)  # with it the record of this column set
         cols = self.decode(f, c, self.specs)
         if self.source.transform is not None:  # timed as conversion
             with self.metrics.span("convert", rows=c.rows) if self.metrics is not None else contextlib.nullcontext():

@@ -190,6 +190,23 @@ def test_bad_numbers_and_prefixes_are_one_line_errors(args, needle, data, tmp_pa
     assert rc == 2 and needle in err and "Traceback" not in err, err
 
 
+def test_a_dataset_reading_through_a_clear_describes_its_column_set_again(data, tmp_path, capsys):
+    """`cache clear` while a dataset reads: it makes the chunks again, and `cache info` names their
+    column set again (a user's trial saw "(description missing)" until the next open)."""
+    import gpuload
+
+    cache = str(tmp_path / "cache")
+    assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns", "label,dense_0"]) == 0
+    ds = gpuload.ParquetDataset(str(data), ["label", "dense_0"], cache_dir=cache, device="cpu", batch_size=4096)
+    rows = sum(len(b["label"]) for b in ds)
+    assert main(["cache", "clear", "--cache-dir", cache]) == 0
+    assert sum(len(b["label"]) for b in ds) == rows  # made again
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", cache]) == 0
+    out = capsys.readouterr().out
+    assert "label (int8), dense_0 (float32)" in out and "description missing" not in out, out
+
+
 def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, capsys):
     cache = tmp_path / "cache"
     for cols in ("label", "dense_0", "dense_1", "label,dense_0", "label,dense_1"):
