@@ -240,7 +240,7 @@ class ChunkReader:
         c = self.chunks[i]
         f = self.files[c.file]
         return ChunkKey(f.path, f.size, f.mtime_ns, self.spec_hash, c.rg_start, c.rg_stop, c.rows, self._outputs,
-                        self.spec_desc, f.tag)
+                        self.spec_desc, f.tag, f.footer_version)
 
     def max_chunk_bytes(self) -> int:
         """Estimated converted bytes of the largest chunk."""

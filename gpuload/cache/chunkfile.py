@@ -73,7 +73,9 @@ def spec_hash(spec: list) -> str:
 
 def version_token(size: int, mtime_ns: int, tag: str = "") -> str:
     """The token in a chunk file's name for one version of its source file: size and mtime,
-    and for a remote object the store's version marker ``tag`` (ETag, version id...)."""
+    and ``tag``: a remote object's version marker (ETag, version id...), a local file's footer
+    hash (:func:`gpuload.sources.opening.identity_tag`), or for a footer kept in the cache, a
+    local file's ctime."""
     return xxhash.xxh64_hexdigest(f"{size}:{mtime_ns}{':' + tag if tag else ''}".encode())
 
 

@@ -109,7 +109,10 @@ class ChunkKey:
     outputs : ``(name, kind, storage dtype, width)`` per output (default none).
     spec_desc : the spec description whose hash is ``spec`` (:func:`gpuload.schema.spec_description`);
         written into the header, left out of comparisons.
-    tag : a remote object's version marker (ETag, version id...); ``""`` (default) for local files.
+    tag : a remote object's version marker (ETag, version id...); for a local file, a hash of its
+        footer (:func:`gpuload.sources.opening.identity_tag`).
+    footer : the version token the source file's footer is cached under (kept when older
+        versions' files are dropped); left out of comparisons.
     """
 
     path: str
@@ -122,6 +125,7 @@ class ChunkKey:
     outputs: tuple = ()
     spec_desc: list = field(default_factory=list, compare=False, repr=False)
     tag: str = ""
+    footer: str = field(default="", compare=False, repr=False)  #: the token its source's footer is kept under
 
     @property
     def version(self) -> str:

@@ -312,7 +312,7 @@ class ChunkCache:
         for name, _ in self.root.scan(key.parts):
             if CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
                 self.root.unlink(key.parts, name, CHUNK)
-            elif FOOTER.fullmatch(name) and name[:16] != key.version:
+            elif FOOTER.fullmatch(name) and name[:16] not in (key.version, key.footer):
                 self.root.unlink(key.parts, name, FOOTER)
 
     def _inode(self, key: ChunkKey) -> tuple | None:

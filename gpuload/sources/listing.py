@@ -47,6 +47,13 @@ __all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint
 _GLOB_CHARS = set("*?[")
 
 
+def footer_tag(store, tag: str, ctime_ns: int) -> str:
+    """The version a file's footer is cached under: a remote object's tag; a local file's ctime
+    (any write changes it, and no tool sets it back), so that a file rewritten with its old size
+    and mtime is read again."""
+    return tag if store is not None else f"ctime:{ctime_ns}"
+
+
 @dataclass(frozen=True)
 class SourceFile:
     """One Parquet file: identity, footer, and Hive partition keys.
@@ -83,6 +90,11 @@ class SourceFile:
     def version(self) -> str:
         """A short token that changes whenever the file's identity (size, mtime, tag) does."""
         return version_token(self.size, self.mtime_ns, self.tag)
+
+    @property
+    def footer_version(self) -> str:
+        """The token its footer is kept in the cache under (:func:`footer_tag`)."""
+        return version_token(self.size, self.mtime_ns, footer_tag(self.store, self.tag, self.ctime_ns))
 
     def stat_matches(self) -> bool:
         """True if a local file still has the size, mtime and ctime recorded when its footer was

@@ -24,10 +24,11 @@ from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import xxhash
 
 from ..cache.footers import load_footer, parse_footer, read_footer, save_footer
 from ..errors import SourceError
-from .listing import Listed, SourceFile, _leaf_count, _partitions
+from .listing import Listed, SourceFile, _leaf_count, _partitions, footer_tag
 from .remote import same_version
 from .retry import retry
 
@@ -94,9 +95,21 @@ def check_footer(path: str, meta: pq.FileMetaData, size: int) -> None:
 
 
 
-def _cached_footer(root, x: Listed, counts: dict) -> pq.FileMetaData | None:
-    """The footer of ``x`` from the cache, if it holds one for this version that parses."""
-    raw = load_footer(root, x.path, x.size, x.mtime_ns, x.tag)
+def _footer_key(x: Listed) -> str:
+    return footer_tag(x.store, x.tag, x.ctime_ns)
+
+
+def identity_tag(x: Listed, raw: bytes) -> str:
+    """The tag in a file's identity: a remote object's version marker; for a local file, a hash of
+    its footer (its row groups' sizes, offsets and statistics): the same for identical copies of a
+    file on every node, and new for a file rewritten in place, whatever its size and mtime say."""
+    return x.tag if x.store is not None else f"footer:{xxhash.xxh3_64_hexdigest(raw)}"
+
+
+def _cached_footer(root, x: Listed, counts: dict) -> tuple[pq.FileMetaData, str] | None:
+    """The footer of ``x`` from the cache and the file's identity tag, if the cache holds one for
+    this version that parses."""
+    raw = load_footer(root, x.path, x.size, x.mtime_ns, _footer_key(x))
     if raw is None:
         return None
     try:
@@ -105,7 +118,7 @@ def _cached_footer(root, x: Listed, counts: dict) -> pq.FileMetaData | None:
     except SourceError:  # a cached footer that does not parse: read the file's own again
         return None
     counts["footers_cached"] += 1
-    return meta
+    return meta, identity_tag(x, raw)
 
 
 def _stat_id(st: os.stat_result) -> tuple:
@@ -145,14 +158,14 @@ def _read_remote(x: Listed, fetcher) -> tuple[bytes, Listed]:
                       "object is written")
 
 
-def _read_footer(root, x: Listed, fetcher_for) -> tuple[pq.FileMetaData, Listed]:
+def _read_footer(root, x: Listed, fetcher_for) -> tuple[tuple[pq.FileMetaData, str], Listed]:
     """The footer of ``x`` read from the file or object itself, then kept in the cache under the
-    identity checked after the read; and that identity."""
+    identity checked after the read; with the file's identity tag, and that identity."""
     raw, x = _read_remote(x, fetcher_for(x.store)) if x.store is not None else _read_local(x)
     meta = parse_footer(raw, x.path)
     check_footer(x.path, meta, x.size)
-    save_footer(root, x.path, x.size, x.mtime_ns, x.tag, raw)
-    return meta, x
+    save_footer(root, x.path, x.size, x.mtime_ns, _footer_key(x), raw)
+    return (meta, identity_tag(x, raw)), x
 
 
 def _read_all(root, listed: list[Listed], todo: list[int], fetcher_for) -> dict[int, tuple]:
@@ -196,7 +209,7 @@ def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dic
     for i, (meta, x) in _read_all(root, listed, missing, fetcher_for).items():
         metas[i], listed[i] = meta, x
     counts["footers_read"] += len(missing)
-    for x, meta in zip(listed, metas):
+    for x, (meta, tag) in zip(listed, metas):
         try:
             schema = meta.schema.to_arrow_schema()
         except (OSError, pa.ArrowException) as e:
@@ -209,6 +222,6 @@ def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dic
         for f in (f for f in fields if f.name in dict(keys) and f.name not in schema.names):
             schema = schema.append(f)
         keys = tuple((k, v) for k, v in keys if k not in dict(stored))
-        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, tag=x.tag, store=x.store, key=x.key,
+        out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, tag=tag, store=x.store, key=x.key,
                               file_keys=stored, int96=int96, ctime_ns=x.ctime_ns))
     return out

@@ -40,12 +40,14 @@ def test_a_footer_under_another_files_name_is_not_served(tmp_path):
     cache = tmp_path / "cache"
     f = _dataset(tmp_path, cache).reader.files[0]
     root = CacheRoot(cache)
-    assert load_footer(root, f.path, f.size, f.mtime_ns) is not None
-    assert load_footer(root, f.path, f.size + 1, f.mtime_ns) is None  # another version of the file
+    kept = f"ctime:{f.ctime_ns}"  # a local file's footer is kept under its ctime too
+    assert load_footer(root, f.path, f.size, f.mtime_ns, kept) is not None
+    assert load_footer(root, f.path, f.size + 1, f.mtime_ns, kept) is None  # another version of the file
+    assert load_footer(root, f.path, f.size, f.mtime_ns, f"ctime:{f.ctime_ns + 1}") is None  # written since
     assert load_footer(root, f.path, f.size, f.mtime_ns, tag="etag") is None
     (path,) = _footer_files(cache)
-    path.rename(path.with_name(footer_name(f.size, f.mtime_ns + 1)))  # copied under another version's name
-    assert load_footer(root, f.path, f.size, f.mtime_ns + 1) is None
+    path.rename(path.with_name(footer_name(f.size, f.mtime_ns + 1, kept)))  # copied under another version's name
+    assert load_footer(root, f.path, f.size, f.mtime_ns + 1, kept) is None
 
 
 def test_cache_info_verify_and_clear_know_footers(tmp_path):

@@ -370,21 +370,40 @@ def test_http_folder_listing(http_files, tmp_path):
 
 
 # -- local sources: the footer cache ---------------------------------------------------------------
-def test_local_files_with_the_same_size_and_mtime_are_not_opened_again(tmp_path):
-    tables = [_table(i) for i in range(2)]
-    paths = [tmp_path / f"p{i}.parquet" for i in range(2)]
-    for p, t in zip(paths, tables):
-        pq.write_table(t, p, row_group_size=RG)
+def test_local_files_are_not_opened_again_unless_written_even_with_their_old_size_and_mtime(tmp_path):
+    """Reopening reads no Parquet byte of files left alone; a file rewritten in place is read again
+    even when it is given back its size and mtime (an archive's or a reproducible build's fixed
+    timestamps): its ctime changed, and its identity is its footer's hash (a user's trial was served
+    the old values, with `cache verify` content)."""
+    def table(i: int, seed: int) -> pa.Table:  # uncompressed, fixed width: the same size for other values
+        rng = np.random.default_rng(seed)
+        return pa.table({"id": np.arange(i * 1000, (i + 1) * 1000), "x": rng.standard_normal(1000)})
+
+    paths = [tmp_path / "d" / f"p{i}.parquet" for i in range(2)]
+    paths[0].parent.mkdir()
+    for i, p in enumerate(paths):
+        pq.write_table(table(i, 0), p, compression="none")
+        os.utime(p, ns=(315532800 * 10**9, 315532800 * 10**9))  # 1980-01-01, as zip leaves it
     cache = tmp_path / "cache"
-    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000, device="cpu")
-    _check_equal(_rows_by_id(ds), tables)
-    for p in paths:  # scramble every byte but keep size and mtime: only a reader that opens it can tell
-        st = p.stat()
-        p.write_bytes(b"\0" * st.st_size)
-        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
-    ds = gpuload.ParquetDataset(tmp_path, COLUMNS, cache_dir=cache, batch_size=1000, device="cpu")
-    assert ds.reader.open_counts == {"footers_cached": 2, "footers_read": 0}
-    _check_equal(_rows_by_id(ds), tables)
+    kw = dict(cache_dir=cache, batch_size=1000, device="cpu", shuffle=False)
+    first = {b["id"][0].item(): b["x"].numpy().copy() for b in gpuload.ParquetDataset(tmp_path / "d", ["id", "x"], **kw)}
+    ds = gpuload.ParquetDataset(tmp_path / "d", ["id", "x"], **kw)
+    assert ds.reader.open_counts == {"footers_cached": 2, "footers_read": 0}  # left alone: no Parquet byte
+    size = paths[1].stat().st_size
+    pq.write_table(table(1, 1), paths[1], compression="none")  # other values, the same size and mtime
+    os.utime(paths[1], ns=(315532800 * 10**9, 315532800 * 10**9))
+    assert paths[1].stat().st_size == size
+    ds = gpuload.ParquetDataset(tmp_path / "d", ["id", "x"], **kw)
+    assert ds.reader.open_counts == {"footers_cached": 1, "footers_read": 1}
+    got = {b["id"][0].item(): b["x"].numpy().copy() for b in ds}
+    assert np.array_equal(got[0], first[0])
+    assert np.array_equal(got[1000], table(1, 1).column("x").to_numpy())  # the new values
+    assert not np.array_equal(got[1000], first[1000])
+    for p in paths:  # every byte scrambled, size and mtime kept: refused, never the cached rows
+        p.write_bytes(b"\0" * p.stat().st_size)
+        os.utime(p, ns=(315532800 * 10**9, 315532800 * 10**9))
+    with pytest.raises(SourceError, match="p0.parquet"):
+        gpuload.ParquetDataset(tmp_path / "d", ["id", "x"], **kw)
 
 
 def test_any_fsspec_protocol_memory(tmp_path):
