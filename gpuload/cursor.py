@@ -67,7 +67,6 @@ import copy
 import logging
 
 from . import plan, resume
-from .plan import MAX_KEY
 from .epochs import EpochPlan, Position
 from .errors import ConfigError, counted
 from .ranks import RankLayout, Ranks
@@ -96,7 +95,7 @@ class Cursor:
     # -- transitions ----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next iteration follows (see ``set_epoch`` in the module doc)."""
-        epoch = counted("epoch", epoch, 0, MAX_KEY)
+        epoch = counted("epoch", epoch, 0, plan.MAX_KEY)
         p = self.pending
         if p is not None and epoch != p.epoch:
             if not (epoch == p.epoch + 1 and p.complete):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import random
 import threading
 import time
@@ -53,9 +54,7 @@ def transient(e: BaseException) -> bool:
     throttling, a dropped or refused connection, a timeout, a truncated body. The
     exception's causes (``__cause__``, ``__context__``) are looked at too, since stores
     wrap their clients' errors (s3fs turns a 503 SlowDown into ``OSError(EBUSY)``)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in _chain(e):
         if isinstance(e, FileNotFoundError) and _unreached(e) is not e:
             return True  # fsspec's HTTP store says "not found" for a refused connection too
         if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
@@ -76,8 +75,16 @@ def transient(e: BaseException) -> bool:
         if any(w in text for w in ("slowdown", "slow down", "reduce your request rate", "throttl",
                                    "service unavailable", "too many requests", "internal error")):
             return True
-        e = e.__cause__ or e.__context__
     return False
+
+
+def _chain(e: BaseException | None):
+    """``e`` and what caused it (``__cause__``, else ``__context__``), each once."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 _CONNECT_CLASSES = {"EndpointConnectionError", "ClientConnectorError", "ClientConnectorDNSError",
@@ -90,29 +97,21 @@ def _unreached(e: BaseException) -> BaseException:
     else ``e`` itself."""
     if not isinstance(e, FileNotFoundError):
         return e
-    seen, c = {id(e)}, e.__cause__ or e.__context__
-    while c is not None and id(c) not in seen:
-        seen.add(id(c))
+    for c in itertools.islice(_chain(e), 1, None):
         if _status(c) is not None:  # an answer (a 404): the object is not there
             return e
         if isinstance(c, (ConnectionError, TimeoutError, asyncio.TimeoutError)) or type(c).__name__ in \
                 _TRANSIENT_CLASSES | _CONNECT_CLASSES or (isinstance(c, OSError) and c.errno in _TRANSIENT_ERRNO):
             return c
-        c = c.__cause__ or c.__context__
     return e
 
 
 def _no_connection(e: BaseException) -> bool:
     """Whether ``e`` (or what caused it) is a connection that could not be made: a refused port, an
     unknown host, no route."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e).__name__ in _CONNECT_CLASSES or isinstance(e, ConnectionRefusedError) or (
-                isinstance(e, OSError) and e.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH)):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(type(c).__name__ in _CONNECT_CLASSES or isinstance(c, ConnectionRefusedError) or (
+        isinstance(c, OSError) and c.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH))
+        for c in _chain(e))
 
 
 class Truncated(Exception):
