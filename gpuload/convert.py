@@ -18,10 +18,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .batch import Ragged
+from .batch import Pieces, Ragged, concat, stack
 from .categorical import encode_ids
 from .errors import ConfigError, NullValuesError, flag, setting
-from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, list_value, storage_dtype
+from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, list_value
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
 
@@ -148,8 +148,7 @@ def _null_counts(arrays: dict, specs: Sequence[OutputSpec]) -> list[tuple[str, i
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             if fill is not None or vt.encode or c in found:  # categorical ids: a null is id 0
                 continue
-            arr = arrays[c]
-            n = arr.null_count + (pc.list_flatten(arr).null_count if lists else 0)  # flatten skips null lists
+            n = sum(p.null_count + (pc.list_flatten(p).null_count if lists else 0) for p in arrays[c])
             if n:
                 found[c] = (c, n, lists)
     return list(found.values())
@@ -247,7 +246,12 @@ def _list_parts(arr: pa.Array, spec: OutputSpec, where: str) -> tuple[pa.Array, 
     return values, off, valid
 
 
-def _ragged(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
+def _ragged(parts: list, spec: OutputSpec, where: str, alloc=None) -> Ragged:
+    """A list column's Arrow chunks as one Ragged (values and offsets joined into ``alloc``'s arrays)."""
+    return concat([{"r": _ragged_part(p, spec, where)} for p in parts], alloc)["r"]
+
+
+def _ragged_part(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
     values, off, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
     if valid is not None:  # null lists become empty lists
@@ -269,42 +273,51 @@ def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
     return out
 
 
-def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = "") -> dict:
+def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = "", alloc=None,
+                     pieces: bool = False) -> dict:
     """Convert ``table`` (one chunk) into a column set following ``specs``.
+
+    Columns are converted one Arrow chunk (row group) at a time, never joined in Arrow first
+    (but fixed-size lists): each value is copied once, into the output (or, with ``pieces``,
+    by the layout).
 
     Parameters
     ----------
     table : Arrow table holding at least every source column of ``specs``.
     specs : the outputs to build, from :func:`gpuload.schema.resolve_outputs`.
     where : the file and row groups, named in null-value errors.
+    alloc : ``alloc(shape, dtype)`` for the arrays made here (NumPy; default: new arrays).
+    pieces : scalar outputs as :class:`gpuload.batch.Pieces`, not joined (default False), for
+        :meth:`gpuload.layout.Layout.pack`, which copies them once into the stored arrays.
     """
-    n = table.num_rows
     cols = {}
-    arrays = {}
+    arrays = {}  # source column: its Arrow chunks (a fixed-size list's joined: one)
     encoded = {c: vt for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
+    fixed = {c for s in specs if s.kind == FIXED for c in s.columns}
     for c in needed_columns(specs):
         col = table.column(c)
         if c in encoded and list_value(col.type) is None:  # ids chunk by chunk: strings never joined
-            arrays[c] = np.concatenate([encode_ids(ch, encoded[c].encode) for ch in col.chunks]
-                                       or [np.zeros(0, np.int64)])
+            arrays[c] = [encode_ids(ch, encoded[c].encode) for ch in col.chunks] or [np.zeros(0, np.int64)]
             continue
         if pa.types.is_dictionary(col.type):
             col = col.cast(col.type.value_type)
-        arrays[c] = col.combine_chunks()
+        arrays[c] = [col.combine_chunks()] if c in fixed or not col.chunks else col.chunks
     nulls = _null_counts(arrays, specs)
     if nulls:  # every column of the chunk at once, not one per run
         raise nulls_error([(c, k, lists, f"in {where}" if where else "") for c, k, lists in nulls])
+
+    def flat(c: str, vt: ValueType, fill, dtype: str) -> Pieces:
+        return Pieces([cast_values(_scalar_values(p, vt, fill, c, where), dtype, c, where) for p in arrays[c]])
+
     for s in specs:
         if s.kind == RAGGED:
-            cols[s.name] = _ragged(arrays[s.columns[0]], s, where)
+            cols[s.name] = _ragged(arrays[s.columns[0]], s, where, alloc)
         elif s.kind == FIXED:
-            cols[s.name] = _fixed(arrays[s.columns[0]], s, where)
+            cols[s.name] = _fixed(arrays[s.columns[0]][0], s, where)
         elif s.kind == GROUP:
-            out = np.empty((n, s.width), dtype=storage_dtype(s.dtype))
-            for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
-                out[:, j] = cast_values(_scalar_values(arrays[c], vt, fill, c, where), s.dtype, c, where)
-            cols[s.name] = out
+            cols[s.name] = stack([flat(c, vt, fill, s.dtype) for c, vt, fill in zip(s.columns, s.sources, s.fills)],
+                                 alloc)
         else:
-            v = _scalar_values(arrays[s.columns[0]], s.sources[0], s.fills[0], s.columns[0], where)
-            cols[s.name] = np.ascontiguousarray(cast_values(v, s.dtype, s.columns[0], where))
+            v = flat(s.columns[0], s.sources[0], s.fills[0], s.dtype)
+            cols[s.name] = v if pieces else v.join(alloc)
     return cols

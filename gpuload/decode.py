@@ -46,13 +46,17 @@ def _unchanged(f: SourceFile, during: bool = False) -> None:
                           "the dataset was opened; open the dataset again to pick up the new file")
 
 
+_POOLED_READ = 1 << 20  # reads from this size up go into reused buffers: new ones are faulted in page by page
+
+
 class _TimedFile(ReadOnlyFile):
     """A read-only local file whose reads are recorded as ``read`` spans (Parquet I/O apart from decoding)."""
 
-    def __init__(self, path: str, metrics):
+    def __init__(self, path: str, metrics, buffer: Callable | None = None):
         self._fd = os.open(path, os.O_RDONLY)
         super().__init__(os.fstat(self._fd).st_size)
         self.metrics, self.seconds = metrics, 0.0
+        self._buffer = buffer  # buffer(nbytes): a writable uint8 array to read into (a pool's); None: new bytes
 
     def read_at(self, start: int, end: int) -> bytes:
         t0 = self.metrics.clock()
@@ -62,8 +66,12 @@ class _TimedFile(ReadOnlyFile):
         self.metrics.record("read", t0, t1, nbytes=len(data))
         return data
 
-    def _pread(self, start: int, end: int) -> bytes:
-        return os.pread(self._fd, end - start, start)
+    def _pread(self, start: int, end: int):
+        if self._buffer is None or end - start < _POOLED_READ:
+            return os.pread(self._fd, end - start, start)
+        out = self._buffer(end - start)
+        # a view: pyarrow holds it (and with it the pool's buffer) for as long as it uses the bytes
+        return out[:os.preadv(self._fd, [out], start)]
 
     def close(self) -> None:
         if not self.closed:
@@ -151,12 +159,18 @@ class ArrowDecoder:
     thread (pyarrow's own thread pool is not used: gpuload runs several chunks at once).
     With ``metrics`` (a :class:`gpuload.Metrics`) the file reads are recorded as
     ``read`` spans, the rest of pyarrow's work as ``decode`` and the conversion as ``convert``.
+    ``alloc`` and ``pieces`` go to :func:`gpuload.convert.table_to_columns` (defaults: new
+    arrays, every output joined); with ``buffer(nbytes)`` (a writable uint8 array, default
+    None: new bytes), a local file's reads of a MiB or more go into its arrays.
     """
 
     name = "cpu"
 
-    def __init__(self, metrics=None, fetch: Callable | None = None, row_filter=None, filter_columns=()):
+    def __init__(self, metrics=None, fetch: Callable | None = None, row_filter=None, filter_columns=(),
+                 alloc: Callable | None = None, pieces: bool = False, buffer: Callable | None = None):
         self.metrics = metrics
+        self.alloc, self.pieces = alloc, pieces  # table_to_columns' (the reader's: its read pool, and Pieces it packs)
+        self.buffer = buffer  # local files' reads go into buffer(nbytes) (the reader's source pool)
         self.fetch = fetch  # remote objects: fetch(f, chunk, leaves) -> RangeFile (see ChunkReader.fetch)
         self.row_filter = row_filter  # a gpuload.rowfilter.RowFilter: only the rows it keeps are converted
         self.filter_columns = list(filter_columns)  # the columns it reads
@@ -174,7 +188,7 @@ class ArrowDecoder:
                 src = self.fetch(f, chunk, leaves)
                 t0 = m.clock() if m is not None else 0.0
             else:
-                src = f.path if m is None else _TimedFile(f.path, m)
+                src = f.path if m is None else _TimedFile(f.path, m, self.buffer)
             try:  # by leaf index: a name with dots never selects a struct's child
                 table = read_columns(src, f, chunk, leaves, dictionary=_hashed_strings(specs, stored))
                 kept = None
@@ -203,12 +217,12 @@ class ArrowDecoder:
                 if err is not None:
                     raise err
         if m is None:
-            return table_to_columns(table, specs, where)
+            return table_to_columns(table, specs, where, self.alloc, self.pieces)
         t1 = m.clock()
         io_s = 0.0 if f.remote else src.seconds
         m.record("decode", t0 + io_s, t1, nbytes=table.nbytes, rows=table.num_rows)  # pyarrow's time apart from I/O
         with m.span("convert", rows=table.num_rows) as span:
-            cols = table_to_columns(table, specs, where)
+            cols = table_to_columns(table, specs, where, self.alloc, self.pieces)
             span.nbytes = nbytes(cols)
         return cols
 

@@ -25,7 +25,7 @@ their members are recorded in the spec description (each member's entry carries
 
 from __future__ import annotations
 
-from .batch import _empty, _xp
+from .batch import _xp, joined, stack
 
 __all__ = ["LAYOUTS", "Layout", "block_members", "stored_outputs", "is_block"]
 
@@ -70,17 +70,16 @@ class Layout:
 
     def pack(self, cols: dict, alloc=None) -> dict:
         """Stored column set of a chunk's decoded outputs ``cols`` (new block arrays, from
-        ``alloc(shape, dtype)`` when given, NumPy only; the other outputs unchanged), in the
-        order of :func:`stored_outputs`."""
-        if not self.blocks:
-            return cols
+        ``alloc(shape, dtype)`` when given, NumPy only; :class:`gpuload.batch.Pieces` copied
+        once, into a block or joined into an array of their own; other outputs unchanged),
+        in the order of :func:`stored_outputs`."""
         out = {}
         for name in self.outputs:
             where = self._where.get(name)
             if where is None:
-                out[name] = cols[name]
+                out[name] = joined(cols[name], alloc)
             elif where[1] == 0:
-                out[where[0]] = _stack([cols[m] for m in self.blocks[where[0]]], alloc)
+                out[where[0]] = stack([cols[m] for m in self.blocks[where[0]]], alloc)
         return out
 
     def unpack(self, cols: dict, alloc=None) -> dict:
@@ -102,23 +101,6 @@ class Layout:
             where = self._where.get(name)
             out[name] = cols[name] if where is None else rows[where[0]][where[1]]
         return out
-
-
-_TILE = 1 << 14  # rows per tile when interleaving columns on the CPU: the tile stays in cache
-
-
-def _stack(columns: list, alloc=None):
-    """``[rows, k]`` C-contiguous array whose column ``j`` is ``columns[j]`` (from
-    ``alloc(shape, dtype)`` when given and the columns are NumPy arrays)."""
-    xp = _xp(columns[0])
-    n = len(columns[0])
-    out = _empty(xp, (n, len(columns)), columns[0].dtype, alloc)
-    tile = _TILE if xp.__name__ == "numpy" else max(n, 1)  # on a GPU: one strided copy kernel per column
-    for a in range(0, n, tile):  # on the CPU: strided stores a tile at a time, not k passes over the block
-        t = out[a:a + tile]
-        for j, c in enumerate(columns):
-            t[:, j] = c[a:a + tile]
-    return out
 
 
 def is_block(name: str) -> bool:

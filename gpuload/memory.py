@@ -145,7 +145,7 @@ class HostBudget:
     windows: int  #: joined shuffle windows: the one being cut and the next one (window pool; with a block shuffle, their chunks, not joined, in the read pool)
     chunks: int  #: chunks loaded and not joined yet: the next window's and those ahead (read pool)
     batches: int  #: batches queued, held by the consumer, being cut (one per loader thread) or handed off (batch pool)
-    decode: int  #: per loader thread, a chunk being decoded: Arrow table, converted and packed arrays
+    decode: int  #: per loader thread, a chunk being decoded: its Parquet bytes, Arrow table and packed arrays
     writes: int  #: decoded chunks waiting for the cache writer
     remote: int  #: remote sources: read-ahead, requests in flight, and the ranges being decoded
     trace: int = 0  #: the events the dataset's Metrics keeps for its trace (Metrics.max_trace_nbytes)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-from .batch import RUN_ROWS, permute_rows
+from .batch import RUN_ROWS, joined, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
 from .categorical import Vocabulary, parse_key
@@ -125,8 +125,11 @@ class ChunkReader:
         #: chunk files written and read around the page cache (``cache_io``; :func:`gpuload.memory.direct_io`)
         cached = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
         self.cache.direct = direct_io(opts.cache_io, min(cached, opts.max_cache_bytes or cached))
+        # flat outputs come as Pieces of their row groups, which `_stored` packs into the read pool's buffers
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
-                                                             row_filter=flt, filter_columns=self.filter_columns),
+                                                             row_filter=flt, filter_columns=self.filter_columns,
+                                                             alloc=self.read_pool.array, pieces=True,
+                                                             buffer=self.source_pool.get),
                                      metrics)
         #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
         self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
@@ -215,8 +218,9 @@ class ChunkReader:
 
     def _make_pools(self) -> None:
         """The host pools, each keeping at most its term of the host memory bound
-        (:func:`gpuload.memory.host_budget`): cache reads, shuffle windows (2 per array), and
-        batches gathered or joined and blocks unpacked (queued, held by the consumer, being cut)."""
+        (:func:`gpuload.memory.host_budget`): cache reads, shuffle windows (2 per array),
+        batches gathered or joined and blocks unpacked (queued, held by the consumer, being cut),
+        and the Parquet bytes of the chunks being decoded."""
         o, stored, budget = self.opts, self.arrays_per_chunk, self.host_budget()
         # a block shuffle's windows are not joined (gpuload.batch.Parts): their chunks are held
         # instead, in the read pool, which keeps the windows' term too
@@ -226,6 +230,8 @@ class ChunkReader:
         self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=0 if runs else budget.windows)
         self.batch_pool = HostPool(max_buffers=(o.prefetch + 6 + o.num_threads) * (stored + len(self.layout.blocks)),
                                    max_bytes=budget.batches)
+        # the Parquet bytes a loader thread reads for a chunk: at most a chunk's, part of its decode term
+        self.source_pool = HostPool(max_buffers=8 * o.num_threads + 4, max_bytes=budget.decode // 3)
 
     def _check_data(self) -> None:
         """The checks that may read column data (nulls the footers cannot rule out, partition keys
@@ -307,10 +313,10 @@ class ChunkReader:
         if i in self.cached_at_open:  # cached at open and made again: the cache was cleared meanwhile, and
             self.cache.touch_spec(self.spec_hash, self.spec_desc)  # with it the record of this column set
         cols = self.decode(f, c, self.specs)
-        if self.source.transform is not None:  # timed as conversion
+        if self.source.transform is not None:  # timed as conversion; it is given whole arrays
             with self.metrics.span("convert", rows=c.rows) if self.metrics is not None else contextlib.nullcontext():
-                cols = apply_transform(self.source.transform, cols, self.specs, self.outputs,
-                                       f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
+                cols = apply_transform(self.source.transform, {k: joined(v) for k, v in cols.items()}, self.specs,
+                                       self.outputs, f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
         # host blocks from the read pool: the first epoch's chunks reuse the pages of those cached
         # and joined before them (as cache reads do), instead of faulting in fresh ones
         cols = self.layout.pack(cols, self.read_pool.array)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -255,7 +256,7 @@ def test_list_arrays_with_an_offset():
     ll = pa.array([[1], None, [2, 3], [], [4]], pa.large_list(pa.int16())).slice(1, 3)
     specs = {s.name: s for s in resolve_outputs(pa.schema([("f", fs.type), ("l", ll.type)]), fill_nulls=0)}
     assert _fixed(fs, specs["f"], "").tolist() == [[0, 0], [5, 6], [7, 8]]
-    assert lists(_ragged(ll, specs["l"], "")) == [[], [2, 3], []]
+    assert lists(_ragged([ll], specs["l"], "")) == [[], [2, 3], []]
 
 
 @pytest.mark.parametrize("arr,count", [
@@ -440,3 +441,50 @@ def test_decimal_nulls_without_a_fill_and_narrow_integer_casts_are_refused(tmp_p
                                 dtypes={"v": "int8"}, shuffle=False)
     with pytest.raises(gpuload.ConfigError, match=r"column 'v' holds 150 in .* which int8 cannot represent"):
         next(iter(ds))
+
+
+def test_chunked_columns_convert_piece_by_piece_exactly_as_joined_ones():
+    """A chunk's row groups arrive as Arrow chunks: converted one by one (never joined in Arrow),
+    handed to the layout as Pieces and packed, they give the bytes the joined table gives."""
+    from gpuload.batch import Pieces
+    from gpuload.layout import Layout
+    from gpuload.schema import spec_description
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for n in (5, 0, 7, 4):
+        parts.append(pa.table({
+            "id": pa.array(rng.integers(0, 1 << 40, n)),
+            "i": pa.array([None if v % 3 == 0 else int(v) for v in rng.integers(0, 50, n)], pa.int32()),
+            "f": pa.array(rng.random(n).astype(np.float32)),
+            "g": pa.array(rng.random(n)),
+            "s": pa.array([f"k{v}" for v in rng.integers(0, 4, n)]).dictionary_encode(),
+            "h": pa.array([None if v == 0 else [int(v), None][:1 + v % 2] * (int(v) % 3) for v in rng.integers(0, 9, n)],
+                          pa.list_(pa.int64()))}))  # null lists and null elements in several pieces
+    chunked = pa.concat_tables([p.cast(parts[0].schema) for p in parts])
+    assert chunked.column("id").num_chunks == 4
+    columns = {"id": "id", "i": "i", "f": "f", "fg": ["f", "g"], "s": "s", "h": "h"}
+    specs = resolve_outputs(chunked.schema, columns, {"i": -1, "h": 7}, {"i": "float32"}, file="x")  # s: hashed ids
+    assert chunked.column("h").null_count > 0 and pc.list_flatten(chunked.column("h")).null_count > 0
+    whole = table_to_columns(chunked.combine_chunks(), specs, "x")
+    piecewise = table_to_columns(chunked, specs, "x", pieces=True)
+    assert isinstance(piecewise["id"], Pieces) and len(piecewise["id"].parts) == 4
+    assert lists(piecewise["h"]) == [[7 if v is None else v for v in r or []] for r in chunked.column("h").to_pylist()]
+    np.testing.assert_array_equal(table_to_columns(chunked, specs, "x")["i"], whole["i"])  # joined by default
+    for layout in ("rows", "columns"):
+        lay = Layout(spec_description(specs, layout))
+        a, b = lay.pack(whole), lay.pack(piecewise)
+        assert list(a) == list(b)
+        for k in a:
+            if isinstance(a[k], Ragged):
+                np.testing.assert_array_equal(a[k].values, b[k].values)
+                np.testing.assert_array_equal(a[k].offsets, b[k].offsets)
+            else:
+                assert a[k].dtype == b[k].dtype and b[k].flags.c_contiguous
+                np.testing.assert_array_equal(bits(a[k]) if a[k].dtype.kind == "f" else a[k],
+                                              bits(b[k]) if b[k].dtype.kind == "f" else b[k])
+    # the first value a cast cannot hold is named, in whichever piece it lies
+    bad = pa.chunked_array([pa.array([1.0, 2.0]), pa.array([3.0, 4.5, 5.5])])
+    with pytest.raises(gpuload.ConfigError, match="holds 4.5"):
+        table_to_columns(pa.table({"x": bad}), resolve_outputs(pa.schema([("x", pa.float64())]), {"y": "x"},
+                                                                None, {"y": "int64"}, file="x"), "x", pieces=True)
