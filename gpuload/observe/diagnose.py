@@ -394,9 +394,13 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
                 "ahead with `gpuload cache build` so that epochs read the cache instead" if ours else
                 "copy the source to local NVMe, or keep more reads in flight")
     if s.name == "cache_write":
-        return (f"first-epoch cache writes are the limit at {total_gbps:.2f} GB/s: {where}",
-                "build the cache ahead with `gpuload cache build`, or put the cache on faster local disk" if ours
-                else "put the cache on faster local disk")
+        around = ("pass cache_io='direct' (`--cache-io direct`), which writes the cache around the page cache (no "
+                  "copy into newly allocated page-cache pages; later epochs then read the disk, not memory), "
+                  if settings.get("cache_io") == "buffered" else "")
+        return (f"first-epoch cache writes are the limit at {total_gbps:.2f} GB/s"
+                f"{' through the page cache' if around else ''}: {where}",
+                f"{around}build the cache ahead with `gpuload cache build`, or put the cache on faster local disk"
+                if ours else "put the cache on faster local disk")
     if s.name == "h2d":
         return (f"host-to-device copies are the limit at {total_gbps:.2f} GB/s: {where}",
                 "copy batches from pinned memory with non_blocking=True on a side stream (gpuload's CUDA "
