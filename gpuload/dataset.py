@@ -11,6 +11,7 @@ import torch
 from . import plan, preload, resume
 from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
+from .convert import needed_columns
 from .cursor import Cursor
 from .epochs import EpochPlan, Position
 from .errors import ConfigError, flag
@@ -358,8 +359,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
+        # a transform's outputs are made from every column it is given (their specs name none)
+        given = needed_columns(r.specs) if r.source.transform is not None else None
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
-                                outputs={s.name: list(s.columns) for s in r.outputs}, seed=o.seed, shuffle=o.shuffled,
+                                outputs={s.name: given or list(s.columns) for s in r.outputs}, seed=o.seed,
+                                shuffle=o.shuffled,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
                                 block_rows=o.block, row_filter=None if r.source.filters is None else r.source.filters.key)
 

@@ -348,3 +348,26 @@ def test_notes_reach_the_error_on_every_python():
         note(e, "first")
         note(e, "second")
         assert e.__notes__ == ["first", "second"]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_dataset_with_a_transform_resumes_from_its_own_state(data, tmp_path, shuffle):
+    """A user's trial: state_dict() recorded no columns for a transform's outputs, and
+    load_state_dict refused gpuload's own state; their columns are those the transform is given."""
+    t = gpuload.Transform(features, key="features-v1")
+    ds = _ds(data, tmp_path / "c", transform=t, shuffle=shuffle, seed=3)
+    seen = []
+    for i, b in enumerate(ds):
+        seen += b["x"].tolist()
+        if i == 2:
+            break
+    state = ds.state_dict()
+    assert set(state["dataset"]["outputs"]["logw"]) == {"x", "w", "l"}
+    again = _ds(data, tmp_path / "c", transform=t, shuffle=shuffle, seed=3)
+    again.load_state_dict(state)
+    seen += [v for b in again for v in b["x"].tolist()]
+    assert sorted(seen) == list(range(N))
+    other = _ds(data, tmp_path / "c", transform=gpuload.Transform(lambda o: {"x": o["x"]}, key="x-only"),
+                columns=["x"], shuffle=shuffle, seed=3)
+    with pytest.raises(gpuload.ConfigError, match="outputs: the columns differ"):
+        other.load_state_dict(state)
