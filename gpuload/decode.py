@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
 from .batch import nbytes, nrows, take
 from .checks import column_names, old_arrow_error, stored_key_error
@@ -87,8 +88,23 @@ def read_columns(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit
     # remote: one read per fetched column chunk (pre-buffering would merge reads across holes)
     reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote, coerce_int96_timestamp_unit=int96_unit,
                             read_dictionary=list(dictionary) or None).reader
-    return reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
-                                  use_threads=False)
+    table = reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
+                                   use_threads=False)
+    misread = [c for c in dictionary if c in table.column_names and not _indices_in_range(table.column(c))]
+    if misread:  # pyarrow reads some writers' dictionary pages short (DuckDB's ENUM columns): read their values
+        log.debug("gpuload: %s: dictionary indices of %s beyond their dictionary; read as values", f.path, misread)
+        return read_columns(src, f, chunk, leaves, int96_unit, [c for c in dictionary if c not in misread])
+    return table
+
+
+def _indices_in_range(col: pa.ChunkedArray) -> bool:
+    """Whether every index of a dictionary column points into its chunk's dictionary."""
+    for a in col.chunks:
+        if pa.types.is_dictionary(a.type) and len(a) > a.null_count:
+            lo, hi = pc.min_max(a.indices).values()
+            if lo.as_py() < 0 or hi.as_py() >= len(a.dictionary):
+                return False
+    return True
 
 
 def kept_positions(f: SourceFile, chunk: Chunk, flt, columns: Sequence[str], fetch: Callable | None) -> np.ndarray:

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import gpuload
+import torch
 
 N = 3000
 COLUMNS = {"id": "id", "i8": "i8", "i16": "i16", "i32": "i32", "f32": "f32", "f64": "f64", "flag": "flag",
@@ -135,6 +136,32 @@ def test_duckdb(tmp_path):
     folder = tmp_path / "duck"
     duckdb.sql(f"COPY (SELECT * FROM t) TO '{folder}' (FORMAT PARQUET, PARTITION_BY (part), ROW_GROUP_SIZE 700)")
     _same(_gpuload(folder, tmp_path), _reference(_pyarrow(folder)))
+
+
+def test_duckdb_enum_columns_give_the_ids_of_their_values(tmp_path):
+    """A user's trial: DuckDB writes an ENUM column's unused values as empty strings in its
+    dictionary pages, which pyarrow's dictionary reads drop (later indices then run past the
+    end), and hashing through them raised an IndexError from deep inside; such columns are read
+    as values, and give the ids the same strings written by pyarrow give."""
+    duckdb = pytest.importorskip("duckdb")
+    con = duckdb.connect()
+    con.sql("CREATE TYPE mood AS ENUM ('a', 'b', 'c', 'd')")
+    enum = tmp_path / "enum.parquet"
+    con.sql(f"COPY (SELECT i AS id, (CASE WHEN i < 600 OR i % 2 = 0 THEN 'd' ELSE 'b' END)::mood AS m "
+            f"FROM range(1000) r(i)) TO '{enum}' (FORMAT PARQUET, ROW_GROUP_SIZE 500)")
+    dictionary = pq.ParquetFile(enum, read_dictionary=["m"]).read().column("m")
+    from gpuload.decode import _indices_in_range
+
+    assert not _indices_in_range(dictionary), "pyarrow reads these dictionaries now: the fallback is not tested"
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pq.read_table(enum), plain)  # the same values, as pyarrow writes them
+    for categorical in (gpuload.Hash(buckets=1000), gpuload.Vocab()):
+        ids = []
+        for path in (enum, plain):
+            ds = gpuload.ParquetDataset(path, ["id", "m"], batch_size=300, shuffle=False, device="cpu",
+                                        cache_dir=tmp_path / "c", categorical={"m": categorical})
+            ids.append(torch.cat([b["m"] for b in ds]))
+        assert torch.equal(ids[0], ids[1]) and len(set(ids[0].tolist())) == 2
 
 
 def test_polars(tmp_path):
