@@ -66,8 +66,10 @@ def wider(*types: pa.DataType) -> pa.DataType | None:
     the widest signed width and at least twice the widest unsigned one (none past int64);
     with floats, the narrowest float at least as wide as each whose significand holds every
     integer (int8/16 in float32, int32 in float64, int64 in none); lists of such values their
-    list (``large_list`` if any is), fixed-size lists only of one size."""
+    list (``large_list`` if any is), fixed-size lists only of one size. Arrow's ``null`` type (a
+    file whose column holds only nulls, as pandas and pyarrow write it) combines with any type."""
     types = list(dict.fromkeys(_logical(t) for t in types))
+    types = [t for t in types if not pa.types.is_null(t)] or types
     if len(types) == 1:
         return types[0]
     inner = [list_value(t) for t in types]

@@ -52,6 +52,12 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     strings and bytes as categorical ids (null: 0)."""
     if isinstance(arr, np.ndarray):  # categorical ids, made chunk by chunk (table_to_columns)
         return arr
+    if pa.types.is_null(arr.type):  # a file whose column holds only nulls (checks.wider): the fill, or id 0
+        if vt.encode or not len(arr):
+            return np.zeros(len(arr), np.int64 if vt.encode else vt.dtype)
+        if fill is None:
+            raise null_error(column, len(arr), where)
+        return np.full(len(arr), fill, vt.dtype)
     if vt.encode:
         return encode_ids(arr, vt.encode)
     if vt.temporal.startswith(("decimal:", "unscaled:")):

@@ -260,6 +260,8 @@ def test_a_large_footer_over_little_data_is_not_walked(tmp_path, monkeypatch):
     (pa.list_(pa.int32(), 3), pa.list_(pa.int64(), 3), pa.list_(pa.int64(), 3)),
     (pa.list_(pa.int32(), 3), pa.list_(pa.int32(), 4), None), (pa.list_(pa.int32()), pa.int32(), None),
     (pa.dictionary(pa.int8(), pa.int32()), pa.int64(), pa.int64()), (pa.timestamp("ms"), pa.timestamp("us"), None),
+    (pa.null(), pa.float32(), pa.float32()), (pa.null(), pa.string(), pa.string()), (pa.null(), pa.null(), pa.null()),
+    (pa.list_(pa.null()), pa.large_list(pa.int16()), pa.large_list(pa.int16())),
 ])
 def test_wider_holds_both_types_exactly_or_is_none(a, b, want):
     assert checks.wider(a, b) == want and checks.wider(b, a) == want
@@ -318,6 +320,34 @@ def test_files_whose_types_drift_are_read_in_the_type_that_holds_them_all(tmp_pa
     if decode == "gpu":  # a.parquet's narrower columns went through pyarrow; cuDF decoded the rest
         assert 0 < ds.reader.decode.fallbacks < ds.reader.counters.decoded, (ds.reader.decode.fallbacks,
                                                                                ds.reader.counters.decoded)
+
+
+def test_a_file_whose_column_holds_only_nulls_reads_as_the_other_files_type(tmp_path):
+    """A user's trial: pandas and pyarrow type a column that is all None in one file (one day's
+    file, an empty table) as Arrow's null type; it holds nothing any type could not, so the
+    source reads in the other files' types, the nulls filled, where it was refused before."""
+    src = tmp_path / "src"
+    write_parquet(src / "a.parquet", pa.table({"id": np.arange(30), "x": np.arange(30) / 4, "s": ["k"] * 30,
+                                               "t": pa.array(np.arange(30).astype("datetime64[ms]")),
+                                               "h": pa.array([[i, i] for i in range(30)], pa.list_(pa.int32()))}))
+    write_parquet(src / "b.parquet", pa.table({"id": np.arange(30, 50), "x": pa.nulls(20), "s": pa.nulls(20),
+                                               "t": pa.nulls(20), "h": pa.array([[]] * 19 + [None])}))
+    assert pq.read_schema(src / "b.parquet").field("h").type == pa.list_(pa.null())
+    fill = {"x": -1.0, "t": -7, "h": 0}
+    ds = gpuload.ParquetDataset(src, None, batch_size=8, shuffle=False, device="cpu", cache_dir=tmp_path / "c",
+                                fill_nulls=fill)
+    assert ds.outputs == ["id", "x", "s", "t", "h"]
+    got = {k: [] for k in ds.outputs}
+    for b in ds:
+        for k, v in b.items():
+            got[k] += [v.values[v.offsets[i]:v.offsets[i + 1]].tolist() for i in range(len(v.offsets) - 1)] \
+                if isinstance(v, gpuload.Ragged) else v.tolist()
+    want = pa.concat_tables([pq.read_table(f) for f in (src / "a.parquet", src / "b.parquet")], promote_options="permissive")
+    assert got["id"] == list(range(50)) and got["x"] == want["x"].fill_null(-1.0).to_pylist()
+    assert got["t"] == list(range(30)) + [-7] * 20 and got["h"] == [[i, i] for i in range(30)] + [[]] * 20
+    assert len(set(got["s"][:30])) == 1 and got["s"][30:] == [0] * 20  # a hashed null: id 0
+    with pytest.raises(gpuload.NullValuesError, match="'x' has 20 null values"):
+        list(gpuload.ParquetDataset(src, ["x"], device="cpu", cache_dir=tmp_path / "c2"))
 
 
 def test_types_no_type_holds_exactly_are_refused_naming_both_files(tmp_path):
