@@ -91,7 +91,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     local_world_size : ranks per node with ``shard="node"`` (default: torchrun's
         ``LOCAL_WORLD_SIZE``, checked against ``GROUP_RANK``, ``LOCAL_RANK`` and ``RANK``);
         global rank ``r`` is on node ``r // local_world_size``.
-    fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
+    fill_nulls : None (nulls are an error), a scalar for every column (but those it does not fit:
+        0.5 or NaN leaves integer columns without one), or ``{column: value}``.
         Null lists become empty lists; null fixed-size lists rows of the value.
     dtypes : ``{output: dtype}`` to cast outputs, as NumPy or torch dtypes (or their
         names), ``torch.bfloat16`` included (default: the column's own dtype; a stacked

@@ -227,6 +227,15 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
     return float(value)
 
 
+def _holds(value: Any, dtype: np.dtype, column: str) -> bool:
+    """Whether a column of ``dtype`` can take ``value`` as its fill (:func:`_check_fill` accepts it)."""
+    try:
+        _check_fill(value, dtype, column)
+        return True
+    except ConfigError:
+        return False
+
+
 def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str, ...], bool]]:
     """(output name, source columns, is_group) for each requested output."""
     if columns is None:
@@ -290,7 +299,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         drifting types widened (:func:`gpuload.checks.widened`).
     columns : None (every supported column), a list of names, or a dict
         ``{output: column}`` / ``{output: [columns]}`` (a list stacks into ``[rows, k]``).
-    fill_nulls : None (nulls are an error), a scalar for every column, or ``{column: value}``.
+    fill_nulls : None (nulls are an error), a scalar for every column (but those it does not fit:
+        0.5 or NaN leaves integer columns without one), or ``{column: value}``.
     dtypes : optional ``{output: dtype}`` casts; a stacked group defaults to the
         numpy result type of its members.
     file : the file the schema came from, named in errors.
@@ -321,7 +331,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         raise ConfigError(f"{flag('dtypes')} names outputs that do not exist: {unknown}; name outputs of "
                           f"{flag('columns')}")
 
-    specs = []
+    specs, unfit = [], []  # unfit: (column, value type) that a single fill_nulls number does not fit
     for name, cols, is_group in requested:
         kinds, vts, widths = [], [], []
         for c in cols:
@@ -356,8 +366,14 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
                     raise ConfigError(f"{setting('fill_nulls', {c: fv})}: column {c!r} becomes categorical ids, "
                                       "where a null gets id 0: leave it out of fill_nulls=")
                 fv = None  # one fill value for every column: the categorical ones keep id 0 for nulls
+            if isinstance(fv, (int, float, np.integer, np.floating)) and not isinstance(fill_nulls, Mapping) \
+                    and not _holds(fv, np.dtype(vt.dtype), c):
+                unfit.append((c, vt))  # one number for every column (0.5, NaN): a column it does not fit gets none
+                fv = None
             fills.append(None if fv is None else _check_fill(fv, np.dtype(vt.dtype), c))
         specs.append(OutputSpec(name, tuple(cols), kind, dtype, width, tuple(vts), tuple(fills)))
+    if unfit and not any(f is not None for s in specs for f in s.fills):  # it fits no column: say why
+        _check_fill(fill_nulls, np.dtype(unfit[0][1].dtype), unfit[0][0])
     return specs
 
 

@@ -160,3 +160,16 @@ def test_float_fill_out_of_range_is_refused(dtype, fill):
         resolve_outputs(pa.schema([("f", dtype)]), None, fill_nulls={"f": fill})
     assert resolve_outputs(pa.schema([("f", dtype)]), None, fill_nulls={"f": float("nan")})[0].fills == (
         pytest.approx(float("nan"), nan_ok=True),)
+
+
+@pytest.mark.parametrize("fill", [0.5, float("nan"), -1])
+def test_one_fill_for_every_column_fills_those_it_fits(fill):
+    """A user's trial: fill_nulls=0.5 (or NaN) with an integer column loaded too was refused as
+    fill_nulls={'i': 0.5}, which they never wrote, though that column holds no nulls; a single
+    number fills the columns it fits, and is refused only where it fits none."""
+    specs = {s.name: s for s in resolve(["i", "f", "u", "b"], fill_nulls=fill)}
+    assert specs["f"].fills[0] == pytest.approx(fill, nan_ok=True)
+    assert specs["i"].fills == ((fill,) if fill == -1 else (None,)) and specs["u"].fills == (None,)
+    assert specs["b"].fills == (None,)
+    with pytest.raises(gpuload.ConfigError, match="'u'"):
+        resolve(["u", "b"], fill_nulls=0.5)  # it fits none of them: refused as before
