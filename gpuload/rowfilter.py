@@ -84,6 +84,12 @@ class RowFilter:
             if missing:  # pyarrow's text goes on with the whole schema: the column alone is said
                 raise SchemaError(f"{flag('filters')} {self.text} names column {missing.group(1)!r}, which the "
                                   f"files do not have; name columns they have ({', '.join(schema.names)})") from None
+            kinds = re.search(r"no kernel matching input types \((.*?)\)", str(e))
+            if kinds:  # a value of another type than its column's (a string for an integer Hive key)
+                named = [f"{f.name} is {f.type}" for f in schema if re.search(rf"\b{re.escape(f.name)}\b", self.text)]
+                raise SchemaError(f"{flag('filters')} {self.text} compares values of different types "
+                                  f"({kinds.group(1)}); give each condition a value of its column's type"
+                                  f"{' (' + ', '.join(named) + ')' if named else ''}") from None
             raise SchemaError(f"{flag('filters')} {self.text} cannot be applied to the files' columns "
                               f"({' '.join(str(e).split())}); name columns the files have "
                               f"({', '.join(schema.names)})") from None

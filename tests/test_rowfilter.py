@@ -161,7 +161,8 @@ def test_bad_filters_are_refused_naming_what_to_do(data, tmp_path):
     with pytest.raises(gpuload.SchemaError, match=r"filters= .*names column 'dya', which the files do not have; "
                                                   r"name columns they have \(id, "):
         _ds(data, tmp_path / "c", filters=[("dya", ">", 1)])
-    with pytest.raises(gpuload.SchemaError, match=r"filters= .*cannot be applied.*name columns the files have"):
+    with pytest.raises(gpuload.SchemaError, match=r"filters= .*compares values of different types \(int64, string\); "
+                                                  r"give each condition a value of its column's type \(day is int64\)"):
         _ds(data, tmp_path / "c", filters=[("day", "==", "x")])  # a type no kernel compares with
     with pytest.raises(gpuload.ConfigError, match="is not a filter"):
         _ds(data, tmp_path / "c", filters=[("day", "~", 1)])
@@ -342,7 +343,8 @@ def test_a_filter_that_cannot_be_evaluated_is_refused_naming_the_file(tmp_path, 
     f = [("t", ">", 3)]  # a number in a.parquet, a string in b.parquet
     with pytest.raises(gpuload.SchemaError, match=r"b\.parquet: filters= .* cannot be evaluated on its columns"):
         _ds(tmp_path / "d", tmp_path / "c", ["id"], filters=f)
-    with pytest.raises(gpuload.SchemaError, match=r"filters= \(t > 3\) cannot be applied to the files' columns"):
+    with pytest.raises(gpuload.SchemaError, match=r"filters= \(t > 3\) compares values of different types "
+                                                  r"\(string, int8\); .*\(t is string\)"):
         _ds(tmp_path / "d" / "b.parquet", tmp_path / "c", ["id"], filters=f)
     r = cli("cache", "build", str(tmp_path / "d"), "--cache-dir", str(tmp_path / "c"), "--columns", "id",
             "--filter", '[["t", ">", 3]]')
