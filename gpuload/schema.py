@@ -185,8 +185,9 @@ def _classify(name: str, t: pa.DataType, enc: Hash | Vocab | None = None) -> tup
         return RAGGED, ivt, 1
     raise SchemaError(
         f"column {name!r} has type {t}, which gpuload cannot turn into a tensor "
-        "(supported: bool, integers, floats, dates, timestamps, durations, dictionary-encoded "
-        f"numbers, strings and binary values as ids, lists of those). Leave it out of {flag('columns')} or "
+        "(supported: bool, integers, floats, decimals of up to 38 digits, dates, timestamps, durations, "
+        "dictionary-encoded numbers, strings and binary values as ids, lists of those). Leave it out of "
+        f"{flag('columns')} or "
         "encode it as numbers first.")
 
 
@@ -310,6 +311,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         named gets ``Hash()`` (the full 64-bit hash). Nulls there get id 0, so such a
         column takes no ``fill_nulls``.
     """
+    if isinstance(columns, (list, tuple, dict)) and not columns:
+        raise ConfigError(f"{flag('columns')} is empty; name the columns to load, or leave it out for every "
+                          "column of a supported type")
     requested = _normalise_request(columns, schema)
     if not requested:
         raise SchemaError(f"no column of a supported type to load in {file}")

@@ -138,6 +138,7 @@ def test_fill_is_per_member_of_a_group():
     (dict(columns={"g": []}), r"columns\['g'\]"),
     (dict(columns={"g": ["i", 3]}), r"columns\['g'\]"),
     (dict(columns=42), r"columns="),
+    (dict(columns=[]), r"columns= is empty; name the columns"), (dict(columns={}), r"columns= is empty"),
     (dict(columns=["i", 3]), r"columns="),
 ])
 def test_bad_settings_raise_config_error_naming_them(kwargs, match):
@@ -173,3 +174,8 @@ def test_one_fill_for_every_column_fills_those_it_fits(fill):
     assert specs["b"].fills == (None,)
     with pytest.raises(gpuload.ConfigError, match="'u'"):
         resolve(["u", "b"], fill_nulls=0.5)  # it fits none of them: refused as before
+
+
+def test_a_decimal_wider_than_38_digits_is_refused_naming_the_limit():
+    with pytest.raises(gpuload.SchemaError, match=r"'d' has type decimal256\(40, 2\).*decimals of up to 38 digits"):
+        resolve_outputs(pa.schema([("d", pa.decimal256(40, 2))]), ["d"])
