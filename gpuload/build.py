@@ -22,6 +22,7 @@ __all__ = ["build_cache", "CacheSummary"]
 class CacheSummary:
     """What :func:`build_cache` did. Sizes in bytes, time in seconds.
 
+    ``files`` counts the files the chunks come from (a row filter may rule whole files out).
     Every chunk counts once: ``built`` (decoded and written by this build),
     ``already_cached`` (in the cache when this build looked), ``built_elsewhere``
     (written meanwhile by another build of the same cache, run at the same time), or
@@ -191,7 +192,8 @@ def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, no
         raise _unwritable(where, failed, counts, n, lambda i: reader.cache.path(reader.key(i)) if shared
                           else f"chunk {i} on a worker")
     return CacheSummary(
-        cache_dir=reader.cache.where if shared else where, files=len(reader.files), rows=reader.num_rows, chunks=n,
+        cache_dir=reader.cache.where if shared else where, files=len({c.file for c in reader.chunks}),
+        rows=reader.num_rows, chunks=n,
         not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
         cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.outputs),
         max_cache_bytes=reader.cache.max_bytes, quota=opts.max_cache_bytes is None and reader.cache.max_bytes is not None,

@@ -111,6 +111,8 @@ def test_hive_keys_filter_whole_files_unread(tmp_path, monkeypatch):
         filter=pc.field("country") == "FR")["id"].to_numpy())
     assert np.array_equal(got, want) and len(got) == 200
     assert read and all("country=FR" in p for p in read)
+    summary = gpuload.build_cache(tmp_path / "hive", tmp_path / "c2", ["id", "v"], filters=[("country", "in", ["FR"])])
+    assert summary.files == 1 and "from 1 files" in str(summary)  # the files the kept rows come from, not all 3
 
 
 def test_ranks_share_the_kept_rows_with_equal_batch_counts(data, tmp_path):
