@@ -122,8 +122,9 @@ class Mix(torch.utils.data.IterableDataset):
             out.append(float(w))
         sizes = {n: d.options.batch_size for n, d in zip(self.names, self.sources)}
         if len(set(sizes.values())) > 1:
-            raise ConfigError(f"mode='proportion' joins whole source batches, so the sources need one batch_size: "
-                              f"they have {sizes}; give them one (or use mode='composition')")
+            raise ConfigError(f"a mix by weights= joins whole source batches, so the sources need one batch_size: "
+                              f"they have {sizes}; give them one, or leave out weights= (each step then joins one "
+                              "batch of every source, of its own batch_size)")
         return out
 
     def _check_outputs(self) -> None:

@@ -419,7 +419,7 @@ def test_sources_that_do_not_match_are_refused_by_name(paths, tmp_path):
     with pytest.raises(gpuload.ConfigError, match="same outputs"):
         gpuload.Mix({"a": a, "b": b})
     b = open_dataset(paths["b"], COLS, tmp_path / "c", batch_size=2 * BS)
-    with pytest.raises(gpuload.ConfigError, match="one batch_size"):
+    with pytest.raises(gpuload.ConfigError, match="need one batch_size.*or leave out weights="):
         gpuload.Mix({"a": a, "b": b}, {"a": 1, "b": 1})
     b = open_dataset(paths["b"], COLS, tmp_path / "c", batch_size=BS)
     for weights, what in [({"a": 1}, "each source"), ({"a": 1, "b": -1}, "positive"), ({"a": 1, "b": "x"}, "positive")]:
