@@ -48,8 +48,11 @@ class EpochReport:
     def __str__(self) -> str:
         s = self.stats
         kind = "decodes and caches" if self.decoded_chunks else "reads the cache"
+        # an epoch that ends loads the next one's first chunks (gpuload.preload), counted with it
+        ahead = ", the next epoch's first among them, read ahead" if (s.loader_settings or {}).get("prefetch") else ""
         return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
-                f"from the cache): {s.rows:,} rows in {s.wall_s:.2f} s, {s.rows_per_s:,.0f} rows/s, "
+                f"from the cache{ahead if self.cached_chunks else ''}): {s.rows:,} rows in {s.wall_s:.2f} s, "
+                f"{s.rows_per_s:,.0f} rows/s, "
                 f"starvation {s.starvation:.1%}\n  {self.diagnosis}"
                 + (f"\n  remote source: {s.remote}" if s.remote is not None else "")
                 + ("" if self.headspace is None else f"\n  {self.bound()}")

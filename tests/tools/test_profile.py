@@ -135,6 +135,9 @@ def test_profile_reports_each_epoch_and_writes_one_trace(data, tmp_path):
     assert reports[1].cached_chunks == len(gpuload.ParquetDataset(data, chunk_bytes=80_000, device="cpu",
                                                                   cache_dir=tmp_path / "cache").reader.chunks)
     assert "decodes and caches" in str(reports[0]) and "reads the cache" in str(reports[1])
+    # the first epoch reads the second's first chunks ahead, from the cache it wrote: said so (a user's
+    # trial read "1 chunks decoded, 1 read from the cache" of a one-chunk dataset as a contradiction)
+    assert reports[0].cached_chunks > 0 and "the next epoch's first among them, read ahead" in str(reports[0])
     doc = json.loads(trace.read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in spans}
