@@ -172,7 +172,8 @@ def _scan(f: SourceFile, column: str, groups: list[int], lists: bool) -> int:
         reader = pq.ParquetFile(f.path, metadata=f.metadata).reader
         for g in groups:
             col = reader.read_row_groups([g], column_indices=list(f.leaves(column)), use_threads=False).column(0)
-            nulls += col.null_count + (pc.list_flatten(col).null_count if lists else 0)
+            flat = lists and not pa.types.is_null(col.type)  # a null-typed column: null lists only (wider)
+            nulls += col.null_count + (pc.list_flatten(col).null_count if flat else 0)
     except (OSError, pa.ArrowException) as e:
         raise (old_arrow_error(str(f.path), [column], e) or
                SourceError(f"{f.path}: cannot be read ({e}); the file may be truncated or corrupt")) from None

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from .batch import Pieces, Ragged, concat, stack
 from .categorical import encode_ids
 from .errors import ConfigError, NullValuesError, flag, setting
-from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, list_value
+from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
 
@@ -154,7 +154,8 @@ def _null_counts(arrays: dict, specs: Sequence[OutputSpec]) -> list[tuple[str, i
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             if fill is not None or vt.encode or c in found:  # categorical ids: a null is id 0
                 continue
-            n = sum(p.null_count + (pc.list_flatten(p).null_count if lists else 0) for p in arrays[c])
+            n = sum(p.null_count + (pc.list_flatten(p).null_count if lists and not pa.types.is_null(p.type) else 0)
+                    for p in arrays[c])
             if n:
                 found[c] = (c, n, lists)
     return list(found.values())
@@ -257,7 +258,19 @@ def _ragged(parts: list, spec: OutputSpec, where: str, alloc=None) -> Ragged:
     return concat([{"r": _ragged_part(p, spec, where)} for p in parts], alloc)["r"]
 
 
+def _null_rows(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
+    """A list column's chunk of Arrow's null type (a file where it holds only nulls, checks.wider):
+    what a null list's elements become, as one value of ``spec``'s dtype (id 0 where encoded)."""
+    vt, fill = spec.sources[0], spec.fills[0]
+    if fill is None and not vt.encode:
+        raise null_error(spec.columns[0], len(arr), where, lists=True)
+    src = np.int64 if vt.encode else vt.dtype
+    return cast_values(np.array([0 if vt.encode else fill], src), spec.dtype, spec.columns[0], where)
+
+
 def _ragged_part(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
+    if pa.types.is_null(arr.type):  # null lists become empty lists
+        return Ragged(_null_rows(arr, spec, where)[:0], np.zeros(len(arr) + 1, np.int64))
     values, off, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
     if valid is not None:  # null lists become empty lists
@@ -269,6 +282,8 @@ def _ragged_part(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
 
 
 def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
+    if pa.types.is_null(arr.type):  # null rows become rows of the fill value
+        return np.tile(_null_rows(arr, spec, where), (len(arr), spec.width))
     values, _, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
     out = np.ascontiguousarray(cast_values(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
@@ -300,9 +315,10 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     arrays = {}  # source column: its Arrow chunks (a fixed-size list's joined: one)
     encoded = {c: vt for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
     fixed = {c for s in specs if s.kind == FIXED for c in s.columns}
+    lists = {c for s in specs if s.kind in (RAGGED, FIXED) for c in s.columns}
     for c in needed_columns(specs):
         col = table.column(c)
-        if c in encoded and list_value(col.type) is None:  # ids chunk by chunk: strings never joined
+        if c in encoded and c not in lists:  # ids chunk by chunk: strings never joined
             arrays[c] = [encode_ids(ch, encoded[c].encode) for ch in col.chunks] or [np.zeros(0, np.int64)]
             continue
         if pa.types.is_dictionary(col.type):

@@ -329,14 +329,17 @@ def test_a_file_whose_column_holds_only_nulls_reads_as_the_other_files_type(tmp_
     src = tmp_path / "src"
     write_parquet(src / "a.parquet", pa.table({"id": np.arange(30), "x": np.arange(30) / 4, "s": ["k"] * 30,
                                                "t": pa.array(np.arange(30).astype("datetime64[ms]")),
-                                               "h": pa.array([[i, i] for i in range(30)], pa.list_(pa.int32()))}))
+                                               "h": pa.array([[i, i] for i in range(30)], pa.list_(pa.int32())),
+                                               "fx": pa.array([[i, -i] for i in range(30)], pa.list_(pa.float32(), 2)),
+                                               "sl": pa.array([["a", "b"]] * 30)}))
     write_parquet(src / "b.parquet", pa.table({"id": np.arange(30, 50), "x": pa.nulls(20), "s": pa.nulls(20),
-                                               "t": pa.nulls(20), "h": pa.array([[]] * 19 + [None])}))
+                                               "t": pa.nulls(20), "h": pa.array([[]] * 19 + [None]),
+                                               "fx": pa.nulls(20), "sl": pa.nulls(20)}))
     assert pq.read_schema(src / "b.parquet").field("h").type == pa.list_(pa.null())
-    fill = {"x": -1.0, "t": -7, "h": 0}
+    fill = {"x": -1.0, "t": -7, "h": 0, "fx": 2.5}
     ds = gpuload.ParquetDataset(src, None, batch_size=8, shuffle=False, device="cpu", cache_dir=tmp_path / "c",
                                 fill_nulls=fill)
-    assert ds.outputs == ["id", "x", "s", "t", "h"]
+    assert ds.outputs == ["id", "x", "s", "t", "h", "fx", "sl"]
     got = {k: [] for k in ds.outputs}
     for b in ds:
         for k, v in b.items():
@@ -346,8 +349,13 @@ def test_a_file_whose_column_holds_only_nulls_reads_as_the_other_files_type(tmp_
     assert got["id"] == list(range(50)) and got["x"] == want["x"].fill_null(-1.0).to_pylist()
     assert got["t"] == list(range(30)) + [-7] * 20 and got["h"] == [[i, i] for i in range(30)] + [[]] * 20
     assert len(set(got["s"][:30])) == 1 and got["s"][30:] == [0] * 20  # a hashed null: id 0
+    assert got["fx"] == [[i, -i] for i in range(30)] + [[2.5, 2.5]] * 20  # null rows: rows of the fill
+    assert got["sl"][:30] == [got["sl"][0]] * 30 and len(got["sl"][0]) == 2 and got["sl"][30:] == [[]] * 20
     with pytest.raises(gpuload.NullValuesError, match="'x' has 20 null values"):
         list(gpuload.ParquetDataset(src, ["x"], device="cpu", cache_dir=tmp_path / "c2"))
+    for c in ("h", "fx"):  # null lists without a fill are refused naming the column, as in a typed file
+        with pytest.raises(gpuload.NullValuesError, match=f"'{c}' has .* null lists"):
+            list(gpuload.ParquetDataset(src, [c], device="cpu", cache_dir=tmp_path / "c2"))
 
 
 def test_types_no_type_holds_exactly_are_refused_naming_both_files(tmp_path):
