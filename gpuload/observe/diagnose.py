@@ -144,9 +144,11 @@ def _startup(stats: Stats, kind: str | None) -> tuple[str, str]:
                 "request, or keep more requests in flight (remote={'max_requests': 64}); a smaller shuffle_window "
                 "or chunk_bytes makes the first window smaller")
     if kind == "gpuload":
+        decoded = any(n in stats.stages for n in ("decode", "convert"))  # from the cache already: nothing to build
         return (", while the loader fills its first shuffle window",
-                f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes, and build the cache ahead "
-                "(`gpuload cache build`) so the first window is read rather than decoded")
+                f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes"
+                + (", and build the cache ahead (`gpuload cache build`) so the first window is read rather than "
+                   "decoded" if decoded else ""))
     if kind == "DataLoader":
         workers = (stats.loader_settings or {}).get("num_workers") or 0
         what = (f", while the DataLoader starts its {workers} worker processes and they load their first batches"

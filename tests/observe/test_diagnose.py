@@ -201,6 +201,9 @@ def test_startup_wait_is_named_apart_from_steady_state():
     # 1 s of waiting, 0.9 s of it in one next(): the first window, then the loader keeps up
     d = gpuload.diagnose(make_stats(0.1, wait_max_s=0.9, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
     assert d.limiting == "startup" and "0.90 of 1.00 s" in d.message and "shuffle_window" in d.action
+    assert "gpuload cache build" not in d.action  # read from the cache already (a user's trial was told to build it)
+    cold = gpuload.diagnose(make_stats(0.1, wait_max_s=0.9, stages=[stage("decode", 1.0, 2), stage("batch", 2.0)]))
+    assert cold.limiting == "startup" and "gpuload cache build" in cold.action
     spread = gpuload.diagnose(make_stats(0.1, stages=[stage("cache_read", 1.0, 2), stage("batch", 2.0)]))
     assert spread.limiting == "batch"  # the same waiting spread over every batch is the gather
     # a remote source whose pass is about one window: the start-up is the fetching, not nothing to fix
