@@ -168,7 +168,7 @@ class ChunkReader:
         log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
                     "less %s other live readers keep): %s. Cache it whole with %s more space, or use fewer columns",
                     self.opts.cache_where, fit, len(self.chunks), size_text(max(room, 0)), size_text(need), limit,
-                    size_text(others), what, size_text(need - max(room, 0)))
+                    size_text(others), what, size_text(need - room))  # room < 0: the disk is below the reserve
 
     def _filtered(self, sizes: list, flt) -> list:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group

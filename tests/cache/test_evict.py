@@ -70,6 +70,18 @@ def _chunk_bytes(tmp_path, source) -> int:
     return max(p.stat().st_size for p in (tmp_path / "probe").rglob("*.glc"))
 
 
+def test_a_disk_below_its_reserve_is_told_how_much_more_space_caching_needs(sources, tmp_path, caplog,
+                                                                               monkeypatch):
+    """A user's trial: with the disk 4.9 GiB below the reserve, the warning said to cache the
+    dataset whole with 1.5 MiB more space (the dataset's size); it needs the deficit too."""
+    monkeypatch.setenv("GPULOAD_CACHE_RESERVE", str(space.free_bytes(tmp_path) + 3 * 2**30))
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        open_dataset(sources["a"], ["x"], tmp_path / "c", batch_size=25_000)
+    (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
+    more = float(warned.split("Cache it whole with ")[1].split(" GiB more space")[0])
+    assert "about 0 of" in warned and 3.0 <= more < 3.1, warned
+
+
 def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_path, caplog):
     c, size = tmp_path / "c", _chunk_bytes(tmp_path, sources["a"])
     a = open_dataset(sources["a"], ["x"], c, batch_size=25_000)
