@@ -187,9 +187,15 @@ def _no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
                     f"set num_workers (this machine has {cores} CPU cores) so that worker processes load batches "
                     f"while the step runs{pin}{keep}{parquet}")
         factor = settings.get("prefetch_factor")
-        return (message + f"; its {workers} worker processes do not load batches as fast as the step takes them",
+        message += f"; its {workers} worker processes do not load batches as fast as the step takes them" + (
+            " (process CPU is the training process's alone)" if cpu else "")
+        if workers >= cores:  # a user's trial: 4 busy workers on 2 cores were told to add workers
+            return (message + f", and they are as many as the machine's {cores} CPU cores or more",
+                    f"more workers would only share the same cores: what each worker does per batch (reading, "
+                    f"decoding, converting, collating) is the cost; make it cheaper{pin}{keep}{parquet}")
+        return (message,
                 f"raise num_workers (now {workers}, of {cores} CPU cores) and prefetch_factor (now {factor}){pin}"
-                f"{keep}; if the workers are busy converting (process CPU near {100 * workers}%), the conversion "
+                f"{keep}; if the workers are busy converting (each near a whole core in top), the conversion "
                 f"is the cost{parquet}")
     return (message + "; these stats have no per-stage timings to name the stage that limits it",
             "load ahead of the step on background threads or processes (for instance a torch DataLoader with "

@@ -326,6 +326,20 @@ def test_advice_fits_a_watched_dataloader():
     assert "gpuload cache build" not in d.action and "shuffle_window" not in d.action
 
 
+def test_dataloader_workers_that_have_every_core_are_not_told_to_add_workers(monkeypatch):
+    """A user's trial: 4 busy DataLoader workers on 2 cores were told to raise num_workers, with
+    "process CPU 4%" (the training process's alone) beside it."""
+    import gpuload.observe.diagnose as diag
+
+    monkeypatch.setattr(diag, "_cores", lambda: 2)
+    settings = {"num_workers": 4, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": False}
+    d = gpuload.diagnose(make_stats(0.8, cpu_percent=4.0, loader="DataLoader", loader_settings=settings))
+    assert d.limiting == "loader" and "raise num_workers" not in d.action and "make it cheaper" in d.action
+    assert "as many as the machine's 2 CPU cores" in d.message and "training process's alone" in d.message
+    few = gpuload.diagnose(make_stats(0.8, loader="DataLoader", loader_settings={**settings, "num_workers": 1}))
+    assert "raise num_workers (now 1, of 2 CPU cores)" in few.action
+
+
 def test_advice_fits_any_watched_iterable():
     clock = ManualClock()
 
