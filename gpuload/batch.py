@@ -8,14 +8,12 @@ one batching implementation and therefore one order.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["Ragged", "Pieces", "joined", "stack", "nrows", "take", "permute_rows", "rows", "concat", "Batcher", "nbytes",
-           "Parts", "long_runs"]
+__all__ = ["Ragged", "nrows", "take", "permute_rows", "rows", "concat", "Batcher", "nbytes", "Parts", "long_runs"]
 
 RUN_ROWS = 16  # mean rows per run of a permutation from which copying runs beats gathering rows
 
@@ -31,75 +29,6 @@ class Ragged(NamedTuple):
 
     values: object
     offsets: object
-
-
-class Pieces:
-    """A 1-D host column given as consecutive NumPy arrays, not joined: a chunk's row groups
-    converted one by one (:func:`gpuload.convert.table_to_columns` with ``pieces=True``).
-
-    The layout copies each piece once into where the chunk is stored (a block's column, or an
-    array of its own: :meth:`gpuload.layout.Layout.pack`), where joining them first would copy
-    every scalar column of a first epoch once more, into newly allocated pages.
-    """
-
-    __slots__ = ("parts", "starts", "dtype")
-
-    def __init__(self, parts: Sequence[np.ndarray]):
-        if not parts:
-            raise ValueError("Pieces needs at least one part (an empty one for no rows)")
-        self.parts = [np.ascontiguousarray(p) for p in parts]
-        self.dtype = self.parts[0].dtype
-        self.starts = [0]  # row where each part starts, then the total
-        for p in self.parts:
-            self.starts.append(self.starts[-1] + len(p))
-
-    def __len__(self) -> int:
-        return self.starts[-1]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
-
-    def spans(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
-        """``(row offset from start, rows)`` of the parts' rows in ``start:stop``, in order."""
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        while i < len(self.parts) and self.starts[i] < stop:
-            a, b = max(start, self.starts[i]), min(stop, self.starts[i + 1])
-            if b > a:
-                yield a - start, self.parts[i][a - self.starts[i]:b - self.starts[i]]
-            i += 1
-
-    def join(self, alloc=None) -> np.ndarray:
-        """One array of every part (the part itself when there is one, else into ``alloc(shape, dtype)``)."""
-        return self.parts[0] if len(self.parts) == 1 else _join(self.parts, alloc)
-
-
-def joined(v, alloc=None):
-    """``v`` as one array: :class:`Pieces` joined (into ``alloc(shape, dtype)``), anything else as it is."""
-    return v.join(alloc) if isinstance(v, Pieces) else v
-
-
-_TILE = 1 << 14  # rows per tile when interleaving columns on the CPU: the tile stays in cache
-
-
-def stack(columns: list, alloc=None):
-    """``[rows, k]`` C-contiguous array whose column ``j`` is ``columns[j]`` (arrays of one
-    dtype, NumPy or CuPy, or :class:`Pieces`; from ``alloc(shape, dtype)`` when given, NumPy only)."""
-    first = columns[0]
-    xp = np if isinstance(first, Pieces) else _xp(first)
-    n = len(first)
-    out = _empty(xp, (n, len(columns)), first.dtype, alloc)
-    tile = _TILE if xp is np else max(n, 1)  # on a GPU: one strided copy kernel per column
-    for a in range(0, n, tile):  # on the CPU: strided stores a tile at a time, not k passes over the block
-        b = min(n, a + tile)
-        t = out[a:b]
-        for j, c in enumerate(columns):
-            if isinstance(c, Pieces):
-                for off, part in c.spans(a, b):
-                    t[off:off + len(part), j] = part
-            else:
-                t[:, j] = c[a:b]
-    return out
 
 
 def _xp(a):
@@ -120,7 +49,7 @@ def nrows(cols: dict) -> int:
 
 
 def nbytes(cols: dict) -> int:
-    """Bytes held by a column set (:class:`Pieces` included)."""
+    """Bytes held by a column set (:class:`gpuload.layout.Pieces` included)."""
     total = 0
     for v in cols.values():
         total += v.values.nbytes + v.offsets.nbytes if isinstance(v, Ragged) else v.nbytes

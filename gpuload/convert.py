@@ -18,9 +18,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .batch import Pieces, Ragged, concat, stack
+from .batch import Ragged, concat
 from .categorical import encode_ids
 from .errors import ConfigError, NullValuesError, flag, setting
+from .layout import Pieces, stack
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
@@ -308,7 +309,7 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     specs : the outputs to build, from :func:`gpuload.schema.resolve_outputs`.
     where : the file and row groups, named in null-value errors.
     alloc : ``alloc(shape, dtype)`` for the arrays made here (NumPy; default: new arrays).
-    pieces : scalar outputs as :class:`gpuload.batch.Pieces`, not joined (default False), for
+    pieces : scalar outputs as :class:`gpuload.layout.Pieces`, not joined (default False), for
         :meth:`gpuload.layout.Layout.pack`, which copies them once into the stored arrays.
     """
     cols = {}

@@ -17,6 +17,10 @@ batch-sized buffer (a single copy of ``rows * k`` values), and each of its outpu
 contiguous 1-D view of a row of that buffer, so consumers get the same contiguous
 tensors in both layouts. Everything here works unchanged on NumPy and CuPy arrays.
 
+A chunk's scalar outputs reach :meth:`Layout.pack` as :class:`Pieces` (one array per row
+group, as the converter made them) and are copied once, into their block (:func:`stack`,
+a cache-sized tile of rows at a time) or into an array of their own (:func:`joined`).
+
 A block is named ``"#" + dtype string`` (e.g. ``"#<f4"``); output names cannot start
 with ``#`` in that layout (see :func:`gpuload.schema.resolve_outputs`). The blocks and
 their members are recorded in the spec description (each member's entry carries
@@ -25,9 +29,14 @@ their members are recorded in the spec description (each member's entry carries
 
 from __future__ import annotations
 
-from .batch import _xp, joined, stack
+import bisect
+from typing import Iterator, Sequence
 
-__all__ = ["LAYOUTS", "Layout", "block_members", "stored_outputs", "is_block"]
+import numpy as np
+
+from .batch import _empty, _join, _xp
+
+__all__ = ["LAYOUTS", "Layout", "Pieces", "joined", "stack", "block_members", "stored_outputs", "is_block"]
 
 LAYOUTS = ("rows", "columns")
 
@@ -70,7 +79,7 @@ class Layout:
 
     def pack(self, cols: dict, alloc=None) -> dict:
         """Stored column set of a chunk's decoded outputs ``cols`` (new block arrays, from
-        ``alloc(shape, dtype)`` when given, NumPy only; :class:`gpuload.batch.Pieces` copied
+        ``alloc(shape, dtype)`` when given, NumPy only; :class:`Pieces` copied
         once, into a block or joined into an array of their own; other outputs unchanged),
         in the order of :func:`stored_outputs`."""
         out = {}
@@ -101,6 +110,75 @@ class Layout:
             where = self._where.get(name)
             out[name] = cols[name] if where is None else rows[where[0]][where[1]]
         return out
+
+
+class Pieces:
+    """A 1-D host column given as consecutive NumPy arrays, not joined: a chunk's row groups
+    converted one by one (:func:`gpuload.convert.table_to_columns` with ``pieces=True``).
+
+    The layout copies each piece once into where the chunk is stored (a block's column, or an
+    array of its own: :meth:`Layout.pack`), where joining them first would copy
+    every scalar column of a first epoch once more, into newly allocated pages.
+    """
+
+    __slots__ = ("parts", "starts", "dtype")
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        if not parts:
+            raise ValueError("Pieces needs at least one part (an empty one for no rows)")
+        self.parts = [np.ascontiguousarray(p) for p in parts]
+        self.dtype = self.parts[0].dtype
+        self.starts = [0]  # row where each part starts, then the total
+        for p in self.parts:
+            self.starts.append(self.starts[-1] + len(p))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def spans(self, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
+        """``(row offset from start, rows)`` of the parts' rows in ``start:stop``, in order."""
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(self.parts) and self.starts[i] < stop:
+            a, b = max(start, self.starts[i]), min(stop, self.starts[i + 1])
+            if b > a:
+                yield a - start, self.parts[i][a - self.starts[i]:b - self.starts[i]]
+            i += 1
+
+    def join(self, alloc=None) -> np.ndarray:
+        """One array of every part (the part itself when there is one, else into ``alloc(shape, dtype)``)."""
+        return self.parts[0] if len(self.parts) == 1 else _join(self.parts, alloc)
+
+
+def joined(v, alloc=None):
+    """``v`` as one array: :class:`Pieces` joined (into ``alloc(shape, dtype)``), anything else as it is."""
+    return v.join(alloc) if isinstance(v, Pieces) else v
+
+
+_TILE = 1 << 14  # rows per tile when interleaving columns on the CPU: the tile stays in cache
+
+
+def stack(columns: list, alloc=None):
+    """``[rows, k]`` C-contiguous array whose column ``j`` is ``columns[j]`` (arrays of one
+    dtype, NumPy or CuPy, or :class:`Pieces`; from ``alloc(shape, dtype)`` when given, NumPy only)."""
+    first = columns[0]
+    xp = np if isinstance(first, Pieces) else _xp(first)
+    n = len(first)
+    out = _empty(xp, (n, len(columns)), first.dtype, alloc)
+    tile = _TILE if xp is np else max(n, 1)  # on a GPU: one strided copy kernel per column
+    for a in range(0, n, tile):  # on the CPU: strided stores a tile at a time, not k passes over the block
+        b = min(n, a + tile)
+        t = out[a:b]
+        for j, c in enumerate(columns):
+            if isinstance(c, Pieces):
+                for off, part in c.spans(a, b):
+                    t[off:off + len(part), j] = part
+            else:
+                t[:, j] = c[a:b]
+    return out
 
 
 def is_block(name: str) -> bool:

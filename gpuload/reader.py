@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-from .batch import RUN_ROWS, joined, permute_rows
+from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
 from .categorical import Vocabulary, parse_key
@@ -34,7 +34,7 @@ from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
 from .memory import HostBudget, HostPool, device_bound, direct_io, file_bytes, host_budget, size_text
-from .layout import Layout
+from .layout import Layout, joined
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
 from .transforms import apply_transform, transform_outputs

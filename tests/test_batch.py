@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gpuload import plan
-from gpuload.batch import Batcher, Parts, Pieces, Ragged, concat, joined, long_runs, nbytes, nrows, rows, stack, take
+from gpuload.batch import Batcher, Parts, Ragged, concat, long_runs, nbytes, nrows, rows, take
 
 SETTINGS = settings(max_examples=120, deadline=None)
 
@@ -323,40 +323,3 @@ def test_batcher_releases_a_shuffled_window_once_its_batches_are_cut():
     got += [x["a"] for x in b.add({"a": np.arange(1000, 1300, dtype=np.int64)})]
     assert [len(g) for g in got] == [300, 300, 300, 300, 100] and b.done
     assert np.array_equal(np.concatenate(got), np.concatenate([perm, np.arange(1000, 1300)]))
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(1, 3), st.data())
-def test_pieces_give_each_row_once_in_spans_stacks_and_joins(lengths, k, data):
-    rng = np.random.default_rng(sum(lengths) + k)
-    columns = [rng.integers(-9, 9, sum(lengths)) for _ in range(k)]
-    cuts = np.cumsum([0] + lengths)
-    pieces = [Pieces([c[a:b] for a, b in zip(cuts[:-1], cuts[1:])]) for c in columns]
-    n = sum(lengths)
-    assert len(pieces[0]) == n and nrows({"c": pieces[0]}) == n and pieces[0].nbytes == columns[0].nbytes
-    a = data.draw(st.integers(0, n))
-    b = data.draw(st.integers(a, n))
-    got = np.zeros(b - a, np.int64) - 100
-    for off, part in pieces[0].spans(a, b):
-        assert (got[off:off + len(part)] == -100).all()  # never written twice
-        got[off:off + len(part)] = part
-    np.testing.assert_array_equal(got, columns[0][a:b])
-    # a block of pieces, arrays, or both
-    mixed = [p if j % 2 == 0 else c for j, (p, c) in enumerate(zip(pieces, columns))]
-    np.testing.assert_array_equal(stack(mixed), np.column_stack(columns))
-    kept = []
-    joined_ = joined(pieces[0], lambda shape, dtype: kept.append(shape) or np.empty(shape, dtype))
-    np.testing.assert_array_equal(joined_, columns[0])
-    assert kept == ([] if len(lengths) == 1 else [(n,)])  # one part: itself, not copied
-    assert joined(columns[0]) is columns[0]
-
-
-def test_stacks_of_pieces_cross_tiles_and_parts(monkeypatch):
-    import gpuload.batch as batch
-
-    monkeypatch.setattr(batch, "_TILE", 7)  # tiles that end inside parts, parts that end inside tiles
-    x, y = np.arange(50.0), -np.arange(50.0)
-    p = Pieces([x[:3], x[3:3], x[3:20], x[20:]])
-    np.testing.assert_array_equal(stack([p, y]), np.column_stack([x, y]))
-    with pytest.raises(ValueError, match="at least one part"):
-        Pieces([])

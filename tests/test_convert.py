@@ -446,7 +446,7 @@ def test_decimal_nulls_without_a_fill_and_narrow_integer_casts_are_refused(tmp_p
 def test_chunked_columns_convert_piece_by_piece_exactly_as_joined_ones():
     """A chunk's row groups arrive as Arrow chunks: converted one by one (never joined in Arrow),
     handed to the layout as Pieces and packed, they give the bytes the joined table gives."""
-    from gpuload.batch import Pieces
+    from gpuload.layout import Pieces
     from gpuload.layout import Layout
     from gpuload.schema import spec_description
 

@@ -8,13 +8,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import gpuload
 from gpuload import plan
-from gpuload.batch import Ragged
+from gpuload.batch import Ragged, nrows
 from gpuload.cache.chunkfile import PREFIX
-from gpuload.layout import Layout, stored_outputs
+from gpuload.layout import Layout, Pieces, joined, stack, stored_outputs
 from gpuload.schema import resolve_outputs, spec_description, storage_dtype
 
 from conftest import dataset_factory, row_ids
@@ -211,3 +213,40 @@ def test_block_shuffle_resumes_exactly_and_refuses_another_block_size(source, tm
     for other in (dict(kw, block_rows=64), dict(seed=3)):
         with pytest.raises(gpuload.ConfigError, match="block_rows"):
             _open(source, tmp_path / "c", **other).load_state_dict(state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=6), st.integers(1, 3), st.data())
+def test_pieces_give_each_row_once_in_spans_stacks_and_joins(lengths, k, data):
+    rng = np.random.default_rng(sum(lengths) + k)
+    columns = [rng.integers(-9, 9, sum(lengths)) for _ in range(k)]
+    cuts = np.cumsum([0] + lengths)
+    pieces = [Pieces([c[a:b] for a, b in zip(cuts[:-1], cuts[1:])]) for c in columns]
+    n = sum(lengths)
+    assert len(pieces[0]) == n and nrows({"c": pieces[0]}) == n and pieces[0].nbytes == columns[0].nbytes
+    a = data.draw(st.integers(0, n))
+    b = data.draw(st.integers(a, n))
+    got = np.zeros(b - a, np.int64) - 100
+    for off, part in pieces[0].spans(a, b):
+        assert (got[off:off + len(part)] == -100).all()  # never written twice
+        got[off:off + len(part)] = part
+    np.testing.assert_array_equal(got, columns[0][a:b])
+    # a block of pieces, arrays, or both
+    mixed = [p if j % 2 == 0 else c for j, (p, c) in enumerate(zip(pieces, columns))]
+    np.testing.assert_array_equal(stack(mixed), np.column_stack(columns))
+    kept = []
+    joined_ = joined(pieces[0], lambda shape, dtype: kept.append(shape) or np.empty(shape, dtype))
+    np.testing.assert_array_equal(joined_, columns[0])
+    assert kept == ([] if len(lengths) == 1 else [(n,)])  # one part: itself, not copied
+    assert joined(columns[0]) is columns[0]
+
+
+def test_stacks_of_pieces_cross_tiles_and_parts(monkeypatch):
+    import gpuload.layout as layout
+
+    monkeypatch.setattr(layout, "_TILE", 7)  # tiles that end inside parts, parts that end inside tiles
+    x, y = np.arange(50.0), -np.arange(50.0)
+    p = Pieces([x[:3], x[3:3], x[3:20], x[20:]])
+    np.testing.assert_array_equal(stack([p, y]), np.column_stack([x, y]))
+    with pytest.raises(ValueError, match="at least one part"):
+        Pieces([])
