@@ -388,7 +388,8 @@ def hash_ids(arr: pa.Array, enc: Hash) -> np.ndarray:
     else:
         _, off_buf, data_buf = arr.buffers()
         wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
-        off = np.frombuffer(off_buf, np.int64 if wide else np.int32)[arr.offset:arr.offset + n + 1].astype(np.int64)
+        off = np.frombuffer(off_buf, np.int64 if wide else np.int32,  # count: a buffer may be padded past it
+                            count=arr.offset + n + 1)[arr.offset:].astype(np.int64)
         starts, lengths = off[:-1], np.diff(off)
     lo, hi = (int(starts[0]), int(starts[-1] + lengths[-1])) if n else (0, 0)
     data = np.frombuffer(data_buf, np.uint8)[lo:hi] if data_buf is not None else np.zeros(0, np.uint8)

@@ -53,12 +53,6 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     strings and bytes as categorical ids (null: 0)."""
     if isinstance(arr, np.ndarray):  # categorical ids, made chunk by chunk (table_to_columns)
         return arr
-    if pa.types.is_null(arr.type):  # a file whose column holds only nulls (checks.wider): the fill, or id 0
-        if vt.encode or not len(arr):
-            return np.zeros(len(arr), np.int64 if vt.encode else vt.dtype)
-        if fill is None:
-            raise null_error(column, len(arr), where)
-        return np.full(len(arr), fill, vt.dtype)
     if vt.encode:
         return encode_ids(arr, vt.encode)
     if vt.temporal.startswith(("decimal:", "unscaled:")):
@@ -155,8 +149,7 @@ def _null_counts(arrays: dict, specs: Sequence[OutputSpec]) -> list[tuple[str, i
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             if fill is not None or vt.encode or c in found:  # categorical ids: a null is id 0
                 continue
-            n = sum(p.null_count + (pc.list_flatten(p).null_count if lists and not pa.types.is_null(p.type) else 0)
-                    for p in arrays[c])
+            n = sum(p.null_count + (pc.list_flatten(p).null_count if lists else 0) for p in arrays[c])
             if n:
                 found[c] = (c, n, lists)
     return list(found.values())
@@ -259,19 +252,7 @@ def _ragged(parts: list, spec: OutputSpec, where: str, alloc=None) -> Ragged:
     return concat([{"r": _ragged_part(p, spec, where)} for p in parts], alloc)["r"]
 
 
-def _null_rows(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
-    """A list column's chunk of Arrow's null type (a file where it holds only nulls, checks.wider):
-    what a null list's elements become, as one value of ``spec``'s dtype (id 0 where encoded)."""
-    vt, fill = spec.sources[0], spec.fills[0]
-    if fill is None and not vt.encode:
-        raise null_error(spec.columns[0], len(arr), where, lists=True)
-    src = np.int64 if vt.encode else vt.dtype
-    return cast_values(np.array([0 if vt.encode else fill], src), spec.dtype, spec.columns[0], where)
-
-
 def _ragged_part(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
-    if pa.types.is_null(arr.type):  # null lists become empty lists
-        return Ragged(_null_rows(arr, spec, where)[:0], np.zeros(len(arr) + 1, np.int64))
     values, off, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
     if valid is not None:  # null lists become empty lists
@@ -283,8 +264,6 @@ def _ragged_part(arr: pa.Array, spec: OutputSpec, where: str) -> Ragged:
 
 
 def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
-    if pa.types.is_null(arr.type):  # null rows become rows of the fill value
-        return np.tile(_null_rows(arr, spec, where), (len(arr), spec.width))
     values, _, valid = _list_parts(arr, spec, where)
     vals = _scalar_values(values, spec.sources[0], spec.fills[0], spec.columns[0], where)
     out = np.ascontiguousarray(cast_values(vals, spec.dtype, spec.columns[0], where)).reshape(len(arr), spec.width)
@@ -293,6 +272,19 @@ def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
         fill = 0 if spec.sources[0].encode else spec.fills[0]
         out[~valid] = cast_values(np.array([fill], vals.dtype), spec.dtype, spec.columns[0], where)[0]
     return out
+
+
+def _typed_nulls(spec: OutputSpec, vt: ValueType) -> pa.DataType:
+    """The Arrow type a column of ``spec`` whose values ``vt`` describes is read as where a file
+    holds only nulls in it, typed ``null`` (:func:`gpuload.checks.wider` lets that type combine
+    with the others'): its nulls, so typed, take the path of every other null."""
+    if vt.encode:
+        inner = pa.string()
+    elif vt.temporal.startswith(("decimal:", "unscaled:")):
+        inner = pa.decimal128(38, int(vt.temporal.split(":")[1]))
+    else:  # numbers, and temporals as their int64
+        inner = pa.from_numpy_dtype(np.dtype(vt.dtype))
+    return pa.list_(inner, spec.width) if spec.kind == FIXED else pa.list_(inner) if spec.kind == RAGGED else inner
 
 
 def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = "", alloc=None,
@@ -317,8 +309,11 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     encoded = {c: vt for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
     fixed = {c for s in specs if s.kind == FIXED for c in s.columns}
     lists = {c for s in specs if s.kind in (RAGGED, FIXED) for c in s.columns}
+    reads = {c: (s, vt) for s in specs for c, vt in zip(s.columns, s.sources)}
     for c in needed_columns(specs):
         col = table.column(c)
+        if pa.types.is_null(col.type):  # a file where the column holds only nulls
+            col = col.cast(_typed_nulls(*reads[c]))
         if c in encoded and c not in lists:  # ids chunk by chunk: strings never joined
             arrays[c] = [encode_ids(ch, encoded[c].encode) for ch in col.chunks] or [np.zeros(0, np.int64)]
             continue
