@@ -91,9 +91,11 @@ def read_columns(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit
     table = reader.read_row_groups(list(range(chunk.rg_start, chunk.rg_stop)), column_indices=leaves,
                                    use_threads=False)
     misread = [c for c in dictionary if c in table.column_names and not _indices_in_range(table.column(c))]
-    if misread:  # pyarrow reads some writers' dictionary pages short (DuckDB's ENUM columns): read their values
+    if misread:  # pyarrow reads some writers' dictionary pages short (DuckDB's ENUM columns): those columns'
         log.debug("gpuload: %s: dictionary indices of %s beyond their dictionary; read as values", f.path, misread)
-        return read_columns(src, f, chunk, leaves, int96_unit, [c for c in dictionary if c not in misread])
+        values = read_columns(src, f, chunk, [i for c in misread for i in f.leaves(c)], int96_unit)  # values alone
+        for c in misread:
+            table = table.set_column(table.column_names.index(c), c, values.column(c))
     return table
 
 
