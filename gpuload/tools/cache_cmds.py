@@ -73,9 +73,11 @@ def _client(args, stack: contextlib.ExitStack):
         cluster = stack.enter_context(LocalCUDACluster(n_workers=args.workers, threads_per_worker=args.threads,
                                                        dashboard_address=None))
     else:
+        # the worker processes' own logs: at shutdown a worker's heartbeat can race the scheduler's close and log
+        # a traceback from that process (a CI run saw it); a chunk's failure comes back to this process as its error
         cluster = stack.enter_context(distributed.LocalCluster(n_workers=args.workers, threads_per_worker=args.threads,
                                                                processes=True, dashboard_address=None,
-                                                               silence_logs=logging.ERROR))
+                                                               silence_logs=logging.CRITICAL))
     client = stack.enter_context(distributed.Client(cluster))
     # closed first (the stack unwinds in reverse): what Dask logs about the heartbeats of workers that
     # are shutting down after the build is noise, not a failure of the command
