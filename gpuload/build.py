@@ -145,6 +145,9 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
     """
     if nodes is not None and client is None:
         raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
+    if cache_io == "off":
+        raise ConfigError(f"{setting('cache_io', cache_io)} caches nothing, so there is no cache to build: leave it "
+                          f"out (or pass 'auto', 'direct' or 'buffered')")
     given = dict(locals(), device=str(device))
     src, opts = Source.of(given), Options.of(given)
     # with a cluster this process only lists the source: the workers decode, on their own devices

@@ -141,8 +141,8 @@ class Options(_Settings):
             raise ConfigError(f"decode={self.decode!r} must be 'auto', 'gpu' or 'cpu'")
         if self.kvikio_compat not in ("auto", "on", "off"):
             raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
-        if self.cache_io not in ("auto", "direct", "buffered"):
-            raise ConfigError(f"{setting('cache_io', self.cache_io)} must be 'auto', 'direct' or 'buffered'")
+        if self.cache_io not in ("auto", "direct", "buffered", "off"):
+            raise ConfigError(f"{setting('cache_io', self.cache_io)} must be 'auto', 'direct', 'buffered' or 'off'")
         if self.layout not in ("rows", "columns"):
             raise ConfigError(f"{setting('layout', self.layout)} must be 'rows' or 'columns'")
         if self.shard not in ("global", "node"):

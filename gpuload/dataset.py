@@ -8,21 +8,21 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import plan, preload, resume
+from . import plan, resume
 from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .convert import needed_columns
 from .cursor import Cursor
-from .epochs import EpochPlan, Position
+from .epochs import EpochPlan
 from .errors import ConfigError, flag
 from .observe.metrics import Metrics
 from .observe.ranks import gather
 from .observe.stats import Stats
-from .pipeline import Background, cut_threads, epoch_batches, handed_out
 from .ranks import RankLayout
 from .reader import open_reader
+from .running import Epochs
 from .schema import BFLOAT16
-from .transforms import BatchTransform, check_batch_transform
+from .transforms import check_batch_transform
 
 __all__ = ["ParquetDataset"]
 
@@ -129,11 +129,13 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         them evicts the least recently used chunks no open dataset reads
         (:mod:`gpuload.cache.evict`). What does not fit is read from Parquet every epoch, and
         opening says how much of the dataset fits.
-    cache_io : ``"auto"`` (default), ``"direct"`` or ``"buffered"``: cache files written and
-        read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`) or through it.
+    cache_io : ``"auto"`` (default), ``"direct"``, ``"buffered"`` or ``"off"``: cache files written
+        and read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`) or through it.
         ``"auto"``: direct when they take more than half the memory (see
         :func:`gpuload.memory.direct_io`): a cheaper first epoch, other files' pages kept;
-        cached epochs then read the disk, not memory.
+        cached epochs then read the disk, not memory. ``"off"``: no chunk is cached or read from
+        the cache; every epoch decodes Parquet (for a job of one epoch over data too large to
+        repeat: no writes, no disk space, nothing evicted; footers and vocabularies are still kept).
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the
@@ -200,7 +202,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             "batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
         self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
-        self._ahead = preload.Ahead()  # the next epoch's first chunks, loaded while this one ends
+        self._epochs = Epochs(self.reader, self._plan, self._cursor, self.metrics)  # what an iteration runs
 
     # -- public -------------------------------------------------------------------------
     @property
@@ -336,27 +338,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             raise ConfigError("ParquetDataset runs its own loader threads: use it with DataLoader(num_workers=0, "
                               "batch_size=None), or iterate it directly")
         check_iter_caller(sys._getframe(1))
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[dict]:
-        handoff = self.reader.device.handoff(self._views, self.reader.layout, self.reader.batch_pool)
-        pos = self._cursor.begin()
-        if self.batch_transform is not None:
-            handoff.transform = BatchTransform.starting(self.batch_transform, pos, self.reader.fingerprint,
-                                                        self.options.seed, self.device)
-        self.reader.resume()
-        pre = self._ahead.take(self.reader.device.consumer_stream())
-        producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=self.options.prefetch + 2,
-                              nice=self.options.nice)
-        try:  # each batch counted when handed out: a state taken then resumes after it
-            yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take())
-        finally:
-            pos.running = False
-            if not producer.finished:  # left early: no load goes on, none waits on a stalled store
-                producer.stop.set()
-                self.reader.interrupt()
-            producer.close()
-            self._ahead.settle(pre, producer.finished)
+        return self._epochs.iterate(self._views, self.batch_transform, self.device)
 
     def _signature(self) -> dict:
         o, r = self.options, self.reader
@@ -400,12 +382,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader
         (settings: ``num_threads``, ``prefetch``, ``device`` (``"cpu"`` or ``"cuda"``),
         ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF), ``cache_io``,
-        how chunk files are written: ``"direct"`` or ``"buffered"``, and where given, ``transform``
+        how chunk files are written: ``"direct"``, ``"buffered"`` or ``"off"`` (none), and where given, ``transform``
         (its key) and ``batch_transform`` (the function's name): work of the user's that
         :func:`gpuload.diagnose` names when its stage is the limit)."""
         settings = {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
                     "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu"),
-                    "cache_io": "direct" if self.reader.cache.direct else "buffered"}
+                    "cache_io": self.reader.cache_io}
         if self.reader.source.transform is not None:
             settings["transform"] = self.reader.source.transform.key
         if self.batch_transform is not None:
@@ -423,33 +405,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """Stop remote fetches, release their connections, drop the next epoch's chunks loaded
         ahead (:mod:`gpuload.preload`), and let other datasets evict this one's cached chunks (the
         dataset can still be iterated: a later epoch starts new fetches and keeps its chunks again)."""
-        self._ahead.drop()
+        self._epochs.close()
         self.reader.close()
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         return self._cursor.plan_epoch(epoch)
-
-    def _batches(self, pos: Position, handoff: Callable, stop, pre) -> Iterator:
-        o, r = self.options, self.reader
-        rest = self._plan.rest(pos, pos.ranks.rank)
-        device = r.device
-
-        def loaded() -> None:  # this epoch's last window is in: the next epoch's first chunks load meanwhile
-            if not stop.is_set():
-                self._ahead.start(self._cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
-
-        def permutation(i: int, n: int):  # window i's rows, the same order on every device
-            return device.upload_index(self._plan.permutation(pos.epoch, rest.takes[i], n))
-
-        remote = r.has_remote
-        yield from epoch_batches(rest.loads, rest.sizes, r.load, permutation if self._plan.shuffled else None, handoff,
-                                 threads=o.num_threads,
-                                 prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
-                                 batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
-                                 warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
-                                 cut_threads=cut_threads(o.num_threads), preloaded=pre,
-                                 loaded=loaded if o.prefetch else None)
 
     def __getstate__(self):
         refuse_copy("ParquetDataset")

@@ -125,6 +125,10 @@ class ChunkReader:
         #: chunk files written and read around the page cache (``cache_io``; :func:`gpuload.memory.direct_io`)
         cached = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
         self.cache.direct = direct_io(opts.cache_io, min(cached, opts.max_cache_bytes or cached))
+        #: whether chunks go through the cache (``cache_io="off"``: every load decodes, nothing is written)
+        self.caching = opts.cache_io != "off"
+        #: how chunk files are written and read: ``"direct"``, ``"buffered"`` or ``"off"`` (none are)
+        self.cache_io = "off" if not self.caching else "direct" if self.cache.direct else "buffered"
         # flat outputs come as Pieces of their row groups, which `_stored` packs into the read pool's buffers
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns,
@@ -137,12 +141,14 @@ class ChunkReader:
         scan = scan_nulls and flt is None  # else (a cluster worker: its caller checked these files; a filter:
         if scan:  # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()
-        self.cache.register(self.groups)  # once the data is known to load: a refused open leaves no record
+        if self.caching:  # once the data is known to load: a refused open leaves no record
+            self.cache.register(self.groups)
         if scan:
             # a chunk the scan skipped as cached and that was evicted meanwhile is built again, from the very
             # row groups its key names (so they load): it counts as not cached at open
             self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}
-        self.cache.touch_spec(self.spec_hash, self.spec_desc)
+        if self.caching:
+            self.cache.touch_spec(self.spec_hash, self.spec_desc)
         self._check_room()
         self.counters = LoadCounters()
 
@@ -150,7 +156,9 @@ class ChunkReader:
         """Warn at open when the cache's room (its budget or its disk's free space above the
         reserve, less what other live readers keep) holds only part of this dataset, with
         the numbers; the rest is read from Parquet each epoch (nothing thrashes: a reader's
-        own chunks are never evicted for its own)."""
+        own chunks are never evicted for its own). Nothing with ``cache_io="off"``."""
+        if not self.caching:
+            return
         need = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
         try:
             room, others = self.cache.room(self.groups, need)
@@ -278,6 +286,9 @@ class ChunkReader:
         """
         c = self.chunks[i]
         f = self.files[c.file]
+        if not self.caching:  # cache_io="off": decoded every time, never written
+            self.counters.add(False)
+            return self.device.upload(self._stored(i))
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
         cols, cached = self.cache.load(self.key(i), lambda: self._stored(i), shared=not self.opts.shuffled)
         self.counters.add(cached)
@@ -326,8 +337,8 @@ class ChunkReader:
             c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}"), self.read_pool.array)
 
     def is_cached(self, i: int) -> bool:
-        """Whether chunk ``i`` has a file in the cache (not verified)."""
-        return self.cache.exists(self.key(i))
+        """Whether chunk ``i`` has a file in the cache (not verified; never with ``cache_io="off"``)."""
+        return self.caching and self.cache.exists(self.key(i))
 
     def cached_file(self, i: int) -> os.stat_result | None:
         """The ``lstat`` of chunk ``i``'s cache file, None where it has none (a link, or a
@@ -369,13 +380,15 @@ class ChunkReader:
         """Fetch again after :meth:`interrupt` or :meth:`close`, and date this dataset's use
         in the cache (an epoch begins)."""
         self.remote_reads.resume()
-        self.cache.register(self.groups)
+        if self.caching:
+            self.cache.register(self.groups)
 
     def close(self) -> None:
         """:meth:`interrupt`, close the stores' open files, and let this dataset's chunks be
         evicted (:meth:`resume` registers them again)."""
         self.remote_reads.close()
-        self.cache.release()
+        if self.caching:
+            self.cache.release()
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:
     """Open ``source`` under ``options``: the device chosen and opened

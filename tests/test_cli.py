@@ -309,6 +309,7 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["profile", "DATA", "--nice", "20"], "--nice 20"),
     (["profile", "DATA", "--cache-io", "mmap"], "--cache-io mmap"),
     (["cache", "build", "DATA", "--cache-io", "always"], "--cache-io always"),
+    (["cache", "build", "DATA", "--cache-io", "off"], "--cache-io off caches nothing"),
     (["profile", "DATA", "--batch-size", "0"], "--batch-size 0"),
     (["profile", "DATA", "--prefetch", "-1"], "--prefetch -1"),
     (["profile", "DATA", "--chunk-mib", "0.001"], "--chunk-mib 0.001"),

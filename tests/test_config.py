@@ -61,7 +61,7 @@ def test_shuffle_modes(shuffle, block_rows, shuffled, block):
     ({"nice": 20}, "nice=20 must be an integer from 0 to 19"),
     ({"nice": -1}, "nice=-1"),
     ({"nice": 1.5}, "nice=1.5"),
-    ({"cache_io": "mmap"}, "cache_io='mmap' must be 'auto', 'direct' or 'buffered'"),
+    ({"cache_io": "mmap"}, "cache_io='mmap' must be 'auto', 'direct', 'buffered' or 'off'"),
 ])
 def test_bad_options_are_refused_naming_the_setting(kw, match):
     with pytest.raises(gpuload.ConfigError, match=match):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import run_with_timeout, wait_no_threads
-from gpuload import dataset as dataset_mod
+from gpuload import running as running_mod
 from gpuload.pipeline import cut_threads
 from reference import same_batches
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
 def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, monkeypatch, world, rank, shuffle,
                                                             layout):
-    monkeypatch.setattr(dataset_mod, "cut_threads", lambda n: n)  # gathers on several threads, even on 2 cores
+    monkeypatch.setattr(running_mod, "cut_threads", lambda n: n)  # gathers on several threads, even on 2 cores
     kw = dict(seed=11, rank=rank, world_size=world, shuffle_window=3, shuffle=shuffle, layout=layout)
     warm = tmp_path / "warm"
     base_ds = click.open(warm, prefetch=2, num_threads=2, **kw)
@@ -142,7 +142,7 @@ def test_a_failing_gather_on_a_cut_thread_reaches_the_consumer(click, tmp_path, 
     consumer at that batch (the batches before it delivered, in order), and no thread is left."""
     from gpuload import layout as layout_mod
 
-    monkeypatch.setattr(dataset_mod, "cut_threads", lambda n: n)
+    monkeypatch.setattr(running_mod, "cut_threads", lambda n: n)
     ds = click.open(tmp_path / "cache", num_threads=3, prefetch=1, shuffle=shuffle)
     expected = [b["row_id"].clone() for b in ds]
     ds.set_epoch(0)
@@ -175,7 +175,7 @@ def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_
     """Loader, window, producer and cache writer threads yield the CPU to the training thread's own
     threads: ``nice`` steps below it (the training thread itself is left as it is)."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    monkeypatch.setattr(dataset_mod, "cut_threads", lambda n: n)  # the cut threads too
+    monkeypatch.setattr(running_mod, "cut_threads", lambda n: n)  # the cut threads too
     ds = click.open(tmp_path / "cache", nice=nice, prefetch=1, num_threads=2)  # cold: the writer runs too
     seen: dict[str, int] = {}
 

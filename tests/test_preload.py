@@ -35,7 +35,7 @@ def _open(source, cache, **kw):
 
 def _settled(ds) -> None:
     """An epoch that ran to its end returned with its preload's loads done: nothing reads after it."""
-    assert ds._ahead.pending is not None and all(f.done() for f in ds._ahead.pending._futures.values())
+    assert ds._epochs.ahead.pending is not None and all(f.done() for f in ds._epochs.ahead.pending._futures.values())
 
 
 def test_first_chunks_are_the_first_window_and_prefetch_more():
@@ -148,7 +148,7 @@ def test_the_next_epoch_is_loaded_ahead_and_its_order_is_unchanged(source, tmp_p
     this_epoch = loaded[:n - len(ahead)]  # what epoch 1 loaded itself, then epoch 2's first chunks
     assert sorted(this_epoch + list(ahead)) == list(range(n))
     ds.close()
-    assert ds._ahead.pending is None
+    assert ds._epochs.ahead.pending is None
 
 
 def test_another_epoch_set_is_right_and_loads_what_the_guess_missed(source, tmp_path):
@@ -172,12 +172,12 @@ def test_prefetch_0_loads_nothing_ahead_and_another_consumer_stream_drops_the_pr
     ds = _open(source, tmp_path / "c", prefetch=0)
     loaded = record_loads(ds)
     row_ids(ds)
-    assert ds._ahead.pending is None and sorted(loaded) == list(range(len(ds.reader.chunks)))
+    assert ds._epochs.ahead.pending is None and sorted(loaded) == list(range(len(ds.reader.chunks)))
 
     ds = _open(source, tmp_path / "c")
     row_ids(ds)
     _settled(ds)
-    assert ds._ahead.pending is not None and len(ds._ahead.pending)
+    assert ds._epochs.ahead.pending is not None and len(ds._epochs.ahead.pending)
     monkeypatch.setattr(ds.reader.device, "consumer_stream", lambda: "another stream")  # the GPU path's guard
     loaded = record_loads(ds)
     row_ids(ds)
@@ -197,13 +197,13 @@ def test_an_iteration_left_early_keeps_no_preload(source, tmp_path, monkeypatch)
     for i, _ in enumerate(ds):
         if i == n - 1:  # its last batch taken (the next epoch's preload begun), the iteration not ended
             break
-    assert len(made) == 2 and ds._ahead.pending is None
+    assert len(made) == 2 and ds._epochs.ahead.pending is None
 
 
 def test_an_epoch_run_to_its_end_returns_with_the_next_ones_loads_done(source, tmp_path):
     ds = _open(source, tmp_path / "c")
     row_ids(ds)  # built; epoch 1's first chunks loaded meanwhile
-    own = len(ds.reader.chunks) - len(ds._ahead.pending)  # what epoch 1 loads itself, before epoch 2's
+    own = len(ds.reader.chunks) - len(ds._epochs.ahead.pending)  # what epoch 1 loads itself, before epoch 2's
     calls, load = [], ds.reader.load
 
     def slow_after_the_epoch(i):

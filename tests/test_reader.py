@@ -104,3 +104,78 @@ def test_decoded_chunks_are_packed_into_reused_host_buffers(tmp_path):
             np.testing.assert_array_equal(second[:, j], tables[1][name].to_numpy())
     finally:
         ds.close()
+
+
+# ---------------------------------------------------------------------------------------
+# cache_io="off": every epoch decodes, nothing is cached or read from the cache
+# ---------------------------------------------------------------------------------------
+
+def _copy(b) -> dict:
+    """A batch's tensors as NumPy copies (a list column as its values and offsets)."""
+    out = {}
+    for k, v in b.items():
+        parts = (v.values, v.offsets) if isinstance(v, gpuload.Ragged) else (v,)
+        out[k] = [t.numpy().copy() for t in parts]
+    return out
+
+
+def _batches(ds, epoch):
+    ds.set_epoch(epoch)
+    return [_copy(b) for b in ds]
+
+
+def test_cache_off_decodes_every_epoch_in_the_cached_order_and_writes_no_chunk(click, tmp_path, caplog):
+    """The same batches, bit for bit, as a cached dataset's (order is a pure function of seed and
+    epoch), pyarrow's values, every row once per epoch; no chunk file or lock is written and none
+    already cached is read; no warning about the cache's room."""
+    cached = click.open(tmp_path / "cache", batch_size=997)
+    want = [_batches(cached, e) for e in (0, 1)]
+    cached.reader.cache.flush()
+    chunks_before = sorted((tmp_path / "cache").rglob("*.glc"))
+    assert len(chunks_before) == len(cached.reader.chunks)
+
+    off_root = tmp_path / "off"
+    for root in (off_root, tmp_path / "cache"):  # an empty folder, and one that holds every chunk
+        with caplog.at_level("WARNING", logger="gpuload"):  # a budget of 0 would warn, were chunks cached
+            ds = click.open(root, batch_size=997, cache_io="off", max_cache_bytes=0)
+        assert ds.reader.cached_at_open == set() and not any("has space for" in r.message for r in caplog.records)
+        for e in (0, 1):
+            ds.reader.counters.reset()
+            ds.set_epoch(e)
+            got = []
+            for b in ds:
+                click.ref.check(b)
+                got.append(_copy(b))
+            assert len(got) == len(want[e])
+            for g, w in zip(got, want[e]):
+                assert g.keys() == w.keys() and all(np.array_equal(x, y) for k in g for x, y in zip(g[k], w[k]))
+            ids = np.concatenate([g["row_id"][0] for g in got])
+            assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
+            # the preload of the next epoch's first window decodes too: at least every chunk once
+            assert ds.reader.counters.from_cache == 0 and ds.reader.counters.decoded >= len(ds.reader.chunks)
+        assert ds.loader_description()[1]["cache_io"] == "off"
+        ds.close()
+    assert not list(off_root.rglob("*.glc")) and not list(off_root.rglob("*.lock"))
+    assert sorted((tmp_path / "cache").rglob("*.glc")) == chunks_before
+
+
+def test_cache_off_resumes_mid_epoch(click, tmp_path):
+    """A state taken mid-epoch with cache_io="off" resumes in another dataset to the very batches left."""
+    ds = click.open(tmp_path / "a", batch_size=512, cache_io="off")
+    ds.set_epoch(3)
+    it = iter(ds)
+    for _ in range(7):
+        next(it)
+    state = ds.state_dict()
+    rest = [b["row_id"].clone() for b in it]
+    other = click.open(tmp_path / "b", batch_size=512, cache_io="off")
+    other.load_state_dict(state)
+    other.set_epoch(3)
+    got = [b["row_id"].clone() for b in other]
+    assert len(got) == len(rest) and all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(got, rest))
+
+
+def test_building_a_cache_with_cache_off_is_refused(click, tmp_path):
+    with pytest.raises(gpuload.ConfigError, match=r"cache_io='off' caches nothing, so there is no cache to build"):
+        gpuload.build_cache(click.source, tmp_path / "cache", click.columns, cache_io="off")
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.glc"))

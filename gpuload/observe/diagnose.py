@@ -145,6 +145,7 @@ def _startup(stats: Stats, kind: str | None) -> tuple[str, str]:
                 "or chunk_bytes makes the first window smaller")
     if kind == "gpuload":
         decoded = any(n in stats.stages for n in ("decode", "convert"))  # from the cache already: nothing to build
+        decoded = decoded and (stats.loader_settings or {}).get("cache_io") != "off"  # nor when nothing is cached
         return (", while the loader fills its first shuffle window",
                 f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes"
                 + (", and build the cache ahead (`gpuload cache build`) so the first window is read rather than "
@@ -375,6 +376,10 @@ def _stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tot
         return (f"first epoch is decode-bound, with cuDF decoding on the GPU: {where}",
                 "raise num_threads (each loader thread reads, decodes and converts one chunk at a time), or build "
                 "the cache ahead with `gpuload cache build`")
+    if s.name in ("decode", "convert") and ours and settings.get("cache_io") == "off":
+        return (f"epochs are decode-bound: with cache_io='off' each one decodes Parquet: {where}",
+                "over more than one epoch of this data, leave out cache_io='off' so that later epochs read the "
+                "converted chunks from the cache; else raise num_threads" + ("" if on_gpu else " or use device=cuda"))
     if s.name in ("decode", "convert"):
         return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
                 "build the cache ahead with `gpuload cache build`, or " + (

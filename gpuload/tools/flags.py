@@ -80,9 +80,9 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
 
 def add_cache_io_flag(p: argparse.ArgumentParser) -> None:
     """--cache-io: whether cache files bypass the page cache."""
-    p.add_argument("--cache-io", help=f"auto, direct or buffered: write and read cache files around the page cache "
-                   f"(direct), through it (buffered), or direct when the dataset's cache is more than half the "
-                   f"memory (default {Options.cache_io})")
+    p.add_argument("--cache-io", help=f"auto, direct, buffered or off: write and read cache files around the page "
+                   f"cache (direct), through it (buffered), direct when the dataset's cache is more than half the "
+                   f"memory (auto), or not at all: every epoch decodes Parquet (off; default {Options.cache_io})")
 
 
 def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:

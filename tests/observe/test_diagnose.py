@@ -422,6 +422,23 @@ def test_buffered_cache_writes_that_limit_a_first_epoch_point_to_direct_io(tmp_p
         assert ds.stats().loader_settings["cache_io"] == mode
 
 
+def test_epochs_that_decode_because_caching_is_off_are_told_so_not_to_build_the_cache(tmp_path):
+    """cache_io='off' decodes every epoch by choice: building the cache ahead is not the advice;
+    leaving 'off' out is, for a job of more than one epoch."""
+    decode = [stage("read", 1.0, 2, 10**9), stage("decode", 18.0, 2, 4 * 10**9, 6_553_600)]
+    plain = {"num_threads": 2, "prefetch": 2, "device": "cpu"}
+    for mode in ("off", "buffered"):
+        d = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload", loader_settings=plain | {"cache_io": mode}))
+        assert d.limiting == "decode"
+        assert ("cache build" in d.action) == ("first epoch" in d.message) == (mode != "off")
+        assert ("leave out cache_io='off'" in d.action) == ("each one decodes Parquet" in d.message) == (mode == "off")
+    ds = gpuload.ParquetDataset(_clicks(tmp_path), ["row_id"], cache_dir=tmp_path / "c", device="cpu",
+                                batch_size=500, cache_io="off")
+    assert sum(len(b["row_id"]) for b in ds) == 2000
+    start = gpuload.diagnose(ds.stats())  # the first window is decoded: no "build the cache ahead" either
+    assert ds.stats().loader_settings["cache_io"] == "off" and "cache build" not in start.action
+
+
 def _clicks(tmp_path):
     from gpuload.synth import write_clicklog
 

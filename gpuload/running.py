@@ -1,0 +1,85 @@
+"""Running a dataset's epochs: one iteration's producer thread, its hand-off to the training
+thread, and the next epoch's first chunks loaded while an epoch ends.
+
+:class:`Epochs` is what :class:`gpuload.ParquetDataset` iterates: it takes the position the
+cursor gives (:class:`gpuload.epochs.Position`), runs this rank's rest of that epoch on a
+background producer (:func:`gpuload.pipeline.epoch_batches`: loads ahead, windows, gathers)
+and yields each batch as the device hands it over, counting it when it is handed out
+(architecture.md, Threads).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from . import preload
+from .cursor import Cursor
+from .epochs import EpochPlan, Position
+from .observe.metrics import Metrics
+from .pipeline import Background, cut_threads, epoch_batches, handed_out
+from .reader import ChunkReader
+from .transforms import BatchTransform
+
+__all__ = ["Epochs"]
+
+
+class Epochs:
+    """The iterations of one dataset: ``reader``'s chunks in the order ``plan`` gives, at the
+    positions ``cursor`` keeps, measured into ``metrics``.
+
+    ``ahead`` holds the next epoch's first chunks, loaded while an epoch's last window is
+    consumed (:mod:`gpuload.preload`); :meth:`close` drops them.
+    """
+
+    def __init__(self, reader: ChunkReader, plan: EpochPlan, cursor: Cursor, metrics: Metrics):
+        self.reader, self.plan, self.cursor, self.metrics = reader, plan, cursor, metrics
+        self.options = reader.opts
+        self.ahead = preload.Ahead()  # the next epoch's first chunks, loaded while this one ends
+
+    def iterate(self, views: dict, batch_transform: Callable | None, torch_device) -> Iterator[dict]:
+        """One iteration: the rest of the cursor's epoch on this rank, batch by batch.
+        ``views``: outputs handed out reinterpreted (bfloat16), ``batch_transform``: the user's
+        per-batch function (:mod:`gpuload.transforms`), ``torch_device``: where batches are."""
+        r, o = self.reader, self.options
+        handoff = r.device.handoff(views, r.layout, r.batch_pool)
+        pos = self.cursor.begin()
+        if batch_transform is not None:
+            handoff.transform = BatchTransform.starting(batch_transform, pos, r.fingerprint, o.seed, torch_device)
+        r.resume()
+        pre = self.ahead.take(r.device.consumer_stream())
+        producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=o.prefetch + 2, nice=o.nice)
+        try:  # each batch counted when handed out: a state taken then resumes after it
+            yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take())
+        finally:
+            pos.running = False
+            if not producer.finished:  # left early: no load goes on, none waits on a stalled store
+                producer.stop.set()
+                r.interrupt()
+            producer.close()
+            self.ahead.settle(pre, producer.finished)
+
+    def _batches(self, pos: Position, handoff: Callable, stop, pre) -> Iterator:
+        """The producer's side: this rank's rest of ``pos``'s epoch as batches, through ``handoff``."""
+        o, r = self.options, self.reader
+        rest = self.plan.rest(pos, pos.ranks.rank)
+        device = r.device
+
+        def loaded() -> None:  # this epoch's last window is in: the next epoch's first chunks load meanwhile
+            if not stop.is_set():
+                self.ahead.start(self.cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
+
+        def permutation(i: int, n: int):  # window i's rows, the same order on every device
+            return device.upload_index(self.plan.permutation(pos.epoch, rest.takes[i], n))
+
+        remote = r.has_remote
+        yield from epoch_batches(rest.loads, rest.sizes, r.load, permutation if self.plan.shuffled else None, handoff,
+                                 threads=o.num_threads,
+                                 prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
+                                 batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
+                                 warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
+                                 cut_threads=cut_threads(o.num_threads), preloaded=pre,
+                                 loaded=loaded if o.prefetch else None)
+
+    def close(self) -> None:
+        """Drop the next epoch's chunks loaded ahead."""
+        self.ahead.drop()
