@@ -13,6 +13,7 @@ from typing import Callable
 from .cluster import build_on_cluster
 from .config import BUILD_DEVICE, Options, Source
 from .errors import CacheError, ConfigError, flag, setting
+from .memory import size_text
 from .reader import ChunkReader, open_reader
 
 __all__ = ["build_cache", "CacheSummary"]
@@ -52,13 +53,12 @@ class CacheSummary:
     quota: bool = False  # the budget was the cache folder's quota (gpuload cache quota), not max_cache_bytes
 
     def __str__(self) -> str:
-        gib = self.cached_bytes / 2**30
         elsewhere = f", {self.built_elsewhere} built meanwhile by another build" if self.built_elsewhere else ""
         text = (f"{self.chunks} chunks of {self.rows:,} rows from {self.files} files: {self.built} built, "
-                f"{self.already_cached} already cached{elsewhere}; {gib:.2f} GiB in {self.cache_dir} "
+                f"{self.already_cached} already cached{elsewhere}; {size_text(self.cached_bytes)} in {self.cache_dir} "
                 f"({self.seconds:.1f} s)")
         if self.over_budget:
-            budget = (f"the cache folder's quota of {self.max_cache_bytes / 2**30:,.2f} GiB" if self.quota else
+            budget = (f"the cache folder's quota of {size_text(self.max_cache_bytes)}" if self.quota else
                       setting('max_cache_bytes', self.max_cache_bytes))
             text += f"; {self.over_budget} chunks did not fit {budget} and will be read from Parquet"
         if self.over_reserve:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .categorical import parse_key
 from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .dataset import ParquetDataset
 from .errors import ConfigError, counted, setting
@@ -141,6 +142,7 @@ class Mix(torch.utils.data.IterableDataset):
                 if spec != want[o]:
                     raise ConfigError(f"output {o!r} is {_spec_text(spec)} in source {n!r} but {_spec_text(want[o])} "
                                       f"in {first!r}: give both the same dtype and shape (dtypes=, columns=)")
+            _check_encoders(first, self.sources[0], n, d)
             if d.device != self.sources[0].device:
                 raise ConfigError(f"source {n!r} is on {d.device} and {first!r} on {self.sources[0].device}: "
                                   "give every source the same device=")
@@ -371,6 +373,30 @@ def _spec_text(spec) -> str:
     except TypeError:  # bfloat16, named as gpuload names it
         pass
     return f"{kind} {dtype}" + (f" [.., {width}]" if kind in ("group", "fixed") else "")
+
+
+def _check_encoders(first: str, a: ParquetDataset, name: str, b: ParquetDataset) -> None:
+    """Refuse sources whose categorical ids would mean different values: an output (before any
+    transform) encoded by another Hash, or by a vocabulary counted over other files."""
+    def encoders(d):
+        return {s.name: [vt.encode for vt in s.sources] for s in d.reader.specs if any(vt.encode for vt in s.sources)}
+
+    want = encoders(a)
+    for o, keys in encoders(b).items():
+        if o not in want or keys == want[o]:
+            continue
+        k, w = next((k, w) for k, w in zip(keys, want[o]) if k != w)
+        if k.startswith("vocab:") and w.startswith("vocab:") and parse_key(k) == parse_key(w):
+            why = "a vocabulary counted over each source's own files, so an id names other values in each"
+        else:
+            why = f"{_encoder_text(w)} in {first!r} and {_encoder_text(k)} in {name!r}"
+        raise ConfigError(f"output {o!r} of a mix's sources is encoded by {why}: give every source the same "
+                          f"gpuload.Hash(buckets=..., seed=...) for it in categorical= (a hashed id means one value "
+                          f"in every source)")
+
+
+def _encoder_text(key: str) -> str:
+    return "no encoder" if not key else repr(parse_key(key))
 
 
 def _choice(name: str, value, allowed) -> None:

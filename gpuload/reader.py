@@ -166,17 +166,20 @@ class ChunkReader:
             return
         if room >= need or need == 0:
             return
+        if self.opts.max_cache_bytes == 0:  # asked for: say how to ask for it plainly
+            log.warning("gpuload: max_cache_bytes=0 leaves no room for this dataset's chunks: every epoch decodes "
+                        "them from Parquet; cache_io='off' does that without a budget (nothing locked or registered)")
+            return
         per = need / len(self.chunks)
-        fit, window = max(0, int(room // per)), self.opts.shuffle_window
+        fit = min(max(0, int(room // per)), len(self.chunks) - 1)
         limit = ("max_cache_bytes" if self.opts.max_cache_bytes is not None else
                  "the cache folder's quota (`gpuload cache quota`)" if self.cache.max_bytes is not None else
                  "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
-        what = (f"fewer than one shuffle window ({window} chunks): nearly every read comes from Parquet"
-                if fit < window else "the rest is read from Parquet every epoch")
         log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
-                    "less %s other live readers keep): %s. Cache it whole with %s more space, or use fewer columns",
+                    "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
+                    "whole with %s more space, or use fewer columns (cache_io='off' for a job of one epoch)",
                     self.opts.cache_where, fit, len(self.chunks), size_text(max(room, 0)), size_text(need), limit,
-                    size_text(others), what, size_text(need - room))  # room < 0: the disk is below the reserve
+                    size_text(others), len(self.chunks) - fit, size_text(need - room))  # room < 0: below the reserve
 
     def _filtered(self, sizes: list, flt) -> list:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group

@@ -189,3 +189,18 @@ def test_progress_false_reports_nothing(tmp_path, capsys):
     write_clicklog(tmp_path / "d", 3000, files=1, row_group_rows=1000)
     summary = gpuload.build_cache(tmp_path / "d", tmp_path / "c", COLUMNS, progress=False)
     assert summary.built > 0 and capsys.readouterr().err == ""
+
+
+def test_the_summary_gives_small_sizes_in_units_that_show_them():
+    """A user's trial under a 1 MiB quota read "did not fit the cache folder's quota of 0.00 GiB" and
+    "0.00 GiB in ..." for 0.8 MiB cached."""
+    from gpuload.build import CacheSummary
+
+    s = CacheSummary("/c", files=1, rows=10, chunks=3, built=1, already_cached=0, not_cached=2,
+                     cached_bytes=int(0.8 * 2**20), seconds=0.1, outputs=("x",), over_budget=2,
+                     max_cache_bytes=2**20, quota=True)
+    text = str(s)
+    assert "819.2 KiB in /c" in text and "the cache folder's quota of 1.0 MiB" in text and "0.00" not in text
+    big = CacheSummary("/c", files=1, rows=10, chunks=1, built=1, already_cached=0, not_cached=0,
+                       cached_bytes=3 * 2**30, seconds=0.1, outputs=("x",))
+    assert "3.00 GiB in /c" in str(big)

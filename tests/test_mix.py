@@ -511,3 +511,34 @@ def test_on_a_gpu_the_mix_is_the_cpus(paths, tmp_path, per_step):
                     for k, v in b.items()})
     torch.cuda.current_stream().synchronize()
     assert _same(cpu, gpu)
+
+
+def test_sources_whose_categorical_ids_mean_other_values_are_refused(tmp_path):
+    """A user's trial mixed two sources with Vocab() each: 'JP' was id 1 in one and 'GB' in the other,
+    so one embedding row meant two countries. Counted vocabularies of other files, or other Hash
+    settings, are refused; the same Hash in every source mixes."""
+    for name, countries in (("a", ["JP", "JP", "DE", "FR"] * 50), ("b", ["GB", "GB", "GB", "JP"] * 50)):
+        write_parquet(tmp_path / name / "p.parquet", pa.table({"row_id": np.arange(200), "country": countries}))
+
+    def ds(name, enc, **kw):
+        return open_dataset(tmp_path / name, ["row_id", "country"], tmp_path / "c", batch_size=BS, categorical=enc, **kw)
+
+    va, vb = ds("a", gpuload.Vocab()), ds("b", gpuload.Vocab())
+    assert va.vocabulary("country").to_dict()["JP"] == 1 and vb.vocabulary("country").to_dict()["GB"] == 1
+    with pytest.raises(gpuload.ConfigError, match=r"output 'country' of a mix's sources is encoded by a vocabulary "
+                                                  r"counted over each source's own files.*same gpuload.Hash"):
+        gpuload.Mix({"a": va, "b": vb}, {"a": 1, "b": 1})
+    with pytest.raises(gpuload.ConfigError, match=r"Hash\(buckets=10, seed=0\) in 'a' and Hash\(buckets=1000, "
+                                                  r"seed=3\) in 'b'"):
+        gpuload.Mix({"a": ds("a", gpuload.Hash(10)), "b": ds("b", gpuload.Hash(1000, seed=3))})
+    with pytest.raises(gpuload.ConfigError, match=r"Vocab\(min_count=1, max_size=None\) in 'a' and Hash"):
+        gpuload.Mix({"a": va, "b": ds("b", gpuload.Hash(1000))})
+    ha, hb = ds("a", gpuload.Hash(1000, seed=3)), ds("b", gpuload.Hash(1000, seed=3))
+    mix = gpuload.Mix({"a": ha, "b": hb}, {"a": 1, "b": 1})
+    ids = {}
+    for step in mix:
+        for r, c in zip(step["row_id"].tolist(), step["country"].tolist()):
+            ids.setdefault(c, set()).add(r)
+    assert len(ids) == 4  # JP, DE, FR, GB: one id each, JP's the same in both sources
+    same = gpuload.Mix({"a": ds("a", gpuload.Vocab()), "b": ds("a", gpuload.Vocab(), seed=1)})  # one file set
+    assert same.names == ["a", "b"]

@@ -179,3 +179,13 @@ def test_building_a_cache_with_cache_off_is_refused(click, tmp_path):
     with pytest.raises(gpuload.ConfigError, match=r"cache_io='off' caches nothing, so there is no cache to build"):
         gpuload.build_cache(click.source, tmp_path / "cache", click.columns, cache_io="off")
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.glc"))
+
+
+def test_a_budget_of_0_is_answered_with_cache_off_not_with_more_space(click, tmp_path, caplog):
+    """A user's trial set max_cache_bytes=0 for a one-epoch job and was told to "cache it whole with
+    2.1 MiB more space"; the budget was asked for: the warning names cache_io='off'."""
+    with caplog.at_level("WARNING", logger="gpuload"):
+        ds = click.open(tmp_path / "c", max_cache_bytes=0)
+    (said,) = [r.getMessage() for r in caplog.records if "max_cache_bytes" in r.getMessage()]
+    assert "every epoch decodes them from Parquet" in said and "cache_io='off'" in said and "more space" not in said
+    assert sum(len(b["row_id"]) for b in ds) == click.ref.n and ds.reader.counters.from_cache == 0

@@ -92,6 +92,7 @@ def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_pat
         b = open_dataset(sources["b"], ["x"], c, batch_size=25_000, prefetch=0)  # each epoch's loads its own
     warned = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
     assert len(warned) == 1 and "about 1 of this dataset's 3 chunks" in warned[0] and "quota" in warned[0]
+    assert "the other 2 are read from Parquet every epoch" in warned[0]  # was "nearly every read", of 2 in 3
     assert np.array_equal(_epoch(b), _rows(1))
     assert _chunks(c, sources["a"]) == before and len(_chunks(c, sources["b"])) == 1  # a is open: kept whole
     assert _used(c) <= size * 4.5
