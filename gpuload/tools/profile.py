@@ -31,6 +31,7 @@ from ..observe.sampling import UtilSampler
 __all__ = ["EpochReport", "MlpStep", "profile", "headspace", "block_gather_ratio", "disk_read_gbps", "HEADSPACE_NEAR"]
 
 HEADSPACE_NEAR = 0.8  # under the step at this share of its headspace rate or more, the loader is the limit
+FEW_BATCHES = 10  # an epoch of fewer batches is mostly its start: its figures are flagged as such
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,17 @@ class EpochReport:
 
     def __str__(self) -> str:
         s = self.stats
-        kind = "decodes and caches" if self.decoded_chunks else "reads the cache"
+        off = (s.loader_settings or {}).get("cache_io") == "off"
+        kind = "decodes, cache_io='off'" if off else "decodes and caches" if self.decoded_chunks else "reads the cache"
+        few = (f"\n  only {s.batches} batch{'es' * (s.batches != 1)} in this epoch: the figures are mostly its "
+               "start; a smaller batch size (--batch-size) or more rows measures the steady state"
+               if s.batches < FEW_BATCHES else "")
         # an epoch that ends loads the next one's first chunks (gpuload.preload), counted with it
         ahead = ", the next epoch's first among them, read ahead" if (s.loader_settings or {}).get("prefetch") else ""
         return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
                 f"from the cache{ahead if self.cached_chunks else ''}): {s.rows:,} rows in {s.wall_s:.2f} s, "
                 f"{s.rows_per_s:,.0f} rows/s, "
-                f"starvation {s.starvation:.1%}\n  {self.diagnosis}"
+                f"starvation {s.starvation:.1%}{few}\n  {self.diagnosis}"
                 + (f"\n  remote source: {s.remote}" if s.remote is not None else "")
                 + ("" if self.headspace is None else f"\n  {self.bound()}")
                 + ("" if self.ranks is None or len(self.ranks.ranks) < 2 else

@@ -76,6 +76,12 @@ def test_slow_cache_read_against_the_disk():
     assert "2.88 GB/s against 3.00" in near.message and "the disk is the limit" in near.action
     unknown = gpuload.diagnose(stats)
     assert "not measured" in unknown.message and "raise prefetch" in unknown.action
+    # a user's trial: "raise prefetch first; then: raise prefetch (and num_threads)"
+    assert d.action.count("raise prefetch") == unknown.action.count("raise prefetch") == 1
+    # reads faster than the disk come from the page cache: the disk is not their limit (it was said to be)
+    fast = gpuload.diagnose(make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 40 * 10**9)]), disk_gbps=3.0)
+    assert "5.00 GB/s, faster than the 3.00 GB/s the disk gives, so they come from the page cache" in fast.message
+    assert "the disk is the limit" not in fast.action and "raise prefetch" in fast.action
 
 
 def test_slow_consumer():
@@ -136,8 +142,10 @@ def test_inline_loader_measured_through_watch():
 
 def test_unsaturated_loader_is_told_to_prefetch():
     d = gpuload.diagnose(make_stats(0.3, stages=[stage("cache_read", 2.0, 2, 10**9)]))
-    assert d.limiting == "cache_read" and d.action.startswith("raise prefetch first")
-    assert "not keeping enough work in flight" in d.message
+    assert d.limiting == "cache_read" and d.action.startswith("raise prefetch")
+    assert "not keeping enough work in flight" in d.message and d.action.count("raise prefetch") == 1
+    d = gpuload.diagnose(make_stats(0.3, stages=[stage("decode", 2.0, 2, 10**9)]))
+    assert d.limiting == "decode" and d.action.startswith("raise prefetch first; then: build the cache")
 
 
 def test_str_and_errors():

@@ -148,6 +148,17 @@ def test_profile_reports_each_epoch_and_writes_one_trace(data, tmp_path):
         e["ts"] for e in spans if e["name"] == "decode")
 
 
+def test_an_epoch_of_few_batches_is_flagged_and_cache_off_is_named(data, tmp_path):
+    """A user's trial profiled 60,000 rows at the default 65,536-row batch: one batch an epoch, its
+    starvation and advice printed as if measured; now flagged (the 40-batch epochs above are not)."""
+    few = profile(data, epochs=1, step_ms=0.0, batch_size=40_000, device="cpu", cache_dir=tmp_path / "c")
+    assert "only 2 batches in this epoch: the figures are mostly its start" in str(few[0])
+    many = profile(data, epochs=2, step_ms=0.0, batch_size=2_000, device="cpu", cache_dir=tmp_path / "c2",
+                   cache_io="off")
+    assert all("only" not in str(r) and "decodes, cache_io='off'" in str(r) for r in many)
+    assert [r.decoded_chunks > 0 and r.cached_chunks == 0 for r in many] == [True, True]
+
+
 def test_profile_cli_prints_a_diagnosis(data, tmp_path, capsys):
     rc = main(["profile", str(data), "--device", "cpu", "--epochs", "2", "--step-ms", "1", "--batch-size", "2000",
                "--cache-dir", str(tmp_path / "cache"), "--trace", str(tmp_path / "t.json")])

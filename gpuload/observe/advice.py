@@ -1,0 +1,167 @@
+"""What to do about the limit :func:`gpuload.observe.diagnose.diagnose` names: the message and the
+action for each limiting stage, for the start of a pass, and for a loader timed without stages,
+each fitted to the loader measured (gpuload's settings and commands only for gpuload's datasets;
+``num_workers`` and the rest for a torch DataLoader)."""
+
+from __future__ import annotations
+
+from ..memory import cores as _cores
+from .stats import StageStats, Stats
+
+__all__ = ["DISK_NEAR", "rate", "startup", "no_stages", "stage_advice"]
+
+#: Fraction of the disk's speed from which cache reads count as disk-bound.
+DISK_NEAR = 0.8
+
+
+def rate(rows_per_s: float) -> str:
+    return f"{rows_per_s / 1e6:.2f} M" if rows_per_s >= 1e6 else f"{rows_per_s:,.0f}"
+
+
+def startup(stats: Stats, kind: str | None) -> tuple[str, str]:
+    """(what the first next() of a pass waits for, what to do about it), for the loader ``kind``."""
+    steady = "nothing to fix in steady state, and longer epochs amortise it"
+    if kind == "gpuload" and stats.remote is not None and stats.remote.requests and stats.stages.get("read"):
+        return (f", while the loader fills its first shuffle window from the object store ({stats.remote}; "
+                f"{stats.stages['read'].seconds:.2f} s of reads)",
+                "build the cache ahead (`gpuload cache build URL`) so that epochs read the local cache and make no "
+                "request, or keep more requests in flight (remote={'max_requests': 64}); a smaller shuffle_window "
+                "or chunk_bytes makes the first window smaller")
+    if kind == "gpuload":
+        decoded = any(n in stats.stages for n in ("decode", "convert"))  # from the cache already: nothing to build
+        decoded = decoded and (stats.loader_settings or {}).get("cache_io") != "off"  # nor when nothing is cached
+        return (", while the loader fills its first shuffle window",
+                f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes"
+                + (", and build the cache ahead (`gpuload cache build`) so the first window is read rather than "
+                   "decoded" if decoded else ""))
+    if kind == "DataLoader":
+        workers = (stats.loader_settings or {}).get("num_workers") or 0
+        what = (f", while the DataLoader starts its {workers} worker processes and they load their first batches"
+                if workers else ", while the DataLoader loads its first batch")
+        return what, (f"{steady}; to shorten it, persistent_workers=True (with num_workers > 0) keeps the workers, "
+                      "and what they opened, from one epoch to the next; a dataset that opens its files and "
+                      "connections lazily, once per worker, starts faster")
+    return (": the loader's own start-up (opening files or connections, starting workers, filling buffers)",
+            f"{steady}; to shorten it, keep what the loader opens at the start of each pass open across passes, "
+            "if it can")
+
+
+def no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
+    """(message, action) for a loader that cannot keep up, measured without stage timings."""
+    cpu = f"; process CPU {stats.cpu_percent:.0f}%" if stats.cpu_percent is not None else ""
+    gpu = f", GPU {stats.gpu_percent:.0f}%" if stats.gpu_percent is not None else ""
+    settings = stats.loader_settings or {}
+    message = f"the loader cannot keep up with the step: {waited}{cpu}{gpu}"
+    if kind == "gpuload":
+        threads, prefetch = settings.get("num_threads", "?"), settings.get("prefetch", "?")
+        return (message + "; these stats (of a watch() around a gpuload dataset) have no per-stage timings: the "
+                "dataset's own have",
+                "run gpuload.diagnose(ds.stats()) on the dataset itself to name the stage that limits it; until "
+                f"then: raise prefetch (now {prefetch}) and num_threads (now {threads}), and build the cache ahead "
+                "with `gpuload cache build` so that no epoch decodes")
+    if kind == "DataLoader":
+        workers, cores = settings.get("num_workers") or 0, _cores()
+        pin = "" if settings.get("pin_memory") else ", pin_memory=True when batches go to a GPU"
+        keep = "" if settings.get("persistent_workers") else ", persistent_workers=True to keep the workers " \
+                                                              "between epochs"
+        parquet = ("; for Parquet data, gpuload.ParquetDataset converts each chunk once, caches the converted "
+                   "columns and loads them on background threads")
+        if not workers:
+            return (message + "; the DataLoader loads every batch on the training thread (num_workers=0), "
+                    "inside next()",
+                    f"set num_workers (this machine has {cores} CPU cores) so that worker processes load batches "
+                    f"while the step runs{pin}{keep}{parquet}")
+        factor = settings.get("prefetch_factor")
+        message += f"; its {workers} worker processes do not load batches as fast as the step takes them" + (
+            " (process CPU is the training process's alone)" if cpu else "")
+        if workers >= cores:  # a user's trial: 4 busy workers on 2 cores were told to add workers
+            return (message + f", and they are as many as the machine's {cores} CPU cores or more",
+                    f"more workers would only share the same cores: what each worker does per batch (reading, "
+                    f"decoding, converting, collating) is the cost; make it cheaper{pin}{keep}{parquet}")
+        return (message,
+                f"raise num_workers (now {workers}, of {cores} CPU cores) and prefetch_factor (now {factor}){pin}"
+                f"{keep}; if the workers are busy converting (each near a whole core in top), the conversion "
+                f"is the cost{parquet}")
+    return (message + "; these stats have no per-stage timings to name the stage that limits it",
+            "load ahead of the step on background threads or processes (for instance a torch DataLoader with "
+            "num_workers > 0 and prefetch_factor; a ParquetDataset's num_threads and prefetch), or load Parquet "
+            "with gpuload.ParquetDataset, which caches converted columns and loads them on background threads")
+
+
+def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, total_gbps: float,
+                  disk_gbps: float | None) -> tuple[str, str]:
+    """(message, action) for the limiting stage ``s``; gpuload's commands only for gpuload's loaders."""
+    ours = kind == "gpuload"
+    settings = stats.loader_settings or {}
+    on_gpu = settings.get("device") == "cuda"  # not said: advise as for the CPU
+    if s.name == "batch" and settings.get("batch_transform"):
+        return (f"batches are made at {rate(s.rows_per_s)} rows/s, with the batch_transform "
+                f"'{settings['batch_transform']}' on the producer thread (one thread, in order): {where}",
+                "time the batch_transform alone and make it cheaper, or do its work in the training step (on the "
+                "GPU); work that is the same in every epoch belongs in transform=, computed once per chunk and "
+                "cached")
+    if s.name in ("decode", "convert") and settings.get("transform"):
+        return (f"first epoch is bound by decoding and converting, which includes the transform "
+                f"'{settings['transform']}' (timed as conversion): {where}",
+                "time the transform alone and make it cheaper (it runs once per chunk, in the first epoch only: "
+                "later epochs read its cached result), raise num_threads, or build the cache ahead with "
+                "`gpuload cache build`")
+    if s.name in ("decode", "convert") and ours and (stats.loader_settings or {}).get("decode") == "gpu":
+        return (f"first epoch is decode-bound, with cuDF decoding on the GPU: {where}",
+                "raise num_threads (each loader thread reads, decodes and converts one chunk at a time), or build "
+                "the cache ahead with `gpuload cache build`")
+    if s.name in ("decode", "convert") and ours and settings.get("cache_io") == "off":
+        return (f"epochs are decode-bound: with cache_io='off' each one decodes Parquet: {where}",
+                "over more than one epoch of this data, leave out cache_io='off' so that later epochs read the "
+                "converted chunks from the cache; else raise num_threads" + ("" if on_gpu else " or use device=cuda"))
+    if s.name in ("decode", "convert"):
+        return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
+                "build the cache ahead with `gpuload cache build`, or " + (
+                    "install cuDF (the gpu extra: see gpuload.gpu_status()) so that decode='auto' decodes on "
+                    "the GPU" if on_gpu else "use device=cuda") if ours else
+                "decode ahead of the step on more workers, or cache the converted columns: gpuload.ParquetDataset "
+                "converts each chunk once and reads its cache in later epochs")
+    if s.name == "cache_read":
+        if disk_gbps and total_gbps > disk_gbps:  # faster than the disk: from the page cache (a user's trial
+            return (f"cache reads run at {total_gbps:.2f} GB/s, faster than the {disk_gbps:.2f} GB/s the disk "  # was
+                    f"gives, so they come from the page cache, not the disk: {where}",  # told the disk limited them)
+                    "raise prefetch (and num_threads): the disk is not the limit")
+        if disk_gbps:
+            return (f"cache reads run at {total_gbps:.2f} GB/s against {disk_gbps:.2f} GB/s the disk gives: {where}",
+                    "the disk is the limit: put the cache on faster local NVMe" if total_gbps >= DISK_NEAR * disk_gbps
+                    else f"raise prefetch (and num_threads): the disk has {disk_gbps - total_gbps:.2f} GB/s to spare")
+        return (f"cache reads run at {total_gbps:.2f} GB/s (the disk's speed was not measured: pass disk_gbps= "
+                f"from fio or dd): {where}",
+                "raise prefetch (and num_threads); if reads do not get faster, the disk is the limit")
+    if s.name == "read" and stats.remote is not None and stats.remote.requests:
+        return (f"first epoch is remote-bound: decoding waits on the object store ({stats.remote}): {where}",
+                "keep more requests in flight (remote={'max_requests': 64, 'readahead_bytes': 1 << 30}), run "
+                "the job in the store's region, or build the cache ahead with `gpuload cache build URL`: later "
+                "epochs read only the local cache and make no request" if ours else
+                "keep more requests in flight, run the job in the store's region, or cache the data locally")
+    if s.name == "read":
+        return (f"the Parquet source reader is throttled at {total_gbps:.2f} GB/s: {where}",
+                "copy the source to local NVMe, raise num_threads for more reads in flight, or build the cache "
+                "ahead with `gpuload cache build` so that epochs read the cache instead" if ours else
+                "copy the source to local NVMe, or keep more reads in flight")
+    if s.name == "cache_write":
+        around = ("pass cache_io='direct' (`--cache-io direct`), which writes the cache around the page cache (no "
+                  "copy into newly allocated page-cache pages; later epochs then read the disk, not memory), "
+                  if settings.get("cache_io") == "buffered" else "")
+        return (f"first-epoch cache writes are the limit at {total_gbps:.2f} GB/s"
+                f"{' through the page cache' if around else ''}: {where}",
+                f"{around}build the cache ahead with `gpuload cache build`, or put the cache on faster local disk"
+                if ours else "put the cache on faster local disk")
+    if s.name == "h2d":
+        return (f"host-to-device copies are the limit at {total_gbps:.2f} GB/s: {where}",
+                "copy batches from pinned memory with non_blocking=True on a side stream (gpuload's CUDA "
+                "hand-off does), or keep the whole pipeline on the GPU (device=cuda with the gpu extra: "
+                "GPU decode and cache reads into device memory), so that no per-batch copy remains")
+    if s.name == "batch":
+        return (f"the shuffle gather is the limit at {rate(s.rows_per_s)} rows/s: {where}",
+                ("use a smaller shuffle_window (fewer rows gathered per window)" + ("" if on_gpu else
+                 ", more num_threads (the CPU path gathers batches on them), or device=cuda to shuffle on the GPU"))
+                if ours
+                else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")
+    return (f"listing the source files is the limit: {where}",
+            "pass a list of files instead of a directory or glob on slow storage")
