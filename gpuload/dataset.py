@@ -369,8 +369,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def vocabulary(self, column: str):
         """The counted vocabulary of ``column`` (a :class:`gpuload.Vocab` column in ``categorical=``):
-        a :class:`gpuload.categorical.Vocabulary` with ``values`` (bytes; id ``i + 1`` for the
-        ``i``-th), ``counts``, ``to_dict()`` (value -> id, for a serving system) and ``ids(values)``."""
+        a :class:`gpuload.categorical.Vocabulary` with ``values`` (a pyarrow ``large_binary`` array:
+        ``values[i].as_py()`` is the bytes of id ``i + 1``), ``counts``, ``to_dict()`` (value -> id,
+        str where the bytes are UTF-8, else bytes; for a serving system) and ``ids(values)``."""
         got = self.reader.vocabularies.get(column)
         if got is None:
             raise ConfigError(f"column {column!r} has no counted vocabulary in this dataset (those that do: "

@@ -262,7 +262,7 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
                 out.append((str(name), tuple(cols), True))
             else:
                 raise ConfigError(
-                    f"columns[{name!r}] must be a column name or a non-empty list of names, got {cols!r}")
+                    f"{entry('columns', name)} must be a column name or a non-empty list of names, got {cols!r}")
         return out
     if isinstance(columns, Sequence) and all(isinstance(c, str) for c in columns):
         dup = sorted({c for c in columns if list(columns).count(c) > 1})

@@ -228,6 +228,25 @@ def test_clear_with_a_prefix_of_several_column_sets_is_refused(data, tmp_path, c
     assert len(list(cache.rglob("*.glc"))) == 2 * len(specs)
 
 
+def test_cache_info_and_clear_say_what_a_flag_needs(data, tmp_path, capsys):
+    """A user's trial: `cache info --filter 'junk'` printed the cache and exited 0; `cache info SOURCE`
+    said only "give --nodes N"; `cache clear --spec abcd` matching nothing said to give more of the hash."""
+    cache = str(tmp_path / "cache")
+    assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns", "label"]) == 0
+    capsys.readouterr()
+    for flags, named in ((["--filter", "not json at all"], "--filter says"),
+                         (["--columns", "label", "--nodes", "2"], "--columns, --nodes say")):
+        assert main(["cache", "info", "--cache-dir", cache, *flags]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "give one" in err and err.count("\n") == 1, err
+    assert main(["cache", "info", str(data), "--cache-dir", cache]) == 2
+    assert "leave SOURCE out to see the cache folder alone" in capsys.readouterr().err
+    assert main(["cache", "clear", "--cache-dir", cache, "--spec", "zzzz"]) == 2
+    err = capsys.readouterr().err
+    assert "spec 'zzzz' names no column set" in err and "more of its hash" not in err
+    assert len(list((tmp_path / "cache").rglob("*.glc"))) > 0  # nothing cleared
+
+
 @pytest.mark.slow
 def test_cache_build_and_profile_of_an_s3_source(data, tmp_path):
     """`cache build s3://...` and `profile s3://...` against a loopback S3 server, in subprocesses."""
@@ -326,6 +345,7 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["cache", "build", "DATA", "--scheduler", "notanaddress"], "--scheduler 'notanaddress'"),
     (["profile", "DATA", "--trace", "FILE/t.json"], "--trace"),  # was the OS's error, naming no flag
     (["cache", "build", "DATA", "--columns", "[1, 2]"], "--columns"),
+    (["cache", "build", "DATA", "--columns", '{"a": []}'], "--columns a must be a column name"),  # was columns['a']
     (["cache", "build", "DATA", "--cache-dir", ""], "--cache-dir=''"),
     (["cache", "info", "DATA", "--nodes", "2", "--dtypes", '{"label": "int33"}'], "--dtypes"),  # these three
     (["cache", "info", "DATA", "--nodes", "2", "--columns", "nope"], "nope"),  # printed the cache's summary

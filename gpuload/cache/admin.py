@@ -294,9 +294,13 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     chosen = None
     if spec is not None or unused_since is not None:
         known = specs(root)
-        if spec is not None and len({h for h in known if h.startswith(spec)}) != 1:
-            raise ConfigError(f"spec {spec!r} names {len([h for h in known if h.startswith(spec)])} column sets, "
-                             "not exactly one; give more of its hash (`gpuload cache info` lists them)")
+        named = [h for h in known if h.startswith(spec)] if spec is not None else []
+        if spec is not None and not named:  # a user's trial was told to give more of a hash that matched none
+            raise ConfigError(f"spec {spec!r} names no column set in {root.path} ({len(known)} there); give the "
+                              "start of one of the hashes `gpuload cache info` lists")
+        if len(named) > 1:
+            raise ConfigError(f"spec {spec!r} names {len(named)} column sets, not exactly one; give more of its "
+                              "hash (`gpuload cache info` lists them)")
         chosen = {h for h, e in known.items() if (spec is None or h.startswith(spec)) and (
             unused_since is None or e["last_used"] < unused_since)}
     freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []

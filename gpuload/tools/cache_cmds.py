@@ -172,7 +172,17 @@ def _left_alone(foreign: list[str]) -> None:
         print(f"  left alone {len(foreign)} entries gpuload did not write: {shown}")
 
 
+#: `cache info`'s flags that say how to open a SOURCE: meaningless without one
+_SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
+                 "block_rows", "nodes")
+
+
 def cmd_info(args) -> int:
+    given = [f"--{n.replace('_', '-')}" for n in _SOURCE_FLAGS if getattr(args, n, None) is not None]
+    if given and not args.source:  # a user's trial: `cache info --filter 'junk'` printed the cache and exit 0
+        raise ConfigError(f"{', '.join(given)} {'say' if len(given) > 1 else 'says'} how to open a SOURCE: give one "
+                          "(`gpuload cache info SOURCE --nodes N` shows each node's share of it), or leave "
+                          f"{'them' if len(given) > 1 else 'it'} out")
     opts = _share_options(args) if args.source else None  # bad flags are refused before anything is printed,
     cache = _cache(args)  # and a cache folder that is not there (opening the source would make it)
     summary = io.StringIO()
@@ -226,7 +236,8 @@ def _summary(cache) -> None:
 def _share_options(args):
     """The Options `cache info SOURCE --nodes N` opens the source with."""
     if args.nodes is None:
-        raise ConfigError("cache info SOURCE: give --nodes N (the training's number of nodes)")
+        raise ConfigError("cache info SOURCE shows each node's share of SOURCE under shard='node': give --nodes N "
+                          "(the training's number of nodes), or leave SOURCE out to see the cache folder alone")
     if args.nodes < 1:
         raise ConfigError(f"--nodes {args.nodes}: the training's number of nodes is at least 1")
     return check_options(dict(loader_settings(args), device="cpu"))
