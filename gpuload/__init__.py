@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # imported on first use (``__getattr__`` below): ``import gpu
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParquetDataset", "Mix", "build_cache", "CacheSummary", "Hash", "Vocab", "Transform", "share_rmm_pool", "gpu_status",
+    "ParquetDataset", "Mix", "build_cache", "CacheSummary", "Hash", "Vocab", "Vocabulary", "Transform", "share_rmm_pool", "gpu_status",
     "Ragged",
     "watch", "Watched", "serve_metrics", "report_metrics", "Metrics", "Stats", "StageStats", "RemoteSettings", "RemoteStats", "diagnose", "Diagnosis",
     "GpuloadError", "ConfigError", "SourceError", "SchemaError", "NullValuesError", "CacheError", "CorruptCacheError",
@@ -45,6 +45,7 @@ _LAZY = {
     "build_cache": ".build",
     "Hash": ".categorical",
     "Vocab": ".categorical",
+    "Vocabulary": ".vocabulary",
     "Transform": ".transforms",
     "ParquetDataset": ".dataset",
     "Mix": ".mix",

@@ -29,7 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .categorical import Hash, hashable, parse_key, registered
+from .categorical import Hash, hashable, parse_key
+from .vocabulary import registered
 from .convert import cast_values, nulls_error
 from .errors import ConfigError, SchemaError, SourceError, flag, setting
 from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value

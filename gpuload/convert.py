@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .batch import Ragged, concat
-from .categorical import encode_ids
+from .vocabulary import encode_ids
 from .errors import ConfigError, NullValuesError, flag, setting
 from .layout import Pieces, stack
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType

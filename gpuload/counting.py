@@ -32,7 +32,8 @@ import pyarrow.compute as pc
 from .cache.fs import CacheRoot
 from .cache.kept import kept_key, load_kept, save_kept
 from .cache.vocabs import load_vocabulary, save_vocabulary, vocab_key, vocab_lock
-from .categorical import Vocab, Vocabulary, register
+from .categorical import Vocab
+from .vocabulary import Vocabulary, register
 from .decode import kept_positions, read_columns
 from .errors import ConfigError, SourceError, setting
 from .plan import Chunk

@@ -23,6 +23,7 @@ import torch
 import xxhash
 
 from .categorical import parse_key
+from .vocabulary import registered
 from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .dataset import ParquetDataset
 from .errors import ConfigError, counted, setting
@@ -376,27 +377,41 @@ def _spec_text(spec) -> str:
 
 
 def _check_encoders(first: str, a: ParquetDataset, name: str, b: ParquetDataset) -> None:
-    """Refuse sources whose categorical ids would mean different values: an output (before any
-    transform) encoded by another Hash, or by a vocabulary counted over other files."""
+    """Refuse sources whose categorical ids would mean other values: an output encoded by another
+    Hash, by a vocabulary of other values, or not at all in one of them. Outputs are compared by
+    name; where a transform makes a source's outputs, the encoders of the columns it is given."""
     def encoders(d):
-        return {s.name: [vt.encode for vt in s.sources] for s in d.reader.specs if any(vt.encode for vt in s.sources)}
+        return {s.name: [vt.encode for vt in s.sources] for s in d.reader.specs}
 
-    want = encoders(a)
-    for o, keys in encoders(b).items():
-        if o not in want or keys == want[o]:
+    want, got = encoders(a), encoders(b)
+    if a.reader.source.transform is None and b.reader.source.transform is None:
+        pairs = [(repr(o), k, w) for o in got if o in want for k, w in zip(got[o], want[o])]
+    else:  # a transform's inputs need not share names: the encoders used, each once, must agree
+        used = [sorted({k for ks in e.values() for k in ks if k}) for e in (got, want)]
+        pairs = [("(the columns its transform is given)", k, w) for k, w in zip(*used)] + (
+            [("(the columns its transform is given)", "|".join(used[0]), "|".join(used[1]))]
+            if len(used[0]) != len(used[1]) else [])
+    for o, k, w in pairs:
+        if k == w or _same_vocabulary(k, w):
             continue
-        k, w = next((k, w) for k, w in zip(keys, want[o]) if k != w)
         if k.startswith("vocab:") and w.startswith("vocab:") and parse_key(k) == parse_key(w):
             why = "a vocabulary counted over each source's own files, so an id names other values in each"
         else:
             why = f"{_encoder_text(w)} in {first!r} and {_encoder_text(k)} in {name!r}"
-        raise ConfigError(f"output {o!r} of a mix's sources is encoded by {why}: give every source the same "
-                          f"gpuload.Hash(buckets=..., seed=...) for it in categorical= (a hashed id means one value "
-                          f"in every source)")
+        raise ConfigError(f"output {o} of a mix's sources is encoded by {why}: give every source the same "
+                          f"encoder for it in categorical=: one gpuload.Hash(buckets=..., seed=...), or one "
+                          f"gpuload.Vocabulary (a dataset's over every source's files: .vocabulary(column); or "
+                          f"gpuload.Vocabulary.of(values))")
+
+
+def _same_vocabulary(k: str, w: str) -> bool:
+    """Two vocabulary keys whose values are the same, in the same order (their counts may differ)."""
+    a, b = registered(k), registered(w)
+    return a is not None and b is not None and a.values.equals(b.values)
 
 
 def _encoder_text(key: str) -> str:
-    return "no encoder" if not key else repr(parse_key(key))
+    return "no encoder" if not key else "|".join(repr(parse_key(k)) for k in key.split("|"))
 
 
 def _choice(name: str, value, allowed) -> None:

@@ -47,6 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from .categorical import Hash, Vocab, hashable
+from .vocabulary import Vocabulary, register
 from .errors import ConfigError, SchemaError, entry, flag, setting
 from .layout import stored_outputs
 
@@ -158,12 +159,12 @@ def list_value(t: pa.DataType) -> pa.DataType | None:
     return None
 
 
-def _classify(name: str, t: pa.DataType, enc: Hash | Vocab | None = None) -> tuple[str, ValueType, int]:
+def _classify(name: str, t: pa.DataType, enc: Hash | Vocab | Vocabulary | None = None) -> tuple[str, ValueType, int]:
     """Kind, value type and width of column ``name`` (``enc``: its categorical encoder, if
     given); SchemaError when unsupported, ConfigError for an encoder on a numeric column."""
     inner = list_value(t)
     if hashable(t) or (inner is not None and hashable(inner)):
-        vt = ValueType("<i8", "", (enc or Hash()).key)
+        vt = ValueType("<i8", "", (Hash() if enc is None else enc).key)  # a Vocabulary's key names its digest
         if inner is None:
             return SCALAR, vt, 1
         return (FIXED, vt, t.list_size) if pa.types.is_fixed_size_list(t) else (RAGGED, vt, 1)
@@ -273,16 +274,20 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
 
 
 def _encoders(categorical, used: set) -> dict | Hash | Vocab | None:
-    """``categorical=`` checked: None, one encoder for every string column, or ``{column: encoder}``."""
+    """``categorical=`` checked: None, one encoder for every string column, or ``{column: encoder}``
+    (a :class:`gpuload.Vocabulary` given for a column is registered for this process's conversions)."""
     if categorical is None or isinstance(categorical, (Hash, Vocab)):
         return categorical
     if not isinstance(categorical, Mapping):
         raise ConfigError(f"{flag('categorical')} must be a gpuload.Hash, a gpuload.Vocab or a dict {{column: "
-                          f"gpuload.Hash(...) or gpuload.Vocab(...)}}, got {type(categorical).__name__}")
+                          f"gpuload.Hash(...), gpuload.Vocab(...) or a gpuload.Vocabulary}}, got "
+                          f"{type(categorical).__name__}")
     for c, enc in categorical.items():
-        if not isinstance(enc, (Hash, Vocab)):
-            raise ConfigError(f"{setting('categorical', {c: enc})}: give a gpuload.Hash(buckets=..., seed=...) or a "
-                              "gpuload.Vocab(min_count=..., max_size=...)")
+        if isinstance(enc, Vocabulary):
+            register(enc)
+        elif not isinstance(enc, (Hash, Vocab)):
+            raise ConfigError(f"{setting('categorical', {c: enc})}: give a gpuload.Hash(buckets=..., seed=...), a "
+                              "gpuload.Vocab(min_count=..., max_size=...) or a gpuload.Vocabulary (its ids)")
     unknown = sorted(set(categorical) - used)
     if unknown:
         raise ConfigError(f"{flag('categorical')} names columns that are not loaded: {unknown}; it takes the "

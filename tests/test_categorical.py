@@ -216,7 +216,7 @@ def test_bad_categorical_settings_are_refused_naming_what_to_do(strings, tmp_pat
         (dict(categorical={"x": Hash(10)}), r"categorical=\{'x': Hash\(buckets=10, seed=0\)\}: column 'x' is double; "
                                             r"a Hash takes strings"),
         (dict(categorical={"nope": Hash(10)}), r"categorical= names columns that are not loaded: \['nope'\]"),
-        (dict(categorical={"C1": 10}), r"give a gpuload.Hash\(buckets=..., seed=...\) or a gpuload.Vocab"),
+        (dict(categorical={"C1": 10}), r"give a gpuload.Hash\(buckets=..., seed=...\), a gpuload.Vocab\(.*\) or a gpuload.Vocabulary"),
         (dict(categorical=[Hash()]), r"categorical= must be a gpuload.Hash, a gpuload.Vocab or a dict"),
         (dict(fill_nulls={"C1": 0}), r"fill_nulls=\{'C1': 0\}: column 'C1' becomes categorical ids, where a null "
                                      r"gets id 0"),

@@ -218,7 +218,8 @@ def test_every_device_gives_the_counter_ids(words, tmp_path, device_decode):
 
 
 def test_lookups_check_the_bytes_not_only_the_hash_and_fall_back_where_hashes_are_shared():
-    from gpuload.categorical import Hash, Vocabulary, hash_ids
+    from gpuload.categorical import Hash, hash_ids
+    from gpuload.vocabulary import Vocabulary
 
     voc = Vocabulary("c", pa.array([b"a", b"b"], pa.large_binary()), np.array([2, 1]), Vocab())
     assert voc.ids(["a", "b", "c", None]).tolist() == [1, 2, 0, 0]

@@ -526,7 +526,8 @@ def test_sources_whose_categorical_ids_mean_other_values_are_refused(tmp_path):
     va, vb = ds("a", gpuload.Vocab()), ds("b", gpuload.Vocab())
     assert va.vocabulary("country").to_dict()["JP"] == 1 and vb.vocabulary("country").to_dict()["GB"] == 1
     with pytest.raises(gpuload.ConfigError, match=r"output 'country' of a mix's sources is encoded by a vocabulary "
-                                                  r"counted over each source's own files.*same gpuload.Hash"):
+                                                  r"counted over each source's own files.*one gpuload.Hash.*"
+                                                  r"one gpuload.Vocabulary"):
         gpuload.Mix({"a": va, "b": vb}, {"a": 1, "b": 1})
     with pytest.raises(gpuload.ConfigError, match=r"Hash\(buckets=10, seed=0\) in 'a' and Hash\(buckets=1000, "
                                                   r"seed=3\) in 'b'"):
@@ -542,3 +543,32 @@ def test_sources_whose_categorical_ids_mean_other_values_are_refused(tmp_path):
     assert len(ids) == 4  # JP, DE, FR, GB: one id each, JP's the same in both sources
     same = gpuload.Mix({"a": ds("a", gpuload.Vocab()), "b": ds("a", gpuload.Vocab(), seed=1)})  # one file set
     assert same.names == ["a", "b"]
+    # a plain integer column beside a hashed one of the same name (both int64): refused, in either order
+    write_parquet(tmp_path / "n" / "p.parquet", pa.table({"row_id": np.arange(200), "country": np.arange(200)}))
+    plain = open_dataset(tmp_path / "n", ["row_id", "country"], tmp_path / "c", batch_size=BS)
+    for pair in ({"a": ha, "n": plain}, {"n": plain, "a": ha}):
+        with pytest.raises(gpuload.ConfigError, match=r"no encoder in '(a|n)'|in 'n' and Hash"):
+            gpuload.Mix(pair)
+    # a transform that makes 'country' of another column: the encoders it is given are compared
+    write_parquet(tmp_path / "r" / "p.parquet", pa.table({"row_id": np.arange(200), "nation": ["GB"] * 200}))
+    rename = gpuload.Transform(lambda cols: {"row_id": cols["row_id"], "country": cols["nation"]}, key="rename-v1")
+    renamed = open_dataset(tmp_path / "r", ["row_id", "nation"], tmp_path / "c", batch_size=BS,
+                           categorical={"nation": gpuload.Hash(10)}, transform=rename)
+    with pytest.raises(gpuload.ConfigError, match=r"the columns its transform is given.*Hash\(buckets=1000, seed=3\)"
+                                                  r" in 'a' and Hash\(buckets=10, seed=0\) in 'r'"):
+        gpuload.Mix({"a": ha, "r": renamed})
+    ok = open_dataset(tmp_path / "r", ["row_id", "nation"], tmp_path / "c", batch_size=BS,
+                      categorical={"nation": gpuload.Hash(1000, seed=3)}, transform=rename)
+    assert gpuload.Mix({"a": ha, "r": ok}).names == ["a", "r"]
+    # the same values in the same order, counted over other files (other counts): the same ids, mixed
+    one = gpuload.Vocabulary.of(["JP", "DE", "FR", "GB"])
+    twin = gpuload.vocabulary.Vocabulary("country", one.values, np.arange(4), gpuload.Vocab())
+    assert twin.digest != one.digest
+    assert gpuload.Mix({"a": ds("a", {"country": one}), "b": ds("b", {"country": twin})}).names == ["a", "b"]
+    # one vocabulary counted over both sources' files, given to each: one id per country, in both
+    both = open_dataset([tmp_path / "a", tmp_path / "b"], ["country"], tmp_path / "c", categorical=gpuload.Vocab())
+    voc = both.vocabulary("country")
+    assert voc.to_dict() == {"GB": 1, "JP": 2, "DE": 3, "FR": 4}  # by count (150, 150, 50, 50), then bytes
+    mix = gpuload.Mix({"a": ds("a", {"country": voc}), "b": ds("b", {"country": voc})}, {"a": 1, "b": 1})
+    seen = np.bincount(np.concatenate([step["country"].numpy() for step in mix]), minlength=5)
+    assert seen.tolist() == [0, 150, 150, 50, 50]  # JP: 100 rows of a and 50 of b, one id

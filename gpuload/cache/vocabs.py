@@ -30,7 +30,8 @@ import xxhash
 
 from .chunkfile import LAYOUT_DIR, pwrite_all
 from .fs import CacheRoot, Lock
-from ..categorical import Vocab, Vocabulary
+from ..categorical import Vocab
+from ..vocabulary import Vocabulary
 
 __all__ = ["VOCAB_DIR", "vocab_key", "load_vocabulary", "save_vocabulary", "vocab_lock", "read_vocab_file",
            "check_vocab_file", "vocab_files"]
