@@ -110,6 +110,13 @@ def _unwritable(cache_dir: str, failed: list, counts: dict, chunks: int, path_of
         f"make the folder writable or free space on its disk, or pass another {flag('cache_dir')}")
 
 
+def refuse_no_cache(cache_io: str) -> None:
+    """A build with ``cache_io="off"`` (nothing cached) is refused, before anything is opened or started."""
+    if cache_io == "off":
+        raise ConfigError(f"{setting('cache_io', cache_io)} caches nothing, so there is no cache to build: leave it "
+                          f"out (or pass 'auto', 'direct' or 'buffered')")
+
+
 def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
                 dtypes=Source.dtypes, categorical=Source.categorical, transform=Source.transform, filters=Source.filters,
                 chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
@@ -145,9 +152,7 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
     """
     if nodes is not None and client is None:
         raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
-    if cache_io == "off":
-        raise ConfigError(f"{setting('cache_io', cache_io)} caches nothing, so there is no cache to build: leave it "
-                          f"out (or pass 'auto', 'direct' or 'buffered')")
+    refuse_no_cache(cache_io)
     given = dict(locals(), device=str(device))
     src, opts = Source.of(given), Options.of(given)
     # with a cluster this process only lists the source: the workers decode, on their own devices

@@ -105,8 +105,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         ``{column: gpuload.Hash(buckets=..., seed=...)}`` (ids ``1..buckets`` from the value's
         XXH64) or ``{column: gpuload.Vocab(min_count=..., max_size=...)}`` (ids ``1..n`` from a
         vocabulary counted once and kept in the cache: :meth:`vocabulary`), or one of them for
-        every such column (default: ``Hash()``, the full 64-bit hash). A null (and, with a
-        Vocab, a value not in the vocabulary) is id 0 (see :mod:`gpuload.categorical`).
+        every such column (default: ``Hash()``, the full 64-bit hash), or for a column a
+        :class:`gpuload.Vocabulary` whose ids it takes (another dataset's :meth:`vocabulary`, or
+        ``Vocabulary.of(values)``: sources of a Mix, or a retraining, that must agree). A null
+        (and, with a vocabulary, a value not in it) is id 0 (see :mod:`gpuload.categorical`).
     transform : a :class:`gpuload.Transform` (``fn`` and a ``key`` such as ``"features-v3"``)
         applied to each chunk's outputs once, when it is cached; the batches hold what it
         returns (default None). Its key is part of the cache key. See :mod:`gpuload.transforms`.
@@ -135,7 +137,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         :func:`gpuload.memory.direct_io`): a cheaper first epoch, other files' pages kept;
         cached epochs then read the disk, not memory. ``"off"``: no chunk is cached or read from
         the cache; every epoch decodes Parquet (for a job of one epoch over data too large to
-        repeat: no writes, no disk space, nothing evicted; footers and vocabularies are still kept).
+        repeat: no chunk written, no next epoch loaded ahead, nothing evicted; the cache folder
+        still keeps the footers and vocabularies).
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the
@@ -369,7 +372,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def vocabulary(self, column: str):
         """The counted vocabulary of ``column`` (a :class:`gpuload.Vocab` column in ``categorical=``):
-        a :class:`gpuload.categorical.Vocabulary` with ``values`` (a pyarrow ``large_binary`` array:
+        a :class:`gpuload.Vocabulary` with ``values`` (a pyarrow ``large_binary`` array:
         ``values[i].as_py()`` is the bytes of id ``i + 1``), ``counts``, ``to_dict()`` (value -> id,
         str where the bytes are UTF-8, else bytes; for a serving system) and ``ids(values)``."""
         got = self.reader.vocabularies.get(column)

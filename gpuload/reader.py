@@ -5,7 +5,8 @@
 the outputs, the chunks. :class:`ChunkReader` is then what the pipeline and the builders
 call for a chunk: its one job is to route every load through the cache, reading the
 chunk if cached, else making it as the cache stores it (decoded, packed into the
-layout's blocks, rows permuted for block shuffling) and writing it. Remote chunks'
+layout's blocks, rows permuted for block shuffling) and writing it; with
+``cache_io="off"``, making it at every load and writing nothing. Remote chunks'
 bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`).
 """
 
@@ -23,7 +24,8 @@ from typing import Callable
 from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.chunkfile import spec_hash
-from .categorical import Vocabulary, parse_key
+from .categorical import parse_key
+from .vocabulary import Vocabulary, registered
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys, files_text, widened
 from .config import Options, Source
 from .errors import SourceError, flag
@@ -127,8 +129,6 @@ class ChunkReader:
         self.cache.direct = direct_io(opts.cache_io, min(cached, opts.max_cache_bytes or cached))
         #: whether chunks go through the cache (``cache_io="off"``: every load decodes, nothing is written)
         self.caching = opts.cache_io != "off"
-        #: how chunk files are written and read: ``"direct"``, ``"buffered"`` or ``"off"`` (none are)
-        self.cache_io = "off" if not self.caching else "direct" if self.cache.direct else "buffered"
         # flat outputs come as Pieces of their row groups, which `_stored` packs into the read pool's buffers
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns,
@@ -210,14 +210,16 @@ class ChunkReader:
     def _count_vocabularies(self, specs: list[OutputSpec]) -> list[OutputSpec]:
         """``specs`` with each :class:`gpuload.Vocab` column's counted vocabulary named in its
         encoder key (so the cache key follows the vocabulary), read from the cache or counted;
-        :attr:`vocabularies` holds them by column."""
+        :attr:`vocabularies` holds them by column, a vocabulary given whole too (its key names it)."""
         self.vocabularies: dict[str, Vocabulary] = {}
         flt = self.source.filters  # a vocabulary counts the rows the filter keeps
         out = []
         for s in specs:
             sources = []
             for c, vt in zip(s.columns, s.sources):
-                if vt.encode.startswith("vocab:"):
+                if vt.encode.startswith("vocab:") and registered(vt.encode) is not None:  # given: nothing to count
+                    self.vocabularies[c] = registered(vt.encode)
+                elif vt.encode.startswith("vocab:"):
                     if c not in self.vocabularies:
                         self.vocabularies[c] = vocabulary_for(self.files, c, parse_key(vt.encode), self.cache.root,
                                                               self.opts.num_threads, self.remote_reads.fetch, flt,
@@ -338,6 +340,12 @@ class ChunkReader:
             return cols
         return permute_rows(cols, chunk_row_permutation(
             c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}"), self.read_pool.array)
+
+    @property
+    def cache_io(self) -> str:
+        """How chunk files are written and read now: ``"direct"``, ``"buffered"`` (also after a file
+        system refused direct I/O) or ``"off"`` (none are)."""
+        return "off" if not self.caching else "direct" if self.cache.direct else "buffered"
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified; never with ``cache_io="off"``)."""

@@ -78,7 +78,8 @@ class Epochs:
                                  batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
                                  warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
                                  cut_threads=cut_threads(o.num_threads), preloaded=pre,
-                                 loaded=loaded if o.prefetch else None)
+                                 loaded=loaded if o.prefetch and r.caching else None)  # off: the next
+        # epoch's first window would be decoded (and waited for at this one's end) for a job that may have no next
 
     def close(self) -> None:
         """Drop the next epoch's chunks loaded ahead."""

@@ -235,7 +235,8 @@ def test_cache_info_and_clear_say_what_a_flag_needs(data, tmp_path, capsys):
     assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns", "label"]) == 0
     capsys.readouterr()
     for flags, named in ((["--filter", "not json at all"], "--filter says"),
-                         (["--columns", "label", "--nodes", "2"], "--columns, --nodes say")):
+                         (["--columns", "label", "--nodes", "2"], "--columns, --nodes say"),
+                         (["--seed", "5"], "--seed says")):
         assert main(["cache", "info", "--cache-dir", cache, *flags]) == 2
         err = capsys.readouterr().err
         assert named in err and "give one" in err and err.count("\n") == 1, err
@@ -329,6 +330,7 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["profile", "DATA", "--cache-io", "mmap"], "--cache-io mmap"),
     (["cache", "build", "DATA", "--cache-io", "always"], "--cache-io always"),
     (["cache", "build", "DATA", "--cache-io", "off"], "--cache-io off caches nothing"),
+    (["cache", "build", "DATA", "--cache-io", "off", "--scheduler", "notanaddress"], "--cache-io off"),  # first
     (["profile", "DATA", "--batch-size", "0"], "--batch-size 0"),
     (["profile", "DATA", "--prefetch", "-1"], "--prefetch -1"),
     (["profile", "DATA", "--chunk-mib", "0.001"], "--chunk-mib 0.001"),

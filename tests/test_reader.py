@@ -151,8 +151,9 @@ def test_cache_off_decodes_every_epoch_in_the_cached_order_and_writes_no_chunk(c
                 assert g.keys() == w.keys() and all(np.array_equal(x, y) for k in g for x, y in zip(g[k], w[k]))
             ids = np.concatenate([g["row_id"][0] for g in got])
             assert np.array_equal(np.sort(ids), np.arange(click.ref.n))
-            # the preload of the next epoch's first window decodes too: at least every chunk once
-            assert ds.reader.counters.from_cache == 0 and ds.reader.counters.decoded >= len(ds.reader.chunks)
+            # every chunk once: no next epoch's window decoded ahead (a job of one epoch has none)
+            assert ds.reader.counters.from_cache == 0 and ds.reader.counters.decoded == len(ds.reader.chunks)
+            assert ds._epochs.ahead.pending is None
         assert ds.loader_description()[1]["cache_io"] == "off"
         ds.close()
     assert not list(off_root.rglob("*.glc")) and not list(off_root.rglob("*.lock"))
@@ -189,3 +190,22 @@ def test_a_budget_of_0_is_answered_with_cache_off_not_with_more_space(click, tmp
     (said,) = [r.getMessage() for r in caplog.records if "max_cache_bytes" in r.getMessage()]
     assert "every epoch decodes them from Parquet" in said and "cache_io='off'" in said and "more space" not in said
     assert sum(len(b["row_id"]) for b in ds) == click.ref.n and ds.reader.counters.from_cache == 0
+
+
+def test_the_cache_io_reported_is_the_one_in_use_after_a_refused_direct_write(click, tmp_path, monkeypatch):
+    """A file system that refuses O_DIRECT turns the writes buffered: stats and diagnose say so
+    (they reported the setting asked for, "direct", at open)."""
+    import gpuload.cache.store
+
+    real = gpuload.cache.store.write_regions
+
+    def refused(fd, head, regions, arrays, total, direct):  # written buffered; False: O_DIRECT was refused
+        return real(fd, head, regions, arrays, total, False) and not direct
+
+    monkeypatch.setattr(gpuload.cache.store, "write_regions", refused)
+    ds = click.open(tmp_path / "c", cache_io="direct")
+    assert ds.loader_description()[1]["cache_io"] == "direct"
+    list(ds)
+    ds.reader.cache.flush()
+    assert ds.reader.cache.direct is False and ds.stats().loader_settings["cache_io"] == "buffered"
+    ds.close()

@@ -21,15 +21,16 @@ def rate(rows_per_s: float) -> str:
 def startup(stats: Stats, kind: str | None) -> tuple[str, str]:
     """(what the first next() of a pass waits for, what to do about it), for the loader ``kind``."""
     steady = "nothing to fix in steady state, and longer epochs amortise it"
+    off = (stats.loader_settings or {}).get("cache_io") == "off"  # every epoch decodes: no cache to build
     if kind == "gpuload" and stats.remote is not None and stats.remote.requests and stats.stages.get("read"):
         return (f", while the loader fills its first shuffle window from the object store ({stats.remote}; "
                 f"{stats.stages['read'].seconds:.2f} s of reads)",
-                "build the cache ahead (`gpuload cache build URL`) so that epochs read the local cache and make no "
-                "request, or keep more requests in flight (remote={'max_requests': 64}); a smaller shuffle_window "
-                "or chunk_bytes makes the first window smaller")
+                ("" if off else "build the cache ahead (`gpuload cache build URL`) so that epochs read the local "
+                 "cache and make no request, or ") + "keep more requests in flight (remote={'max_requests': 64}); "
+                "a smaller shuffle_window or chunk_bytes makes the first window smaller")
     if kind == "gpuload":
         decoded = any(n in stats.stages for n in ("decode", "convert"))  # from the cache already: nothing to build
-        decoded = decoded and (stats.loader_settings or {}).get("cache_io") != "off"  # nor when nothing is cached
+        decoded = decoded and not off  # nor when nothing is cached
         return (", while the loader fills its first shuffle window",
                 f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes"
                 + (", and build the cache ahead (`gpuload cache build`) so the first window is read rather than "
@@ -100,6 +101,14 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                 "time the batch_transform alone and make it cheaper, or do its work in the training step (on the "
                 "GPU); work that is the same in every epoch belongs in transform=, computed once per chunk and "
                 "cached")
+    off = ours and settings.get("cache_io") == "off"
+    keep = ("over more than one epoch of this data, leave out cache_io='off' so that later epochs read the converted "
+            "chunks from the cache")
+    if s.name in ("decode", "convert") and off:
+        extra = (f", the transform '{settings['transform']}' included" if settings.get("transform") else "") + (
+            ", with cuDF decoding on the GPU" if settings.get("decode") == "gpu" else "")
+        return (f"epochs are decode-bound{extra}: with cache_io='off' each one decodes Parquet: {where}",
+                f"{keep}; else raise num_threads" + ("" if on_gpu else " or use device=cuda"))
     if s.name in ("decode", "convert") and settings.get("transform"):
         return (f"first epoch is bound by decoding and converting, which includes the transform "
                 f"'{settings['transform']}' (timed as conversion): {where}",
@@ -110,10 +119,6 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
         return (f"first epoch is decode-bound, with cuDF decoding on the GPU: {where}",
                 "raise num_threads (each loader thread reads, decodes and converts one chunk at a time), or build "
                 "the cache ahead with `gpuload cache build`")
-    if s.name in ("decode", "convert") and ours and settings.get("cache_io") == "off":
-        return (f"epochs are decode-bound: with cache_io='off' each one decodes Parquet: {where}",
-                "over more than one epoch of this data, leave out cache_io='off' so that later epochs read the "
-                "converted chunks from the cache; else raise num_threads" + ("" if on_gpu else " or use device=cuda"))
     if s.name in ("decode", "convert"):
         return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
                 "build the cache ahead with `gpuload cache build`, or " + (
@@ -122,9 +127,11 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                 "decode ahead of the step on more workers, or cache the converted columns: gpuload.ParquetDataset "
                 "converts each chunk once and reads its cache in later epochs")
     if s.name == "cache_read":
-        if disk_gbps and total_gbps > disk_gbps:  # faster than the disk: from the page cache (a user's trial
-            return (f"cache reads run at {total_gbps:.2f} GB/s, faster than the {disk_gbps:.2f} GB/s the disk "  # was
-                    f"gives, so they come from the page cache, not the disk: {where}",  # told the disk limited them)
+        if disk_gbps and total_gbps > disk_gbps:  # a user's trial was told the disk limited such reads
+            where_from = (", so they come from the page cache" if settings.get("cache_io") == "buffered" and not on_gpu
+                          else " (measured as one stream: several threads can read faster)")
+            return (f"cache reads run at {total_gbps:.2f} GB/s, faster than the {disk_gbps:.2f} GB/s measured for the "
+                    f"disk{where_from}; the disk is not what limits them: {where}",
                     "raise prefetch (and num_threads): the disk is not the limit")
         if disk_gbps:
             return (f"cache reads run at {total_gbps:.2f} GB/s against {disk_gbps:.2f} GB/s the disk gives: {where}",
@@ -134,15 +141,18 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                 f"from fio or dd): {where}",
                 "raise prefetch (and num_threads); if reads do not get faster, the disk is the limit")
     if s.name == "read" and stats.remote is not None and stats.remote.requests:
-        return (f"first epoch is remote-bound: decoding waits on the object store ({stats.remote}): {where}",
+        return (f"{'every' if off else 'first'} epoch is remote-bound: decoding waits on the object store "
+                f"({stats.remote}): {where}",
                 "keep more requests in flight (remote={'max_requests': 64, 'readahead_bytes': 1 << 30}), run "
-                "the job in the store's region, or build the cache ahead with `gpuload cache build URL`: later "
-                "epochs read only the local cache and make no request" if ours else
+                "the job in the store's region, or " + (f"{keep} (no request)" if off else "build the cache ahead "
+                "with `gpuload cache build URL`: later epochs read only the local cache and make no request")
+                if ours else
                 "keep more requests in flight, run the job in the store's region, or cache the data locally")
     if s.name == "read":
         return (f"the Parquet source reader is throttled at {total_gbps:.2f} GB/s: {where}",
-                "copy the source to local NVMe, raise num_threads for more reads in flight, or build the cache "
-                "ahead with `gpuload cache build` so that epochs read the cache instead" if ours else
+                "copy the source to local NVMe, raise num_threads for more reads in flight, or " + (
+                    keep if off else "build the cache ahead with `gpuload cache build` so that epochs read the "
+                    "cache instead") if ours else
                 "copy the source to local NVMe, or keep more reads in flight")
     if s.name == "cache_write":
         around = ("pass cache_io='direct' (`--cache-io direct`), which writes the cache around the page cache (no "

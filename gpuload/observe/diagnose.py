@@ -242,9 +242,11 @@ def _straggler(view, disk_gbps: float | None, threads: int | None) -> Diagnosis:
     others = [r for r in view.timed if r is not slow]
     causes = []
     decoded = statistics.median(r.decoded for r in others)
-    if slow.decoded > decoded:
-        causes.append(f"its cache is cold: it decoded {slow.decoded:,} chunks from Parquet where the median "
-                      f"other rank decoded {decoded:g} (build the cache on its node ahead: `gpuload cache build`)")
+    if slow.decoded > decoded:  # with cache_io='off' every chunk is decoded: no cache to build
+        cold = (slow.stats.loader_settings or {}).get("cache_io") != "off"
+        causes.append(f"{'its cache is cold: ' if cold else ''}it decoded {slow.decoded:,} chunks from Parquet where "
+                      f"the median other rank decoded {decoded:g}"
+                      + (" (build the cache on its node ahead: `gpuload cache build`)" if cold else ""))
     requests = statistics.median(r.stats.remote.requests if r.stats.remote else 0 for r in others)
     mine = slow.stats.remote.requests if slow.stats.remote else 0
     if mine > requests:

@@ -23,11 +23,12 @@ __all__ = ["add_cache_commands"]
 
 
 def cmd_build(args) -> int:
-    from ..build import build_cache
+    from ..build import build_cache, refuse_no_cache
 
     finite("--max-gib", args.max_gib)
     settings = loader_settings(args)
     check_options(dict(settings, device=args.device))
+    refuse_no_cache(settings.get("cache_io"))  # before a cluster starts
     if args.nodes is not None and args.scheduler is None:
         raise ConfigError("--nodes says on which node (host) each chunk is built: give --scheduler too (a local "
                           "cluster of --workers runs on one host)")
@@ -174,7 +175,7 @@ def _left_alone(foreign: list[str]) -> None:
 
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
-                 "block_rows", "nodes")
+                 "block_rows", "nodes", "seed")
 
 
 def cmd_info(args) -> int:
@@ -373,7 +374,7 @@ def add_cache_commands(sub) -> None:
     b.add_argument("--max-gib", type=float, help="this dataset's cache budget in GiB, within the folder's quota "
                    "or reserve (default none)")
     b.add_argument("--device", default=BUILD_DEVICE, help=f"cpu, cuda or auto: where to decode (default {BUILD_DEVICE})")
-    add_cache_io_flag(b)
+    add_cache_io_flag(b, off=False)
     how = b.add_mutually_exclusive_group()
     how.add_argument("--scheduler", help="build on this Dask cluster (a scheduler address, tcp://host:8786)")
     how.add_argument("--workers", type=int, help="build on a local Dask cluster of this many worker processes "

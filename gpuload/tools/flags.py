@@ -78,11 +78,12 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
                    f"'[[\"day\", \">=\", 20260101], [\"country\", \"in\", [\"DE\", \"FR\"]]]'{was}")
 
 
-def add_cache_io_flag(p: argparse.ArgumentParser) -> None:
-    """--cache-io: whether cache files bypass the page cache."""
-    p.add_argument("--cache-io", help=f"auto, direct, buffered or off: write and read cache files around the page "
-                   f"cache (direct), through it (buffered), direct when the dataset's cache is more than half the "
-                   f"memory (auto), or not at all: every epoch decodes Parquet (off; default {Options.cache_io})")
+def add_cache_io_flag(p: argparse.ArgumentParser, off: bool = True) -> None:
+    """--cache-io: whether cache files bypass the page cache (``off``: or are not written at all)."""
+    p.add_argument("--cache-io", help=f"auto, direct{', buffered or off' if off else ' or buffered'}: write and read cache files "
+                   f"around the page cache (direct), through it (buffered), direct when the dataset's cache is more "
+                   f"than half the memory (auto{'' if off else ', the default'})"
+                   + (f", or not at all: every epoch decodes Parquet (off; default {Options.cache_io})" if off else ""))
 
 
 def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:

@@ -79,9 +79,11 @@ def test_slow_cache_read_against_the_disk():
     # a user's trial: "raise prefetch first; then: raise prefetch (and num_threads)"
     assert d.action.count("raise prefetch") == unknown.action.count("raise prefetch") == 1
     # reads faster than the disk come from the page cache: the disk is not their limit (it was said to be)
-    fast = gpuload.diagnose(make_stats(0.4, stages=[stage("cache_read", 16.0, 2, 40 * 10**9)]), disk_gbps=3.0)
-    assert "5.00 GB/s, faster than the 3.00 GB/s the disk gives, so they come from the page cache" in fast.message
-    assert "the disk is the limit" not in fast.action and "raise prefetch" in fast.action
+    reads = [stage("cache_read", 16.0, 2, 40 * 10**9)]
+    for mode, said in (("buffered", "so they come from the page cache"), ("direct", "measured as one stream")):
+        fast = gpuload.diagnose(make_stats(0.4, stages=reads, loader_settings={"cache_io": mode}), disk_gbps=3.0)
+        assert f"5.00 GB/s, faster than the 3.00 GB/s measured for the disk" in fast.message and said in fast.message
+        assert "the disk is the limit" not in fast.action and "raise prefetch" in fast.action
 
 
 def test_slow_consumer():
@@ -440,6 +442,15 @@ def test_epochs_that_decode_because_caching_is_off_are_told_so_not_to_build_the_
         assert d.limiting == "decode"
         assert ("cache build" in d.action) == ("first epoch" in d.message) == (mode != "off")
         assert ("leave out cache_io='off'" in d.action) == ("each one decodes Parquet" in d.message) == (mode == "off")
+    off = plain | {"cache_io": "off"}
+    for extra in ({"transform": "features-v1"}, {"decode": "gpu", "device": "cuda"}):  # their own branches came first
+        d = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload", loader_settings=off | extra))
+        assert "each one decodes Parquet" in d.message and "cache build" not in d.action, d
+    remote = gpuload.RemoteStats(400, 4 * 10**8, 3, 0, 0.045, 0.08, 0.2)
+    d = gpuload.diagnose(make_stats(0.8, remote=remote, stages=[stage("read", 18.0, 2, 4 * 10**8),
+                                                                stage("decode", 2.0, 2)], loader="gpuload",
+                                    loader_settings=off))
+    assert d.limiting == "read" and "every epoch is remote-bound" in d.message and "cache build" not in d.action
     ds = gpuload.ParquetDataset(_clicks(tmp_path), ["row_id"], cache_dir=tmp_path / "c", device="cpu",
                                 batch_size=500, cache_io="off")
     assert sum(len(b["row_id"]) for b in ds) == 2000
