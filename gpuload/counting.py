@@ -124,6 +124,10 @@ def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, thr
                           f"seen at least {vocab.min_count} times, more than max_size={vocab.max_size:,}; raise "
                           f"max_size, or min_count to {fits} (a vocabulary of {kept:,} value{'' if kept == 1 else 's'}), "
                           f"or use gpuload.Hash(buckets=...)")
+    if not len(counts) and vocab.min_count > 1:  # every value would be id 0: a min_count past every count
+        log.warning("gpuload: %s: no value of column %r is seen %d times or more: every row's id is 0 (the "
+                    "out-of-vocabulary id); lower min_count", setting("categorical", {column: vocab}), column,
+                    vocab.min_count)
     return Vocabulary(column, table.column("value").combine_chunks(), counts, vocab)
 
 

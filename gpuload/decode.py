@@ -157,6 +157,9 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
     old_arrow = old_arrow_error(where, bad or stored, error)
     if old_arrow is not None:
         return old_arrow
+    if len(stored) == 1:  # the one column read is the one that fails: say which
+        return SourceError(f"{where}: {column_names(stored)} cannot be read ({error}); the file may be truncated "
+                           f"or corrupt there: rewrite it")
     if not bad or len(bad) == len(stored):
         return SourceError(f"{where}: cannot be read ({error}); the file may be truncated or corrupt")
     names = ", ".join(repr(c) for c in bad)

@@ -68,7 +68,8 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     raw[region["offset"] + region["nbytes"] // 2] ^= 0xFF  # inside a data region
     victim.write_bytes(bytes(raw))
     assert main(["cache", "verify", "--cache-dir", cache]) == 1
-    assert "CORRUPT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CORRUPT" in out and "the next read rebuilds it from its source; --delete removes them now" in out
     assert main(["cache", "verify", "--cache-dir", cache, "--delete"]) == 1
     assert not victim.exists()
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
@@ -348,6 +349,7 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["profile", "DATA", "--trace", "FILE/t.json"], "--trace"),  # was the OS's error, naming no flag
     (["cache", "build", "DATA", "--columns", "[1, 2]"], "--columns"),
     (["cache", "build", "DATA", "--columns", '{"a": []}'], "--columns a must be a column name"),  # was columns['a']
+    (["cache", "build", "DATA", "--columns", "label,,dense_0"], "has an empty name"),  # was read as label,dense_0
     (["cache", "build", "DATA", "--cache-dir", ""], "--cache-dir=''"),
     (["cache", "info", "DATA", "--nodes", "2", "--dtypes", '{"label": "int33"}'], "--dtypes"),  # these three
     (["cache", "info", "DATA", "--nodes", "2", "--columns", "nope"], "nope"),  # printed the cache's summary

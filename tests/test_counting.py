@@ -137,7 +137,7 @@ def test_concurrent_openers_count_once(words, tmp_path, monkeypatch):
     assert len({d.vocabulary("w").digest for d in got}) == 1
 
 
-def test_a_vocabulary_past_max_size_is_refused_naming_the_min_count_that_fits(words, tmp_path):
+def test_a_vocabulary_past_max_size_is_refused_naming_the_min_count_that_fits(words, tmp_path, caplog):
     folder, values, _ = words
     counts = collections.Counter(v for v in values if v is not None)
     with pytest.raises(gpuload.ConfigError) as e:
@@ -149,6 +149,11 @@ def test_a_vocabulary_past_max_size_is_refused_naming_the_min_count_that_fits(wo
     assert len(ds.vocabulary("w")) == sum(n >= fits for n in counts.values()) <= 20
     with pytest.raises(gpuload.ConfigError, match=r"which int8 cannot hold exactly: raise min_count \(fewer values\)"):
         open_dataset(folder, ["w"], tmp_path / "c", categorical={"w": Vocab()}, dtypes={"w": "int8"})
+    with caplog.at_level("WARNING", logger="gpuload"):  # a min_count past every count: every id 0, said
+        ds = open_dataset(folder, ["w"], tmp_path / "c", categorical={"w": Vocab(min_count=10**9)})
+    assert len(ds.vocabulary("w")) == 0 and set(np.concatenate([b["w"].numpy() for b in ds]).tolist()) == {0}
+    assert any("no value of column 'w' is seen 1000000000 times or more: every row's id is 0" in r.getMessage()
+               for r in caplog.records)
     for bad in (dict(min_count=0), dict(max_size=0), dict(min_count=1.5)):
         with pytest.raises(gpuload.ConfigError, match=r"Vocab\((min_count|max_size)="):
             Vocab(**bad)

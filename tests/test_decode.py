@@ -88,6 +88,10 @@ def test_a_column_that_cannot_be_decoded_is_named_with_what_to_do(tmp_path):
         list(_ds(p, tmp_path / "cache", ["a", "b", "c"], batch_size=5000))
     got = _all(_ds(p, tmp_path / "cache", ["a", "c"], batch_size=5000), "a")  # and the rest loads
     assert got == list(range(20_000))
+    # read alone, it is named too (a user's trial: "cannot be read", naming no column)
+    with pytest.raises(gpuload.SourceError, match=r"x.parquet \(row groups 0-0\): column 'b' cannot be read \(.*\); "
+                                                  r"the file may be truncated or corrupt there: rewrite it"):
+        list(_ds(p, tmp_path / "cache", ["b"], batch_size=5000))
 
 
 def test_a_fixed_size_list_with_null_rows_is_read_or_refused_naming_the_pyarrow_to_install(tmp_path):

@@ -272,7 +272,8 @@ def _list_local(text: str) -> list[tuple[str, str | None, str, tuple | None]]:
     if tables is not None:  # a Delta table: its live files, with the partition values of its log
         matches, base = [m for m in matches if str(m) in tables], None
     if not matches:
-        raise SourceError(f"{text}: matched no Parquet files")
+        raise SourceError(f"{text}: matched no Parquet files (a folder is searched for *.parquet below it, names "
+                          f"starting with '.' or '_' left out): name the files, or a glob that matches them")
     # identity by the real file; partition keys from the name as listed
     return [(str(m.resolve()), None if base is None else str(base), str(m), tables and tables[str(m)])
             for m in matches]

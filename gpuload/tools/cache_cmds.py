@@ -281,7 +281,9 @@ def cmd_verify(args) -> int:
     files_bad = len({p for p, _, _ in bad} & set(checked))
     print(f"{len(checked) - files_bad} of {len(checked)} cache files verified in {cache.root.path}"
           + (f"; {len(bad)} problems" + (" (corrupt files deleted: they are rebuilt on next use)"
-                                         if args.delete else "") if bad else ""))
+                                         if args.delete else " (a corrupt file is never served: the next read "
+                                         "rebuilds it from its source; --delete removes them now)")
+             if bad else ""))
     _left_alone(cache.summary()["foreign"])
     return 1 if bad else 0
 

@@ -33,9 +33,11 @@ def columns(text: str | None):
         if isinstance(value, list) and not all(isinstance(c, str) for c in value):
             raise ConfigError(f"--columns {text!r}: a JSON list must hold column names (strings)")
         return value
-    names = [c.strip() for c in text.split(",") if c.strip()]
-    if not names:
+    names = [c.strip() for c in text.split(",")]
+    if not any(names):
         raise ConfigError("--columns is empty: give names separated by commas, or a JSON object")
+    if not all(names):  # 'a,,b' or a trailing comma: a name left out by mistake, not quietly dropped
+        raise ConfigError(f"--columns {text!r} has an empty name: give names separated by single commas")
     return names
 
 
