@@ -175,8 +175,9 @@ class Stats:
     _HEAD = ("stage", "busy s", "calls", "threads", "GB/s", "rows/s", "% of wall")
 
     def _stage_rows(self) -> list[tuple[str, ...]]:
-        return [(s.name, f"{s.seconds:.3f}", f"{s.calls:,}", str(s.threads), f"{s.gbps:.2f}",
-                 _count(s.rows_per_s), f"{s.share:.1%}") for s in self.stages.values()]
+        # a stage that counts bytes alone (the Parquet reads) or rows alone shows "-" for the other rate, not 0
+        return [(s.name, f"{s.seconds:.3f}", f"{s.calls:,}", str(s.threads), f"{s.gbps:.2f}" if s.nbytes else "-",
+                 _count(s.rows_per_s) if s.rows else "-", f"{s.share:.1%}") for s in self.stages.values()]
 
     def __str__(self) -> str:
         lines = [f"{k:12} {v}" for k, v in self._summary()]

@@ -303,3 +303,13 @@ def test_a_million_batches_keep_the_trace_under_its_documented_bound():
     assert s.stages["batch"].calls == n and s.queue_samples == n and s.util_samples == n // 100
     assert s.wait_s == pytest.approx(0.001 * n, rel=1e-9) and s.wall_s == pytest.approx(0.003 * n, rel=1e-9)
     assert s.queue_mean == pytest.approx(1.0, abs=1e-5) and s.step_mean_s == pytest.approx(0.002, rel=1e-6)
+
+
+def test_a_stage_that_counts_no_rows_shows_no_row_rate():
+    """A user's trial read "read ... rows/s 0" (the Parquet reads count bytes, not rows): "-" instead."""
+    m = Metrics()
+    m.consumer_wait(0.0, 1.0)
+    m.record("read", 0.0, 0.5, nbytes=10**9)
+    m.record("decode", 0.0, 0.5, nbytes=10**9, rows=1000)
+    rows = {r[0]: r for r in m.stats()._stage_rows()}
+    assert rows["read"][4:6] == ("2.00", "-") and rows["decode"][4:6] == ("2.00", "2,000")
