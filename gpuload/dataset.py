@@ -363,8 +363,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         of wall time the training thread spent waiting inside ``next()``, summed over
         the epochs iterated since the dataset was created (or :meth:`reset_stats`).
         ``gpuload.diagnose(ds.stats())`` names the stage that limits it. For a remote
-        source, ``remote`` counts the requests made to the store (a :class:`gpuload.RemoteStats`).
-        """
+        source, ``remote`` counts the requests made for Parquet bytes (a :class:`gpuload.RemoteStats`;
+        listing the source when it is opened is not counted)."""
         loader, settings = self.loader_description()
         st = dataclasses.replace(self.metrics.stats(), remote=self.reader.remote_stats(), loader=loader,
                                  loader_settings=settings)

@@ -52,11 +52,14 @@ class Vocabulary:
             if seen.setdefault(v, i) != i:
                 raise ConfigError(f"Vocabulary.of: {vals[i]!r} is values[{seen[v]}] and values[{i}]: each value "
                                   "may have one id")
-        return cls(column, pa.array(raw, pa.large_binary()), np.zeros(len(raw), np.int64), Vocab())
+        out = cls(column, pa.array(raw, pa.large_binary()), np.zeros(len(raw), np.int64), Vocab())
+        out.given = True
+        return out
 
     def __init__(self, column: str, values: pa.Array, counts: np.ndarray, vocab: Vocab):
         self.column, self.values, self.counts, self.vocab = column, values, np.asarray(counts, np.int64), vocab
         self._index = None  # made on first lookup: see index()
+        self.given = False  #: made by :meth:`of` from values given whole, not counted
         h = xxhash.xxh3_64()
         for buf in values.buffers()[1:]:
             h.update(b"" if buf is None else memoryview(buf))
@@ -99,7 +102,8 @@ class Vocabulary:
         return vocab_ids(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr, self)
 
     def __repr__(self) -> str:
-        return f"Vocabulary({self.column!r}, {len(self):,} values, {self.vocab})"
+        how = "given" if self.given else f"counted by {self.vocab}"
+        return f"Vocabulary({self.column + ', ' if self.column else ''}{len(self):,} values, {how})"
 
 
 _REGISTERED: dict[str, Vocabulary] = {}  # by digest: the vocabularies this process counted or read

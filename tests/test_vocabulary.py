@@ -51,6 +51,7 @@ def test_a_given_vocabulary_gives_exactly_its_ids_to_scalars_and_lists(source, t
     assert got["tags"] == [[{"b": 1, "a": 2}.get(t, 0) for t in (row or [])] for row in tags]
     assert ds.vocabulary("country") is voc and voc.to_dict() == {"jp": 1, "de": 2, "fr": 3}
     assert voc.ids(["de", "nope"]).tolist() == [2, 0]
+    assert repr(voc) == "Vocabulary(3 values, given)"  # not "Vocab(min_count=1...)": it was not counted
 
 
 def test_the_cache_follows_the_vocabulary_and_a_fresh_process_registers_it_again(source, tmp_path):

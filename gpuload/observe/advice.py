@@ -8,10 +8,12 @@ from __future__ import annotations
 from ..memory import cores as _cores
 from .stats import StageStats, Stats
 
-__all__ = ["DISK_NEAR", "rate", "startup", "no_stages", "stage_advice"]
+__all__ = ["DISK_NEAR", "CONTENDED", "rate", "startup", "no_stages", "stage_advice"]
 
 #: Fraction of the disk's speed from which cache reads count as disk-bound.
 DISK_NEAR = 0.8
+#: Run-queue seconds per CPU second of the process's threads that mean oversubscribed cores.
+CONTENDED = 0.25
 
 
 def rate(rows_per_s: float) -> str:
@@ -23,10 +25,10 @@ def startup(stats: Stats, kind: str | None) -> tuple[str, str]:
     steady = "nothing to fix in steady state, and longer epochs amortise it"
     off = (stats.loader_settings or {}).get("cache_io") == "off"  # every epoch decodes: no cache to build
     if kind == "gpuload" and stats.remote is not None and stats.remote.requests and stats.stages.get("read"):
-        return (f", while the loader fills its first shuffle window from the object store ({stats.remote}; "
-                f"{stats.stages['read'].seconds:.2f} s of reads)",
-                ("" if off else "build the cache ahead (`gpuload cache build URL`) so that epochs read the local "
-                 "cache and make no request, or ") + "keep more requests in flight (remote={'max_requests': 64}); "
+        return (f", while the loader fills its first shuffle window, from the object store in the passes that "
+                f"read it ({stats.remote}; {stats.stages['read'].seconds:.2f} s of reads)",
+                ("" if off else "build the cache ahead (`gpuload cache build URL`) so that first epochs read the "
+                 "local cache too and make no request, or ") + "keep more requests in flight (remote={'max_requests': 64}); "
                 "a smaller shuffle_window or chunk_bytes makes the first window smaller")
     if kind == "gpuload":
         decoded = any(n in stats.stages for n in ("decode", "convert"))  # from the cache already: nothing to build
@@ -95,6 +97,10 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
     ours = kind == "gpuload"
     settings = stats.loader_settings or {}
     on_gpu = settings.get("device") == "cuda"  # not said: advise as for the CPU
+    # cores measured oversubscribed: more loader threads would only wait for them too (a user's trial was told to
+    # raise num_threads and to lower it in one sentence)
+    full = stats.cpu_contention is not None and stats.cpu_contention >= CONTENDED
+    cuda = "on a node with a GPU, device=cuda"
     if s.name == "batch" and settings.get("batch_transform"):
         return (f"batches are made at {rate(s.rows_per_s)} rows/s, with the batch_transform "
                 f"'{settings['batch_transform']}' on the producer thread (one thread, in order): {where}",
@@ -108,22 +114,23 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
         extra = (f", the transform '{settings['transform']}' included" if settings.get("transform") else "") + (
             ", with cuDF decoding on the GPU" if settings.get("decode") == "gpu" else "")
         return (f"epochs are decode-bound{extra}: with cache_io='off' each one decodes Parquet: {where}",
-                f"{keep}; else raise num_threads" + ("" if on_gpu else " or use device=cuda"))
+                f"{keep}" + ("" if full and on_gpu else "; else " + " or ".join(
+                    (["raise num_threads"] if not full else []) + ([] if on_gpu else [cuda]))))
     if s.name in ("decode", "convert") and settings.get("transform"):
         return (f"first epoch is bound by decoding and converting, which includes the transform "
                 f"'{settings['transform']}' (timed as conversion): {where}",
                 "time the transform alone and make it cheaper (it runs once per chunk, in the first epoch only: "
-                "later epochs read its cached result), raise num_threads, or build the cache ahead with "
-                "`gpuload cache build`")
+                "later epochs read its cached result), " + ("" if full else "raise num_threads, ") + "or build the "
+                "cache ahead with `gpuload cache build`")
     if s.name in ("decode", "convert") and ours and (stats.loader_settings or {}).get("decode") == "gpu":
         return (f"first epoch is decode-bound, with cuDF decoding on the GPU: {where}",
-                "raise num_threads (each loader thread reads, decodes and converts one chunk at a time), or build "
-                "the cache ahead with `gpuload cache build`")
+                ("" if full else "raise num_threads (each loader thread reads, decodes and converts one chunk at a "
+                 "time), or ") + "build the cache ahead with `gpuload cache build`")
     if s.name in ("decode", "convert"):
         return (f"first epoch is decode-bound on the CPU: {where}" if ours else f"decoding is the limit: {where}",
                 "build the cache ahead with `gpuload cache build`, or " + (
                     "install cuDF (the gpu extra: see gpuload.gpu_status()) so that decode='auto' decodes on "
-                    "the GPU" if on_gpu else "use device=cuda") if ours else
+                    "the GPU" if on_gpu else cuda) if ours else
                 "decode ahead of the step on more workers, or cache the converted columns: gpuload.ParquetDataset "
                 "converts each chunk once and reads its cache in later epochs")
     if s.name == "cache_read":
@@ -132,14 +139,16 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                           else " (measured as one stream: several threads can read faster)")
             return (f"cache reads run at {total_gbps:.2f} GB/s, faster than the {disk_gbps:.2f} GB/s measured for the "
                     f"disk{where_from}; the disk is not what limits them: {where}",
-                    "raise prefetch (and num_threads): the disk is not the limit")
+                    f"raise prefetch{'' if full else ' (and num_threads)'}: the disk is not the limit")
         if disk_gbps:
             return (f"cache reads run at {total_gbps:.2f} GB/s against {disk_gbps:.2f} GB/s the disk gives: {where}",
                     "the disk is the limit: put the cache on faster local NVMe" if total_gbps >= DISK_NEAR * disk_gbps
-                    else f"raise prefetch (and num_threads): the disk has {disk_gbps - total_gbps:.2f} GB/s to spare")
+                    else f"raise prefetch{'' if full else ' (and num_threads)'}: the disk has "
+                         f"{disk_gbps - total_gbps:.2f} GB/s to spare")
         return (f"cache reads run at {total_gbps:.2f} GB/s (the disk's speed was not measured: pass disk_gbps= "
                 f"from fio or dd): {where}",
-                "raise prefetch (and num_threads); if reads do not get faster, the disk is the limit")
+                f"raise prefetch{'' if full else ' (and num_threads)'}; if reads do not get faster, the disk is the "
+                "limit")
     if s.name == "read" and stats.remote is not None and stats.remote.requests:
         return (f"{'every' if off else 'first'} epoch is remote-bound: decoding waits on the object store "
                 f"({stats.remote}): {where}",
@@ -150,7 +159,8 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                 "keep more requests in flight, run the job in the store's region, or cache the data locally")
     if s.name == "read":
         return (f"the Parquet source reader is throttled at {total_gbps:.2f} GB/s: {where}",
-                "copy the source to local NVMe, raise num_threads for more reads in flight, or " + (
+                "copy the source to local NVMe, " + ("" if full else "raise num_threads for more reads in flight, ")
+                + "or " + (
                     keep if off else "build the cache ahead with `gpuload cache build` so that epochs read the "
                     "cache instead") if ours else
                 "copy the source to local NVMe, or keep more reads in flight")
@@ -170,7 +180,8 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
     if s.name == "batch":
         return (f"the shuffle gather is the limit at {rate(s.rows_per_s)} rows/s: {where}",
                 ("use a smaller shuffle_window (fewer rows gathered per window)" + ("" if on_gpu else
-                 ", more num_threads (the CPU path gathers batches on them), or device=cuda to shuffle on the GPU"))
+                 ("" if full else ", more num_threads (the CPU path gathers batches on them)") +
+                 f", or, {cuda} to shuffle on the GPU"))
                 if ours
                 else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")
     return (f"listing the source files is the limit: {where}",

@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 import statistics
 
 from ..memory import cores as _cores
-from .advice import DISK_NEAR, no_stages, rate, stage_advice, startup
+from .advice import CONTENDED, DISK_NEAR, no_stages, rate, stage_advice, startup
 from .stats import StageStats, Stats
 from .whatif import what_if
 
@@ -57,8 +57,6 @@ __all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTU
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
 STARVED = 0.05
-#: Run-queue seconds per CPU second of the process's threads that mean oversubscribed cores.
-CONTENDED = 0.25
 #: Busy fraction of the wall time per worker below which no stage counts as saturated.
 SATURATED = 0.5
 #: Share of the waiting that, spent in the longest next() of each pass, makes start-up the limit.

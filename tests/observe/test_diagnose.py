@@ -220,7 +220,7 @@ def test_startup_wait_is_named_apart_from_steady_state():
     remote = gpuload.RemoteStats(6, 9 * 10**5, 0, 0, 0.73, 0.73, 0.73)
     d = gpuload.diagnose(make_stats(0.1, wait_max_s=0.9, remote=remote, loader="gpuload",
                                     stages=[stage("read", 2.4, 2), stage("batch", 0.1)]))
-    assert d.limiting == "startup" and "from the object store (6 requests" in d.message
+    assert d.limiting == "startup" and "from the object store in the passes that read it (6 requests" in d.message
     assert "nothing to fix" not in d.action and "gpuload cache build URL" in d.action
 
 
@@ -474,3 +474,15 @@ def test_a_datasets_stats_say_which_loader_and_device(tmp_path):
     s = ds.stats()
     assert s.loader == "gpuload" and s.loader_settings["device"] == "cpu" and s.batches == 4
     assert s.loader_settings["decode"] == "cpu"
+
+
+def test_oversubscribed_cores_are_not_answered_with_more_threads():
+    """A user's trial on 2 cores was told "more num_threads ... ; and run fewer threads at once: ... a smaller
+    num_threads" in one action; with the cores measured busy, no advice adds threads."""
+    batch = [stage("cache_read", 1.0, 2, 10**9), stage("batch", 9.0, 1, 10**9, 6_553_600)]
+    plain = {"num_threads": 2, "prefetch": 2, "device": "cpu"}
+    for queue, more in (({"gpuload": (4.0, 2.0), "other": (2.0, 1.0)}, False), (None, True)):
+        d = gpuload.diagnose(make_stats(0.6, stages=batch, loader="gpuload", loader_settings=plain, cpu_queue=queue))
+        assert d.limiting == "batch" and ("more num_threads" in d.action) == more, d.action
+        assert ("a smaller num_threads" in d.action) == (not more)
+        assert "on a node with a GPU, device=cuda" in d.action

@@ -266,7 +266,10 @@ def test_the_headspace_verdict_compares_the_rates():
     near = dataclasses.replace(report, headspace=st(1.1e6, ["decode"]))
     assert "the loader is the limit: under the step it delivers 91%" in near.bound() and "empty cache" in near.bound()
     faster = dataclasses.replace(report, headspace=st(0.9e6))
-    assert "as fast as alone" in faster.bound()
+    assert "as fast as alone" in faster.bound() and "colder" not in faster.bound()
+    # a user's trial: alone 287,074 rows/s, under the step 591,028, and "it goes as fast as alone"
+    cold = dataclasses.replace(report, headspace=st(0.5e6, ["decode"]))
+    assert "as fast as alone or faster (alone it measured 50% of that, in a run that came first" in cold.bound()
 
 
 def test_each_rank_writes_a_trace_of_its_own_name():
