@@ -273,9 +273,9 @@ def check_signature(saved: dict, here: dict) -> None:
         diffs.append(f"outputs: the columns differ ({_outputs(saved.get('outputs'))} in the state, "
                      f"{_outputs(here['outputs'])} here)")
     if saved.get("source") != here["source"]:
-        diffs.append("source: the source files differ (other paths; or files rewritten or uploaded again since, "
-                     "even with the same bytes: a file's size, modification time and store version are its "
-                     "identity)")
+        diffs.append("source: the source files differ (other paths, or files rewritten since: a local file's "
+                     "identity is its size, modification time and footer, a remote object's its size, ETag or "
+                     "version and last-modified time: uploading the same bytes again makes another file)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
     modes = (saved.get("block_rows") is None) != (here.get("block_rows") is None)  # blocks on one side only
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):
