@@ -1,7 +1,7 @@
 """One test body on every device: every supported type gives exactly the values pyarrow
 reads back, in the same order on the CPU and on the GPU (cuDF decoding, or pyarrow
-decoding and copies), cold and from the cache, on 1 and 3 ranks, in both storage
-layouts and every shuffle mode.
+decoding and copies), cold and from the cache (or, with ``cache_io="off"``, decoded every epoch), on 1 and 3
+ranks, in both storage layouts and every shuffle mode.
 
 The expected values come from the data the files were written from
 (:mod:`typecases`), not from gpuload's conversion, so the CPU run is checked against
@@ -22,6 +22,7 @@ CONFIGS = {
     "block": dict(layout="rows", shuffle="block", block_rows=64),
     "ordered": dict(layout="rows", shuffle=False),
     "native": dict(layout="rows", shuffle=True, native=True),
+    "off": dict(layout="rows", shuffle=True, cache_io="off"),  # every epoch decoded, nothing cached
 }
 
 
