@@ -82,7 +82,7 @@ def test_slow_cache_read_against_the_disk():
     reads = [stage("cache_read", 16.0, 2, 40 * 10**9)]
     for mode, said in (("buffered", "so they come from the page cache"), ("direct", "measured as one stream")):
         fast = gpuload.diagnose(make_stats(0.4, stages=reads, loader_settings={"cache_io": mode}), disk_gbps=3.0)
-        assert f"5.00 GB/s, faster than the 3.00 GB/s measured for the disk" in fast.message and said in fast.message
+        assert "5.00 GB/s, faster than the 3.00 GB/s measured for the disk" in fast.message and said in fast.message
         assert "the disk is the limit" not in fast.action and "raise prefetch" in fast.action
 
 
