@@ -74,6 +74,8 @@ LOADERS = {
     "gpuload-nice": Spec("gpuload_runner.py", "nice"),
     "gpuload-direct": Spec("gpuload_runner.py", "direct"),
     "gpuload-off": Spec("gpuload_runner.py", "off"),  # cache_io="off": a job of one epoch
+    "gpuload-chunks": Spec("gpuload_runner.py", "chunks"),  # shuffle="chunks": torchdata.nodes' shuffle
+    "gpuload-chunks-off": Spec("gpuload_runner.py", "chunks-off"),
     "gpuload-wide": Spec("gpuload_runner.py", "wide"),  # num_threads for every core: for many-core nodes
     "naive": Spec("reference.py", "naive"),
     "torch-dataloader": Spec("torch_loaders.py", "dataloader"),

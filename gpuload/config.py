@@ -111,6 +111,11 @@ class Options(_Settings):
     @property
     def shuffled(self) -> bool:
         """Whether rows are permuted (``shuffle=True`` or ``"block"``)."""
+        return self.shuffle is True or self.shuffle == "block"
+
+    @property
+    def chunks_shuffled(self) -> bool:
+        """Whether each epoch permutes the chunk order (every mode but ``shuffle=False``)."""
         return self.shuffle is not False
 
     @property
@@ -121,8 +126,9 @@ class Options(_Settings):
     def __post_init__(self):
         if isinstance(self.shuffle, np.bool_):
             object.__setattr__(self, "shuffle", bool(self.shuffle))
-        if not (isinstance(self.shuffle, bool) or (isinstance(self.shuffle, str) and self.shuffle == "block")):
-            raise ConfigError(f"shuffle={self.shuffle!r} must be True (rows permuted in windows), 'block' or False")
+        if not (isinstance(self.shuffle, bool) or (isinstance(self.shuffle, str) and self.shuffle in ("block", "chunks"))):
+            raise ConfigError(f"shuffle={self.shuffle!r} must be True (rows permuted in windows), 'block', 'chunks' "
+                              f"or False")
         ints = [("batch_size", 1, None), ("shuffle_window", 1, None), ("prefetch", 0, None), ("num_threads", 1, None),
                 ("nice", 0, 19), ("chunk_bytes", 4096, None), ("kvikio_threads", 1, None)]
         ints += [("block_rows", 1, None)] if self.shuffle == "block" else []

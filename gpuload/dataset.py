@@ -59,7 +59,10 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         ``block_rows`` consecutive rows within a window instead of single rows (each chunk's
         rows are permuted once when it is cached, so a block is a random sample of its
         chunk, and the chunk files differ from the other modes'); far cheaper gathers, less
-        randomness: docs/benchmarks.md measures both. ``False``: rows in file order.
+        randomness: docs/benchmarks.md measures both. ``"chunks"``: the chunk order alone
+        permuted each epoch, rows in file order within a chunk (batches are views, as without
+        shuffling: for data shuffled when it was written, or a first pass that must cost least).
+        ``False``: rows in file order.
     block_rows : rows per block with ``shuffle="block"`` (default 256).
     layout : how the cache stores outputs (default ``"rows"``: single-column scalar outputs
         of one dtype as one row-major block, gathered a row at a time; ``"columns"``: an array
@@ -349,7 +352,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         given = needed_columns(r.specs) if r.source.transform is not None else None
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
                                 outputs={s.name: given or list(s.columns) for s in r.outputs}, seed=o.seed,
-                                shuffle=o.shuffled,
+                                shuffle="chunks" if o.shuffle == "chunks" else o.shuffled,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
                                 block_rows=o.block, row_filter=None if r.source.filters is None else r.source.filters.key)
 

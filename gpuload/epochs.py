@@ -79,7 +79,8 @@ class EpochPlan:
 
     @property
     def shuffled(self) -> bool:
-        """Whether epochs permute the chunks and the rows of each window (``shuffle=True`` or ``"block"``)."""
+        """Whether epochs permute the rows of each window (``shuffle=True`` or ``"block"``; the chunk order
+        is permuted in every mode but ``shuffle=False``)."""
         return self.options.shuffled
 
     def check(self, ranks: Ranks) -> Ranks:
@@ -152,10 +153,10 @@ class EpochPlan:
             owned, per, _ = self.node_plan(world, local)
             segments = plan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
                                           per_rank=per, fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
-                                          shuffle=self.shuffled)
+                                          shuffle=o.chunks_shuffled)
         else:
             order = plan.chunk_order(len(rows), fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
-                                     shuffle=self.shuffled)
+                                     shuffle=o.chunks_shuffled)
             start, stop = plan.rank_range(self.num_rows, world, rank, o.batch_size, o.drop_last)
             segments = plan.rank_segments(rows, order, start, stop)
         return plan.windows(segments, o.shuffle_window)

@@ -8,8 +8,8 @@ How an epoch is laid out
 ------------------------
 1. The dataset is cut into *chunks*: runs of consecutive row groups of one file, of at
    most ``chunk_bytes`` converted bytes (a larger row group is a chunk of its own).
-2. With ``shuffle=True`` the chunk order is a permutation drawn from
-   ``(fingerprint, seed, epoch)``; it is the same on every rank.
+2. With ``shuffle=True`` (and ``"block"`` and ``"chunks"``) the chunk order is a permutation
+   drawn from ``(fingerprint, seed, epoch)``; it is the same on every rank.
 3. The rows of the chunks, in that order, form one stream of ``N`` rows. Rank ``r``
    takes the contiguous range ``[start_r, stop_r)`` of it, so shard membership changes
    with the seed and the epoch, and each rank reads only about ``N / world_size`` rows.
@@ -18,6 +18,7 @@ How an epoch is laid out
    window's index). Batches are cut across window boundaries. Block shuffling
    (``shuffle="block"``) permutes blocks of ``block_rows`` consecutive rows instead
    (:func:`block_permutation`); those rows were permuted once when the chunk was cached.
+   ``shuffle="chunks"`` permutes no rows: each chunk's rows come in file order.
 
 How the tail is balanced
 ------------------------

@@ -248,7 +248,7 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
     return merged, last.sizes(rank).after(last.taken)
 
 
-def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool,
+def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool | str,
               batch_size: int, drop_last: bool, shuffle_window: int, block_rows: int | None = None,
               row_filter: str | None = None) -> dict:
     """What shapes a dataset's order, as the ``dataset`` field of a state (``row_filter``: the
@@ -256,7 +256,7 @@ def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, s
     layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in chunks], dtype=np.int64).reshape(-1, 3)
     return {"source": f"{fingerprint:#018x}", "rows": int(rows),
             "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}", "outputs": outputs,
-            "seed": int(seed), "shuffle": bool(shuffle), "batch_size": int(batch_size),
+            "seed": int(seed), "shuffle": shuffle if shuffle == "chunks" else bool(shuffle), "batch_size": int(batch_size),
             "drop_last": bool(drop_last), "shuffle_window": int(shuffle_window),
             **({} if block_rows is None else {"block_rows": int(block_rows)}),
             **({} if row_filter is None else {"filter": row_filter})}
@@ -297,7 +297,8 @@ def _shuffle(signature: dict) -> str:
     """The shuffle setting a signature was made with, as the user gives it."""
     if signature.get("block_rows") is not None:
         return f"shuffle='block' (block_rows={signature['block_rows']})"
-    return f"shuffle={bool(signature.get('shuffle'))}"
+    s = signature.get("shuffle")
+    return f"shuffle={s!r}" if s == "chunks" else f"shuffle={bool(s)}"
 
 
 def _outputs(outputs) -> str:

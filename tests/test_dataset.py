@@ -51,7 +51,7 @@ LAYOUTS = pytest.mark.parametrize("layout", ["rows", "columns"])
 @LAYOUTS
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("batch_size", [997, 4096])
-@pytest.mark.parametrize("shuffle", [True, False, "block"])
+@pytest.mark.parametrize("shuffle", [True, False, "block", "chunks"])
 def test_every_row_exactly_once(data, tmp_path, shuffle, batch_size, drop_last, layout):
     ref = data.ref
     ds = data.open(tmp_path / "cache", batch_size=batch_size, shuffle=shuffle, drop_last=drop_last, layout=layout)
@@ -77,7 +77,7 @@ def test_every_row_exactly_once(data, tmp_path, shuffle, batch_size, drop_last, 
 
 
 @LAYOUTS
-@pytest.mark.parametrize("shuffle", [True, False, "block"])
+@pytest.mark.parametrize("shuffle", [True, False, "block", "chunks"])
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3, 7])
 def test_ranks_partition_the_epoch(click, tmp_path, world, drop_last, shuffle, layout):
@@ -162,6 +162,36 @@ def test_epochs_and_seeds_change_the_order(click, tmp_path, shuffle):
     assert set(order(np.int32(0), np.uint8(0), rank=np.int64(0), world_size=np.int64(2)).tolist()) == r0
 
 
+def test_chunk_shuffle_permutes_the_chunks_and_keeps_their_rows_in_order(click, tmp_path):
+    """shuffle="chunks": each epoch a permutation of the chunks (the same for the same seed and
+    epoch), each chunk's rows in file order, batches cut straight from them."""
+    cache = tmp_path / "cache"
+
+    def order(seed, epoch, **kw):
+        ds = click.open(cache, seed=seed, shuffle="chunks", **kw)
+        ds.set_epoch(epoch)
+        return ds, np.concatenate([click.ref.check(b) for b in _epoch(ds)])
+
+    ds, e0 = order(0, 0)
+    starts = np.cumsum([0] + [c.rows for c in ds.reader.chunks])  # files in order: chunks hold consecutive ids
+    where = {int(v): i for i, v in enumerate(e0)}
+    firsts = []
+    for lo, hi in zip(starts[:-1], starts[1:]):
+        at = where[int(lo)]
+        assert np.array_equal(e0[at:at + hi - lo], np.arange(lo, hi))  # a chunk's rows, whole and in order
+        firsts.append(at)
+    assert firsts != sorted(firsts)  # the chunks themselves are permuted
+    _, e1 = order(0, 1)
+    _, s1 = order(1, 0)
+    assert np.array_equal(order(0, 0)[1], e0) and not np.array_equal(e0, e1) and not np.array_equal(e0, s1)
+    assert np.array_equal(np.sort(e1), np.arange(click.ref.n))
+    with pytest.raises(gpuload.ConfigError, match=r"shuffle='rows' must be True .*'block', 'chunks' or False"):
+        click.open(cache, shuffle="rows")
+    state = ds.state_dict()  # from a chunk-shuffled epoch: another mode is refused, naming both
+    with pytest.raises(gpuload.ConfigError, match=r"shuffle: 'chunks' in the state, True here"):
+        click.open(cache).load_state_dict(state)
+
+
 @LAYOUTS
 @pytest.mark.parametrize("epoch", [0, 5])
 def test_no_shuffle_gives_file_order(data, tmp_path, epoch, layout):
@@ -175,7 +205,7 @@ def test_no_shuffle_gives_file_order(data, tmp_path, epoch, layout):
 # ---------------------------------------------------------------------------------------
 
 @LAYOUTS
-@pytest.mark.parametrize("shuffle", [True, False, "block"])
+@pytest.mark.parametrize("shuffle", [True, False, "block", "chunks"])
 def test_values_equal_pyarrow_cold_and_warm(data, tmp_path, shuffle, layout):
     ds = data.open(tmp_path / "cache", shuffle=shuffle, batch_size=1234, layout=layout)
     for epoch in range(3):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_threads")
 # ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["rows", "columns"])
-@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("shuffle", [True, "block", False, "chunks"])
 @pytest.mark.parametrize("world,rank", [(1, 0), (3, 1)])
 def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, monkeypatch, world, rank, shuffle,
                                                             layout):

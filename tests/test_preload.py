@@ -130,7 +130,7 @@ def test_chunks_the_preload_holds_are_not_fetched_ahead_again():
     assert warmed and not set(warmed) & {0, 1, 2, 3}  # a remote source's read-ahead: only the others
 
 
-@pytest.mark.parametrize("shuffle", [True, "block", False])
+@pytest.mark.parametrize("shuffle", [True, "block", False, "chunks"])
 def test_the_next_epoch_is_loaded_ahead_and_its_order_is_unchanged(source, tmp_path, shuffle):
     ds = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)
     ref = _open(source, tmp_path / "c", shuffle=shuffle, seed=3, prefetch=0)

@@ -375,7 +375,7 @@ def test_state_is_small_json_and_round_trips_without_iterating(source, tmp_path)
     assert on3.state_dict()["runs"] == [[3, 0]]  # nothing taken yet: the ordinary 3-rank epoch
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("shuffle", [True, False, "chunks"])
 def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
     cache = tmp_path / "c"
     ref = _open(source, cache, shuffle=shuffle)
@@ -395,7 +395,7 @@ def test_resume_reads_only_the_chunks_still_needed(source, tmp_path, shuffle):
     start, want, skipped = 0, [], []
     for w in windows:
         n = sum(s.hi - s.lo for s in w)
-        if shuffle:  # a window started is read whole (its rows are shuffled together)
+        if shuffle is True:  # a window started is read whole (its rows are shuffled together)
             (want if start + n > pos else skipped).extend(s.chunk for s in w)
         else:  # in file order, only the chunks with rows still to come
             for s in w:

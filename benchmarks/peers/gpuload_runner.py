@@ -1,7 +1,8 @@
 """gpuload: ParquetDataset on the CPU; the first epoch builds its cache (opening and the last durable cache
 write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked, nice (the default
 with nice=10), direct (the default with cache_io="direct": cache files written and read around the page cache),
-off (the default with cache_io="off": nothing cached, every epoch decodes Parquet; a job of one epoch), wide (the default with num_threads = the process's cores - 3, at least 2: decoding on every core)."""
+off (the default with cache_io="off": nothing cached, every epoch decodes Parquet; a job of one epoch), chunks
+(shuffle="chunks": the chunk order alone permuted), chunks-off (the same with cache_io="off"), wide (the default with num_threads = the process's cores - 3, at least 2: decoding on every core)."""
 
 import os
 import sys
@@ -22,6 +23,9 @@ VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": F
             "nice": (PER_COLUMN, {"nice": 10}),  # the default, its threads 10 nice steps below the training thread
             "direct": (PER_COLUMN, {"cache_io": "direct"}),  # the default, its cache around the page cache
             "off": (PER_COLUMN, {"cache_io": "off"}),  # the default, caching nothing (a job of one epoch)
+            # the chunk order alone permuted, rows in file order (a DataLoader over shuffled row groups)
+            "chunks": (PER_COLUMN, {"shuffle": "chunks"}),
+            "chunks-off": (PER_COLUMN, {"shuffle": "chunks", "cache_io": "off"}),
             # the default with a loader thread for every core but the training thread's, the producer's and one more
             "wide": (PER_COLUMN, {"num_threads": max(2, gpuload.memory.cores() - 3)})}
 
@@ -37,9 +41,11 @@ class Gpuload(Peer):
         self.notes.append(f"ParquetDataset(batch_size={args.batch_size}, device='cpu'"
                           + "".join(f", {k}={v!r}" for k, v in self.kw.items()) + ")"
                           + ("; outputs dense [N,13] and cat [N,26] stacked" if self.variant == "stacked" else "")
-                          + ("; every epoch decoded from Parquet" if self.variant == "off" else
+                          + ("; every epoch decoded from Parquet" if self.variant.endswith("off") else
                              "; first epoch = open + epoch 0 + cache flush (fsync)"))
         self.shuffle = {"noshuffle": "none (file order)",
+                        "chunks": "chunk order permuted (rows in order within a chunk)",
+                        "chunks-off": "chunk order permuted (rows in order within a chunk)",
                         "block": "blocks of 256 rows permuted within a window of ~{w:,} rows (rows permuted "
                                  "within each chunk once, at caching); chunk order permuted",
                         }.get(self.variant, "rows permuted within a window of ~{w:,} rows; chunk order permuted"
