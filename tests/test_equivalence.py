@@ -23,6 +23,7 @@ CONFIGS = {
     "ordered": dict(layout="rows", shuffle=False),
     "native": dict(layout="rows", shuffle=True, native=True),
     "off": dict(layout="rows", shuffle=True, cache_io="off"),  # every epoch decoded, nothing cached
+    "chunks": dict(layout="rows", shuffle="chunks"),  # the chunk order alone permuted
 }
 
 
