@@ -306,7 +306,6 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     """
     cols = {}
     arrays = {}  # source column: its Arrow chunks (a fixed-size list's joined: one)
-    encoded = {c: vt for s in specs for c, vt in zip(s.columns, s.sources) if vt.encode}
     fixed = {c for s in specs if s.kind == FIXED for c in s.columns}
     lists = {c for s in specs if s.kind in (RAGGED, FIXED) for c in s.columns}
     reads = {c: (s, vt) for s in specs for c, vt in zip(s.columns, s.sources)}
@@ -314,8 +313,9 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
         col = table.column(c)
         if pa.types.is_null(col.type):  # a file where the column holds only nulls
             col = col.cast(_typed_nulls(*reads[c]))
-        if c in encoded and c not in lists:  # ids chunk by chunk: strings never joined
-            arrays[c] = [encode_ids(ch, encoded[c].encode) for ch in col.chunks] or [np.zeros(0, np.int64)]
+        encode = reads[c][1].encode
+        if encode and c not in lists:  # ids chunk by chunk: strings never joined
+            arrays[c] = [encode_ids(ch, encode) for ch in col.chunks] or [np.zeros(0, np.int64)]
             continue
         if pa.types.is_dictionary(col.type):
             col = col.cast(col.type.value_type)

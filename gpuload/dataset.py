@@ -352,7 +352,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         given = needed_columns(r.specs) if r.source.transform is not None else None
         return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
                                 outputs={s.name: given or list(s.columns) for s in r.outputs}, seed=o.seed,
-                                shuffle="chunks" if o.shuffle == "chunks" else o.shuffled,
+                                shuffle=o.shuffle,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
                                 block_rows=o.block, row_filter=None if r.source.filters is None else r.source.filters.key)
 

@@ -217,8 +217,9 @@ class ChunkReader:
         for s in specs:
             sources = []
             for c, vt in zip(s.columns, s.sources):
-                if vt.encode.startswith("vocab:") and registered(vt.encode) is not None:  # given: nothing to count
-                    self.vocabularies[c] = registered(vt.encode)
+                given = registered(vt.encode) if vt.encode.startswith("vocab:") else None
+                if given is not None:  # a vocabulary given whole (its key names its digest): nothing to count
+                    self.vocabularies[c] = given
                 elif vt.encode.startswith("vocab:"):
                     if c not in self.vocabularies:
                         self.vocabularies[c] = vocabulary_for(self.files, c, parse_key(vt.encode), self.cache.root,

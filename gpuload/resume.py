@@ -251,7 +251,8 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
 def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool | str,
               batch_size: int, drop_last: bool, shuffle_window: int, block_rows: int | None = None,
               row_filter: str | None = None) -> dict:
-    """What shapes a dataset's order, as the ``dataset`` field of a state (``row_filter``: the
+    """What shapes a dataset's order, as the ``dataset`` field of a state (``shuffle`` as given:
+    ``"block"`` is recorded as True with its ``block_rows``, ``"chunks"`` as itself; ``row_filter``: the
     key of its ``filters=``, written only when there is one)."""
     layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in chunks], dtype=np.int64).reshape(-1, 3)
     return {"source": f"{fingerprint:#018x}", "rows": int(rows),

@@ -52,14 +52,12 @@ class Vocabulary:
             if seen.setdefault(v, i) != i:
                 raise ConfigError(f"Vocabulary.of: {vals[i]!r} is values[{seen[v]}] and values[{i}]: each value "
                                   "may have one id")
-        out = cls(column, pa.array(raw, pa.large_binary()), np.zeros(len(raw), np.int64), Vocab())
-        out.given = True
-        return out
+        return cls(column, pa.array(raw, pa.large_binary()), np.zeros(len(raw), np.int64), Vocab(), given=True)
 
-    def __init__(self, column: str, values: pa.Array, counts: np.ndarray, vocab: Vocab):
+    def __init__(self, column: str, values: pa.Array, counts: np.ndarray, vocab: Vocab, given: bool = False):
         self.column, self.values, self.counts, self.vocab = column, values, np.asarray(counts, np.int64), vocab
         self._index = None  # made on first lookup: see index()
-        self.given = False  #: made by :meth:`of` from values given whole, not counted
+        self.given = given  #: made by :meth:`of` from values given whole, not counted
         h = xxhash.xxh3_64()
         for buf in values.buffers()[1:]:
             h.update(b"" if buf is None else memoryview(buf))

@@ -301,8 +301,8 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
         if len(named) > 1:
             raise ConfigError(f"spec {spec!r} names {len(named)} column sets, not exactly one; give more of its "
                               "hash (`gpuload cache info` lists them)")
-        chosen = {h for h, e in known.items() if (spec is None or h.startswith(spec)) and (
-            unused_since is None or e["last_used"] < unused_since)}
+        chosen = {h for h in (known if spec is None else named)
+                  if unused_since is None or known[h]["last_used"] < unused_since}
     freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
     for parts, name, st in list(walk(root, layouts=True, problems=problems)):
         if not stat.S_ISREG(st.st_mode) or not (CHUNK.fullmatch(name) or TEMP.fullmatch(name)

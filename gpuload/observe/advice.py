@@ -113,9 +113,9 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
     if s.name in ("decode", "convert") and off:
         extra = (f", the transform '{settings['transform']}' included" if settings.get("transform") else "") + (
             ", with cuDF decoding on the GPU" if settings.get("decode") == "gpu" else "")
+        more = [t for t, helps in (("raise num_threads", not full), (cuda, not on_gpu)) if helps]
         return (f"epochs are decode-bound{extra}: with cache_io='off' each one decodes Parquet: {where}",
-                f"{keep}" + ("" if full and on_gpu else "; else " + " or ".join(
-                    (["raise num_threads"] if not full else []) + ([] if on_gpu else [cuda]))))
+                keep + (f"; else {' or '.join(more)}" if more else ""))
     if s.name in ("decode", "convert") and settings.get("transform"):
         return (f"first epoch is bound by decoding and converting, which includes the transform "
                 f"'{settings['transform']}' (timed as conversion): {where}",
