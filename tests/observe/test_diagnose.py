@@ -339,9 +339,11 @@ def test_advice_fits_a_watched_dataloader():
 def test_dataloader_workers_that_have_every_core_are_not_told_to_add_workers(monkeypatch):
     """A user's trial: 4 busy DataLoader workers on 2 cores were told to raise num_workers, with
     "process CPU 4%" (the training process's alone) beside it."""
+    import gpuload.observe.advice as advice
     import gpuload.observe.diagnose as diag
 
-    monkeypatch.setattr(diag, "_cores", lambda: 2)
+    for module in (advice, diag):  # the advice counts the cores; the oversubscription note names them
+        monkeypatch.setattr(module, "_cores", lambda: 2)
     settings = {"num_workers": 4, "prefetch_factor": 2, "pin_memory": False, "persistent_workers": False}
     d = gpuload.diagnose(make_stats(0.8, cpu_percent=4.0, loader="DataLoader", loader_settings=settings))
     assert d.limiting == "loader" and "raise num_workers" not in d.action and "make it cheaper" in d.action
