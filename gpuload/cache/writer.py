@@ -1,4 +1,4 @@
-"""The cache's background writer: chunk files written (and fsynced) on a thread of their own.
+"""The cache's background writer: chunk files written on a thread of their own.
 
 Without a budget, a chunk built by a loader thread is handed to one writer thread per
 cache folder, which writes it and then releases the chunk's build lock, so decoding goes
