@@ -166,8 +166,8 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         est = tuple(what_if(stats, pool, cached=cached, block_gather=block_gather))
         if est and est[0].waiting_s <= 0.8 * stats.wait_s:
             d = replace(d, what_if=est, message=f"{d.message}; what would help most (estimated from the stage "
-                        f"costs): {est[0].change}, waiting about {est[0].starvation:.0%} of the time instead of "
-                        f"{stats.starvation:.0%} ({est[0].basis})")
+                        f"costs): {est[0].change}, waiting about {est[0].waiting_s:.2f} s ({est[0].starvation:.0%} of the "
+                        f"time) instead of {stats.wait_s:.2f} s ({stats.starvation:.0%}; {est[0].basis})")
         elif est:
             d = replace(d, what_if=est)
     share = stats.cpu_contention

@@ -56,7 +56,12 @@ def test_diagnose_names_the_change_that_helps_most(monkeypatch):
     best = d.what_if[0]
     assert best.change == "num_threads=4" and best.waiting_s == pytest.approx(0.1 * 2 / 8 + 1.9)
     assert (f"what would help most (estimated from the stage costs): num_threads=4, waiting about "
-            f"{best.starvation:.0%} of the time instead of 60%") in d.message
+            f"{best.waiting_s:.2f} s ({best.starvation:.0%} of the time) instead of 6.00 s (60%; ") in d.message
+    # a loop with hardly any step (a benchmark) waits about 98% of the time either way: the seconds say the gain
+    bare = gpuload.diagnose(_stats({"decode": 8.0, "batch": 1.0}, wall=6.1, wait=6.0, first=0.1))
+    gain = bare.what_if[0]
+    assert gain.starvation > 0.9 and f"waiting about {gain.waiting_s:.2f} s" in bare.message
+    assert gain.waiting_s < 2.0 and "instead of 6.00 s (98%" in bare.message
     busy_step = gpuload.diagnose(_stats({"decode": 1.0}, wall=10.0, wait=0.2))
     assert busy_step.what_if == () and "what would help" not in busy_step.message
 
