@@ -362,7 +362,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         under torch.distributed every rank must call it then).
 
         Per-stage busy time, bytes and rows (list, read, decode, convert, cache_write,
-        cache_read, h2d, batch), queue depth, and ``starvation``: the fraction (0 to 1)
+        cache_read, h2d, batch; write_wait: loader threads blocked on the cache writer), queue depth, and ``starvation``: the fraction (0 to 1)
         of wall time the training thread spent waiting inside ``next()``, summed over
         the epochs iterated since the dataset was created (or :meth:`reset_stats`).
         ``gpuload.diagnose(ds.stats())`` names the stage that limits it. For a remote

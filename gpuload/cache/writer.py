@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -28,11 +29,19 @@ class Writer:
         self._slots = threading.Semaphore(PENDING)  # chunks waiting to be written, at most
         self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
 
-    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock) -> None:
+    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock,
+               waited: Callable[[float, float], None] | None = None, clock: Callable[[], float] = time.perf_counter
+               ) -> None:
         """``write(key, make_cols())`` on the writer thread (``make_cols`` called here: e.g. a copy
         the caller may not change), then release ``lock`` (any object with ``release()``); waits
-        while :data:`PENDING` chunks are pending. ``lock`` is the writer's once this returns."""
-        self._slots.acquire()
+        while :data:`PENDING` chunks are pending. ``lock`` is the writer's once this returns.
+        ``waited(t0, t1)``, where given, is told each such wait (``clock`` seconds): the writer
+        holding back the thread that built the chunk."""
+        if not self._slots.acquire(blocking=False):
+            t0 = clock()
+            self._slots.acquire()
+            if waited is not None:
+                waited(t0, clock())
         try:
             self._pool.submit(self._write_and_release, write, key, make_cols(), lock)
         except BaseException:  # a failed copy, or interpreter shutdown: give the slot back

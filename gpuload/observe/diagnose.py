@@ -27,6 +27,10 @@ The rules, in order (thresholds are the module constants below):
      memory, or build batches on the GPU); batch: the shuffle gather (a smaller
      ``shuffle_window``, or the GPU); list: listing the source files.
 
+   Where the loader threads waited for the cache writer to take their chunks
+   (``write_wait``) at least ``HELD_BACK`` (20%) of their time, cache_write is the limit
+   whatever ran most: the threads were held back by the writes, not busy.
+
    When even that stage is busy less than ``SATURATED`` (50%) of the wall time per
    worker, no stage is saturated: the loader is not keeping enough work in flight,
    and the advice starts with raising ``prefetch``. A stage that ran on the training
@@ -53,7 +57,7 @@ from .advice import CONTENDED, DISK_NEAR, no_stages, rate, stage_advice, startup
 from .stats import StageStats, Stats
 from .whatif import what_if
 
-__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP", "STRAGGLER"]
+__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP", "STRAGGLER", "HELD_BACK"]
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
 STARVED = 0.05
@@ -61,6 +65,8 @@ STARVED = 0.05
 SATURATED = 0.5
 #: Share of the waiting that, spent in the longest next() of each pass, makes start-up the limit.
 STARTUP = 0.6
+#: Share of the loader threads' time spent waiting for the cache writer that makes the cache writes the limit.
+HELD_BACK = 0.2
 #: a rank waiting this much more (fraction of its time) than the median rank is a straggler
 STRAGGLER = 0.05
 
@@ -113,6 +119,7 @@ def _candidates(stats: Stats) -> list[StageStats]:
     """The stages to compare; decode and convert of one chunk run back to back on one
     pool thread, so they count as one CPU job, named ``decode``."""
     stages = dict(stats.stages)
+    stages.pop("write_wait", None)  # not work: the loader threads blocked on the cache writer (see _held_back)
     d, c = stages.pop("decode", None), stages.pop("convert", None)
     if d is not None and c is not None:
         sec = d.seconds + c.seconds
@@ -120,6 +127,17 @@ def _candidates(stats: Stats) -> list[StageStats]:
                     gbps=c.nbytes / sec / 1e9 if sec > 0 else 0.0, nbytes=c.nbytes,
                     rows_per_s=d.rows / sec if sec > 0 else 0.0)
     return [x for x in (*stages.values(), d or c) if x is not None]
+
+
+def _held_back(stats: Stats, threads: int | None) -> float | None:
+    """The seconds the loader threads waited for the cache writer, where that is at least
+    ``HELD_BACK`` of their time (the wall time per pool thread) and cache writes were timed:
+    the writer, not the stage the threads ran most, then limits the loader. Else None."""
+    wait, write = stats.stages.get("write_wait"), stats.stages.get("cache_write")
+    if wait is None or write is None:
+        return None
+    pool = max(threads or 0, wait.threads, 1)
+    return wait.seconds if wait.seconds >= HELD_BACK * pool * stats.wall_s else None
 
 
 def _kind(stats: Stats) -> str | None:
@@ -199,9 +217,13 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
         each = "of each pass" if stats.passes > 1 else "of the pass"
         return Diagnosis(st, "startup", f"most of the waiting ({first:.2f} of {stats.wait_s:.2f} s) is the first "
                          f"next() {each}{what}; in between it keeps up with the step; {waited}", action)
-    if not stats.stages:
+    candidates = _candidates(stats)
+    if not candidates:  # no stage spans (or only waits for the writer)
         return Diagnosis(st, "loader", *no_stages(stats, kind, waited))
-    s = max(_candidates(stats), key=lambda s: s.seconds / _workers(s, threads))
+    s = max(candidates, key=lambda s: s.seconds / _workers(s, threads))
+    held = _held_back(stats, threads)
+    if held is not None:
+        s = stats.stages["cache_write"]
     n = _workers(s, threads)
     busy = min(1.0, s.seconds / n / wall)  # work outside the passes (listing at open) can exceed the wall time
     total_gbps = s.gbps * n
@@ -212,6 +234,9 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
     else:
         where = (f"{s.name} kept {n} thread{'s' * (n != 1)} busy {busy:.0%} of the {wall:.2f} s run "
                  f"({s.seconds:.2f} s in all, {s.gbps:.2f} GB/s and {rate(s.rows_per_s)} rows/s per thread)")
+        if held is not None:
+            where += (f"; the loader threads waited {held:.2f} s in all for the cache writer (one thread per cache "
+                      f"folder) to take the chunks they had built")
     message, action = stage_advice(s, stats, kind, where, total_gbps, disk_gbps)
     message += f"; {waited}"
     if stats.during_waits:  # what ran while it waited: the waiting prefetch did not hide, by stage
@@ -220,7 +245,8 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
         action += ("; and move the loading off the training thread (gpuload loads on background threads)"
                    if kind == "gpuload" else "; and move the loading off the training thread (DataLoader "
                    "num_workers > 0, or a background thread)")
-    elif busy < SATURATED and not (s.name == "batch" and (stats.loader_settings or {}).get("batch_transform")):
+    elif busy < SATURATED and held is None and not (s.name == "batch" and
+                                                    (stats.loader_settings or {}).get("batch_transform")):
         message += (f"; no stage is busy more than {SATURATED:.0%} of the run per thread, so the loader is not "
                     "keeping enough work in flight")
         if kind != "gpuload":

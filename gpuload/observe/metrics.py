@@ -38,8 +38,9 @@ from .trace import SPAN_FIELDS, TraceFile, TraceRecord, iter_events
 
 __all__ = ["STAGES", "Metrics"]
 
-#: Pipeline stages a span can name, in pipeline order.
-STAGES = ("list", "read", "decode", "convert", "cache_write", "cache_read", "h2d", "batch")
+#: Pipeline stages a span can name, in pipeline order; then ``write_wait``, not work but a loader
+#: thread blocked until the cache writer took its chunk (the writes holding the loader back).
+STAGES = ("list", "read", "decode", "convert", "cache_write", "cache_read", "h2d", "batch", "write_wait")
 _INDEX = {s: i for i, s in enumerate(STAGES)}
 _NVTX_NAMES = tuple(f"gpuload:{s}" for s in STAGES)
 

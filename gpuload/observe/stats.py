@@ -131,11 +131,14 @@ class Stats:
 
     def waits_text(self) -> str:
         """The waiting not hidden by prefetch and what ran during it, in words."""
-        parts = sorted(((k, v) for k, v in (self.during_waits or {}).items() if k != "idle"), key=lambda kv: -kv[1])
+        during = self.during_waits or {}
+        parts = sorted(((k, v) for k, v in during.items() if k not in ("idle", "write_wait")), key=lambda kv: -kv[1])
         busy = ", ".join(f"{k} {v:.3f} s" for k, v in parts) or "no stage"
-        idle = (self.during_waits or {}).get("idle", 0.0)
-        return (f"{self.wait_s:.3f} s not hidden by prefetch; loader threads busy meanwhile: {busy}; nothing "
-                f"running for {idle:.3f} s" + (" (from the events kept)" if self.events_not_kept else ""))
+        held = (f", and waiting for the cache writer to take their chunks {during['write_wait']:.3f} s"
+                if during.get("write_wait") else "")
+        return (f"{self.wait_s:.3f} s not hidden by prefetch; loader threads busy meanwhile: {busy}{held}; nothing "
+                f"running for {during.get('idle', 0.0):.3f} s" + (" (from the events kept)" if self.events_not_kept
+                                                                   else ""))
 
     def to_dict(self) -> dict:
         """Plain dict (stages as dicts), ready for ``json.dumps``."""

@@ -69,3 +69,29 @@ def test_a_failed_copy_gives_the_slot_back():
         with pytest.raises(MemoryError):
             writer.submit(lambda k, c: None, "k", lambda: (_ for _ in ()).throw(MemoryError()), _Lock())
     assert _flushes(writer)  # no slot leaked
+
+
+def test_a_caller_that_waits_for_a_slot_is_told_how_long_in_the_given_clock():
+    """The loader thread held back by the writer: ``waited(t0, t1)`` once per submit that
+    blocked, in the caller's clock; never for a submit that found a free slot."""
+    gate, waits = threading.Event(), []
+    ticks = iter(range(100))
+    writer = Writer()
+
+    def write(key, cols):
+        gate.wait(10)
+
+    def submit(i):
+        writer.submit(write, i, lambda: {}, _Lock(), lambda t0, t1: waits.append((i, t0, t1)), lambda: next(ticks))
+
+    for i in range(PENDING):  # the writer takes these: no wait
+        submit(i)
+    assert waits == []
+    t = threading.Thread(target=submit, args=(PENDING,))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and waits == []  # blocked, not told yet
+    gate.set()
+    t.join(10)
+    writer.flush()
+    assert waits == [(PENDING, 0, 1)]

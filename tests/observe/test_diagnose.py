@@ -434,6 +434,48 @@ def test_buffered_cache_writes_that_limit_a_first_epoch_point_to_direct_io(tmp_p
         assert ds.stats().loader_settings["cache_io"] == mode
 
 
+@pytest.mark.parametrize("held", [7.0, 2.0])
+def test_loader_threads_held_back_by_the_cache_writer_name_the_writes_not_decoding(held):
+    """The H200's first epoch with cuDF: decode and convert kept the 2 loader threads busiest (1.9 s of
+    2.3 s), so decoding was named, with 'raise prefetch' and 'raise num_threads'; the threads had
+    waited 1.6 s for the one writer thread, the real limit. Waiting a fifth of their time or more
+    (7 s of 2 x 10 s) names the cache writes; less (2 s) leaves the busiest stage named."""
+    stages = [stage("read", 2.0, 2, 10**9), stage("decode", 9.0, 2, 4 * 10**9, 6_553_600),
+              stage("convert", 5.0, 2, 4 * 10**9, 6_553_600), stage("cache_write", 8.0, 3, 3 * 10**9, 6_553_600),
+              stage("write_wait", held, 2)]
+    settings = {"num_threads": 2, "prefetch": 2, "device": "cuda", "decode": "gpu", "cache_io": "buffered"}
+    d = gpuload.diagnose(make_stats(0.9, stages=stages, loader="gpuload", loader_settings=settings))
+    if held == 7.0:
+        assert d.limiting == "cache_write" and f"waited {held:.2f} s in all for the cache writer" in d.message
+        assert "gpuload cache build" in d.action and "cache_io='direct'" in d.action
+        assert "raise prefetch" not in d.action and "not keeping enough work in flight" not in d.message
+    else:
+        assert d.limiting == "decode" and "cache writer" not in d.message
+    assert "write_wait" not in d.message.split("during those waits")[0]
+
+
+def test_a_first_epoch_held_back_by_a_slow_writer_records_write_waits(tmp_path, monkeypatch):
+    """Every chunk write slowed: the loader threads block on the writer's slots, and the epoch's
+    stats hold write_wait spans, none longer than the run; the rows are all there."""
+    import time as _time
+
+    from gpuload.cache.store import ChunkCache
+
+    real = ChunkCache._write
+    monkeypatch.setattr(ChunkCache, "_write", lambda self, key, cols, spill=True: (_time.sleep(0.05),
+                                                                                     real(self, key, cols, spill))[1])
+    from gpuload.synth import write_clicklog
+
+    write_clicklog(tmp_path / "d", rows=4000, files=1, row_group_rows=100)
+    ds = gpuload.ParquetDataset(tmp_path / "d", ["row_id"], cache_dir=tmp_path / "c", device="cpu", batch_size=500,
+                                chunk_bytes=4096, num_threads=2, shuffle=False)
+    assert len(ds.reader.chunks) == 8 and sum(len(b["row_id"]) for b in ds) == 4000
+    st = ds.stats()
+    waits = st.stages["write_wait"]
+    assert waits.calls > 0 and 0 < waits.seconds and waits.seconds / waits.threads <= st.wall_s
+    assert "cache_write" in st.stages
+
+
 def test_epochs_that_decode_because_caching_is_off_are_told_so_not_to_build_the_cache(tmp_path):
     """cache_io='off' decodes every epoch by choice: building the cache ahead is not the advice;
     leaving 'off' out is, for a job of more than one epoch."""
