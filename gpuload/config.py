@@ -83,7 +83,7 @@ class Options(_Settings):
     block_rows: int = 256
     seed: int = 0
     drop_last: bool = False
-    layout: str = "rows"
+    layout: str = "auto"
     shuffle_window: int = 4
     chunk_bytes: int = 64 * MiB
     rank: int | None = None
@@ -112,6 +112,16 @@ class Options(_Settings):
     def shuffled(self) -> bool:
         """Whether rows are permuted (``shuffle=True`` or ``"block"``)."""
         return self.shuffle is True or self.shuffle == "block"
+
+    @property
+    def stored_layout(self) -> str:
+        """The layout chunks are stored in: ``layout``, or for ``"auto"`` ``"rows"``, except
+        ``"columns"`` where nothing is cached and no row is gathered (``cache_io="off"`` with
+        ``shuffle=False`` or ``"chunks"``: batches are then views of the decoded columns, no
+        block to unpack; no cache file can differ, so ``cache build`` and training agree)."""
+        if self.layout != "auto":
+            return self.layout
+        return "columns" if self.cache_io == "off" and not self.shuffled else "rows"
 
     @property
     def chunks_shuffled(self) -> bool:
@@ -149,8 +159,8 @@ class Options(_Settings):
             raise ConfigError(f"kvikio_compat={self.kvikio_compat!r} must be 'auto', 'on' or 'off'")
         if self.cache_io not in ("auto", "direct", "buffered", "off"):
             raise ConfigError(f"{setting('cache_io', self.cache_io)} must be 'auto', 'direct', 'buffered' or 'off'")
-        if self.layout not in ("rows", "columns"):
-            raise ConfigError(f"{setting('layout', self.layout)} must be 'rows' or 'columns'")
+        if self.layout not in ("auto", "rows", "columns"):
+            raise ConfigError(f"{setting('layout', self.layout)} must be 'auto', 'rows' or 'columns'")
         if self.shard not in ("global", "node"):
             raise ConfigError(f"shard={self.shard!r} must be 'global' or 'node'")
         cache = self.cache_dir if self.cache_dir is not None else default_cache_dir()

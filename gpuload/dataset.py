@@ -64,10 +64,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         shuffling: for data shuffled when it was written, or a first pass that must cost least).
         ``False``: rows in file order.
     block_rows : rows per block with ``shuffle="block"`` (default 256).
-    layout : how the cache stores outputs (default ``"rows"``: single-column scalar outputs
-        of one dtype as one row-major block, gathered a row at a time; ``"columns"``: an array
-        per output). Batches hold the same contiguous tensors either way; see
-        :mod:`gpuload.layout`. Each layout has its own cache files.
+    layout : how the cache stores outputs: ``"rows"`` (single-column scalar outputs of one
+        dtype as one row-major block, gathered a row at a time), ``"columns"`` (an array per
+        output), or ``"auto"`` (default): ``"rows"``, except ``"columns"`` under
+        ``cache_io="off"`` with ``shuffle=False`` or ``"chunks"``, where batches are views of
+        the decoded columns (nothing is cached then). Batches hold the same contiguous tensors
+        either way; see :mod:`gpuload.layout`. Each layout has its own cache files.
     seed : shuffle seed (default 0); with the epoch it fixes the order completely.
     drop_last : drop the tail that does not fill a batch on every rank (default False:
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).

@@ -102,7 +102,7 @@ class ChunkReader:
             marks["transform"] = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
         if flt is not None:
             marks["filter"] = flt.key
-        self.spec_desc = [{**d, **marks} for d in spec_description(self.outputs, opts.layout,
+        self.spec_desc = [{**d, **marks} for d in spec_description(self.outputs, opts.stored_layout,
                                                                     permuted=opts.block is not None)]
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)

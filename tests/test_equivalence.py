@@ -24,6 +24,7 @@ CONFIGS = {
     "native": dict(layout="rows", shuffle=True, native=True),
     "off": dict(layout="rows", shuffle=True, cache_io="off"),  # every epoch decoded, nothing cached
     "chunks": dict(layout="rows", shuffle="chunks"),  # the chunk order alone permuted
+    "chunks-off": dict(shuffle="chunks", cache_io="off"),  # layout 'auto': columns, batches views of decoded chunks
 }
 
 

@@ -92,7 +92,7 @@ def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None
     """--chunk-mib, --layout and (``block_rows``) --block-rows: what decides a cache's files."""
     p.add_argument("--chunk-mib", type=float, help=f"chunk size bound in MiB (default {Options.chunk_bytes // MiB}; "
                    "as the cache was built with)")
-    p.add_argument("--layout", choices=["rows", "columns"], help=f"the training's layout= (default {Options.layout})")
+    p.add_argument("--layout", choices=["auto", "rows", "columns"], help=f"the training's layout= (default {Options.layout})")
     if block_rows:
         p.add_argument("--block-rows", type=int, help="the training's block_rows with shuffle='block' (chunks stored "
                        "with their rows permuted); default: for the other shuffle modes")
