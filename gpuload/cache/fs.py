@@ -14,9 +14,8 @@ touches paths below the root, and it keeps that promise by construction:
 * A name is deleted only if ``lstat`` says it is a regular file and it is one of the
   names gpuload writes (:data:`CHUNK`, :data:`TEMP`, :data:`LOCK`, ...). Unlinking a
   name never touches the file another name (a hard link) keeps.
-* Files are written to a new temporary name (``O_EXCL``), fsynced (unless the caller
-  checks their contents another way) and renamed over the final name only if that name
-  is absent or a regular file.
+* Files are written to a new temporary name (``O_EXCL``), fsynced and renamed over
+  the final name only if that name is absent or a regular file.
 * Locks are ``flock`` on a lock file opened the same way; a lock counts only while
   the lock file's name still points to the locked file (a ``cache clear`` that
   removed it meanwhile makes the taker retry with a fresh one).
@@ -177,15 +176,9 @@ class CacheRoot:
         except FileNotFoundError:
             return None
 
-    def write(self, parts, name: str, fill: Callable[[int], None], durable: bool = True) -> os.stat_result:
+    def write(self, parts, name: str, fill: Callable[[int], None]) -> os.stat_result:
         """Create regular file ``name`` atomically: ``fill(fd)`` writes a new temporary file,
-        which is renamed over ``name``. Returns the new file's ``fstat``.
-
-        ``durable`` (default True): the file is fsynced before the rename and its folder
-        after it, so a power cut leaves the old file or the whole new one. False: neither
-        (every process sees the whole file at once either way; only a power cut can leave
-        it incomplete), for files whose readers check their contents (the chunk files'
-        checksums): on the H200 node the fsync was half the cache writer's time.
+        which is fsynced and renamed over ``name``. Returns the new file's ``fstat``.
 
         Refuses (:class:`ForeignEntry`) when ``name`` is something other than a regular file.
         """
@@ -196,8 +189,7 @@ class CacheRoot:
             try:
                 try:
                     fill(fd)
-                    if durable:
-                        os.fsync(fd)
+                    os.fsync(fd)
                     st = os.fstat(fd)
                 finally:
                     os.close(fd)
@@ -212,11 +204,10 @@ class CacheRoot:
                 except OSError:
                     pass
                 raise
-            if durable:
-                try:
-                    os.fsync(d)
-                except OSError:
-                    pass
+            try:
+                os.fsync(d)
+            except OSError:
+                pass
             return st
 
     def probe_write(self, parts, name: str) -> None:

@@ -3,11 +3,8 @@
 File names and the cache folder are in :mod:`gpuload.cache.paths`, the file format in
 :mod:`gpuload.cache.chunkfile`.
 
-Writes go to a temporary name in the same folder and are renamed into place: a reader
-sees a complete file or none. A chunk file is not fsynced while its checksums are
-checked (``verify``, on by default): a file a power cut left incomplete fails its first
-check in the next process and is rebuilt, and the writes go on without waiting for the
-disk; with ``verify=False`` nothing would catch it, so each file is fsynced first. Each chunk has a lock file (``flock``, released
+Writes go to a temporary name in the same folder, are fsynced and renamed into place:
+a reader sees a complete file or none. Each chunk has a lock file (``flock``, released
 by the OS when a process dies) so concurrent builders build it once. Reads take no
 lock, so a read-only cache built by another user is served as it is.
 
@@ -143,7 +140,7 @@ class ChunkCache:
         corrupt file is rebuilt, never served; a file that cannot be read, locked or
         written is decoded and served anyway (one warning per kind of problem).
 
-        Without a budget the write happens on a background writer
+        Without a budget the write (and its fsync) happens on a background writer
         thread that keeps the chunk's lock until the file is in place, so decoding
         goes on meanwhile. :meth:`flush` waits for pending writes. ``shared=True``
         (default) says the caller may hand views of the columns to code that changes
@@ -280,12 +277,11 @@ class ChunkCache:
 
             with self.space.room(total) as why:
                 if why is None:
-                    durable = self.verify is False  # else the checksums catch what a power cut left half-written
                     if self.metrics is None:
-                        st = self.root.write(key.parts, key.name, fill, durable)
+                        st = self.root.write(key.parts, key.name, fill)
                     else:
                         with self.metrics.span("cache_write", rows=nrows(cols)) as span:
-                            st = self.root.write(key.parts, key.name, fill, durable)
+                            st = self.root.write(key.parts, key.name, fill)
                             span.nbytes = total
             if why is not None:
                 if not (spill and self.spill is not None and self.spill(self, key, cols, why)):

@@ -136,7 +136,7 @@ def _held_back(stats: Stats, threads: int | None) -> float | None:
     wait, write = stats.stages.get("write_wait"), stats.stages.get("cache_write")
     if wait is None or write is None:
         return None
-    pool = max(threads or 0, wait.threads, 1)
+    pool = threads or (stats.loader_settings or {}).get("num_threads") or max(wait.threads, 1)
     return wait.seconds if wait.seconds >= HELD_BACK * pool * stats.wall_s else None
 
 
@@ -222,9 +222,9 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
         return Diagnosis(st, "loader", *no_stages(stats, kind, waited))
     s = max(candidates, key=lambda s: s.seconds / _workers(s, threads))
     held = _held_back(stats, threads)
-    if held is not None:
+    if held is not None:  # the writer's own threads (and any that copied for it), not the loader's pool
         s = stats.stages["cache_write"]
-    n = _workers(s, threads)
+    n = max(1, s.threads) if held is not None else _workers(s, threads)
     busy = min(1.0, s.seconds / n / wall)  # work outside the passes (listing at open) can exceed the wall time
     total_gbps = s.gbps * n
     if s.training_thread:  # inside next(): the time it can use is the wait, not the wall
@@ -235,7 +235,7 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
         where = (f"{s.name} kept {n} thread{'s' * (n != 1)} busy {busy:.0%} of the {wall:.2f} s run "
                  f"({s.seconds:.2f} s in all, {s.gbps:.2f} GB/s and {rate(s.rows_per_s)} rows/s per thread)")
         if held is not None:
-            where += (f"; the loader threads waited {held:.2f} s in all for the cache writer (one thread per cache "
+            where += (f"; the loader threads waited {held:.2f} s in all for the cache writer (two threads per cache "
                       f"folder) to take the chunks they had built")
     message, action = stage_advice(s, stats, kind, where, total_gbps, disk_gbps)
     message += f"; {waited}"

@@ -72,6 +72,10 @@ def _one(stats, counters, labels: dict) -> list[Sample]:
         out.append(Sample("gpuload_queue_empty_fraction", "gauge", "share of queue samples with no batch ready",
                           labels, float(stats.queue_empty)))
     for s in stats.stages.values():
+        if s.name == "write_wait":  # not busy time: the loader threads held back by the cache writer
+            out.append(Sample("gpuload_write_wait_seconds_total", "counter", "seconds loader threads waited for "
+                              "the cache writer to take the chunks they built", labels, float(s.seconds)))
+            continue
         for m, f, h in _STAGE:
             out.append(Sample(m, "counter", h, {**labels, "stage": s.name}, float(getattr(s, f))))
     if stats.remote is not None:

@@ -241,44 +241,18 @@ def test_dataset_rebuilds_corrupt_chunk(click, tmp_path, how):
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_chunk_files_are_fsynced_only_where_no_checksum_would_catch_a_power_cut(click, tmp_path, monkeypatch, verify):
-    """Chunk files are not fsynced while checksums are checked (the writes do not wait for the
-    disk: half the writer's time on the H200 node); with ``verify_checksums=False`` each one is,
-    and its folder after the rename. Other cache files (vocabularies, specs) are fsynced always."""
+def test_every_chunk_file_is_on_disk_before_it_has_its_name(click, tmp_path, monkeypatch, verify):
+    """Whatever a later reader checks (verify_checksums=False checks no data), a power cut must leave
+    each chunk whole or absent: every chunk file is fsynced while it still has its temporary name,
+    on the two writer threads alike, and its folder after the rename."""
     data, files, ref = click
     synced, real = [], os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
     ds = _dataset(data, tmp_path / "cache", shuffle=True, verify_checksums=verify)
     check_epoch(ds, ref)
     ds.reader.cache.flush()
-    chunks = [p for p in synced if ".glc" in p]
-    assert len(chunks) == (0 if verify else len(ds.reader.chunks)), synced
-    assert len(_entries(tmp_path / "cache")) == len(ds.reader.chunks)
-
-
-@pytest.mark.parametrize("left", ["zeros", "empty", "half"])
-def test_what_a_power_cut_leaves_of_an_unsynced_chunk_is_rebuilt(click, tmp_path, left):
-    """An unsynced chunk file after a power cut: its blocks never written (zeros, the size kept),
-    the file empty, or its second half zeros. The next process's first read of it fails the
-    header or checksum check, and the chunk is decoded again: exact values, the file valid again."""
-    data, files, ref = click
-    cache = tmp_path / "cache"
-    ds = _dataset(data, cache, shuffle=True)
-    check_epoch(ds, ref)
-    ds.reader.cache.flush()
-    n = len(ds.reader.chunks)
-    victim = ds.reader.cache.path(ds.reader.key(n // 2))
-    size = victim.stat().st_size
-    raw = victim.read_bytes()
-    victim.write_bytes({"zeros": bytes(size), "empty": b"", "half": raw[:size // 2] + bytes(size - size // 2)}[left])
-    ds.close()
-
-    fresh = _dataset(data, cache, shuffle=True)  # a new reader: every file checked on its first read
-    check_epoch(fresh, ref)
-    fresh.reader.cache.flush()
-    assert fresh.reader.counters.decoded == 1
-    _, cols = read_chunk(victim, verify=True)
-    assert len(cols["row_id"]) == fresh.reader.chunks[n // 2].rows
+    temps = [p for p in synced if ".glc.tmp." in p]
+    assert len(temps) == len(ds.reader.chunks) == len(_entries(tmp_path / "cache")), synced
 
 
 def _flip_keeping_stat(path) -> None:
@@ -537,9 +511,9 @@ def tampered(cols):
 
 real_write = cfs.CacheRoot.write
 
-def write_then_die(self, parts, name, fill, durable=True):
+def write_then_die(self, parts, name, fill):
     if not name.endswith(".glc"):
-        return real_write(self, parts, name, fill, durable)
+        return real_write(self, parts, name, fill)
     # what a writer killed before its rename leaves behind: a temporary file with valid
     # checksums but wrong values (complete) or half of one
     with self.folder(parts, create=True) as d:

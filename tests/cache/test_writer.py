@@ -1,5 +1,5 @@
-"""The cache's background writer: at most PENDING chunks wait, flush waits for them all, and each
-chunk's lock is released after its write, even a failed one."""
+"""The cache's background writer: at most PENDING chunks wait, THREADS are written at once, flush
+waits for them all, and each chunk's lock is released after its write, even a failed one."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gpuload.cache.writer import PENDING, Writer
+from gpuload.cache.writer import PENDING, THREADS, Writer
 
 
 def _flushes(writer: Writer) -> bool:
@@ -48,7 +48,7 @@ def test_at_most_pending_chunks_wait_and_flush_waits_for_them():
     gate.set()
     t.join(10)
     writer.flush()
-    assert done == list(range(PENDING + 2)) and all(lock.released.is_set() for lock in locks)
+    assert sorted(done) == list(range(PENDING + 2)) and all(lock.released.is_set() for lock in locks)
 
 
 def test_a_failed_write_still_releases_its_lock_and_slot():
@@ -95,3 +95,36 @@ def test_a_caller_that_waits_for_a_slot_is_told_how_long_in_the_given_clock():
     t.join(10)
     writer.flush()
     assert waits == [(PENDING, 0, 1)]
+
+
+def test_chunks_are_written_on_several_threads_at_once():
+    """One chunk's write (its fsync waiting for the disk) does not hold up the next: THREADS writes
+    run together (each waits here until all of them have started)."""
+    assert THREADS == PENDING == 2
+    together, names = threading.Barrier(THREADS, timeout=10), []
+    writer = Writer()
+
+    def write(key, cols):
+        names.append(threading.current_thread().name)
+        together.wait()  # raises BrokenBarrierError (logged, the chunk not cached) if they ran one by one
+
+    locks = [_Lock() for _ in range(THREADS)]
+    for i, lock in enumerate(locks):
+        writer.submit(write, i, lambda: {}, lock)
+    writer.flush()
+    assert not together.broken and len(set(names)) == THREADS and all(n.startswith("gpuload-write") for n in names)
+
+
+def test_a_failing_wait_callback_gives_the_slot_back():
+    gate = threading.Event()
+    writer = Writer()
+    for i in range(PENDING):
+        writer.submit(lambda k, c: gate.wait(10), i, lambda: {}, _Lock())
+    threading.Timer(0.2, gate.set).start()
+
+    def boom(t0, t1):
+        raise RuntimeError("a metrics clock that fails")
+
+    with pytest.raises(RuntimeError, match="clock"):
+        writer.submit(lambda k, c: None, "x", lambda: {}, _Lock(), boom)
+    assert _flushes(writer)  # no slot leaked

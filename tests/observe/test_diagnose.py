@@ -447,11 +447,24 @@ def test_loader_threads_held_back_by_the_cache_writer_name_the_writes_not_decodi
     d = gpuload.diagnose(make_stats(0.9, stages=stages, loader="gpuload", loader_settings=settings))
     if held == 7.0:
         assert d.limiting == "cache_write" and f"waited {held:.2f} s in all for the cache writer" in d.message
+        assert "cache_write kept 3 threads busy" in d.message  # the writer's threads, not the loader pool
         assert "gpuload cache build" in d.action and "cache_io='direct'" in d.action
         assert "raise prefetch" not in d.action and "not keeping enough work in flight" not in d.message
     else:
         assert d.limiting == "decode" and "cache writer" not in d.message
     assert "write_wait" not in d.message.split("during those waits")[0]
+
+
+def test_one_thread_briefly_held_back_among_eight_does_not_name_the_writer():
+    """The share is of the loader pool's time (num_threads from the stats' settings when diagnose is
+    not told the threads): 2.1 s of one thread among 8 over 10 s is 3%, not the limit."""
+    stages = [stage("decode", 72.0, 8, 4 * 10**9, 6_553_600), stage("cache_write", 3.0, 1, 3 * 10**9, 6_553_600),
+              stage("write_wait", 2.1, 1)]
+    settings = {"num_threads": 8, "prefetch": 2, "device": "cpu", "cache_io": "buffered"}
+    for threads in (None, 8):
+        d = gpuload.diagnose(make_stats(0.9, stages=stages, loader="gpuload", loader_settings=settings),
+                             threads=threads)
+        assert d.limiting == "decode" and "cache writer" not in d.message
 
 
 def test_a_first_epoch_held_back_by_a_slow_writer_records_write_waits(tmp_path, monkeypatch):

@@ -50,7 +50,7 @@ def test_a_scrape_holds_what_stats_says(data, tmp_path):
     assert got[("gpuload_chunks_total", tuple(sorted(lab + (("outcome", "decoded"),))))] == \
         ds.reader.counters.decoded > 0
     stages = {dict(k[1])["stage"]: v for k, v in got.items() if k[0] == "gpuload_stage_busy_seconds_total"}
-    assert set(stages) == set(st.stages) and stages["decode"] == pytest.approx(st.stages["decode"].seconds)
+    assert set(stages) == set(st.stages) - {"write_wait"} and stages["decode"] == pytest.approx(st.stages["decode"].seconds)
     with pytest.raises(OSError):  # closed: the port is free, nothing answers
         urllib.request.urlopen(server.url, timeout=2)
 
@@ -130,3 +130,19 @@ def test_the_grafana_dashboard_asks_only_for_metrics_gpuload_exports(data, tmp_p
     names = {s.name for s in export.samples(mix)} | {m for m, _, _ in export._REMOTE}  # local sources: no remote
     assert asked and asked <= names, asked - names
     assert {s.name for s in export.samples(mix)} >= {"gpuload_queue_depth_mean", "gpuload_queue_empty_fraction"}
+
+
+def test_waiting_for_the_cache_writer_is_not_exported_as_busy_time():
+    """write_wait (loader threads held back by the writer) has a counter of its own: summing the
+    stages' busy seconds must not count waiting as work."""
+    import types
+
+    from gpuload.observe.export import samples
+
+    m = gpuload.Metrics(nvtx=False)
+    m.record("decode", 0.0, 2.0)
+    m.record("write_wait", 0.0, 0.5)
+    got = {(s.name, s.labels.get("stage")): s.value for s in samples(types.SimpleNamespace(stats=m.stats))}
+    assert got[("gpuload_stage_busy_seconds_total", "decode")] == 2.0
+    assert ("gpuload_stage_busy_seconds_total", "write_wait") not in got
+    assert got[("gpuload_write_wait_seconds_total", None)] == 0.5
