@@ -196,7 +196,24 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
                    f"waited for a core {share:.0%} as long as they ran (gpuload's {g[1]:.2f} s, the training "
                    f"thread's and torch's {o[1]:.2f} s) on {_cores()} cores",
                    action=f"{d.action}; and run fewer threads at once: torch.set_num_threads() in the training "
-                   "process, a smaller num_threads or a nice= for the loader, or fewer processes per node")
+                   "process, a smaller num_threads or a nice= for the loader, or fewer processes per node" + _spinning())
+
+
+def _spinning() -> str:
+    """Advice on torch's OpenMP threads, which by default spin on a core for a while after each
+    parallel region: with several of them and cores oversubscribed, they take the loader's cores
+    (on 2 cores, a consumer cloning batches with torch's 2 threads: 1.43-1.60 M rows/s a first
+    epoch with them spinning, 1.96-2.10 M with OMP_WAIT_POLICY=PASSIVE). Empty where torch runs
+    one thread or the policy is set already."""
+    import os
+
+    import torch
+
+    if torch.get_num_threads() <= 1 or os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
+        return ""
+    return (f"; or keep torch's {torch.get_num_threads()} threads and set OMP_WAIT_POLICY=PASSIVE in the "
+            "environment before Python starts (its OpenMP threads then sleep between parallel regions instead of "
+            "spinning on the loader's cores)")
 
 
 def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Diagnosis:

@@ -543,3 +543,29 @@ def test_oversubscribed_cores_are_not_answered_with_more_threads():
         assert d.limiting == "batch" and ("more num_threads" in d.action) == more, d.action
         assert ("a smaller num_threads" in d.action) == (not more)
         assert "on a node with a GPU, device=cuda" in d.action
+
+
+@pytest.mark.parametrize("torch_threads, policy, told", [(2, None, True), (1, None, False), (2, "passive", False),
+                                                          (4, "ACTIVE", True)])
+def test_oversubscribed_cores_with_torch_threads_spinning_point_to_a_passive_wait_policy(monkeypatch, torch_threads,
+                                                                                          policy, told):
+    """On 2 cores a consumer cloning batches with torch's 2 threads slowed a one-pass gpuload epoch by
+    a third (its OpenMP threads spin between parallel regions); OMP_WAIT_POLICY=PASSIVE gave it back.
+    Said where the cores are measured oversubscribed, torch runs several threads and the policy is
+    not passive already."""
+    import torch
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: torch_threads)
+    if policy is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+    decode = [stage("decode", 9.0, 2, 10**9, 6_553_600)]
+    busy = {"gpuload": (4.0, 2.0), "other": (2.0, 1.0)}
+    d = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload", cpu_queue=busy,
+                                    loader_settings={"num_threads": 2, "prefetch": 2, "device": "cpu"}))
+    assert ("OMP_WAIT_POLICY=PASSIVE" in d.action) == told
+    assert (f"torch's {torch_threads} threads" in d.action) == told
+    calm = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload",
+                                       loader_settings={"num_threads": 2, "prefetch": 2, "device": "cpu"}))
+    assert "OMP_WAIT_POLICY" not in calm.action
