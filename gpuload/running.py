@@ -10,6 +10,7 @@ and yields each batch as the device hands it over, counting it when it is handed
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 from . import preload
@@ -68,18 +69,36 @@ class Epochs:
             if not stop.is_set():
                 self.ahead.start(self.cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
 
-        def permutation(i: int, n: int):  # window i's rows, the same order on every device
-            return device.upload_index(self.plan.permutation(pos.epoch, rest.takes[i], n))
+        def draw(i: int, n: int):  # window i's rows as positions in it, the same order on every device
+            return self.plan.permutation(pos.epoch, rest.takes[i], n)
 
-        remote = r.has_remote
-        yield from epoch_batches(rest.loads, rest.sizes, r.load, permutation if self.plan.shuffled else None, handoff,
-                                 threads=o.num_threads,
-                                 prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
-                                 batch_alloc=device.host_alloc(r.batch_pool), stages=device, metrics=self.metrics,
-                                 warm=r.warm if remote else None, forget=r.forget_ahead if remote else None,
-                                 cut_threads=cut_threads(o.num_threads), preloaded=pre,
-                                 loaded=loaded if o.prefetch and r.caching else None)  # off: the next
-        # epoch's first window would be decoded (and waited for at this one's end) for a job that may have no next
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuload-perm") as drawer:
+            drawn: dict = {}  # window -> its permutation being drawn, one window ahead of the window thread
+
+            def permutation(i: int, n: int):
+                """Window i's permutation where the gathers run; window i + 1's is drawn meanwhile on the
+                drawer thread (NumPy shuffles without the GIL): on the H200 drawing them was half the
+                window thread's time in cached epochs, and the producer waited for windows."""
+                ahead = drawn.pop(i, None)
+                if i + 1 < len(rest.loads):
+                    drawn[i + 1] = drawer.submit(draw, i + 1, sum(s.hi - s.lo for s in rest.loads[i + 1]))
+                perm = ahead.result() if ahead is not None else None
+                return device.upload_index(perm if perm is not None and len(perm) == n else draw(i, n))
+
+            remote = r.has_remote
+            try:
+                yield from epoch_batches(rest.loads, rest.sizes, r.load, permutation if self.plan.shuffled else None,
+                                         handoff, threads=o.num_threads,
+                                         prefetch=o.prefetch, stop=stop, alloc=device.host_alloc(r.pool),
+                                         batch_alloc=device.host_alloc(r.batch_pool), stages=device,
+                                         metrics=self.metrics, warm=r.warm if remote else None,
+                                         forget=r.forget_ahead if remote else None,
+                                         cut_threads=cut_threads(o.num_threads), preloaded=pre,
+                                         loaded=loaded if o.prefetch and r.caching else None)  # off: the next
+                # epoch's first window would be decoded (and waited for at this one's end) for a job that may have none
+            finally:
+                for f in drawn.values():  # left early: no draw for a window that will not come
+                    f.cancel()
 
     def close(self) -> None:
         """Drop the next epoch's chunks loaded ahead."""

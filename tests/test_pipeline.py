@@ -52,6 +52,28 @@ def test_order_is_independent_of_threads_prefetch_and_cache(click, tmp_path, mon
     same_batches(base, list(base_ds))
 
 
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_each_windows_permutation_is_drawn_one_window_ahead_on_its_own_thread(click, tmp_path, monkeypatch, shuffle):
+    """Window w + 1's permutation is drawn on the gpuload-perm thread while window w is assembled (the
+    H200's cached epochs spent half the window thread drawing them); each window gets the plan's own
+    permutation, once, whatever thread drew it: the batches are those of a plan drawn by hand."""
+    from gpuload.epochs import EpochPlan
+
+    drawn, real = [], EpochPlan.permutation
+
+    def recording(self, epoch, take, n):
+        drawn.append((take.window, threading.current_thread().name.split("_")[0]))
+        return real(self, epoch, take, n)
+
+    kw = dict(seed=5, shuffle_window=2, shuffle=shuffle, block_rows=16)
+    want = list(click.open(tmp_path / "a", **kw))  # drawn before the change too: the reference order
+    monkeypatch.setattr(EpochPlan, "permutation", recording)
+    ds = click.open(tmp_path / "a", **kw)
+    same_batches(want, list(ds))
+    assert len(drawn) >= 3 and sorted(w for w, _ in drawn) == list(range(len(drawn)))  # each window once
+    assert dict(drawn) == {w: "gpuload-window" if w == 0 else "gpuload-perm" for w in range(len(drawn))}
+
+
 # ---------------------------------------------------------------------------------------
 # early exit and background errors
 # ---------------------------------------------------------------------------------------
