@@ -23,7 +23,9 @@ def rate(rows_per_s: float) -> str:
 def startup(stats: Stats, kind: str | None) -> tuple[str, str]:
     """(what the first next() of a pass waits for, what to do about it), for the loader ``kind``."""
     steady = "nothing to fix in steady state, and longer epochs amortise it"
-    off = (stats.loader_settings or {}).get("cache_io") == "off"  # every epoch decodes: no cache to build
+    settings = stats.loader_settings or {}
+    off = settings.get("cache_io") == "off"  # every epoch decodes: no cache to build
+    windowed = settings.get("shuffle", True) in (True, "block")  # else batches are cut from the first chunk
     if kind == "gpuload" and stats.remote is not None and stats.remote.requests and stats.stages.get("read"):
         return (f", while the loader fills its first shuffle window, from the object store in the passes that "
                 f"read it ({stats.remote}; {stats.stages['read'].seconds:.2f} s of reads)",
@@ -33,9 +35,11 @@ def startup(stats: Stats, kind: str | None) -> tuple[str, str]:
     if kind == "gpuload":
         decoded = any(n in stats.stages for n in ("decode", "convert"))  # from the cache already: nothing to build
         decoded = decoded and not off  # nor when nothing is cached
-        return (", while the loader fills its first shuffle window",
-                f"{steady}; to shorten it, use a smaller shuffle_window or chunk_bytes"
-                + (", and build the cache ahead (`gpuload cache build`) so the first window is read rather than "
+        first = "first shuffle window" if windowed else "first chunk"
+        return (f", while the loader fills its {first}",
+                ("nothing to fix in steady state" if off and stats.passes == 1 else steady)
+                + f"; to shorten it, use a smaller {'shuffle_window or ' if windowed else ''}chunk_bytes"
+                + (f", and build the cache ahead (`gpuload cache build`) so the {first} is read rather than "
                    "decoded" if decoded else ""))
     if kind == "DataLoader":
         workers = (stats.loader_settings or {}).get("num_workers") or 0

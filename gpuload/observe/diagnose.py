@@ -229,7 +229,9 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
                          "nothing to gain in the loader; to go faster, profile the step (torch.profiler, nsys)")
     # the first next() of each pass, summed (Stats made by hand: the longest next(), one of them)
     first = min(stats.wait_s, stats.first_wait_s if stats.first_wait_s is not None else stats.wait_max_s)
-    if stats.batches > 1 and stats.wait_s > 0 and first >= STARTUP * stats.wait_s:
+    # the rest of the run (after each pass's first next()) must keep up too, or it is no start-up problem
+    steady = (stats.wait_s - first) / (stats.wall_s - first) if stats.wall_s > first else 0.0
+    if stats.batches > 1 and stats.wait_s > 0 and first >= STARTUP * stats.wait_s and steady < STARVED:
         what, action = startup(stats, kind)
         each = "of each pass" if stats.passes > 1 else "of the pass"
         return Diagnosis(st, "startup", f"most of the waiting ({first:.2f} of {stats.wait_s:.2f} s) is the first "
