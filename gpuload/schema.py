@@ -328,6 +328,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     if twice:
         raise SchemaError(f"{file} has more than one column named {twice[0]!r}, and gpuload cannot tell them apart; "
                           "rename one of them, or leave it out of columns=")
+    missing = next((c for _, cols, _ in requested for c in cols if c not in names), None)
+    if missing is not None:  # before the settings that name columns: a misspelt column is the news, not them
+        raise SchemaError(f"column {missing!r} is not in {file} (columns there: {', '.join(schema.names)})")
     if isinstance(fill_nulls, Mapping):
         unknown = sorted(set(fill_nulls) - used)
         if unknown:
@@ -344,8 +347,6 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     for name, cols, is_group in requested:
         kinds, vts, widths = [], [], []
         for c in cols:
-            if c not in names:
-                raise SchemaError(f"column {c!r} is not in {file} (columns there: {', '.join(schema.names)})")
             enc = encoders if isinstance(encoders, (Hash, Vocab)) else (encoders or {}).get(c)
             if isinstance(encoders, (Hash, Vocab)) and not _hashable_column(schema.field(c).type):
                 enc = None  # one Hash for every string column: the numeric ones keep their values

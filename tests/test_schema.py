@@ -82,6 +82,16 @@ def test_missing_column_is_named(columns):
         resolve(columns)
 
 
+@pytest.mark.parametrize("others", [dict(fill_nulls={"i": 0}), dict(categorical={"s": gpuload.Hash()}),
+                                    dict(dtypes={"y": "float64"})])
+def test_a_misspelt_column_is_named_before_the_settings_that_name_the_real_one(others):
+    """A user's trial: columns={"x": ["prise"]} with fill_nulls={"price": 0} was told fill_nulls names a
+    column not loaded, never that 'prise' does not exist."""
+    with pytest.raises(gpuload.SchemaError, match=r"'nope' is not in data/part-0\.parquet"):
+        resolve_outputs(SCHEMA, {"x": "nope", "y": "f"}, others.get("fill_nulls"), others.get("dtypes"),
+                        file="data/part-0.parquet", categorical=others.get("categorical"))
+
+
 @pytest.mark.parametrize("member", ["r", "fx"])
 def test_group_containing_a_list_column_is_refused(member):
     with pytest.raises(gpuload.SchemaError, match=rf"'g'.*'{member}'"):
