@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 
 import statistics
 
+from ..errors import ConfigError
 from ..memory import cores as _cores
 from .advice import CONTENDED, DISK_NEAR, no_stages, rate, stage_advice, startup
 from .stats import StageStats, Stats
@@ -175,8 +176,14 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
     ------
     ValueError
         When ``stats`` timed no ``next()`` call at all.
+    gpuload.ConfigError
+        When ``stats`` is not the stats of a loop.
     """
     if not isinstance(stats, Stats):  # every rank's figures (gpuload.observe.ranks.RankStats)
+        if not hasattr(stats, "slowest"):
+            raise ConfigError(f"gpuload.diagnose() takes the stats of a loop (ds.stats(), a watched loader's "
+                              f".stats(), Metrics.stats() or ds.stats(all_ranks=True)), not a "
+                              f"{type(stats).__name__}")
         return _straggler(stats, disk_gbps, threads)
     d = _diagnose(stats, disk_gbps, threads)
     pool = threads or (stats.loader_settings or {}).get("num_threads")

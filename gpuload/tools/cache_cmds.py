@@ -200,14 +200,14 @@ def cmd_info(args) -> int:
 def _summary(cache) -> None:
     """Print what ``cache info`` says of the cache itself."""
     s = cache.summary()
-    print(f"cache {s['root']}: {s['chunks']} chunks, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
+    print(f"cache {s['root']}: {s['chunks']} chunk{'s' * (s['chunks'] != 1)}, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
           f"{s['footers']} source files (a cached dataset reopens without reading its files)")
     print(_budget(cache, s["bytes"])[1])
     _datasets_text(cache, s["bytes"])
     if s["specs"]:
         print("column sets (spec: outputs; last used; chunks):")
     for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
-        print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {e['chunks']} chunks, "
+        print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {e['chunks']} chunk{'s' * (e['chunks'] != 1)}, "
               f"{e['bytes'] / 2**20:,.1f} MiB")
     if s["vocabularies"]:
         print("vocabularies (column: values; counted with; over source files; built):")
@@ -222,7 +222,7 @@ def _summary(cache) -> None:
     if s["sources"]:
         print("source files:")
     for src, e in sorted(s["sources"].items()):
-        print(f"  {src}: {e['chunks']} chunks, {e['bytes'] / 2**20:,.1f} MiB")
+        print(f"  {src}: {e['chunks']} chunk{'s' * (e['chunks'] != 1)}, {e['bytes'] / 2**20:,.1f} MiB")
     if s["temporaries"]:
         print(f"  {s['temporaries']} unfinished temporary files from interrupted writers "
               "(never read; `gpuload cache clear` removes them)")
@@ -327,7 +327,7 @@ def _datasets_text(cache: ChunkCache, used: int) -> None:
     for d in rows:
         share = f", {d['bytes'] / budget:.0%} of the budget" if budget else ""
         print(f"  {d['record']}: {d['files']} source files, column set {', '.join(h[:8] for h in d['specs'])}; "
-              f"{d['chunks']} chunks, {size_text(d['bytes'])}{share}; last used {_when(d['last_used'])}"
+              f"{d['chunks']} chunk{'s' * (d['chunks'] != 1)}, {size_text(d['bytes'])}{share}; last used {_when(d['last_used'])}"
               + ("; open now" if d["live"] else ""))
 
 

@@ -601,3 +601,9 @@ def test_a_slow_start_is_told_what_fills_it_in_each_shuffle_mode(shuffle, cache_
     assert ("first shuffle window" in d.message) == windowed and ("first chunk" in d.message) != windowed
     assert ("amortise" in d.action) == (cache_io != "off")
     assert ("gpuload cache build" in d.action) == (cache_io != "off")
+
+
+def test_something_that_is_not_a_loops_stats_is_refused_clearly():
+    for wrong in ({"x": 1}, [1, 2], None):
+        with pytest.raises(gpuload.ConfigError, match="takes the stats of a loop"):
+            gpuload.diagnose(wrong)
