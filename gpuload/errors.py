@@ -36,7 +36,7 @@ FLAGS = {"fill_nulls": "--fill-nulls", "columns": "--columns", "dtypes": "--dtyp
           "cache_dir": "--cache-dir", "device": "--device", "num_threads": "--threads", "prefetch": "--prefetch",
           "nice": "--nice", "cache_io": "--cache-io",
           "chunk_bytes": "--chunk-mib", "max_cache_bytes": "--max-gib", "storage_options": "--storage-options",
-          "layout": "--layout", "block_rows": "--block-rows", "seed": "--seed", "nodes": "--nodes",
+          "layout": "--layout", "block_rows": "--block-rows", "shuffle": "--shuffle", "seed": "--seed", "nodes": "--nodes",
           "step_ms": "--step-ms", "model": "--model", "epochs": "--epochs", "workers": "--workers",
           "scheduler": "--scheduler", "categorical": "--categorical", "filters": "--filter"}
 #: Settings whose flag takes another unit than the Python argument: (divisor, flag's unit).

@@ -5,7 +5,7 @@
 * a budget that is full is not an error: the summary says so;
 * two builds of one cache at once each count what they did: chunks decoded and written,
   chunks cached before they looked, chunks the other build wrote meanwhile;
-* `cache build` with --layout/--block-rows builds exactly the files the matching dataset reads.
+* `cache build` with --layout/--shuffle/--block-rows builds exactly the files the matching dataset reads.
 """
 
 from __future__ import annotations
@@ -168,9 +168,12 @@ def data_4096(tmp_path):
 
 
 @pytest.mark.parametrize("flags,kw", [([], {}), (["--layout", "columns"], {"layout": "columns"}),
-                                      (["--block-rows", "64"], {"shuffle": "block", "block_rows": 64})])
+                                      (["--block-rows", "64"], {"shuffle": "block", "block_rows": 64}),
+                                      (["--shuffle", "block"], {"shuffle": "block"}),  # a user's trial: 256 by default
+                                      (["--shuffle", "chunks"], {"shuffle": "chunks"}),
+                                      (["--shuffle", "none"], {"shuffle": False})])
 def test_cache_build_prebuilds_each_layout_and_shuffle_mode(data_4096, tmp_path, flags, kw):
-    """`cache build` with --layout/--block-rows builds exactly the files the matching dataset reads."""
+    """`cache build` with --layout/--shuffle/--block-rows builds exactly the files the matching dataset reads."""
     import gpuload
 
     data = data_4096  # (moved from test_cli.py, whose `data` has 4096-row row groups)
@@ -204,3 +207,22 @@ def test_the_summary_gives_small_sizes_in_units_that_show_them():
     big = CacheSummary("/c", files=1, rows=10, chunks=1, built=1, already_cached=0, not_cached=0,
                        cached_bytes=3 * 2**30, seconds=0.1, outputs=("x",))
     assert "3.00 GiB in /c" in str(big)
+
+
+def test_block_rows_with_another_shuffle_flag_is_refused(data_4096, tmp_path, capsys):
+    rc = main(["cache", "build", str(data_4096), "--cache-dir", str(tmp_path / "c"), "--shuffle", "chunks",
+               "--block-rows", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "--block-rows 64 is for --shuffle block" in err[0]
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").rglob("*.glc"))
+
+
+def test_cache_info_tells_a_block_shuffles_column_set_from_the_others(data_4096, tmp_path, capsys):
+    """A user's trial: two column sets, one built for shuffle='block', printed exactly alike."""
+    cache = str(tmp_path / "c")
+    for flags in ([], ["--shuffle", "block"]):
+        assert main(["cache", "build", str(data_4096), "--cache-dir", cache, "--columns", "label,dense_0", *flags]) == 0
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", cache]) == 0
+    sets = [line for line in capsys.readouterr().out.splitlines() if "label" in line and "dense_0" in line]
+    assert len(sets) == 2 and sum("rows permuted in each chunk (for shuffle='block')" in s for s in sets) == 1, sets

@@ -148,8 +148,10 @@ def _spec_text(desc) -> str:
         parts.append(f"{named} ({what})")
     made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})
     kept = sorted({str(d["filter"]).rsplit(" #", 1)[0] for d in desc if d.get("filter")})
+    stored = "; rows permuted in each chunk (for shuffle='block')" if any(d.get("rows") == "permuted" for d in desc) \
+        else ""
     return ", ".join(parts) + "".join(f"; made by transform {k!r}" for k in made) + \
-        "".join(f"; rows where {k}" for k in kept)
+        "".join(f"; rows where {k}" for k in kept) + stored
 
 
 def _vocab_text(vocab: Vocab) -> str:
@@ -175,7 +177,7 @@ def _left_alone(foreign: list[str]) -> None:
 
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
-                 "block_rows", "nodes", "seed")
+                 "shuffle", "block_rows", "nodes", "seed")
 
 
 def cmd_info(args) -> int:

@@ -178,7 +178,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--prefetch", type=int, help=f"chunks loaded ahead (default {Options.prefetch})")
     f.add_argument("--nice", type=int, help=f"nice steps below the training thread for the loader's threads, "
                                             f"0-19 (default {Options.nice})")
-    add_chunk_flags(f, block_rows=False)
+    add_chunk_flags(f)
     f.add_argument("--trace", help="write a Chrome trace-event JSON file (open in Perfetto)")
     f.add_argument("--headspace", action="store_true",
                    help="first run the loader alone (no step, an empty temporary cache): is the loader or the "

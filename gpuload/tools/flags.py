@@ -93,9 +93,15 @@ def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None
     p.add_argument("--chunk-mib", type=float, help=f"chunk size bound in MiB (default {Options.chunk_bytes // MiB}; "
                    "as the cache was built with)")
     p.add_argument("--layout", choices=["auto", "rows", "columns"], help=f"the training's layout= (default {Options.layout})")
+    p.add_argument("--shuffle", choices=list(SHUFFLES), help="the training's shuffle= (default rows: rows permuted in "
+                   "windows); block stores each chunk with its rows permuted, so a cache built for it is its own")
     if block_rows:
-        p.add_argument("--block-rows", type=int, help="the training's block_rows with shuffle='block' (chunks stored "
-                       "with their rows permuted); default: for the other shuffle modes")
+        p.add_argument("--block-rows", type=int, help=f"the training's block_rows with shuffle='block' (default "
+                       f"{Options.block_rows}; implies --shuffle block)")
+
+
+#: ``--shuffle`` choices and the ``shuffle=`` each means
+SHUFFLES = {"rows": True, "block": "block", "chunks": "chunks", "none": False}
 
 
 def categorical(text: str | None):
@@ -152,8 +158,9 @@ def _dest(setting: str) -> str:
 
 
 def loader_settings(args) -> dict:
-    """The loader settings of the flags given (``--chunk-mib`` in bytes, ``--block-rows N`` as
-    ``shuffle="block", block_rows=N``); flags left out are not there."""
+    """The loader settings of the flags given (``--chunk-mib`` in bytes, ``--shuffle`` as
+    :data:`SHUFFLES` says, ``--block-rows N`` as ``shuffle="block", block_rows=N``); flags left out
+    are not there."""
     out = {s: getattr(args, _dest(s)) for s in _SETTINGS if getattr(args, _dest(s), None) is not None}
     if "cache_dir" in out:  # several folders, one per drive: a:b
         out["cache_dir"] = split_dirs(out["cache_dir"], "--cache-dir")
@@ -162,7 +169,13 @@ def loader_settings(args) -> dict:
         if args.chunk_mib * MiB < 4096:
             raise ConfigError(f"--chunk-mib {args.chunk_mib:g}: a chunk is at least 4096 bytes (--chunk-mib 0.00390625)")
         out["chunk_bytes"] = int(args.chunk_mib * MiB)
+    shuffle = getattr(args, "shuffle", None)
+    if shuffle is not None:
+        out["shuffle"] = SHUFFLES[shuffle]
     if getattr(args, "block_rows", None) is not None:
+        if shuffle not in (None, "block"):
+            raise ConfigError(f"--block-rows {args.block_rows} is for --shuffle block, not --shuffle {shuffle}: "
+                              "leave one of them out")
         out.update(shuffle="block", block_rows=args.block_rows)
     return out
 

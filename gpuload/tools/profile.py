@@ -55,7 +55,7 @@ class EpochReport:
                if s.batches < FEW_BATCHES else "")
         # an epoch that ends loads the next one's first chunks (gpuload.preload), counted with it
         ahead = ", the next epoch's first among them, read ahead" if (s.loader_settings or {}).get("prefetch") else ""
-        return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunks decoded, {self.cached_chunks} read "
+        return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunk{'s' * (self.decoded_chunks != 1)} decoded, {self.cached_chunks} read "
                 f"from the cache{ahead if self.cached_chunks else ''}): {s.rows:,} rows in {s.wall_s:.2f} s, "
                 f"{s.rows_per_s:,.0f} rows/s, "
                 f"starvation {s.starvation:.1%}{few}\n  {self.diagnosis}"
