@@ -53,6 +53,16 @@ def startup(stats: Stats, kind: str | None) -> tuple[str, str]:
             "if it can")
 
 
+def _gathers_on_more(settings: dict) -> bool:
+    """Whether one more loader thread would gather batches on the CPU: the cut threads run only
+    where the cores leave room beside the loader's and the training thread
+    (:func:`gpuload.pipeline.cut_threads`); on 2 cores they never do, so more threads gather nothing."""
+    from ..pipeline import cut_threads
+
+    more = (settings.get("num_threads") or 2) + 1
+    return cut_threads(more, _cores()) > 1
+
+
 def no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
     """(message, action) for a loader that cannot keep up, measured without stage timings."""
     cpu = f"; process CPU {stats.cpu_percent:.0f}%" if stats.cpu_percent is not None else ""
@@ -184,7 +194,8 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
     if s.name == "batch":
         return (f"the shuffle gather is the limit at {rate(s.rows_per_s)} rows/s: {where}",
                 ("use a smaller shuffle_window (fewer rows gathered per window)" + ("" if on_gpu else
-                 ("" if full else ", more num_threads (the CPU path gathers batches on them)") +
+                 ("" if full or not _gathers_on_more(settings) else
+                  ", more num_threads (the CPU path gathers batches on them)") +
                  f", or, {cuda} to shuffle on the GPU"))
                 if ours
                 else "assemble batches in the workers (DataLoader collate_fn runs there), or on the GPU")

@@ -273,7 +273,8 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
                    "num_workers > 0, or a background thread)")
     elif busy < SATURATED and held is None and not (s.name == "batch" and
                                                     (stats.loader_settings or {}).get("batch_transform")):
-        message += (f"; no stage is busy more than {SATURATED:.0%} of the run per thread, so the loader is not "
+        message += (f"; yet no stage, {s.name} included, is busy more than {SATURATED:.0%} of the run per thread, "
+                    "so the loader is not "
                     "keeping enough work in flight")
         if kind != "gpuload":
             action = f"keep more work in flight first (more workers, a deeper prefetch); then: {action}"

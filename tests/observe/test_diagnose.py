@@ -549,9 +549,13 @@ def test_a_datasets_stats_say_which_loader_and_device(tmp_path):
     assert s.loader_settings["decode"] == "cpu"
 
 
-def test_oversubscribed_cores_are_not_answered_with_more_threads():
+def test_oversubscribed_cores_are_not_answered_with_more_threads(monkeypatch):
     """A user's trial on 2 cores was told "more num_threads ... ; and run fewer threads at once: ... a smaller
-    num_threads" in one action; with the cores measured busy, no advice adds threads."""
+    num_threads" in one action; with the cores measured busy, no advice adds threads. (On 8 cores, where
+    more loader threads would gather batches.)"""
+    import gpuload.observe.advice as advice
+
+    monkeypatch.setattr(advice, "_cores", lambda: 8)
     batch = [stage("cache_read", 1.0, 2, 10**9), stage("batch", 9.0, 1, 10**9, 6_553_600)]
     plain = {"num_threads": 2, "prefetch": 2, "device": "cpu"}
     for queue, more in (({"gpuload": (4.0, 2.0), "other": (2.0, 1.0)}, False), (None, True)):
@@ -607,3 +611,17 @@ def test_something_that_is_not_a_loops_stats_is_refused_clearly():
     for wrong in ({"x": 1}, [1, 2], None):
         with pytest.raises(gpuload.ConfigError, match="takes the stats of a loop"):
             gpuload.diagnose(wrong)
+
+
+def test_more_threads_are_not_offered_for_gathers_where_no_cut_thread_would_run(monkeypatch):
+    """A user's trial on 2 cores, a gather-bound cached epoch: told "more num_threads (the CPU path
+    gathers batches on them)"; there the cut threads never run (they need the loader's threads plus 3
+    cores), so more threads gather nothing."""
+    import gpuload.observe.advice as advice
+
+    batch = [stage("cache_read", 1.0, 2, 10**9), stage("batch", 9.0, 1, 10**9, 6_553_600)]
+    plain = {"num_threads": 2, "prefetch": 2, "device": "cpu"}
+    for cores, offered in ((2, False), (5, False), (6, True), (16, True)):
+        monkeypatch.setattr(advice, "_cores", lambda c=cores: c)
+        d = gpuload.diagnose(make_stats(0.6, stages=batch, loader="gpuload", loader_settings=plain))
+        assert d.limiting == "batch" and ("more num_threads" in d.action) == offered, (cores, d.action)
