@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -141,18 +142,20 @@ class Space:
         self.groups: set | None = None  #: this dataset's chunk groups (set when it registers)
         self._refused: tuple[float, str] | None = None  # (monotonic time, why) of the last refusal
         self._checked = time.monotonic()  # when the quota file was last read
+        self._rereading = threading.Lock()
 
     def _reread(self) -> None:
         """Read the folder's quota again every :data:`RETRY_S` seconds: one set, changed or removed
         while this dataset runs binds it then."""
-        if time.monotonic() - self._checked < RETRY_S:
-            return
-        self._checked = time.monotonic()
-        quota = read_quota(self.root)
-        if quota != self.quota:
-            with contextlib.suppress(ValueError, OSError):
-                self.reserve = reserve_bytes(self.root.path) if quota is None else 0
-            self.quota, self._refused = quota, None
+        with self._rereading:  # the writer threads: none may go on with the old quota while another reads it
+            if time.monotonic() - self._checked < RETRY_S:
+                return
+            quota = read_quota(self.root)
+            if quota != self.quota:
+                with contextlib.suppress(ValueError, OSError):
+                    self.reserve = reserve_bytes(self.root.path) if quota is None else 0
+                self.quota, self._refused = quota, None
+            self._checked = time.monotonic()  # once the quota read is in place
 
     @property
     def max_bytes(self) -> int | None:
