@@ -105,6 +105,9 @@ class ChunkReader:
         self.spec_desc = [{**d, **marks} for d in spec_description(self.outputs, opts.stored_layout,
                                                                     permuted=opts.block is not None)]
         self.layout = Layout(self.spec_desc)
+        if opts.block is None and opts.block_rows != Options.block_rows:  # given, and nothing uses it
+            log.warning("gpuload: block_rows=%d has no effect with shuffle=%r: it sizes the blocks of "
+                        "shuffle='block'", opts.block_rows, opts.shuffle)
         self.spec_hash = spec_hash(self.spec_desc)
         self._outputs = desc_outputs(self.spec_desc)
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]

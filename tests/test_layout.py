@@ -271,3 +271,15 @@ def test_stacks_of_pieces_cross_tiles_and_parts(monkeypatch):
     np.testing.assert_array_equal(stack([p, y]), np.column_stack([x, y]))
     with pytest.raises(ValueError, match="at least one part"):
         Pieces([])
+
+
+@pytest.mark.parametrize("shuffle, warned", [(True, True), ("chunks", True), (False, True), ("block", False)])
+def test_block_rows_given_for_another_shuffle_is_said_to_do_nothing(source, tmp_path, caplog, shuffle, warned):
+    """A user's trial: block_rows=64 with shuffle=True was accepted and silently ignored."""
+    caplog.set_level("WARNING", logger="gpuload")
+    _open(source, tmp_path / "c", shuffle=shuffle, block_rows=64)
+    said = [r.getMessage() for r in caplog.records if "block_rows=64 has no effect" in r.getMessage()]
+    assert len(said) == int(warned)
+    caplog.clear()
+    _open(source, tmp_path / "c", shuffle=shuffle)  # the default: nothing to say
+    assert not [r for r in caplog.records if "block_rows" in r.getMessage()]
