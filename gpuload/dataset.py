@@ -391,12 +391,14 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader
         (settings: ``num_threads``, ``prefetch``, ``device`` (``"cpu"`` or ``"cuda"``),
         ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF), ``cache_io``,
-        how chunk files are written: ``"direct"``, ``"buffered"`` or ``"off"`` (none), ``shuffle``, and where given, ``transform``
+        how chunk files are written: ``"direct"``, ``"buffered"`` or ``"off"`` (none), ``shuffle``,
+        ``layout`` (the one ``"auto"`` chose), and where given, ``transform``
         (its key) and ``batch_transform`` (the function's name): work of the user's that
         :func:`gpuload.diagnose` names when its stage is the limit)."""
         settings = {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
                     "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu"),
-                    "cache_io": self.reader.cache_io, "shuffle": self.options.shuffle}
+                    "cache_io": self.reader.cache_io, "shuffle": self.options.shuffle,
+                    "layout": self.options.stored_layout}
         if self.reader.source.transform is not None:
             settings["transform"] = self.reader.source.transform.key
         if self.batch_transform is not None:

@@ -155,6 +155,7 @@ def test_auto_layout_is_columns_only_where_nothing_is_cached_or_gathered(source,
     auto = _open(source, tmp_path / "a", shuffle=shuffle, block_rows=32, seed=3, cache_io=cache_io)
     columns = cache_io == "off" and shuffle in (False, "chunks")
     assert bool(auto.reader.layout.blocks) != columns
+    assert auto.stats().loader_settings["layout"] == ("columns" if columns else "rows")  # what "auto" chose
     rows = _open(source, tmp_path / "r", shuffle=shuffle, block_rows=32, seed=3, cache_io=cache_io, layout="rows")
     assert rows.reader.layout.blocks
     got, want = _all(auto), _all(rows)
