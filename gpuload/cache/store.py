@@ -225,9 +225,7 @@ class ChunkCache:
             with contextlib.suppress(OSError):
                 self._drop_stale(key)
             if self.max_bytes is None:  # the writer releases the lock (its copy: the caller may change ``cols``)
-                m = self.metrics  # a wait for the writer is a write_wait span: the writes holding the loader back
-                self._writer.submit(self._write, key, lambda: self._host(cols, copy=shared), lock,
-                                    *(() if m is None else (lambda t0, t1: m.record("write_wait", t0, t1), m.clock)))
+                self._writer.submit(self._write, key, lambda: self._host(cols, copy=shared), lock, self.metrics)
                 lock = None
             else:  # written before anyone else sees ``cols``, holding the budget's lock
                 self._write(key, self._host(cols, copy=False))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -39,21 +38,19 @@ class Writer:
         self._slots = threading.Semaphore(PENDING)  # chunks with the writer, at most
         self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
 
-    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock,
-               waited: Callable[[float, float], None] | None = None, clock: Callable[[], float] = time.perf_counter
-               ) -> None:
+    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock, metrics=None) -> None:
         """``write(key, make_cols())`` on the writer thread (``make_cols`` called here: e.g. a copy
         the caller may not change), then release ``lock`` (any object with ``release()``); waits
         while :data:`PENDING` chunks are pending. ``lock`` is the writer's once this returns.
-        ``waited(t0, t1)``, where given, is told each such wait (``clock`` seconds): the writer
-        holding back the thread that built the chunk."""
+        Each such wait is a ``write_wait`` span of ``metrics`` (a :class:`gpuload.Metrics`, default
+        None): the writer holding back the thread that built the chunk."""
         if not self._slots.acquire(blocking=False):
-            t0 = clock()
+            t0 = None if metrics is None else metrics.clock()
             self._slots.acquire()
             try:
-                if waited is not None:
-                    waited(t0, clock())
-            except BaseException:  # a failing clock or callback (or Ctrl-C here): no slot is lost
+                if metrics is not None:
+                    metrics.record("write_wait", t0, metrics.clock())
+            except BaseException:  # a failing clock (or Ctrl-C here): no slot is lost
                 self._slots.release()
                 raise
         try:

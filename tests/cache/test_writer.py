@@ -4,6 +4,7 @@ waits for them all, and each chunk's lock is released after its write, even a fa
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 
@@ -72,8 +73,8 @@ def test_a_failed_copy_gives_the_slot_back():
 
 
 def test_a_caller_that_waits_for_a_slot_is_told_how_long_in_the_given_clock():
-    """The loader thread held back by the writer: ``waited(t0, t1)`` once per submit that
-    blocked, in the caller's clock; never for a submit that found a free slot."""
+    """The loader thread held back by the writer: a ``write_wait`` span once per submit that
+    blocked, in the metrics' clock; never for a submit that found a free slot."""
     gate, waits = threading.Event(), []
     ticks = iter(range(100))
     writer = Writer()
@@ -82,7 +83,12 @@ def test_a_caller_that_waits_for_a_slot_is_told_how_long_in_the_given_clock():
         gate.wait(10)
 
     def submit(i):
-        writer.submit(write, i, lambda: {}, _Lock(), lambda t0, t1: waits.append((i, t0, t1)), lambda: next(ticks))
+        def record(stage, t0, t1):
+            assert stage == "write_wait"
+            waits.append((i, t0, t1))
+
+        metrics = types.SimpleNamespace(clock=lambda: next(ticks), record=record)
+        writer.submit(write, i, lambda: {}, _Lock(), metrics)
 
     for i in range(PENDING):  # the writer takes these: no wait
         submit(i)
@@ -122,9 +128,9 @@ def test_a_failing_wait_callback_gives_the_slot_back():
         writer.submit(lambda k, c: gate.wait(10), i, lambda: {}, _Lock())
     threading.Timer(0.2, gate.set).start()
 
-    def boom(t0, t1):
+    def boom(stage, t0, t1):
         raise RuntimeError("a metrics clock that fails")
 
     with pytest.raises(RuntimeError, match="clock"):
-        writer.submit(lambda k, c: None, "x", lambda: {}, _Lock(), boom)
+        writer.submit(lambda k, c: None, "x", lambda: {}, _Lock(), types.SimpleNamespace(clock=lambda: 0.0, record=boom))
     assert _flushes(writer)  # no slot leaked
