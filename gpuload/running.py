@@ -79,11 +79,10 @@ class Epochs:
                 """Window i's permutation where the gathers run; window i + 1's is drawn meanwhile on the
                 drawer thread (NumPy shuffles without the GIL): on the H200 drawing them was half the
                 window thread's time in cached epochs, and the producer waited for windows."""
-                ahead = drawn.pop(i, None)
+                ahead = drawn.pop(i, None)  # drawn for the rows epoch_batches plans for a window: n
                 if i + 1 < len(rest.loads):
                     drawn[i + 1] = drawer.submit(draw, i + 1, sum(s.hi - s.lo for s in rest.loads[i + 1]))
-                perm = ahead.result() if ahead is not None else None
-                return device.upload_index(perm if perm is not None and len(perm) == n else draw(i, n))
+                return device.upload_index(draw(i, n) if ahead is None else ahead.result())
 
             remote = r.has_remote
             try:

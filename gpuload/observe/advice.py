@@ -6,6 +6,7 @@ each fitted to the loader measured (gpuload's settings and commands only for gpu
 from __future__ import annotations
 
 from ..memory import cores as _cores
+from ..pipeline import cut_threads
 from .stats import StageStats, Stats
 
 __all__ = ["DISK_NEAR", "CONTENDED", "rate", "startup", "no_stages", "stage_advice"]
@@ -57,8 +58,6 @@ def _gathers_on_more(settings: dict) -> bool:
     """Whether one more loader thread would gather batches on the CPU: the cut threads run only
     where the cores leave room beside the loader's and the training thread
     (:func:`gpuload.pipeline.cut_threads`); on 2 cores they never do, so more threads gather nothing."""
-    from ..pipeline import cut_threads
-
     more = (settings.get("num_threads") or 2) + 1
     return cut_threads(more, _cores()) > 1
 

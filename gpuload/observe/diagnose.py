@@ -48,9 +48,11 @@ build``, ``shuffle_window`` and the other gpuload settings only for gpuload's da
 
 from __future__ import annotations
 
+import os
+import statistics
 from dataclasses import dataclass, replace
 
-import statistics
+import torch
 
 from ..errors import ConfigError
 from ..memory import cores as _cores
@@ -212,10 +214,6 @@ def _spinning() -> str:
     (on 2 cores, a consumer cloning batches with torch's 2 threads: 1.43-1.60 M rows/s a first
     epoch with them spinning, 1.96-2.10 M with OMP_WAIT_POLICY=PASSIVE). Empty where torch runs
     one thread or the policy is set already."""
-    import os
-
-    import torch
-
     if torch.get_num_threads() <= 1 or os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE":
         return ""
     return (f"; or keep torch's {torch.get_num_threads()} threads and set OMP_WAIT_POLICY=PASSIVE in the "
