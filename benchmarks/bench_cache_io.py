@@ -6,8 +6,8 @@ Each pass is a process of its own (so its CPU time is its own): an empty cache f
 ``bench_peers.py`` (``clone()`` of every tensor, then a sleep of ``--step-ms``). Passes alternate
 between the two modes; each figure is the median of ``--repeat`` passes. CPU seconds are the
 process's (every thread, user + system). "Resident" is the share of the cache files' pages in the page
-cache after the first epoch. On a node whose dataset is larger than memory, ``cache_io="auto"`` picks
-direct I/O by itself; this benchmark forces each mode on one dataset.
+cache after the first epoch. ``cache_io="auto"`` (the default) is direct, its reads turning buffered after
+a pass they limited (:func:`gpuload.memory.cache_io_modes`); this benchmark forces each mode on one dataset.
 
     python benchmarks/bench_cache_io.py                       # 8M rows, 3 passes each
     python benchmarks/bench_cache_io.py --rows 1000000 --repeat 1
@@ -80,7 +80,7 @@ def one_pass(a) -> dict:
     cached = _epoch(ds, a.step_ms / 1e3)
     assert ds.reader.counters.decoded == len(ds.reader.chunks), "the cached epoch decoded Parquet"
     assert first["rows"] == cached["rows"] == ds.num_rows
-    return {"mode": a.mode, "direct": ds.reader.cache.direct, "first": first, "cached": cached,
+    return {"mode": a.mode, "cache_io": ds.reader.cache_io, "first": first, "cached": cached,
             "resident": resident, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
              "rows/s | CPU s | waiting | peak RSS |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in MODES:
         f_s, c_s = med(m, "first", "s"), med(m, "cached", "s")
-        lines.append(f"| {m}{'' if all(r['direct'] == (m == 'direct') for r in runs[m]) else ' (refused)'} | "
+        lines.append(f"| {m}{'' if all(r['cache_io'] == m for r in runs[m]) else ' (refused)'} | "
                      f"{f_s:.2f} | {rows / f_s / 1e6:.2f} M | {med(m, 'first', 'cpu_s'):.1f} | "
                      f"{med(m, 'first', 'wait') / f_s:.0%} | {med(m, None, 'resident'):.0%} | {c_s:.2f} | "
                      f"{rows / c_s / 1e6:.2f} M | {med(m, 'cached', 'cpu_s'):.1f} | {med(m, 'cached', 'wait') / c_s:.0%} "

@@ -72,7 +72,7 @@ LOADERS = {
     "gpuload-block": Spec("gpuload_runner.py", "block"),
     "gpuload-stacked": Spec("gpuload_runner.py", "stacked"),
     "gpuload-nice": Spec("gpuload_runner.py", "nice"),
-    "gpuload-direct": Spec("gpuload_runner.py", "direct"),
+    "gpuload-buffered": Spec("gpuload_runner.py", "buffered"),
     "gpuload-off": Spec("gpuload_runner.py", "off"),  # cache_io="off": a job of one epoch
     "gpuload-chunks": Spec("gpuload_runner.py", "chunks"),  # shuffle="chunks": torchdata.nodes' shuffle
     "gpuload-chunks-off": Spec("gpuload_runner.py", "chunks-off"),

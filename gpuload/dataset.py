@@ -138,9 +138,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         opening says how much of the dataset fits.
     cache_io : ``"auto"`` (default), ``"direct"``, ``"buffered"`` or ``"off"``: cache files written
         and read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`) or through it.
-        ``"auto"``: direct when they take more than half the memory (see
-        :func:`gpuload.memory.direct_io`): a cheaper first epoch, other files' pages kept;
-        cached epochs then read the disk, not memory. ``"off"``: no chunk is cached or read from
+        ``"auto"``: direct (a cheaper first epoch, other files' pages kept), the reads turning
+        buffered after a pass they limited where the files fit in half the memory (a slow
+        disk: see :func:`gpuload.memory.cache_io_modes`). ``"off"``: no chunk is cached or read from
         the cache; every epoch decodes Parquet (for a job of one epoch over data too large to
         repeat: no chunk written, no next epoch loaded ahead, nothing evicted; the cache folder
         still keeps the footers and vocabularies).

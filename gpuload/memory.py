@@ -29,10 +29,11 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["device_bound", "direct_io", "file_bytes", "memory_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
+__all__ = ["device_bound", "CacheIO", "cache_io_modes", "reads_limited", "file_bytes", "memory_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
 
 ALIGN = 4096  #: where pooled arrays start: a page, as direct I/O needs (gpuload.cache.directio)
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
@@ -304,14 +305,51 @@ def cores() -> int:
     return max(1, min([n, *_cgroup_cpus()]))
 
 
-def direct_io(cache_io: str, cache_bytes: int, memory: int | None = None) -> bool:
-    """Whether a dataset whose chunk files take ``cache_bytes`` writes and reads them around
-    the page cache (:mod:`gpuload.cache.directio`): ``cache_io="direct"`` yes, ``"buffered"``
-    no, ``"auto"`` when they are more than half of ``memory`` (default :func:`memory_bytes`):
-    the page cache could not keep them from one epoch to the next beside everything else,
-    so caching their pages would only cost the first epoch its copies and evict other files.
+class CacheIO(NamedTuple):
+    """How a dataset's chunk files go to and from the disk (:func:`cache_io_modes`).
+
+    ``writes`` / ``reads``: around the page cache (``O_DIRECT``, :mod:`gpuload.cache.directio`)
+    or through it; ``adapts``: the reads may turn buffered after a pass they limited
+    (:meth:`gpuload.reader.ChunkReader.pass_ended`)."""
+
+    writes: bool
+    reads: bool
+    adapts: bool
+
+
+def cache_io_modes(cache_io: str, cache_bytes: int, memory: int | None = None) -> CacheIO:
+    """How a dataset whose chunk files take ``cache_bytes`` writes and reads them:
+    ``cache_io="direct"`` around the page cache, ``"buffered"`` through it, ``"auto"``:
+
+    * writes direct: a buffered write copies each chunk into newly allocated page-cache pages
+      (on the 2-core VM of docs/benchmarks.md 1.3 to 6.9 CPU seconds per 2.9 GB, against 0.4
+      direct: the first epoch's largest cost after decoding) and still waits for the disk at
+      the fsync every chunk gets before its rename;
+    * reads direct, so cached epochs cost no page-cache copies either; where the files fit in
+      half of ``memory`` (default :func:`memory_bytes`) the reads may turn buffered, from the
+      next pass on, once a pass shows the disk is slower than the epochs need: the page
+      cache then keeps the files between epochs. Files that do not fit would be evicted
+      before the next epoch read them.
+
     The reader passes all of a dataset's chunk files (at most its ``max_cache_bytes``); with
     ``shard="node"``, every node's share counts, as ranks are known only when an epoch begins."""
     if cache_io != "auto":
-        return cache_io == "direct"
-    return cache_bytes > (memory_bytes() if memory is None else memory) // 2
+        direct = cache_io == "direct"
+        return CacheIO(direct, direct, False)
+    return CacheIO(True, True, cache_bytes <= (memory_bytes() if memory is None else memory) // 2)
+
+
+#: a pass whose training thread waited at least this share of its time ...
+READS_WAITED = 0.1
+#: ... while cache reads kept the loader threads busy at least this share of it was limited by direct reads
+READS_BUSY = 0.75
+
+
+def reads_limited(wall: float, waited: float, read_busy: float, threads: int) -> bool:
+    """Whether a pass of ``wall`` seconds whose training thread waited ``waited`` of them was
+    limited by cache reads that kept ``threads`` loader threads busy ``read_busy`` seconds (summed):
+    the step waited :data:`READS_WAITED` of the time or more while the reads took
+    :data:`READS_BUSY` of the threads' time or more. On the 2-core VM of docs/benchmarks.md a
+    cached epoch's direct reads took 47% of 2 threads with the step waiting 3-7%."""
+    return wall > 0 and waited >= READS_WAITED * wall and read_busy >= READS_BUSY * max(1, threads) * wall
+

@@ -23,6 +23,7 @@ from typing import Callable
 
 from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
+from .cache.space import warn_short_room
 from .cache.chunkfile import spec_hash
 from .categorical import parse_key
 from .vocabulary import Vocabulary, registered
@@ -35,7 +36,7 @@ from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
-from .memory import HostBudget, HostPool, device_bound, direct_io, file_bytes, host_budget, size_text
+from .memory import HostBudget, HostPool, cache_io_modes, device_bound, file_bytes, host_budget, reads_limited
 from .layout import Layout, joined
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
@@ -127,11 +128,15 @@ class ChunkReader:
         #: arrays per stored chunk
         self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
-        #: chunk files written and read around the page cache (``cache_io``; :func:`gpuload.memory.direct_io`)
-        cached = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
-        self.cache.direct = direct_io(opts.cache_io, min(cached, opts.max_cache_bytes or cached))
+        # chunk files written and read around the page cache or through it (``cache_io``)
+        files = [file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks]  # each chunk's cache file
+        modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)))
+        host = device.torch_device.type == "cpu"  # a GPU reads files its own way (gpuload.gpu.kvikio_read)
+        self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads and host
         #: whether chunks go through the cache (``cache_io="off"``: every load decodes, nothing is written)
         self.caching = opts.cache_io != "off"
+        #: whether the cache's reads turn buffered after a pass they limited (:meth:`pass_ended`)
+        self.adapts_reads = modes.adapts and self.caching and host
         # flat outputs come as Pieces of their row groups, which `_stored` packs into the read pool's buffers
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns,
@@ -150,39 +155,10 @@ class ChunkReader:
             # a chunk the scan skipped as cached and that was evicted meanwhile is built again, from the very
             # row groups its key names (so they load): it counts as not cached at open
             self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}
-        if self.caching:
+        if self.caching:  # the column set's record; a warning where the cache has room for part of it only
             self.cache.touch_spec(self.spec_hash, self.spec_desc)
-        self._check_room()
+            warn_short_room(self.cache, self.groups, files, opts.max_cache_bytes, opts.cache_where)
         self.counters = LoadCounters()
-
-    def _check_room(self) -> None:
-        """Warn at open when the cache's room (its budget or its disk's free space above the
-        reserve, less what other live readers keep) holds only part of this dataset, with
-        the numbers; the rest is read from Parquet each epoch (nothing thrashes: a reader's
-        own chunks are never evicted for its own). Nothing with ``cache_io="off"``."""
-        if not self.caching:
-            return
-        need = sum(file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks)
-        try:
-            room, others = self.cache.room(self.groups, need)
-        except OSError:
-            return
-        if room >= need or need == 0:
-            return
-        if self.opts.max_cache_bytes == 0:  # asked for: say how to ask for it plainly
-            log.warning("gpuload: max_cache_bytes=0 leaves no room for this dataset's chunks: every epoch decodes "
-                        "them from Parquet; cache_io='off' does that without a budget (nothing locked or registered)")
-            return
-        per = need / len(self.chunks)
-        fit = min(max(0, int(room // per)), len(self.chunks) - 1)
-        limit = ("max_cache_bytes" if self.opts.max_cache_bytes is not None else
-                 "the cache folder's quota (`gpuload cache quota`)" if self.cache.max_bytes is not None else
-                 "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
-        log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
-                    "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
-                    "whole with %s more space, or use fewer columns (cache_io='off' for a job of one epoch)",
-                    self.opts.cache_where, fit, len(self.chunks), size_text(max(room, 0)), size_text(need), limit,
-                    size_text(others), len(self.chunks) - fit, size_text(need - room))  # room < 0: below the reserve
 
     def _filtered(self, sizes: list, flt) -> list:
         """``sizes`` (per file, per row group, (rows, bytes)) over the rows ``flt`` keeps: a row group
@@ -348,8 +324,25 @@ class ChunkReader:
     @property
     def cache_io(self) -> str:
         """How chunk files are written and read now: ``"direct"``, ``"buffered"`` (also after a file
-        system refused direct I/O) or ``"off"`` (none are)."""
-        return "off" if not self.caching else "direct" if self.cache.direct else "buffered"
+        system refused direct I/O), ``"direct writes, buffered reads"`` (``"auto"`` after a pass
+        its direct reads limited: :meth:`pass_ended`) or ``"off"`` (none are)."""
+        if not self.caching:
+            return "off"
+        writes, reads = self.cache.direct_writes, self.cache.direct_reads
+        return "direct" if writes and reads else "direct writes, buffered reads" if writes else "buffered"
+
+    def pass_ended(self, wall: float, waited: float, read_busy: float) -> None:
+        """A whole pass took the training thread ``wall`` seconds, ``waited`` of them inside
+        ``next()``, while cache reads kept the loader threads busy ``read_busy`` seconds. With
+        ``cache_io="auto"``, where its direct reads were the limit (:func:`gpuload.memory.reads_limited`:
+        a disk slower than the epochs need), later reads go through the page cache, which keeps
+        the files between epochs (only caches that fit in half the memory adapt)."""
+        if self.adapts_reads and self.cache.direct_reads and reads_limited(wall, waited, read_busy,
+                                                                           self.opts.num_threads):
+            self.cache.direct_reads = False
+            log.info("gpuload: the cache's direct reads kept the step waiting %.0f%% of a %.2f s pass: later "
+                     "passes read it through the page cache (cache_io='buffered' does from the start)",
+                     100 * waited / wall, wall)
 
     def is_cached(self, i: int) -> bool:
         """Whether chunk ``i`` has a file in the cache (not verified; never with ``cache_io="off"``)."""

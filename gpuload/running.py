@@ -49,6 +49,7 @@ class Epochs:
         r.resume()
         pre = self.ahead.take(r.device.consumer_stream())
         producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=o.prefetch + 2, nice=o.nice)
+        before = self.metrics.totals("cache_read") if r.adapts_reads else None
         try:  # each batch counted when handed out: a state taken then resumes after it
             yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take())
         finally:
@@ -58,6 +59,10 @@ class Epochs:
                 r.interrupt()
             producer.close()
             self.ahead.settle(pre, producer.finished)
+        if before is not None:  # a whole pass: were its direct cache reads the limit?
+            after = self.metrics.totals("cache_read")
+            if after[0] >= before[0]:  # else the metrics were reset meanwhile
+                r.pass_ended(*(a - b for a, b in zip(after, before)))
 
     def _batches(self, pos: Position, handoff: Callable, stop, pre) -> Iterator:
         """The producer's side: this rank's rest of ``pos``'s epoch as batches, through ``handoff``."""

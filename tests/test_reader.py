@@ -207,5 +207,5 @@ def test_the_cache_io_reported_is_the_one_in_use_after_a_refused_direct_write(cl
     assert ds.loader_description()[1]["cache_io"] == "direct"
     list(ds)
     ds.reader.cache.flush()
-    assert ds.reader.cache.direct is False and ds.stats().loader_settings["cache_io"] == "buffered"
+    assert ds.reader.cache.direct_writes is False and ds.stats().loader_settings["cache_io"] == "buffered"
     ds.close()

@@ -1,6 +1,6 @@
 """gpuload: ParquetDataset on the CPU; the first epoch builds its cache (opening and the last durable cache
 write included), the second reads it. Variants: default (shuffled), noshuffle, block, stacked, nice (the default
-with nice=10), direct (the default with cache_io="direct": cache files written and read around the page cache),
+with nice=10), buffered (the default with cache_io="buffered": cache files written and read through the page cache),
 off (the default with cache_io="off": nothing cached, every epoch decodes Parquet; a job of one epoch), chunks
 (shuffle="chunks": the chunk order alone permuted), chunks-off (the same with cache_io="off"), wide (the default with num_threads = the process's cores - 3, at least 2: decoding on every core)."""
 
@@ -21,7 +21,7 @@ STACKED = {"row_id": "row_id", **bench_step.STACKED}
 VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": False}),
             "block": (PER_COLUMN, {"shuffle": "block"}), "stacked": (STACKED, {}),
             "nice": (PER_COLUMN, {"nice": 10}),  # the default, its threads 10 nice steps below the training thread
-            "direct": (PER_COLUMN, {"cache_io": "direct"}),  # the default, its cache around the page cache
+            "buffered": (PER_COLUMN, {"cache_io": "buffered"}),  # the default, its cache through the page cache
             "off": (PER_COLUMN, {"cache_io": "off"}),  # the default, caching nothing (a job of one epoch)
             # the chunk order alone permuted, rows in file order (a DataLoader over shuffled row groups)
             "chunks": (PER_COLUMN, {"shuffle": "chunks"}),

@@ -53,6 +53,19 @@ def open_cache(cache_dir, max_bytes: int | None = None, *args, **kwargs):
     return ChunkCache(cache_dir, max_bytes, *args, **kwargs)
 
 
+def _every_folder(name: str) -> property:
+    """A flag of :class:`ChunkCache` over every folder: true if one folder's is; set on all."""
+
+    def get(self) -> bool:
+        return any(getattr(c, name) for c in self.caches)
+
+    def put(self, value: bool) -> None:
+        for c in self.caches:
+            setattr(c, name, value)
+
+    return property(get, put)
+
+
 class Drives:
     """Chunks striped over ``roots`` (see the module doc); a :class:`ChunkCache`'s interface.
 
@@ -242,15 +255,9 @@ class Drives:
                 rooms[where] = max(rooms.get(where, (0, 0)), (room, others))
         return sum(r for r, _ in rooms.values()), sum(o for _, o in rooms.values())
 
-    @property
-    def direct(self) -> bool:
-        """Whether some folder writes around the page cache (:attr:`ChunkCache.direct`)."""
-        return any(c.direct for c in self.caches)
-
-    @direct.setter
-    def direct(self, value: bool) -> None:
-        for c in self.caches:
-            c.direct = value
+    #: whether some folder writes (reads) around the page cache; set on every folder (:class:`ChunkCache`)
+    direct_writes = _every_folder("direct_writes")
+    direct_reads = _every_folder("direct_reads")
 
     @property
     def pending_writes(self) -> int:

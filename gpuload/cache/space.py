@@ -27,6 +27,7 @@ racing writers may each go at most one chunk below it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import threading
@@ -40,7 +41,9 @@ from .evict import make_room, usage
 from .fs import CacheRoot, Lock
 from ..memory import size_text
 
-__all__ = ["RESERVE_FRACTION", "RETRY_S", "QUOTA_FILE", "Space", "parse_size", "reserve_bytes", "free_bytes",
+log = logging.getLogger("gpuload")
+
+__all__ = ["warn_short_room", "RESERVE_FRACTION", "RETRY_S", "QUOTA_FILE", "Space", "parse_size", "reserve_bytes", "free_bytes",
            "read_quota", "write_quota", "used_bytes"]
 
 RESERVE_FRACTION = 0.10
@@ -247,3 +250,33 @@ class Space:
             return (f"the cache budget has been locked by another process for {self.patience:g} s; chunks are not "
                     "cached meanwhile")
         return f"cannot lock the cache budget ({why}); chunks are not cached meanwhile"
+
+
+def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int | None, where: str) -> None:
+    """Warn at a dataset's open when ``cache`` (a :class:`gpuload.cache.store.ChunkCache` or
+    :class:`gpuload.cache.drives.Drives`) has room (its budget, or its disk's free space above
+    the reserve, less what other live readers keep) for only part of the dataset's chunk
+    ``files`` (their sizes in bytes; ``groups``: its column sets), with the numbers; the rest
+    is read from Parquet each epoch (nothing thrashes: a reader's own chunks are never evicted
+    for its own). ``max_cache_bytes`` and ``where`` (the cache folders) as the dataset has them."""
+    need = sum(files)
+    try:
+        room, others = cache.room(groups, need)
+    except OSError:
+        return
+    if room >= need or need == 0:
+        return
+    if max_cache_bytes == 0:  # asked for: say how to ask for it plainly
+        log.warning("gpuload: max_cache_bytes=0 leaves no room for this dataset's chunks: every epoch decodes "
+                    "them from Parquet; cache_io='off' does that without a budget (nothing locked or registered)")
+        return
+    per = need / len(files)
+    fit = min(max(0, int(room // per)), len(files) - 1)
+    limit = ("max_cache_bytes" if max_cache_bytes is not None else
+             "the cache folder's quota (`gpuload cache quota`)" if cache.max_bytes is not None else
+             "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
+    log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
+                "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
+                "whole with %s more space, or use fewer columns (cache_io='off' for a job of one epoch)",
+                where, fit, len(files), size_text(max(room, 0)), size_text(need), limit,
+                size_text(others), len(files) - fit, size_text(need - room))  # room < 0: below the reserve

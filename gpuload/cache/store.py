@@ -99,9 +99,9 @@ class ChunkCache:
         #: take (:class:`gpuload.cache.drives.Drives`); None: the chunk is not cached
         self.spill: Callable | None = None
         self.outcomes: dict | None = None
-        #: write chunk files (and read them into host memory) around the page cache, where the file
-        #: system allows (:mod:`gpuload.cache.directio`; the reader sets it: :func:`gpuload.memory.direct_io`)
-        self.direct = False
+        #: write chunk files, and read them into host memory, around the page cache where the file
+        #: system allows (:mod:`gpuload.cache.directio`; the reader sets them: :func:`gpuload.memory.cache_io_modes`)
+        self.direct_writes = self.direct_reads = False
         if create:
             with contextlib.suppress(OSError):  # a read-only cache is still served
                 with self.root.folder((LAYOUT_DIR,), create=True):
@@ -261,7 +261,7 @@ class ChunkCache:
     def _read_file(self, fd: int, path: Path, key: ChunkKey, verify: bool, seen: set | None) -> dict:
         if self._read_fn is not None:
             return self._read_fn(fd, path, key.identity, verify, seen)
-        return read_regions(fd, path, key.identity, verify, seen, self._alloc, self.direct)[1]
+        return read_regions(fd, path, key.identity, verify, seen, self._alloc, self.direct_reads)[1]
 
     def _write(self, key: ChunkKey, cols: dict, spill: bool = True) -> bool:
         """Write ``key``'s file (a ``cache_write`` span) if :attr:`space` has room; else (or on an
@@ -270,8 +270,8 @@ class ChunkCache:
             head, regions, arrays, total = encode(cols, key.header_fields())
 
             def fill(fd):
-                if not write_regions(fd, head, regions, arrays, total, self.direct) and self.direct:
-                    self.direct = False  # the file system refuses direct I/O: buffered from now on
+                if not write_regions(fd, head, regions, arrays, total, self.direct_writes) and self.direct_writes:
+                    self.direct_writes = self.direct_reads = False  # the file system refuses direct I/O: buffered
 
             with self.space.room(total) as why:
                 if why is None:

@@ -13,6 +13,8 @@ __all__ = ["DISK_NEAR", "CONTENDED", "rate", "startup", "no_stages", "stage_advi
 
 #: Fraction of the disk's speed from which cache reads count as disk-bound.
 DISK_NEAR = 0.8
+#: a dataset's ``cache_io`` whose reads go through the page cache (:attr:`gpuload.reader.ChunkReader.cache_io`)
+BUFFERED_READS = ("buffered", "direct writes, buffered reads")
 #: Run-queue seconds per CPU second of the process's threads that mean oversubscribed cores.
 CONTENDED = 0.25
 
@@ -148,7 +150,7 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                 "converts each chunk once and reads its cache in later epochs")
     if s.name == "cache_read":
         if disk_gbps and total_gbps > disk_gbps:  # a user's trial was told the disk limited such reads
-            where_from = (", so they come from the page cache" if settings.get("cache_io") == "buffered" and not on_gpu
+            where_from = (", so they come from the page cache" if settings.get("cache_io") in BUFFERED_READS and not on_gpu
                           else " (measured as one stream: several threads can read faster)")
             return (f"cache reads run at {total_gbps:.2f} GB/s, faster than the {disk_gbps:.2f} GB/s measured for the "
                     f"disk{where_from}; the disk is not what limits them: {where}",

@@ -308,6 +308,16 @@ class Metrics:
                      system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un,
                      events_not_kept=dropped, during_waits=during or None, cpu_queue=runq)
 
+    def totals(self, stage: str) -> tuple[float, float, float]:
+        """(wall s, waiting s, ``stage``'s busy s summed over threads) so far: sums of :meth:`stats`,
+        without its look at what ran during the waits (cheap enough for every pass's end)."""
+        with self._lock:
+            self._fold()
+            wall = self._c["wall"]
+            if self._pass_start is not None and self._last_end is not None:
+                wall += self._last_end - self._pass_start
+            return wall, self._c["wait"], self._stage[_INDEX[stage]][0]
+
     def timeline(self) -> dict:
         """Per delivered batch whose wait is kept for the trace, for plots: ``{"start": [...],
         "wait": [...], "step": [...]}``: when its ``next()`` began (seconds since the first

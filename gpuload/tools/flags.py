@@ -83,8 +83,8 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
 def add_cache_io_flag(p: argparse.ArgumentParser, off: bool = True) -> None:
     """--cache-io: whether cache files bypass the page cache (``off``: or are not written at all)."""
     p.add_argument("--cache-io", help=f"auto, direct{', buffered or off' if off else ' or buffered'}: write and read cache files "
-                   f"around the page cache (direct), through it (buffered), direct when the dataset's cache is more "
-                   f"than half the memory (auto{'' if off else ', the default'})"
+                   f"around the page cache (direct), through it (buffered), direct with reads turning buffered after a "
+                   f"pass they limited, where the cache fits in half the memory (auto{'' if off else ', the default'})"
                    + (f", or not at all: every epoch decodes Parquet (off; default {Options.cache_io})" if off else ""))
 
 

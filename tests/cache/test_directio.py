@@ -5,6 +5,7 @@ file system refuses, and leave the page cache alone; cache_io= decides it per da
 from __future__ import annotations
 
 import errno
+import logging
 import os
 
 import numpy as np
@@ -15,7 +16,7 @@ from gpuload.batch import Ragged
 from gpuload.cache import directio
 from gpuload.cache.directio import resident_share
 from gpuload.cache.chunkfile import encode, pread_all, read_regions, write_regions
-from gpuload.memory import ALIGN, HostPool, direct_io, memory_bytes
+from gpuload.memory import ALIGN, HostPool, cache_io_modes, memory_bytes, reads_limited
 
 def _chunk(n: int = 3001) -> dict:
     """Regions of odd sizes, one larger than the bounce buffer (written through it in pieces)."""
@@ -134,7 +135,7 @@ def test_cache_io_direct_serves_the_same_batches_and_keeps_out_of_the_page_cache
     for mode in ("buffered", "direct"):
         # prefetch=0: no next epoch's chunks read in the first (chunks this small are read buffered)
         ds = click.open(tmp_path / mode, cache_io=mode, shuffle=shuffle, seed=4, prefetch=0)
-        assert ds.reader.cache.direct == (mode == "direct")
+        assert ds.reader.cache.direct_writes == ds.reader.cache.direct_reads == (mode == "direct")
         first = [{k: (v.values.clone(), v.offsets.clone()) if hasattr(v, "offsets") else v.clone()
                   for k, v in b.items()} for b in ds]
         ds.reader.cache.flush()
@@ -154,11 +155,100 @@ def test_cache_io_direct_serves_the_same_batches_and_keeps_out_of_the_page_cache
     assert max(direct_resident) < 0.2 and min(buffered_resident) > 0.8
 
 
-def test_auto_is_direct_for_caches_larger_than_half_the_memory():
+def test_auto_writes_direct_and_lets_reads_turn_buffered_only_where_the_cache_fits_half_the_memory():
     gib = 1 << 30
-    assert not direct_io("auto", 4 * gib, memory=16 * gib) and direct_io("auto", 9 * gib, memory=16 * gib)
-    assert direct_io("direct", 1, memory=16 * gib) and not direct_io("buffered", 100 * gib, memory=16 * gib)
+    assert cache_io_modes("auto", 4 * gib, memory=16 * gib) == (True, True, True)
+    assert cache_io_modes("auto", 9 * gib, memory=16 * gib) == (True, True, False)
+    assert cache_io_modes("direct", 1, memory=16 * gib) == (True, True, False)
+    assert cache_io_modes("buffered", 100 * gib, memory=16 * gib) == (False, False, False)
     assert 0 < memory_bytes() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("wall, waited, busy, threads, limited", [
+    (10.0, 1.0, 15.0, 2, True),  # waited 10%, reads 75% of 2 threads
+    (10.0, 0.9, 20.0, 2, False),  # the step hardly waited: the disk keeps up
+    (10.0, 5.0, 14.9, 2, False),  # waited, but for something else (decoding, gathers)
+    (10.0, 5.0, 30.0, 4, True), (10.0, 5.0, 29.9, 4, False),
+    (0.0, 0.0, 0.0, 2, False),  # nothing timed
+])
+def test_direct_reads_limit_a_pass_where_the_step_waited_while_they_kept_the_threads_busy(wall, waited, busy,
+                                                                                           threads, limited):
+    assert reads_limited(wall, waited, busy, threads) is limited
+
+
+def _epoch(ds, epoch: int) -> list:
+    ds.set_epoch(epoch)
+    return [b["row_id"].clone() for b in ds]
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_auto_reads_turn_buffered_after_a_pass_they_limited_where_the_cache_fits_in_memory(click, tmp_path,
+                                                                                           monkeypatch, caplog, fits):
+    """A disk slower than the epochs need (taken as measured: reads_limited says so) turns auto's
+    reads buffered from the next pass on, and the same batches come; a cache larger than half
+    the memory stays direct (its pages would not last until the next epoch)."""
+    import gpuload.cache.store
+    import gpuload.memory
+    import gpuload.reader
+
+    if not fits:
+        monkeypatch.setattr(gpuload.memory, "memory_bytes", lambda: 1 << 12)
+    passes = []
+
+    def measured(wall, waited, busy, threads):
+        passes.append((wall, waited, busy, threads))
+        return len(passes) == 2  # the first cached pass
+
+    monkeypatch.setattr(gpuload.reader, "reads_limited", measured)
+    real, reads = gpuload.cache.store.read_regions, []
+
+    def read(*args):
+        reads.append(args[-1])  # direct
+        return real(*args)
+
+    monkeypatch.setattr(gpuload.cache.store, "read_regions", read)
+    caplog.set_level(logging.INFO, logger="gpuload")
+    ds = click.open(tmp_path / "c", seed=3, prefetch=0)  # prefetch=0: no chunk read ahead into the next pass
+    assert ds.reader.cache_io == "direct" and ds.reader.adapts_reads is fits
+    epochs = [_epoch(ds, e) for e in range(2)]
+    st = ds.stats()
+    assert len(passes) == (2 if fits else 0)  # each whole pass measured, while the reads are direct
+    if fits:
+        assert sum(p[0] for p in passes) == pytest.approx(st.wall_s) and sum(p[1] for p in passes) == pytest.approx(st.wait_s)
+        assert sum(p[2] for p in passes) == pytest.approx(st.stages["cache_read"].seconds)
+        assert all(p[3] == ds.options.num_threads for p in passes)
+    epochs.append(_epoch(ds, 2))
+    assert len(passes) == (2 if fits else 0)
+    st = ds.stats()
+    assert ds.reader.cache_io == ("direct writes, buffered reads" if fits else "direct")
+    assert st.loader_settings["cache_io"] == ds.reader.cache_io
+    assert ("through the page cache" in caplog.text) is fits
+    # every chunk read in epochs 1 and 2, direct until the pass that limited, through the page cache after it
+    assert reads == [True] * len(ds.reader.chunks) + [not fits] * len(ds.reader.chunks)
+    ds.close()
+    again = click.open(tmp_path / "b", seed=3, cache_io="buffered")
+    for e, batches in enumerate(epochs):
+        assert [b.tolist() for b in _epoch(again, e)] == [b.tolist() for b in batches]
+    again.close()
+
+
+def test_a_pass_left_early_or_a_forced_mode_never_turns_the_reads(click, tmp_path, monkeypatch):
+    import gpuload.reader
+
+    monkeypatch.setattr(gpuload.reader, "reads_limited", lambda *a: True)
+    ds = click.open(tmp_path / "c", prefetch=0)
+    _epoch(ds, 0)
+    assert ds.reader.cache_io == "direct writes, buffered reads"  # the figures said so
+    ds = click.open(tmp_path / "d", prefetch=0)
+    for _ in ds:
+        break  # not a whole pass: nothing measured
+    assert ds.reader.cache_io == "direct"
+    for mode in ("direct", "buffered"):
+        forced = click.open(tmp_path / mode, cache_io=mode)
+        _epoch(forced, 0)
+        assert forced.reader.cache_io == mode and not forced.reader.adapts_reads
+        forced.close()
+    ds.close()
 
 
 def test_a_refusing_folder_turns_direct_writes_off(click, tmp_path, monkeypatch):
@@ -166,7 +256,7 @@ def test_a_refusing_folder_turns_direct_writes_off(click, tmp_path, monkeypatch)
     ds = click.open(tmp_path / "c", cache_io="direct", shuffle=False)
     assert sorted(row_ids(ds).tolist()) == list(range(ds.num_rows))
     ds.reader.cache.flush()
-    assert not ds.reader.cache.direct and len(refused) >= 1  # tried once, then buffered
+    assert not ds.reader.cache.direct_writes and len(refused) >= 1  # tried once, then buffered
     before = len(refused)
     ds.set_epoch(1)
     assert sorted(row_ids(ds).tolist()) == list(range(ds.num_rows))
