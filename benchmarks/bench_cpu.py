@@ -4,8 +4,10 @@ All loaders run in one process, on one generated click log, and feed the same
 consumer (a sum over every tensor, so views are not free). Every number is the best
 of ``--repeat`` passes; warm passes interleave the loaders so that drift and neighbours
 hit them alike; each cold pass starts from an empty cache folder, and read_table runs
-back to back (its best case: the strictest baseline). Parquet and cache files are
-in the page cache for every loader (only the cold epoch writes, with fsync).
+back to back (its best case: the strictest baseline). Parquet files and the ideal's
+``.npy`` files are in the page cache; gpuload's cache files go around it (``O_DIRECT``, its
+default ``cache_io="auto"`` on the CPU), read from the disk each epoch (only the cold epoch
+writes, with fsync).
 
     python benchmarks/bench_cpu.py                       # 4M rows, prints the table
     python benchmarks/bench_cpu.py --out docs/benchmarks.md

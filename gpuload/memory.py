@@ -317,39 +317,50 @@ class CacheIO(NamedTuple):
     adapts: bool
 
 
-def cache_io_modes(cache_io: str, cache_bytes: int, memory: int | None = None) -> CacheIO:
+def cache_io_modes(cache_io: str, cache_bytes: int, memory: int | None = None, host: bool = True) -> CacheIO:
     """How a dataset whose chunk files take ``cache_bytes`` writes and reads them:
-    ``cache_io="direct"`` around the page cache, ``"buffered"`` through it, ``"auto"``:
+    ``cache_io="direct"`` around the page cache, ``"buffered"`` through it, ``"auto"`` on the
+    CPU path (``host``):
 
     * writes direct: a buffered write copies each chunk into newly allocated page-cache pages
-      (on the 2-core VM of docs/benchmarks.md 1.3 to 6.9 CPU seconds per 2.9 GB, against 0.4
-      direct: the first epoch's largest cost after decoding) and still waits for the disk at
-      the fsync every chunk gets before its rename;
+      (``dd`` of 2.9 GB on the 2-core VM of docs/benchmarks.md: 1.3 CPU seconds, 6.9 where
+      the VM backs the pages afresh, against 0.4 direct) and the chunk still waits for the
+      disk at the fsync it gets before its rename;
     * reads direct, so cached epochs cost no page-cache copies either; where the files fit in
       half of ``memory`` (default :func:`memory_bytes`) the reads may turn buffered, from the
       next pass on, once a pass shows the disk is slower than the epochs need: the page
       cache then keeps the files between epochs. Files that do not fit would be evicted
       before the next epoch read them.
 
+    On a GPU (``host=False``), whose reads go their own way (pinned copies or GPUDirect
+    Storage: :mod:`gpuload.gpu.kvikio_read`), ``"auto"`` writes direct only files that do not
+    fit in half the memory (not measured on a GPU otherwise: docs/gpu-testing.md); buffered
+    writes leave the next epoch's reads in memory there.
+
     The reader passes all of a dataset's chunk files (at most its ``max_cache_bytes``); with
     ``shard="node"``, every node's share counts, as ranks are known only when an epoch begins."""
     if cache_io != "auto":
         direct = cache_io == "direct"
         return CacheIO(direct, direct, False)
-    return CacheIO(True, True, cache_bytes <= (memory_bytes() if memory is None else memory) // 2)
+    fits = cache_bytes <= (memory_bytes() if memory is None else memory) // 2
+    return CacheIO(True, True, fits) if host else CacheIO(not fits, not fits, False)
 
 
-#: a pass whose training thread waited at least this share of its time ...
+#: a pass whose training thread waited at least this share of its time after its first batch ...
 READS_WAITED = 0.1
-#: ... while cache reads kept the loader threads busy at least this share of it was limited by direct reads
+#: ... while cache reads kept at least this many loader threads busy all along (summed over threads,
+#: as a share of the pass) was limited by its direct reads; shorter passes than :data:`READS_PASS_S`
+#: seconds are not judged
 READS_BUSY = 0.75
+READS_PASS_S = 2.0
 
 
-def reads_limited(wall: float, waited: float, read_busy: float, threads: int) -> bool:
-    """Whether a pass of ``wall`` seconds whose training thread waited ``waited`` of them was
-    limited by cache reads that kept ``threads`` loader threads busy ``read_busy`` seconds (summed):
-    the step waited :data:`READS_WAITED` of the time or more while the reads took
-    :data:`READS_BUSY` of the threads' time or more. On the 2-core VM of docs/benchmarks.md a
-    cached epoch's direct reads took 47% of 2 threads with the step waiting 3-7%."""
-    return wall > 0 and waited >= READS_WAITED * wall and read_busy >= READS_BUSY * max(1, threads) * wall
-
+def reads_limited(wall: float, waited: float, read_busy: float) -> bool:
+    """Whether a pass of ``wall`` seconds whose training thread waited ``waited`` of them after its
+    first batch (the start-up, every loader thread reading the first window, does not count) was
+    limited by cache reads that kept the loader threads busy ``read_busy`` seconds, summed over
+    threads: it waited :data:`READS_WAITED` of its time or more while the reads took
+    :data:`READS_BUSY` of it or more, as if one thread read all along (a disk that answers no
+    faster than the loader asks). On the 2-core VM of docs/benchmarks.md a cached epoch's direct
+    reads took 0.93 of its wall on 2 threads with the step waiting 3-7%: not limited."""
+    return wall >= READS_PASS_S and waited >= READS_WAITED * wall and read_busy >= READS_BUSY * wall

@@ -130,13 +130,13 @@ class ChunkReader:
         self._make_pools()
         # chunk files written and read around the page cache or through it (``cache_io``)
         files = [file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks]  # each chunk's cache file
-        modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)))
-        host = device.torch_device.type == "cpu"  # a GPU reads files its own way (gpuload.gpu.kvikio_read)
-        self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads and host
+        modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)),
+                               host=device.torch_device.type == "cpu")
+        self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads
         #: whether chunks go through the cache (``cache_io="off"``: every load decodes, nothing is written)
         self.caching = opts.cache_io != "off"
         #: whether the cache's reads turn buffered after a pass they limited (:meth:`pass_ended`)
-        self.adapts_reads = modes.adapts and self.caching and host
+        self.adapts_reads = modes.adapts and self.caching
         # flat outputs come as Pieces of their row groups, which `_stored` packs into the read pool's buffers
         self.decode = device.decoder(decoder or ArrowDecoder(metrics, fetch=self.remote_reads.fetch,
                                                              row_filter=flt, filter_columns=self.filter_columns,
@@ -332,13 +332,13 @@ class ChunkReader:
         return "direct" if writes and reads else "direct writes, buffered reads" if writes else "buffered"
 
     def pass_ended(self, wall: float, waited: float, read_busy: float) -> None:
-        """A whole pass took the training thread ``wall`` seconds, ``waited`` of them inside
-        ``next()``, while cache reads kept the loader threads busy ``read_busy`` seconds. With
-        ``cache_io="auto"``, where its direct reads were the limit (:func:`gpuload.memory.reads_limited`:
-        a disk slower than the epochs need), later reads go through the page cache, which keeps
-        the files between epochs (only caches that fit in half the memory adapt)."""
-        if self.adapts_reads and self.cache.direct_reads and reads_limited(wall, waited, read_busy,
-                                                                           self.opts.num_threads):
+        """A pass that read every chunk from the cache took the training thread ``wall`` seconds,
+        ``waited`` of them inside ``next()`` after its first batch, while cache reads kept the
+        loader threads busy ``read_busy`` seconds. With ``cache_io="auto"``, where its direct
+        reads were the limit (:func:`gpuload.memory.reads_limited`: a disk slower than the
+        epochs need), later reads go through the page cache, which keeps the files between
+        epochs (only caches that fit in half the memory adapt)."""
+        if self.adapts_reads and self.cache.direct_reads and reads_limited(wall, waited, read_busy):
             self.cache.direct_reads = False
             log.info("gpuload: the cache's direct reads kept the step waiting %.0f%% of a %.2f s pass: later "
                      "passes read it through the page cache (cache_io='buffered' does from the start)",

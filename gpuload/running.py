@@ -49,7 +49,7 @@ class Epochs:
         r.resume()
         pre = self.ahead.take(r.device.consumer_stream())
         producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=o.prefetch + 2, nice=o.nice)
-        before = self.metrics.totals("cache_read") if r.adapts_reads else None
+        before = self._measured() if r.adapts_reads else None
         try:  # each batch counted when handed out: a state taken then resumes after it
             yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take())
         finally:
@@ -59,10 +59,16 @@ class Epochs:
                 r.interrupt()
             producer.close()
             self.ahead.settle(pre, producer.finished)
-        if before is not None:  # a whole pass: were its direct cache reads the limit?
-            after = self.metrics.totals("cache_read")
-            if after[0] >= before[0]:  # else the metrics were reset meanwhile
-                r.pass_ended(*(a - b for a, b in zip(after, before)))
+            if before is not None:  # were this pass's direct cache reads the limit? (also a pass left
+                after = self._measured()  # early: a Mix closes its sources' passes, a loop stops at a step)
+                if after[0] == before[0] and after[-1] == before[-1]:  # no reset meanwhile, nothing decoded
+                    r.pass_ended(*(a - b for a, b in zip(after[1:-1], before[1:-1])))
+
+    def _measured(self) -> tuple:
+        """What a pass's reads are judged by (:meth:`gpuload.reader.ChunkReader.pass_ended`): the
+        metrics' resets, wall, waiting after the first batch and cache reads so far, and the chunks
+        decoded (a pass that decodes any is not a cached one)."""
+        return (*self.metrics.totals("cache_read"), self.reader.counters.decoded)
 
     def _batches(self, pos: Position, handoff: Callable, stop, pre) -> Iterator:
         """The producer's side: this rank's rest of ``pos``'s epoch as batches, through ``handoff``."""

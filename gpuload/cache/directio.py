@@ -1,11 +1,11 @@
 """Direct I/O: cache files written and read around the page cache (``cache_io=``).
 
 A buffered write copies every byte of a chunk into the page cache, which the kernel then
-writes back; a cache larger than the memory the page cache can keep gains nothing from
-those pages (they are evicted before the next epoch reads them) and pays for them in the
-first epoch: the copy, the page allocations, the writeback, and the other files' pages it
-pushes out (the Parquet sources', the training job's). With ``O_DIRECT`` the disk reads
-and writes the process's own buffers.
+writes back; the first epoch pays for it (the copy, the page allocations, the writeback, and
+the other files' pages it pushes out: the Parquet sources', the training job's) while each
+chunk waits for the disk at its fsync anyway, and a cache larger than the memory the page
+cache can keep gains nothing from those pages later (they are evicted before the next epoch
+reads them). With ``O_DIRECT`` the disk reads and writes the process's own buffers.
 
 * **Writes** go through one page-aligned bounce buffer per thread (:data:`BOUNCE` bytes,
   kept for the thread's life): each region is copied into it and written in whole
@@ -18,7 +18,8 @@ and writes the process's own buffers.
   aligned, gets buffered I/O instead: the functions here return False / None and the
   caller does what it always did.
 
-Which datasets use it is decided by :func:`gpuload.memory.direct_io`.
+Which datasets use it is decided by :func:`gpuload.memory.cache_io_modes` (by default the CPU
+path's writes and reads, the reads turning buffered after a pass they limited).
 """
 
 from __future__ import annotations

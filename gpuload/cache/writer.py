@@ -7,7 +7,7 @@ are with the writer at once (the caller blocks beyond that): the host memory bou
 them (:func:`gpuload.memory.host_budget`, ``pending_writes``).
 
 Two threads, so that one chunk's fsync (waiting for the disk) overlaps the next one's
-checksums and copies into the page cache: on the H200 node the fsync was half the lone
+checksums and copies (into the page cache, or a direct write's bounce buffer): on the H200 node the fsync was half the lone
 writer thread's time in a first epoch with cuDF, and the loader threads waited 1.6 s for
 it; on the 2-core VM a first epoch of 8M rows took 8.87 s with one thread, 7.58 s with two
 and 7.49 s with no fsync at all (medians of 3). Every file is still on disk before it has

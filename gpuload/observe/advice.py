@@ -180,9 +180,9 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
                     "cache instead") if ours else
                 "copy the source to local NVMe, or keep more reads in flight")
     if s.name == "cache_write":
-        around = ("pass cache_io='direct' (`--cache-io direct`), which writes the cache around the page cache (no "
-                  "copy into newly allocated page-cache pages; later epochs then read the disk, not memory), "
-                  if settings.get("cache_io") == "buffered" else "")
+        around = (("pass cache_io='direct'" if on_gpu else "leave cache_io at 'auto' (the default) or pass "
+                   "cache_io='direct'") + " (`--cache-io`), which writes the cache around the page cache (no copy "
+                  "into newly allocated page-cache pages), " if settings.get("cache_io") == "buffered" else "")
         return (f"first-epoch cache writes are the limit at {total_gbps:.2f} GB/s"
                 f"{' through the page cache' if around else ''}: {where}",
                 f"{around}build the cache ahead with `gpuload cache build`, or put the cache on faster local disk"

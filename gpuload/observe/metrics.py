@@ -134,6 +134,7 @@ class Metrics:
     def reset(self) -> None:
         """Forget everything recorded so far (settings are kept)."""
         with self._lock:
+            self._resets = getattr(self, "_resets", -1) + 1  # for totals(): figures across a reset do not subtract
             # events: spans (stage, tid, t0, t1, nbytes, rows), waits (tid, t0, t1, rows, nbytes, delivered
             # a batch), depths (t, depth), utils (t, cpu %, system cpu %, gpu %, gpu memory bytes)
             self._spans, self._waits, self._depths, self._utils = (
@@ -308,15 +309,17 @@ class Metrics:
                      system_cpu_percent=u[1], gpu_percent=u[2], gpu_memory_bytes=umem, util_samples=un,
                      events_not_kept=dropped, during_waits=during or None, cpu_queue=runq)
 
-    def totals(self, stage: str) -> tuple[float, float, float]:
-        """(wall s, waiting s, ``stage``'s busy s summed over threads) so far: sums of :meth:`stats`,
-        without its look at what ran during the waits (cheap enough for every pass's end)."""
+    def totals(self, stage: str) -> tuple[int, float, float, float]:
+        """(resets so far, wall s, waiting s after each pass's first ``next()``, ``stage``'s busy s
+        summed over threads): sums of :meth:`stats` without its look at what ran during the
+        waits, cheap enough for every pass's end; two of them differ by what happened between
+        them if their first figure (:meth:`reset` calls) is the same."""
         with self._lock:
             self._fold()
             wall = self._c["wall"]
             if self._pass_start is not None and self._last_end is not None:
                 wall += self._last_end - self._pass_start
-            return wall, self._c["wait"], self._stage[_INDEX[stage]][0]
+            return self._resets, wall, self._c["wait"] - self._c["first_wait"], self._stage[_INDEX[stage]][0]
 
     def timeline(self) -> dict:
         """Per delivered batch whose wait is kept for the trace, for plots: ``{"start": [...],

@@ -436,13 +436,15 @@ def test_the_users_own_transforms_are_named_when_their_stage_is_the_limit(tmp_pa
 
 def test_buffered_cache_writes_that_limit_a_first_epoch_point_to_direct_io(tmp_path):
     """On the 2-core VM a buffered first epoch was bound by the writer's copies into new page-cache
-    pages (diagnose named cache_write); cache_io='direct' made it 1.6x faster: say so, where it applies."""
+    pages (diagnose named cache_write); cache_io='direct' (now auto's writes on the CPU) made it
+    1.6x faster: say so, where it applies."""
     writes = [stage("decode", 2.0, 2, 10**9, 6_553_600), stage("cache_write", 9.0, 1, 3 * 10**9, 6_553_600)]
     plain = {"num_threads": 2, "prefetch": 2, "device": "cpu"}
     for mode in ("buffered", "direct"):
         d = gpuload.diagnose(make_stats(0.6, stages=writes, loader="gpuload", loader_settings=plain | {"cache_io": mode}))
         assert d.limiting == "cache_write" and "gpuload cache build" in d.action
         assert ("cache_io='direct'" in d.action) == ("through the page cache" in d.message) == (mode == "buffered")
+        assert ("leave cache_io at 'auto'" in d.action) == (mode == "buffered")  # the CPU path's default
     data = _clicks(tmp_path)
     for mode in ("buffered", "direct"):
         ds = gpuload.ParquetDataset(data, ["row_id"], cache_dir=tmp_path / mode, device="cpu",
@@ -465,6 +467,7 @@ def test_loader_threads_held_back_by_the_cache_writer_name_the_writes_not_decodi
         assert d.limiting == "cache_write" and f"waited {held:.2f} s in all for the cache writer" in d.message
         assert "cache_write kept 3 threads busy" in d.message  # the writer's threads, not the loader pool
         assert "gpuload cache build" in d.action and "cache_io='direct'" in d.action
+        assert "'auto'" not in d.action  # on a GPU auto writes a cache that fits in memory buffered
         assert "raise prefetch" not in d.action and "not keeping enough work in flight" not in d.message
     else:
         assert d.limiting == "decode" and "cache writer" not in d.message
