@@ -116,12 +116,13 @@ class Options(_Settings):
     @property
     def stored_layout(self) -> str:
         """The layout chunks are stored in: ``layout``, or for ``"auto"`` ``"rows"``, except
-        ``"columns"`` where nothing is cached and no row is gathered (``cache_io="off"`` with
-        ``shuffle=False`` or ``"chunks"``: batches are then views of the decoded columns, no
-        block to unpack; no cache file can differ, so ``cache build`` and training agree)."""
+        ``"columns"`` where no row is gathered (``shuffle=False`` or ``"chunks"``): batches are
+        then views of the chunks' columns, no block to unpack (a cached epoch's CPU about
+        halved on 2 cores, docs/benchmarks.md). The reader reads a whole set of row blocks
+        already cached instead (:meth:`gpuload.reader.ChunkReader._reuse_rows`)."""
         if self.layout != "auto":
             return self.layout
-        return "columns" if self.cache_io == "off" and not self.shuffled else "rows"
+        return "rows" if self.shuffled else "columns"
 
     @property
     def chunks_shuffled(self) -> bool:

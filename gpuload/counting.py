@@ -20,6 +20,7 @@ cache count once: the first takes the vocabulary's lock, the others read its fil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -32,16 +33,16 @@ import pyarrow.compute as pc
 from .cache.fs import CacheRoot
 from .cache.kept import kept_key, load_kept, save_kept
 from .cache.vocabs import load_vocabulary, save_vocabulary, vocab_key, vocab_lock
-from .categorical import Vocab
-from .vocabulary import Vocabulary, register
+from .categorical import Vocab, parse_key
+from .vocabulary import Vocabulary, register, registered
 from .decode import kept_positions, read_columns
 from .errors import ConfigError, SourceError, setting
 from .plan import Chunk
 from .rowfilter import RowFilter, candidate_groups
-from .schema import list_value
+from .schema import OutputSpec, list_value
 from .sources.listing import SourceFile
 
-__all__ = ["vocabulary_for", "count_vocabulary", "kept_groups"]
+__all__ = ["counted", "vocabulary_for", "count_vocabulary", "kept_groups"]
 
 log = logging.getLogger("gpuload")
 
@@ -129,6 +130,30 @@ def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, thr
                     "out-of-vocabulary id); lower min_count", setting("categorical", {column: vocab}), column,
                     vocab.min_count)
     return Vocabulary(column, table.column("value").combine_chunks(), counts, vocab)
+
+
+def counted(specs: list[OutputSpec], files: Sequence[SourceFile], root: CacheRoot | None, threads: int = 1,
+            fetch: Callable | None = None, flt: RowFilter | None = None, filter_columns: Sequence[str] = ()
+            ) -> tuple[list[OutputSpec], dict[str, Vocabulary]]:
+    """``specs`` with each :class:`gpuload.Vocab` column's vocabulary (:func:`vocabulary_for`, over
+    the rows ``flt`` keeps) named in its encoder key, so that the cache key follows the
+    vocabulary; and the vocabularies by column, those given whole too (their keys name them)."""
+    vocabularies: dict[str, Vocabulary] = {}
+    out = []
+    for s in specs:
+        sources = []
+        for c, vt in zip(s.columns, s.sources):
+            given = registered(vt.encode) if vt.encode.startswith("vocab:") else None
+            if given is not None:  # a vocabulary given whole (its key names its digest): nothing to count
+                vocabularies[c] = given
+            elif vt.encode.startswith("vocab:"):
+                if c not in vocabularies:
+                    vocabularies[c] = vocabulary_for(files, c, parse_key(vt.encode), root, threads, fetch, flt,
+                                                     filter_columns)
+                vt = dataclasses.replace(vt, encode=vocabularies[c].key)
+            sources.append(vt)
+        out.append(dataclasses.replace(s, sources=tuple(sources)))
+    return out, vocabularies
 
 
 def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root: CacheRoot | None,

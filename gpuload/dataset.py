@@ -398,7 +398,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         settings = {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
                     "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu"),
                     "cache_io": self.reader.cache_io, "shuffle": self.options.shuffle,
-                    "layout": self.options.stored_layout}
+                    "layout": self.reader.stored_layout}
         if self.reader.source.transform is not None:
             settings["transform"] = self.reader.source.transform.key
         if self.batch_transform is not None:

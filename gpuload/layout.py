@@ -1,7 +1,8 @@
 """Layout: how a chunk's outputs are stored, and how a batch is turned back into outputs.
 
-Two layouts, chosen with ``layout=`` (default ``"auto"``: ``"rows"``, but ``"columns"`` for
-``cache_io="off"`` without gathered rows, :attr:`gpuload.config.Options.stored_layout`):
+Two layouts, chosen with ``layout=`` (default ``"auto"``: ``"rows"`` where rows are gathered,
+``"columns"`` where none is, unless a whole set of row blocks is cached already:
+:attr:`gpuload.config.Options.stored_layout`):
 
 * ``"columns"``: one array per output, as the batch hands them out.
 * ``"rows"``: single-column scalar outputs that share a storage dtype (after

@@ -13,7 +13,6 @@ bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`)
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import threading
@@ -25,13 +24,11 @@ from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.space import warn_short_room
 from .cache.chunkfile import spec_hash
-from .categorical import parse_key
-from .vocabulary import Vocabulary, registered
 from .checks import check_casts, check_consistent, check_nulls, check_partition_keys, files_text, widened
 from .config import Options, Source
 from .errors import SourceError, flag
 from .convert import needed_columns
-from .counting import kept_groups, vocabulary_for
+from .counting import counted, kept_groups
 from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
@@ -98,19 +95,15 @@ class ChunkReader:
         #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
         self.outputs: list[OutputSpec] = self.specs if t is None else transform_outputs(t, self.specs)
         flt = source.filters
-        marks = {}  # in the cache key besides the outputs: the transform (its key and inputs), the filter
+        self._marks = {}  # in the cache key besides the outputs: the transform (its key and inputs), the filter
         if t is not None:
-            marks["transform"] = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
+            self._marks["transform"] = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
         if flt is not None:
-            marks["filter"] = flt.key
-        self.spec_desc = [{**d, **marks} for d in spec_description(self.outputs, opts.stored_layout,
-                                                                    permuted=opts.block is not None)]
-        self.layout = Layout(self.spec_desc)
+            self._marks["filter"] = flt.key
+        self._store_as(opts.stored_layout)
         if opts.block is None and opts.block_rows != Options.block_rows:  # given, and nothing uses it
             log.warning("gpuload: block_rows=%d has no effect with shuffle=%r: it sizes the blocks of "
                         "shuffle='block'", opts.block_rows, opts.shuffle)
-        self.spec_hash = spec_hash(self.spec_desc)
-        self._outputs = desc_outputs(self.spec_desc)
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
         if flt is not None:  # chunks hold the kept rows only
             sizes = self._filtered(sizes, flt)
@@ -123,6 +116,8 @@ class ChunkReader:
             raise SourceError(f"the {len(self.files)} file{'s' if many else ''} of the source hold{'' if many else 's'} "
                               f"no rows {files_text([str(f.path) for f in self.files])}: check that it names the "
                               f"files you mean")
+        if opts.layout == "auto" and self.stored_layout == "columns" and opts.cache_io != "off":
+            self._reuse_rows()
         self.num_rows = sum(c.rows for c in self.chunks)
         self.fingerprint = fingerprint(self.files)
         #: arrays per stored chunk
@@ -182,32 +177,11 @@ class ChunkReader:
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                 int96=frozenset().union(*(f.int96 for f in self.files)), categorical=src.categorical)
         check_consistent(self.files, specs, schema)
-        specs = self._count_vocabularies(specs)
+        #: every Vocab column's vocabulary, and each one given whole (:func:`gpuload.counting.counted`)
+        specs, self.vocabularies = counted(specs, self.files, self.cache.root, self.opts.num_threads,
+                                           self.remote_reads.fetch, src.filters, self.filter_columns)
         check_casts(self.files, specs)
         return specs
-
-    def _count_vocabularies(self, specs: list[OutputSpec]) -> list[OutputSpec]:
-        """``specs`` with each :class:`gpuload.Vocab` column's counted vocabulary named in its
-        encoder key (so the cache key follows the vocabulary), read from the cache or counted;
-        :attr:`vocabularies` holds them by column, a vocabulary given whole too (its key names it)."""
-        self.vocabularies: dict[str, Vocabulary] = {}
-        flt = self.source.filters  # a vocabulary counts the rows the filter keeps
-        out = []
-        for s in specs:
-            sources = []
-            for c, vt in zip(s.columns, s.sources):
-                given = registered(vt.encode) if vt.encode.startswith("vocab:") else None
-                if given is not None:  # a vocabulary given whole (its key names its digest): nothing to count
-                    self.vocabularies[c] = given
-                elif vt.encode.startswith("vocab:"):
-                    if c not in self.vocabularies:
-                        self.vocabularies[c] = vocabulary_for(self.files, c, parse_key(vt.encode), self.cache.root,
-                                                              self.opts.num_threads, self.remote_reads.fetch, flt,
-                                                              self.filter_columns)
-                    vt = dataclasses.replace(vt, encode=self.vocabularies[c].key)
-                sources.append(vt)
-            out.append(dataclasses.replace(s, sources=tuple(sources)))
-        return out
 
     def _make_pools(self) -> None:
         """The host pools, each keeping at most its term of the host memory bound
@@ -233,6 +207,28 @@ class ChunkReader:
                   for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
         check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached, threads=self.opts.num_threads)
         check_partition_keys(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
+
+    def _store_as(self, layout: str) -> None:
+        """Store chunks in ``layout`` (``"rows"`` or ``"columns"``): the description of what is
+        stored, its hash (in every chunk's key), the stored outputs and the :class:`Layout`."""
+        self.stored_layout = layout
+        self.spec_desc = [{**d, **self._marks} for d in spec_description(self.outputs, layout,
+                                                                         permuted=self.opts.block is not None)]
+        self.layout = Layout(self.spec_desc)
+        self.spec_hash = spec_hash(self.spec_desc)
+        self._outputs = desc_outputs(self.spec_desc)
+
+    def _reuse_rows(self) -> None:
+        """``layout="auto"`` stores columns where no row is gathered; a whole set of row blocks of
+        the same outputs in the cache (built for a row shuffle, or by ``gpuload cache build``
+        before it) is read instead, where no columns chunk is cached: the same batches, nothing
+        decoded, no second copy of the dataset on the disk."""
+        n = len(self.chunks)
+        if any(self.cache.exists(self.key(i)) for i in range(n)):
+            return
+        self._store_as("rows")
+        if not all(self.cache.exists(self.key(i)) for i in range(n)):
+            self._store_as("columns")
 
     def key(self, i: int) -> ChunkKey:
         """Cache key of chunk ``i``."""

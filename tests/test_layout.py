@@ -145,26 +145,57 @@ def test_same_order_in_both_layouts(source, tmp_path, shuffle):
     assert np.array_equal(np.sort(orders[0]), np.arange(N))
 
 
-@pytest.mark.parametrize("shuffle", [False, "chunks", True, "block"])
-@pytest.mark.parametrize("cache_io", ["off", "buffered"])
-def test_auto_layout_is_columns_only_where_nothing_is_cached_or_gathered(source, tmp_path, shuffle, cache_io):
-    """layout='auto' (the default) stores rows, except under cache_io='off' with batches cut straight
-    from the chunks (no shuffle, or 'chunks'): 1.1x a first epoch there on 2 cores (no block to unpack).
-    Never where a cache is written: `cache build` and training then always agree on the files. The
-    batches are those of an explicit 'rows' dataset, in the same order."""
-    auto = _open(source, tmp_path / "a", shuffle=shuffle, block_rows=32, seed=3, cache_io=cache_io)
-    columns = cache_io == "off" and shuffle in (False, "chunks")
-    assert bool(auto.reader.layout.blocks) != columns
-    assert auto.stats().loader_settings["layout"] == ("columns" if columns else "rows")  # what "auto" chose
-    rows = _open(source, tmp_path / "r", shuffle=shuffle, block_rows=32, seed=3, cache_io=cache_io, layout="rows")
-    assert rows.reader.layout.blocks
-    got, want = _all(auto), _all(rows)
+def _same(got: dict, want: dict) -> None:
     for k in COLUMNS:
         for a, b in zip(got[k], want[k], strict=True):
             if isinstance(a, Ragged):
                 assert torch.equal(a.values, b.values) and torch.equal(a.offsets, b.offsets)
             else:
                 assert torch.equal(a, b) and a.is_contiguous()
+
+
+@pytest.mark.parametrize("shuffle", [False, "chunks", True, "block"])
+@pytest.mark.parametrize("cache_io", ["off", "buffered"])
+def test_auto_layout_is_columns_where_no_row_is_gathered(source, tmp_path, shuffle, cache_io):
+    """layout='auto' (the default) stores rows where rows are gathered (a row or block shuffle), else
+    columns (no shuffle, or 'chunks'): batches are views of the chunks' columns, no block to
+    unpack (a cached epoch's CPU about halved on 2 cores). The batches are those of an explicit
+    'rows' dataset, in the same order."""
+    auto = _open(source, tmp_path / "a", shuffle=shuffle, block_rows=32, seed=3, cache_io=cache_io)
+    columns = shuffle in (False, "chunks")
+    assert bool(auto.reader.layout.blocks) != columns
+    assert auto.stats().loader_settings["layout"] == ("columns" if columns else "rows")  # what "auto" chose
+    rows = _open(source, tmp_path / "r", shuffle=shuffle, block_rows=32, seed=3, cache_io=cache_io, layout="rows")
+    assert rows.reader.layout.blocks
+    _same(_all(auto), _all(rows))
+
+
+@pytest.mark.parametrize("shuffle", [False, "chunks"])
+def test_auto_reads_a_whole_set_of_row_blocks_cached_before_instead_of_building_columns(source, tmp_path, shuffle):
+    """A cache built for a row shuffle (or by `gpuload cache build`, rows by default) serves a run
+    that gathers no row: nothing decoded, no second copy on the disk; a partial set does not."""
+    built = _open(source, tmp_path / "c", shuffle=True, seed=3)
+    _all(built)
+    built.reader.cache.flush()
+    files = sorted((tmp_path / "c").rglob("*.glc"))
+    assert len(files) == len(built.reader.chunks) > 1
+    built.close()
+    ds = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)
+    assert ds.stats().loader_settings["layout"] == "rows" and ds.reader.layout.blocks
+    got = _all(ds)
+    assert ds.reader.counters.decoded == 0 and sorted((tmp_path / "c").rglob("*.glc")) == files
+    fresh = _open(source, tmp_path / "f", shuffle=shuffle, seed=3)
+    assert fresh.stats().loader_settings["layout"] == "columns"
+    want = _all(fresh)
+    _same(got, want)
+    ds.close()
+    files[0].unlink()  # no longer whole: columns, built
+    partial = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)
+    assert partial.stats().loader_settings["layout"] == "columns" and not partial.reader.layout.blocks
+    _same(_all(partial), want)
+    assert partial.reader.counters.decoded == len(partial.reader.chunks)
+    partial.close()
+    fresh.close()
 
 
 # -- block shuffling -----------------------------------------------------------------------------
