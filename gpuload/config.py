@@ -117,9 +117,9 @@ class Options(_Settings):
     def stored_layout(self) -> str:
         """The layout chunks are stored in: ``layout``, or for ``"auto"`` ``"rows"``, except
         ``"columns"`` where no row is gathered (``shuffle=False`` or ``"chunks"``): batches are
-        then views of the chunks' columns, no block to unpack (a cached epoch's CPU about
-        halved on 2 cores, docs/benchmarks.md). The reader reads a whole set of row blocks
-        already cached instead (:meth:`gpuload.reader.ChunkReader._reuse_rows`)."""
+        then views of the chunks' columns, no block to unpack (cached epochs at 0.55x the CPU
+        on 2 cores, docs/benchmarks.md). Where the cache holds more of the dataset as row
+        blocks, the reader reads those (:meth:`gpuload.reader.ChunkReader._reuse_rows`)."""
         if self.layout != "auto":
             return self.layout
         return "rows" if self.shuffled else "columns"

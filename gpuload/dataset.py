@@ -66,10 +66,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     block_rows : rows per block with ``shuffle="block"`` (default 256).
     layout : how the cache stores outputs: ``"rows"`` (single-column scalar outputs of one
         dtype as one row-major block, gathered a row at a time), ``"columns"`` (an array per
-        output), or ``"auto"`` (default): ``"rows"``, except ``"columns"`` under
-        ``cache_io="off"`` with ``shuffle=False`` or ``"chunks"``, where batches are views of
-        the decoded columns (nothing is cached then). Batches hold the same contiguous tensors
-        either way; see :mod:`gpuload.layout`. Each layout has its own cache files.
+        output), or ``"auto"`` (default): ``"rows"`` where rows are gathered (``shuffle=True``
+        or ``"block"``), ``"columns"`` where none is (``False``, ``"chunks"``: batches are views
+        of the chunks' columns), unless the cache holds more of the dataset as row blocks. Batches
+        hold the same contiguous tensors either way; see :mod:`gpuload.layout`. Each layout has
+        its own cache files.
     seed : shuffle seed (default 0); with the epoch it fixes the order completely.
     drop_last : drop the tail that does not fill a batch on every rank (default False:
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).

@@ -1,7 +1,7 @@
 """Layout: how a chunk's outputs are stored, and how a batch is turned back into outputs.
 
 Two layouts, chosen with ``layout=`` (default ``"auto"``: ``"rows"`` where rows are gathered,
-``"columns"`` where none is, unless a whole set of row blocks is cached already:
+``"columns"`` where none is, unless more of the dataset is cached as row blocks:
 :attr:`gpuload.config.Options.stored_layout`):
 
 * ``"columns"``: one array per output, as the batch hands them out.

@@ -219,15 +219,16 @@ class ChunkReader:
         self._outputs = desc_outputs(self.spec_desc)
 
     def _reuse_rows(self) -> None:
-        """``layout="auto"`` stores columns where no row is gathered; a whole set of row blocks of
-        the same outputs in the cache (built for a row shuffle, or by ``gpuload cache build``
-        before it) is read instead, where no columns chunk is cached: the same batches, nothing
-        decoded, no second copy of the dataset on the disk."""
-        n = len(self.chunks)
-        if any(self.cache.exists(self.key(i)) for i in range(n)):
-            return
+        """``layout="auto"`` stores columns where no row is gathered; where the cache holds more
+        of this dataset's chunks as row blocks (built for a row shuffle, by ``gpuload cache
+        build`` before it or meanwhile, or a node's share of them) than as columns, row blocks
+        are read instead: the same batches, and only the chunks missing from that set decoded."""
+        def cached() -> int:
+            return sum(self.cache.exists(self.key(i)) for i in range(len(self.chunks)))
+
+        columns = cached()
         self._store_as("rows")
-        if not all(self.cache.exists(self.key(i)) for i in range(n)):
+        if cached() <= columns:
             self._store_as("columns")
 
     def key(self, i: int) -> ChunkKey:

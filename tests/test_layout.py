@@ -171,9 +171,11 @@ def test_auto_layout_is_columns_where_no_row_is_gathered(source, tmp_path, shuff
 
 
 @pytest.mark.parametrize("shuffle", [False, "chunks"])
-def test_auto_reads_a_whole_set_of_row_blocks_cached_before_instead_of_building_columns(source, tmp_path, shuffle):
+def test_auto_reads_the_row_blocks_cached_before_instead_of_building_columns(source, tmp_path, shuffle):
     """A cache built for a row shuffle (or by `gpuload cache build`, rows by default) serves a run
-    that gathers no row: nothing decoded, no second copy on the disk; a partial set does not."""
+    that gathers no row: nothing decoded, no second copy on the disk; a set missing a chunk (evicted,
+    a node's share, a build going on) too, the missing chunk built as row blocks; an explicit
+    layout='columns', or a cache holding as much as columns, builds or reads columns."""
     built = _open(source, tmp_path / "c", shuffle=True, seed=3)
     _all(built)
     built.reader.cache.flush()
@@ -189,12 +191,21 @@ def test_auto_reads_a_whole_set_of_row_blocks_cached_before_instead_of_building_
     want = _all(fresh)
     _same(got, want)
     ds.close()
-    files[0].unlink()  # no longer whole: columns, built
+    files[0].unlink()  # one chunk of the set gone: the rest still read, the one built as row blocks
     partial = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)
-    assert partial.stats().loader_settings["layout"] == "columns" and not partial.reader.layout.blocks
+    assert partial.stats().loader_settings["layout"] == "rows"
     _same(_all(partial), want)
-    assert partial.reader.counters.decoded == len(partial.reader.chunks)
+    assert partial.reader.counters.decoded == 1 and len(list((tmp_path / "c").rglob("*.glc"))) == len(files)
     partial.close()
+    forced = _open(source, tmp_path / "c", shuffle=shuffle, seed=3, layout="columns")  # asked for: built
+    _same(_all(forced), want)
+    assert forced.reader.counters.decoded == len(forced.reader.chunks)
+    forced.close()
+    both = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)  # as much cached either way: columns
+    assert both.stats().loader_settings["layout"] == "columns"
+    _same(_all(both), want)
+    assert both.reader.counters.decoded == 0
+    both.close()
     fresh.close()
 
 
