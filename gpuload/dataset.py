@@ -392,7 +392,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         """``("gpuload", settings)``: how :func:`gpuload.watch` and :meth:`stats` name this loader
         (settings: ``num_threads``, ``prefetch``, ``device`` (``"cpu"`` or ``"cuda"``),
         ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF), ``cache_io``,
-        how chunk files are written: ``"direct"``, ``"buffered"`` or ``"off"`` (none), ``shuffle``,
+        how chunk files are written and read: ``"direct"``, ``"buffered"``, ``"direct writes,
+        buffered reads"`` (``"auto"`` after a pass its direct reads limited) or ``"off"`` (none), ``shuffle``,
         ``layout`` (the one ``"auto"`` chose), and where given, ``transform``
         (its key) and ``batch_transform`` (the function's name): work of the user's that
         :func:`gpuload.diagnose` names when its stage is the limit)."""

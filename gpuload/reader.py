@@ -337,7 +337,7 @@ class ChunkReader:
         epochs (only caches that fit in half the memory adapt)."""
         if self.adapts_reads and self.cache.direct_reads and reads_limited(wall, waited, read_busy):
             self.cache.direct_reads = False
-            log.info("gpuload: the cache's direct reads kept the step waiting %.0f%% of a %.2f s pass: later "
+            log.warning("gpuload: the cache's direct reads kept the step waiting %.0f%% of a %.2f s pass: later "
                      "passes read it through the page cache (cache_io='buffered' does from the start)",
                      100 * waited / wall, wall)
 

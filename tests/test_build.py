@@ -218,11 +218,14 @@ def test_block_rows_with_another_shuffle_flag_is_refused(data_4096, tmp_path, ca
 
 
 def test_cache_info_tells_a_block_shuffles_column_set_from_the_others(data_4096, tmp_path, capsys):
-    """A user's trial: two column sets, one built for shuffle='block', printed exactly alike."""
+    """User trials: column sets built for shuffle='block', for the row shuffle (row blocks) and for
+    'chunks' (columns) were printed exactly alike."""
     cache = str(tmp_path / "c")
-    for flags in ([], ["--shuffle", "block"]):
-        assert main(["cache", "build", str(data_4096), "--cache-dir", cache, "--columns", "label,dense_0", *flags]) == 0
+    for flags in (["--shuffle", "chunks"], [], ["--shuffle", "block"]):  # chunks first: it reads row blocks cached
+        assert main(["cache", "build", str(data_4096), "--cache-dir", cache, "--columns", "label,dense_0,dense_1",
+                     *flags]) == 0
     capsys.readouterr()
     assert main(["cache", "info", "--cache-dir", cache]) == 0
     sets = [line for line in capsys.readouterr().out.splitlines() if "label" in line and "dense_0" in line]
-    assert len(sets) == 2 and sum("rows permuted in each chunk (for shuffle='block')" in s for s in sets) == 1, sets
+    assert len(sets) == 3 and sum("rows permuted in each chunk (for shuffle='block')" in s for s in sets) == 1, sets
+    assert sum("row blocks (layout='rows')" in s for s in sets) == 1, sets  # the default's; 'chunks' stores columns
