@@ -7,10 +7,12 @@ chunk waits for the disk at its fsync anyway, and a cache larger than the memory
 cache can keep gains nothing from those pages later (they are evicted before the next epoch
 reads them). With ``O_DIRECT`` the disk reads and writes the process's own buffers.
 
-* **Writes** go through one page-aligned bounce buffer per thread (:data:`BOUNCE` bytes,
-  kept for the thread's life): each region is copied into it and written in whole
-  :data:`BLOCK` s, padded with zeros, so the file's bytes are exactly a buffered write's
-  (the format's regions start on 4096-byte boundaries and its padding is zeros).
+* **Writes** of a page-aligned region (the host pools' arrays, which a chunk is packed
+  into) go straight from it, whole :data:`BLOCK` s at a time; the region's last partial
+  block, and regions elsewhere, go through one page-aligned bounce buffer per thread
+  (:data:`BOUNCE` bytes, kept for the thread's life), padded with zeros, so the file's
+  bytes are exactly a buffered write's (the format's regions start on 4096-byte
+  boundaries and its padding is zeros).
 * **Reads** go straight into the caller's buffer when it and the offset are aligned (the
   host pools' buffers are, :class:`gpuload.memory.HostPool`); the last partial block
   comes through a small aligned buffer.
@@ -67,6 +69,12 @@ def _bytes(data) -> np.ndarray:
     return np.frombuffer(memoryview(data).cast("B"), np.uint8)
 
 
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.pwrite(fd, buf[done:], offset + done)
+
+
 def write(fd: int, pieces: list, total: int) -> bool:
     """Write ``pieces`` (``(offset, buffer)``, each offset a multiple of :data:`BLOCK`) to
     ``fd`` with ``O_DIRECT``, then truncate it to ``total`` bytes (a multiple of
@@ -80,14 +88,16 @@ def write(fd: int, pieces: list, total: int) -> bool:
         b = _bounce()
         for offset, data in pieces:
             view = _bytes(data)
-            for pos in range(0, len(view), BOUNCE):
+            # a page-aligned buffer (the host pools' arrays: a chunk packed for the cache) gives its whole
+            # blocks to the disk itself; the rest, and any other buffer, comes through the bounce buffer
+            body = len(view) // BLOCK * BLOCK if view.ctypes.data % BLOCK == 0 else 0
+            _pwrite_all(fd, memoryview(view)[:body], offset)
+            for pos in range(body, len(view), BOUNCE):
                 n = min(BOUNCE, len(view) - pos)
                 b[:n] = view[pos:pos + n]
                 m = -(-n // BLOCK) * BLOCK
                 b[n:m] = 0  # a region's padding: the zeros a buffered write leaves as a hole
-                done = 0
-                while done < m:
-                    done += os.pwrite(fd, memoryview(b)[done:m], offset + pos + done)
+                _pwrite_all(fd, memoryview(b)[:m], offset + pos)
         os.ftruncate(fd, total)
     except OSError as e:
         if e.errno == errno.EINVAL:  # accepted at open, refused at the write (some FUSE and network file systems)

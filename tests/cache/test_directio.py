@@ -62,6 +62,37 @@ def test_a_direct_write_is_byte_for_byte_a_buffered_one(tmp_path):
     _same(_read(tmp_path / "direct.glc", direct=False), cols)
 
 
+def test_page_aligned_regions_are_written_from_their_own_memory_byte_for_byte(tmp_path, monkeypatch):
+    """A chunk packed into the host pool's page-aligned arrays goes to the disk without the
+    bounce buffer's copy (its whole blocks straight from the arrays; the tail padded), and the
+    file is exactly a buffered write's."""
+    pool = HostPool()
+    cols = _chunk()
+    aligned = {}
+    for k, v in cols.items():
+        if isinstance(v, Ragged):
+            aligned[k] = Ragged(*(pool.array(a.shape, a.dtype) for a in (v.values, v.offsets)))
+            aligned[k].values[...], aligned[k].offsets[...] = v.values, v.offsets
+        else:
+            aligned[k] = pool.array(v.shape, v.dtype)
+            aligned[k][...] = v
+    assert aligned["tail"].ctypes.data % directio.BLOCK == 0  # the pool's (its small arrays are not pooled)
+    sources, real = [], os.pwrite
+
+    def pwrite(fd, data, offset):
+        sources.append(np.frombuffer(data, np.uint8).ctypes.data)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    assert _write(tmp_path / "direct.glc", aligned, direct=True)
+    monkeypatch.setattr(directio.os, "pwrite", real)
+    assert not _write(tmp_path / "buffered.glc", cols, direct=False)
+    assert (tmp_path / "direct.glc").read_bytes() == (tmp_path / "buffered.glc").read_bytes()
+    big = aligned["tail"]  # larger than the bounce buffer: written from itself
+    assert big.nbytes > directio.BOUNCE and big.ctypes.data in sources
+    _same(_read(tmp_path / "direct.glc", direct=True, alloc=pool.get), cols)
+
+
 def test_a_direct_read_is_exact_and_leaves_the_page_cache_alone(tmp_path):
     cols = _chunk(5003)
     path = tmp_path / "c.glc"
