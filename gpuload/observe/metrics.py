@@ -129,12 +129,13 @@ class Metrics:
                  clock: Callable[[], float] = perf_counter):
         self._nvtx, self.clock = _nvtx_backend(nvtx), clock
         self.max_events, self._lock = int(max_events), threading.Lock()
+        self._resets = -1  # reset() calls so far, this first one not counted
         self.reset()
 
     def reset(self) -> None:
         """Forget everything recorded so far (settings are kept)."""
         with self._lock:
-            self._resets = getattr(self, "_resets", -1) + 1  # for totals(): figures across a reset do not subtract
+            self._resets += 1  # for totals(): figures across a reset do not subtract
             # events: spans (stage, tid, t0, t1, nbytes, rows), waits (tid, t0, t1, rows, nbytes, delivered
             # a batch), depths (t, depth), utils (t, cpu %, system cpu %, gpu %, gpu memory bytes)
             self._spans, self._waits, self._depths, self._utils = (

@@ -199,7 +199,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _chunks(n: int) -> str:
+def chunks_text(n: int) -> str:
     """``"1 chunk"``, ``"3 chunks"``."""
     return f"{n} chunk{'s' * (n != 1)}"
 
@@ -207,14 +207,14 @@ def _chunks(n: int) -> str:
 def _summary(cache) -> None:
     """Print what ``cache info`` says of the cache itself."""
     s = cache.summary()
-    print(f"cache {s['root']}: {_chunks(s['chunks'])}, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
+    print(f"cache {s['root']}: {chunks_text(s['chunks'])}, {s['bytes'] / 2**20:,.1f} MiB; Parquet footers of "
           f"{s['footers']} source files (a cached dataset reopens without reading its files)")
     print(_budget(cache, s["bytes"])[1])
     _datasets_text(cache, s["bytes"])
     if s["specs"]:
         print("column sets (spec: outputs; last used; chunks):")
     for h, e in sorted(s["specs"].items(), key=lambda kv: -kv[1]["last_used"]):
-        print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {_chunks(e['chunks'])}, "
+        print(f"  {h}: {_spec_text(e['desc'])}; last used {_when(e['last_used'])}; {chunks_text(e['chunks'])}, "
               f"{e['bytes'] / 2**20:,.1f} MiB")
     if s["vocabularies"]:
         print("vocabularies (column: values; counted with; over source files; built):")
@@ -229,7 +229,7 @@ def _summary(cache) -> None:
     if s["sources"]:
         print("source files:")
     for src, e in sorted(s["sources"].items()):
-        print(f"  {src}: {_chunks(e['chunks'])}, {e['bytes'] / 2**20:,.1f} MiB")
+        print(f"  {src}: {chunks_text(e['chunks'])}, {e['bytes'] / 2**20:,.1f} MiB")
     if s["temporaries"]:
         print(f"  {s['temporaries']} unfinished temporary files from interrupted writers "
               "(never read; `gpuload cache clear` removes them)")
@@ -334,7 +334,7 @@ def _datasets_text(cache: ChunkCache, used: int) -> None:
     for d in rows:
         share = f", {d['bytes'] / budget:.0%} of the budget" if budget else ""
         print(f"  {d['record']}: {d['files']} source files, column set {', '.join(h[:8] for h in d['specs'])}; "
-              f"{_chunks(d['chunks'])}, {size_text(d['bytes'])}{share}; last used {_when(d['last_used'])}"
+              f"{chunks_text(d['chunks'])}, {size_text(d['bytes'])}{share}; last used {_when(d['last_used'])}"
               + ("; open now" if d["live"] else ""))
 
 

@@ -27,6 +27,7 @@ from ..observe.diagnose import Diagnosis, diagnose
 from ..observe.trace import TraceFile
 from ..observe.stats import Stats
 from ..observe.sampling import UtilSampler
+from .cache_cmds import chunks_text
 
 __all__ = ["EpochReport", "MlpStep", "profile", "headspace", "block_gather_ratio", "disk_read_gbps", "HEADSPACE_NEAR"]
 
@@ -55,7 +56,7 @@ class EpochReport:
                if s.batches < FEW_BATCHES else "")
         # an epoch that ends loads the next one's first chunks (gpuload.preload), counted with it
         ahead = ", the next epoch's first among them, read ahead" if (s.loader_settings or {}).get("prefetch") else ""
-        return (f"epoch {self.epoch} ({kind}: {self.decoded_chunks} chunk{'s' * (self.decoded_chunks != 1)} decoded, {self.cached_chunks} read "
+        return (f"epoch {self.epoch} ({kind}: {chunks_text(self.decoded_chunks)} decoded, {self.cached_chunks} read "
                 f"from the cache{ahead if self.cached_chunks else ''}): {s.rows:,} rows in {s.wall_s:.2f} s, "
                 f"{s.rows_per_s:,.0f} rows/s, "
                 f"starvation {s.starvation:.1%}{few}\n  {self.diagnosis}"
