@@ -79,7 +79,14 @@ class HostPool:
 
     def get(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of ``nbytes`` bytes (contents undefined), starting on a
-        :data:`ALIGN` boundary when it is pooled (so direct I/O can read into it)."""
+        :data:`ALIGN` boundary when it is pooled (so direct I/O can read into it).
+
+        A free buffer serves it if it is at most a quarter (and a MiB) larger; else a new
+        buffer is kept if it fits the caps as they stand; else a larger free buffer serves
+        it; else free buffers (all too small for it) are forgotten to make room.
+        So arrays of other sizes that are in use together (a window's columns, a list's
+        values and offsets) each keep buffers of their own sizes instead of taking each
+        other's and leaving one of them to fresh, page-faulting memory every time."""
         if nbytes < _ROUND:
             return np.empty(nbytes, np.uint8)
         with self._lock:
@@ -89,18 +96,25 @@ class HostPool:
                 if size >= nbytes and self._refs(self._bufs, i) <= self._free_refs and (
                         best < 0 or size < self._bufs[best].nbytes - ALIGN):
                     best = i
-            if best >= 0:
+            if best >= 0 and self._bufs[best].nbytes - ALIGN <= nbytes * 5 // 4 + _ROUND:
                 return _aligned(self._bufs[best], nbytes)
             size = _size_class(nbytes) + ALIGN
+            if best >= 0 and not self._fits(size):
+                return _aligned(self._bufs[best], nbytes)
             if not self._make_room(size):
                 return _aligned(np.empty(nbytes + ALIGN, np.uint8), nbytes)  # not kept: freed with its last user
             buf = np.empty(size, np.uint8)
             self._bufs.append(buf)
             return _aligned(buf, nbytes)
 
+    def _fits(self, size: int) -> bool:
+        """Whether one more buffer of ``size`` bytes fits both caps without forgetting any."""
+        return len(self._bufs) < self.max_buffers and (
+            self.max_bytes is None or sum(b.nbytes for b in self._bufs) + size <= self.max_bytes)
+
     def _make_room(self, size: int) -> bool:
-        """Forget free buffers until one more of ``size`` bytes fits both limits (smallest
-        first for the count, largest first for the bytes); False if it cannot fit."""
+        """Forget free buffers until one more of ``size`` bytes fits both limits (largest
+        first for the bytes, smallest first for the count); False if it cannot fit."""
         free = [i for i in range(len(self._bufs)) if self._refs(self._bufs, i) <= self._free_refs]
         drop = set()
         held = sum(b.nbytes for b in self._bufs)

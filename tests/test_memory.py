@@ -220,3 +220,23 @@ def test_cores_are_the_affinity_within_the_cpu_quota(monkeypatch):
     assert memory.cores() == 4 and cut_threads(2) == 1
     monkeypatch.setattr(memory, "_cgroup_cpus", lambda: [])
     assert memory.cores() == 64 and cut_threads(2) == 2
+
+
+def test_pool_serves_windows_of_two_sizes_from_kept_buffers():
+    """Shuffle windows of two sizes (a chunk more or less), two in use at a time, each of three
+    arrays of other sizes (a block, a block, list values), under the window term's cap: after the
+    first two windows every array comes from a kept buffer, so no window faults in fresh pages.
+    (Before, a window's block too large for its own free buffer took the list values' larger one,
+    which then went to fresh, unkept memory.)"""
+    small, large = [38 * MiB, 10 * MiB, 15 * MiB], [42 * MiB, 11 * MiB, 17 * MiB]
+    pool = HostPool(max_buffers=16, max_bytes=150 * MiB)
+    previous, unkept = [], []
+    for w, sizes in enumerate([small, small, large, small, large, large, large, large, small, small]):
+        window = [pool.get(n) for n in sizes]  # joined while the window before is still cut
+        if w >= 2:
+            unkept += [(w, n // MiB) for n, a in zip(sizes, window) if not any(a.base is b for b in pool._bufs)]
+        previous = window  # and the one before that is released
+        del window
+    assert unkept == []
+    assert pool.held_bytes <= 150 * MiB
+    del previous
