@@ -193,7 +193,11 @@ class ChunkReader:
         # instead, in the read pool, which keeps the windows' term too
         runs = o.block is not None and o.block > RUN_ROWS
         self.read_pool.max_bytes = budget.chunks + (budget.windows if runs else 0)
-        self.read_pool.max_buffers += 2 * o.shuffle_window if runs else 0
+        # a cached chunk is one buffer (its file's span), a decoded one an array per stored array (and
+        # with block shuffling as many again, permuted): a count of chunks alone would leave a first
+        # epoch's arrays unkept, each chunk's in fresh pages, while the byte cap had room for them
+        self.read_pool.max_buffers = (self.read_pool.max_buffers + (2 * o.shuffle_window if runs else 0)) * (
+            (2 if o.block is not None else 1) * stored + 1)
         self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=0 if runs else budget.windows)
         self.batch_pool = HostPool(max_buffers=(o.prefetch + 6 + o.num_threads) * (stored + len(self.layout.blocks)),
                                    max_bytes=budget.batches)
