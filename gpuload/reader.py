@@ -80,7 +80,7 @@ class ChunkReader:
         self.source, self.opts, self.device, self.metrics = source, opts, device, metrics
         self.remote = source.remote
         self.remote_reads = ReadAhead(source.remote, metrics)  #: remote chunks' fetches (a local source makes none)
-        self.read_pool = HostPool(max_buffers=opts.shuffle_window + opts.prefetch + opts.num_threads + 2)
+        self.read_pool = HostPool()  # its caps: _make_pools, once the chunks' arrays are known
         self.cache = device.cache(opts, metrics, self.read_pool)  # on a GPU, chunks are read into device memory
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
         self.files: list[SourceFile] = open_files(
@@ -196,8 +196,8 @@ class ChunkReader:
         # a cached chunk is one buffer (its file's span), a decoded one an array per stored array (and
         # with block shuffling as many again, permuted): a count of chunks alone would leave a first
         # epoch's arrays unkept, each chunk's in fresh pages, while the byte cap had room for them
-        self.read_pool.max_buffers = (self.read_pool.max_buffers + (2 * o.shuffle_window if runs else 0)) * (
-            (2 if o.block is not None else 1) * stored + 1)
+        chunks = o.shuffle_window + o.prefetch + o.num_threads + 2 + (2 * o.shuffle_window if runs else 0)
+        self.read_pool.max_buffers = chunks * ((2 if o.block is not None else 1) * stored + 1)
         self.pool = HostPool(max_buffers=4 * stored + 4, max_bytes=0 if runs else budget.windows)
         self.batch_pool = HostPool(max_buffers=(o.prefetch + 6 + o.num_threads) * (stored + len(self.layout.blocks)),
                                    max_bytes=budget.batches)
