@@ -38,6 +38,8 @@ ds = gpuload.ParquetDataset(data, json.loads(columns), cache_dir=cache, batch_si
                             device="cpu", seed=int(seed), num_threads=2,
                             max_cache_bytes=None if budget == "none" else int(budget))
 open(out + ".ready", "w").close()
+while len(sys.argv) > 8 and not os.path.exists(sys.argv[8]):  # a go file: the children read at once
+    time.sleep(0.002)
 parts = {}
 for epoch in range(int(epochs)):
     ds.set_epoch(epoch)
@@ -92,10 +94,11 @@ def test_builders_killed_at_random_moments(big, tmp_path):
             out = tmp_path / f"r{rnd}c{i}"
             outs.append(out)
             procs.append(_spawn(data, cache, out, json.dumps(COLUMNS), rng.randrange(100), 2,
-                                rng.choice(["none", "none", str(2 << 20)])))
+                                rng.choice(["none", "none", str(2 << 20)]), tmp_path / "go"))
         try:
             for out, p in zip(outs, procs):
                 wait_for(str(out) + ".ready", p)
+            (tmp_path / "go").touch()
             # random moments by build progress, not by the clock: kill each child once the cache
             # holds a random number of its chunk files (a fast or a slow machine alike)
             targets = sorted((rng.randrange(1, int(0.8 * (total or 100))), p) for p in procs)
@@ -136,13 +139,14 @@ def test_four_readers_while_cache_clear_loops(big, tmp_path):
     data, ref = big
     cache = tmp_path / "cache"
     outs = [tmp_path / f"reader{i}" for i in range(4)]
-    procs = [_spawn(data, cache, out, json.dumps(COLUMNS), i, 2, "none" if i < 2 else str(3 << 20))
+    procs = [_spawn(data, cache, out, json.dumps(COLUMNS), i, 2, "none" if i < 2 else str(3 << 20), tmp_path / "go")
              for i, out in enumerate(outs)]
     clears = 0
     try:
         for out, p in zip(outs, procs):
             wait_for(str(out) + ".ready", p)
-        while any(p.poll() is None for p in procs):
+        (tmp_path / "go").touch()  # the readers start together, once all have opened (a slow start under
+        while any(p.poll() is None for p in procs):  # load left 3 clears for the others' whole run)
             if cache.exists():
                 ChunkCache(cache, create=False).clear()
                 clears += 1
