@@ -44,6 +44,7 @@ import xxhash
 from ..batch import Ragged
 from ..errors import CorruptCacheError
 from . import directio
+from .directio import pwrite_all
 from .fs import CacheRoot
 
 __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
@@ -181,14 +182,6 @@ def read_small_file(root: CacheRoot, parts, name: str, magic: bytes, version: in
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise ValueError("checksum mismatch")
     return hlen, body
-
-
-def pwrite_all(fd: int, data, offset: int) -> None:
-    """Write all of ``data`` (any buffer) to ``fd`` at ``offset``, however many calls it takes."""
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
 
 
 def write_regions(fd: int, head: bytes, regions: list[dict], arrays: list, total: int, direct: bool = False) -> bool:

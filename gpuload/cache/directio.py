@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["BLOCK", "BOUNCE", "write", "read_into", "resident_share"]
+__all__ = ["BLOCK", "BOUNCE", "pwrite_all", "write", "read_into", "resident_share"]
 
 BLOCK = 4096  #: alignment of offsets, lengths and buffers (the largest logical block size in use)
 BOUNCE = 8 << 20  #: bytes of each thread's bounce buffer for writes
@@ -69,10 +69,13 @@ def _bytes(data) -> np.ndarray:
     return np.frombuffer(memoryview(data).cast("B"), np.uint8)
 
 
-def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (any buffer) to ``fd`` at ``offset``, however many calls it takes
+    (each at most 1 GiB: a multiple of :data:`BLOCK`, as direct writes need)."""
+    view = memoryview(data).cast("B")
     done = 0
-    while done < len(buf):
-        done += os.pwrite(fd, buf[done:], offset + done)
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
 
 
 def write(fd: int, pieces: list, total: int) -> bool:
@@ -91,13 +94,13 @@ def write(fd: int, pieces: list, total: int) -> bool:
             # a page-aligned buffer (the host pools' arrays: a chunk packed for the cache) gives its whole
             # blocks to the disk itself; the rest, and any other buffer, comes through the bounce buffer
             body = len(view) // BLOCK * BLOCK if view.ctypes.data % BLOCK == 0 else 0
-            _pwrite_all(fd, memoryview(view)[:body], offset)
+            pwrite_all(fd, memoryview(view)[:body], offset)
             for pos in range(body, len(view), BOUNCE):
                 n = min(BOUNCE, len(view) - pos)
                 b[:n] = view[pos:pos + n]
                 m = -(-n // BLOCK) * BLOCK
                 b[n:m] = 0  # a region's padding: the zeros a buffered write leaves as a hole
-                _pwrite_all(fd, memoryview(b)[:m], offset + pos)
+                pwrite_all(fd, memoryview(b)[:m], offset + pos)
         os.ftruncate(fd, total)
     except OSError as e:
         if e.errno == errno.EINVAL:  # accepted at open, refused at the write (some FUSE and network file systems)
