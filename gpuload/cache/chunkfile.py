@@ -1,9 +1,9 @@
 """Cache file format: one converted chunk per file, self-describing, checked on every read.
 
-File format (version 2), little-endian::
+File format (version 3: :data:`FORMAT_VERSION`), little-endian::
 
     offset 0   8 bytes   magic b"GPULOAD\\0"
-    offset 8   u32       format version (2)
+    offset 8   u32       format version (3)
     offset 12  u32       header length H in bytes
     offset 16  u64       xxh3-64 of the header bytes
     offset 24  H bytes   header: UTF-8 JSON (below)
@@ -12,7 +12,7 @@ File format (version 2), little-endian::
 
 The header is the chunk's full identity plus its manifest::
 
-    {"format": 2, "rows": n,
+    {"format": 3, "rows": n,
      "source": {"path", "size", "mtime_ns", "tag" (remote objects only)}, "row_groups": [start, stop],
      "spec": [one entry per output: name, columns, kind, dtype, width, sources, fills],
      "regions": [{"output", "part" ("data", "values" or "offsets"), "dtype", "shape",
@@ -293,8 +293,17 @@ def check_identity(header: dict, want: Identity, path, size: int, start: int) ->
 
 
 def region_span(header: dict, start: int) -> int:
-    """End offset of the last region of a chunk file whose regions begin at ``start``."""
-    return max((r["offset"] + r["nbytes"] for r in header["regions"]), default=start)
+    """End offset of the last region of a chunk file whose regions begin at ``start``; a
+    ``ValueError`` unless every region is a whole number of bytes at an aligned offset, at or
+    after ``start``, not overlapping another (what :func:`check_identity` checks too, with
+    the regions' types and shapes; this is all a header nobody expected can be held to)."""
+    end = start
+    for r in sorted(header["regions"], key=lambda r: r["offset"]):
+        off, n = r["offset"], r["nbytes"]
+        if type(off) is not int or type(n) is not int or n < 0 or off % ALIGN or off < end:
+            raise ValueError(f"region {r.get('output')}/{r.get('part')} has a bad offset or size")
+        end = off + n
+    return end
 
 
 def file_identity(st: os.stat_result) -> tuple:

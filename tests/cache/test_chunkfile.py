@@ -203,6 +203,28 @@ def test_header_checksum_and_json_shape_are_checked(tmp_path):
         read_chunk(path, want=bad)
 
 
+def test_a_header_read_without_an_identity_still_places_its_regions_in_the_file(tmp_path):
+    """``read_chunk(path)`` (tools, no identity expected) holds the regions to whole, aligned,
+    ordered spans after the header: one at offset 0 (inside the header), a negative size or two
+    overlapping are a CorruptCacheError naming the file, not a NumPy error or, unverified, views
+    of the wrong bytes."""
+    from clicklog import key_for, sample_cols
+
+    cols = sample_cols(100)
+    key = key_for(cols)
+    path = tmp_path / "c.glc"
+    write_chunk(path, cols, key)
+    read_chunk(path)
+    for change in (lambda h: h["regions"][0].update(offset=0), lambda h: h["regions"][0].update(nbytes=-8),
+                   lambda h: h["regions"][-1].update(offset=h["regions"][0]["offset"]),
+                   lambda h: h["regions"][0].update(offset=h["regions"][0]["offset"] + 8)):
+        write_chunk(path, cols, key)
+        _rewrite_header(path, change)
+        for verify in (True, False):
+            with pytest.raises(gpuload.CorruptCacheError, match=str(path)):
+                read_chunk(path, verify=verify)
+
+
 def test_absurdly_nested_header_is_corrupt_not_a_crash(tmp_path):
     path = tmp_path / "c.glc"
     blob = b"[" * 200_000 + b"]" * 200_000
