@@ -168,20 +168,25 @@ def permute_rows(cols: dict, perm: np.ndarray, alloc=None) -> dict:
     return take(cols, perm, alloc) if xp is np else take(cols, xp.asarray(perm))
 
 
-def _join(arrays: list, alloc):
-    """Concatenate along axis 0, into ``alloc(shape, dtype)`` when given (NumPy only)."""
+def _join(arrays: list, alloc, key=None):
+    """Concatenate along axis 0, into ``alloc(shape, dtype)`` when given (NumPy only; with
+    ``key``, ``alloc(shape, dtype, key)``)."""
     xp = _xp(arrays[0])
     if alloc is None or xp is not np:
         return xp.concatenate(arrays)
-    out = alloc((sum(len(a) for a in arrays),) + arrays[0].shape[1:], arrays[0].dtype)
+    shape = (sum(len(a) for a in arrays),) + arrays[0].shape[1:]
+    out = alloc(shape, arrays[0].dtype) if key is None else alloc(shape, arrays[0].dtype, key)
     return np.concatenate(arrays, out=out)
 
 
-def concat(parts: Sequence[dict], alloc=None) -> dict:
-    """Rows of several column sets one after another, in new arrays.
+def concat(parts: Sequence[dict], alloc=None, keyed: bool = False) -> dict:
+    """Rows of several column sets one after another, in new arrays (a single part is
+    returned as it is: no copy).
 
     ``alloc(shape, dtype)``, if given, provides the output arrays (e.g. a
-    :class:`gpuload.memory.HostPool`'s ``array``).
+    :class:`gpuload.memory.HostPool`'s ``array``); ``keyed``: ``alloc(shape, dtype, key)``
+    with a key per output array (its name, and ``"values"`` or ``"offsets"`` for a list), so
+    a pool keeps each one's buffers apart (a shuffle window's columns).
     """
     if len(parts) == 1:
         return parts[0]
@@ -190,10 +195,10 @@ def concat(parts: Sequence[dict], alloc=None) -> dict:
         if isinstance(v, Ragged):
             shifts = np.cumsum([0] + [int(p[k].offsets[-1]) for p in parts[:-1]])
             off = _join([parts[0][k].offsets[:1]] + [p[k].offsets[1:] + int(s) for p, s in zip(parts, shifts)],
-                        alloc)
-            out[k] = Ragged(_join([p[k].values for p in parts], alloc), off)
+                        alloc, (k, "offsets") if keyed else None)
+            out[k] = Ragged(_join([p[k].values for p in parts], alloc, (k, "values") if keyed else None), off)
         else:
-            out[k] = _join([p[k] for p in parts], alloc)
+            out[k] = _join([p[k] for p in parts], alloc, k if keyed else None)
     return out
 
 

@@ -72,6 +72,7 @@ class HostPool:
     def __init__(self, max_buffers: int = 16, max_bytes: int | None = None):
         self.max_buffers, self.max_bytes = max_buffers, max_bytes
         self._bufs: list[np.ndarray] = []
+        self._keys: list = []  # each buffer's key (None: any request's), in step with _bufs
         self._lock = threading.Lock()
         probe = [np.empty(1, np.uint8)]
         self._free_refs = self._refs(probe, 0)  # the count of a buffer nobody else holds
@@ -80,36 +81,57 @@ class HostPool:
     def _refs(bufs: list, i: int) -> int:
         return sys.getrefcount(bufs[i])
 
-    def get(self, nbytes: int) -> np.ndarray:
+    def get(self, nbytes: int, key=None) -> np.ndarray:
         """A writable uint8 array of ``nbytes`` bytes (contents undefined), starting on a
         :data:`ALIGN` boundary when it is pooled (so direct I/O can read into it).
 
-        A free buffer serves it if it is at most a quarter (and a MiB) larger; else a new
-        buffer is kept if it fits the caps as they stand; else a larger free buffer serves
-        it; else free buffers (all too small for it) are forgotten to make room; else it is
-        an array the pool does not keep (freed with its last user).
-        So arrays of other sizes that are in use together (a window's columns, a list's
-        values and offsets) each keep buffers of their own sizes instead of taking each
-        other's and leaving one of them to fresh, page-faulting memory every time."""
+        ``key`` (default None): the role of the array (a window's column). A keyed buffer serves
+        its key alone: a keyed request takes the smallest free buffer of its key that holds it;
+        the key's free buffers too small for it are forgotten (its arrays grew: a larger window);
+        then it goes on as an unkeyed request but never takes a free buffer more than a quarter
+        larger. So each role keeps buffers of its largest size, as many as it has in use at once,
+        and a small array never holds a large one's buffer while the large one goes to fresh
+        memory (which also keeps the window term of :func:`host_budget` a bound).
+
+        Unkeyed: a free unkeyed buffer serves it if it is at most a quarter (and a MiB) larger;
+        else a new buffer is kept if it fits the caps as they stand; else a larger free buffer
+        serves it; else free buffers (all too small for it) are forgotten to make room; else it
+        is an array the pool does not keep (freed with its last user)."""
         if nbytes < _ROUND:
             return np.empty(nbytes, np.uint8)
         with self._lock:
+            if key is not None:
+                mine = [i for i in range(len(self._bufs)) if self._keys[i] == key and self._free(i)]
+                fit = [i for i in mine if self._bufs[i].nbytes - ALIGN >= nbytes]
+                if fit:
+                    return _aligned(self._bufs[min(fit, key=lambda i: self._bufs[i].nbytes)], nbytes)
+                self._forget(set(mine))  # too small for the key's arrays from now on
             best = -1
             for i in range(len(self._bufs)):
                 size = self._bufs[i].nbytes - ALIGN
-                if size >= nbytes and self._refs(self._bufs, i) <= self._free_refs and (
+                if size >= nbytes and self._keys[i] is None and self._free(i) and (
                         best < 0 or size < self._bufs[best].nbytes - ALIGN):
                     best = i
             if best >= 0 and self._bufs[best].nbytes - ALIGN <= nbytes * 5 // 4 + _ROUND:
                 return _aligned(self._bufs[best], nbytes)
             size = _size_class(nbytes) + ALIGN
-            if best >= 0 and not self._fits(size):
+            if best >= 0 and key is None and not self._fits(size):
                 return _aligned(self._bufs[best], nbytes)
             if not self._make_room(size):
                 return _aligned(np.empty(nbytes + ALIGN, np.uint8), nbytes)  # not kept: freed with its last user
             buf = np.empty(size, np.uint8)
             self._bufs.append(buf)
+            self._keys.append(key)
             return _aligned(buf, nbytes)
+
+    def _free(self, i: int) -> bool:
+        """Whether buffer ``i`` is held by nobody but the pool (no array of it is alive)."""
+        return self._refs(self._bufs, i) <= self._free_refs
+
+    def _forget(self, drop: set) -> None:
+        if drop:
+            self._bufs = [b for i, b in enumerate(self._bufs) if i not in drop]
+            self._keys = [k for i, k in enumerate(self._keys) if i not in drop]
 
     def _fits(self, size: int) -> bool:
         """Whether one more buffer of ``size`` bytes fits both caps without forgetting any."""
@@ -119,7 +141,7 @@ class HostPool:
     def _make_room(self, size: int) -> bool:
         """Forget free buffers until one more of ``size`` bytes fits both limits (largest
         first for the bytes, smallest first for the count); False if it cannot fit."""
-        free = [i for i in range(len(self._bufs)) if self._refs(self._bufs, i) <= self._free_refs]
+        free = [i for i in range(len(self._bufs)) if self._free(i)]
         drop = set()
         held = sum(b.nbytes for b in self._bufs)
         if self.max_bytes is not None and size > self.max_bytes:
@@ -136,15 +158,15 @@ class HostPool:
             if not left:
                 return False
             drop.add(min(left, key=lambda i: self._bufs[i].nbytes))
-        self._bufs = [b for i, b in enumerate(self._bufs) if i not in drop]
+        self._forget(drop)
         return True
 
-    def array(self, shape, dtype) -> np.ndarray:
-        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool."""
+    def array(self, shape, dtype, key=None) -> np.ndarray:
+        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool (``key``: as for :meth:`get`)."""
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         n = int(math.prod(shape)) * dtype.itemsize  # math.prod: np.prod costs 3 us a call, a few dozen a batch
-        return self.get(n).view(dtype).reshape(shape)
+        return self.get(n, key).view(dtype).reshape(shape)
 
     @property
     def held_bytes(self) -> int:
@@ -153,7 +175,10 @@ class HostPool:
 
 
 def _kept(nbytes: float) -> int:
-    """The most a pool buffer for ``nbytes`` bytes takes: its size class (12.5% and a MiB more at most)."""
+    """The most a pool buffer made for ``nbytes`` bytes takes: its size class (12.5% and a MiB more
+    at most). A free buffer may then serve a request up to a quarter smaller than it was made for;
+    each term below counts its items at the largest one's size, which no buffer made for one of
+    them exceeds, and a window's arrays each keep their own buffers (keyed: :meth:`HostPool.get`)."""
     return int(nbytes * 9 / 8) + (1 << 20)
 
 
@@ -205,7 +230,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     trace_bytes : the most the dataset's :class:`gpuload.Metrics` keeps for its trace.
 
     Terms (C: ``chunk_bytes``; a chunk file is C plus its header and 4 KiB alignment; a
-    pooled buffer up to 12.5% and 1 MiB larger than asked): shuffled, 2 windows of
+    pooled buffer is made up to 12.5% and 1 MiB larger than asked: :func:`_kept`): shuffled, 2 windows of
     ``shuffle_window`` chunks and ``shuffle_window + prefetch + 1`` chunks not joined yet;
     in file order, no windows but ``2 x prefetch + 6 + num_threads`` chunks (loaded ahead, and
     kept by the batches that are views of them); ``prefetch + 6 + num_threads`` batches of ``batch_size``

@@ -373,7 +373,7 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                     got = len(cols)
                 else:
                     with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
-                        cols = concat(parts, alloc)
+                        cols = concat(parts, alloc, keyed=alloc is not None)  # each column its own buffers
                         got = nrows(cols)
                         if span is not None:
                             span.nbytes = nbytes(cols)
