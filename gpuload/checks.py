@@ -292,31 +292,34 @@ def _bounds(st, vt, src: np.dtype) -> np.ndarray | None:
 
 def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
     """Raise :class:`~gpuload.ConfigError` when a cast to an integer or bool output cannot
-    hold a value the statistics report (or a fill value)."""
+    hold a value the statistics report (or a fill value), and where a stacked group's common
+    float type would round one of its integers (:attr:`OutputSpec.exact`)."""
     for s in specs:
         for c, vt in zip(s.columns, s.sources):
             if vt.encode:
                 _check_ids_fit(s, c, parse_key(vt.encode), vt.encode)
-        if s.dtype == BFLOAT16 or np.dtype(s.dtype).kind not in "biu":
-            continue  # casts to floats may round; nothing to refuse
+        if s.dtype == BFLOAT16 or (np.dtype(s.dtype).kind not in "biu" and not s.exact):
+            continue  # casts to floats may round where dtypes= chose them: nothing to refuse
+        exact = s.name if s.exact else ""
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             src = np.dtype(vt.dtype)
-            if vt.encode or np.can_cast(src, s.dtype, "safe"):
+            if vt.encode or (np.can_cast(src, s.dtype, "safe") and not (exact and src.kind in "iu")):
                 continue
             if fill is not None:
-                cast_values(np.array([fill], src), s.dtype, c, f"its fill value ({setting('fill_nulls', {c: fill})})")
+                cast_values(np.array([fill], src), s.dtype, c, f"its fill value ({setting('fill_nulls', {c: fill})})",
+                            exact)
             for f in files:
                 if c in f.partition_names:
                     value = dict(f.partitions)[c]
                     if value is not None and not vt.temporal:
-                        cast_values(np.array([value], src), s.dtype, c, f"{f.path} (its partition folder)")
+                        cast_values(np.array([value], src), s.dtype, c, f"{f.path} (its partition folder)", exact)
                     continue
                 leaf = f.leaves(c)[0]
                 for g in range(f.metadata.num_row_groups):
                     st = f.metadata.row_group(g).column(leaf).statistics
                     v = _bounds(st, vt, src) if st is not None and st.has_min_max else None
                     if v is not None:
-                        cast_values(v, s.dtype, c, f"{f.path} (row group {g}, by its statistics)")
+                        cast_values(v, s.dtype, c, f"{f.path} (row group {g}, by its statistics)", exact)
 
 
 def _check_ids_fit(s: OutputSpec, column: str, enc, key: str) -> None:

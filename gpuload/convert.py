@@ -199,10 +199,12 @@ def _quiet_nans(out):
     return out
 
 
-def cast_values(values, dtype: str, column: str, where: str):
+def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
     """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round; casts to integers
     or bool must keep every value exactly, else :class:`ConfigError` names the column and the value.
-    ``"bfloat16"`` gives the uint16 bit patterns of torch's rounding.
+    ``"bfloat16"`` gives the uint16 bit patterns of torch's rounding. ``exact``: the name of a
+    stacked output whose float dtype is its columns' common type (:attr:`OutputSpec.exact`):
+    integers must then keep their value in it too.
 
     The same bytes on the CPU and the GPU: a cast float NaN becomes the positive quiet NaN
     of its new type (CUDA's conversions give other bit patterns than NumPy's), and a float
@@ -226,6 +228,17 @@ def cast_values(values, dtype: str, column: str, where: str):
             v = values[int(bad.argmax())].item()
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
                               f"choose a wider dtype in {flag('dtypes')} (or none)")
+    elif exact and dst.kind == "f" and values.dtype.kind in "iu":
+        top = 2 ** (np.finfo(dst).nmant + 1)  # every integer up to it is exact in dst, some beyond it are not
+        bad = values > top
+        if values.dtype.kind == "i":
+            bad |= values < -top
+        if bool(bad.any()):
+            v = values[int(bad.argmax())].item()
+            raise ConfigError(f"column {column!r} holds {v!r} in {where}, which output {exact!r} ({dst}: the common "
+                              f"type of its stacked columns) cannot hold exactly (integers only up to 2**"
+                              f"{np.finfo(dst).nmant + 1}); name its dtype in {flag('dtypes')} (float64 accepts "
+                              f"the rounding), or stack {column!r} apart")
     return out
 
 
@@ -324,8 +337,8 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
     if nulls:  # every column of the chunk at once, not one per run
         raise nulls_error([(c, k, lists, f"in {where}" if where else "") for c, k, lists in nulls])
 
-    def flat(c: str, vt: ValueType, fill, dtype: str) -> Pieces:
-        return Pieces([cast_values(_scalar_values(p, vt, fill, c, where), dtype, c, where) for p in arrays[c]])
+    def flat(c: str, vt: ValueType, fill, dtype: str, exact: str = "") -> Pieces:
+        return Pieces([cast_values(_scalar_values(p, vt, fill, c, where), dtype, c, where, exact) for p in arrays[c]])
 
     for s in specs:
         if s.kind == RAGGED:
@@ -333,7 +346,8 @@ def table_to_columns(table: pa.Table, specs: Sequence[OutputSpec], where: str = 
         elif s.kind == FIXED:
             cols[s.name] = _fixed(arrays[s.columns[0]][0], s, where)
         elif s.kind == GROUP:
-            cols[s.name] = stack([flat(c, vt, fill, s.dtype) for c, vt, fill in zip(s.columns, s.sources, s.fills)],
+            cols[s.name] = stack([flat(c, vt, fill, s.dtype, s.name if s.exact else "")
+                                  for c, vt, fill in zip(s.columns, s.sources, s.fills)],
                                  alloc)
         else:
             v = flat(s.columns[0], s.sources[0], s.fills[0], s.dtype)

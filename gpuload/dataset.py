@@ -102,7 +102,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         Null lists become empty lists; null fixed-size lists rows of the value.
     dtypes : ``{output: dtype}`` to cast outputs, as NumPy or torch dtypes (or their
         names), ``torch.bfloat16`` included (default: the column's own dtype; a stacked
-        group: NumPy's common dtype of its columns, e.g. int64 + float32 -> float64).
+        group: NumPy's common dtype of its columns, e.g. int64 + float32 -> float64, which must
+        hold the integers exactly: beyond 2**53 name the dtype to accept rounding).
         Casts happen once, when the cache is built. Casts to floats may round (as torch
         rounds); casts to integers or bool must keep every value exactly, else a
         :class:`~gpuload.ConfigError` names the column and value (at open, where the

@@ -122,6 +122,10 @@ class OutputSpec:
     width : columns per row for group/fixed, 1 otherwise.
     sources : per source column, its :class:`ValueType` (how to convert it).
     fills : per source column, the value that replaces nulls, or None (nulls are an error).
+    exact : a stacked group's float dtype that no ``dtypes=`` entry chose (its columns' common
+        type) while an integer column's type holds values it rounds (int64 beside a float):
+        every value must then be exact in it (checked at open from the statistics, and when
+        converted), so the default never rounds silently. Not part of the cache key.
     """
 
     name: str
@@ -131,6 +135,7 @@ class OutputSpec:
     width: int
     sources: tuple[ValueType, ...]
     fills: tuple[Any, ...]
+    exact: bool = False
 
     @property
     def ndim(self) -> int:
@@ -363,6 +368,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         else:
             kind, width, dtype = kinds[0], widths[0], np.dtype(vts[0].dtype)
         dtype = np.dtype(dtype).str
+        exact = is_group and name not in dtypes and _may_round(dtype, vts)
         if name in dtypes:
             dtype = parse_dtype(dtypes[name], entry("dtypes", name))
             if dtype != BFLOAT16 and np.dtype(dtype).kind in "iu":  # decimals: exact unscaled integers
@@ -381,10 +387,20 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
                 unfit.append((c, vt))  # one number for every column (0.5, NaN): a column it does not fit gets none
                 fv = None
             fills.append(None if fv is None else _check_fill(fv, np.dtype(vt.dtype), c))
-        specs.append(OutputSpec(name, tuple(cols), kind, dtype, width, tuple(vts), tuple(fills)))
+        specs.append(OutputSpec(name, tuple(cols), kind, dtype, width, tuple(vts), tuple(fills), exact))
     if unfit and not any(f is not None for s in specs for f in s.fills):  # it fits no column: say why
         _check_fill(fill_nulls, np.dtype(unfit[0][1].dtype), unfit[0][0])
     return specs
+
+
+def _may_round(dtype: str, vts: Sequence[ValueType]) -> bool:
+    """Whether float ``dtype`` rounds some value of an integer type among ``vts`` (a float holds
+    integers exactly only up to 2**(mantissa bits + 1): int64 and uint64 in float64)."""
+    dt = np.dtype(dtype)
+    if dt.kind != "f":
+        return False
+    ints = [np.dtype(v.dtype) for v in vts if np.dtype(v.dtype).kind in "iu"]
+    return any(i.itemsize * 8 > np.finfo(dt).nmant + 1 for i in ints)
 
 
 def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permuted: bool = False) -> list[dict]:

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import gpuload
 from gpuload import checks
@@ -131,6 +132,39 @@ def test_without_statistics_a_bad_cast_is_still_caught_while_decoding(tmp_path):
     with pytest.raises(gpuload.ConfigError, match="1000"):
         list(ds)
 
+
+
+@pytest.mark.parametrize("statistics", [True, False])
+def test_a_stacked_groups_default_float_type_that_would_round_is_refused(tmp_path, statistics, capsys):
+    """uint64 stacked with int64 (or int64 with a float): NumPy's common type is float64, which
+    rounds integers beyond 2**53. With statistics, opening refuses it, naming the file, the
+    column, the value and the output; without, the first epoch does before any batch of it;
+    naming the dtype in dtypes= accepts the rounding; the command says it in one line."""
+    for f in range(3):
+        u = np.arange(10, dtype=np.uint64)
+        if f == 2:
+            u[4] = 2**63 + 1
+        write_parquet(tmp_path / "d" / f"{f}.parquet", {"u": u, "i": np.arange(10, dtype=np.int64) - 5},
+                      write_statistics=statistics)
+    kw = dict(cache_dir=tmp_path / "c", device="cpu", shuffle=False)
+    msg = rf"column 'u' holds {2**63 + 1} in .*2.parquet.*output 'x' \(float64"
+    if statistics:
+        with pytest.raises(gpuload.ConfigError, match=msg + ".*dtypes="):
+            gpuload.ParquetDataset(tmp_path / "d", {"x": ["u", "i"]}, **kw)
+    else:
+        ds = gpuload.ParquetDataset(tmp_path / "d", {"x": ["u", "i"]}, **kw)
+        with pytest.raises(gpuload.ConfigError, match=msg):
+            list(ds)
+    got = torch.cat([b["x"] for b in gpuload.ParquetDataset(tmp_path / "d", {"x": ["u", "i"]}, dtypes={"x": "float64"},
+                                                                **kw)])
+    assert got.dtype == torch.float64 and got[24, 0].item() == float(2**63 + 1)
+    from gpuload.tools.cli import main
+
+    capsys.readouterr()
+    rc = main(["cache", "build", str(tmp_path / "d"), "--columns", '{"x": ["u", "i"]}',
+               "--cache-dir", str(tmp_path / "c2")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "'u'" in err[0] and "--dtypes" in err[0], err
 
 
 @pytest.mark.parametrize("values,src,dtype", [([-1, 5], pa.int8(), "uint8"), ([2**63 + 5, 1], pa.uint64(), "int64"),

@@ -196,6 +196,27 @@ def test_groups_stack_with_promotion_and_explicit_cast():
     assert out["l"].dtype == np.int64 and out["l"].tolist() == [2**24 + 1, 0, -7]
 
 
+def test_a_groups_common_float_type_never_rounds_its_integers_unasked():
+    """int64 (or uint64) stacked with a float: NumPy's common type, float64, holds integers
+    exactly up to 2**53. Within it the group is exact; beyond it a ConfigError names the column,
+    the value, the output and the setting, unless dtypes= names the output's type (rounding
+    asked for); signed values beyond -2**53 too."""
+    ok = pa.table({"a": pa.array([2**53, -(2**53), 7], pa.int64()), "f": pa.array([0.5, 1.5, 2.5], pa.float32())})
+    out = convert(ok, {"x": ["a", "f"]})
+    assert out["x"].dtype == np.float64 and out["x"][:, 0].tolist() == [2**53, -(2**53), 7]
+    for col, typ, big in (("a", pa.int64(), 2**53 + 1), ("a", pa.int64(), -(2**53) - 1), ("u", pa.uint64(), 2**63 + 1)):
+        t = pa.table({col: pa.array([5, big], typ), "i": pa.array([1, -1], pa.int64()),
+                      "f": pa.array([0.5, 1.5], pa.float32())})
+        members = [col, "f"] if col == "a" else [col, "i"]
+        with pytest.raises(gpuload.ConfigError, match=rf"column '{col}' holds {big} in file.parquet .*output 'x' "
+                                                      r"\(float64.*dtypes="):
+            convert(t, {"x": members})
+        out = convert(t, {"x": members}, dtypes={"x": "float64"})  # asked for: rounds, as NumPy and torch do
+        assert out["x"][1, 0] == float(big)
+    small = pa.table({"b": pa.array([2**31 - 1], pa.int32()), "f": pa.array([0.5], pa.float32())})
+    assert convert(small, {"x": ["b", "f"]})["x"].tolist() == [[2**31 - 1, 0.5]]  # int32 in float64: always exact
+
+
 def test_list_values_cast_with_dtypes():
     t = pa.table({"r": pa.array(LISTS, pa.list_(pa.int64())), "f": pa.array([[1, 2], [3, 4]] * 3 + [[5, 6]],
                                                                              pa.list_(pa.int16(), 2))})

@@ -297,7 +297,8 @@ def columns_to_set(cols: dict, specs: Sequence[OutputSpec], schema: pa.Schema, r
             for j, (c, vt, fill) in enumerate(zip(s.columns, s.sources, s.fills)):
                 t = schema.field(c).type
                 t = t.value_type if pa.types.is_dictionary(t) else t
-                arr[:, j] = cast_values(_flat(cols[c], vt, t, fill, c, where, stream), s.dtype, c, where)
+                arr[:, j] = cast_values(_flat(cols[c], vt, t, fill, c, where, stream), s.dtype, c, where,
+                                        s.name if s.exact else "")
             out[s.name] = arr
         else:
             v = _flat(cols[s.columns[0]], s.sources[0], atype, s.fills[0], s.columns[0], where, stream)
