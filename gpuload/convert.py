@@ -12,6 +12,7 @@ with int64 offsets starting at 0.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -226,6 +227,10 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
                 bad |= (values < float(info.min)) | (values >= 2.0 ** (info.bits - (info.min < 0)))
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
+            if isinstance(v, float) and not (math.isfinite(v) and v == int(v)):  # 0.5, NaN: no integer type holds it
+                raise ConfigError(f"column {column!r} holds {v!r} in {where}, not a whole number, which no integer "
+                                  f"dtype holds; keep a float dtype in {flag('dtypes')} (or none), or round the column "
+                                  "first")
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
                               f"choose a wider dtype in {flag('dtypes')} (or none)")
     elif exact and dst.kind == "f" and values.dtype.kind in "iu":

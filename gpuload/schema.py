@@ -338,6 +338,10 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         raise SchemaError(f"column {missing!r} is not in {file} (columns there: {', '.join(schema.names)})")
     if isinstance(fill_nulls, Mapping):
         unknown = sorted(set(fill_nulls) - used)
+        outputs = {n: list(cols) for n, cols, _ in requested if n in unknown and list(cols) != [n]}
+        if outputs:  # an output's name where its columns' are wanted
+            raise ConfigError(f"{flag('fill_nulls')} names outputs {sorted(outputs)}; it takes the Parquet columns "
+                              f"(a stacked group's members: {outputs}), not output names")
         if unknown:
             raise ConfigError(f"{flag('fill_nulls')} names columns that are not loaded: {unknown}; load them too "
                               f"({flag('columns')}) or leave them out of {flag('fill_nulls')}")

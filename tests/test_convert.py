@@ -196,6 +196,18 @@ def test_groups_stack_with_promotion_and_explicit_cast():
     assert out["l"].dtype == np.int64 and out["l"].tolist() == [2**24 + 1, 0, -7]
 
 
+@pytest.mark.parametrize("value", [0.5, float("nan"), float("-inf")])
+def test_a_float_no_integer_holds_is_refused_as_such(value):
+    """0.5, NaN or infinity cast to an integer dtype: the message says no integer type holds
+    it (a float dtype does, or rounding first), not to choose a wider integer."""
+    t = pa.table({"f": pa.array([1.0, value])})
+    with pytest.raises(gpuload.ConfigError, match=r"column 'f' holds .* not a whole number, which no integer dtype "
+                                                  r"holds; keep a float dtype in dtypes="):
+        convert(t, ["f"], dtypes={"f": "int64"})
+    with pytest.raises(gpuload.ConfigError, match=r"holds 1e\+20 in .* which int32 cannot represent; choose a wider"):
+        convert(pa.table({"f": pa.array([1.0, 1e20])}), ["f"], dtypes={"f": "int32"})
+
+
 def test_a_groups_common_float_type_never_rounds_its_integers_unasked():
     """int64 (or uint64) stacked with a float: NumPy's common type, float64, holds integers
     exactly up to 2**53. Within it the group is exact; beyond it a ConfigError names the column,

@@ -139,6 +139,8 @@ def test_fill_is_per_member_of_a_group():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(columns=["i"], fill_nulls={"f": 0}), r"fill_nulls.*\['f'\]"),          # not loaded
     (dict(columns=["i"], fill_nulls={"zz": 0, "i": 0}), r"fill_nulls.*\['zz'\]"),
+    (dict(columns={"g": ["i", "f"]}, fill_nulls={"g": 0}),                       # an output, not its columns
+     r"fill_nulls= names outputs \['g'\]; it takes the Parquet columns \(a stacked group's members: \{'g': \['i', 'f'\]\}"),
     (dict(columns={"x": "i"}, dtypes={"i": "float32"}), r"dtypes.*\['i'\]"),      # outputs, not columns
     (dict(columns=["i"], dtypes={"q": "int8"}), r"dtypes.*\['q'\]"),
     (dict(columns=["i", "f", "i"]), r"columns=.*\['i'\]"),                        # duplicate names

@@ -22,6 +22,7 @@ generation): never a local time.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from dataclasses import dataclass, field as _field
 from functools import cached_property
@@ -40,6 +41,8 @@ from .retry import retry
 from .settings import RemoteSettings
 from .tables import local_table_files, remote_table_files
 from ..schema import RAGGED, OutputSpec, storage_dtype
+
+log = logging.getLogger("gpuload")
 
 __all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint", "common_columns",
            "pandas_index_columns"]
@@ -222,6 +225,7 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
         filesystem = None  # the local disk: read directly, identities from stat
     found: dict[str, Listed] = {}
     stores: dict[str, Store] = {}
+    twice: list[str] = []  # files named more than once (a list that repeats one, a folder and a file in it)
     for item in _items(source):
         if not isinstance(item, (str, os.PathLike)):
             _refuse(item)
@@ -243,13 +247,21 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
                 if tables is not None and i.path not in tables:
                     continue  # a file the table has removed
                 url = store.url(i.path)
+                if url in found:
+                    twice.append(url)
                 found.setdefault(url, Listed(url, None if tables is not None else base, i.path, i.size, i.mtime_ns,
                                              i.tag, store, i.path, None if tables is None else tables[i.path]))
             continue
         for path, base, shown, table in _list_local(text):
+            if path in found:
+                twice.append(path)
+                continue
             st = os.stat(path)
-            found.setdefault(path, Listed(path, base, shown, st.st_size, st.st_mtime_ns, table=table,
-                                          ctime_ns=st.st_ctime_ns))
+            found[path] = Listed(path, base, shown, st.st_size, st.st_mtime_ns, table=table, ctime_ns=st.st_ctime_ns)
+    if twice:
+        log.warning("gpuload: %d file(s) named more than once in source= are read once each (%s); to read a source "
+                    "more often than another, give each its dataset and weight them in a gpuload.Mix",
+                    len(set(twice)), ", ".join(sorted(set(twice))[:3]) + (", ..." if len(set(twice)) > 3 else ""))
     return list(found.values())
 
 

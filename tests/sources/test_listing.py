@@ -297,6 +297,23 @@ def test_a_name_with_glob_characters_is_that_file(tmp_path):
     assert sorted(_all(_ds(str(tmp_path / "d" / "data?.parquet"), tmp_path / "cache"))["x"]) == list(range(100, 110))
 
 
+def test_a_file_named_twice_is_read_once_and_the_log_says_so(tmp_path, caplog):
+    """A list that repeats a file (an attempt to oversample it), or a folder and a file in it:
+    each file's rows come once, and one warning names it and points to a Mix's weights."""
+    write_parquet(tmp_path / "d" / "a.parquet", {"x": np.arange(10)})
+    write_parquet(tmp_path / "d" / "b.parquet", {"x": np.arange(10, 20)})
+    a = tmp_path / "d" / "a.parquet"
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        got = _all(_ds([a, str(a), tmp_path / "d"], tmp_path / "cache"))
+    assert sorted(got["x"]) == list(range(20))
+    said = [r.getMessage() for r in caplog.records if "more than once" in r.getMessage()]
+    assert len(said) == 1 and "1 file(s)" in said[0] and str(a) in said[0] and "Mix" in said[0], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        _all(_ds([a, tmp_path / "d" / "b.parquet"], tmp_path / "cache"))
+    assert not [r for r in caplog.records if "more than once" in r.getMessage()]
+
+
 def test_linked_files_in_a_folder_and_in_hive_folders(tmp_path):
     """Folders of links (DVC, git-annex, Hugging Face caches) work; keys come from the listed names."""
     store = tmp_path / "store"
