@@ -38,6 +38,7 @@ def run(*args):
     (["profile", "DATA", "--layout", "diagonal"], "argument --layout: invalid choice: 'diagonal'"),  # argparse's
     (["cache", "frobnicate"], "invalid choice: 'frobnicate'"),
     (["cache", "info", "DATA", "--nodes", "0"], "--nodes 0: the training's number of nodes is at least 1"),
+    (["cache", "info", "/no/such/place"], "/no/such/place: no such file or directory"),  # not "give --nodes"
     (["cache", "info", "DATA", "--bogus"], "unrecognized arguments: --bogus (see gpuload COMMAND --help)"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
@@ -75,6 +76,30 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
     assert main(["cache", "clear", "--cache-dir", cache]) == 0
     assert not list((tmp_path / "cache").rglob("*.glc"))
+
+
+def test_a_damaged_column_set_description_is_found_and_written_again(data, tmp_path, capsys):
+    """``specs/<hash>.json`` names and describes a column set for ``cache info`` and ``clear
+    --spec``: cut short, or holding another set's description, ``verify`` reports it (and
+    ``--delete`` removes it), and the next dataset that opens that column set writes it again."""
+    import gpuload
+
+    cache = tmp_path / "cache"
+    assert main(["cache", "build", str(data), "--cache-dir", str(cache), "--chunk-mib", "1"]) == 0
+    (spec,) = (cache / LAYOUT_DIR / "specs").glob("*.json")
+    good = spec.read_text()
+    for damage in ("{garbage", good.replace('"kind"', '"kinds"', 1), "[]"):
+        spec.write_text(damage)
+        capsys.readouterr()
+        assert main(["cache", "verify", "--cache-dir", str(cache)]) == 1
+        out = capsys.readouterr().out
+        assert "CORRUPT" in out and spec.name in out, out
+        gpuload.ParquetDataset(data, cache_dir=cache, device="cpu", chunk_bytes=1 << 20)  # opening repairs it
+        assert spec.read_text() == good
+        assert main(["cache", "verify", "--cache-dir", str(cache)]) == 0
+    spec.write_text("{garbage")
+    assert main(["cache", "verify", "--cache-dir", str(cache), "--delete"]) == 1
+    assert not spec.exists() and main(["cache", "verify", "--cache-dir", str(cache)]) == 0
 
 
 def test_demo_runs_small(tmp_path, cli):

@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple
 import xxhash
 
 from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, USES_DIR, Identity, pwrite_all, read_header, read_regions, \
-    version_token
+    spec_hash, version_token
 from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, USES, VOCAB, CacheRoot, Lock, kind_of
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
@@ -113,13 +113,32 @@ def _valid_desc(desc) -> list | None:
     return None
 
 
+def spec_problem(root: CacheRoot, name: str) -> str | None:
+    """What is wrong with the column-set description ``specs/<name>``, or None: it must be a
+    description whose hash is its name's (``cache info`` names and describes caches by it)."""
+    fd = root.open_read((_LAYOUT, _SPECS), name)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read((1 << 20) + 1)
+    try:
+        desc = _valid_desc(json.loads(raw)) if len(raw) <= 1 << 20 else None
+    except (ValueError, RecursionError):
+        desc = None
+    if desc is None:
+        return "not a column-set description (the next dataset that opens this column set writes it again)"
+    if spec_hash(desc) != name[:-5]:
+        return f"describes column set {spec_hash(desc)}, not {name[:-5]}"
+    return None
+
+
 def record_spec(root: CacheRoot, key_spec: str, desc: list) -> None:
     """Record that column set ``desc`` (hash ``key_spec``) is in use now: write its
-    ``specs/<key_spec>.json`` if missing (after deleting temporaries of it left over a
-    minute ago by a killed writer), else set that file's mtime to now (never that of a
-    file another name shares). Raises the ``OSError`` met (a read-only cache)."""
+    ``specs/<key_spec>.json`` if missing or not its description (after deleting temporaries
+    of it left over a minute ago by a killed writer), else set that file's mtime to now
+    (never that of a file another name shares). Raises the ``OSError`` met (a read-only cache)."""
     name = f"{key_spec}.json"
     st = root.lstat((_LAYOUT, _SPECS), name)
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and spec_problem(root, name) is not None:
+        st = None  # damaged (cut short, overwritten): written again, atomically, over it
     if st is None:
         for tmp, tst in root.scan((_LAYOUT, _SPECS)):  # left by a writer killed a while ago
             if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
@@ -215,6 +234,9 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     that are not regular files and files or folders that cannot be read.
     """
     bad: list[Problem] = []
+    for name, st in _scan(root, (_LAYOUT, _SPECS), bad):
+        if SPEC.fullmatch(name) and stat.S_ISREG(st.st_mode):
+            _check_file(bad, root.where((_LAYOUT, _SPECS), name), lambda: spec_problem(root, name))
     for name, st in _scan(root, (_LAYOUT, _VOCABS), bad):
         if VOCAB.fullmatch(name):
             path = root.where((_LAYOUT, _VOCABS), name)
@@ -264,8 +286,8 @@ def _check_file(bad: list, path: Path, check) -> None:
 
 
 def delete(root: CacheRoot, path: Path) -> int:
-    """Delete one chunk, footer or vocabulary file given by its path (only a regular file with
-    such a name, in its folder inside this cache); returns the bytes freed."""
+    """Delete one chunk, footer, vocabulary or column-set description file given by its path
+    (only a regular file with such a name, in its folder inside this cache); returns the bytes freed."""
     path = Path(path)
     try:
         rel = path.parent.relative_to(root.path).parts
@@ -273,6 +295,8 @@ def delete(root: CacheRoot, path: Path) -> int:
         return 0
     if rel == (_LAYOUT, _VOCABS):
         pattern = VOCAB
+    elif rel == (_LAYOUT, _SPECS):
+        pattern = SPEC
     elif len(rel) == 2 and LAYOUT.fullmatch(rel[0]) and FOLDER.fullmatch(rel[1]):
         pattern = FOOTER if FOOTER.fullmatch(path.name) else CHUNK
     else:

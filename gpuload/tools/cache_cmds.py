@@ -14,7 +14,7 @@ from ..cache.paths import cache_dirs, default_cache_dir, split_dirs
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
-from ..errors import CacheError, ConfigError, GpuloadError
+from ..errors import CacheError, ConfigError, GpuloadError, SourceError
 from ..memory import size_text
 from .flags import add_cache_io_flag, add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
@@ -175,6 +175,8 @@ def _left_alone(foreign: list[str]) -> None:
         print(f"  left alone {len(foreign)} entries gpuload did not write: {shown}")
 
 
+_GLOB = set("*?[")  # a SOURCE with these may be a glob, which listing it says more about
+
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
                  "shuffle", "block_rows", "nodes", "seed")
@@ -242,7 +244,12 @@ def _summary(cache) -> None:
 
 
 def _share_options(args):
-    """The Options `cache info SOURCE --nodes N` opens the source with."""
+    """The Options `cache info SOURCE --nodes N` opens the source with (a local SOURCE that is
+    not there is the news first: a user's trial was told to give --nodes for a mistyped path)."""
+    for item in args.source:
+        text = os.path.expanduser(os.fspath(item))
+        if "://" not in text and not _GLOB & set(text) and not os.path.exists(text):
+            raise SourceError(f"{item}: no such file or directory")
     if args.nodes is None:
         raise ConfigError("cache info SOURCE shows each node's share of SOURCE under shard='node': give --nodes N "
                           "(the training's number of nodes), or leave SOURCE out to see the cache folder alone")
