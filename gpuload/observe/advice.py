@@ -131,6 +131,11 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
         more = [t for t, helps in (("raise num_threads", not full), (cuda, not on_gpu)) if helps]
         return (f"epochs are decode-bound{extra}: with cache_io='off' each one decodes Parquet: {where}",
                 keep + (f"; else {' or '.join(more)}" if more else ""))
+    if s.name in ("decode", "convert") and ours and not off and stats.passes > 1 and "cache_read" in stats.stages:
+        # a user's trial: three passes, two of them cached, were told to build the cache ahead
+        where += (f" (these stats add up {stats.passes} passes since the dataset opened or reset_stats(): the "
+                  "decoding was the first epoch's, later passes read the cache; ds.reset_stats() after the first "
+                  "epoch measures the cached ones alone)")
     if s.name in ("decode", "convert") and settings.get("transform"):
         return (f"first epoch is bound by decoding and converting, which includes the transform "
                 f"'{settings['transform']}' (timed as conversion): {where}",

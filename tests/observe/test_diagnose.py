@@ -48,6 +48,19 @@ def test_slow_decode():
     assert "gpuload cache build" in d.action and "device=cuda" in d.action
 
 
+def test_decode_in_stats_over_cached_passes_says_the_decoding_was_the_first_epochs():
+    """Stats that add up a first epoch and cached ones (a user's trial: three passes) still name
+    decode when it ran longest, and say it was the first epoch's and how to measure the cached
+    passes alone; one pass, or no cache read, says nothing of it."""
+    stages = [stage("decode", 18.0, 2, 4 * 10**9, 6_553_600), stage("cache_read", 2.0, 2, 10**9), stage("batch", 1.0)]
+    note = "the decoding was the first epoch's, later passes read the cache; ds.reset_stats() after the first"
+    d = gpuload.diagnose(make_stats(0.6, stages=stages, passes=3, loader="gpuload"))
+    assert d.limiting == "decode" and "add up 3 passes" in d.message and note in d.message
+    assert note not in gpuload.diagnose(make_stats(0.6, stages=stages, loader="gpuload")).message
+    assert note not in gpuload.diagnose(make_stats(0.6, stages=stages[:1] + stages[2:], passes=3,
+                                                   loader="gpuload")).message
+
+
 def test_throttled_reader():
     d = gpuload.diagnose(make_stats(0.8, stages=[stage("read", 19.0, 2, 19 * 10**8), stage("decode", 4.0, 2)]))
     assert d.limiting == "read" and "throttled at 0.20 GB/s" in d.message  # 0.1 GB/s per thread x 2
