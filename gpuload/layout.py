@@ -24,7 +24,7 @@ group, as the converter made them) and are copied once, into their block (:func:
 a cache-sized tile of rows at a time) or into an array of their own (:func:`joined`).
 
 A block is named ``"#" + dtype string`` (e.g. ``"#<f4"``); output names cannot start
-with ``#`` in that layout (see :func:`gpuload.schema.resolve_outputs`). The blocks and
+with ``#`` in that layout (:func:`spec_description` refuses them). The blocks and
 their members are recorded in the spec description (each member's entry carries
 ``"block"``), so they are part of the cache key and of every chunk file's header.
 """
@@ -32,13 +32,17 @@ their members are recorded in the spec description (each member's entry carries
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from .batch import _empty, _join, _xp
+from .errors import ConfigError, setting
+from .schema import SCALAR, OutputSpec, storage_dtype
 
-__all__ = ["LAYOUTS", "Layout", "Pieces", "joined", "stack", "block_members", "stored_outputs", "is_block"]
+__all__ = ["LAYOUTS", "Layout", "Pieces", "joined", "stack", "block_members", "stored_outputs", "is_block",
+           "spec_description"]
 
 LAYOUTS = ("rows", "columns")
 
@@ -52,7 +56,7 @@ def block_members(desc: list) -> dict[str, list[str]]:
     return blocks
 
 
-def stored_outputs(desc: list, storage_dtype) -> tuple:
+def stored_outputs(desc: list) -> tuple:
     """``(name, kind, storage dtype str, width)`` per *stored* array of a spec description:
     each output, except that a block replaces its members (at its first member's place)."""
     out, blocks = [], block_members(desc)
@@ -70,7 +74,7 @@ class Layout:
 
     Parameters
     ----------
-    desc : the spec description (:func:`gpuload.schema.spec_description`), whose
+    desc : the spec description (:func:`spec_description`), whose
         ``"block"`` entries say which outputs share a block.
     """
 
@@ -186,3 +190,34 @@ def stack(columns: list, alloc=None):
 def is_block(name: str) -> bool:
     """Whether a stored array's name is a block's (not an output's)."""
     return name.startswith("#")
+
+
+def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permuted: bool = False) -> list[dict]:
+    """A JSON-able description of ``specs`` stored in ``layout`` (see the module doc):
+    what the cache key hashes and chunk headers carry.
+
+    With ``layout="rows"``, every single-column scalar output whose storage dtype it shares
+    with another one gets ``"block": "#<dtype>"``; ``permuted`` (block shuffling) marks
+    every entry ``"rows": "permuted"``: chunk files whose rows were permuted once when
+    they were built. Neither is written otherwise, so caches of plain column files keep
+    their key.
+    """
+    desc = [{"name": s.name, "columns": list(s.columns), "kind": s.kind, "dtype": s.dtype, "width": s.width,
+             "sources": [[v.dtype, v.temporal] + ([v.encode] if v.encode else []) for v in s.sources],
+             "fills": list(s.fills)} for s in specs]
+    if layout == "rows":
+        bad = [s.name for s in specs if s.name.startswith("#")]
+        if bad:
+            raise ConfigError(f"output {bad[0]!r}: names starting with '#' are reserved by layout='rows'; "
+                              "rename the output")
+        share = Counter(storage_dtype(s.dtype).str for s in specs if s.kind == SCALAR)
+        for d, s in zip(desc, specs):
+            dt = storage_dtype(s.dtype).str
+            if s.kind == SCALAR and share[dt] > 1:
+                d["block"] = "#" + dt
+    elif layout != "columns":
+        raise ConfigError(f"{setting('layout', layout)} must be 'rows' or 'columns'")
+    if permuted:
+        for d in desc:
+            d["rows"] = "permuted"
+    return desc

@@ -34,9 +34,9 @@ from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
 from .memory import HostBudget, HostPool, cache_io_modes, device_bound, file_bytes, host_budget, reads_limited
-from .layout import Layout, joined
+from .layout import Layout, joined, spec_description, stored_outputs
 from .plan import Chunk, chunk_row_permutation, make_chunks
-from .schema import OutputSpec, desc_outputs, resolve_outputs, spec_description
+from .schema import OutputSpec, resolve_outputs
 from .transforms import apply_transform, transform_outputs
 from .sources.listing import SourceFile, common_columns, fingerprint, list_files, row_group_sizes
 from .sources.opening import open_files
@@ -220,7 +220,7 @@ class ChunkReader:
                                                                          permuted=self.opts.block is not None)]
         self.layout = Layout(self.spec_desc)
         self.spec_hash = spec_hash(self.spec_desc)
-        self._outputs = desc_outputs(self.spec_desc)
+        self._outputs = stored_outputs(self.spec_desc)
 
     def _reuse_rows(self) -> None:
         """``layout="auto"`` stores columns where no row is gathered; where the cache holds more

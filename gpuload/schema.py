@@ -39,7 +39,6 @@ torch as ``torch.bfloat16``, converted once when the cache is built.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -49,10 +48,9 @@ import pyarrow as pa
 from .categorical import Hash, Vocab, hashable
 from .vocabulary import Vocabulary, register
 from .errors import ConfigError, SchemaError, entry, flag, setting
-from .layout import stored_outputs
 
-__all__ = ["OutputSpec", "ValueType", "value_type", "list_value", "resolve_outputs", "spec_description", "desc_outputs",
-           "storage_dtype", "parse_dtype", "BFLOAT16"]
+__all__ = ["OutputSpec", "ValueType", "value_type", "list_value", "resolve_outputs", "storage_dtype", "parse_dtype",
+           "BFLOAT16"]
 
 log = logging.getLogger("gpuload")
 
@@ -405,40 +403,3 @@ def _may_round(dtype: str, vts: Sequence[ValueType]) -> bool:
         return False
     ints = [np.dtype(v.dtype) for v in vts if np.dtype(v.dtype).kind in "iu"]
     return any(i.itemsize * 8 > np.finfo(dt).nmant + 1 for i in ints)
-
-
-def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permuted: bool = False) -> list[dict]:
-    """A JSON-able description of ``specs`` stored in ``layout`` (see :mod:`gpuload.layout`):
-    what the cache key hashes and chunk headers carry.
-
-    With ``layout="rows"``, every single-column scalar output whose storage dtype it shares
-    with another one gets ``"block": "#<dtype>"``; ``permuted`` (block shuffling) marks
-    every entry ``"rows": "permuted"``: chunk files whose rows were permuted once when
-    they were built. Neither is written otherwise, so caches of plain column files keep
-    their key.
-    """
-    desc = [{"name": s.name, "columns": list(s.columns), "kind": s.kind, "dtype": s.dtype, "width": s.width,
-             "sources": [[v.dtype, v.temporal] + ([v.encode] if v.encode else []) for v in s.sources],
-             "fills": list(s.fills)} for s in specs]
-    if layout == "rows":
-        bad = [s.name for s in specs if s.name.startswith("#")]
-        if bad:
-            raise ConfigError(f"output {bad[0]!r}: names starting with '#' are reserved by layout='rows'; "
-                              "rename the output")
-        share = Counter(storage_dtype(s.dtype).str for s in specs if s.kind == SCALAR)
-        for d, s in zip(desc, specs):
-            dt = storage_dtype(s.dtype).str
-            if s.kind == SCALAR and share[dt] > 1:
-                d["block"] = "#" + dt
-    elif layout != "columns":
-        raise ConfigError(f"{setting('layout', layout)} must be 'rows' or 'columns'")
-    if permuted:
-        for d in desc:
-            d["rows"] = "permuted"
-    return desc
-
-
-def desc_outputs(desc: list) -> tuple:
-    """``(name, kind, storage dtype str, width)`` per stored array of a :func:`spec_description`
-    (an output, or a block of outputs: :func:`gpuload.layout.stored_outputs`)."""
-    return stored_outputs(desc, storage_dtype)

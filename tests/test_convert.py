@@ -481,7 +481,7 @@ def test_chunked_columns_convert_piece_by_piece_exactly_as_joined_ones():
     handed to the layout as Pieces and packed, they give the bytes the joined table gives."""
     from gpuload.layout import Pieces
     from gpuload.layout import Layout
-    from gpuload.schema import spec_description
+    from gpuload.layout import spec_description
 
     rng = np.random.default_rng(3)
     parts = []

@@ -16,8 +16,8 @@ import gpuload
 from gpuload import plan
 from gpuload.batch import Ragged, nrows
 from gpuload.cache.chunkfile import PREFIX
-from gpuload.layout import Layout, Pieces, joined, stack, stored_outputs
-from gpuload.schema import resolve_outputs, spec_description, storage_dtype
+from gpuload.layout import Layout, Pieces, joined, spec_description, stack, stored_outputs
+from gpuload.schema import resolve_outputs
 
 from conftest import dataset_factory, row_ids
 
@@ -63,12 +63,12 @@ def test_rows_layout_blocks_scalars_sharing_a_dtype(source):
     desc = spec_description(_specs(source), "rows")
     assert {d["name"]: d.get("block") for d in desc} == {"id": "#<i8", "a": "#<i8", "x": "#<f4", "y": "#<f4",
                                                           "lab": None, "xy": None, "h": None}
-    assert [s[0] for s in stored_outputs(desc, storage_dtype)] == ["#<i8", "#<f4", "lab", "xy", "h"]
-    assert stored_outputs(desc, storage_dtype)[0] == ("#<i8", "group", "<i8", 2)
+    assert [s[0] for s in stored_outputs(desc)] == ["#<i8", "#<f4", "lab", "xy", "h"]
+    assert stored_outputs(desc)[0] == ("#<i8", "group", "<i8", 2)
     # the columns layout describes the outputs exactly as before layouts existed: old caches keep their key
     plain = spec_description(_specs(source), "columns")
     assert all(set(d) == {"name", "columns", "kind", "dtype", "width", "sources", "fills"} for d in plain)
-    assert [s[0] for s in stored_outputs(plain, storage_dtype)] == list(COLUMNS)
+    assert [s[0] for s in stored_outputs(plain)] == list(COLUMNS)
 
 
 def test_pack_and_unpack_round_trip_into_contiguous_outputs(source):

@@ -11,7 +11,8 @@ import pytest
 
 import gpuload
 from gpuload.cache.chunkfile import spec_hash
-from gpuload.schema import resolve_outputs, spec_description
+from gpuload.layout import spec_description
+from gpuload.schema import resolve_outputs
 
 
 def spec_token(specs):

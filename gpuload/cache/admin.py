@@ -27,7 +27,7 @@ from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from .kept import KEPT_SUFFIX, check_kept_file
 from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
-from ..schema import desc_outputs
+from ..layout import stored_outputs
 
 __all__ = ["Problem", "walk", "chunk_files", "temporaries", "record_spec", "specs", "summary", "verify_all", "delete", "clear",
            "drop_free_lock"]
@@ -43,7 +43,7 @@ def _name_identity(folder: str, name: str, header: dict) -> Identity:
         if (xxhash.xxh64_hexdigest(str(src["path"]).encode()) != folder
                 or version_token(src["size"], src["mtime_ns"], src.get("tag", "")) != version):
             raise CorruptCacheError(f"its header names {src['path']}, another source file than its name")
-        return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, desc_outputs(desc),
+        return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, stored_outputs(desc),
                         src.get("tag", ""))
     except MALFORMED as e:
         raise CorruptCacheError(f"malformed header ({type(e).__name__}: {e})") from None
@@ -105,7 +105,7 @@ def temporaries(root: CacheRoot) -> Iterator[Path]:
 def _valid_desc(desc) -> list | None:
     """``desc`` if it is a spec description (list of outputs with name, columns, kind, dtype, width), else None."""
     try:
-        desc_outputs(desc)
+        stored_outputs(desc)
         if all(isinstance(d["columns"], list) and all(isinstance(c, str) for c in d["columns"]) for d in desc):
             return desc
     except MALFORMED:

@@ -68,7 +68,7 @@ def align(n: int) -> int:
 
 
 def spec_hash(spec: list) -> str:
-    """The 16-hex-digit hash of a spec description (a JSON-able list, see :func:`gpuload.schema.spec_description`)."""
+    """The 16-hex-digit hash of a spec description (a JSON-able list, see :func:`gpuload.layout.spec_description`)."""
     return xxhash.xxh64_hexdigest(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode())
 
 

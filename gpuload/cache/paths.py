@@ -107,7 +107,7 @@ class ChunkKey:
     rg_start, rg_stop : the chunk's row groups in the source file, ``[rg_start, rg_stop)``.
     rows : the chunk's rows.
     outputs : ``(name, kind, storage dtype, width)`` per output (default none).
-    spec_desc : the spec description whose hash is ``spec`` (:func:`gpuload.schema.spec_description`);
+    spec_desc : the spec description whose hash is ``spec`` (:func:`gpuload.layout.spec_description`);
         written into the header, left out of comparisons.
     tag : a remote object's version marker (ETag, version id...); for a local file, a hash of its
         footer (:func:`gpuload.sources.opening.identity_tag`).
