@@ -90,7 +90,8 @@ def test_a_plain_dataset_opens_without_pyarrow_dataset(tmp_path):
             "kw = dict(batch_size=2, device='cpu', cache_dir=sys.argv[2])\n"
             "ds = gpuload.ParquetDataset(sys.argv[1] + '/b.parquet', ['x'], **kw)\n"
             "assert sum(len(b['x']) for b in ds) == 2\n"
-            "assert 'pyarrow.dataset' not in sys.modules and 'pandas' not in sys.modules\n"
+            "got = [m for m in ('pyarrow.dataset', 'pandas') if m in sys.modules]\n"
+            "assert not got, f'imported: {got}'  # on the H200 node (2026-11-27) one was: the next run names it\n"
             "ds = gpuload.ParquetDataset(sys.argv[1] + '/b.parquet', ['x'], filters=pc.field('x') > 4, **kw)\n"
             "assert [int(v) for b in ds for v in b['x']] == [5] and 'pyarrow.dataset' in sys.modules\n")
     hive = ("import sys, gpuload\n"
