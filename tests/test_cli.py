@@ -40,6 +40,8 @@ def run(*args):
     (["cache", "frobnicate"], "invalid choice: 'frobnicate'"),
     (["cache", "info", "DATA", "--nodes", "0"], "--nodes 0: the training's number of nodes is at least 1"),
     (["cache", "info", "/no/such/place"], "/no/such/place: no such file or directory"),  # not "give --nodes"
+    (["cache", "info", "/no/such/*.parquet"], "/no/such/*.parquet: the pattern matches no file"),
+    (["cache", "info", "file:///no/such/place"], "file:///no/such/place: no such file or directory"),
     (["cache", "info", "DATA", "--bogus"], "unrecognized arguments: --bogus (see gpuload COMMAND --help)"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
@@ -89,7 +91,7 @@ def test_a_damaged_column_set_description_is_found_and_written_again(data, tmp_p
     assert main(["cache", "build", str(data), "--cache-dir", str(cache), "--chunk-mib", "1"]) == 0
     (spec,) = (cache / LAYOUT_DIR / "specs").glob("*.json")
     good = spec.read_text()
-    for damage in ("{garbage", good.replace('"kind"', '"kinds"', 1), "[]"):
+    for damage in ("{garbage", good.replace('"kind"', '"kinds"', 1), "[]", "{}"):
         spec.write_text(damage)
         capsys.readouterr()
         assert main(["cache", "verify", "--cache-dir", str(cache)]) == 1

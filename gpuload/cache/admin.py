@@ -104,6 +104,8 @@ def temporaries(root: CacheRoot) -> Iterator[Path]:
 
 def _valid_desc(desc) -> list | None:
     """``desc`` if it is a spec description (list of outputs with name, columns, kind, dtype, width), else None."""
+    if not isinstance(desc, list):
+        return None
     try:
         stored_outputs(desc)
         if all(isinstance(d["columns"], list) and all(isinstance(c, str) for c in d["columns"]) for d in desc):

@@ -131,7 +131,8 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
         more = [t for t, helps in (("raise num_threads", not full), (cuda, not on_gpu)) if helps]
         return (f"epochs are decode-bound{extra}: with cache_io='off' each one decodes Parquet: {where}",
                 keep + (f"; else {' or '.join(more)}" if more else ""))
-    if s.name in ("decode", "convert") and ours and not off and stats.passes > 1 and "cache_read" in stats.stages:
+    if (s.name in ("decode", "convert") and ours and not off and stats.passes > 1 and "cache_read" in stats.stages
+            and s.rows <= 1.05 * stats.rows / stats.passes):  # one pass's rows decoded, not each pass's (evictions)
         # a user's trial: three passes, two of them cached, were told to build the cache ahead
         where += (f" (these stats add up {stats.passes} passes since the dataset opened or reset_stats(): the "
                   "decoding was the first epoch's, later passes read the cache; ds.reset_stats() after the first "

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import datetime
+import glob
 import logging
 import os
 
@@ -175,7 +176,7 @@ def _left_alone(foreign: list[str]) -> None:
         print(f"  left alone {len(foreign)} entries gpuload did not write: {shown}")
 
 
-_GLOB = set("*?[")  # a SOURCE with these may be a glob, which listing it says more about
+_GLOB = set("*?[")  # a SOURCE with these may be a glob
 
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
@@ -248,8 +249,13 @@ def _share_options(args):
     not there is the news first: a user's trial was told to give --nodes for a mistyped path)."""
     for item in args.source:
         text = os.path.expanduser(os.fspath(item))
-        if "://" not in text and not _GLOB & set(text) and not os.path.exists(text):
+        text = text[len("file://"):] if text.startswith("file://") else text
+        if "://" in text or os.path.exists(text):
+            continue
+        if not _GLOB & set(text):
             raise SourceError(f"{item}: no such file or directory")
+        if not glob.glob(text, recursive=True):
+            raise SourceError(f"{item}: the pattern matches no file")
     if args.nodes is None:
         raise ConfigError("cache info SOURCE shows each node's share of SOURCE under shard='node': give --nodes N "
                           "(the training's number of nodes), or leave SOURCE out to see the cache folder alone")

@@ -54,11 +54,13 @@ def test_decode_in_stats_over_cached_passes_says_the_decoding_was_the_first_epoc
     passes alone; one pass, or no cache read, says nothing of it."""
     stages = [stage("decode", 18.0, 2, 4 * 10**9, 6_553_600), stage("cache_read", 2.0, 2, 10**9), stage("batch", 1.0)]
     note = "the decoding was the first epoch's, later passes read the cache; ds.reset_stats() after the first"
-    d = gpuload.diagnose(make_stats(0.6, stages=stages, passes=3, loader="gpuload"))
+    three = dict(passes=3, rows=3 * 6_553_600, loader="gpuload")  # three passes' rows delivered
+    d = gpuload.diagnose(make_stats(0.6, stages=stages, **three))
     assert d.limiting == "decode" and "add up 3 passes" in d.message and note in d.message
     assert note not in gpuload.diagnose(make_stats(0.6, stages=stages, loader="gpuload")).message
-    assert note not in gpuload.diagnose(make_stats(0.6, stages=stages[:1] + stages[2:], passes=3,
-                                                   loader="gpuload")).message
+    assert note not in gpuload.diagnose(make_stats(0.6, stages=stages[:1] + stages[2:], **three)).message
+    evicting = [stage("decode", 18.0, 2, 4 * 10**9, 3 * 6_553_600)] + stages[1:]  # every pass decoded its rows
+    assert note not in gpuload.diagnose(make_stats(0.6, stages=evicting, **three)).message
 
 
 def test_throttled_reader():
