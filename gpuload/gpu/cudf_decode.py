@@ -135,8 +135,11 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str,
         vals = cupy.where(_valid(col), vals, vals.dtype.type(fill))
     if vals is raw and raw.dtype == np.dtype(vt.dtype):  # a copy of the buffer: cudaMemcpyAsync, not a kernel,
         out = cupy.empty(raw.shape, raw.dtype)  # whose first use on a loader thread loads a CUDA module, which
-        if raw.nbytes:  # waited for the training step's kernel to end (an H200, 2026-11-27)
-            out.data.copy_from_device_async(raw.data, raw.nbytes)  # on CuPy's current stream: the decode's
+        copy = getattr(out.data, "copy_from_device_async", None)  # waited for the training step's kernel to end
+        if copy is None:  # (an H200, 2026-11-27); the CPU tests' NumPy stand-in for CuPy has no MemoryPointer
+            out[...] = raw
+        elif raw.nbytes:
+            copy(raw.data, raw.nbytes)  # on CuPy's current stream: the decode's
         return out
     return vals.astype(vt.dtype, copy=vals is raw)
 
