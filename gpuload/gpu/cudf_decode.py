@@ -133,15 +133,22 @@ def _flat(col, vt: ValueType, atype: pa.DataType, fill, column: str, where: str,
         if fill is None:
             raise null_error(column, nulls, where)
         vals = cupy.where(_valid(col), vals, vals.dtype.type(fill))
-    if vals is raw and raw.dtype == np.dtype(vt.dtype):  # a copy of the buffer: cudaMemcpyAsync, not a kernel,
-        out = cupy.empty(raw.shape, raw.dtype)  # whose first use on a loader thread loads a CUDA module, which
-        copy = getattr(out.data, "copy_from_device_async", None)  # waited for the training step's kernel to end
-        if copy is None:  # (an H200, 2026-11-27); the CPU tests' NumPy stand-in for CuPy has no MemoryPointer
-            out[...] = raw
-        elif raw.nbytes:
-            copy(raw.data, raw.nbytes)  # on CuPy's current stream: the decode's
-        return out
+    if vals is raw and raw.dtype == np.dtype(vt.dtype):
+        return _device_copy(raw)
     return vals.astype(vt.dtype, copy=vals is raw)
+
+
+def _device_copy(a):
+    """A new contiguous device array holding ``a``'s bytes, by ``cudaMemcpyAsync`` on CuPy's
+    current stream (the decode's). Not ``astype(copy=True)``: that is a CuPy kernel, whose first
+    use on a loader thread loads a CUDA module, which waited for the training step's kernel to
+    end (an H200, 2026-11-27)."""
+    import cupy
+
+    out = cupy.empty(a.shape, a.dtype)
+    if a.nbytes:
+        out.data.copy_from_device_async(a.data, a.nbytes)
+    return out
 
 
 def _hashed(col, vt: ValueType, column: str, stream=None):

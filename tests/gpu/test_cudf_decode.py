@@ -67,6 +67,9 @@ def numpy_as_cupy(monkeypatch):
     plc.hashing = types.SimpleNamespace(xxhash_64=_xxhash_64)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "pylibcudf", plc)
+    from gpuload.gpu import cudf_decode
+
+    monkeypatch.setattr(cudf_decode, "_device_copy", np.copy)  # NumPy arrays have no MemoryPointer to copy from
 
 
 class _Col:
