@@ -40,8 +40,8 @@ def run(*args):
     (["cache", "frobnicate"], "invalid choice: 'frobnicate'"),
     (["cache", "info", "DATA", "--nodes", "0"], "--nodes 0: the training's number of nodes is at least 1"),
     (["cache", "info", "/no/such/place"], "/no/such/place: no such file or directory"),  # not "give --nodes"
-    (["cache", "info", "/no/such/*.parquet"], "/no/such/*.parquet: the pattern matches no file"),
-    (["cache", "info", "file:///no/such/place"], "file:///no/such/place: no such file or directory"),
+    (["cache", "info", "/no/such/*.parquet"], "/no/such/*.parquet: matched no Parquet files"),  # the listing's
+    (["cache", "info", "file:///no/such/place"], "/no/such/place: no such file or directory"),
     (["cache", "info", "DATA", "--bogus"], "unrecognized arguments: --bogus (see gpuload COMMAND --help)"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):

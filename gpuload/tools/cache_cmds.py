@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import io
 import datetime
-import glob
 import logging
 import os
 
@@ -15,8 +14,10 @@ from ..cache.paths import cache_dirs, default_cache_dir, split_dirs
 from ..cache.space import free_bytes, parse_size, write_quota
 from ..cache.store import ChunkCache
 from ..categorical import Vocab, parse_key
-from ..errors import CacheError, ConfigError, GpuloadError, SourceError
+from ..errors import CacheError, ConfigError, GpuloadError
 from ..memory import size_text
+from ..sources.listing import list_files
+from ..sources.remote import is_url
 from .flags import add_cache_io_flag, add_chunk_flags, add_source_flags, bar, check_options, finite, loader_settings, source_of
 
 __all__ = ["add_cache_commands"]
@@ -176,8 +177,6 @@ def _left_alone(foreign: list[str]) -> None:
         print(f"  left alone {len(foreign)} entries gpuload did not write: {shown}")
 
 
-_GLOB = set("*?[")  # a SOURCE with these may be a glob
-
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
                  "shuffle", "block_rows", "nodes", "seed")
@@ -245,17 +244,12 @@ def _summary(cache) -> None:
 
 
 def _share_options(args):
-    """The Options `cache info SOURCE --nodes N` opens the source with (a local SOURCE that is
-    not there is the news first: a user's trial was told to give --nodes for a mistyped path)."""
-    for item in args.source:
-        text = os.path.expanduser(os.fspath(item))
-        text = text[len("file://"):] if text.startswith("file://") else text
-        if "://" in text or os.path.exists(text):
-            continue
-        if not _GLOB & set(text):
-            raise SourceError(f"{item}: no such file or directory")
-        if not glob.glob(text, recursive=True):
-            raise SourceError(f"{item}: the pattern matches no file")
+    """The Options `cache info SOURCE --nodes N` opens the source with. A local SOURCE is listed
+    first (no request made), so one that is not there, or holds no Parquet, is the news: a user's
+    trial was told to give --nodes for a mistyped path."""
+    local = [item for item in args.source if not is_url(os.fspath(item))]
+    if local:
+        list_files(local)
     if args.nodes is None:
         raise ConfigError("cache info SOURCE shows each node's share of SOURCE under shard='node': give --nodes N "
                           "(the training's number of nodes), or leave SOURCE out to see the cache folder alone")
