@@ -430,19 +430,6 @@ def test_every_command_prints_its_help(capsys):
         assert capsys.readouterr().out.startswith("usage: gpuload"), path
 
 
-def test_column_sets_show_each_members_fill_where_they_differ():
-    from gpuload.tools.cache_cmds import _spec_text
-
-    def desc(fills):
-        return [{"name": "x", "columns": ["a", "b"], "kind": "group", "dtype": "<f4", "width": 2, "sources": [],
-                 "fills": fills}]
-
-    assert _spec_text(desc([0.0, None])) == "x=[a, b] (float32, nulls as a: 0.0, b: refused)"
-    assert _spec_text(desc([0.0, 7.0])) != _spec_text(desc([7.0, 0.0]))
-    assert _spec_text(desc([7.0, 7.0])) == "x=[a, b] (float32, nulls as 7.0)"
-    assert _spec_text(desc([None, None])) == "x=[a, b] (float32)"
-
-
 def test_profile_says_nothing_before_its_source_opens(tmp_path, capsys):
     """The heading comes once the source and the cache folder are open: a bad source prints only its error."""
     (tmp_path / "c").mkdir()

@@ -27,7 +27,7 @@ from ..observe.diagnose import Diagnosis, diagnose
 from ..observe.trace import TraceFile
 from ..observe.stats import Stats
 from ..observe.sampling import UtilSampler
-from .cache_cmds import chunks_text
+from .cache_text import chunks_text
 
 __all__ = ["EpochReport", "MlpStep", "profile", "headspace", "block_gather_ratio", "disk_read_gbps", "HEADSPACE_NEAR"]
 
