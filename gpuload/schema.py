@@ -346,9 +346,11 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     encoders = _encoders(categorical, used)
     dtypes = dict(dtypes or {})
     unknown = sorted(set(dtypes) - {n for n, _, _ in requested})
-    if unknown:
-        raise ConfigError(f"{flag('dtypes')} names outputs that do not exist: {unknown}; name outputs of "
-                          f"{flag('columns')}")
+    if unknown:  # a stacked group's member named where the group's output is wanted, or a misspelling
+        members = {c: n for n, cols, _ in requested for c in cols if c in unknown and c != n}
+        hint = f" ({', '.join(f'column {c!r} is read into output {n!r}' for c, n in members.items())})" if members else ""
+        raise ConfigError(f"{flag('dtypes')} names outputs that do not exist: {unknown}{hint}; it takes the outputs "
+                          f"of {flag('columns')}: {sorted(n for n, _, _ in requested)[:20]}")
 
     specs, unfit = [], []  # unfit: (column, value type) that a single fill_nulls number does not fit
     for name, cols, is_group in requested:

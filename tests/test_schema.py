@@ -142,7 +142,10 @@ def test_fill_is_per_member_of_a_group():
     (dict(columns=["i"], fill_nulls={"zz": 0, "i": 0}), r"fill_nulls.*\['zz'\]"),
     (dict(columns={"g": ["i", "f"]}, fill_nulls={"g": 0}),                       # an output, not its columns
      r"fill_nulls= names outputs \['g'\]; it takes the Parquet columns \(a stacked group's members: \{'g': \['i', 'f'\]\}"),
-    (dict(columns={"x": "i"}, dtypes={"i": "float32"}), r"dtypes.*\['i'\]"),      # outputs, not columns
+    (dict(columns={"x": "i"}, dtypes={"i": "float32"}),                          # outputs, not columns
+     r"dtypes= names outputs that do not exist: \['i'\] \(column 'i' is read into output 'x'\); it takes the "
+     r"outputs of columns=: \['x'\]"),
+    (dict(columns={"g": ["i", "f"]}, dtypes={"f": "float32"}), r"\(column 'f' is read into output 'g'\)"),
     (dict(columns=["i"], dtypes={"q": "int8"}), r"dtypes.*\['q'\]"),
     (dict(columns=["i", "f", "i"]), r"columns=.*\['i'\]"),                        # duplicate names
     (dict(columns=["i"], dtypes={"i": "not-a-dtype"}), r"dtypes\['i'\]"),
