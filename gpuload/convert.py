@@ -23,7 +23,7 @@ from .batch import Ragged, concat
 from .vocabulary import encode_ids
 from .errors import ConfigError, NullValuesError, flag, setting
 from .layout import Pieces, stack
-from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType
+from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, numpy_dtype
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
 
@@ -61,7 +61,7 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
     widened = (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) and not vt.temporal \
-        and np.dtype(arr.type.to_pandas_dtype()) != np.dtype(vt.dtype)  # a file of a narrower type
+        and numpy_dtype(arr.type) != np.dtype(vt.dtype)  # a file of a narrower type
     if widened:  # (gpuload.checks.widened): exact, and before the fill, which the wide type holds
         widened = pa.types.is_floating(arr.type)  # whose NaNs become the positive quiet NaN, as cast_values makes
         arr = arr.cast(pa.from_numpy_dtype(np.dtype(vt.dtype)))

@@ -91,7 +91,7 @@ def test_a_plain_dataset_opens_without_pyarrow_dataset(tmp_path):
             "ds = gpuload.ParquetDataset(sys.argv[1] + '/b.parquet', ['x'], **kw)\n"
             "assert sum(len(b['x']) for b in ds) == 2\n"
             "got = [m for m in ('pyarrow.dataset', 'pandas') if m in sys.modules]\n"
-            "assert not got, f'imported: {got}'  # on the H200 node (2026-11-27) one was: the next run names it\n"
+            "assert not got, f'imported: {got}'  # pyarrow 25's to_pandas_dtype() imported pandas (the H200 node's, 2026-11-27)\n"
             "ds = gpuload.ParquetDataset(sys.argv[1] + '/b.parquet', ['x'], filters=pc.field('x') > 4, **kw)\n"
             "assert [int(v) for b in ds for v in b['x']] == [5] and 'pyarrow.dataset' in sys.modules\n")
     hive = ("import sys, gpuload\n"
