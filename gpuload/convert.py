@@ -223,8 +223,9 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
         with np.errstate(invalid="ignore", over="ignore"):  # a value must come back unchanged, with its sign
             bad = (out.astype(values.dtype) != values) | ((out < 0) != (values < 0))
             if dst.kind in "iu" and values.dtype.kind == "f":  # and lie in the integer type's range
-                info = np.iinfo(dst)
-                bad |= (values < float(info.min)) | (values >= 2.0 ** (info.bits - (info.min < 0)))
+                info = np.iinfo(dst)  # (compared in the values' dtype: float16 rounds int32's bounds to
+                bad |= (values < float(info.min)) | (values >= 2.0 ** (info.bits - (info.min < 0)))  # infinities,
+                bad |= ~_xp(values).isfinite(values)  # so an infinity is refused by name, not by range)
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
             if isinstance(v, float) and not (math.isfinite(v) and v == int(v)):  # 0.5, NaN: no integer type holds it

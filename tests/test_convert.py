@@ -359,6 +359,18 @@ def test_lossy_integer_cast_is_refused(values, dtype):
         convert(pa.table({"x": pa.array(values)}), {"y": "x"}, dtypes={"y": dtype})
 
 
+@pytest.mark.parametrize("src", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", ["int8", "int16", "int32", "int64", "uint8", "uint32", "uint64"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_infinities_cast_to_integers_are_refused_by_name(value, dtype, src):
+    """float16 compares with int32's and int64's bounds rounded to infinities: -inf once passed as INT_MIN."""
+    from gpuload.convert import cast_values
+
+    for values in (np.array([1.0, value, 3.0], src), np.array([1.0, value, 3.0], src).view(_Saturating)):
+        with pytest.raises(gpuload.ConfigError, match=rf"'x' holds {value!r} in w, not a whole number"):
+            cast_values(values, np.dtype(dtype).str, "x", "w")
+
+
 class _Saturating(np.ndarray):
     """Floats whose casts to integers saturate, as CUDA's do (NumPy's wrap around)."""
 
