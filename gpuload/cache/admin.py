@@ -115,16 +115,25 @@ def _valid_desc(desc) -> list | None:
     return None
 
 
+_MAX_SPEC = 64 << 20  # bytes of a description read at most (as a chunk header's): 5,000 columns take 1.3 MiB
+
+
+def _read_desc(root: CacheRoot, name: str) -> list | None:
+    """The column-set description in ``specs/<name>``, or None where it is not one (or is larger
+    than any gpuload writes). Raises the ``OSError`` of opening or reading it."""
+    fd = root.open_read((_LAYOUT, _SPECS), name)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(_MAX_SPEC + 1)
+    try:
+        return _valid_desc(json.loads(raw)) if len(raw) <= _MAX_SPEC else None
+    except (ValueError, RecursionError):
+        return None
+
+
 def spec_problem(root: CacheRoot, name: str) -> str | None:
     """What is wrong with the column-set description ``specs/<name>``, or None: it must be a
     description whose hash is its name's (``cache info`` names and describes caches by it)."""
-    fd = root.open_read((_LAYOUT, _SPECS), name)
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read((1 << 20) + 1)
-    try:
-        desc = _valid_desc(json.loads(raw)) if len(raw) <= 1 << 20 else None
-    except (ValueError, RecursionError):
-        desc = None
+    desc = _read_desc(root, name)
     if desc is None:
         return "not a column-set description (the next dataset that opens this column set writes it again)"
     if spec_hash(desc) != name[:-5]:
@@ -159,10 +168,8 @@ def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
     for name, st in _scan(root, (_LAYOUT, _SPECS), problems):
         if SPEC.fullmatch(name) and stat.S_ISREG(st.st_mode):
             desc = None
-            with contextlib.suppress(OSError, ValueError, RecursionError):
-                fd = root.open_read((_LAYOUT, _SPECS), name)
-                with os.fdopen(fd, "rb") as f:
-                    desc = _valid_desc(json.loads(f.read(1 << 20)))
+            with contextlib.suppress(OSError):
+                desc = _read_desc(root, name)
             out[name[:-5]] = {"desc": desc, "last_used": st.st_mtime, "chunks": 0, "bytes": 0}
     marked = set(out)
     for parts, name, st in chunk_files(root, problems=problems):
