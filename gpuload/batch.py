@@ -192,11 +192,14 @@ def concat(parts: Sequence[dict], alloc=None, keyed: bool = False) -> dict:
         return parts[0]
     out = {}
     for k, v in parts[0].items():
-        if isinstance(v, Ragged):
-            shifts = np.cumsum([0] + [int(p[k].offsets[-1]) for p in parts[:-1]])
-            off = _join([parts[0][k].offsets[:1]] + [p[k].offsets[1:] + int(s) for p, s in zip(parts, shifts)],
+        if isinstance(v, Ragged):  # each part's values from its first offset to its last (a slice's need not start at 0)
+            ends = [(int(p[k].offsets[0]), int(p[k].offsets[-1])) for p in parts]
+            shifts = np.cumsum([0] + [b - a for a, b in ends[:-1]])
+            off = _join([parts[0][k].offsets[:1] - ends[0][0]] + [p[k].offsets[1:] + (int(s) - a) for p, s, (a, _)
+                                                                  in zip(parts, shifts, ends)],
                         alloc, (k, "offsets") if keyed else None)
-            out[k] = Ragged(_join([p[k].values for p in parts], alloc, (k, "values") if keyed else None), off)
+            out[k] = Ragged(_join([p[k].values[a:b] for p, (a, b) in zip(parts, ends)], alloc,
+                                  (k, "values") if keyed else None), off)
         else:
             out[k] = _join([p[k] for p in parts], alloc, k if keyed else None)
     return out

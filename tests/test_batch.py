@@ -199,6 +199,17 @@ def test_concat_joins_rows_in_order(lengths):
             assert not any(np.shares_memory(out[k], p[k]) for p in parts)
 
 
+def test_concat_takes_list_parts_whose_offsets_do_not_start_at_zero():
+    """A Ragged part may be a slice of a larger one (offsets from its first row's, values whole)."""
+    whole = [[1, 2], [3], [], [4, 5, 6], [7]]
+    big = ragged_of(whole)
+    a = {"r": Ragged(big.values, big.offsets[1:4])}   # rows 1-2: offsets [2, 3, 3]
+    b = {"r": Ragged(big.values, big.offsets[3:6])}   # rows 3-4: offsets [3, 6, 7]
+    out = concat([a, b])["r"]
+    assert to_lists(out) == whole[1:5]
+    check_offsets(out)
+
+
 def test_concat_one_part_is_returned_as_is_and_alloc_is_used():
     part = cols_of(np.arange(4))
     assert concat([part]) is part
