@@ -42,7 +42,12 @@ def run(*args):
     (["cache", "info", "/no/such/place"], "/no/such/place: no such file or directory"),  # not "give --nodes"
     (["cache", "info", "/no/such/*.parquet"], "/no/such/*.parquet: matched no Parquet files"),  # the listing's
     (["cache", "info", "file:///no/such/place"], "/no/such/place: no such file or directory"),
-    (["cache", "info", "DATA", "--bogus"], "unrecognized arguments: --bogus (see gpuload COMMAND --help)"),
+    (["cache", "info", "DATA", "--bogus"], "unrecognized arguments: --bogus (see gpuload cache info --help)"),
+    (["cache", "quota", "-5G"], "unrecognized arguments: -5G (see gpuload cache quota --help)"),
+    (["demo", "--bogus"], "unrecognized arguments: --bogus (see gpuload demo --help)"),
+    (["--bogus"], "unrecognized arguments: --bogus; give a command first: demo, profile, cache (see gpuload --help)"),
+    (["-v"], "gpuload: error: give a command first: demo, profile, cache (see gpuload --help)"),
+    (["-v", "cache"], "error: give a command first: build, quota, info, verify, clear (see gpuload cache --help)"),
 ])
 def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
     import torch
@@ -55,6 +60,25 @@ def test_user_mistakes_are_one_line_errors(args, needle, data, tmp_path, cli):
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("gpuload: error:")]
     assert len(lines) == 1 and needle in lines[0]
+
+
+def test_output_cut_short_by_its_reader_is_no_error(data, tmp_path, capsys, monkeypatch):
+    """`gpuload cache info | head -1`: the pipe closes, and the command once blamed the cache folder
+    (`cannot use the cache folder ... (Broken pipe)`, status 2). Now it stops quietly, status 141 as
+    a command SIGPIPE ends."""
+    import io
+    import sys
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    assert main(["cache", "build", str(data), "--cache-dir", str(tmp_path / "c")]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["cache", "info", "--cache-dir", str(tmp_path / "c")]) == 141
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
 
 
 def test_build_info_verify_clear(data, tmp_path, capsys):

@@ -98,6 +98,8 @@ def _each_folder(fn):
     def one(args, folder) -> int:
         try:
             return fn(argparse.Namespace(**{**vars(args), "cache_dir": str(folder)}))
+        except BrokenPipeError:  # the output's reader left (`| head`): not the folder's fault
+            raise
         except OSError as e:
             what = e.strerror or type(e).__name__
             raise CacheError(f"`gpuload cache {args.action}` cannot use the cache folder {folder} ({what}"

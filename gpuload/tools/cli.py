@@ -7,7 +7,9 @@ a cache that fails verification exits with status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -141,11 +143,29 @@ def cmd_profile(args) -> int:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too: they take its class) with each error in one line,
-    as every other error of the command, and where to look."""
+    as every other error of the command, and where to look: the help of the command the words
+    typed name (argparse reports a subcommand's unknown flags from the top parser)."""
+
+    _argv: list = []  # the words being parsed, for the top parser's errors
+
+    def parse_args(self, args=None, namespace=None):
+        argv = _Parser._argv = sys.argv[1:] if args is None else [str(a) for a in args]
+        ns, extra = self.parse_known_args(argv, namespace)
+        if extra:
+            words = [w for w in (getattr(ns, "command", None), getattr(ns, "action", None)) if w]
+            self.exit(2, f"gpuload: error: unrecognized arguments: {' '.join(extra)} "
+                         f"(see {' '.join(['gpuload', *words])} --help)\n")
+        return ns
 
     def error(self, message):
-        where = "gpuload COMMAND --help" if self.prog == "gpuload" else f"{self.prog} --help"  # a subcommand's flag
-        self.exit(2, f"gpuload: error: {message} (see {where})\n")
+        sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is not None and message.endswith(f"required: {sub.dest}"):  # no command, maybe a misplaced flag
+            argv, last = _Parser._argv, self.prog.split()[-1]  # this parser's words: after its command's
+            argv = argv[argv.index(last) + 1:] if last in argv and self.prog != "gpuload" else argv
+            flags = [w for w in argv if w.startswith("-") and w.split("=")[0] not in self._option_string_actions]
+            message = (f"unrecognized arguments: {' '.join(flags)}; " if flags else "") + \
+                f"give a command first: {', '.join(sub.choices)}"
+        self.exit(2, f"gpuload: error: {message} (see {self.prog} --help)\n")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -196,7 +216,13 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
     try:
-        return args.fn(args)
+        status = args.fn(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
+    except BrokenPipeError:  # `gpuload cache info | head`: the reader left; said by the status alone, as by `ls`
+        with contextlib.suppress(OSError, ValueError):  # (no flush error at exit; pytest's capture has no fd)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except GpuloadError as e:  # one line; messages name settings as flags (errors.setting)
         print(f"gpuload: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
