@@ -4,7 +4,7 @@ An epoch that dies at 80% after hours of decoding is the worst way to learn abou
 null or an out-of-range value, so a dataset checks, when it opens:
 
 * that every file has every selected column with one (dictionary-decoded) type, or types
-  that one type holds exactly (:func:`widened`: schema drift between writers);
+  that one type holds exactly (:mod:`gpuload.drift`: schema drift between writers);
 * nulls in columns without a fill value: from the footers' statistics where they can
   tell; where they cannot (list columns, whose leaf null count also counts empty
   lists and null elements, and files written without statistics), from the footers'
@@ -20,7 +20,6 @@ The decoders still check every value, so a file without statistics is never serv
 
 from __future__ import annotations
 
-import collections
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -29,113 +28,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .categorical import Hash, hashable, parse_key
+from .categorical import Hash, parse_key
 from .vocabulary import registered
 from .convert import cast_values, nulls_error
-from .errors import ConfigError, SchemaError, SourceError, flag, setting
-from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec, list_value
+from .errors import ConfigError, SourceError, flag, setting
+from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
 from .sources.levels import null_counts
 from .sources.listing import SourceFile
 
-__all__ = ["wider", "widened", "check_consistent", "check_nulls", "check_casts", "check_partition_keys",
+__all__ = ["check_nulls", "check_casts", "check_partition_keys",
            "stored_key_error", "old_arrow_error", "files_text", "column_names"]
-
-
-def _logical(t: pa.DataType) -> pa.DataType:
-    return t.value_type if pa.types.is_dictionary(t) else t
-
-
-def _same_ids(a: pa.DataType, b: pa.DataType) -> bool:
-    """Both strings or bytes (of any width), or lists of them of one kind: the same categorical ids."""
-    if hashable(a) and hashable(b):
-        return True
-    fixed = pa.types.is_fixed_size_list
-    inner_a, inner_b = list_value(a), list_value(b)
-    return (inner_a is not None and inner_b is not None and fixed(a) == fixed(b)
-            and (not fixed(a) or a.list_size == b.list_size) and hashable(inner_a) and hashable(inner_b))
-
-
-_SIGNED = {8: pa.int8(), 16: pa.int16(), 32: pa.int32(), 64: pa.int64()}
-_FLOATS = ((16, 11, pa.float16()), (32, 24, pa.float32()), (64, 53, pa.float64()))  # width, significand bits
-
-
-def wider(*types: pa.DataType) -> pa.DataType | None:
-    """The one type that holds every value of all ``types`` exactly, where the files of one
-    source disagree (schema drift: int32 here, int64 there; a float column where another
-    writer kept integers; ``list`` against ``large_list``), else None; the same whatever their
-    order. Integers of one signedness take the widest; signed and unsigned a signed type of
-    the widest signed width and at least twice the widest unsigned one (none past int64);
-    with floats, the narrowest float at least as wide as each whose significand holds every
-    integer (int8/16 in float32, int32 in float64, int64 in none); lists of such values their
-    list (``large_list`` if any is), fixed-size lists only of one size. Arrow's ``null`` type (a
-    file whose column holds only nulls, as pandas and pyarrow write it) combines with any type."""
-    types = list(dict.fromkeys(_logical(t) for t in types))
-    types = [t for t in types if not pa.types.is_null(t)] or types
-    if len(types) == 1:
-        return types[0]
-    inner = [list_value(t) for t in types]
-    if any(v is not None for v in inner):
-        fixed = {pa.types.is_fixed_size_list(t) and t.list_size for t in types}
-        if any(v is None for v in inner) or len(fixed) > 1:
-            return None
-        v = wider(*inner)
-        if v is None:
-            return None
-        if fixed != {False}:
-            return pa.list_(v, types[0].list_size)
-        return pa.large_list(v) if any(pa.types.is_large_list(t) for t in types) else pa.list_(v)
-    if not all(pa.types.is_integer(t) or pa.types.is_floating(t) for t in types):
-        return None
-    ints = [t for t in types if pa.types.is_integer(t)]
-    signed = max((t.bit_width for t in ints if pa.types.is_signed_integer(t)), default=0)
-    unsigned = max((t.bit_width for t in ints if not pa.types.is_signed_integer(t)), default=0)
-    floats = [t.bit_width for t in types if pa.types.is_floating(t)]
-    if not floats:
-        if not signed:
-            return max(ints, key=lambda t: t.bit_width)
-        return _SIGNED.get(max(signed, 2 * unsigned))
-    magnitude = max(signed - 1, unsigned)  # bits an integer needs in a float's significand
-    return next((f for width, bits, f in _FLOATS if width >= max(floats) and bits >= magnitude), None)
-
-
-def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
-    """``schema`` (the first file's, or the columns every file has) with each column every file
-    has as the type :func:`wider` makes of all the files' types where they differ; columns
-    whose types cannot be combined are left as they are (:func:`check_consistent` refuses them)."""
-    if all(f.schema.equals(schema) for f in files):  # no drift: the usual case, and a fast one
-        return schema
-    names = [collections.Counter(f.schema.names) for f in files]
-    fields = []
-    for field in schema:
-        t = None
-        if all(n.get(field.name) == 1 for n in names):  # missing, or twice: refused later
-            got = [f.schema.field(field.name).type for f in files]
-            t = _logical(field.type) if all(_same_ids(g, field.type) for g in got) else wider(field.type, *got)
-        fields.append(field if t is None or t == _logical(field.type) else field.with_type(t))
-    return pa.schema(fields)
-
-
-def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], schema: pa.Schema) -> None:
-    """Every file has every selected column, with the (dictionary-decoded) type of ``schema``
-    (from :func:`widened`), or one it widens exactly."""
-    first = files[0]
-    for f in files:
-        for s in specs:
-            for c in s.columns:
-                want = _logical(schema.field(c).type)
-                if c not in f.schema.names:
-                    raise SchemaError(f"column {c!r} is in {first.path} but not in {f.path}; "
-                                      "select columns every file has, or fix the files")
-                got = _logical(f.schema.field(c).type)
-                if got != want and not _same_ids(got, want) and wider(got, want) != want:
-                    seen: dict = {}  # each type the column has, with the first file that has it
-                    for g in files:
-                        seen.setdefault(str(_logical(g.schema.field(c).type)), g.path)
-                    kinds = ", ".join(f"{t} in {p}" for t, p in list(seen.items())[:4])
-                    raise SchemaError(f"column {c!r} is {kinds}{' and more' if len(seen) > 4 else ''}, and no type "
-                                      f"holds all of them exactly (integers and floats of any width combine, and "
-                                      f"lists of them; not int64 with floats, uint64 with signed integers, or "
-                                      f"numbers with other types); rewrite the files with one type for it")
 
 
 def files_text(where: list[str], shown: int = 3) -> str:

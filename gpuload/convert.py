@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from .batch import Ragged, concat
 from .vocabulary import encode_ids
-from .errors import ConfigError, NullValuesError, flag, setting
+from .errors import ConfigError, NullValuesError, SourceError, flag, setting
 from .layout import Pieces, stack
 from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, numpy_dtype
 
@@ -62,9 +62,11 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
         arr = arr.dictionary_decode()
     widened = (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)) and not vt.temporal \
         and numpy_dtype(arr.type) != np.dtype(vt.dtype)  # a file of a narrower type
-    if widened:  # (gpuload.checks.widened): exact, and before the fill, which the wide type holds
+    if widened:  # (gpuload.drift.widened): exact, and before the fill, which the wide type holds
         widened = pa.types.is_floating(arr.type)  # whose NaNs become the positive quiet NaN, as cast_values makes
         arr = arr.cast(pa.from_numpy_dtype(np.dtype(vt.dtype)))
+    if ":" in vt.temporal:  # files in several units: this one's values in the finest (gpuload.drift.unit_drift)
+        arr = _in_unit(arr, vt.temporal.split(":")[1], column, where)
     if vt.temporal:  # reinterpret the stored integers, widened to int64
         arr = arr.view(pa.int32() if arr.type.bit_width == 32 else pa.int64()).cast(pa.int64())
         if vt.temporal == "date64":  # whole days, rounded down (a time before midnight is the day before)
@@ -82,6 +84,22 @@ def _scalar_values(arr: pa.Array, vt: ValueType, fill, column: str, where: str) 
     return _quiet_nans(out) if widened else out
 
 
+def _in_unit(arr: pa.Array, unit: str, column: str, where: str) -> pa.Array:
+    """A timestamp, duration or time array in ``unit`` (a finer one: exact), or a SourceError where a value
+    is beyond what int64 holds in it (a nanosecond timestamp past 2262)."""
+    t = arr.type
+    if getattr(t, "unit", unit) == unit:  # (or nulls, typed as int64: a file whose column is Arrow's null type)
+        return arr
+    to = pa.timestamp(unit, t.tz) if pa.types.is_timestamp(t) else pa.duration(unit) if pa.types.is_duration(t) \
+        else pa.time32(unit) if unit in ("s", "ms") else pa.time64(unit)
+    try:
+        return arr.cast(to)  # checked: an overflow raises
+    except pa.ArrowInvalid as e:
+        raise SourceError(f"column {column!r} is {t} in {where}, and other files have it in {unit}: a value there "
+                          f"is beyond what int64 holds in {unit} ({' '.join(str(e).split())[:160]}); rewrite the "
+                          f"files in one unit, or leave the column out of {flag('columns')}") from None
+
+
 def _decimal(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.ndarray:
     """A decimal array as float64 ``float(unscaled) / 10**scale`` (the unscaled integer rounded
     to the nearest float64, then divided, correctly rounded: at most two roundings), or with
@@ -89,7 +107,10 @@ def _decimal(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.
     if pa.types.is_dictionary(arr.type):
         arr = arr.dictionary_decode()
     t = arr.type
-    if t.bit_width != 128:  # decimal32/64 widen exactly; a decimal256 of at most 38 digits narrows exactly
+    scale = int(vt.temporal.split(":")[1])
+    if t.scale != scale:  # files of several scales: this one's values in the largest (gpuload.drift.wider), exactly
+        arr = arr.cast(pa.decimal128(min(t.precision - t.scale + scale, 38), scale))
+    elif t.bit_width != 128:  # decimal32/64 widen exactly; a decimal256 of at most 38 digits narrows exactly
         arr = arr.cast(pa.decimal128(min(t.precision, 38), t.scale))
     n = len(arr)
     words = np.frombuffer(arr.buffers()[1], "<i8")[2 * arr.offset:2 * (arr.offset + n)].reshape(n, 2)
@@ -99,7 +120,6 @@ def _decimal(arr: pa.Array, vt: ValueType, fill, column: str, where: str) -> np.
         raise null_error(column, arr.null_count, where)
     small = hi == (lo >> 63)  # the unscaled value fits int64 (hi only extends lo's sign)
     wide = np.flatnonzero(~small if valid is None else ~small & valid)
-    scale = int(vt.temporal.split(":")[1])
     if vt.temporal.startswith("unscaled:"):
         if wide.size:
             v = arr[int(wide[0])].as_py()
@@ -295,7 +315,7 @@ def _fixed(arr: pa.Array, spec: OutputSpec, where: str) -> np.ndarray:
 
 def _typed_nulls(spec: OutputSpec, vt: ValueType) -> pa.DataType:
     """The Arrow type a column of ``spec`` whose values ``vt`` describes is read as where a file
-    holds only nulls in it, typed ``null`` (:func:`gpuload.checks.wider` lets that type combine
+    holds only nulls in it, typed ``null`` (:func:`gpuload.drift.wider` lets that type combine
     with the others'): its nulls, so typed, take the path of every other null."""
     if vt.encode:
         inner = pa.string()

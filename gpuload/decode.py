@@ -345,6 +345,8 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
                 raise Unsupported(f"column {c!r} takes its ids from a vocabulary, looked up on the CPU")
             if vt.temporal.startswith(("decimal:", "unscaled:")):
                 raise Unsupported(f"column {c!r} is a decimal, converted on the CPU")
+            if vt.temporal.startswith(("int:", "int96:")):
+                raise Unsupported(f"column {c!r} is in several units across the files, converted on the CPU")
     for c in needed_columns(specs):
         if "." in c:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")

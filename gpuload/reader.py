@@ -24,7 +24,8 @@ from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.space import warn_short_room
 from .cache.chunkfile import spec_hash
-from .checks import check_casts, check_consistent, check_nulls, check_partition_keys, files_text, widened
+from .checks import check_casts, check_nulls, check_partition_keys, files_text
+from .drift import check_consistent, check_units, unit_drift, widened
 from .config import Options, Source
 from .errors import SourceError, flag
 from .convert import needed_columns
@@ -175,8 +176,10 @@ class ChunkReader:
                             "only what every file has, or fix the files", ", ".join(left_out))
         schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
-                                int96=frozenset().union(*(f.int96 for f in self.files)), categorical=src.categorical)
+                                int96=frozenset().union(*(f.int96 for f in self.files)),
+                                units=unit_drift(self.files, schema), categorical=src.categorical)
         check_consistent(self.files, specs, schema)
+        check_units(self.files, specs)
         #: every Vocab column's vocabulary, and each one given whole (:func:`gpuload.counting.counted`)
         specs, self.vocabularies = counted(specs, self.files, self.cache.root, self.opts.num_threads,
                                            self.remote_reads.fetch, src.filters, self.filter_columns)

@@ -12,16 +12,17 @@ Arrow type                      output
 ==============================  ==========================================================
 bool                            ``torch.bool``
 int8..int64, uint8..uint64      the same integer dtype (files that drift: the type that
-                                holds them all, :func:`gpuload.checks.wider`)
+                                holds them all, :func:`gpuload.drift.wider`)
 float16, float32, float64       the same float dtype
 date32, date64                  int64, days since 1970-01-01
 timestamp[unit, tz]             int64, ``unit`` since 1970-01-01 UTC (tz dropped)
 INT96 timestamps (Spark, Hive)  int64, microseconds since 1970-01-01 UTC
-duration[unit], time32/64[unit] int64 in ``unit``
+duration[unit], time32/64[unit] int64 in ``unit`` (files in several units: the finest)
 dictionary<numeric>             decoded to the value type
 decimal(p, s), p <= 38          float64: ``float(unscaled) / 10**s`` (two roundings; see
                                 :mod:`gpuload.convert`); with an integer ``dtypes=``: the
-                                exact unscaled integer (12.34 as decimal(10, 2) is 1234)
+                                exact unscaled integer (12.34 as decimal(10, 2) is 1234;
+                                files of several scales: at the largest)
 fixed_size_list<numeric, k>     2-D tensor ``[rows, k]``
 list / large_list<numeric>      :class:`gpuload.Ragged` (values, int64 offsets)
 string, binary (large, fixed,   int64 ids from ``categorical=`` (:class:`gpuload.Hash`;
@@ -49,8 +50,8 @@ from .categorical import Hash, Vocab, hashable
 from .vocabulary import Vocabulary, register
 from .errors import ConfigError, SchemaError, entry, flag, setting
 
-__all__ = ["OutputSpec", "ValueType", "numpy_dtype", "value_type", "list_value", "resolve_outputs", "storage_dtype", "parse_dtype",
-           "BFLOAT16"]
+__all__ = ["OutputSpec", "ValueType", "numpy_dtype", "value_type", "list_value", "resolve_outputs", "storage_dtype",
+           "parse_dtype", "BFLOAT16"]
 
 log = logging.getLogger("gpuload")
 
@@ -102,6 +103,7 @@ class ValueType:
     dtype: str  # numpy dtype string of the converted values, e.g. "<i8"
     temporal: str = ""  # "" (plain), "date64" (ms -> days), "int" (other temporals: raw integer) or
     # "int96" (an INT96 timestamp, read in microseconds: its own name, so caches of nanoseconds are not used),
+    # either with ":<unit>" where files differ in unit (converted to it first: gpuload.drift.unit_drift),
     # "decimal:<scale>" (a decimal as float64) or "unscaled:<scale>" (a decimal's exact unscaled int64)
     encode: str = ""  # a categorical encoder's key (gpuload.Hash.key): strings or bytes -> int64 ids, null 0
 
@@ -308,13 +310,13 @@ def _encoders(categorical, used: set) -> dict | Hash | Vocab | None:
 
 
 def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=None,
-                    *, file: str = "", int96=frozenset(), categorical=None) -> list[OutputSpec]:
+                    *, file: str = "", int96=frozenset(), units=None, categorical=None) -> list[OutputSpec]:
     """Resolve the user's column selection against ``schema`` (of ``file``).
 
     Parameters
     ----------
     schema : Arrow schema of the first source file, or of the columns every file has, with
-        drifting types widened (:func:`gpuload.checks.widened`).
+        drifting types widened (:func:`gpuload.drift.widened`).
     columns : None (every supported column), a list of names, or a dict
         ``{output: column}`` / ``{output: [columns]}`` (a list stacks into ``[rows, k]``).
     fill_nulls : None (nulls are an error), a scalar for every column (but those it does not fit:
@@ -323,6 +325,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         numpy result type of its members.
     file : the file the schema came from, named in errors.
     int96 : columns some file stores as INT96 timestamps (read in microseconds).
+    units : ``{column: unit}`` of timestamp, duration and time columns whose files differ in unit
+        (:func:`gpuload.drift.unit_drift`): their values are converted to that unit, which their
+        value type (so the cache key) names.
     categorical : how string and binary columns (and lists of them) become int64 ids: a
         :class:`gpuload.Hash` for all of them, or ``{column: Hash}``; a string column not
         named gets ``Hash()`` (the full 64-bit hash). Nulls there get id 0, so such a
@@ -331,6 +336,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     if isinstance(columns, (list, tuple, dict)) and not columns:
         raise ConfigError(f"{flag('columns')} is empty; name the columns to load, or leave it out for every "
                           "column of a supported type")
+    units = units or {}
     requested = _normalise_request(columns, schema)
     if not requested:
         raise SchemaError(f"no column of a supported type to load in {file}")
@@ -371,6 +377,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             k, vt, w = _classify(c, schema.field(c).type, enc)
             if c in int96 and vt.temporal:
                 vt = ValueType(vt.dtype, "int96")
+            if c in units and vt.temporal in ("int", "int96"):  # files in several units: each converted to this one
+                vt = ValueType(vt.dtype, f"{vt.temporal}:{units[c]}")
             kinds.append(k), vts.append(vt), widths.append(w)
         if is_group:
             if any(k != SCALAR for k in kinds):
