@@ -77,7 +77,7 @@ class ChunkReader:
     """
 
     def __init__(self, source: Source, opts: Options, device: Device, metrics=None, decoder: Callable | None = None,
-                 scan_nulls: bool = True):
+                 scan_nulls: bool = True, record: bool = True):
         self.source, self.opts, self.device, self.metrics = source, opts, device, metrics
         self.remote = source.remote
         self.remote_reads = ReadAhead(source.remote, metrics)  #: remote chunks' fetches (a local source makes none)
@@ -145,13 +145,14 @@ class ChunkReader:
         scan = scan_nulls and flt is None  # else (a cluster worker: its caller checked these files; a filter:
         if scan:  # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()
-        if self.caching:  # once the data is known to load: a refused open leaves no record
+        self._records = self.caching and record  # this reader's use is told to the cache (open_reader)
+        if self._records:  # once the data is known to load: a refused open leaves no record
             self.cache.register(self.groups)
         if scan:
             # a chunk the scan skipped as cached and that was evicted meanwhile is built again, from the very
             # row groups its key names (so they load): it counts as not cached at open
             self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}
-        if self.caching:  # the column set's record; a warning where the cache has room for part of it only
+        if self._records:  # the column set's record; a warning where the cache has room for part of it only
             self.cache.touch_spec(self.spec_hash, self.spec_desc)
             warn_short_room(self.cache, self.groups, files, opts.max_cache_bytes, opts.cache_where)
         self.counters = LoadCounters()
@@ -392,7 +393,7 @@ class ChunkReader:
         """Fetch again after :meth:`interrupt` or :meth:`close`, and date this dataset's use
         in the cache (an epoch begins)."""
         self.remote_reads.resume()
-        if self.caching:
+        if self._records:
             self.cache.register(self.groups)
 
     def close(self) -> None:
@@ -402,9 +403,12 @@ class ChunkReader:
         if self.caching:
             self.cache.release()
 
-def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True) -> ChunkReader:
+def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True,
+                record: bool = True) -> ChunkReader:
     """Open ``source`` under ``options``: the device chosen and opened
     (:func:`gpuload.device.open_device`), then the files listed, checked and planned into
     chunks (:class:`ChunkReader`). ``scan_nulls=False``: the null checks that read column
-    data are left out (a cluster worker: its caller checked these very files)."""
-    return ChunkReader(source, options, open_device(options, metrics), metrics, scan_nulls=scan_nulls)
+    data are left out (a cluster worker: its caller checked these very files). ``record=False``:
+    the cache is not told of this reader (no use of its column set dated, no reader's record:
+    ``gpuload cache info SOURCE``, which loads nothing)."""
+    return ChunkReader(source, options, open_device(options, metrics), metrics, scan_nulls=scan_nulls, record=record)

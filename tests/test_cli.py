@@ -6,6 +6,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -346,6 +347,27 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     assert sum(int(s[2].replace(",", "")) for s in shares) == 20_000
     r = run("cache", "info", str(data), "--cache-dir", cache)
     assert r.returncode == 2 and "give --nodes N" in r.stderr
+
+
+def test_info_of_a_source_leaves_the_cache_as_it_was(data, tmp_path, capsys):
+    """A new user's trial: `cache info SOURCE --nodes 2` recorded a use of the column set and a reader,
+    so the next `cache info` listed a dataset and a column set "last used" now that no training used."""
+    from gpuload.cache.paths import LAYOUT_DIR
+
+    cache = tmp_path / "c"
+    assert main(["cache", "build", str(data), "--cache-dir", str(cache), "--chunk-mib", "1"]) == 0
+    records = {p: p.stat().st_mtime_ns for p in (cache / LAYOUT_DIR).rglob("*") if "specs" in p.parts
+               or "uses" in p.parts}
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
+    before = capsys.readouterr().out
+    time.sleep(0.01)
+    assert main(["cache", "info", str(data), "--cache-dir", str(cache), "--chunk-mib", "1", "--nodes", "2"]) == 0
+    assert "node 1:" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in (cache / LAYOUT_DIR).rglob("*") if "specs" in p.parts
+            or "uses" in p.parts} == records
+    assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
+    assert capsys.readouterr().out == before
 
 
 def test_every_column_with_nulls_is_named_in_one_line_with_the_flag_that_fixes_them(tmp_path, cli):

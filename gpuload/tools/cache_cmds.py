@@ -167,7 +167,7 @@ def _node_shares(args, opts) -> list[str]:
     from ..plan import node_chunks
     from ..reader import open_reader
 
-    reader = open_reader(source_of(args), opts)
+    reader = open_reader(source_of(args), opts, record=False)  # info changes no use or last-use date
     try:
         owned = node_chunks([c.rows for c in reader.chunks], args.nodes, fingerprint=reader.fingerprint,
                             seed=opts.seed)
