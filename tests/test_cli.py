@@ -349,6 +349,17 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     assert r.returncode == 2 and "give --nodes N" in r.stderr
 
 
+def test_warnings_of_the_command_name_its_flags(data, tmp_path, caplog):
+    """A new user's trial: `cache build --max-gib 0` warned of max_cache_bytes=0 and cache_io='off'."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        assert main(["cache", "build", str(data), "--cache-dir", str(tmp_path / "c"), "--max-gib", "0"]) == 0
+    (warned,) = [r.getMessage() for r in caplog.records if "leaves no room" in r.getMessage()]
+    assert warned.startswith("gpuload: --max-gib 0 leaves no room") and "--cache-io off does that" in warned
+    assert "max_cache_bytes" not in warned and "cache_io=" not in warned
+
+
 def test_info_of_a_source_leaves_the_cache_as_it_was(data, tmp_path, capsys):
     """A new user's trial: `cache info SOURCE --nodes 2` recorded a use of the column set and a reader,
     so the next `cache info` listed a dataset and a column set "last used" now that no training used."""

@@ -39,6 +39,7 @@ from .admin import chunk_files
 from .chunkfile import LAYOUT_DIR
 from .evict import make_room, usage
 from .fs import CacheRoot, Lock
+from ..errors import flag, setting
 from ..memory import size_text
 
 log = logging.getLogger("gpuload")
@@ -267,16 +268,17 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
     if room >= need or need == 0:
         return
     if max_cache_bytes == 0:  # asked for: say how to ask for it plainly
-        log.warning("gpuload: max_cache_bytes=0 leaves no room for this dataset's chunks: every epoch decodes "
-                    "them from Parquet; cache_io='off' does that without a budget (nothing locked or registered)")
+        log.warning("gpuload: %s leaves no room for this dataset's chunks: every epoch decodes them from Parquet; "
+                    "%s does that without a budget (nothing locked or registered)", setting("max_cache_bytes", 0),
+                    setting("cache_io", "off"))  # as the user speaks: --max-gib 0 in the command
         return
     per = need / len(files)
     fit = min(max(0, int(room // per)), len(files) - 1)
-    limit = ("max_cache_bytes" if max_cache_bytes is not None else
+    limit = (flag("max_cache_bytes").rstrip("=") if max_cache_bytes is not None else
              "the cache folder's quota (`gpuload cache quota`)" if cache.max_bytes is not None else
              "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
     log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
                 "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
-                "whole with %s more space, or use fewer columns (cache_io='off' for a job of one epoch)",
+                "whole with %s more space, or use fewer columns (%s for a job of one epoch)",
                 where, fit, len(files), size_text(max(room, 0)), size_text(need), limit,
-                size_text(others), len(files) - fit, size_text(need - room))  # room < 0: below the reserve
+                size_text(others), len(files) - fit, size_text(need - room), setting("cache_io", "off"))  # room < 0: below the reserve
