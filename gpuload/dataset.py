@@ -327,6 +327,17 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         return self._cursor.batches_next()
 
     @property
+    def preload_next(self) -> bool:
+        """Whether an epoch's end loads the next epoch's first window ahead (default True; see
+        ``prefetch``). Set it False before a run's last epoch: its end then reads nothing for an
+        epoch that will not come (``gpuload profile`` does)."""
+        return self._epochs.preload_next
+
+    @preload_next.setter
+    def preload_next(self, value: bool) -> None:
+        self._epochs.preload_next = bool(value)
+
+    @property
     def shard(self) -> str:
         """``"global"`` or ``"node"`` (see the class docstring)."""
         return self.options.shard

@@ -36,6 +36,7 @@ class Epochs:
         self.reader, self.plan, self.cursor, self.metrics = reader, plan, cursor, metrics
         self.options = reader.opts
         self.ahead = preload.Ahead()  # the next epoch's first chunks, loaded while this one ends
+        self.preload_next = True  # whether an epoch's end loads them (ParquetDataset.preload_next)
 
     def iterate(self, views: dict, batch_transform: Callable | None, torch_device) -> Iterator[dict]:
         """One iteration: the rest of the cursor's epoch on this rank, batch by batch.
@@ -77,7 +78,7 @@ class Epochs:
         device = r.device
 
         def loaded() -> None:  # this epoch's last window is in: the next epoch's first chunks load meanwhile
-            if not stop.is_set():
+            if not stop.is_set() and self.preload_next:
                 self.ahead.start(self.cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
 
         def draw(i: int, n: int):  # window i's rows as positions in it, the same order on every device

@@ -186,6 +186,20 @@ def test_prefetch_0_loads_nothing_ahead_and_another_consumer_stream_drops_the_pr
     ds.close()
 
 
+def test_a_last_epoch_marked_so_loads_nothing_for_the_next(source, tmp_path):
+    """``preload_next = False`` before a run's last epoch: every chunk loaded once, none ahead; the next
+    iteration still gets its epoch, whole (the preload is a guess, never the order)."""
+    ds = _open(source, tmp_path / "c")
+    ds.preload_next = False
+    loaded = record_loads(ds)
+    first = row_ids(ds)
+    assert ds._epochs.ahead.pending is None and sorted(loaded) == list(range(len(ds.reader.chunks)))
+    ds.preload_next = True
+    assert sorted(row_ids(ds)) == sorted(first)
+    _settled(ds)  # loaded ahead again
+    ds.close()
+
+
 def test_an_iteration_left_early_keeps_no_preload(source, tmp_path, monkeypatch):
     import gpuload.preload
 

@@ -46,6 +46,7 @@ class EpochReport:
     cached_chunks: int
     headspace: Stats | None = None  # the same epoch with no step (profile(headspace=True)), else None
     ranks: object = None  # every rank's figures (profile(all_ranks=True) under torch.distributed), else None
+    read_ahead: bool = False  # its end loaded the next epoch's first chunks (gpuload.preload), counted with it
 
     def __str__(self) -> str:
         s = self.stats
@@ -54,8 +55,7 @@ class EpochReport:
         few = (f"\n  only {s.batches} batch{'es' * (s.batches != 1)} in this epoch: the figures are mostly its "
                "start; a smaller batch size (--batch-size) or more rows measures the steady state"
                if s.batches < FEW_BATCHES else "")
-        # an epoch that ends loads the next one's first chunks (gpuload.preload), counted with it
-        ahead = ", the next epoch's first among them, read ahead" if (s.loader_settings or {}).get("prefetch") else ""
+        ahead = ", the next epoch's first among them, read ahead" if self.read_ahead else ""
         return (f"epoch {self.epoch} ({kind}: {chunks_text(self.decoded_chunks)} decoded, {self.cached_chunks} read "
                 f"from the cache{ahead if self.cached_chunks else ''}): {s.rows:,} rows in {s.wall_s:.2f} s, "
                 f"{s.rows_per_s:,.0f} rows/s, "
@@ -193,6 +193,7 @@ def headspace(source, columns=None, *, epochs: int = 2, warm: bool = False, **da
         out = []
         for epoch in range(epochs):
             ds.set_epoch(epoch)
+            ds.preload_next = epoch < epochs - 1  # the last epoch reads nothing for one that will not come
             ds.reset_stats()
             for _ in ds:
                 pass
@@ -238,6 +239,7 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
         out = None if trace is None else stack.enter_context(TraceFile(trace, {"producer": "gpuload profile"}))
         for epoch in range(epochs):
             ds.set_epoch(epoch)
+            ds.preload_next = epoch < epochs - 1  # the last epoch reads nothing for one that will not come
             ds.reset_stats()
             before = (ds.reader.counters.decoded, ds.reader.counters.from_cache)
             with UtilSampler(ds.metrics):
@@ -251,7 +253,8 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
             reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
                                        ds.reader.counters.decoded - before[0],
                                        ds.reader.counters.from_cache - before[1], alone[epoch],
-                                       ds.stats(all_ranks=True) if all_ranks else None))
+                                       ds.stats(all_ranks=True) if all_ranks else None,
+                                       ds.preload_next and ds.options.prefetch > 0 and ds.reader.caching))
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))

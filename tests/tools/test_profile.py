@@ -132,12 +132,16 @@ def test_profile_reports_each_epoch_and_writes_one_trace(data, tmp_path):
     reports = profile(data, epochs=2, step_ms=1.0, trace=trace, batch_size=2_000, chunk_bytes=80_000,
                       device="cpu", cache_dir=tmp_path / "cache")
     assert [r.decoded_chunks > 0 for r in reports] == [True, False]
-    assert reports[1].cached_chunks == len(gpuload.ParquetDataset(data, chunk_bytes=80_000, device="cpu",
-                                                                  cache_dir=tmp_path / "cache").reader.chunks)
+    chunks = len(gpuload.ParquetDataset(data, chunk_bytes=80_000, device="cpu", cache_dir=tmp_path / "cache").reader.chunks)
+    assert reports[0].cached_chunks + reports[1].cached_chunks == chunks  # each read once: epoch 1's first, ahead
     assert "decodes and caches" in str(reports[0]) and "reads the cache" in str(reports[1])
     # the first epoch reads the second's first chunks ahead, from the cache it wrote: said so (a user's
     # trial read "1 chunks decoded, 1 read from the cache" of a one-chunk dataset as a contradiction)
     assert reports[0].cached_chunks > 0 and "the next epoch's first among them, read ahead" in str(reports[0])
+    assert "read ahead" not in str(reports[1])  # the last epoch loads nothing for one that will not come
+    (one,) = profile(data, epochs=1, step_ms=1.0, batch_size=2_000, chunk_bytes=80_000, device="cpu",
+                     cache_dir=tmp_path / "cache1")
+    assert one.decoded_chunks > 0 and one.cached_chunks == 0 and "read ahead" not in str(one)  # a new user's trial
     doc = json.loads(trace.read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in spans}
