@@ -106,10 +106,14 @@ class Mix(torch.utils.data.IterableDataset):
 
     # -- checks ---------------------------------------------------------------------------
     def _check_weights(self, weights) -> list[float] | None:
-        if self.mode == "composition":
-            if weights is not None or self.per_step != 1:
-                raise ConfigError("mode='composition' takes one batch of every source per step: give no weights= "
-                                  "and no batches_per_step= (set each source's batch_size to its rows per step)")
+        if self.mode == "composition":  # each step one batch of every source: nothing to weigh or count
+            if weights is not None:
+                raise ConfigError("mode='composition' joins one batch of every source per step, so weights= has "
+                                  "no use there: leave mode= out (weights= mix by proportion) or weights= out")
+            if self.per_step != 1:
+                raise ConfigError(f"batches_per_step={self.per_step} counts the source batches drawn by weight per "
+                                  "step: give weights= too; without them each step joins one batch of every source "
+                                  "(mode='composition': set each source's batch_size to its rows per step)")
             return None
         if not isinstance(weights, Mapping) or set(map(str, weights)) != set(self.names):
             raise ConfigError(f"weights= must give a weight to each source and no other: sources {self.names}, "

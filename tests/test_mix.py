@@ -122,8 +122,11 @@ def test_composition_gives_each_step_one_batch_of_every_source(paths, tmp_path):
     assert len(steps) == min(-(-SIZES["a"] // 30), -(-SIZES["b"] // 20)) == len(m)
     for s in steps:
         assert s["src"].tolist() == [0] * 30 + [1] * 20
-    with pytest.raises(gpuload.ConfigError, match="composition"):
+    with pytest.raises(gpuload.ConfigError, match="mode='composition' .* weights= has no use there"):
         _mix(paths, tmp_path / "c", W, mode="composition")
+    with pytest.raises(gpuload.ConfigError, match=r"batches_per_step=4 counts the source batches drawn by weight per "
+                                                  r"step: give weights= too"):  # not the mode= it did not give
+        _mix(paths, tmp_path / "c", names=("a", "b"), sizes={"a": 30, "b": 20}, batches_per_step=4)
 
 
 def test_order_is_a_pure_function_of_seed_and_epoch(paths, tmp_path):
