@@ -121,10 +121,12 @@ def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, thr
     if vocab.max_size is not None and len(counts) > vocab.max_size:
         fits = int(counts[vocab.max_size]) + 1  # leaves out every value as rare as the first that does not fit
         kept = int((counts >= fits).sum())
+        rarer = (f", or min_count to {fits} (a vocabulary of {kept:,} value{'' if kept == 1 else 's'})" if kept else
+                 f" (no min_count keeps at most {vocab.max_size:,}: the {vocab.max_size + 1:,} most frequent values "
+                 f"are each seen {fits - 1:,} times)")
         raise ConfigError(f"{setting('categorical', {column: vocab})}: column {column!r} has {len(counts):,} values "
                           f"seen at least {vocab.min_count} times, more than max_size={vocab.max_size:,}; raise "
-                          f"max_size, or min_count to {fits} (a vocabulary of {kept:,} value{'' if kept == 1 else 's'}), "
-                          f"or use gpuload.Hash(buckets=...)")
+                          f"max_size to {len(counts):,}{rarer}, or use gpuload.Hash(buckets=...)")
     if not len(counts) and vocab.min_count > 1:  # every value would be id 0: a min_count past every count
         log.warning("gpuload: %s: no value of column %r is seen %d times or more: every row's id is 0 (the "
                     "out-of-vocabulary id); lower min_count", setting("categorical", {column: vocab}), column,

@@ -154,6 +154,12 @@ def test_a_vocabulary_past_max_size_is_refused_naming_the_min_count_that_fits(wo
     assert len(ds.vocabulary("w")) == 0 and set(np.concatenate([b["w"].numpy() for b in ds]).tolist()) == {0}
     assert any("no value of column 'w' is seen 1000000000 times or more: every row's id is 0" in r.getMessage()
                for r in caplog.records)
+    even = tmp_path / "even"  # 50 values seen twice each: no min_count keeps 10 of them (one once said 3: none)
+    write_parquet(even / "a.parquet", {"w": [f"v{i % 50}" for i in range(100)]})
+    with pytest.raises(gpuload.ConfigError) as e:
+        open_dataset(even, ["w"], tmp_path / "c", categorical={"w": Vocab(max_size=10)})
+    assert "raise max_size to 50 (no min_count keeps at most 10: the 11 most frequent values are each seen 2 " \
+        "times), or use gpuload.Hash" in str(e.value) and "min_count to" not in str(e.value)
     for bad in (dict(min_count=0), dict(max_size=0), dict(min_count=1.5)):
         with pytest.raises(gpuload.ConfigError, match=r"Vocab\((min_count|max_size)="):
             Vocab(**bad)
