@@ -1,5 +1,5 @@
-"""Cache maintenance: what ``gpuload cache info``, ``verify`` and ``clear`` do, and the
-record of each column set's last use (:func:`record_spec`) that ``clear`` goes by.
+"""Cache maintenance: what ``gpuload cache info``, ``verify`` and ``clear`` do (the record of each
+column set's last use that ``clear`` goes by: :mod:`gpuload.cache.specs`).
 
 Every function takes the :class:`gpuload.cache.fs.CacheRoot` of a cache directory and
 works through it, so it never leaves the root nor follows a link. Entries that
@@ -11,25 +11,24 @@ names gpuload writes, and leaves a lock file alone while a builder holds it.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import stat
-import time
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import xxhash
 
-from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, USES_DIR, Identity, pwrite_all, read_header, read_regions, \
-    spec_hash, version_token
+from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, USES_DIR, Identity, read_header, read_regions, \
+    version_token
 from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, USES, VOCAB, CacheRoot, Lock, kind_of
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from .kept import KEPT_SUFFIX, check_kept_file
+from .specs import read_desc, spec_problem
 from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
 from ..layout import stored_outputs
 
-__all__ = ["Problem", "walk", "chunk_files", "temporaries", "record_spec", "specs", "summary", "verify_all", "delete", "clear",
+__all__ = ["Problem", "walk", "chunk_files", "temporaries", "specs", "summary", "verify_all", "delete", "clear",
            "drop_free_lock"]
 
 _LAYOUT, _SPECS, _VOCABS = LAYOUT_DIR, SPECS_DIR, VOCAB_DIR
@@ -102,65 +101,6 @@ def temporaries(root: CacheRoot) -> Iterator[Path]:
             yield root.where(parts, name)
 
 
-def _valid_desc(desc) -> list | None:
-    """``desc`` if it is a spec description (list of outputs with name, columns, kind, dtype, width), else None."""
-    if not isinstance(desc, list):
-        return None
-    try:
-        stored_outputs(desc)
-        if all(isinstance(d["columns"], list) and all(isinstance(c, str) for c in d["columns"]) for d in desc):
-            return desc
-    except MALFORMED:
-        pass
-    return None
-
-
-_MAX_SPEC = 64 << 20  # bytes of a description read at most (as a chunk header's): 5,000 columns take 1.3 MiB
-
-
-def _read_desc(root: CacheRoot, name: str) -> list | None:
-    """The column-set description in ``specs/<name>``, or None where it is not one (or is larger
-    than any gpuload writes). Raises the ``OSError`` of opening or reading it."""
-    fd = root.open_read((_LAYOUT, _SPECS), name)
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(_MAX_SPEC + 1)
-    try:
-        return _valid_desc(json.loads(raw)) if len(raw) <= _MAX_SPEC else None
-    except (ValueError, RecursionError):
-        return None
-
-
-def spec_problem(root: CacheRoot, name: str) -> str | None:
-    """What is wrong with the column-set description ``specs/<name>``, or None: it must be a
-    description whose hash is its name's (``cache info`` names and describes caches by it)."""
-    desc = _read_desc(root, name)
-    if desc is None:
-        return "not a column-set description (the next dataset that opens this column set writes it again)"
-    if spec_hash(desc) != name[:-5]:
-        return f"describes column set {spec_hash(desc)}, not {name[:-5]}"
-    return None
-
-
-def record_spec(root: CacheRoot, key_spec: str, desc: list) -> None:
-    """Record that column set ``desc`` (hash ``key_spec``) is in use now: write its
-    ``specs/<key_spec>.json`` if missing or not its description (after deleting temporaries
-    of it left over a minute ago by a killed writer), else set that file's mtime to now
-    (never that of a file another name shares). Raises the ``OSError`` met (a read-only cache)."""
-    name = f"{key_spec}.json"
-    st = root.lstat((_LAYOUT, _SPECS), name)
-    if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and spec_problem(root, name) is not None:
-        st = None  # damaged (cut short, overwritten): written again, atomically, over it
-    if st is None:
-        for tmp, tst in root.scan((_LAYOUT, _SPECS)):  # left by a writer killed a while ago
-            if tmp.startswith(name + ".tmp.") and time.time() - tst.st_mtime > 60:
-                root.unlink((_LAYOUT, _SPECS), tmp, TEMP)
-        text = json.dumps(desc, indent=1).encode()
-        root.write((_LAYOUT, _SPECS), name, lambda fd: pwrite_all(fd, text, 0))
-    elif stat.S_ISREG(st.st_mode) and st.st_nlink == 1:  # never a file another name shares
-        with root.folder((_LAYOUT, _SPECS)) as d:
-            os.utime(name, dir_fd=d, follow_symlinks=False)
-
-
 def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
     """Per spec hash of the current format: ``desc`` (or None), ``last_used`` (epoch seconds: when a
     dataset last opened it, from its ``specs/`` record, else its newest chunk file), chunks, bytes."""
@@ -169,7 +109,7 @@ def specs(root: CacheRoot, problems: list | None = None) -> dict[str, dict]:
         if SPEC.fullmatch(name) and stat.S_ISREG(st.st_mode):
             desc = None
             with contextlib.suppress(OSError):
-                desc = _read_desc(root, name)
+                desc = read_desc(root, name)
             out[name[:-5]] = {"desc": desc, "last_used": st.st_mtime, "chunks": 0, "bytes": 0}
     marked = set(out)
     for parts, name, st in chunk_files(root, problems=problems):

@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 from ..batch import Ragged, nbytes, nrows
 from . import admin
 from .admin import chunk_files
+from .specs import record_spec
 from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
@@ -365,9 +366,9 @@ class ChunkCache:
     # -- specs --------------------------------------------------------------------------
     def touch_spec(self, key_spec: str, desc: list) -> None:
         """Record that column set ``desc`` (hash ``key_spec``) is in use now (best effort:
-        :func:`gpuload.cache.admin.record_spec`)."""
+        :func:`gpuload.cache.specs.record_spec`)."""
         try:
-            admin.record_spec(self.root, key_spec, desc)
+            record_spec(self.root, key_spec, desc)
         except OSError as e:  # a read-only cache: nothing to record
             log.debug("gpuload: could not record the use of spec %s (%s)", key_spec, e)
 

@@ -79,7 +79,9 @@ def test_a_disk_below_its_reserve_is_told_how_much_more_space_caching_needs(sour
         open_dataset(sources["a"], ["x"], tmp_path / "c", batch_size=25_000)
     (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
     more = float(warned.split("Cache it whole with ")[1].split(" GiB more space")[0])
-    assert "about 0 of" in warned and 3.0 <= more < 3.1, warned
+    # 3 GiB and 1.5 MiB; other jobs writing or deleting on this disk meanwhile move it (it failed beside a
+    # parallel run): the point is the deficit's GiB, not the dataset's MiB alone
+    assert "about 0 of" in warned and 2.5 <= more < 3.5, warned
 
 
 def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_path, caplog):

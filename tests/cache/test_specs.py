@@ -1,8 +1,9 @@
-"""Column-set descriptions kept for ``gpuload cache info`` / ``verify`` (gpuload/cache/admin.py)."""
+"""Column-set descriptions kept for `gpuload cache info` / `verify` (gpuload/cache/specs.py)."""
 
 from __future__ import annotations
 
-from gpuload.cache.admin import record_spec, spec_problem, specs
+from gpuload.cache.admin import specs
+from gpuload.cache.specs import record_spec, spec_problem
 from gpuload.cache.chunkfile import spec_hash
 from gpuload.cache.fs import CacheRoot
 from gpuload.cache.paths import LAYOUT_DIR
