@@ -254,8 +254,16 @@ class Mix(torch.utils.data.IterableDataset):
                 left.append(d._cursor.left())  # the rest of its pass, shared among these ranks
                 first_pass.append(st["pass"] == 0)
         drawn = rest_bound(p, self.weights, left)
+        fixed = None
+        if self.steps_per_epoch is not None:  # the epoch's own rule: its steps' worth of batches (on the first
+            first = self._runs[0]  # run's ranks), less those taken, shared by these ranks (each the same steps)
+            fixed = max(0, first[0] * first[1] - sum(r[0] * r[2] for r in self._runs)) // world
+            drawn = max(drawn, fixed)
         lab = rest_labels(p, self.weights, drawn, self.key, self.seed, self._epoch, len(self._runs))
-        return [world, rest_steps(lab, p.per_step, left, first_pass, self.exhausted), 0, drawn]
+        steps = rest_steps(lab, p.per_step, left, first_pass, self.exhausted)
+        if fixed is not None:  # "repeat": sources repeat as needed; "end": never past a source's pass
+            steps = fixed if self.exhausted == "repeat" else min(fixed, steps)
+        return [world, steps, 0, drawn]
 
     def _begin(self) -> tuple[MixPlan, list, int]:
         """(the plan, this run's labels from the next step on) for the iteration starting now."""

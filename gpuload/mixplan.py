@@ -50,7 +50,10 @@ and ended by the epoch's own rule, applied to what is left: with ``"end"``, befo
 source needs more batches than its pass has left (so the source that runs out is read
 whole, exactly once, across the runs, to within ``batches_per_step - 1`` batches as above); with ``"repeat"``, once every source still in its
 first pass has finished it (each of those exactly once; sources past their first pass go
-on with further passes, each row at most once per pass).
+on with further passes, each row at most once per pass). With ``steps=N`` the epoch is ``N``
+steps on its first ranks: the rest is the steps of those not yet taken (on every rank of
+every run so far), shared by the new ranks, each taking the same number (with ``"end"``
+never past a source's pass).
 """
 
 from __future__ import annotations

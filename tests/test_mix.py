@@ -343,6 +343,30 @@ def test_a_resume_on_other_ranks_delivers_each_row_at_most_once_per_pass_with_eq
         assert whole
 
 
+@pytest.mark.parametrize("exhausted", ["end", "repeat"])
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_a_fixed_epoch_resumed_on_other_ranks_keeps_its_steps_worth(paths, tmp_path, new_world, exhausted):
+    """steps_per_epoch=6 on 2 ranks is 12 steps' worth of batches: 2 taken on each, the other 8 shared by
+    the new ranks (each the same steps). A reviewer's finding: the rest ran to a source's end (95 steps
+    for an epoch of 4) as if no steps were fixed."""
+    before = _ranked(paths, tmp_path / "c", 2, exhausted=exhausted, steps_per_epoch=6)
+    its = [iter(m) for m in before]
+    head = [_passes(m, it, 2) for m, it in zip(before, its)]
+    state = before[0].state_dict()
+    for it in its:
+        it.close()
+    after = _ranked(paths, tmp_path / "c", new_world, exhausted=exhausted, steps_per_epoch=6)
+    for m in after:
+        m.load_state_dict(state)
+    assert {m.steps_left for m in after} == {8 // new_world}
+    tails = [_passes(m, iter(m)) for m in after]
+    assert {len(t) for t in tails} == {8 // new_world}
+    seen: dict = {}
+    for n, ep, ids in (x for part in head + tails for x in part):  # no row twice in a pass, across the runs
+        seen.setdefault((n, ep), []).append(ids)
+    assert all(len(np.unique(np.concatenate(v))) == len(np.concatenate(v)) for v in seen.values())
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_random_mixes_resumed_anywhere_on_any_ranks(paths, tmp_path, data):
