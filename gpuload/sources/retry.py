@@ -23,6 +23,7 @@ from .settings import RemoteSettings
 __all__ = ["retry", "transient", "Truncated"]
 
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+_jitter = random.Random()  # backoff jitter of its own: a retry never moves the training script's `random`
 _PERMANENT_ERRNO = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EINVAL}
 _TRANSIENT_ERRNO = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
                     errno.ECONNREFUSED, errno.EPIPE, errno.EREMOTEIO, errno.ENETUNREACH, errno.EHOSTUNREACH}
@@ -63,7 +64,8 @@ def transient(e: BaseException) -> bool:
             return True
         status = _status(e)
         if status is not None:
-            return status in _TRANSIENT_STATUS or status >= 500
+            return status in _TRANSIENT_STATUS or (status >= 500 and status not in (501, 505))  # not implemented,
+            # HTTP version not supported: the server's answer whenever it is asked
         if type(e).__name__ in _TRANSIENT_CLASSES:
             return True
         if isinstance(e, OSError) and e.errno is not None:
@@ -140,7 +142,7 @@ def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_re
                                   + why) from None
             if on_retry is not None:
                 on_retry()
-            pause = random.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt))
+            pause = _jitter.uniform(0, min(settings.max_backoff_s, settings.backoff_s * 2 ** attempt))
             if stop is None:
                 time.sleep(pause)
             elif stop.wait(pause):  # closed while waiting to try again

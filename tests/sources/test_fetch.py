@@ -84,7 +84,8 @@ def _wrapped(cause: BaseException, kind=OSError) -> OSError:
 
 
 @pytest.mark.parametrize("err, expected", [(_Status(503), True), (_Status(429), True), (_Status(500), True),
-                                           (_Status(404), False), (_Status(403), False),
+                                           (_Status(404), False), (_Status(403), False), (_Status(507), True),
+                                           (_Status(501), False), (_Status(505), False),  # said whenever asked
                                            (OSError(5, "Input/output error"), False),
                                            (OSError("SlowDown: please reduce your request rate"), True),
                                            (PermissionError("denied"), False), (ValueError("bad"), False),
@@ -111,6 +112,14 @@ def test_backoff_grows_and_is_jittered(monkeypatch):
     assert len(sleeps) == 6
     caps = [min(1.0, 0.1 * 2 ** k) for k in range(6)]
     assert all(0 <= s <= c for s, c in zip(sleeps, caps)) and len(set(sleeps)) > 1
+    import random
+
+    random.seed(7)
+    want = [random.random() for _ in range(3)]
+    random.seed(7)
+    with pytest.raises(SourceError):  # the jitter has a generator of its own: the script's sequence is its own
+        retry(lambda: (_ for _ in ()).throw(_Status(503)), "x", RemoteSettings(retries=2, backoff_s=0.1))
+    assert [random.random() for _ in range(3)] == want
 
 
 def test_a_fetchs_version_check_runs_before_later_fetches_requests():
