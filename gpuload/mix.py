@@ -173,15 +173,21 @@ class Mix(torch.utils.data.IterableDataset):
             raise ConfigError("load_state_dict while an iteration of this mix is running: leave the loop first")
         if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
             raise ConfigError(f"this state is not a {FORMAT} state of version {VERSION}")
-        saved = state["mix"]
+        try:  # a hand-made or damaged state: said so, not a KeyError
+            saved, sources, epoch = dict(state["mix"]), dict(state["sources"]), int(state["epoch"])
+            runs = [list(map(int, r)) for r in state["runs"]]
+            if any(len(r) != 4 for r in runs):
+                raise ValueError("a run is [world, steps, taken, drawn]")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"this {FORMAT} state is malformed ({type(e).__name__}: {e}): pass what "
+                              "Mix.state_dict() returned") from None
         diff = sorted(k for k in set(saved) | set(self._signature) if saved.get(k) != self._signature.get(k))
         if diff:
             raise ConfigError(f"this state comes from a mix with other settings: {', '.join(diff)} differ "
                               f"(saved {[saved.get(k) for k in diff]}, here {[self._signature.get(k) for k in diff]})")
-        runs = [list(map(int, r)) for r in state["runs"]]
         while len(runs) > 1 and runs[-1][2] == 0:  # a run that took no step changed nothing
             runs.pop()
-        epoch, was_set = int(state["epoch"]), self._epoch_set
+        was_set = self._epoch_set
         complete = bool(runs) and runs[-1][2] >= runs[-1][1]
         self._epoch_set = False
         if was_set and self._epoch != epoch:  # set_epoch came first (as a StatefulDataLoader restores)
@@ -190,7 +196,7 @@ class Mix(torch.utils.data.IterableDataset):
                 return
             log.warning("gpuload: Mix.load_state_dict resumes epoch %d at step %d, not epoch %d given to set_epoch",
                         epoch, runs[-1][2] if runs else 0, self._epoch)
-        self._epoch, self._runs, self._states = epoch, runs, copy.deepcopy(state["sources"])
+        self._epoch, self._runs, self._states = epoch, runs, copy.deepcopy(sources)
         self._restored, self._advance = True, complete and not was_set  # over: the next iteration begins the next
 
     def plan(self) -> MixPlan:

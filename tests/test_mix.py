@@ -227,6 +227,18 @@ def test_chains_of_restores_stay_bit_exact(paths, tmp_path, per_step):
     assert _same(head + _steps(last), ref)
 
 
+def test_a_malformed_state_is_refused_as_such(paths, tmp_path):
+    m = _mix(paths, tmp_path / "c", W)
+    good = m.state_dict()
+    for key, bad in (("mix", None), ("runs", [[1, 2, 3]]), ("runs", "x"), ("epoch", "one"), ("sources", 5)):
+        state = {**good, key: bad}
+        with pytest.raises(gpuload.ConfigError, match=r"state is malformed \(.*\): pass what Mix.state_dict\(\)"):
+            m.load_state_dict(state)
+    with pytest.raises(gpuload.ConfigError, match="malformed"):
+        m.load_state_dict({k: v for k, v in good.items() if k != "runs"})
+    m.load_state_dict(good)  # and the good one still restores
+
+
 def test_set_epoch_before_load_state_dict_as_a_stateful_dataloader_restores(paths, tmp_path):
     done = _mix(paths, tmp_path / "c", W)
     epochs = [_steps(done) for _ in range(3)]  # epochs 0, 1, 2
