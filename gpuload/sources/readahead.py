@@ -85,8 +85,12 @@ class ReadAhead:
             return True
         job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer)
         with self._lock:
-            self._ahead[k] = job
-            self._ahead_bytes += job.nbytes
+            twice = k in self._ahead  # another thread started it meanwhile: its fetch is the one kept
+            if not twice:
+                self._ahead[k] = job
+                self._ahead_bytes += job.nbytes
+        if twice:
+            job.cancel()
         return True
 
     def _take(self, k: tuple) -> Job | None:
