@@ -223,10 +223,12 @@ class Fetcher:
         with self._lock:
             self._retried += 1
 
-    def get(self, path: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``path``, retried; on the calling thread."""
-        self._refuse_if_stopped(path)
-        stop = self.stop
+    def get(self, path: str, start: int, end: int, stop: threading.Event | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``path``, retried; on the calling thread. ``stop``: the event of the
+        fetch it serves (default: the fetcher's now), refused once set."""
+        stop = self.stop if stop is None else stop
+        if stop.is_set():
+            self._refuse_if_stopped(path, stop)
         def once() -> bytes:
             t0 = self.clock()
             try:
@@ -253,10 +255,10 @@ class Fetcher:
                 self._failed += 1
             raise
 
-    def _one(self, path: str, start: int, end: int) -> bytes:
+    def _one(self, path: str, start: int, end: int, stop: threading.Event) -> bytes:
         granted = self._budget.acquire(end - start)
-        try:
-            return self.get(path, start, end)
+        try:  # a fetch of an epoch interrupted while this waited for the budget: not made (resume() made a new stop)
+            return self.get(path, start, end, stop)
         finally:
             self._budget.release(granted)
 
@@ -270,7 +272,7 @@ class Fetcher:
         merged = coalesce(ranges, s.coalesce_bytes, s.max_range_bytes)
         job = (0 if urgent else 1, next(self._jobs))
         try:
-            futures = [pool.submit((job, 1, i), self._one, path, a, b) for i, (a, b) in enumerate(merged)]
+            futures = [pool.submit((job, 1, i), self._one, path, a, b, stop) for i, (a, b) in enumerate(merged)]
             after = None
             if check is not None:
                 def verify() -> None:  # queued after this fetch's ranges and before any later fetch's
@@ -298,8 +300,8 @@ class Fetcher:
                 self.stop = threading.Event()
                 self._pool = self._pools[0] = _Requests(self.settings.max_requests)
 
-    def _refuse_if_stopped(self, what: str) -> None:
-        if self.stop.is_set():
+    def _refuse_if_stopped(self, what: str, stop: threading.Event | None = None) -> None:
+        if (self.stop if stop is None else stop).is_set():
             raise SourceError(f"{self.store.url(what)}: not fetched: the dataset was closed, or its epoch ended "
                               "early (an exception, Ctrl-C, the loop left); start the epoch again")
 

@@ -54,6 +54,24 @@ def test_bytes_in_flight_stay_under_the_bound_with_many_requests():
     f.close()
 
 
+def test_a_request_of_an_interrupted_epoch_waiting_for_bytes_is_never_made_after_a_resume():
+    """A reviewer's note: resume() makes a new stop event, and a request of the interrupted epoch still
+    waiting for the byte budget then passed the check and went to the store."""
+    store = _Store(delay=0)
+    f = Fetcher(store, RemoteSettings(max_inflight_bytes=1000, coalesce_bytes=0, max_range_bytes=1000))
+    held = f._budget.acquire(1000)  # the budget spent: the job's request waits for it
+    job = f.start("old", [(0, 500)])
+    time.sleep(0.2)
+    f.interrupt()
+    f.resume()
+    f._budget.release(held)
+    with pytest.raises(SourceError, match="not fetched"):
+        job.result()
+    assert store.calls == 0
+    assert f.get("new", 0, 10) == bytes(10) and store.calls == 1  # the new epoch's requests are made
+    f.close()
+
+
 def test_transient_errors_are_retried_and_permanent_ones_are_not():
     store = _Store(delay=0, fail=lambda n: ConnectionResetError("reset by peer") if n < 3 else None)
     f = Fetcher(store, RemoteSettings(retries=5, backoff_s=0.001))
