@@ -27,7 +27,7 @@ from .errors import ConfigError, counted, setting
 from .mixsources import check_sources
 from .mixsteps import mix_steps, receive
 from .plan import MAX_KEY
-from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_bound, rest_labels, rest_steps
+from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .observe.ranks import gather
 from .pipeline import Background, handed_out
@@ -259,17 +259,12 @@ class Mix(torch.utils.data.IterableDataset):
                 d.load_state_dict(st["state"])
                 left.append(d._cursor.left())  # the rest of its pass, shared among these ranks
                 first_pass.append(st["pass"] == 0)
-        drawn = rest_bound(p, self.weights, left)
-        fixed = None
+        steps = rest_steps(p, self.weights, left, first_pass, self.exhausted)  # each source its exact share
         if self.steps_per_epoch is not None:  # the epoch's own rule: its steps' worth of batches (on the first
             first = self._runs[0]  # run's ranks), less those taken, shared by these ranks (each the same steps)
             fixed = max(0, first[0] * first[1] - sum(r[0] * r[2] for r in self._runs)) // world
-            drawn = max(drawn, fixed)
-        lab = rest_labels(p, self.weights, drawn, self.key, self.seed, self._epoch, len(self._runs))
-        steps = rest_steps(lab, p.per_step, left, first_pass, self.exhausted)
-        if fixed is not None:  # "repeat": sources repeat as needed; "end": never past a source's pass
-            steps = fixed if self.exhausted == "repeat" else min(fixed, steps)
-        return [world, steps, 0, drawn]
+            steps = fixed if self.exhausted == "repeat" else min(fixed, steps)  # "end": never past a pass
+        return [world, steps, 0, steps]  # (the labels of `steps` steps drawn: rest_labels)
 
     def _begin(self) -> tuple[MixPlan, list, int]:
         """(the plan, this run's labels from the next step on) for the iteration starting now."""

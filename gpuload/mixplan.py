@@ -45,8 +45,9 @@ Resuming on another number of ranks
 -----------------------------------
 Each source resumes its own pass on the new ranks (its rest shared among them, every row
 once, the same number of batches on every rank). The rest of the mix's epoch is a new run
-of steps drawn for the new ranks (:func:`rest_labels`: the same weights, a new arrangement)
-and ended by the epoch's own rule, applied to what is left: with ``"end"``, before any
+of steps drawn for the new ranks (:func:`rest_labels`: the same weights, a new arrangement,
+each source its exact share of the rest's steps, as in a whole epoch) and ended by the epoch's
+own rule, applied to what is left (:func:`rest_steps`): with ``"end"``, before any
 source needs more batches than its pass has left (so the source that runs out is read
 whole, exactly once, across the runs, to within ``batches_per_step - 1`` batches as above); with ``"repeat"``, once every source still in its
 first pass has finished it (each of those exactly once; sources past their first pass go
@@ -67,7 +68,7 @@ import xxhash
 
 from .errors import ConfigError, setting
 
-__all__ = ["MODES", "EXHAUSTED", "PASS_STRIDE", "MixPlan", "apportion", "plan_mix", "labels", "rest_labels", "rest_bound", "rest_steps"]
+__all__ = ["MODES", "EXHAUSTED", "PASS_STRIDE", "MixPlan", "apportion", "plan_mix", "labels", "rest_labels", "rest_steps"]
 
 MODES = ("proportion", "composition")
 PASS_STRIDE = 1 << 20  # source epochs per mix epoch with exhausted="repeat" (see the module doc)
@@ -183,27 +184,30 @@ def rest_labels(p: MixPlan, weights: Sequence[float] | None, steps: int, key: st
     return _arrange(p.mode, counts, (key, seed, epoch, "rest", run))
 
 
-def rest_bound(p: MixPlan, weights: Sequence[float] | None, left: Sequence[int]) -> int:
-    """Steps to draw for a rest where source ``i`` has ``left[i]`` batches of its pass left: by
-    then every source needs more than its ``left`` (so :func:`rest_steps` ends within them)."""
-    if p.mode == "composition":
-        return max(left) + 1
-    s = float(sum(weights))
-    return max(math.ceil((r + 1) * s / (w * p.per_step)) for r, w in zip(left, weights)) + 1
+def rest_steps(p: MixPlan, weights: Sequence[float] | None, left: Sequence[int], first_pass: Sequence[bool],
+               exhausted: str) -> int:
+    """Steps of an epoch's rest on other ranks where source ``i`` has ``left[i]`` batches of its pass
+    left: the epoch's own rule on what is left, with the counts of :func:`rest_labels` (the weights'
+    exact shares): with ``"end"``, the most steps in which no source needs more than its ``left``;
+    with ``"repeat"``, the fewest in which every source still in its ``first_pass`` has its ``left``
+    (the others may start further passes; 0 when none is)."""
+    k = len(left)
+    w = list(weights) if weights is not None else [1.0] * k
+    s = float(sum(w))
+    per = k if p.mode == "composition" else p.per_step
 
+    def counts(n: int) -> list[int]:
+        return _counts(p.mode, n, p.per_step, w, k)
 
-def rest_steps(lab, per_step: int, left: Sequence[int], first_pass: Sequence[bool], exhausted: str) -> int:
-    """Steps of a rest drawn as ``lab``: with ``"end"``, the full steps before any source needs more
-    than its ``left`` batches; with ``"repeat"``, the fewest after which every source still in its
-    ``first_pass`` has had its ``left`` (the others may start further passes); 0 when none is."""
-    if exhausted == "repeat" and not any(first_pass):
+    if exhausted == "end":
+        return _most(lambda n: all(c <= r for c, r in zip(counts(n), left)),
+                     min(r * s / (wi * per) for r, wi in zip(left, w)))
+    need = [i for i in range(k) if first_pass[i]]
+    if not need:
         return 0
-    counts = [0] * len(left)
-    for j in range(len(lab) // per_step):
-        for i in lab[j * per_step:(j + 1) * per_step]:
-            counts[i] += 1
-        if exhausted == "end" and any(c > r for c, r in zip(counts, left)):
-            return j
-        if exhausted == "repeat" and all(c >= r for c, r, o in zip(counts, left, first_pass) if o):
-            return j + 1
-    return len(lab) // per_step
+    n = max(0, math.ceil(max(left[i] * s / (w[i] * per) for i in need)))
+    while n > 0 and all(counts(n - 1)[i] >= left[i] for i in need):
+        n -= 1
+    while not all(counts(n)[i] >= left[i] for i in need):
+        n += 1
+    return n

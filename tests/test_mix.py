@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import gpuload
-from gpuload.mixplan import PASS_STRIDE
+from gpuload.mixplan import PASS_STRIDE, apportion
 from gpuload.testing import HttpServer
 
 from conftest import open_dataset, write_parquet
@@ -334,6 +334,9 @@ def test_a_resume_on_other_ranks_delivers_each_row_at_most_once_per_pass_with_eq
     assert {len(m) for m in after} == {max(whole, 8 + planned.copy().pop())}
     tails = [_passes(m, iter(m)) for m in after]
     assert {len(t) for t in tails} == planned  # every rank the steps steps_left said
+    for t in tails:  # the rest holds each source's share by weight, as a whole epoch does (to one batch)
+        got = [sum(n == x for n, _, _ in t) for x in "abc"]
+        assert got == apportion(len(t), list(W.values())), got
     groups: dict = {}
     for part in head + tails:
         for n, ep, ids in part:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import gpuload
-from gpuload.mixplan import apportion, labels, plan_mix, rest_bound, rest_labels, rest_steps
+from gpuload.mixplan import apportion, labels, plan_mix, rest_labels, rest_steps
 
 weights_st = st.lists(st.floats(0.01, 10.0), min_size=1, max_size=5)
 
@@ -92,12 +92,20 @@ def test_epochs_and_seeds_arrange_sources_differently():
     assert len(seen) == 9
 
 
-def test_a_rest_ends_by_the_epochs_own_rule():
-    lab = np.array([0, 1, 0, 0, 1, 0, 1, 1])  # one batch per step
-    assert rest_steps(lab, 1, [3, 2], [True, True], "end") == 5  # step 6 would take a 4th batch of source 0
-    assert rest_steps(lab, 1, [3, 3], [True, True], "repeat") == 7  # source 1 has had its 3 by step 7
-    assert rest_steps(lab, 1, [3, 3], [True, False], "repeat") == 4  # source 1 is past its first pass
-    assert rest_steps(lab, 1, [3, 3], [False, False], "repeat") == 0
-    p = plan_mix(["a", "b"], [10, 4], [1, 1], mode="proportion", per_step=2, exhausted="end")
-    n = rest_bound(p, [1, 1], [6, 2])
-    assert rest_steps(rest_labels(p, [1, 1], n, "k", 0, 0, 1), 2, [6, 2], [True, True], "end") < n
+def test_a_rest_ends_by_the_epochs_own_rule_with_each_sources_exact_share():
+    """The rest of an epoch resumed on other ranks holds each source's share of its steps by weight (to one
+    batch), as a whole epoch does: a new user's trial saw 28 and 20 batches at equal weights (the steps were
+    cut from a random arrangement, wherever the first-pass sources ran out)."""
+    p = plan_mix(["a", "b"], [10, 4], [1, 1], mode="proportion", per_step=1, exhausted="repeat")
+    n = rest_steps(p, [1, 1], [28, 9], [True, False], "repeat")  # a in its first pass needs 28: 55 steps
+    assert n == 55 and np.bincount(rest_labels(p, [1, 1], n, "k", 0, 0, 1)).tolist() == [28, 27]  # ties: the first
+    assert rest_steps(p, [1, 1], [3, 5], [True, True], "repeat") == 10  # b's 5 at equal weights
+    assert rest_steps(p, [1, 1], [3, 3], [False, False], "repeat") == 0  # none in its first pass
+    assert rest_steps(p, [1, 1], [3, 2], [True, True], "end") == 5  # a 6th step would take b's 3rd batch
+    assert rest_steps(p, [3, 1], [9, 9], [True, True], "end") == 12  # a's 9 at three quarters
+    q = plan_mix(["a", "b"], [10, 4], [1, 1], mode="proportion", per_step=2, exhausted="end")
+    n = rest_steps(q, [1, 1], [6, 2], [True, True], "end")
+    assert n == 2 and np.bincount(rest_labels(q, [1, 1], n, "k", 0, 0, 1)).tolist() == [2, 2]
+    c = plan_mix(["a", "b"], [10, 4], None, mode="composition", per_step=1, exhausted="end")
+    assert rest_steps(c, None, [7, 3], [True, True], "end") == 3
+    assert rest_steps(c, None, [7, 3], [True, True], "repeat") == 7
