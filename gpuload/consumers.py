@@ -88,10 +88,11 @@ def check_set_epoch_caller(caller: FrameType) -> None:
 
 def refuse_copy(what: str) -> None:
     """Raised by a loader's ``__getstate__``: pickling (a spawned process, a DataLoader worker
-    under spawn or forkserver) or ``copy.deepcopy`` would need its threads, pools and open
-    files; ``what`` names the loader's class."""
+    under spawn or forkserver) or ``copy.copy`` would need its threads, pools and open files
+    (``copy.deepcopy`` gives the loader itself: its ``__deepcopy__``); ``what`` names the loader's class."""
     raise ConfigError(
-        f"a {what} cannot be pickled or copied (it holds gpuload's threads, pools and open cache files): make "
+        f"a {what} cannot be pickled or copied (it holds gpuload's threads, pools and open cache files; "
+        f"copy.deepcopy of what holds it, as SWA or EMA callbacks make, shares this same {what}): make "
         f"it in the process that iterates it. Under Lightning's ddp_spawn (or any launcher that pickles the "
         f"LightningModule) make it in setup() or train_dataloader(), or use strategy='ddp'; with a DataLoader "
         f"keep num_workers=0 (gpuload reads on threads of its own); for a second loader of the same data make "

@@ -440,6 +440,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def __getstate__(self):
         refuse_copy("ParquetDataset")
 
+    def __deepcopy__(self, memo):
+        """This same dataset: a deep copy of what holds it (a LightningModule copied by SWA or EMA
+        callbacks, ``torch.optim.swa_utils.AveragedModel``) shares it; its threads, pools and cache files
+        are never copied (pickling and ``copy.copy`` are refused)."""
+        return self
+
     def __repr__(self) -> str:
         try:
             ranks = self._layout.resolve(strict=False)

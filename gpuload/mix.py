@@ -343,6 +343,10 @@ class Mix(torch.utils.data.IterableDataset):
     def __getstate__(self):
         refuse_copy("Mix")
 
+    def __deepcopy__(self, memo):
+        """This same mix (see :meth:`gpuload.ParquetDataset.__deepcopy__`)."""
+        return self
+
     def __repr__(self) -> str:
         what = f"weights={dict(zip(self.names, self.weights))}" if self.weights else "composition"
         return f"Mix({self.names}, {what}, batches_per_step={self.per_step}, exhausted={self.exhausted!r})"

@@ -227,6 +227,18 @@ def test_chains_of_restores_stay_bit_exact(paths, tmp_path, per_step):
     assert _same(head + _steps(last), ref)
 
 
+def test_a_mix_is_never_pickled_and_a_deep_copy_of_its_holder_shares_it(paths, tmp_path):
+    import copy
+    import pickle
+
+    m = _mix(paths, tmp_path / "c", W)
+    with pytest.raises(gpuload.ConfigError, match="a Mix cannot be pickled or copied"):
+        pickle.dumps(m)
+    holder = torch.nn.Linear(2, 2)
+    holder.mix = m
+    assert copy.deepcopy(holder).mix is m  # SWA and EMA callbacks copy the LightningModule that holds it
+
+
 def test_a_malformed_state_is_refused_as_such(paths, tmp_path):
     m = _mix(paths, tmp_path / "c", W)
     good = m.state_dict()
