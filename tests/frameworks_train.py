@@ -160,6 +160,9 @@ def run_lightning(args) -> None:
     every = args.checkpoint_every
     callbacks = [] if every is None else [ModelCheckpoint(  # 0: Lightning's default, at each epoch's end
         dirpath=str(args.out / "checkpoints"), every_n_train_steps=every or None, save_top_k=-1)]
+    if every is None and args.resume is None:  # the uninterrupted job: SWA deep-copies the module, dataset and all
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1))
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp", max_epochs=args.epochs, logger=False,
                         enable_checkpointing=every is not None, callbacks=callbacks, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(args.out), num_sanity_val_steps=2)

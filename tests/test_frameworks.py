@@ -11,7 +11,8 @@ ended (a hung rank fails the test after ``TIMEOUT`` seconds, every process kille
   iteration begins) and an iteration tried before it is refused;
 * Lightning: the datasets are made in the LightningModule's ``__init__``; Lightning
   never calls ``set_epoch``, so each new iteration begins the next epoch; the validation
-  set's sanity check (2 batches) and per-epoch runs;
+  set's sanity check (2 batches) and per-epoch runs; the uninterrupted job with
+  ``StochasticWeightAveraging``, which deep-copies the module and its datasets;
 * accelerate: ``accelerator.prepare(DataLoader(ds))`` would re-shard gpuload's batches
   (dispatched from rank 0, or every other batch kept): refused with a ``ConfigError`` on
   every rank, with accelerate's default settings and with ``dispatch_batches=False``;
