@@ -238,6 +238,13 @@ class Mix(torch.utils.data.IterableDataset):
             return run[1] - run[2]
         return self.plan().steps
 
+    def close(self) -> None:
+        """Close every source (:meth:`gpuload.ParquetDataset.close`: remote fetches stopped, the next
+        epoch's chunks loaded ahead dropped, their cached chunks evictable by other datasets); the mix
+        can still be iterated, as a closed dataset can."""
+        for d in self.sources:
+            d.close()
+
     # -- iteration --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict]:
         check_iter_caller(sys._getframe(1))

@@ -239,6 +239,16 @@ def test_a_mix_is_never_pickled_and_a_deep_copy_of_its_holder_shares_it(paths, t
     assert copy.deepcopy(holder).mix is m  # SWA and EMA callbacks copy the LightningModule that holds it
 
 
+def test_closing_a_mix_closes_its_sources_and_it_still_iterates(paths, tmp_path):
+    m = _mix(paths, tmp_path / "c", W)
+    first = _steps(m)
+    assert all(d.reader.cache.registration is not None for d in m.sources)  # their chunks kept from eviction
+    m.close()  # a new user's trial: Mix had no close(), where the README closes datasets
+    assert all(d._epochs.ahead.pending is None and d.reader.cache.registration is None for d in m.sources)
+    m.set_epoch(0)
+    assert _same(_steps(m), first)
+
+
 def test_a_malformed_state_is_refused_as_such(paths, tmp_path):
     m = _mix(paths, tmp_path / "c", W)
     good = m.state_dict()

@@ -135,7 +135,7 @@ def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_re
             if attempt == settings.retries or (stop is not None and stop.is_set()):
                 last = _unreached(e)
                 why = ("no connection to the store: check its address (the URL's host and port, or for S3 "
-                       "storage_options['client_kwargs']['endpoint_url']) and that it is up; remote retries "
+                       "the endpoint_url in storage_options) and that it is up; remote retries "
                        "($GPULOAD_REMOTE_RETRIES) set how long gpuload waits for it") if _no_connection(e) else \
                     "the store may be down or throttling: try again later, or raise remote retries"
                 raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(last).__name__}: {last}; "
