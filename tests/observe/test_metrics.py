@@ -313,3 +313,14 @@ def test_a_stage_that_counts_no_rows_shows_no_row_rate():
     m.record("decode", 0.0, 0.5, nbytes=10**9, rows=1000)
     rows = {r[0]: r for r in m.stats()._stage_rows()}
     assert rows["read"][4:6] == ("2.00", "-") and rows["decode"][4:6] == ("2.00", "2,000")
+
+
+def test_listing_at_open_shows_no_share_of_the_passes_wall_time():
+    """A new user's trial read "list ... 104.4%" (an S3 listing longer than the epoch that followed)."""
+    m = Metrics()
+    m.record("list", 0.0, 2.0)  # the dataset's opening, before any pass
+    m.consumer_wait(2.0, 3.0)
+    m.record("decode", 2.0, 2.5, rows=10)
+    rows = {r[0]: r for r in m.stats()._stage_rows()}
+    assert rows["list"][6] == "at open" and rows["decode"][6].endswith("%")
+    assert "at open" in str(m.stats())
