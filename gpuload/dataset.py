@@ -304,8 +304,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         among the new ranks: each delivered once, the same number of batches on every
         rank (see :mod:`gpuload.resume`); later epochs follow this dataset's ranks.
         Only the chunks still needed are read. Raises :class:`~gpuload.ConfigError` if the
-        state comes from a dataset with other settings (naming them), or while an
-        iteration of this dataset is running.
+        state comes from a dataset with other settings (naming them), or while the latest
+        iteration of this dataset is running (an earlier one still open goes on with its own epoch).
         """
         self._cursor.load_state_dict(state)
 
