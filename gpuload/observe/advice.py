@@ -90,8 +90,14 @@ def no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
                     f"set num_workers (this machine has {cores} CPU cores) so that worker processes load batches "
                     f"while the step runs{pin}{keep}{parquet}")
         factor = settings.get("prefetch_factor")
+        busy = stats.worker_cpu_percent
         message += f"; its {workers} worker processes do not load batches as fast as the step takes them" + (
-            " (process CPU is the training process's alone)" if cpu else "")
+            " (process CPU is the training process's alone)" if cpu else "") + (
+            f"; each worker used {busy:.0f}% of a core" if busy is not None else "")
+        if busy is not None and busy < 50:  # a new user's trial: workers sleeping on I/O were told not to add any
+            return (message + ": they mostly wait (on a disk, a store, a lock), not compute",
+                    f"raise num_workers (now {workers}; waiting workers share the {cores} CPU cores well) and "
+                    f"prefetch_factor (now {factor}) so that more loads wait at once{pin}{keep}{parquet}")
         if workers >= cores:  # a user's trial: 4 busy workers on 2 cores were told to add workers
             return (message + f", and they are as many as the machine's {cores} CPU cores or more",
                     f"more workers would only share the same cores: what each worker does per batch (reading, "

@@ -60,6 +60,8 @@ class Stats:
         samples at 0 (None without samples); queue_samples: their number.
     cpu_percent, system_cpu_percent : mean CPU use of this process (percent of one core:
         200 = two cores busy) and of the whole machine (0 to 100).
+    worker_cpu_percent : a watched DataLoader's worker processes: each one's mean CPU use while
+        the passes ran (percent of one core; low: they wait, on a disk or a store), or None.
     gpu_percent : mean GPU utilisation, 0 to 100; gpu_memory_bytes: most GPU memory used.
         The four are None without samples; util_samples: their number.
     remote : requests to a remote source's store (:class:`gpuload.RemoteStats`), or None.
@@ -113,6 +115,7 @@ class Stats:
     loader_settings: dict | None = None
     sources: dict | None = None
     during_waits: dict | None = None
+    worker_cpu_percent: float | None = None
     cpu_queue: dict | None = None
 
     @property
@@ -157,6 +160,7 @@ class Stats:
                                        f"{self.queue_empty:.0%} of {self.queue_samples:,} samples"))
         if self.util_samples:
             parts = [f"{label} {v:.0f}%" for label, v in (("process CPU", self.cpu_percent),
+                                                         ("each worker's CPU", self.worker_cpu_percent),
                                                          ("system CPU", self.system_cpu_percent),
                                                          ("GPU", self.gpu_percent)) if v is not None]
             if self.gpu_memory_bytes is not None:

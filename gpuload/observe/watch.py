@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Iterable, Iterator
 
+import psutil
 import torch
 
 from ..batch import Ragged
@@ -93,6 +94,42 @@ def describe_loader(loader) -> tuple[str, dict]:
     return "iterable", {"type": type(loader).__name__}
 
 
+class _WorkerCpu:
+    """CPU seconds a DataLoader's worker processes used over a pass (``it``: its iterator, whose
+    ``_workers`` they are), read with psutil at most every ``period`` seconds as batches come: the
+    training process's own CPU says nothing of them, and I/O-bound workers (waiting on a disk or a
+    store) are helped by more of them where busy ones are not."""
+
+    def __init__(self, it, clock, period: float = 0.1):
+        try:
+            self.procs = [psutil.Process(w.pid) for w in getattr(it, "_workers", ()) if w.pid]
+        except (psutil.Error, AttributeError, TypeError):
+            self.procs = []
+        self.count, self.clock, self.period = len(self.procs), clock, period
+        self.first = self.last = None
+        self.sample(force=True)
+
+    def sample(self, force: bool = False) -> None:
+        if not self.procs:
+            return
+        t = self.clock()
+        if not force and self.last is not None and t - self.last[0] < self.period:
+            return
+        try:
+            cpu = sum(sum(p.cpu_times()[:2]) for p in self.procs)
+        except psutil.Error:  # a worker ended (the pass's end, without persistent_workers): the last sample stands
+            self.procs = []
+            return
+        self.first = self.first or (t, cpu)
+        self.last = (t, cpu)
+
+    def measured(self) -> tuple[float, float]:
+        """(CPU seconds of the workers, their wall seconds: the sampled span times their number)."""
+        if self.first is None or self.last is self.first:
+            return 0.0, 0.0
+        return self.last[1] - self.first[1], (self.last[0] - self.first[0]) * self.count
+
+
 class Watched:
     """An iterable in place of ``iterable`` that records every ``next()`` into a :class:`~gpuload.Metrics`.
 
@@ -122,6 +159,7 @@ class Watched:
         self.util_period = util_period
         self._sampler: UtilSampler | None = None  # one per Watched: resuming it costs microseconds
         self._passes_open = 0
+        self._workers = [0.0, 0.0]  # a DataLoader's worker processes: their CPU s and wall s, over the passes
 
     def __iter__(self) -> Iterator:
         return self._pass()
@@ -137,8 +175,10 @@ class Watched:
         it = None
         ended, waiting = False, True
         t0 = clock()
+        workers = None
         try:
             it = iter(self.inner)
+            workers = _WorkerCpu(it, clock) if self.sample_util else None
             while True:
                 waiting = True
                 try:
@@ -151,9 +191,15 @@ class Watched:
                 waiting = False
                 rows, nbytes = _measure(item)
                 m.consumer_wait(t0, t1, rows=rows, nbytes=nbytes)
+                if workers is not None:
+                    workers.sample()
                 yield item
                 t0 = clock()
         finally:
+            if workers is not None:
+                workers.sample(force=True)
+                for i, v in enumerate(workers.measured()):
+                    self._workers[i] += v
             if not ended:  # an error inside next(), or the loop was left
                 t = clock()
                 m.consumer_end(t0 if waiting else t, t)
@@ -178,7 +224,9 @@ class Watched:
         """:meth:`Metrics.stats` of what was recorded so far (``starvation`` and the rest), with
         what kind of loader was watched (``loader``, ``loader_settings``) for :func:`gpuload.diagnose`."""
         kind, settings = describe_loader(self.inner)
-        return dataclasses.replace(self.metrics.stats(), loader=kind, loader_settings=settings)
+        cpu, wall = self._workers  # at least a second of workers' time sampled: a share that means something
+        return dataclasses.replace(self.metrics.stats(), loader=kind, loader_settings=settings,
+                                   worker_cpu_percent=100 * cpu / wall if wall >= 1.0 else None)
 
     def write_trace(self, path):
         """Write a Chrome trace-event JSON file (see :meth:`Metrics.write_trace`); returns its path."""
@@ -187,6 +235,7 @@ class Watched:
     def reset(self) -> None:
         """Forget what was recorded so far."""
         self.metrics.reset()
+        self._workers = [0.0, 0.0]
 
     def __repr__(self) -> str:
         return f"Watched({self.inner!r})"

@@ -381,6 +381,12 @@ def test_dataloader_workers_that_have_every_core_are_not_told_to_add_workers(mon
     assert "as many as the machine's 2 CPU cores" in d.message and "training process's alone" in d.message
     few = gpuload.diagnose(make_stats(0.8, loader="DataLoader", loader_settings={**settings, "num_workers": 1}))
     assert "raise num_workers (now 1, of 2 CPU cores)" in few.action
+    # a new user's trial: workers sleeping on I/O (10% of a core each) were told more would only share the cores
+    idle = gpuload.diagnose(make_stats(0.8, loader="DataLoader", loader_settings=settings, worker_cpu_percent=10.0))
+    assert "each worker used 10% of a core: they mostly wait" in idle.message
+    assert idle.action.startswith("raise num_workers (now 4; waiting workers share the 2 CPU cores well)")
+    busy = gpuload.diagnose(make_stats(0.8, loader="DataLoader", loader_settings=settings, worker_cpu_percent=97.0))
+    assert "raise num_workers" not in busy.action and "make it cheaper" in busy.action
 
 
 def test_advice_fits_any_watched_iterable():

@@ -192,3 +192,38 @@ def test_shared_metrics_and_reset():
         len(gpuload.watch(iter([1])))
     with pytest.raises(ValueError, match="util_period"):
         gpuload.watch([], util_period=0)
+
+
+class _Items(torch.utils.data.Dataset):
+    """Items that take 10 ms each: asleep (a disk or a store's wait) or computing."""
+
+    def __init__(self, compute: bool):
+        self.compute = compute
+
+    def __len__(self):
+        return 300
+
+    def __getitem__(self, i):
+        end = time.perf_counter() + 0.01
+        if not self.compute:
+            time.sleep(0.01)
+        while time.perf_counter() < end:
+            pass
+        return torch.full((4,), i)
+
+
+@pytest.mark.slow  # DataLoader worker processes
+def test_a_watched_dataloaders_workers_cpu_tells_waiting_from_computing():
+    """A new user's trial: I/O-bound workers as many as the cores were told more would only share them,
+    where 6 instead of 2 halved the waiting; the workers' own CPU now tells (the process CPU is the
+    training process's alone). Compared in one run: the sleeping workers use far less than the busy."""
+    used = {}
+    for compute in (False, True):
+        w = gpuload.watch(torch.utils.data.DataLoader(_Items(compute), batch_size=2, num_workers=2,
+                                                      persistent_workers=True))
+        for _ in w:
+            pass
+        used[compute] = w.stats().worker_cpu_percent
+    assert used[False] is not None and used[True] is not None
+    assert used[False] < used[True] / 2 and used[False] < 50, used
+    assert "each worker's CPU" in str(w.stats())
