@@ -349,6 +349,27 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     assert r.returncode == 2 and "give --nodes N" in r.stderr
 
 
+def test_clear_unused_since_keeps_a_column_set_a_running_dataset_has_open(data, tmp_path, capsys):
+    """A new user's trial: `clear --unused-since` deleted the chunks of a dataset open in another process
+    (which then decoded and wrote them all again): in use now is not unused."""
+    import gpuload
+
+    cache = tmp_path / "c"
+    ds = gpuload.ParquetDataset(data, cache_dir=cache, device="cpu", chunk_bytes=1 << 20)
+    list(ds)
+    ds.reader.cache.flush()
+    chunks = sorted(cache.rglob("*.glc"))
+    assert chunks
+    capsys.readouterr()
+    assert main(["cache", "clear", "--unused-since", "2099-01-01", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "(0 column sets): 0 files" in out and "kept 1 column sets a running dataset has open" in out
+    assert sorted(cache.rglob("*.glc")) == chunks
+    ds.close()  # closed: no longer in use, and cleared
+    assert main(["cache", "clear", "--unused-since", "2099-01-01", "--cache-dir", str(cache)]) == 0
+    assert "(1 column sets)" in capsys.readouterr().out and not list(cache.rglob("*.glc"))
+
+
 def test_warnings_of_the_command_name_its_flags(data, tmp_path, caplog):
     """A new user's trial: `cache build --max-gib 0` warned of max_cache_bytes=0 and cache_io='off'."""
     import logging

@@ -254,17 +254,17 @@ def delete(root: CacheRoot, path: Path) -> int:
     return 0 if gone is None else gone.st_size
 
 
-def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None) -> dict:
+def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None, open_specs=()) -> dict:
     """Delete gpuload's files: every chunk, footer, vocabulary, temporary and free lock file of every format
     (or only those of spec hash ``spec``, or of the specs not used since
-    ``unused_since`` epoch seconds). Returns ``{"freed": bytes, "files": n,
-    "specs": removed spec hashes, "foreign": [entries left alone], "failed": [files that
-    could not be deleted, with why]}``.
+    ``unused_since`` epoch seconds, but those in ``open_specs``: a live reader reads them). Returns
+    ``{"freed": bytes, "files": n, "specs": removed spec hashes, "open": specs kept as open,
+    "foreign": [entries left alone], "failed": [files that could not be deleted, with why]}``.
 
     Only regular files with names gpuload writes are deleted, only inside the root,
     never through a link; lock files that a builder holds are left in place.
     """
-    chosen = None
+    chosen, kept = None, []
     if spec is not None or unused_since is not None:
         known = specs(root)
         named = [h for h in known if h.startswith(spec)] if spec is not None else []
@@ -276,6 +276,8 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
                               "hash (`gpuload cache info` lists them)")
         chosen = {h for h in (known if spec is None else named)
                   if unused_since is None or known[h]["last_used"] < unused_since}
+        kept = sorted(chosen & set(open_specs)) if unused_since is not None else []  # in use now: not unused
+        chosen -= set(kept)
     freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
     for parts, name, st in list(walk(root, layouts=True, problems=problems)):
         if not stat.S_ISREG(st.st_mode) or not (CHUNK.fullmatch(name) or TEMP.fullmatch(name)
@@ -321,7 +323,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
                     removed += [name[:16]] if SPEC.fullmatch(name) else []
             except OSError as e:
                 failed.append(f"{root.where((_LAYOUT, _SPECS), name)} ({e.strerror or e})")
-    return {"freed": freed, "files": files, "specs": sorted(removed),
+    return {"freed": freed, "files": files, "specs": sorted(removed), "open": kept,
             "foreign": foreign + sorted({p.problem for p in problems}), "failed": failed}
 
 

@@ -31,7 +31,7 @@ from .specs import record_spec
 from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
-from .evict import Registration, register
+from .evict import Registration, datasets, register
 from .space import Space
 from .writer import PENDING, Writer
 from ..errors import ConfigError, CorruptCacheError
@@ -399,5 +399,7 @@ class ChunkCache:
         return admin.delete(self.root, path)
 
     def clear(self, spec: str | None = None, unused_since: float | None = None) -> dict:
-        """Delete gpuload's files (:func:`gpuload.cache.admin.clear`)."""
-        return admin.clear(self.root, spec, unused_since)
+        """Delete gpuload's files (:func:`gpuload.cache.admin.clear`); with ``unused_since``, never a
+        column set a live reader has open (it is in use now)."""
+        live = {p for d in datasets(self.root) if d["live"] for p in d["specs"]} if unused_since is not None else ()
+        return admin.clear(self.root, spec, unused_since, live)

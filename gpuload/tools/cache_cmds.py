@@ -241,6 +241,9 @@ def cmd_clear(args) -> int:
     r = cache.clear(spec=args.spec, unused_since=since)
     which = "" if args.spec is None and since is None else f" ({len(r['specs'])} column sets)"
     print(f"cleared {cache.root.path}{which}: {r['files']} files, {r['freed'] / 2**20:,.1f} MiB freed")
+    if r.get("open"):
+        print(f"  kept {len(r['open'])} column sets a running dataset has open (in use now): "
+              + ", ".join(h[:8] for h in r["open"]))
     print_left_alone(r["foreign"])
     if r["failed"]:
         print(f"  could not delete {len(r['failed'])} files: " + "; ".join(r["failed"][:5]))
