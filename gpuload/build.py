@@ -182,7 +182,8 @@ def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, no
     n = len(reader.chunks)
     at_open = set(reader.cached_at_open)
     shared = client is None or (explicit_dir and nodes is None)  # one cache, seen from here too
-    where = opts.cache_where if shared else "each worker's $GPULOAD_CACHE_DIR"
+    where = opts.cache_where if shared else f"{opts.cache_where} on each node" if explicit_dir else \
+        "each worker's $GPULOAD_CACHE_DIR"  # nodes= with cache_dir: that folder, on each node's own disk
     todo = [i for i in range(n) if i not in at_open]
     if todo and shared:  # a cache this build cannot write fails now, not after decoding everything
         try:
