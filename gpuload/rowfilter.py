@@ -90,9 +90,11 @@ class RowFilter:
                 raise SchemaError(f"{flag('filters')} {self.text} compares values of different types "
                                   f"({kinds.group(1)}); give each condition a value of its column's type"
                                   f"{' (' + ', '.join(named) + ')' if named else ''}") from None
+            named = [f"{f.name} is {f.type}" for f in schema if re.search(rf"\b{re.escape(f.name)}\b", self.text)]
             raise SchemaError(f"{flag('filters')} {self.text} cannot be applied to the files' columns "
-                              f"({' '.join(str(e).split())}); name columns the files have "
-                              f"({', '.join(schema.names)})") from None
+                              f"({' '.join(str(e).split())}); give each condition a value its column's type "
+                              f"holds (" + (", ".join(named) if named else f"the columns: {', '.join(schema.names)}")
+                              + "), or an operator that takes it (a non-empty list for 'in')") from None
         used = []
         for name in schema.names:  # those whose absence breaks it
             try:

@@ -166,6 +166,11 @@ def test_bad_filters_are_refused_naming_what_to_do(data, tmp_path):
     with pytest.raises(gpuload.SchemaError, match=r"filters= .*compares values of different types \(int64, string\); "
                                                   r"give each condition a value of its column's type \(day is int64\)"):
         _ds(data, tmp_path / "c", filters=[("day", "==", "x")])  # a type no kernel compares with
+    # an empty 'in' list: the column exists, so the advice is the value's, not the column names' (a new user's trial)
+    with pytest.raises(gpuload.SchemaError, match=r"filters= .* cannot be applied to the files' columns .*; give each "
+                                                  r"condition a value its column's type holds \(country is string\), "
+                                                  r"or an operator that takes it \(a non-empty list for 'in'\)"):
+        _ds(data, tmp_path / "c", filters=[("country", "in", [])])
     with pytest.raises(gpuload.ConfigError, match="is not a filter"):
         _ds(data, tmp_path / "c", filters=[("day", "~", 1)])
     with pytest.raises(gpuload.ConfigError, match="must be a pyarrow.compute expression"):
