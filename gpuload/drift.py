@@ -20,7 +20,7 @@ from .errors import SchemaError, SourceError, flag
 from .schema import OutputSpec, list_value
 from .sources.listing import SourceFile
 
-__all__ = ["wider", "widened", "unit_drift", "check_units", "check_consistent"]
+__all__ = ["wider", "widened", "unit_drift", "check_units", "check_consistent", "check_everywhere"]
 
 
 def _logical(t: pa.DataType) -> pa.DataType:
@@ -125,6 +125,25 @@ def unit_drift(files: Sequence[SourceFile], schema: pa.Schema) -> dict[str, str]
         if len(units - {None}) > 1:  # (None: a file's column of Arrow's null type, nulls of any unit)
             out[field.name] = t.unit
     return out
+
+
+def check_everywhere(files: Sequence[SourceFile], columns) -> None:
+    """Refuse a column of ``columns`` (``columns=`` as given) that some files have and others lack, naming
+    them: a column added later (a Delta table's schema evolution, an older writer's files), which gpuload
+    does not read as nulls in the files without it. A name no file has is :func:`resolve_outputs`' to say."""
+    if columns is None:
+        return
+    names = [columns] if isinstance(columns, str) else list(columns.values()) if isinstance(columns, dict) \
+        else list(columns) if isinstance(columns, (list, tuple)) else []
+    for name in dict.fromkeys(n for v in names for n in ([v] if isinstance(v, str) else v if isinstance(v, (
+            list, tuple)) else []) if isinstance(n, str)):
+        absent = [f.path for f in files if name not in f.schema.names]
+        if absent and len(absent) < len(files):
+            shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
+            raise SchemaError(f"column {name!r} is in {len(files) - len(absent)} of the {len(files)} files but not in "
+                              f"{shown}: a column added later (a Delta table's schema evolution, files of an older "
+                              f"writer), which gpuload does not read as nulls; leave it out of {flag('columns')}, or "
+                              f"rewrite the files that lack it (a Delta table: whole, with mode='overwrite')")
 
 
 def check_units(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:

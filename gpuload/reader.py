@@ -25,7 +25,7 @@ from .cache.paths import ChunkKey, source_folder
 from .cache.space import warn_short_room
 from .cache.chunkfile import spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
-from .drift import check_consistent, check_units, unit_drift, widened
+from .drift import check_consistent, check_everywhere, check_units, unit_drift, widened
 from .config import Options, Source
 from .errors import SourceError, flag
 from .convert import needed_columns
@@ -175,6 +175,7 @@ class ChunkReader:
             if left_out:
                 log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
                             "only what every file has, or fix the files", ", ".join(left_out))
+        check_everywhere(self.files, src.columns)  # a column some files lack: said so, before the first file's
         schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                 int96=frozenset().union(*(f.int96 for f in self.files)),

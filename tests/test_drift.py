@@ -219,3 +219,18 @@ def test_widened_float_nans_are_the_positive_quiet_nan(tmp_path):
                                 cache_dir=tmp_path / "c")
     got = next(iter(ds))["v"].numpy().view(np.uint64).tolist()
     assert got == [0x7FF8000000000000, 0x7FF8000000000000, 0x3FF0000000000000, 0x4000000000000000]
+
+
+def test_a_column_some_files_lack_is_refused_naming_them(tmp_path):
+    """Not the first file's "not in" as for a misspelt column: how many files have it, which lack it, and that
+    gpuload does not read it as nulls there (fill_nulls= notwithstanding)."""
+    src = tmp_path / "src"
+    write_parquet(src / "a.parquet", {"id": np.arange(3)})
+    for name in ("b", "c"):
+        write_parquet(src / f"{name}.parquet", {"id": np.arange(3), "w": np.ones(3)})
+    with pytest.raises(gpuload.SchemaError, match=r"column 'w' is in 2 of the 3 files but not in .*a\.parquet: a "
+                                                  r"column added later .* leave it out of columns="):
+        gpuload.ParquetDataset(src, {"id": "id", "ws": ["w", "id"]}, fill_nulls={"w": 0.0}, cache_dir=tmp_path / "c",
+                               device="cpu")
+    with pytest.raises(gpuload.SchemaError, match=r"column 'nope' is not in "):  # in no file: a misspelling
+        gpuload.ParquetDataset(src, ["id", "nope"], cache_dir=tmp_path / "c", device="cpu")

@@ -107,6 +107,19 @@ def test_column_mapping_is_refused(tmp_path):
         _ds(root, tmp_path / "cache", ["id"])
 
 
+def test_a_column_added_to_the_table_later_is_refused_naming_the_files_without_it(tmp_path):
+    """A new user's trial: a column merged into the schema by an append was refused as missing from the first
+    file, as if misspelt (its fill_nulls notwithstanding); the columns every file has still read."""
+    root = tmp_path / "evolved"
+    deltalake.write_deltalake(root, _table(np.arange(10), np.zeros(10)))
+    deltalake.write_deltalake(root, pa.table({"id": np.arange(10, 20), "x": np.ones(10), "w": np.ones(10)}),
+                              mode="append", schema_mode="merge")
+    with pytest.raises(gpuload.SchemaError, match=r"column 'w' is in 1 of the 2 files but not in .*: a column added "
+                                                  r"later \(a Delta table's schema evolution"):
+        _ds(root, tmp_path / "cache", ["id", "w"])
+    assert sorted(v for b in _ds(root, tmp_path / "cache", ["id"]) for v in b["id"].tolist()) == list(range(20))
+
+
 def test_an_iceberg_folder_is_refused_with_the_call_that_lists_its_files(tmp_path):
     from conftest import write_parquet
 
