@@ -207,10 +207,11 @@ def size_text(nbytes: float) -> str:
     return f"{int(nbytes)} bytes"
 
 
-def file_bytes(chunk_bytes: int, arrays: int) -> int:
+def file_bytes(chunk_bytes: int, arrays: int, header: int = 64 << 10) -> int:
     """The most a cache file of a chunk of ``chunk_bytes`` converted bytes in ``arrays`` arrays
-    takes on disk: its arrays, each 4 KiB aligned, and its header (64 KiB at most)."""
-    return int(chunk_bytes) + 4096 * (arrays + 2) + (64 << 10)
+    takes on disk: its arrays, each 4 KiB aligned, and its header (``header`` bytes at most, default
+    64 KiB; a dataset that knows its column set's description gives a closer bound)."""
+    return int(chunk_bytes) + 4096 * (arrays + 2) + int(header)
 
 
 def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: int, shuffle_window: int,

@@ -13,6 +13,7 @@ bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`)
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -125,7 +126,10 @@ class ChunkReader:
         self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
         # chunk files written and read around the page cache or through it (``cache_io``)
-        files = [file_bytes(c.nbytes, self.arrays_per_chunk) for c in self.chunks]  # each chunk's cache file
+        # each chunk's cache file: its header holds the column set's description and a few hundred bytes a region
+        header = len(json.dumps(self.spec_desc)) + 512 * self.arrays_per_chunk + 4096 + \
+            max(len(f.path.encode()) for f in self.files)  # (and the source file's path)
+        files = [file_bytes(c.nbytes, self.arrays_per_chunk, header) for c in self.chunks]
         modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)),
                                host=device.torch_device.type == "cpu")
         self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads

@@ -377,7 +377,7 @@ def test_warnings_of_the_command_name_its_flags(data, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gpuload"):
         assert main(["cache", "build", str(data), "--cache-dir", str(tmp_path / "c"), "--max-gib", "0"]) == 0
     (warned,) = [r.getMessage() for r in caplog.records if "leaves no room" in r.getMessage()]
-    assert warned.startswith("gpuload: --max-gib 0 leaves no room") and "--cache-io off does that" in warned
+    assert warned.startswith("gpuload: --max-gib 0 leaves no room") and "--cache-io off decodes them all" in warned
     assert "max_cache_bytes" not in warned and "cache_io=" not in warned
 
 

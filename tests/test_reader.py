@@ -182,13 +182,41 @@ def test_building_a_cache_with_cache_off_is_refused(click, tmp_path):
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.glc"))
 
 
+def test_the_room_warning_counts_the_chunks_that_fit(tmp_path, caplog):
+    """A new user's trial: "space for about 2 of this dataset's 8 chunks" where 4 were cached, each chunk
+    file estimated with a 64 KiB header where its header is a few KiB."""
+    import glob
+    import os
+
+    import gpuload
+    from conftest import write_parquet
+
+    n = 120_000
+    write_parquet(tmp_path / "d" / "a.parquet", {"id": np.arange(n), "x": np.linspace(0, 1, n),
+                                                 "score": np.ones(n, np.float32)}, row_group_size=15_000)
+    kw = dict(device="cpu", chunk_bytes=300_000, shuffle=False)
+    probe = gpuload.ParquetDataset(tmp_path / "d", cache_dir=tmp_path / "probe", **kw)
+    list(probe)
+    probe.reader.cache.flush()
+    size = max(os.path.getsize(p) for p in glob.glob(str(tmp_path / "probe" / "**" / "*.glc"), recursive=True))
+    assert len(probe.reader.chunks) == 8
+    with caplog.at_level("WARNING", logger="gpuload"):
+        ds = gpuload.ParquetDataset(tmp_path / "d", cache_dir=tmp_path / "c", max_cache_bytes=int(size * 4.5), **kw)
+    (said,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
+    list(ds)
+    ds.reader.cache.flush()
+    cached = len(glob.glob(str(tmp_path / "c" / "**" / "*.glc"), recursive=True))
+    assert cached == 4 and f"about {cached} of this dataset's 8 chunks" in said, said
+
+
 def test_a_budget_of_0_is_answered_with_cache_off_not_with_more_space(click, tmp_path, caplog):
     """A user's trial set max_cache_bytes=0 for a one-epoch job and was told to "cache it whole with
     2.1 MiB more space"; the budget was asked for: the warning names cache_io='off'."""
     with caplog.at_level("WARNING", logger="gpuload"):
         ds = click.open(tmp_path / "c", max_cache_bytes=0)
     (said,) = [r.getMessage() for r in caplog.records if "max_cache_bytes" in r.getMessage()]
-    assert "every epoch decodes them from Parquet" in said and "cache_io='off'" in said and "more space" not in said
+    assert "those not cached already are decoded from Parquet every epoch" in said and "cache_io='off'" in said \
+        and "more space" not in said
     assert sum(len(b["row_id"]) for b in ds) == click.ref.n and ds.reader.counters.from_cache == 0
 
 

@@ -268,8 +268,9 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
     if room >= need or need == 0:
         return
     if max_cache_bytes == 0:  # asked for: say how to ask for it plainly
-        log.warning("gpuload: %s leaves no room for this dataset's chunks: every epoch decodes them from Parquet; "
-                    "%s does that without a budget (nothing locked or registered)", setting("max_cache_bytes", 0),
+        log.warning("gpuload: %s leaves no room for this dataset's chunks: those not cached already are decoded "
+                    "from Parquet every epoch; %s decodes them all without a budget (nothing locked or registered)",
+                    setting("max_cache_bytes", 0),
                     setting("cache_io", "off"))  # as the user speaks: --max-gib 0 in the command
         return
     per = need / len(files)
