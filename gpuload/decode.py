@@ -299,7 +299,9 @@ class GpuDecoder:
                 except MemoryError as e:
                     raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
                                       "pass decode='cpu'") from None
-                except (OSError, RuntimeError, ValueError) as e:  # pyarrow reads it, or names the failing column
+                # pyarrow reads it, or names the failing column; pylibcudf raises TypeError (cudf::data_type_error),
+                # IndexError (std::out_of_range) and ArithmeticError (overflow, range) for libcudf's refusals too
+                except (OSError, RuntimeError, ValueError, TypeError, IndexError, ArithmeticError) as e:
                     raise Unsupported(f"{where}: libcudf cannot read it ({type(e).__name__}: "
                                       f"{' '.join(str(e).split())})") from None
                 finally:
@@ -310,6 +312,11 @@ class GpuDecoder:
             with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
                 try:
                     out = columns_to_set(raw, specs, f.schema, decoded, where, stream)
+                except Exception as e:  # CuPy's OutOfMemoryError is a MemoryError, torch's a RuntimeError
+                    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+                        raise SourceError(f"{where}: out of GPU memory converting it ({e}); lower chunk_bytes or "
+                                          "pass decode='cpu'") from None
+                    raise
                 finally:  # also before a fallback to the CPU: cuDF's buffers are not needed there
                     del raw
                 if kept is not None and len(kept) != decoded:

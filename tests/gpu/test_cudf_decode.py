@@ -312,3 +312,40 @@ def test_a_filtered_chunk_decoded_by_cudf_keeps_pyarrows_rows(tmp_path, numpy_as
         fl = r.files[c.file]
         _assert_identical(cpu(fl, c, r.specs), gpu(fl, c, r.specs))
     assert gpu.fallbacks == 0
+
+
+def test_libcudfs_refusals_fall_back_to_pyarrow_and_running_out_of_memory_says_what_to_do(tmp_path, numpy_as_cupy,
+                                                                                           monkeypatch):
+    """pylibcudf 26.10 raises TypeError (cudf::data_type_error), IndexError and ArithmeticError for some of
+    libcudf's refusals (a reviewer read its exception handler): the chunk is decoded by pyarrow, counted;
+    an out-of-memory error while converting names chunk_bytes (stand-ins for libcudf and the device)."""
+    import gpuload
+    import gpuload.gpu.cudf_decode as cd
+    from gpuload.decode import ArrowDecoder, GpuDecoder
+
+    write_parquet(tmp_path / "d" / "a.parquet", pa.table({"id": np.arange(1000), "x": np.arange(1000) * 0.5}),
+                  row_group_size=250)
+    r = gpuload.ParquetDataset(tmp_path / "d", cache_dir=tmp_path / "c", device="cpu", chunk_bytes=1 << 13).reader
+    ctx = types.SimpleNamespace(decode_stream=lambda: _STREAM, read_done=lambda: None)
+    for error in (TypeError("data_type_error"), IndexError("out_of_range"), OverflowError("overflow")):
+        def refuse(*a, error=error, **kw):
+            raise error
+
+        monkeypatch.setattr(cd, "read_row_groups", refuse)
+        gpu, cpu = GpuDecoder(ctx, ArrowDecoder(fetch=None)), ArrowDecoder(fetch=None)
+        for c in r.chunks:
+            _assert_identical(cpu(r.files[c.file], c, r.specs), gpu(r.files[c.file], c, r.specs))
+        assert gpu.fallbacks == len(r.chunks) > 1
+
+    def fake_read(image, a, b, columns, stream=None):
+        t = pq.ParquetFile(pa.BufferReader(pa.py_buffer(image.getbuffer()))).read_row_groups(range(a, b),
+                                                                                           columns=columns)
+        return {c: _col(t.column(c).combine_chunks()) for c in columns}
+
+    def no_memory(*a, **kw):
+        raise MemoryError("out of memory allocating 1,048,576 bytes")
+
+    monkeypatch.setattr(cd, "read_row_groups", fake_read)
+    monkeypatch.setattr(cd, "columns_to_set", no_memory)
+    with pytest.raises(gpuload.SourceError, match="out of GPU memory converting it .*lower chunk_bytes"):
+        GpuDecoder(ctx, ArrowDecoder(fetch=None))(r.files[0], r.chunks[0], r.specs)
