@@ -195,6 +195,7 @@ def test_auto_reads_the_row_blocks_cached_before_instead_of_building_columns(sou
     partial = _open(source, tmp_path / "c", shuffle=shuffle, seed=3)
     assert partial.stats().loader_settings["layout"] == "rows"
     _same(_all(partial), want)
+    partial.reader.cache.flush()  # the writer's threads write it after the epoch (a busy CI counted 11 of 12)
     assert partial.reader.counters.decoded == 1 and len(list((tmp_path / "c").rglob("*.glc"))) == len(files)
     partial.close()
     forced = _open(source, tmp_path / "c", shuffle=shuffle, seed=3, layout="columns")  # asked for: built
