@@ -31,7 +31,7 @@ from .specs import record_spec
 from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
-from .evict import Registration, datasets, register
+from .evict import Registration, register, survey
 from .space import Space
 from .writer import PENDING, Writer
 from ..errors import ConfigError, CorruptCacheError
@@ -401,5 +401,5 @@ class ChunkCache:
     def clear(self, spec: str | None = None, unused_since: float | None = None) -> dict:
         """Delete gpuload's files (:func:`gpuload.cache.admin.clear`); with ``unused_since``, never a
         column set a live reader has open (it is in use now)."""
-        live = {p for d in datasets(self.root) if d["live"] for p in d["specs"]} if unused_since is not None else ()
+        live = {p for _, p in survey(self.root).kept} if unused_since is not None else ()  # (folder, spec) groups
         return admin.clear(self.root, spec, unused_since, live)
