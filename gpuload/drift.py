@@ -127,16 +127,11 @@ def unit_drift(files: Sequence[SourceFile], schema: pa.Schema) -> dict[str, str]
     return out
 
 
-def check_everywhere(files: Sequence[SourceFile], columns) -> None:
-    """Refuse a column of ``columns`` (``columns=`` as given) that some files have and others lack, naming
-    them: a column added later (a Delta table's schema evolution, an older writer's files), which gpuload
-    does not read as nulls in the files without it. A name no file has is :func:`resolve_outputs`' to say."""
-    if columns is None:
-        return
-    names = [columns] if isinstance(columns, str) else list(columns.values()) if isinstance(columns, dict) \
-        else list(columns) if isinstance(columns, (list, tuple)) else []
-    for name in dict.fromkeys(n for v in names for n in ([v] if isinstance(v, str) else v if isinstance(v, (
-            list, tuple)) else []) if isinstance(n, str)):
+def check_everywhere(files: Sequence[SourceFile], names: Sequence[str]) -> None:
+    """Refuse a column of ``names`` that some files have and others lack, naming them: a column added
+    later (a Delta table's schema evolution, an older writer's files), which gpuload does not read as
+    nulls in the files without it. A name no file has is :func:`gpuload.schema.resolve_outputs`' to say."""
+    for name in dict.fromkeys(names):
         absent = [f.path for f in files if name not in f.schema.names]
         if absent and len(absent) < len(files):
             shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
@@ -194,14 +189,11 @@ def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
 def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], schema: pa.Schema) -> None:
     """Every file has every selected column, with the (dictionary-decoded) type of ``schema``
     (from :func:`widened`), or one it widens exactly."""
-    first = files[0]
+    check_everywhere(files, [c for s in specs for c in s.columns])
     for f in files:
         for s in specs:
             for c in s.columns:
                 want = _logical(schema.field(c).type)
-                if c not in f.schema.names:
-                    raise SchemaError(f"column {c!r} is in {first.path} but not in {f.path}; "
-                                      "select columns every file has, or fix the files")
                 got = _logical(f.schema.field(c).type)
                 if got != want and not _same_ids(got, want) and wider(got, want) != want:
                     seen: dict = {}  # each type the column has, with the first file that has it

@@ -38,7 +38,7 @@ from .sources.readahead import ReadAhead
 from .memory import HostBudget, HostPool, cache_io_modes, device_bound, file_bytes, host_budget, reads_limited
 from .layout import Layout, joined, spec_description, stored_outputs
 from .plan import Chunk, chunk_row_permutation, make_chunks
-from .schema import OutputSpec, resolve_outputs
+from .schema import OutputSpec, requested_columns, resolve_outputs
 from .transforms import apply_transform, transform_outputs
 from .sources.listing import SourceFile, common_columns, fingerprint, list_files, row_group_sizes
 from .sources.opening import open_files
@@ -179,7 +179,7 @@ class ChunkReader:
             if left_out:
                 log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
                             "only what every file has, or fix the files", ", ".join(left_out))
-        check_everywhere(self.files, src.columns)  # a column some files lack: said so, before the first file's
+        check_everywhere(self.files, requested_columns(src.columns))  # some files lack it: before the first file's
         schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                 int96=frozenset().union(*(f.int96 for f in self.files)),

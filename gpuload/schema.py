@@ -50,8 +50,8 @@ from .categorical import Hash, Vocab, hashable
 from .vocabulary import Vocabulary, register
 from .errors import ConfigError, SchemaError, entry, flag, setting
 
-__all__ = ["OutputSpec", "ValueType", "numpy_dtype", "value_type", "list_value", "resolve_outputs", "storage_dtype",
-           "parse_dtype", "BFLOAT16"]
+__all__ = ["OutputSpec", "ValueType", "numpy_dtype", "value_type", "list_value", "resolve_outputs", "requested_columns",
+           "storage_dtype", "parse_dtype", "BFLOAT16"]
 
 log = logging.getLogger("gpuload")
 
@@ -285,6 +285,13 @@ def _normalise_request(columns, schema: pa.Schema) -> list[tuple[str, tuple[str,
             raise ConfigError(f"{flag('columns')} names {dup} more than once")
         return [(c, (c,), False) for c in columns]
     raise ConfigError(f"{flag('columns')} must be None, a list of names or a dict, got {type(columns).__name__}")
+
+
+def requested_columns(columns) -> list[str]:
+    """The source columns ``columns=`` names, in order, each once (none for None: every column of a
+    supported type that every file has)."""
+    return [] if columns is None else list(dict.fromkeys(c for _, cols, _ in _normalise_request(columns, None)
+                                                          for c in cols))
 
 
 def _encoders(categorical, used: set) -> dict | Hash | Vocab | None:
