@@ -13,7 +13,6 @@ bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`)
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -24,7 +23,7 @@ from typing import Callable
 from .batch import RUN_ROWS, permute_rows
 from .cache.paths import ChunkKey, source_folder
 from .cache.space import warn_short_room
-from .cache.chunkfile import spec_hash
+from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
 from .drift import check_consistent, check_everywhere, check_units, unit_drift, widened
 from .config import Options, Source
@@ -126,10 +125,8 @@ class ChunkReader:
         self.arrays_per_chunk = len(self._outputs) + sum(1 for s in self.outputs if s.kind == "ragged")
         self._make_pools()
         # chunk files written and read around the page cache or through it (``cache_io``)
-        # each chunk's cache file: its header holds the column set's description and a few hundred bytes a region
-        header = len(json.dumps(self.spec_desc)) + 512 * self.arrays_per_chunk + 4096 + \
-            max(len(f.path.encode()) for f in self.files)  # (and the source file's path)
-        files = [file_bytes(c.nbytes, self.arrays_per_chunk, header) for c in self.chunks]
+        header = header_bound(self.spec_desc, self.arrays_per_chunk, max((f.path for f in self.files), key=len))
+        files = [file_bytes(c.nbytes, self.arrays_per_chunk, header) for c in self.chunks]  # each chunk's cache file
         modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)),
                                host=device.torch_device.type == "cpu")
         self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads

@@ -47,9 +47,9 @@ from . import directio
 from .directio import pwrite_all
 from .fs import CacheRoot
 
-__all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token", "encode", "read_header",
-           "check_identity", "pread_all", "pwrite_all", "open_chunk", "read_regions", "MALFORMED", "columns_from_buffer", "file_identity",
-           "read_chunk", "write_chunk"]
+__all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token",
+           "header_bound", "encode", "read_header", "check_identity", "pread_all", "pwrite_all", "open_chunk",
+           "read_regions", "MALFORMED", "columns_from_buffer", "file_identity", "read_chunk", "write_chunk"]
 
 MAGIC = b"GPULOAD\0"
 FORMAT_VERSION = 3  # 3: cast float NaNs stored as one bit pattern (the same on the CPU and the GPU)
@@ -107,6 +107,13 @@ def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
         else:
             out.append((name, "data", np.asarray(v)))
     return out
+
+
+def header_bound(spec: list, arrays: int, source: str) -> int:
+    """Bytes a chunk file's prefix and header take at most (what :func:`encode` writes) for a column set
+    described by ``spec``, stored in ``arrays`` arrays, of source file ``source``: the description, a
+    region entry per array, the source's path and the other fields, each well within its share."""
+    return PREFIX.size + len(json.dumps(spec)) + 512 * arrays + len(source.encode()) + 4096
 
 
 def encode(cols: dict, ident: dict) -> tuple[bytes, list[dict], list[np.ndarray], int]:

@@ -232,3 +232,17 @@ def test_absurdly_nested_header_is_corrupt_not_a_crash(tmp_path):
     path.write_bytes(head + b"\0" * (align(len(head)) - len(head)))
     with pytest.raises(gpuload.CorruptCacheError, match="not JSON"):
         read_chunk(path)
+
+
+def test_a_chunk_files_header_stays_within_its_bound(data, tmp_path):
+    """header_bound sizes the cache files a dataset reckons it needs (its room warning counts chunks by
+    them): every header encode wrote for the click log's chunks is within it."""
+    from gpuload.cache.chunkfile import header_bound
+
+    ds = _built(data, tmp_path / "c")
+    r = ds.reader
+    for i in range(len(r.chunks)):
+        path = r.cache.path(r.key(i))
+        with open(path, "rb") as f:
+            _, _, hlen, _ = PREFIX.unpack(f.read(PREFIX.size))
+        assert PREFIX.size + hlen <= header_bound(r.spec_desc, r.arrays_per_chunk, r.files[r.chunks[i].file].path)
