@@ -242,10 +242,10 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
     if dst.kind in "biu" and not np.can_cast(values.dtype, dst, "safe"):
         with np.errstate(invalid="ignore", over="ignore"):  # a value must come back unchanged, with its sign
             bad = (out.astype(values.dtype) != values) | ((out < 0) != (values < 0))
-            if dst.kind in "iu" and values.dtype.kind == "f":  # and lie in the integer type's range
-                info = np.iinfo(dst)  # (compared in the values' dtype: float16 rounds int32's bounds to
-                bad |= (values < float(info.min)) | (values >= 2.0 ** (info.bits - (info.min < 0)))  # infinities,
-                bad |= ~_xp(values).isfinite(values)  # so an infinity is refused by name, not by range)
+            if dst.kind in "iu" and values.dtype.kind == "f":  # and lie in the integer type's range (compared in
+                info = np.iinfo(dst)  # the values' dtype, where float16 rounds int32's bounds to infinities: so
+                bad |= ~_xp(values).isfinite(values)  # an infinity is refused by name, not by the range)
+                bad |= (values < float(info.min)) | (values >= 2.0 ** (info.bits - (info.min < 0)))
         if bool(bad.any()):
             v = values[int(bad.argmax())].item()
             if isinstance(v, float) and not (math.isfinite(v) and v == int(v)):  # 0.5, NaN: no integer type holds it

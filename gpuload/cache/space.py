@@ -270,8 +270,7 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
     if max_cache_bytes == 0:  # asked for: say how to ask for it plainly
         log.warning("gpuload: %s leaves no room for this dataset's chunks: those not cached already are decoded "
                     "from Parquet every epoch; %s decodes them all without a budget (nothing locked or registered)",
-                    setting("max_cache_bytes", 0),
-                    setting("cache_io", "off"))  # as the user speaks: --max-gib 0 in the command
+                    setting("max_cache_bytes", 0), setting("cache_io", "off"))  # as said: --max-gib 0 in the command
         return
     per = need / len(files)
     fit = min(max(0, int(room // per)), len(files) - 1)
@@ -281,5 +280,5 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
     log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
                 "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
                 "whole with %s more space, or use fewer columns (%s for a job of one epoch)",
-                where, fit, len(files), size_text(max(room, 0)), size_text(need), limit,
-                size_text(others), len(files) - fit, size_text(need - room), setting("cache_io", "off"))  # room < 0: below the reserve
+                where, fit, len(files), size_text(max(room, 0)), size_text(need), limit, size_text(others),
+                len(files) - fit, size_text(need - room), setting("cache_io", "off"))  # room < 0: below the reserve

@@ -227,8 +227,7 @@ class Fetcher:
         """Bytes ``[start, end)`` of ``path``, retried; on the calling thread. ``stop``: the event of the
         fetch it serves (default: the fetcher's now), refused once set."""
         stop = self.stop if stop is None else stop
-        if stop.is_set():
-            self._refuse_if_stopped(path, stop)
+        self._refuse_if_stopped(path, stop)
         def once() -> bytes:
             t0 = self.clock()
             try:
