@@ -32,7 +32,8 @@ from .categorical import Hash, parse_key
 from .vocabulary import registered
 from .convert import cast_values, nulls_error
 from .errors import ConfigError, SourceError, flag, setting
-from .schema import BFLOAT16, FIXED, RAGGED, OutputSpec
+from .dtypes import BFLOAT16
+from .schema import FIXED, RAGGED, OutputSpec
 from .sources.levels import null_counts
 from .sources.listing import SourceFile
 

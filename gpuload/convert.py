@@ -23,7 +23,8 @@ from .batch import Ragged, concat
 from .vocabulary import encode_ids
 from .errors import ConfigError, NullValuesError, SourceError, flag, setting
 from .layout import Pieces, stack
-from .schema import BFLOAT16, FIXED, GROUP, RAGGED, OutputSpec, ValueType, numpy_dtype
+from .dtypes import BFLOAT16, numpy_dtype
+from .schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
 
 __all__ = ["table_to_columns", "needed_columns", "cast_values", "null_error", "nulls_error"]
 

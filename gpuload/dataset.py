@@ -21,7 +21,7 @@ from .observe.stats import Stats
 from .ranks import RankLayout
 from .reader import open_reader
 from .running import Epochs
-from .schema import BFLOAT16
+from .dtypes import BFLOAT16
 from .transforms import check_batch_transform
 
 __all__ = ["ParquetDataset"]

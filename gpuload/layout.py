@@ -39,7 +39,8 @@ import numpy as np
 
 from .batch import _empty, _join, _xp
 from .errors import ConfigError, setting
-from .schema import SCALAR, OutputSpec, storage_dtype
+from .dtypes import storage_dtype
+from .schema import SCALAR, OutputSpec
 
 __all__ = ["LAYOUTS", "Layout", "Pieces", "joined", "stack", "block_members", "stored_outputs", "is_block",
            "spec_description"]

@@ -33,7 +33,7 @@ lists of those                  :class:`gpuload.Ragged` of int64 ids
 Structs, maps, lists of lists and decimals wider than 38 digits raise :class:`SchemaError`.
 
 ``dtypes=`` takes NumPy dtypes, their names, or torch dtypes; ``torch.bfloat16`` (or
-``"bfloat16"``) is stored as its 16-bit pattern (:func:`storage_dtype`) and handed to
+``"bfloat16"``) is stored as its 16-bit pattern (:func:`gpuload.dtypes.storage_dtype`) and handed to
 torch as ``torch.bfloat16``, converted once when the cache is built.
 """
 
@@ -47,53 +47,15 @@ import numpy as np
 import pyarrow as pa
 
 from .categorical import Hash, Vocab, hashable
+from .dtypes import BFLOAT16, numpy_dtype, parse_dtype
 from .vocabulary import Vocabulary, register
 from .errors import ConfigError, SchemaError, entry, flag, setting
 
-__all__ = ["OutputSpec", "ValueType", "numpy_dtype", "value_type", "list_value", "resolve_outputs", "requested_columns",
-           "storage_dtype", "parse_dtype", "BFLOAT16"]
+__all__ = ["OutputSpec", "ValueType", "value_type", "list_value", "resolve_outputs", "requested_columns"]
 
 log = logging.getLogger("gpuload")
 
 SCALAR, GROUP, FIXED, RAGGED = "scalar", "group", "fixed", "ragged"
-BFLOAT16 = "bfloat16"  # an output dtype NumPy lacks: stored as uint16 bit patterns
-
-
-def storage_dtype(dtype: str) -> np.dtype:
-    """The NumPy dtype an output of ``dtype`` is stored in (``"bfloat16"``: uint16)."""
-    return np.dtype("<u2") if dtype == BFLOAT16 else np.dtype(dtype)
-
-
-def parse_dtype(value, what: str) -> str:
-    """A ``dtypes=`` value as an output dtype string: a NumPy dtype or its name, a torch
-    dtype (``torch.float16``) or its name (``"torch.float16"``), or ``"bfloat16"``."""
-    import torch
-
-    if isinstance(value, str) and value.startswith("torch."):
-        value = getattr(torch, value[6:], value)
-    if isinstance(value, torch.dtype):
-        if value == torch.bfloat16:
-            return BFLOAT16
-        try:
-            value = torch.empty(0, dtype=value).numpy().dtype
-        except (TypeError, RuntimeError):
-            raise ConfigError(f"{what}={value} has no NumPy equivalent") from None
-    if isinstance(value, str) and value == BFLOAT16:
-        return BFLOAT16
-    try:
-        dtype = np.dtype(value)
-    except TypeError as e:
-        raise ConfigError(f"{what}={value!r} is not a dtype ({e}): give a numeric one such as float32, int32, "
-                          "bfloat16 or torch.float16") from None
-    if dtype.kind not in "biuf":
-        raise ConfigError(f"{what}={dtype} is not a numeric dtype (bool, integers, floats, bfloat16)")
-    dtype = dtype.newbyteorder("=")  # the cache and torch hold native byte order; the values are the same
-    try:
-        torch.from_numpy(np.empty(0, dtype))
-    except TypeError:
-        raise ConfigError(f"{what}={dtype}: torch has no such dtype; choose one of bool, (u)int8-64, float16/32/64 "
-                          "or bfloat16") from None
-    return dtype.str
 
 
 @dataclass(frozen=True)
@@ -140,15 +102,6 @@ class OutputSpec:
     @property
     def ndim(self) -> int:
         return 2 if self.kind in (GROUP, FIXED) else 1
-
-
-def numpy_dtype(t: pa.DataType) -> np.dtype:
-    """The NumPy dtype of a boolean, integer or floating Arrow type. Not ``to_pandas_dtype()``:
-    pyarrow 25 imports pandas there (0.1-0.3 s, on the first open and in a loader thread's first chunk)."""
-    if pa.types.is_boolean(t):
-        return np.dtype(bool)
-    kind = "f" if pa.types.is_floating(t) else "i" if pa.types.is_signed_integer(t) else "u"
-    return np.dtype(f"{kind}{t.bit_width // 8}")
 
 
 def value_type(t: pa.DataType) -> ValueType | None:

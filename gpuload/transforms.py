@@ -31,7 +31,8 @@ import numpy as np
 
 from .batch import Ragged, nrows
 from .errors import ConfigError, SchemaError
-from .schema import BFLOAT16, FIXED, RAGGED, SCALAR, OutputSpec, parse_dtype, storage_dtype
+from .dtypes import BFLOAT16, parse_dtype, storage_dtype
+from .schema import FIXED, RAGGED, SCALAR, OutputSpec
 
 if TYPE_CHECKING:
     import torch

@@ -34,7 +34,8 @@ from ..batch import Ragged
 from ..categorical import ids_from_hashes, parse_key
 from ..convert import cast_values, needed_columns, null_error
 from ..errors import SourceError
-from ..schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType, storage_dtype
+from ..dtypes import storage_dtype
+from ..schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
 
 __all__ = ["Unsupported", "HostImage", "read_row_groups", "columns_to_set"]
 

@@ -40,7 +40,8 @@ from .remote import Store, hidden, is_local_fs, is_url, store_for
 from .retry import retry
 from .settings import RemoteSettings
 from .tables import local_table_files, remote_table_files
-from ..schema import RAGGED, OutputSpec, storage_dtype
+from ..dtypes import storage_dtype
+from ..schema import RAGGED, OutputSpec
 
 log = logging.getLogger("gpuload")
 
