@@ -64,13 +64,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         shuffling: for data shuffled when it was written, or a first pass that must cost least).
         ``False``: rows in file order.
     block_rows : rows per block with ``shuffle="block"`` (default 256).
-    layout : how the cache stores outputs: ``"rows"`` (single-column scalar outputs of one
-        dtype as one row-major block, gathered a row at a time), ``"columns"`` (an array per
-        output), or ``"auto"`` (default): ``"rows"`` where rows are gathered (``shuffle=True``
-        or ``"block"``), ``"columns"`` where none is (``False``, ``"chunks"``: batches are views
-        of the chunks' columns), unless the cache holds more of the dataset as row blocks. Batches
-        hold the same contiguous tensors either way; see :mod:`gpuload.layout`. Each layout has
-        its own cache files.
+    layout : how the cache stores outputs (each layout has its own cache files; batches are the
+        same): ``"rows"`` (scalar outputs of one dtype as one row-major block), ``"columns"`` (an
+        array per output) or ``"auto"`` (default): ``"rows"`` where rows are gathered (``shuffle=True``
+        or ``"block"``), else ``"columns"``, unless the cache holds more of the dataset as row
+        blocks (:mod:`gpuload.layout`).
     seed : shuffle seed (default 0); with the epoch it fixes the order completely.
     drop_last : drop the tail that does not fill a batch on every rank (default False:
         every row once, see :mod:`gpuload.plan` for how the tail is balanced).
@@ -129,9 +127,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     nice : how many nice steps below the thread that starts an epoch gpuload's background
         threads run (default 0: the same priority; 0 to 19; Linux only, elsewhere ignored).
         With ``nice=10`` the training thread and its torch threads get a core first and the
-        loader takes what is left: a step whose own CPU work matters (torch intra-op threads
-        on a small host) runs faster, at the price of more waiting for data when the cores
-        are short (docs/benchmarks.md, "Peers").
+        loader takes what is left: a CPU-heavy step runs faster, at the price of more waiting
+        for data when the cores are short (docs/benchmarks.md, "Peers").
     max_cache_bytes : this dataset's own cache budget in bytes (default None: none; split over
         several folders). Whatever it says, the folder's quota (``gpuload cache quota``), else a
         reserve of 10% of the disk (``$GPULOAD_CACHE_RESERVE``), holds: a chunk that does not fit
@@ -139,13 +136,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         (:mod:`gpuload.cache.evict`). What does not fit is read from Parquet every epoch, and
         opening says how much of the dataset fits.
     cache_io : ``"auto"`` (default), ``"direct"``, ``"buffered"`` or ``"off"``: cache files written
-        and read around the page cache (``O_DIRECT``; :mod:`gpuload.cache.directio`) or through it.
-        ``"auto"``: direct (a cheaper first epoch, other files' pages kept), the reads turning
-        buffered after a pass they limited where the files fit in half the memory (a slow
-        disk: see :func:`gpuload.memory.cache_io_modes`). ``"off"``: no chunk is cached or read from
-        the cache; every epoch decodes Parquet (for a job of one epoch over data too large to
-        repeat: no chunk written, no next epoch loaded ahead, nothing evicted; the cache folder
-        still keeps the footers and vocabularies).
+        and read around the page cache (``O_DIRECT``) or through it. ``"auto"``: direct, the reads
+        turning buffered after a pass a slow disk limited where the files fit in half the memory
+        (:func:`gpuload.memory.cache_io_modes`). ``"off"``: every epoch decodes Parquet and nothing
+        is cached, loaded ahead or evicted (a job of one epoch over data too large to repeat; the
+        cache folder still keeps footers and vocabularies).
     verify_checksums : check each cache file's xxh3 checksums the first time this process
         reads it (default True), on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the
@@ -259,14 +254,12 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def host_bytes_bound(self) -> int:
         """Upper bound of the host memory the loader holds at once, in bytes (CPU path): windows,
         chunks loaded ahead, queued batches, chunks being decoded and written, a remote source's
-        read-ahead, the trace (:func:`gpuload.memory.host_budget` gives the terms, and
-        ``self.reader.host_budget()`` their values). Independent of the dataset's size; measured
-        peaks were 51-84% of it (``benchmarks/bench_memory.py``). Batches the training loop keeps
-        and the dataset's metadata are not in it. Lower it with ``chunk_bytes``, ``shuffle_window``,
-        ``prefetch``, ``num_threads`` and ``remote={"readahead_bytes": ...}``. On a GPU, windows and
-        batches live in device memory (:attr:`device_bytes_bound`) and this bound is not tight
-        (the cache writes' host copies, pinned blocks rounded up to powers of two, take up to twice
-        their term, well within the windows' term the GPU path leaves unused)."""
+        read-ahead, the trace (terms: :func:`gpuload.memory.host_budget`; values:
+        ``self.reader.host_budget()``). Independent of the dataset's size; measured peaks were 51-84%
+        of it (``benchmarks/bench_memory.py``); batches the training loop keeps are not in it. Lower
+        it with ``chunk_bytes``, ``shuffle_window``, ``prefetch``, ``num_threads`` and
+        ``remote={"readahead_bytes": ...}``. On a GPU, windows and batches are in device memory
+        (:attr:`device_bytes_bound`) and this bound is loose."""
         return self.reader.host_budget().total
 
     def set_epoch(self, epoch: int) -> None:
