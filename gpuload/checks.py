@@ -167,10 +167,17 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                 found[c][2].append(f.path)
         pa.default_memory_pool().release_unused()  # what Arrow's allocator kept of the columns read goes back
     order = {f.path: i for i, f in enumerate(files)}  # messages name files in the order given
-    bad = [(c, nulls, lists, files_text(sorted(where, key=order.__getitem__)))
+    bad = [(c, nulls, lists, files_text(sorted(where, key=order.__getitem__)) + _lacking(files, c))
            for c, (nulls, lists, where) in found.items() if nulls]
     if bad:  # every such column at once: one run finds them all
         raise nulls_error(bad)
+
+
+def _lacking(files: Sequence[SourceFile], column: str) -> str:
+    """Where files lack ``column`` (read as nulls there: :func:`gpuload.drift.absent_as_nulls`), how many."""
+    n = sum(column in f.absent for f in files)
+    return f" ({n} {'file lacks' if n == 1 else 'files lack'} the column, added later: its rows there are null)" if n \
+        else ""
 
 
 def _bounds(st, vt, src: np.dtype) -> np.ndarray | None:

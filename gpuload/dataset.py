@@ -52,7 +52,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     columns : None (every column of a supported type that every file has, pandas index
         columns excepted; others are skipped with one log line), a list of names, or a
         dict ``{output: column}`` / ``{output: [columns]}``; a list of same-kind scalar
-        columns is stacked into one ``[rows, k]`` tensor.
+        columns is stacked into one ``[rows, k]`` tensor. A named column some files lack (added
+        later) is null in them (``fill_nulls``).
     batch_size : rows per batch (default 65536).
     shuffle : ``True`` (default): permute the chunk order and the rows within each window of
         chunks, differently each epoch. ``"block"``: the same, but permute blocks of

@@ -231,7 +231,7 @@ class ArrowDecoder:
             promised = "the filter kept when counted at open" if self.row_filter is not None else "the footer promises"
             raise SourceError(f"{where}: read {table.num_rows} rows where {promised} {chunk.rows}")
         for c in needed:
-            if c in f.partition_names:  # a Hive partition key: the same value in every row
+            if c in f.partition_names:  # a Hive partition key (or a column the file lacks: nulls), in every row
                 table = table.append_column(c, pa.repeat(f.partition_scalar(c), chunk.rows))
             elif c in dict(f.file_keys):  # a key the file stores too: it must hold the folder's value
                 err = stored_key_error(f, c, table.column(c).combine_chunks(), where)
@@ -357,6 +357,8 @@ def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
     for c in needed_columns(specs):
         if "." in c:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
+        if c in f.absent:
+            raise Unsupported(f"column {c!r} is not in this file: nulls, made on the CPU")
         if c in f.partition_names:
             raise Unsupported(f"column {c!r} is a partition key")
         if c in f.int96:

@@ -5,12 +5,15 @@ Where one type holds every file's values exactly (:func:`wider`), the source is 
 (:func:`widened`) and each file's values are converted to it exactly when its chunks are (a file's
 timestamps in the finest unit: :func:`unit_drift`, which the cache key names); where none does, the
 dataset is refused at open, naming the files (:func:`check_consistent`), and so is a file whose
-values the finer unit cannot hold, by its statistics (:func:`check_units`).
+values the finer unit cannot hold, by its statistics (:func:`check_units`). A selected column some
+files lack (added later) is read as nulls in them (:func:`absent_as_nulls`).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 from typing import Sequence
 
 import pyarrow as pa
@@ -18,9 +21,11 @@ import pyarrow as pa
 from .categorical import hashable
 from .errors import SchemaError, SourceError, flag
 from .schema import OutputSpec, list_value
-from .sources.listing import SourceFile
+from .sources.listing import SourceFile, all_columns
 
-__all__ = ["wider", "widened", "unit_drift", "check_units", "check_consistent", "check_everywhere"]
+log = logging.getLogger("gpuload")
+
+__all__ = ["wider", "widened", "unit_drift", "check_units", "check_consistent", "absent_as_nulls"]
 
 
 def _logical(t: pa.DataType) -> pa.DataType:
@@ -127,18 +132,29 @@ def unit_drift(files: Sequence[SourceFile], schema: pa.Schema) -> dict[str, str]
     return out
 
 
-def check_everywhere(files: Sequence[SourceFile], names: Sequence[str]) -> None:
-    """Refuse a column of ``names`` that some files have and others lack, naming them: a column added
-    later (a Delta table's schema evolution, an older writer's files), which gpuload does not read as
-    nulls in the files without it. A name no file has is :func:`gpuload.schema.resolve_outputs`' to say."""
-    for name in dict.fromkeys(names):
-        absent = [f.path for f in files if name not in f.schema.names]
-        if absent and len(absent) < len(files):
-            shown = ", ".join(absent[:3]) + (f" and {len(absent) - 3} more" if len(absent) > 3 else "")
-            raise SchemaError(f"column {name!r} is in {len(files) - len(absent)} of the {len(files)} files but not in "
-                              f"{shown}: a column added later (a Delta table's schema evolution, files of an older "
-                              f"writer), which gpuload does not read as nulls; leave it out of {flag('columns')}, or "
-                              f"rewrite the files that lack it (a Delta table: whole, with mode='overwrite')")
+def absent_as_nulls(files: Sequence[SourceFile], names: Sequence[str]) -> list[SourceFile]:
+    """``files``, each lacking a column of ``names`` that another file has (a column added later: a
+    Delta table's schema evolution, an older writer's files) given it as nulls: a Hive key whose
+    value is null (:attr:`SourceFile.absent`), of the type of the first file that has it. Every
+    stage then reads it as it reads a null key: no fill value, a :class:`NullValuesError` naming the
+    files (categorical ids 0); a filter's condition on it is null there (the row is not kept). A
+    name no file has is :func:`gpuload.schema.resolve_outputs`' to refuse."""
+    has = all_columns(files)
+    wanted = [has.field(n) for n in dict.fromkeys(names) if n in has.names]
+    out = []
+    for f in files:
+        lack = [field for field in wanted if field.name not in f.schema.names]
+        if lack:
+            lack = [pa.field(field.name, _logical(field.type)) for field in lack]
+            f = dataclasses.replace(f, schema=pa.schema(list(f.schema) + lack, metadata=f.schema.metadata),
+                                    partitions=f.partitions + tuple((field.name, None) for field in lack),
+                                    absent=f.absent | {field.name for field in lack})
+        out.append(f)
+    counts = collections.Counter(n for f in out for n in f.absent)
+    for name, n in sorted(counts.items()):
+        log.info("gpuload: column %r is not in %d of the %d files (added later?): read as nulls there", name, n,
+                 len(files))
+    return out
 
 
 def check_units(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
@@ -187,9 +203,8 @@ def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
 
 
 def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], schema: pa.Schema) -> None:
-    """Every file has every selected column, with the (dictionary-decoded) type of ``schema``
-    (from :func:`widened`), or one it widens exactly."""
-    check_everywhere(files, [c for s in specs for c in s.columns])
+    """Every file's selected columns (each file has them all: :func:`absent_as_nulls`) have the
+    (dictionary-decoded) type of ``schema`` (from :func:`widened`), or one it widens exactly."""
     for f in files:
         for s in specs:
             for c in s.columns:

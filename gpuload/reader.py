@@ -25,7 +25,7 @@ from .cache.paths import ChunkKey, source_folder
 from .cache.space import warn_short_room
 from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
-from .drift import check_consistent, check_everywhere, check_units, unit_drift, widened
+from .drift import absent_as_nulls, check_consistent, check_units, unit_drift, widened
 from .config import Options, Source
 from .errors import SourceError, flag
 from .convert import needed_columns
@@ -39,7 +39,7 @@ from .layout import Layout, joined, spec_description, stored_outputs
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, requested_columns, resolve_outputs
 from .transforms import apply_transform, transform_outputs
-from .sources.listing import SourceFile, common_columns, fingerprint, list_files, row_group_sizes
+from .sources.listing import SourceFile, all_columns, common_columns, fingerprint, list_files, row_group_sizes
 from .sources.opening import open_files
 
 log = logging.getLogger("gpuload")
@@ -90,7 +90,9 @@ class ChunkReader:
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
         #: the columns the row filter reads (its kept rows are counted over them, and Vocab columns' values)
         self.filter_columns: list[str] = [] if source.filters is None else \
-            source.filters.columns(common_columns(self.files)[0])
+            source.filters.columns(all_columns(self.files))
+        # a selected column some files lack (added later) is nulls there, as a null Hive key is
+        self.files = absent_as_nulls(self.files, requested_columns(source.columns) + self.filter_columns)
         self.specs: list[OutputSpec] = self._resolve_outputs()  #: what is decoded and converted
         t = source.transform
         #: what is cached and delivered: ``specs``, or what ``transform`` makes of them
@@ -174,9 +176,8 @@ class ChunkReader:
         if src.columns is None:  # the columns every file has, whatever the files' order
             schema, left_out = common_columns(self.files)
             if left_out:
-                log.warning("gpuload: columns=None: leaving out %s (not in every file); name columns to load "
-                            "only what every file has, or fix the files", ", ".join(left_out))
-        check_everywhere(self.files, requested_columns(src.columns))  # some files lack it: before the first file's
+                log.warning("gpuload: columns=None: leaving out %s (not in every file); name them in columns= to "
+                            "read them as nulls where they are missing (with fill_nulls=)", ", ".join(left_out))
         schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
         specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                 int96=frozenset().union(*(f.int96 for f in self.files)),

@@ -302,10 +302,13 @@ def test_file_lacks_selected_column(tmp_path, missing_in):
     full = pa.table({"u": pa.array([1, 2], pa.int64()), "v": pa.array([3, 4], pa.int64())})
     _write(d / "a.parquet", full.select(["u"]) if missing_in == "a" else full)
     _write(d / "b.parquet", full.select(["u"]) if missing_in == "b" else full)
-    with pytest.raises(gpuload.SchemaError) as info:
+    with pytest.raises(gpuload.NullValuesError) as info:  # nulls where it lacks the column: a fill is needed
         gpuload.ParquetDataset(d, ["u", "v"], cache_dir=tmp_path / "c", device="cpu")
     msg = str(info.value)
-    assert "'v'" in msg and f"{missing_in}.parquet" in msg
+    assert "'v'" in msg and f"{missing_in}.parquet" in msg and "1 file lacks the column" in msg
+    ds = gpuload.ParquetDataset(d, ["u", "v"], fill_nulls=-9, cache_dir=tmp_path / "c", device="cpu", shuffle=False)
+    got = [(u, v) for b in ds for u, v in zip(b["u"].tolist(), b["v"].tolist())]
+    assert got == ([(1, -9), (2, -9), (1, 3), (2, 4)] if missing_in == "a" else [(1, 3), (2, 4), (1, -9), (2, -9)])
 
 
 def test_string_column_selected_becomes_64_bit_hash_ids(tmp_path):

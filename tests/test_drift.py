@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import xxhash
 
 import gpuload
 from gpuload import drift
@@ -221,16 +222,69 @@ def test_widened_float_nans_are_the_positive_quiet_nan(tmp_path):
     assert got == [0x7FF8000000000000, 0x7FF8000000000000, 0x3FF0000000000000, 0x4000000000000000]
 
 
-def test_a_column_some_files_lack_is_refused_naming_them(tmp_path):
-    """Not the first file's "not in" as for a misspelt column: how many files have it, which lack it, and that
-    gpuload does not read it as nulls there (fill_nulls= notwithstanding)."""
-    src = tmp_path / "src"
+def _evolved(src):
+    """Three files of one table whose later two gained columns: a float, a list, a string and a timestamp."""
     write_parquet(src / "a.parquet", {"id": np.arange(3)})
-    for name in ("b", "c"):
-        write_parquet(src / f"{name}.parquet", {"id": np.arange(3), "w": np.ones(3)})
-    with pytest.raises(gpuload.SchemaError, match=r"column 'w' is in 2 of the 3 files but not in .*a\.parquet: a "
-                                                  r"column added later .* leave it out of columns="):
-        gpuload.ParquetDataset(src, {"id": "id", "ws": ["w", "id"]}, fill_nulls={"w": 0.0}, cache_dir=tmp_path / "c",
-                               device="cpu")
-    with pytest.raises(gpuload.SchemaError, match=r"column 'nope' is not in "):  # in no file: a misspelling
+    for k, name in enumerate(("b", "c")):
+        ids = np.arange(3 * k + 3, 3 * k + 6)
+        pq.write_table(pa.table({"id": ids, "w": ids * 0.5, "l": pa.array([[int(i)] * (i % 3) for i in ids]),
+                                 "s": pa.array([f"v{i}" for i in ids]),
+                                 "t": pa.array(ids.astype("datetime64[ms]"))}), src / f"{name}.parquet")
+
+
+def _reference(src, columns, filter=None):
+    """pyarrow's own reading of the files under their unified schema: nulls where a file lacks a column."""
+    import pyarrow.dataset as pds
+
+    schema = pa.unify_schemas([pq.read_schema(p) for p in sorted(src.glob("*.parquet"))])
+    return pds.dataset(src, schema=schema).to_table(columns=columns, filter=filter).sort_by("id")
+
+
+def test_a_column_some_files_lack_is_nulls_there_and_needs_a_fill_value(tmp_path):
+    """A column added later (a Delta table's schema evolution, an older writer's files) is read as nulls in
+    the files without it, as pyarrow's dataset reads them: without a fill value that is an error naming the
+    files that lack it; with one, every value is pyarrow's, its nulls filled."""
+    src = tmp_path / "src"
+    _evolved(src)
+    with pytest.raises(gpuload.NullValuesError, match=r"'w' has 3 null values \(in .*a\.parquet\) \(1 file lacks the "
+                                                      r"column, added later"):
+        gpuload.ParquetDataset(src, ["id", "w"], cache_dir=tmp_path / "c", device="cpu")
+    fills = {"w": -1.0, "l": 0, "t": -7}
+    ds = gpuload.ParquetDataset(src, {"id": "id", "w": "w", "l": "l", "s": "s", "t": "t", "ws": ["w", "id"]},
+                                fill_nulls=fills, cache_dir=tmp_path / "c", device="cpu", batch_size=4, shuffle=False)
+    got = {k: [] for k in ("id", "w", "l", "s", "t", "ws")}
+    for b in ds:
+        for k in ("id", "w", "s", "t", "ws"):
+            got[k] += b[k].tolist()
+        values, offsets = b["l"].values.tolist(), b["l"].offsets.tolist()
+        got["l"] += [values[i:j] for i, j in zip(offsets, offsets[1:])]
+    ref = _reference(src, ["id", "w", "l", "s", "t"])
+    assert got["id"] == ref.column("id").to_pylist() == list(range(9))
+    assert got["w"] == ref.column("w").fill_null(-1.0).to_pylist()
+    assert got["l"] == [v or [] for v in ref.column("l").to_pylist()]
+    assert got["t"] == ref.column("t").cast(pa.int64()).fill_null(-7).to_pylist()
+    assert got["ws"] == [[w, float(i)] for w, i in zip(got["w"], got["id"])]
+    signed = [xxhash.xxh64_intdigest(v.encode()) for v in ref.column("s").to_pylist()[3:]]
+    assert got["s"] == [0, 0, 0] + [h - (1 << 64) * (h >= 1 << 63) for h in signed]  # a null string: id 0
+
+
+@pytest.mark.parametrize("cond", [[("w", ">", 3.0)], [("w", "<", 100.0)]])
+def test_a_filter_on_a_column_some_files_lack_keeps_none_of_their_rows(tmp_path, cond):
+    """A condition on a column a file lacks is null there, as in pyarrow's dataset: its rows are not kept;
+    columns=None still leaves such a column out."""
+    import pyarrow.compute as pc
+
+    src = tmp_path / "src"
+    _evolved(src)
+    ds = gpuload.ParquetDataset(src, ["id"], filters=cond, cache_dir=tmp_path / "c", device="cpu", shuffle=False)
+    name, op, value = cond[0]
+    want = _reference(src, ["id"], {">": pc.field(name) > value, "<": pc.field(name) < value}[op])
+    assert sorted(v for b in ds for v in b["id"].tolist()) == want.column("id").to_pylist()
+    assert gpuload.ParquetDataset(src, cache_dir=tmp_path / "c", device="cpu").outputs == ["id"]
+
+
+def test_a_column_no_file_has_is_still_a_misspelling(tmp_path):
+    src = tmp_path / "src"
+    _evolved(src)
+    with pytest.raises(gpuload.SchemaError, match=r"column 'nope' is not in "):
         gpuload.ParquetDataset(src, ["id", "nope"], cache_dir=tmp_path / "c", device="cpu")

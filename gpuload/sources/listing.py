@@ -45,7 +45,7 @@ from ..schema import RAGGED, OutputSpec
 
 log = logging.getLogger("gpuload")
 
-__all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint", "common_columns",
+__all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint", "common_columns", "all_columns",
            "pandas_index_columns"]
 
 _GLOB_CHARS = set("*?[")
@@ -69,6 +69,10 @@ class SourceFile:
     a null partition); ``file_keys`` each key the file also stores as a column (as Polars'
     ``partition_by`` and DuckDB's ``WRITE_PARTITION_COLUMNS`` write them) to the folder's
     value, which every row of that column must hold (see :func:`gpuload.checks.check_partition_keys`).
+    ``absent`` names the selected columns the file lacks and other files have (a column added
+    later: a Delta table's schema evolution), read as nulls: each is in ``partitions`` with the
+    value None and in ``schema`` with the type of the first file that has it
+    (:func:`gpuload.drift.absent_as_nulls`), so that every stage reads it as a null Hive key.
     ``store`` (a :class:`gpuload.sources.remote.Store`) and ``key`` (the object's path in it)
     are set for remote objects only.
     """
@@ -81,6 +85,7 @@ class SourceFile:
     partitions: tuple = ()  # ((name, value), ...)
     file_keys: tuple = ()  # ((name, value), ...): partition keys also stored in the file
     int96: frozenset = frozenset()  # columns stored as INT96 timestamps (read as microseconds)
+    absent: frozenset = frozenset()  # selected columns the file lacks: nulls (in partitions as None)
     ctime_ns: int = _field(default=0, compare=False)  # a local file's ctime when its footer was read
     tag: str = ""
     store: Store | None = _field(default=None, compare=False, repr=False)
@@ -337,13 +342,22 @@ def common_columns(files: Sequence[SourceFile]) -> tuple[pa.Schema, list[str]]:
     """The first file's schema restricted to the columns every file has (pandas index
     columns left out), and the names left out because some file lacks them."""
     first = files[0].schema
-    shared = set(first.names)
+    shared = set(first.names) - files[0].absent
     for f in files[1:]:
-        shared &= set(f.schema.names)
+        shared &= set(f.schema.names) - f.absent
     everywhere = set().union(*(set(f.schema.names) for f in files))
     index = set().union(*(pandas_index_columns(f.schema) for f in files))
     keep = [f for f in first if f.name in shared and f.name not in index]
     return pa.schema(keep, metadata=first.metadata), sorted(everywhere - shared - index)
+
+
+def all_columns(files: Sequence[SourceFile]) -> pa.Schema:
+    """Every column some file has, each once, of the type of the first file that has it."""
+    seen: dict[str, pa.Field] = {}
+    for f in files:
+        for field in f.schema:
+            seen.setdefault(field.name, field)
+    return pa.schema(list(seen.values()))
 
 
 def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec],

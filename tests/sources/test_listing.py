@@ -124,8 +124,12 @@ def test_columns_none_takes_the_columns_every_file_has_in_either_order(tmp_path,
     got = _all(ds)
     assert sorted(got["x"]) == list(range(200))
     assert any("extra" in r.getMessage() and "not in every file" in r.getMessage() for r in caplog.records)
-    with pytest.raises(gpuload.SchemaError, match="'extra'"):  # asked for by name: refused in either order
-        _ds(tmp_path / "d", tmp_path / "cache", ["x", "extra"])
+    with pytest.raises(gpuload.NullValuesError, match="'extra' .*1 file lacks the column"):  # asked for by name:
+        _ds(tmp_path / "d", tmp_path / "cache", ["x", "extra"])  # nulls where it is missing, in either order
+    ds = gpuload.ParquetDataset(tmp_path / "d", ["x", "extra"], fill_nulls=0.0, cache_dir=tmp_path / "cache",
+                                device="cpu")
+    got = _all(ds)
+    assert sorted(zip(got["x"], got["extra"])) == [(x, float(x >= 100)) for x in range(200)]
 
 
 @pytest.mark.parametrize("first", [0, 1])

@@ -107,17 +107,22 @@ def test_column_mapping_is_refused(tmp_path):
         _ds(root, tmp_path / "cache", ["id"])
 
 
-def test_a_column_added_to_the_table_later_is_refused_naming_the_files_without_it(tmp_path):
-    """A new user's trial: a column merged into the schema by an append was refused as missing from the first
-    file, as if misspelt (its fill_nulls notwithstanding); the columns every file has still read."""
+def test_a_column_added_to_the_table_later_reads_as_nulls_in_the_files_without_it(tmp_path):
+    """A column merged into the schema by an append is null in the older files, as deltalake reads the table:
+    without a fill value that is refused, naming the files that lack it; with one, every value is deltalake's."""
     root = tmp_path / "evolved"
     deltalake.write_deltalake(root, _table(np.arange(10), np.zeros(10)))
-    deltalake.write_deltalake(root, pa.table({"id": np.arange(10, 20), "x": np.ones(10), "w": np.ones(10)}),
+    deltalake.write_deltalake(root, pa.table({"id": np.arange(10, 20), "v": np.ones(10, np.float32),
+                                              "day": np.ones(10, np.int64), "w": np.arange(10) * 2.5}),
                               mode="append", schema_mode="merge")
-    with pytest.raises(gpuload.SchemaError, match=r"column 'w' is in 1 of the 2 files but not in .*: a column added "
-                                                  r"later \(a Delta table's schema evolution"):
+    with pytest.raises(gpuload.NullValuesError, match=r"'w' has 10 null values .*1 file lacks the column"):
         _ds(root, tmp_path / "cache", ["id", "w"])
-    assert sorted(v for b in _ds(root, tmp_path / "cache", ["id"]) for v in b["id"].tolist()) == list(range(20))
+    ds = gpuload.ParquetDataset(root, ["id", "w"], fill_nulls={"w": -1.0}, cache_dir=tmp_path / "cache",
+                                device="cpu", batch_size=8)
+    got = sorted((i, w) for b in ds for i, w in zip(b["id"].tolist(), b["w"].tolist()))
+    ref = deltalake.DeltaTable(root).to_pyarrow_table(columns=["id", "w"]).sort_by("id")
+    assert got == list(zip(ref.column("id").to_pylist(), ref.column("w").fill_null(-1.0).to_pylist()))
+    assert sum(w == -1.0 for _, w in got) == 10
 
 
 def test_an_iceberg_folder_is_refused_with_the_call_that_lists_its_files(tmp_path):
