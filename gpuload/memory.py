@@ -20,14 +20,12 @@ it forgets free buffers (the OS gets their memory back) or hands out buffers it 
 :class:`gpuload.reader.ChunkReader` are capped at their terms, so what they keep for
 reuse never adds to it.
 
-:func:`memory_bytes` and :func:`cores`: what this process may use of the machine, its
-cgroup's limits (a container, a Slurm job) and its CPU affinity included.
+:func:`cache_io_modes`: whether a dataset's cache files go around the page cache or through it.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import threading
 from dataclasses import dataclass, fields
@@ -35,7 +33,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["device_bound", "CacheIO", "cache_io_modes", "reads_limited", "file_bytes", "memory_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
+from .machine import memory_bytes
+
+__all__ = ["device_bound", "CacheIO", "cache_io_modes", "reads_limited", "file_bytes", "HostPool", "HostBudget", "host_budget", "size_text"]
 
 ALIGN = 4096  #: where pooled arrays start: a page, as direct I/O needs (gpuload.cache.directio)
 _ROUND = 1 << 20  # buffers are sized in whole MiB (and coarser: _size_class), so similar sizes share them
@@ -272,81 +272,6 @@ def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_
     row = chunk_bytes / max(1, chunk_rows)
     decoding = num_threads * (2 * chunk_bytes + 24 * chunk_rows) if gpu_decode else 0
     return int((3 * shuffle_window + prefetch + 1) * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))
-
-
-def _cgroup_dirs(controller: str, proc: str, root: str) -> list[tuple[str, bool]]:
-    """``(folder, is_v2)`` of this process's cgroup and of every cgroup above it, for
-    ``controller`` (cgroup v2's unified hierarchy, or v1's hierarchy of that controller), as
-    ``/proc/self/cgroup`` places them: the process's own first."""
-    try:
-        with open(proc) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return []
-    dirs = []
-    for line in lines:
-        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if controllers == "":  # v2: one unified hierarchy
-            base, v2 = root, True
-        elif controller in controllers.split(","):
-            base, v2 = os.path.join(root, controller), False  # v1 mounts "cpu,cpuacct", mostly with a "cpu" link
-            if not os.path.isdir(base):
-                base = os.path.join(root, controllers)
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        dirs += [(os.path.join(base, *parts[:depth]), v2) for depth in range(len(parts), -1, -1)]
-    return dirs
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def _cgroup_limits(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
-    """The memory limits (bytes) of this process's cgroup and every cgroup above it: cgroup v2
-    (``memory.max``) and v1 (``memory.limit_in_bytes``)."""
-    limits = []
-    for folder, v2 in _cgroup_dirs("memory", proc, root):
-        text = _read(os.path.join(folder, "memory.max" if v2 else "memory.limit_in_bytes"))
-        if text is not None and text.isdigit():  # "max" (v2) or a huge number (v1: unlimited) changes nothing below
-            limits.append(int(text))
-    return limits
-
-
-def _cgroup_cpus(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[int]:
-    """The CPU quotas, in whole cores rounded up, of this process's cgroup and every cgroup
-    above it: cgroup v2 (``cpu.max``: quota and period in µs, or ``max``) and v1
-    (``cpu.cfs_quota_us``, -1 for none, over ``cpu.cfs_period_us``). A container's CPU limit."""
-    quotas = []
-    for folder, v2 in _cgroup_dirs("cpu", proc, root):
-        if v2:
-            quota, period = ((_read(os.path.join(folder, "cpu.max")) or "max").split() + ["100000"])[:2]
-        else:
-            quota = _read(os.path.join(folder, "cpu.cfs_quota_us")) or "-1"
-            period = _read(os.path.join(folder, "cpu.cfs_period_us")) or "100000"
-        if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
-            quotas.append(-(-int(quota) // int(period)))
-    return quotas
-
-
-def memory_bytes() -> int:
-    """Bytes of memory this process and its page cache may use: the machine's, or the lowest
-    limit of its cgroup and the cgroups above it (a container, a Slurm job, a systemd slice)."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min([total, *_cgroup_limits()])
-
-
-def cores() -> int:
-    """CPU cores this process may use: those it may run on (its affinity: ``taskset``, a Slurm
-    job's cpuset), at most the lowest CPU quota of its cgroup and the cgroups above it, rounded
-    up (a container's CPU limit, which leaves the affinity at every core of the node)."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min([n, *_cgroup_cpus()]))
 
 
 class CacheIO(NamedTuple):

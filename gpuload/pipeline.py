@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Sequence
 
 from .batch import Batcher, Parts, concat, long_runs, nbytes, nrows, rows
-from .memory import cores as usable_cores
+from .machine import cores as usable_cores
 from .plan import Segment
 
 __all__ = ["Background", "epoch_batches", "handed_out", "Stages", "lowered_priority", "cut_threads"]
@@ -64,7 +64,7 @@ class Stages:
 def cut_threads(num_threads: int, cores: int | None = None) -> int:
     """Threads the CPU path gathers batches on: the loader's ``num_threads`` where the process
     has cores for them beside the loader threads, the producer and the training thread
-    (``cores``: default :func:`gpuload.memory.cores`, its affinity and CPU quota), else 1 (the producer alone). Measured on 2 cores,
+    (``cores``: default :func:`gpuload.machine.cores`, its affinity and CPU quota), else 1 (the producer alone). Measured on 2 cores,
     cached epochs of 8M rows: gathering on 2 threads was 1.3x as fast with no training step, and
     9% slower with a 2 ms step and a consumer copying every tensor (threads fighting for the
     two cores): docs/benchmarks.md, "Gathering batches on several threads"."""

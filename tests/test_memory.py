@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -199,55 +198,6 @@ def test_peak_rss_stays_under_host_bytes_bound(tmp_path):
     used = got["peak"] - got["opened"]
     bound = got["bound"] - got["max_trace"] + got["trace"]
     assert 0 < used <= bound, f"peak {used / MiB:.0f} MiB above the opened dataset, bound {bound / MiB:.0f} MiB"
-
-
-def test_the_cpu_quota_is_the_lowest_of_the_process_cgroup_and_its_parents(tmp_path):
-    """A container's CPU limit is a quota on its cgroup (or a parent's), in whole cores rounded up:
-    cgroup v2's cpu.max ("max" meaning none) and v1's cfs quota over its period (-1 meaning none)."""
-    from gpuload.memory import _cgroup_cpus
-
-    root = tmp_path / "sys"
-    pod = root / "kubepods.slice" / "pod_1" / "cri-abc"
-    pod.mkdir(parents=True)
-    (pod / "cpu.max").write_text("max 100000\n")
-    (pod.parent / "cpu.max").write_text("250000 100000\n")  # the pod's limit of 2.5 CPUs, on the parent
-    (root / "kubepods.slice" / "cpu.max").write_text("1600000 100000\n")
-    proc = tmp_path / "cgroup"
-    proc.write_text("0::/kubepods.slice/pod_1/cri-abc\n")
-    assert min(_cgroup_cpus(str(proc), str(root))) == 3
-    v1 = root / "cpu" / "docker" / "abc"
-    v1.mkdir(parents=True)
-    (v1 / "cpu.cfs_quota_us").write_text("400000\n")
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    (root / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    proc.write_text("4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n")
-    assert _cgroup_cpus(str(proc), str(root)) == [4]
-    (root / "cpu").rename(root / "cpu,cpuacct")  # mounted without the "cpu" link
-    assert _cgroup_cpus(str(proc), str(root)) == [4]
-    v1 = root / "cpu,cpuacct" / "docker" / "abc"
-    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    assert _cgroup_cpus(str(proc), str(root)) == []
-    assert _cgroup_cpus(str(tmp_path / "missing"), str(root)) == []
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux: a thread's CPU affinity")
-def test_cores_are_the_affinity_within_the_cpu_quota(monkeypatch):
-    import gpuload.memory as memory
-    from gpuload.pipeline import cut_threads
-
-    monkeypatch.setattr(memory, "_cgroup_cpus", lambda: [])  # this machine's own quota, if any, left out
-    mine = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, {min(mine)})  # this thread (taskset, a Slurm cpuset): one core
-        assert memory.cores() == 1 and cut_threads(2) == 1
-    finally:
-        os.sched_setaffinity(0, mine)
-    assert memory.cores() == len(mine)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))  # every core of a big node ...
-    monkeypatch.setattr(memory, "_cgroup_cpus", lambda: [4, 8])  # ... in a container limited to 4
-    assert memory.cores() == 4 and cut_threads(2) == 1
-    monkeypatch.setattr(memory, "_cgroup_cpus", lambda: [])
-    assert memory.cores() == 64 and cut_threads(2) == 2
 
 
 def test_keyed_window_arrays_keep_buffers_of_their_own():

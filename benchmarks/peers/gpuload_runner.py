@@ -27,7 +27,7 @@ VARIANTS = {"default": (PER_COLUMN, {}), "noshuffle": (PER_COLUMN, {"shuffle": F
             "chunks": (PER_COLUMN, {"shuffle": "chunks"}),
             "chunks-off": (PER_COLUMN, {"shuffle": "chunks", "cache_io": "off"}),
             # the default with a loader thread for every core but the training thread's, the producer's and one more
-            "wide": (PER_COLUMN, {"num_threads": max(2, gpuload.memory.cores() - 3)})}
+            "wide": (PER_COLUMN, {"num_threads": max(2, gpuload.machine.cores() - 3)})}
 
 
 class Gpuload(Peer):

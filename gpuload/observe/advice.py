@@ -5,7 +5,7 @@ each fitted to the loader measured (gpuload's settings and commands only for gpu
 
 from __future__ import annotations
 
-from ..memory import cores as _cores
+from ..machine import cores as _cores
 from ..pipeline import cut_threads
 from .stats import StageStats, Stats
 

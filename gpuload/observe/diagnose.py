@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import ConfigError
-from ..memory import cores as _cores
+from ..machine import cores as _cores
 from .advice import CONTENDED, DISK_NEAR, no_stages, rate, stage_advice, startup
 from .stats import StageStats, Stats
 from .whatif import what_if

@@ -18,7 +18,7 @@ import socket
 import statistics
 from dataclasses import dataclass
 
-from ..memory import cores as usable_cores
+from ..machine import cores as usable_cores
 from .diagnose import diagnose
 from .stats import Stats
 
@@ -29,7 +29,7 @@ __all__ = ["RankFigures", "RankStats", "gather"]
 class RankFigures:
     """One rank's figures: its ``rank``, ``stats`` (a :class:`gpuload.Stats`), the chunks it
     ``decoded`` from Parquet and read ``cached``, its ``host`` and the ``cpus`` it may use there
-    (:func:`gpuload.memory.cores`: its affinity and CPU quota)."""
+    (:func:`gpuload.machine.cores`: its affinity and CPU quota)."""
 
     rank: int
     stats: Stats

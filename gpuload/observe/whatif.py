@@ -5,7 +5,7 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
 * the training thread needs ``S = wall_s - wait_s`` seconds of its own (steps and hand-off);
 * the loader needs ``L = max(P / min(threads, cores), B, C)`` seconds: ``P`` the busy seconds of
   the stages its pool of ``threads`` threads runs (read, decode, convert, cache_read), spread over
-  at most the cores the process may use (:func:`gpuload.memory.cores`); ``B`` the batches' (``batch``, ``h2d``): gathered on
+  at most the cores the process may use (:func:`gpuload.machine.cores`); ``B`` the batches' (``batch``, ``h2d``): gathered on
   :func:`gpuload.pipeline.cut_threads` threads at once on the CPU, on one on a GPU; ``C`` the cache writer's (``cache_write``), one thread;
 * the waiting is then ``startup + max(0, L - S) + rest``: ``startup`` the first ``next()`` of each
   pass (the first shuffle window, loaded by the pool: it scales as the pool's time does),
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..memory import cores as usable_cores
+from ..machine import cores as usable_cores
 from ..pipeline import cut_threads
 from .stats import Stats
 

@@ -16,7 +16,7 @@ from gpuload.batch import Ragged
 from gpuload.cache import directio
 from gpuload.cache.directio import resident_share
 from gpuload.cache.chunkfile import encode, pread_all, read_regions, write_regions
-from gpuload.memory import ALIGN, HostPool, cache_io_modes, memory_bytes, reads_limited
+from gpuload.memory import ALIGN, HostPool, cache_io_modes, reads_limited
 
 def _chunk(n: int = 3001) -> dict:
     """Regions of odd sizes, one larger than the bounce buffer (written through it in pieces)."""
@@ -196,7 +196,6 @@ def test_auto_writes_direct_and_lets_reads_turn_buffered_only_where_the_cache_fi
     assert cache_io_modes("auto", 4 * gib, memory=16 * gib, host=False) == (False, False, False)
     assert cache_io_modes("auto", 9 * gib, memory=16 * gib, host=False) == (True, True, False)
     assert cache_io_modes("direct", 1, memory=16 * gib, host=False) == (True, True, False)
-    assert 0 < memory_bytes() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.parametrize("wall, waited, busy, limited", [
@@ -336,26 +335,3 @@ def test_a_refusing_folder_turns_direct_writes_off(click, tmp_path, monkeypatch)
     assert sorted(row_ids(ds).tolist()) == list(range(ds.num_rows))
     assert len(refused) == before  # reads no longer try either
     assert ds.reader.counters.decoded == len(ds.reader.chunks)
-
-
-def test_the_memory_limit_is_the_lowest_of_the_process_cgroup_and_its_parents(tmp_path):
-    """A Slurm job's or a systemd slice's limit sits on a nested cgroup (often on a parent of the
-    process's own): cgroup v2 and v1 as /proc/self/cgroup places them, "max" meaning none."""
-    from gpuload.memory import _cgroup_limits
-
-    root = tmp_path / "sys"
-    v2 = root / "system.slice" / "slurmstepd.scope" / "job_7" / "step_0"
-    v2.mkdir(parents=True)
-    (v2 / "memory.max").write_text("max\n")
-    (v2.parent / "memory.max").write_text(f"{64 << 30}\n")  # the job's limit, on the parent
-    (root / "system.slice" / "memory.max").write_text(f"{512 << 30}\n")
-    proc = tmp_path / "cgroup"
-    proc.write_text("0::/system.slice/slurmstepd.scope/job_7/step_0\n")
-    assert min(_cgroup_limits(str(proc), str(root))) == 64 << 30
-    v1 = root / "memory" / "slurm" / "uid_0" / "job_9"
-    v1.mkdir(parents=True)
-    (v1 / "memory.limit_in_bytes").write_text(f"{32 << 30}\n")
-    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    proc.write_text("12:cpu,cpuacct:/slurm/uid_0/job_9\n4:memory:/slurm/uid_0/job_9\n")
-    assert min(_cgroup_limits(str(proc), str(root))) == 32 << 30
-    assert _cgroup_limits(str(tmp_path / "missing"), str(root)) == []

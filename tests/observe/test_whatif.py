@@ -48,10 +48,10 @@ def test_a_warm_cache_replaces_the_first_epochs_decoding():
 def test_diagnose_names_the_change_that_helps_most(monkeypatch):
     import os
 
-    import gpuload.memory
+    import gpuload.machine
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)  # it may use 4 cores
-    monkeypatch.setattr(gpuload.memory, "_cgroup_cpus", lambda: [])
+    monkeypatch.setattr(gpuload.machine, "_cgroup_cpus", lambda: [])
     d = gpuload.diagnose(_stats({"decode": 8.0, "batch": 1.0}, wait=6.0, first=0.1))
     best = d.what_if[0]
     assert best.change == "num_threads=4" and best.waiting_s == pytest.approx(0.1 * 2 / 8 + 1.9)
