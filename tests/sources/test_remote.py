@@ -715,3 +715,25 @@ def test_a_filter_on_s3_fetches_no_byte_of_the_row_groups_its_statistics_exclude
         assert s3.range_bytes[f"/{name}/data/part-{k}.parquet"] <= max(footer, 64 << 10)
     tail = meta.serialized_size + 8
     assert s3.range_bytes[f"/{name}/data/part-2.parquet"] <= allowed * 1.02 + max(tail, 64 << 10) + 1024
+
+
+def test_a_column_older_objects_lack_is_nulls_there(s3, tmp_path):
+    """Schema evolution in a bucket: the objects written before a column was added read it as nulls (the fill
+    value), and every value of the newer ones is pyarrow's, over S3 as from the disk."""
+    name = f"b{uuid.uuid4().hex[:12]}"
+    folder = tmp_path / "src"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": np.arange(0, 50)}), folder / "old.parquet", row_group_size=20)
+    pq.write_table(pa.table({"id": np.arange(50, 90), "w": np.arange(40) * 0.25,
+                             "l": pa.array([[i] * (i % 3) for i in range(40)])}), folder / "new.parquet",
+                   row_group_size=20)
+    s3.upload_folder(folder, name, "data/")
+    ds = gpuload.ParquetDataset(f"s3://{name}/data/", ["id", "w", "l"], fill_nulls={"w": -1.0, "l": 0},
+                                storage_options=s3.storage_options, cache_dir=tmp_path / "c", device="cpu",
+                                batch_size=16)
+    got = {}
+    for b in ds:
+        values, offsets = b["l"].values.tolist(), b["l"].offsets.tolist()
+        for k, (i, w) in enumerate(zip(b["id"].tolist(), b["w"].tolist())):
+            got[i] = (w, values[offsets[k]:offsets[k + 1]])
+    assert got == {**{i: (-1.0, []) for i in range(50)}, **{50 + i: (i * 0.25, [i] * (i % 3)) for i in range(40)}}
