@@ -103,8 +103,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         names), ``torch.bfloat16`` included (default: the column's own dtype; a stacked
         group: NumPy's common dtype of its columns, e.g. int64 + float32 -> float64, which must
         hold the integers exactly: beyond 2**53 name the dtype to accept rounding).
-        Casts happen once, when the cache is built. Casts to floats may round (as torch
-        rounds); casts to integers or bool must keep every value exactly, else a
+        Casts happen once, when the cache is built. Casts to floats round to nearest, once
+        (as NumPy; torch's float64 -> float16 rounds through float32, and may differ in the last
+        bit for rare values); casts to integers or bool must keep every value exactly, else a
         :class:`~gpuload.ConfigError` names the column and value (at open, where the
         footers' statistics show it).
     categorical : how string and binary columns (and lists of them) become int64 ids:

@@ -85,6 +85,7 @@ def read_columns(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit
     """The chunk's row groups of Parquet leaf columns ``leaves`` of ``f`` (read from ``src``), on
     the calling thread; INT96 timestamps in ``int96_unit``; columns ``dictionary`` as
     dictionary arrays (strings to hash: each distinct value once, from the file's dictionary pages)."""
+    dictionary = [c for c in dictionary if _dictionary_readable(f, chunk, c)]
     # remote: one read per fetched column chunk (pre-buffering would merge reads across holes)
     reader = pq.ParquetFile(src, metadata=f.metadata, pre_buffer=not f.remote, coerce_int96_timestamp_unit=int96_unit,
                             read_dictionary=list(dictionary) or None).reader
@@ -97,6 +98,18 @@ def read_columns(src, f: SourceFile, chunk: Chunk, leaves: list[int], int96_unit
         for c in misread:
             table = table.set_column(table.column_names.index(c), c, values.column(c))
     return table
+
+
+_NO_DICTIONARY = {"DELTA_BYTE_ARRAY", "DELTA_LENGTH_BYTE_ARRAY"}  # pyarrow reads these as values only
+
+
+def _dictionary_readable(f: SourceFile, chunk: Chunk, column: str) -> bool:
+    """Whether pyarrow can read ``column`` of the chunk's row groups as a dictionary array: not where a
+    column chunk's strings are delta-encoded (Parquet v2 files: DuckDB's ``PARQUET_VERSION V2``, Spark's
+    ``parquet.writer.version=v2``), which Arrow decodes into plain values alone."""
+    md = f.metadata
+    return not any(_NO_DICTIONARY.intersection(md.row_group(g).column(i).encodings)
+                   for g in range(chunk.rg_start, chunk.rg_stop) for i in f.leaves(column))
 
 
 def _indices_in_range(col: pa.ChunkedArray) -> bool:

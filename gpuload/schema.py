@@ -370,7 +370,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             fills.append(None if fv is None else _check_fill(fv, np.dtype(vt.dtype), c))
         specs.append(OutputSpec(name, tuple(cols), kind, dtype, width, tuple(vts), tuple(fills), exact))
     if unfit and not any(f is not None for s in specs for f in s.fills):  # it fits no column: say why
-        _check_fill(fill_nulls, np.dtype(unfit[0][1].dtype), unfit[0][0])
+        kinds = ", ".join(f"{c!r} ({np.dtype(vt.dtype)})" for c, vt in unfit[:6]) + (" and more" if len(unfit) > 6 else "")
+        raise ConfigError(f"{setting('fill_nulls', fill_nulls)} fits none of the loaded columns that take a fill value "
+                          f"({kinds}); give a value they hold, or {{column: value}} for the columns that have nulls")
     return specs
 
 

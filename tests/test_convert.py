@@ -419,6 +419,16 @@ def test_exact_narrowing_and_float_rounding_are_allowed():
     assert out["f"].dtype == np.float32  # floats round (1e300 -> inf), as asked
 
 
+def test_float64_to_float16_rounds_once_to_nearest():
+    """As documented: one rounding to nearest (NumPy's, and the GPU's ``__double2half``), where torch's
+    float64 -> float16 rounds through float32 (a helper's trial: the README said "exactly as torch")."""
+    x = np.array([1 + 2**-11 + 2**-40, 2.0**-14 * (1 + 2**-11 + 2**-40), 1024 * (1 + 2**-11 + 2**-40), 0.1, -65519.0])
+    out = convert(pa.table({"x": pa.array(x)}), {"x": "x"}, dtypes={"x": "float16"})["x"]
+    assert out.view(np.uint16).tolist() == x.astype(np.float16).view(np.uint16).tolist()
+    assert out.view(np.uint16)[0] == 0x3C01  # 1 + 2**-10: above the halfway point, as float64 holds it
+    assert x.astype(np.float32).astype(np.float16).view(np.uint16)[0] == 0x3C00  # two roundings: below
+
+
 def test_date64_before_1970_rounds_down_to_its_day():
     """-1 ms is 1969-12-31: day -1 (as the GPU path computes it), not day 0."""
     import pyarrow as pa

@@ -22,6 +22,7 @@ import pytest
 
 import gpuload
 import torch
+import xxhash
 
 N = 3000
 COLUMNS = {"id": "id", "i8": "i8", "i16": "i16", "i32": "i32", "f32": "f32", "f64": "f64", "flag": "flag",
@@ -136,6 +137,26 @@ def test_duckdb(tmp_path):
     folder = tmp_path / "duck"
     duckdb.sql(f"COPY (SELECT * FROM t) TO '{folder}' (FORMAT PARQUET, PARTITION_BY (part), ROW_GROUP_SIZE 700)")
     _same(_gpuload(folder, tmp_path), _reference(_pyarrow(folder)))
+
+
+def test_duckdb_parquet_v2_delta_encoded_columns_read_as_pyarrow_reads_them(tmp_path):
+    """A user's trial: DuckDB's PARQUET_VERSION V2 delta-encodes strings (DELTA_LENGTH_BYTE_ARRAY), which
+    pyarrow cannot read as a dictionary, and such files were refused as corrupt. Their ids are those of the
+    values, and the delta-packed integers and doubles pyarrow's."""
+    duckdb = pytest.importorskip("duckdb")
+    path = tmp_path / "v2.parquet"
+    duckdb.sql(f"COPY (SELECT i::BIGINT AS id, 'k' || (i * 7919 % 5000)::VARCHAR AS s, (i * 3 - 7000)::INT AS v, "
+               f"i / 7.0 AS d FROM range(20000) r(i)) TO '{path}' (FORMAT PARQUET, PARQUET_VERSION V2, "
+               f"ROW_GROUP_SIZE 6000)")
+    md = pq.ParquetFile(path).metadata
+    assert "DELTA_LENGTH_BYTE_ARRAY" in md.row_group(0).column(1).encodings
+    ref = pq.read_table(path)
+    ds = gpuload.ParquetDataset(path, ["id", "s", "v", "d"], categorical={"s": gpuload.Hash(buckets=100_000)},
+                                batch_size=4096, shuffle=False, device="cpu", cache_dir=tmp_path / "c")
+    got = {k: torch.cat([b[k] for b in ds]).tolist() for k in ("id", "s", "v", "d")}
+    assert got["id"] == ref.column("id").to_pylist()
+    assert got["v"] == ref.column("v").to_pylist() and got["d"] == ref.column("d").to_pylist()
+    assert got["s"] == [1 + xxhash.xxh64_intdigest(v.encode()) % 100_000 for v in ref.column("s").to_pylist()]
 
 
 def test_duckdb_enum_columns_give_the_ids_of_their_values(tmp_path):
