@@ -156,7 +156,7 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
     given = dict(locals(), device=str(device))
     src, opts = Source.of(given), Options.of(given)
     # with a cluster this process only lists the source: the workers decode, on their own devices
-    reader = open_reader(src, opts if client is None else dataclasses.replace(opts, device="cpu"))
+    reader = open_reader(src, opts if client is None else dataclasses.replace(opts, device="cpu"), building=True)
     bar = None
     if progress is True:
         from tqdm.auto import tqdm

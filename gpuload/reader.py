@@ -77,7 +77,7 @@ class ChunkReader:
     """
 
     def __init__(self, source: Source, opts: Options, device: Device, metrics=None, decoder: Callable | None = None,
-                 scan_nulls: bool = True, record: bool = True):
+                 scan_nulls: bool = True, record: bool = True, building: bool = False):
         self.source, self.opts, self.device, self.metrics = source, opts, device, metrics
         self.remote = source.remote
         self.remote_reads = ReadAhead(source.remote, metrics)  #: remote chunks' fetches (a local source makes none)
@@ -157,7 +157,7 @@ class ChunkReader:
             self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}
         if self._records:  # the column set's record; a warning where the cache has room for part of it only
             self.cache.touch_spec(self.spec_hash, self.spec_desc)
-            warn_short_room(self.cache, self.groups, files, opts.max_cache_bytes, opts.cache_where)
+            warn_short_room(self.cache, self.groups, files, opts.max_cache_bytes, opts.cache_where, building)
         self.counters = LoadCounters()
 
     def _filtered(self, sizes: list, flt) -> list:
@@ -407,11 +407,13 @@ class ChunkReader:
             self.cache.release()
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True,
-                record: bool = True) -> ChunkReader:
+                record: bool = True, building: bool = False) -> ChunkReader:
     """Open ``source`` under ``options``: the device chosen and opened
     (:func:`gpuload.device.open_device`), then the files listed, checked and planned into
     chunks (:class:`ChunkReader`). ``scan_nulls=False``: the null checks that read column
     data are left out (a cluster worker: its caller checked these very files). ``record=False``:
     the cache is not told of this reader (no use of its column set dated, no reader's record:
-    ``gpuload cache info SOURCE``, which loads nothing)."""
-    return ChunkReader(source, options, open_device(options, metrics), metrics, scan_nulls=scan_nulls, record=record)
+    ``gpuload cache info SOURCE``, which loads nothing). ``building``: a cache build's (its warnings advise
+    what a build can do)."""
+    return ChunkReader(source, options, open_device(options, metrics), metrics, scan_nulls=scan_nulls, record=record,
+                       building=building)

@@ -253,7 +253,7 @@ def test_a_dataset_reading_through_a_clear_describes_its_column_set_again(data, 
     assert main(["cache", "build", str(data), "--cache-dir", cache, "--columns", "label,dense_0"]) == 0
     ds = gpuload.ParquetDataset(str(data), ["label", "dense_0"], cache_dir=cache, device="cpu", batch_size=4096)
     rows = sum(len(b["label"]) for b in ds)
-    assert main(["cache", "clear", "--cache-dir", cache]) == 0
+    assert main(["cache", "clear", "--include-open", "--cache-dir", cache]) == 0
     assert sum(len(b["label"]) for b in ds) == rows  # made again
     capsys.readouterr()
     assert main(["cache", "info", "--cache-dir", cache]) == 0
@@ -349,25 +349,36 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     assert r.returncode == 2 and "give --nodes N" in r.stderr
 
 
-def test_clear_unused_since_keeps_a_column_set_a_running_dataset_has_open(data, tmp_path, capsys):
-    """A new user's trial: `clear --unused-since` deleted the chunks of a dataset open in another process
-    (which then decoded and wrote them all again): in use now is not unused."""
+def test_clear_keeps_a_column_set_a_running_dataset_has_open(data, tmp_path, capsys):
+    """New users' trials: `clear --unused-since`, then a plain `clear` and `clear --spec`, deleted the chunks of
+    a dataset open in another process (which then decoded and wrote them all again), where the README said
+    never: a column set in use is kept, saying so, unless --include-open; the others go."""
     import gpuload
 
     cache = tmp_path / "c"
+    other = gpuload.ParquetDataset(data, ["label"], cache_dir=cache, device="cpu", chunk_bytes=1 << 20)
+    list(other)
+    other.close()  # another column set, no longer open
     ds = gpuload.ParquetDataset(data, cache_dir=cache, device="cpu", chunk_bytes=1 << 20)
     list(ds)
     ds.reader.cache.flush()
-    chunks = sorted(cache.rglob("*.glc"))
-    assert chunks
+    mine = sorted(p for p in cache.rglob("*.glc") if p.name.startswith(ds.reader.spec_hash))
+    assert mine and len(mine) < len(list(cache.rglob("*.glc")))
+    capsys.readouterr()
+    for how in (["--unused-since", "2099-01-01"], ["--spec", ds.reader.spec_hash[:8]], []):
+        assert main(["cache", "clear", *how, "--cache-dir", str(cache)]) == 0
+        out = capsys.readouterr().out
+        assert "kept 1 column sets a running dataset has open" in out and "--include-open" in out, (how, out)
+        assert sorted(cache.rglob("*.glc")) == mine  # the other column set is gone, this one kept
+    assert main(["cache", "clear", "--include-open", "--cache-dir", str(cache)]) == 0
+    assert not list(cache.rglob("*.glc"))
+    list(ds)  # the dataset decodes them again
+    ds.reader.cache.flush()
+    assert sorted(cache.rglob("*.glc")) == mine
+    ds.close()  # closed: no longer in use, and cleared
     capsys.readouterr()
     assert main(["cache", "clear", "--unused-since", "2099-01-01", "--cache-dir", str(cache)]) == 0
-    out = capsys.readouterr().out
-    assert "(0 column sets): 0 files" in out and "kept 1 column sets a running dataset has open" in out
-    assert sorted(cache.rglob("*.glc")) == chunks
-    ds.close()  # closed: no longer in use, and cleared
-    assert main(["cache", "clear", "--unused-since", "2099-01-01", "--cache-dir", str(cache)]) == 0
-    assert "(1 column sets)" in capsys.readouterr().out and not list(cache.rglob("*.glc"))
+    assert "kept" not in capsys.readouterr().out and not list(cache.rglob("*.glc"))
 
 
 def test_warnings_of_the_command_name_its_flags(data, tmp_path, caplog):
@@ -377,8 +388,13 @@ def test_warnings_of_the_command_name_its_flags(data, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="gpuload"):
         assert main(["cache", "build", str(data), "--cache-dir", str(tmp_path / "c"), "--max-gib", "0"]) == 0
     (warned,) = [r.getMessage() for r in caplog.records if "leaves no room" in r.getMessage()]
-    assert warned.startswith("gpuload: --max-gib 0 leaves no room") and "--cache-io off decodes them all" in warned
-    assert "max_cache_bytes" not in warned and "cache_io=" not in warned
+    assert warned.startswith("gpuload: --max-gib 0 leaves no room") and "the build caches none of them" in warned
+    assert "max_cache_bytes" not in warned and "cache_io" not in warned and "--cache-io" not in warned
+    caplog.clear()  # a budget too small: a build is not told of --cache-io off, which it refuses
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        assert main(["cache", "build", str(data), "--cache-dir", str(tmp_path / "d"), "--max-gib", "0.001"]) == 0
+    (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
+    assert "--max-gib" in warned and "fewer columns" in warned and "cache-io" not in warned and "cache_io" not in warned
 
 
 def test_info_of_a_source_leaves_the_cache_as_it_was(data, tmp_path, capsys):

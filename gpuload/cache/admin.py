@@ -256,8 +256,9 @@ def delete(root: CacheRoot, path: Path) -> int:
 
 def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None, open_specs=()) -> dict:
     """Delete gpuload's files: every chunk, footer, vocabulary, temporary and free lock file of every format
-    (or only those of spec hash ``spec``, or of the specs not used since
-    ``unused_since`` epoch seconds, but those in ``open_specs``: a live reader reads them). Returns
+    (or only those of spec hash ``spec``, or of the specs not used since ``unused_since`` epoch seconds),
+    but the column sets in ``open_specs`` (a live reader reads them: while one is kept, the footers and
+    vocabularies, which serve every column set, are kept too). Returns
     ``{"freed": bytes, "files": n, "specs": removed spec hashes, "open": specs kept as open,
     "foreign": [entries left alone], "failed": [files that could not be deleted, with why]}``.
 
@@ -265,8 +266,8 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     never through a link; lock files that a builder holds are left in place.
     """
     chosen, kept = None, []
-    if spec is not None or unused_since is not None:
-        known = specs(root)
+    known = specs(root) if spec is not None or unused_since is not None or open_specs else {}
+    if spec is not None or unused_since is not None or set(open_specs) & set(known):
         named = [h for h in known if h.startswith(spec)] if spec is not None else []
         if spec is not None and not named:  # a user's trial was told to give more of a hash that matched none
             raise ConfigError(f"spec {spec!r} names no column set in {root.path} ({len(known)} there); give the "
@@ -276,7 +277,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
                               "hash (`gpuload cache info` lists them)")
         chosen = {h for h in (known if spec is None else named)
                   if unused_since is None or known[h]["last_used"] < unused_since}
-        kept = sorted(chosen & set(open_specs)) if unused_since is not None else []  # in use now: not unused
+        kept = sorted(chosen & set(open_specs))  # in use now: a running dataset reads them
         chosen -= set(kept)
     freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
     for parts, name, st in list(walk(root, layouts=True, problems=problems)):

@@ -79,7 +79,7 @@ def cache_folder(root, create: bool = True) -> Path:
     what to pass instead when it cannot be made, is not a folder, or is missing and not ``create``."""
     given = Path(root).expanduser()
     if not given.is_dir():
-        what = None if create else "is not a folder" if given.exists() else "does not exist"
+        what = None if create else "is not a folder" if given.exists() else "does not exist (nothing is cached there)"
         try:
             if what is None:  # a folder another process (another rank) made meanwhile is fine
                 given.mkdir(parents=True, exist_ok=True)

@@ -253,19 +253,25 @@ class Space:
         return f"cannot lock the cache budget ({why}); chunks are not cached meanwhile"
 
 
-def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int | None, where: str) -> None:
+def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int | None, where: str,
+                    building: bool = False) -> None:
     """Warn at a dataset's open when ``cache`` (a :class:`gpuload.cache.store.ChunkCache` or
     :class:`gpuload.cache.drives.Drives`) has room (its budget, or its disk's free space above
     the reserve, less what other live readers keep) for only part of the dataset's chunk
     ``files`` (their sizes in bytes; ``groups``: its column sets), with the numbers; the rest
     is read from Parquet each epoch (nothing thrashes: a reader's own chunks are never evicted
-    for its own). ``max_cache_bytes`` and ``where`` (the cache folders) as the dataset has them."""
+    for its own). ``max_cache_bytes`` and ``where`` (the cache folders) as the dataset has them; ``building``:
+    a cache build's open (no ``cache_io="off"`` to advise: a build without a cache builds nothing)."""
     need = sum(files)
     try:
         room, others = cache.room(groups, need)
     except OSError:
         return
     if room >= need or need == 0:
+        return
+    if max_cache_bytes == 0 and building:
+        log.warning("gpuload: %s leaves no room for this dataset's chunks: the build caches none of them; give "
+                    "it a budget, or leave it out", setting("max_cache_bytes", 0))
         return
     if max_cache_bytes == 0:  # asked for: say how to ask for it plainly
         log.warning("gpuload: %s leaves no room for this dataset's chunks: those not cached already are decoded "
@@ -279,6 +285,6 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
              "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
     log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
                 "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
-                "whole with %s more space, or use fewer columns (%s for a job of one epoch)",
-                where, fit, len(files), size_text(max(room, 0)), size_text(need), limit, size_text(others),
-                len(files) - fit, size_text(need - room), setting("cache_io", "off"))  # room < 0: below the reserve
+                "whole with %s more space, or use fewer columns%s", where, fit, len(files), size_text(max(room, 0)),
+                size_text(need), limit, size_text(others), len(files) - fit, size_text(need - room),
+                "" if building else f" ({setting('cache_io', 'off')} for a job of one epoch)")  # room < 0: below reserve

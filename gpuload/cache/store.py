@@ -398,8 +398,8 @@ class ChunkCache:
         """Delete one chunk file by path (:func:`gpuload.cache.admin.delete`); bytes freed."""
         return admin.delete(self.root, path)
 
-    def clear(self, spec: str | None = None, unused_since: float | None = None) -> dict:
-        """Delete gpuload's files (:func:`gpuload.cache.admin.clear`); with ``unused_since``, never a
-        column set a live reader has open (it is in use now)."""
-        live = {p for _, p in survey(self.root).kept} if unused_since is not None else ()  # (folder, spec) groups
+    def clear(self, spec: str | None = None, unused_since: float | None = None, include_open: bool = False) -> dict:
+        """Delete gpuload's files (:func:`gpuload.cache.admin.clear`), but a column set a live reader has
+        open (a running dataset reads it), unless ``include_open``."""
+        live = () if include_open else {p for _, p in survey(self.root).kept}  # (folder, spec) groups
         return admin.clear(self.root, spec, unused_since, live)

@@ -218,8 +218,9 @@ def _since(text: str) -> float:
 
 
 def cmd_quota(args) -> int:
-    cache = _cache(args)
     text = args.size.strip().lower()
+    # a quota set ahead of the jobs that will fill the folder (a fresh node's NVMe): the folder is made
+    cache = ChunkCache(args.cache_dir, create=text not in ("show", "none"))
     if text not in ("show", "none"):
         try:
             nbytes = parse_size(args.size)
@@ -238,12 +239,12 @@ def cmd_clear(args) -> int:
     if args.spec is not None and len(args.spec) < 4:
         raise ConfigError(f"--spec {args.spec!r}: give at least 4 characters of a column set's hash "
                           "(`gpuload cache info` lists them)")
-    r = cache.clear(spec=args.spec, unused_since=since)
-    which = "" if args.spec is None and since is None else f" ({len(r['specs'])} column sets)"
+    r = cache.clear(spec=args.spec, unused_since=since, include_open=args.include_open)
+    which = "" if args.spec is None and since is None and not r.get("open") else f" ({len(r['specs'])} column sets)"
     print(f"cleared {cache.root.path}{which}: {r['files']} files, {r['freed'] / 2**20:,.1f} MiB freed")
     if r.get("open"):
         print(f"  kept {len(r['open'])} column sets a running dataset has open (in use now): "
-              + ", ".join(h[:8] for h in r["open"]))
+              + ", ".join(h[:8] for h in r["open"]) + "; --include-open clears them too")
     print_left_alone(r["foreign"])
     if r["failed"]:
         print(f"  could not delete {len(r['failed'])} files: " + "; ".join(r["failed"][:5]))
@@ -295,6 +296,9 @@ def add_cache_commands(sub) -> None:
             a.add_argument("--spec", help="only this column set (a spec hash, or its prefix, from `cache info`)")
             a.add_argument("--unused-since", help="only column sets not used since a date (2026-11-01) or for "
                                                   "an age (30d, 12h)")
+            a.add_argument("--include-open", action="store_true",
+                           help="clear column sets a running dataset has open too (kept by default; that dataset "
+                                "then decodes their chunks again)")
     for a in [b] + [csub.choices[n] for n in ("info", "verify", "clear", "quota")]:
         a.add_argument("--cache-dir", help="cache folder, or folders (one per drive) separated by "
                        f"{os.pathsep!r} (default $GPULOAD_CACHE_DIR or ~/.cache/gpuload)")

@@ -23,7 +23,7 @@ from ..batch import Ragged
 from ..cache.fs import CacheRoot
 from ..dataset import ParquetDataset
 from ..errors import ConfigError
-from ..observe.diagnose import Diagnosis, diagnose
+from ..observe.diagnose import STARVED, Diagnosis, diagnose
 from ..observe.trace import TraceFile
 from ..observe.stats import Stats
 from ..observe.sampling import UtilSampler
@@ -76,6 +76,10 @@ class EpochReport:
             "and page cache: compare the later epochs)" if share > 1 / HEADSPACE_NEAR else "") if share >= 1 else
                "the loader is the limit: under the step it delivers {:.0%} of what it can alone".format(share)
                if share >= HEADSPACE_NEAR else
+               f"the loader is the limit, slowed by the step: alone it is {1 / share:.1f}x faster, yet the step "
+               f"waited {s.starvation:.0%} of the time for it: the step's own work takes the cores (or the GPU) the "
+               "loader needs (fewer torch threads, OMP_WAIT_POLICY=PASSIVE, or more cores help)"
+               if s.starvation > STARVED else
                "the step is the limit: the loader alone is {:.1f}x faster than the step lets it go".format(1 / share))
         return (f"headspace (the loader alone, no step, {'empty' if 'decode' in h.stages else 'full'} cache): "
                 f"{h.rows_per_s:,.0f} rows/s against {s.rows_per_s:,.0f} under the step; {who}")

@@ -141,6 +141,9 @@ def test_folders_come_from_the_environment_and_the_command(source, folders, monk
     out = capsys.readouterr().out
     assert all(f"cache {os.path.realpath(f)}:" in out for f in folders)
     assert main(["cache", "clear", "--cache-dir", os.pathsep.join(map(str, folders))]) == 0
+    assert _chunks(folders[0]) and _chunks(folders[1])  # the dataset is open: its chunks are kept
+    ds.close()
+    assert main(["cache", "clear", "--cache-dir", os.pathsep.join(map(str, folders))]) == 0
     assert not _chunks(folders[0]) and not _chunks(folders[1])
     with pytest.raises(gpuload.ConfigError, match="names no folder"):
         open_dataset(source, ["x"], [], batch_size=5000)

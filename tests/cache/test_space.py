@@ -104,6 +104,13 @@ def test_the_quota_command_sets_shows_and_removes_it(tmp_path, capsys):
     assert main(["cache", "quota", "lots", "--cache-dir", cache]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cache quota 'lots'" in err
+    # a new user's trial: the README's `cache quota 500G --cache-dir /nvme0/gl` on a fresh node, whose folder
+    # the jobs have not made yet, was refused as if misspelt; setting a quota makes it, showing one does not
+    fresh = tmp_path / "nvme0" / "gl"
+    assert main(["cache", "quota", "show", "--cache-dir", str(fresh)]) == 2
+    assert "does not exist (nothing is cached there)" in capsys.readouterr().err and not fresh.exists()
+    assert main(["cache", "quota", "500G", "--cache-dir", str(fresh)]) == 0
+    assert "the folder's quota of 500.00 GiB" in capsys.readouterr().out and fresh.is_dir()
 
 
 def test_a_quota_of_zero_is_shown_and_caches_nothing_new(data, tmp_path, capsys):

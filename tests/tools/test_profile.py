@@ -258,9 +258,9 @@ def test_the_headspace_verdict_compares_the_rates():
 
     from gpuload.tools.profile import EpochReport
 
-    def st(rows_per_s, stages=()):
+    def st(rows_per_s, stages=(), starvation=0.01):
         return gpuload.observe.stats.Stats(
-            wall_s=1.0, batches=1, rows=int(rows_per_s), bytes=1, wait_s=0.1, starvation=0.1, passes=1,
+            wall_s=1.0, batches=1, rows=int(rows_per_s), bytes=1, wait_s=starvation, starvation=starvation, passes=1,
             wait_mean_s=0.1, wait_max_s=0.1, step_mean_s=0.0, step_max_s=0.0,
             stages={n: gpuload.StageStats(n, 0.1, 1, 1, 1, 1, 0.0, 0.0, 0.1) for n in stages})
 
@@ -274,6 +274,11 @@ def test_the_headspace_verdict_compares_the_rates():
     # a user's trial: alone 287,074 rows/s, under the step 591,028, and "it goes as fast as alone"
     cold = dataclasses.replace(report, headspace=st(0.5e6, ["decode"]))
     assert "as fast as alone or faster (alone it measured 50% of that, in a run that came first" in cold.bound()
+    # a user's trial: starvation 75% and "limited by: batch", then "the step is the limit" (alone 1.6x faster):
+    # a step that waits for the loader does not limit it; its own CPU work slows the loader
+    shared = dataclasses.replace(report, stats=st(2.66e6, starvation=0.75), headspace=st(4.2e6, ["cache_read"]))
+    assert "the loader is the limit, slowed by the step: alone it is 1.6x faster, yet the step waited 75%" in \
+        shared.bound() and "step is the limit" not in shared.bound()
 
 
 def test_each_rank_writes_a_trace_of_its_own_name():
