@@ -144,7 +144,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         is cached, loaded ahead or evicted (a job of one epoch over data too large to repeat; the
         cache folder still keeps footers and vocabularies).
     verify_checksums : check each cache file's xxh3 checksums the first time this process
-        reads it (default True), on every read (``"always"``), or never (False). On the
+        reads it, and again whenever it changed (its inode, size, mtime or ctime; default True),
+        on every read (``"always"``), or never (False). On the
         GPU, files this process wrote count as checked, and a first check reads the
         file through pinned host memory once.
     decode : where the first epoch decodes Parquet on a GPU device: ``"auto"`` (cuDF

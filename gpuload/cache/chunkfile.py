@@ -311,8 +311,9 @@ def region_span(header: dict, start: int) -> int:
 
 
 def file_identity(st: os.stat_result) -> tuple:
-    """What identifies one version of a file (for verify-once)."""
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    """What identifies one version of a file (for verify-once): its ctime too, which any write, rename or
+    ``touch`` moves and no program can set back (a file changed in place with its mtime restored)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) -> dict:

@@ -198,6 +198,9 @@ class CacheRoot:
                     raise ForeignEntry(errno.EEXIST, f"{self.where(parts, name)} is a {kind_of(old.st_mode)}, "
                                        "not a gpuload cache file; remove it")
                 os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+                after = _lstat(name, d)  # the rename changed its ctime, part of its identity (file_identity)
+                if after is not None and (after.st_dev, after.st_ino) == (st.st_dev, st.st_ino):
+                    st = after
             except BaseException:
                 try:
                     os.unlink(tmp, dir_fd=d)

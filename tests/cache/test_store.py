@@ -300,6 +300,27 @@ def test_silent_corruption_after_verified_read(click, tmp_path):
     read_chunk(victim, verify=True)
 
 
+def test_a_chunk_changed_in_place_with_its_mtime_restored_is_checked_again(click, tmp_path):
+    """A helper's trial: bytes flipped in every chunk between two epochs of one dataset, each file's mtime put
+    back, were served unchecked (verify-once knew a file by device, inode, size and mtime). Its ctime, which no
+    program can set back, is part of what it knows now: the same dataset checks the file again and rebuilds it."""
+    data, files, ref = click
+    cache = tmp_path / "cache"
+    ds = _dataset(data, cache, prefetch=0)  # no chunk read ahead of the change
+    check_epoch(ds, ref)
+    ds.reader.cache.flush()
+    ds.set_epoch(1)
+    check_epoch(ds, ref)  # every file read from the cache, and checked, once
+    victim = ds.reader.cache.path(ds.reader.key(3))
+    _flip_keeping_stat(victim)
+    before = ds.reader.counters.decoded
+    ds.set_epoch(2)
+    check_epoch(ds, ref)  # exact values: the changed file was not served
+    ds.reader.cache.flush()
+    assert ds.reader.counters.decoded - before == 1
+    read_chunk(victim, verify=True)  # rebuilt
+
+
 def test_corrupt_chunk_with_source_gone_raises(tmp_path):
     data = tmp_path / "data"
     files = clicklog(data)
