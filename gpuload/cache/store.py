@@ -42,6 +42,10 @@ log = logging.getLogger("gpuload")
 
 
 
+#: seconds a chunk's lock is waited for once another lock's wait ran out (its holder likely stopped)
+STALLED_PATIENCE = 5.0
+
+
 class ChunkCache:
     """A cache directory: get-or-build chunks, with locking, a size budget and checks.
 
@@ -67,7 +71,9 @@ class ChunkCache:
         :class:`CacheError` (the ``cache info/verify/clear`` commands).
     lock_patience : seconds to wait for a chunk's lock held by another process (a
         builder of the same chunk) before decoding the chunk here without caching it
-        (default 60; a stopped or hung holder never blocks a reader longer).
+        (default 60; a stopped or hung holder never blocks a reader longer). Once a wait has run
+        out, a chunk whose lock is still held is decoded at once, and other held locks are
+        waited for ``STALLED_PATIENCE`` seconds at most (such a holder likely holds several).
 
     Attributes
     ----------
@@ -89,6 +95,7 @@ class ChunkCache:
         self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
         self._warned: set = set()
+        self._held: set[str] = set()  # chunks whose lock a holder kept past our patience: not waited for again
         self._writer = Writer()  # without a budget, chunks are written on its thread
         try:  #: the room for chunks: budget, quota or reserve, and eviction (:mod:`gpuload.cache.space`)
             self.space = Space(self.root, max_bytes, lock_patience)
@@ -154,8 +161,10 @@ class ChunkCache:
         lock = Lock(self.root, key.parts, key.name + ".lock")
         built: list = []  # the chunk, when another process writes it while this one waits for its lock
         before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
+        patience = 0.0 if key.name in self._held else min(self.lock_patience, STALLED_PATIENCE) if self._held \
+            else self.lock_patience
         try:
-            got = lock.acquire(timeout=self.lock_patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
+            got = lock.acquire(timeout=patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
         except OSError as e:
             why = unreadable if unreadable is not None else e
             cols = build()
@@ -165,13 +174,16 @@ class ChunkCache:
                 self.note(key, why)
             return cols, False
         if built:
+            self._held.discard(key.name)
             self.note(key, "other")
             return built[0], True
-        if not got:  # a stopped or hung process holds it: do not wait for it forever
-            self._warn("held", f"{self.path(key)} has been locked by another process for {self.lock_patience:g} s; "
+        if not got:  # a stopped or hung process holds it: do not wait for it forever, nor again
+            self._warn("held", f"{self.path(key)} has been locked by another process for {patience:g} s; "
                        "decoding such chunks here without caching them")
+            self._held.add(key.name)
             self.note(key, "held")
             return build(), False
+        self._held.discard(key.name)
         if unreadable is not None:
             self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
                        "rebuilding it from its source")

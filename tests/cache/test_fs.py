@@ -352,6 +352,56 @@ def test_a_lock_held_by_a_stopped_process_never_blocks_a_reader(data, tmp_path, 
         holder.wait()
 
 
+def test_locks_of_a_stopped_holder_cost_one_wait_not_one_per_chunk_and_epoch(data, tmp_path, reference, monkeypatch):
+    """A helper's trial: a SIGSTOPped process held 3 chunks' locks, and another reader waited 60 s for each,
+    in every epoch (181 s an epoch). Now: the full patience once, a short one for the holder's other locks,
+    none for a lock already waited out; every row exact. (Locks held through other open files of this
+    process conflict as another process's would; the waits are read off, not timed.)"""
+    import fcntl
+
+    import gpuload.cache.store as store
+
+    cache = tmp_path / "cache"
+    _built(data, cache)
+    chunks = sorted(cache.rglob("*.glc"))[:3]
+    for p in chunks:
+        p.unlink()
+    held = [os.open(str(p) + ".lock", os.O_RDONLY | os.O_CREAT) for p in chunks]
+    for fd in held:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    waits = []
+    acquire = Lock.acquire
+
+    def recorded(self, blocking=True, timeout=None, meanwhile=None):
+        if self.name.endswith(".glc.lock"):
+            waits.append((self.name, timeout))
+        return acquire(self, blocking, 0.0 if timeout is None else min(timeout, 0.05), meanwhile)  # no real wait
+
+    monkeypatch.setattr(Lock, "acquire", recorded)
+    try:
+        ds = _ds(data, cache, shuffle=False, prefetch=0)  # no next epoch's chunks loaded within this one
+        names = {p.name + ".lock" for p in chunks}
+        for epoch in range(2):
+            waits.clear()
+            ds.set_epoch(epoch)
+            _check(ds, reference)
+            on_held = [t for n, t in waits if n in names]
+            assert len(on_held) == 3
+            if epoch == 0:  # the loader threads' first waits overlap: at most one full wait each
+                full = on_held.count(ds.reader.cache.lock_patience)
+                assert 1 <= full <= ds.options.num_threads and on_held.count(store.STALLED_PATIENCE) == 3 - full
+            else:
+                assert on_held == [0.0] * 3  # known held: decoded at once
+        assert not any(p.exists() for p in chunks)  # decoded, served, not written under another's lock
+    finally:
+        for fd in held:
+            os.close(fd)
+    ds.set_epoch(2)  # the holder gone: its chunks are cached again
+    _check(ds, reference)
+    ds.reader.cache.flush()
+    assert all(p.exists() for p in chunks)
+
+
 def test_a_waiting_reader_takes_the_chunk_its_lock_holder_builds(data, tmp_path, reference):
     """Waiting for a live builder: when its file appears, the reader serves it (build once)."""
     cache = tmp_path / "cache"
