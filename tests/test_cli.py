@@ -99,6 +99,17 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     assert main(["cache", "verify", "--cache-dir", cache]) == 1
     out = capsys.readouterr().out
     assert "CORRUPT" in out and "the next read rebuilds it from its source; --delete removes them now" in out
+    from gpuload.cache.store import ChunkCache
+
+    def denied(self, path):  # a cache another user built: as root, chmod would not stop this test
+        raise PermissionError(13, "Permission denied", str(path))
+
+    with pytest.MonkeyPatch.context() as mp:  # a helper's trial: --delete there was told "it must be readable"
+        mp.setattr(ChunkCache, "delete", denied)
+        assert main(["cache", "verify", "--cache-dir", cache, "--delete"]) == 2
+        err = capsys.readouterr().err
+        assert "Permission denied" in err and "it must be writable" in err and err.count("\n") == 1
+    assert victim.exists()
     assert main(["cache", "verify", "--cache-dir", cache, "--delete"]) == 1
     assert not victim.exists()
     assert main(["cache", "verify", "--cache-dir", cache]) == 0
@@ -541,3 +552,35 @@ def test_columns_take_a_json_list_too():
 
     assert columns('["label", "dense_0"]') == columns("label, dense_0") == ["label", "dense_0"]
     assert columns('{"x": ["a", "b"]}') == {"x": ["a", "b"]}
+
+
+def test_folders_it_cannot_read_are_said_as_such_not_as_foreign_entries(data, tmp_path, capsys, monkeypatch):
+    """A helper's trial (run as another user): a chunk folder it could not read was listed among "entries gpuload
+    did not write", with --delete advised; an unreadable cache folder showed an empty cache with room to spare.
+    (As root no permission stops a read: CacheRoot.scan is made to fail as it would.)"""
+    from gpuload.cache.fs import CacheRoot
+
+    cache = tmp_path / "cache"
+    assert main(["cache", "build", str(data), "--cache-dir", str(cache), "--chunk-mib", "1"]) == 0
+    folder = sorted(cache.rglob("*.glc"))[0].parent
+    blocked = {folder.relative_to(cache).parts}
+    scan = CacheRoot.scan
+
+    def denied(self, parts):
+        if tuple(parts) in blocked:
+            raise PermissionError(13, "Permission denied", str(self.where(parts)))
+        return scan(self, parts)
+
+    monkeypatch.setattr(CacheRoot, "scan", denied)
+    capsys.readouterr()
+    assert main(["cache", "info", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "1 of its folders cannot be read, and are not counted above" in out and "did not write" not in out, out
+    assert main(["cache", "verify", "--cache-dir", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert "UNREADABLE" in out and "check its owner and permissions" in out and "--delete" not in out, out
+    assert "did not write" not in out
+    blocked.add(())  # the cache folder itself
+    assert main(["cache", "info", "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot use the cache folder" in err and "Permission denied" in err and err.count("\n") == 1, err

@@ -132,7 +132,10 @@ def _vocab_folder(root: CacheRoot, problems: list, foreign: list) -> Iterator[tu
 
 
 def summary(root: CacheRoot) -> dict:
-    """Counts and bytes of the chunk files, per source file and per spec, plus leftovers."""
+    """Counts and bytes of the chunk files, per source file and per spec, plus leftovers: ``foreign``
+    (entries gpuload did not write) and ``unreadable`` (its folders that cannot be read, not counted).
+    Raises ``OSError`` when the cache folder itself cannot be read."""
+    root.scan(())  # the folder itself unreadable: an error, not a cache of nothing with room to spare
     sources: dict[str, dict] = {}
     total, foreign, old, problems, footers = 0, [], 0, [], 0
     for parts, name, st in walk(root, layouts=True, problems=problems):
@@ -173,7 +176,7 @@ def summary(root: CacheRoot) -> dict:
     return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
             "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
             "old_format": old, "footers": footers, "vocabularies": vocabularies, "kept_counts": kept,
-            "foreign": foreign + sorted({p.problem for p in problems})}
+            "foreign": foreign, "unreadable": sorted({p.problem for p in problems})}
 
 
 def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
@@ -325,7 +328,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
             except OSError as e:
                 failed.append(f"{root.where((_LAYOUT, _SPECS), name)} ({e.strerror or e})")
     return {"freed": freed, "files": files, "specs": sorted(removed), "open": kept,
-            "foreign": foreign + sorted({p.problem for p in problems}), "failed": failed}
+            "foreign": foreign, "failed": failed + sorted({p.problem for p in problems})}
 
 
 def _clear_records(root: CacheRoot, foreign: list, failed: list) -> int:

@@ -92,18 +92,31 @@ def reserve_bytes(path) -> int:
                          "of the filesystem (e.g. 5%)") from None
 
 
+_said_quota: set = set()  # damaged quota files warned of (path, text): once each per process
+
+
 def read_quota(root: CacheRoot) -> int | None:
-    """The cache folder's quota in bytes, or None (no quota, or an unreadable quota file)."""
+    """The cache folder's quota in bytes, or None (no quota; a quota file that cannot be read or
+    says no size is warned of, once, and counts as none)."""
     try:
         fd = root.open_read((), QUOTA_FILE)
-    except OSError:
+    except FileNotFoundError:
         return None
-    with open(fd, "rb") as f:
-        text = f.read(64).decode("ascii", "replace")
-    try:
-        return parse_size(text)
-    except ValueError:
-        return None
+    except OSError as e:
+        text = f"cannot be read ({e.strerror or e})"
+    else:
+        with open(fd, "rb") as f:
+            raw = f.read(64).decode("ascii", "replace")
+        try:
+            return parse_size(raw)
+        except ValueError:
+            text = f"says {raw.strip()[:20]!r}, not a size"
+    where = root.where((), QUOTA_FILE)
+    if (where, text) not in _said_quota:
+        _said_quota.add((where, text))
+        log.warning("gpuload: the cache folder's quota file %s %s: no quota holds (the disk's reserve does); "
+                    "`gpuload cache quota SIZE` writes it again, `gpuload cache quota none` removes it", where, text)
+    return None
 
 
 def write_quota(root: CacheRoot, nbytes: int | None) -> None:
@@ -280,9 +293,12 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
         return
     per = need / len(files)
     fit = min(max(0, int(room // per)), len(files) - 1)
-    limit = (flag("max_cache_bytes").rstrip("=") if max_cache_bytes is not None else
-             "the cache folder's quota (`gpuload cache quota`)" if cache.max_bytes is not None else
-             "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
+    quotas = [c.space.quota for c in getattr(cache, "caches", [cache])]  # a Drives' folders, or the one
+    given = flag("max_cache_bytes").rstrip("=")
+    limit = (given if max_cache_bytes is not None and room >= max_cache_bytes else  # else something tighter binds
+             ("the cache folder's quota (`gpuload cache quota`)" if None not in quotas else
+              "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
+             + (f", below {given}" if max_cache_bytes is not None else ""))
     log.warning("gpuload: the cache in %s has space for about %d of this dataset's %d chunks (%s of %s: %s, "
                 "less %s other live readers keep): the other %d are read from Parquet every epoch. Cache it "
                 "whole with %s more space, or use fewer columns%s", where, fit, len(files), size_text(max(room, 0)),

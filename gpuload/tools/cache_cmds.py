@@ -104,7 +104,8 @@ def _each_folder(fn):
             what = e.strerror or type(e).__name__
             raise CacheError(f"`gpuload cache {args.action}` cannot use the cache folder {folder} ({what}"
                              + (f": {e.filename}" if e.filename else "") + "); check --cache-dir (it must be "
-                             + ("writable)" if args.action in ("quota", "clear") else "readable)")) from None
+                             + ("writable)" if args.action in ("quota", "clear") or getattr(args, "delete", False)
+                                else "readable)")) from None
 
     def run(args) -> int:
         folders = cache_dirs(split_dirs(args.cache_dir, "--cache-dir") if args.cache_dir else default_cache_dir())
@@ -196,11 +197,14 @@ def cmd_verify(args) -> int:
         if args.delete and kind == "corrupt":
             cache.delete(path)
     files_bad = len({p for p, _, _ in bad} & set(checked))
+    corrupt = any(kind == "corrupt" for _, _, kind in bad)
+    advice = ("" if not corrupt else " (corrupt files deleted: they are rebuilt on next use)" if args.delete else
+              " (a corrupt file is never served: the next read rebuilds it from its source; --delete removes them "
+              "now)") + ("" if all(kind == "corrupt" for _, _, kind in bad) else
+                         " (what cannot be read: check its owner and permissions; a reader decodes such chunks "
+                         "from Parquet)")
     print(f"{len(checked) - files_bad} of {len(checked)} cache files verified in {cache.root.path}"
-          + (f"; {len(bad)} problems" + (" (corrupt files deleted: they are rebuilt on next use)"
-                                         if args.delete else " (a corrupt file is never served: the next read "
-                                         "rebuilds it from its source; --delete removes them now)")
-             if bad else ""))
+          + (f"; {len(bad)} problems{advice}" if bad else ""))
     print_left_alone(cache.summary()["foreign"])
     return 1 if bad else 0
 

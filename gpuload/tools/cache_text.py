@@ -108,6 +108,9 @@ def print_summary(cache) -> None:
     if s["foreign"]:
         print(f"  {len(s['foreign'])} entries gpuload did not write (never read, never deleted): "
               + "; ".join(s["foreign"][:5]))
+    if s.get("unreadable"):
+        print(f"  {len(s['unreadable'])} of its folders cannot be read, and are not counted above (check their "
+              "owner and permissions): " + "; ".join(s["unreadable"][:5]))
 
 
 def budget(cache: ChunkCache, used: int) -> tuple[int, str]:

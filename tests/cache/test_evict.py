@@ -84,6 +84,22 @@ def test_a_disk_below_its_reserve_is_told_how_much_more_space_caching_needs(sour
     assert "about 0 of" in warned and 2.5 <= more < 3.5, warned
 
 
+def test_the_warning_names_the_limit_that_binds(sources, tmp_path, caplog, monkeypatch):
+    """A helper's trial: a disk below its reserve, with a --max-gib far above what was free, was said to be
+    limited by --max-gib ("0 bytes of 57.9 MiB: --max-gib")."""
+    monkeypatch.setenv("GPULOAD_CACHE_RESERVE", str(space.free_bytes(tmp_path) + 2**30))
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        open_dataset(sources["a"], ["x"], tmp_path / "c", batch_size=25_000, max_cache_bytes=100 * 2**30)
+    (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
+    assert "the free disk above the reserve ($GPULOAD_CACHE_RESERVE), below max_cache_bytes" in warned, warned
+    monkeypatch.setenv("GPULOAD_CACHE_RESERVE", "0")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        open_dataset(sources["a"], ["x"], tmp_path / "d", batch_size=25_000, max_cache_bytes=1000)
+    (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
+    assert ": max_cache_bytes, less" in warned, warned  # the budget binds: named alone
+
+
 def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_path, caplog):
     c, size = tmp_path / "c", _chunk_bytes(tmp_path, sources["a"])
     a = open_dataset(sources["a"], ["x"], c, batch_size=25_000)

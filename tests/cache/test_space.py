@@ -113,6 +113,20 @@ def test_the_quota_command_sets_shows_and_removes_it(tmp_path, capsys):
     assert "the folder's quota of 500.00 GiB" in capsys.readouterr().out and fresh.is_dir()
 
 
+def test_a_damaged_quota_file_is_said_once_and_counts_as_none(tmp_path, caplog, capsys):
+    """A helper's trial: a quota file saying "lots" was ignored in silence; the folder's budget fell back to the
+    disk's reserve with no word."""
+    (tmp_path / "c").mkdir()
+    root = CacheRoot(tmp_path / "c")
+    (tmp_path / "c" / space.QUOTA_FILE).write_text("lots\n")
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        assert space.read_quota(root) is None and space.read_quota(root) is None
+    said = [r.getMessage() for r in caplog.records if "quota file" in r.getMessage()]
+    assert len(said) == 1 and "says 'lots', not a size" in said[0] and "gpuload cache quota SIZE" in said[0]
+    assert main(["cache", "quota", "3G", "--cache-dir", str(tmp_path / "c")]) == 0  # written again
+    assert space.read_quota(root) == 3 << 30
+
+
 def test_a_quota_of_zero_is_shown_and_caches_nothing_new(data, tmp_path, capsys):
     """`cache quota 0` divided by zero (info and quota then failed on the folder until removed)."""
     cache = str(tmp_path / "c")
