@@ -1,16 +1,15 @@
 """Decode: read one chunk's row groups from Parquet and convert them.
 
 A decoder turns a :class:`~gpuload.plan.Chunk` of a :class:`~gpuload.sources.listing.SourceFile`
-into a column set (see :mod:`gpuload.convert`). The CPU decoder uses pyarrow; the GPU
-decoder (cuDF) returns the same column set in device memory, behind the same call.
+into a column set (see :mod:`gpuload.convert`). The CPU decoder here uses pyarrow; the GPU
+decoder (:class:`gpuload.gpu.decoder.GpuDecoder`, cuDF) returns the same column set in device
+memory, behind the same call, and falls back to this one per chunk.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import threading
 from typing import Callable, Sequence
 
 import numpy as np
@@ -18,28 +17,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pyarrow.compute as pc
 
-from .batch import nbytes, nrows, take
+from .batch import nbytes
 from .checks import column_names, old_arrow_error, stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import SourceError, flag
 from .rowfilter import filter_table, keep
-from .sources.ranges import ReadOnlyFile, coalesce, image_ranges
+from .sources.ranges import ReadOnlyFile
 from .plan import Chunk
 from .schema import GROUP, SCALAR, OutputSpec
 from .sources.listing import SourceFile
 
-__all__ = ["ArrowDecoder", "GpuDecoder", "read_columns"]
+__all__ = ["ArrowDecoder", "read_columns", "kept_positions", "chunk_where", "check_unchanged"]
 
 log = logging.getLogger("gpuload")
 
 
-def _where(f: SourceFile, chunk: Chunk) -> str:
+def chunk_where(f: SourceFile, chunk: Chunk) -> str:
     """The chunk's name in messages; also refuses a file that changed since it was opened."""
-    _unchanged(f)
+    check_unchanged(f)
     return f"{f.path} (row groups {chunk.rg_start}-{chunk.rg_stop - 1})"
 
 
-def _unchanged(f: SourceFile, during: bool = False) -> None:
+def check_unchanged(f: SourceFile, during: bool = False) -> None:
     """Refuse a local file that changed since it was opened (before a chunk is read) or while it
     was read (after): a chunk is cached only under an identity checked after it was read."""
     if not f.stat_matches():
@@ -132,7 +131,7 @@ def kept_positions(f: SourceFile, chunk: Chunk, flt, columns: Sequence[str], fet
         src = fetch(f, chunk, leaves) if (f.remote and leaves) else f.path
         table = read_columns(src, f, chunk, leaves) if leaves else pa.table({})
     except (OSError, pa.ArrowException) as e:
-        raise SourceError(f"{_where(f, chunk)}: the filter's columns cannot be read ({' '.join(str(e).split())})"
+        raise SourceError(f"{chunk_where(f, chunk)}: the filter's columns cannot be read ({' '.join(str(e).split())})"
                           ) from None
     return filter_table(table, f, flt, total)
 
@@ -210,7 +209,7 @@ class ArrowDecoder:
         self.filter_columns = list(filter_columns)  # the columns it reads
 
     def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
-        where = _where(f, chunk)
+        where = chunk_where(f, chunk)
         m = self.metrics
         t0 = m.clock() if m is not None else 0.0
         needed = needed_columns(specs)
@@ -239,7 +238,7 @@ class ArrowDecoder:
                     src.close()
         except (OSError, pa.ArrowException) as e:
             raise _read_error(f, chunk, stored, where, e, self.fetch) from None
-        _unchanged(f, during=True)
+        check_unchanged(f, during=True)
         if table.num_rows != chunk.rows:
             promised = "the filter kept when counted at open" if self.row_filter is not None else "the footer promises"
             raise SourceError(f"{where}: read {table.num_rows} rows where {promised} {chunk.rows}")
@@ -259,151 +258,3 @@ class ArrowDecoder:
             cols = table_to_columns(table, specs, where, self.alloc, self.pieces)
             span.nbytes = nbytes(cols)
         return cols
-
-
-class GpuDecoder:
-    """GPU decoder: libcudf reads the row groups, :mod:`gpuload.gpu.cudf_decode` converts.
-
-    Returns a CuPy column set in the loader's memory of ``ctx`` (a
-    :class:`gpuload.gpu.streams.DeviceContext`; call it inside ``ctx.reading()``). libcudf
-    decodes on the read stream with stream-ordered memory
-    (:meth:`~gpuload.gpu.streams.DeviceContext.decode_stream`), and the conversion kernels
-    follow on that stream, so decoding a chunk never waits for, nor holds up, the
-    training step's kernels on another stream. A chunk that cuDF would not convert
-    exactly as the CPU does (see :class:`gpuload.gpu.cudf_decode.Unsupported`) is decoded
-    by ``fallback`` on the CPU and returned as host arrays (the reader caches them and
-    uploads them once); :attr:`fallbacks` counts such chunks.
-    """
-
-    name = "gpu"
-
-    def __init__(self, ctx, fallback: ArrowDecoder | None = None, metrics=None):
-        self.ctx = ctx
-        self.fallback = fallback or ArrowDecoder(metrics)
-        self.metrics = metrics
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
-        self.fallbacks = 0  #: chunks decoded on the CPU because cuDF would not give the CPU path's bytes
-
-    def __call__(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec]) -> dict:
-        from .gpu.cudf_decode import Unsupported, columns_to_set, read_row_groups
-
-        where = _where(f, chunk)
-        m = self.metrics
-        try:
-            _check_gpu_names(f, specs)
-            stream = self.ctx.decode_stream()
-            try:
-                image = _image(f, chunk, specs, self.fallback.fetch, m)
-            except OSError as e:  # the CPU decoder reads it again and says what is wrong
-                raise Unsupported(f"{where}: cannot be read ({e})") from None
-            cpu = self.fallback
-            # a row filter: pyarrow evaluates it on its columns alone (exactly pyarrow's rows); cuDF
-            # decodes every row of the row groups, and the kept ones are gathered on the device
-            kept = None if cpu.row_filter is None else kept_positions(f, chunk, cpu.row_filter, cpu.filter_columns,
-                                                                      cpu.fetch)
-            decoded = chunk.rows if kept is None else sum(f.metadata.row_group(g).num_rows
-                                                          for g in range(chunk.rg_start, chunk.rg_stop))
-            with m.span("decode", rows=chunk.rows) if m else contextlib.nullcontext():
-                try:
-                    raw = read_row_groups(image, chunk.rg_start, chunk.rg_stop, needed_columns(specs), stream=stream)
-                    _unchanged(f, during=True)
-                    self.ctx.read_done()  # libcudf's copies and decoding are one call: both count as decode
-                except MemoryError as e:
-                    raise SourceError(f"{where}: out of GPU memory decoding it ({e}); lower chunk_bytes or "
-                                      "pass decode='cpu'") from None
-                # pyarrow reads it, or names the failing column; pylibcudf raises TypeError (cudf::data_type_error),
-                # IndexError (std::out_of_range) and ArithmeticError (overflow, range) for libcudf's refusals too
-                except (OSError, RuntimeError, ValueError, TypeError, IndexError, ArithmeticError) as e:
-                    raise Unsupported(f"{where}: libcudf cannot read it ({type(e).__name__}: "
-                                      f"{' '.join(str(e).split())})") from None
-                finally:
-                    image.close()  # after read_done: nothing on the device still reads it
-            # convert on the read stream into the loader's memory (no view of cuDF's buffers is
-            # kept); they go back to their stream-ordered pool when `raw` is dropped, after the
-            # kernels that read them
-            with m.span("convert", rows=chunk.rows) if m else contextlib.nullcontext() as span:
-                try:
-                    out = columns_to_set(raw, specs, f.schema, decoded, where, stream)
-                except Exception as e:  # CuPy's OutOfMemoryError is a MemoryError, torch's a RuntimeError
-                    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
-                        raise SourceError(f"{where}: out of GPU memory converting it ({e}); lower chunk_bytes or "
-                                          "pass decode='cpu'") from None
-                    raise
-                finally:  # also before a fallback to the CPU: cuDF's buffers are not needed there
-                    del raw
-                if kept is not None and len(kept) != decoded:
-                    import cupy
-
-                    out = take(out, cupy.asarray(kept))
-                if nrows(out) != chunk.rows:
-                    raise SourceError(f"{where}: kept {nrows(out)} rows where the filter kept {chunk.rows} when "
-                                      "counted at open")
-                self.ctx.read_done()  # so that the span times the kernels, not their launch (this chunk's, not later ones)
-                if span is not None:
-                    span.nbytes = nbytes(out)
-            return out
-        except Unsupported as e:
-            with self._lock:
-                self.fallbacks += 1
-                first = str(e) not in self._warned
-                self._warned.add(str(e))
-            if first:
-                log.info("gpuload: %s; decoding such chunks on the CPU so the bytes match the CPU path", e)
-            return self.fallback(f, chunk, specs)
-
-
-def _check_gpu_names(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
-    """libcudf selects nested fields by dotted path, and Hive keys are not in the file: decode
-    such chunks on the CPU, where columns are selected by leaf index; so too chunks whose
-    conversion is the CPU's alone (vocabulary lookups, decimals)."""
-    from .gpu.cudf_decode import Unsupported
-
-    for s in specs:  # known before reading: no chunk decoded by libcudf, then again by pyarrow
-        for c, vt in zip(s.columns, s.sources):
-            if vt.encode.startswith("vocab:"):
-                raise Unsupported(f"column {c!r} takes its ids from a vocabulary, looked up on the CPU")
-            if vt.temporal.startswith(("decimal:", "unscaled:")):
-                raise Unsupported(f"column {c!r} is a decimal, converted on the CPU")
-            if vt.temporal.startswith(("int:", "int96:")):
-                raise Unsupported(f"column {c!r} is in several units across the files, converted on the CPU")
-    for c in needed_columns(specs):
-        if "." in c:
-            raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
-        if c in f.absent:
-            raise Unsupported(f"column {c!r} is not in this file: nulls, made on the CPU")
-        if c in f.partition_names:
-            raise Unsupported(f"column {c!r} is a partition key")
-        if c in f.int96:
-            raise Unsupported(f"column {c!r} holds INT96 timestamps, read in microseconds and range-checked on the CPU")
-        if f.remote and c in dict(f.file_keys):  # a local file's stored key was checked at open
-            raise Unsupported(f"column {c!r} is a partition key stored in the file, checked on the CPU")
-
-
-def _image(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable, metrics=None):
-    """``f`` as libcudf reads it for ``chunk`` (a :class:`gpuload.gpu.cudf_decode.HostImage`):
-    the chunk's column ranges, the leading magic bytes and everything after the last column
-    chunk (page indexes, footer), read from the local file or fetched from the remote object;
-    the rest is never read (a local file's reads are ``read`` spans of ``metrics``). The caller
-    closes it."""
-    from .gpu.cudf_decode import HostImage
-
-    leaves = [i for c in needed_columns(specs) if c not in f.partition_names for i in f.leaves(c)]
-    image = HostImage(f.size)
-    try:
-        if f.remote:
-            for start, data in fetch(f, chunk, leaves, footer=True).parts.items():
-                image.put(start, data)
-            return image
-        ranges = image_ranges(f.metadata, f.size, f.tail, range(chunk.rg_start, chunk.rg_stop), leaves)
-        fd = os.open(f.path, os.O_RDONLY)
-        try:
-            for a, b in coalesce(ranges, gap=1 << 16, longest=1 << 62):
-                with metrics.span("read", nbytes=b - a) if metrics is not None else contextlib.nullcontext():
-                    image.read_from(fd, a, b, f.path)
-        finally:
-            os.close(fd)
-        return image
-    except BaseException:
-        image.close()
-        raise

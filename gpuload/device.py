@@ -135,11 +135,11 @@ class Cuda:
                           to_host=ctx.to_host, trust_writes=True, metrics=metrics)
 
     def decoder(self, cpu, metrics):
-        """cuDF (:class:`gpuload.decode.GpuDecoder`, falling back to ``cpu`` per chunk) where
+        """cuDF (:class:`gpuload.gpu.decoder.GpuDecoder`, falling back to ``cpu`` per chunk) where
         ``gpu_decode``, else ``cpu``."""
         if not self.gpu_decode:
             return cpu
-        from .decode import GpuDecoder
+        from .gpu.decoder import GpuDecoder
 
         return GpuDecoder(self.ctx, cpu, metrics)
 

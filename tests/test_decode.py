@@ -176,7 +176,7 @@ def test_the_gpu_decoders_image_of_a_local_file_holds_the_chunks_columns_and_foo
     """What libcudf is given instead of the path (shared code, checked with pyarrow as the reader of
     the whole file): the chunk's column chunks, dictionary pages included, the magic and the footer
     (page indexes too), read into place; nothing of the other row groups or columns."""
-    from gpuload.decode import _image
+    from gpuload.gpu.decoder import chunk_image as _image
 
     n = 8_000
     rng = np.random.default_rng(3)
@@ -212,7 +212,7 @@ def test_the_gpu_decoders_image_of_a_local_file_holds_the_chunks_columns_and_foo
 
 
 def test_the_gpu_decoders_image_of_a_truncated_file_names_it(tmp_path):
-    from gpuload.decode import _image
+    from gpuload.gpu.decoder import chunk_image as _image
 
     p = write_parquet(tmp_path / "a.parquet", {"x": np.arange(10_000)}, row_group_size=1000)
     ds = gpuload.ParquetDataset(p, ["x"], cache_dir=tmp_path / "c", device="cpu", chunk_bytes=10_000)

@@ -76,7 +76,7 @@ def test_the_cuda_device_offers_the_same_calls_through_its_context(tmp_path):
     reads go to the loader's DeviceContext; decoding is cuDF's only where asked."""
     import types
 
-    from gpuload.decode import GpuDecoder
+    from gpuload.gpu.decoder import GpuDecoder
     from gpuload.device import Cuda
 
     calls = []

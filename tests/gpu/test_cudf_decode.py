@@ -286,7 +286,8 @@ def test_a_filtered_chunk_decoded_by_cudf_keeps_pyarrows_rows(tmp_path, numpy_as
     gathered; the column set is the CPU decoder's, byte for byte."""
     import gpuload
     import gpuload.gpu.cudf_decode as cd
-    from gpuload.decode import ArrowDecoder, GpuDecoder
+    from gpuload.decode import ArrowDecoder
+    from gpuload.gpu.decoder import GpuDecoder
 
     n = 3000
     table = pa.table({"id": np.arange(n), "day": np.arange(n) // 10, "s": pa.array([f"w{i % 7}" for i in range(n)]),
@@ -321,7 +322,8 @@ def test_libcudfs_refusals_fall_back_to_pyarrow_and_running_out_of_memory_says_w
     an out-of-memory error while converting names chunk_bytes (stand-ins for libcudf and the device)."""
     import gpuload
     import gpuload.gpu.cudf_decode as cd
-    from gpuload.decode import ArrowDecoder, GpuDecoder
+    from gpuload.decode import ArrowDecoder
+    from gpuload.gpu.decoder import GpuDecoder
 
     write_parquet(tmp_path / "d" / "a.parquet", pa.table({"id": np.arange(1000), "x": np.arange(1000) * 0.5}),
                   row_group_size=250)

@@ -256,8 +256,8 @@ def test_copies_for_the_cache_writer_are_exact_and_pinned():
 def test_gpu_decoder_waits_for_its_chunk_not_the_stream(monkeypatch, tmp_path):
     """GpuDecoder times decode and conversion with events on the read stream (ctx.read_done),
     never stream.synchronize() (which would wait for other threads' later reads)."""
-    from gpuload import decode as dec
     from gpuload.gpu import cudf_decode
+    from gpuload.gpu.decoder import GpuDecoder
     from gpuload.config import Options, Source
     from gpuload.reader import open_reader
 
@@ -267,7 +267,7 @@ def test_gpu_decoder_waits_for_its_chunk_not_the_stream(monkeypatch, tmp_path):
     ctx = types.SimpleNamespace(decode_stream=lambda: "stream", read_done=lambda: calls.append("read_done"))
     monkeypatch.setattr(cudf_decode, "read_row_groups", lambda *a, stream: calls.append(("read", stream)) or {})
     monkeypatch.setattr(cudf_decode, "columns_to_set", lambda *a: {"x": np.arange(10)})
-    out = dec.GpuDecoder(ctx)(reader.files[0], reader.chunks[0], reader.specs)
+    out = GpuDecoder(ctx)(reader.files[0], reader.chunks[0], reader.specs)
     assert calls == [("read", "stream"), "read_done", "read_done"] and out["x"].tolist() == list(range(10))
 
 

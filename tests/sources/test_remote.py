@@ -425,7 +425,7 @@ def test_any_fsspec_protocol_memory(tmp_path):
 def test_gpu_image_holds_the_chunks_columns_and_footer_only(s3, bucket, tmp_path):
     """The GPU decoder's image of a remote object (shared code, checked here with pyarrow): the
     fetched ranges in place, which a Parquet reader of the whole file reads the chunk's columns from."""
-    from gpuload.decode import _image
+    from gpuload.gpu.decoder import chunk_image as _image
 
     name, tables, folder = bucket
     ds = gpuload.ParquetDataset(f"s3://{name}/data/part-2.parquet", ["id", "hist", "f32"], cache_dir=tmp_path / "c",
