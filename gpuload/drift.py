@@ -137,7 +137,8 @@ def absent_as_nulls(files: Sequence[SourceFile], names: Sequence[str]) -> list[S
     Delta table's schema evolution, an older writer's files) given it as nulls: a Hive key whose
     value is null (:attr:`SourceFile.absent`), of the type of the first file that has it. Every
     stage then reads it as it reads a null key: no fill value, a :class:`NullValuesError` naming the
-    files (categorical ids 0); a filter's condition on it is null there (the row is not kept). A
+    files (categorical ids 0); a filter sees nulls there, as pyarrow's would (a comparison keeps none of
+    those rows, ``is_null`` all of them). A
     name no file has is :func:`gpuload.schema.resolve_outputs`' to refuse."""
     has = all_columns(files)
     wanted = [has.field(n) for n in dict.fromkeys(names) if n in has.names]
@@ -208,12 +209,15 @@ def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], s
     for f in files:
         for s in specs:
             for c in s.columns:
+                if c in f.absent:  # nulls, of whatever type the others have
+                    continue
                 want = _logical(schema.field(c).type)
                 got = _logical(f.schema.field(c).type)
                 if got != want and not _same_ids(got, want) and wider(got, want) != want:
                     seen: dict = {}  # each type the column has, with the first file that has it
                     for g in files:
-                        seen.setdefault(str(_logical(g.schema.field(c).type)), g.path)
+                        if c not in g.absent:
+                            seen.setdefault(str(_logical(g.schema.field(c).type)), g.path)
                     kinds = ", ".join(f"{t} in {p}" for t, p in list(seen.items())[:4])
                     raise SchemaError(f"column {c!r} is {kinds}{' and more' if len(seen) > 4 else ''}, and no type "
                                       f"holds all of them exactly (integers and floats of any width combine, and "

@@ -288,3 +288,14 @@ def test_a_column_no_file_has_is_still_a_misspelling(tmp_path):
     _evolved(src)
     with pytest.raises(gpuload.SchemaError, match=r"column 'nope' is not in "):
         gpuload.ParquetDataset(src, ["id", "nope"], cache_dir=tmp_path / "c", device="cpu")
+
+
+def test_a_type_no_type_holds_is_said_of_the_files_that_have_it_not_of_those_that_lack_it(tmp_path):
+    """A review's find: a file lacking the column was named as holding the first other file's type."""
+    src = tmp_path / "src"
+    write_parquet(src / "a_old.parquet", {"id": np.arange(3)})
+    write_parquet(src / "b.parquet", {"id": np.arange(3), "x": np.arange(3)})
+    pq.write_table(pa.table({"id": np.arange(3), "x": ["p", "q", "r"]}), src / "c.parquet")
+    with pytest.raises(gpuload.SchemaError) as e:
+        gpuload.ParquetDataset(src, ["id", "x"], fill_nulls={"x": 0}, cache_dir=tmp_path / "c", device="cpu")
+    assert "int64 in " in str(e.value) and "b.parquet" in str(e.value) and "a_old" not in str(e.value)

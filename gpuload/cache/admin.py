@@ -289,7 +289,9 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
             foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
             continue
         folders.update([parts, parts[:1]])
-        if chosen is not None and (name[:16] not in chosen or FOOTER.fullmatch(name)):
+        only_open = spec is None and unused_since is None  # a full clear that keeps open column sets
+        if chosen is not None and (name[:16] not in chosen or FOOTER.fullmatch(name)) \
+                and not (only_open and parts[0] != _LAYOUT):  # older formats' files: no reader reads them
             continue  # footers serve every column set: only a full clear removes them
         try:
             if LOCK.fullmatch(name):

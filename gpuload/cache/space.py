@@ -293,9 +293,11 @@ def warn_short_room(cache, groups: set, files: list[int], max_cache_bytes: int |
         return
     per = need / len(files)
     fit = min(max(0, int(room // per)), len(files) - 1)
-    quotas = [c.space.quota for c in getattr(cache, "caches", [cache])]  # a Drives' folders, or the one
+    spaces = [c.space for c in getattr(cache, "caches", [cache])]  # a Drives' folders (each its share), or the one
+    quotas, shares = [s.quota for s in spaces], [s.limit for s in spaces]
     given = flag("max_cache_bytes").rstrip("=")
-    limit = (given if max_cache_bytes is not None and room >= max_cache_bytes else  # else something tighter binds
+    binds = max_cache_bytes is not None and None not in shares and room >= sum(shares)
+    limit = (given if binds else  # else something tighter binds
              ("the cache folder's quota (`gpuload cache quota`)" if None not in quotas else
               "the free disk above the reserve ($GPULOAD_CACHE_RESERVE)")
              + (f", below {given}" if max_cache_bytes is not None else ""))

@@ -156,6 +156,7 @@ class ChunkCache:
         """
         cols, unreadable = self.look(key)
         if cols is not None:
+            self._held.discard(key.name)  # its holder finished it after all
             self.note(key, "cached")
             return cols, True
         lock = Lock(self.root, key.parts, key.name + ".lock")

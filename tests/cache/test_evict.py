@@ -93,11 +93,13 @@ def test_the_warning_names_the_limit_that_binds(sources, tmp_path, caplog, monke
     (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
     assert "the free disk above the reserve ($GPULOAD_CACHE_RESERVE), below max_cache_bytes" in warned, warned
     monkeypatch.setenv("GPULOAD_CACHE_RESERVE", "0")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="gpuload"):
-        open_dataset(sources["a"], ["x"], tmp_path / "d", batch_size=25_000, max_cache_bytes=1000)
-    (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
-    assert ": max_cache_bytes, less" in warned, warned  # the budget binds: named alone
+    for folders, budget in ((tmp_path / "d",), 1000), ([tmp_path / f"e{i}" for i in range(3)], 1001):
+        caplog.clear()  # 1001 over 3 folders: 333 each, 1 byte short of the whole (a review's find)
+        with caplog.at_level(logging.WARNING, logger="gpuload"):
+            open_dataset(sources["a"], ["x"], folders[0] if len(folders) == 1 else folders, batch_size=25_000,
+                         max_cache_bytes=budget)
+        (warned,) = [r.getMessage() for r in caplog.records if "has space for about" in r.getMessage()]
+        assert ": max_cache_bytes, less" in warned, warned  # the budget binds: named alone
 
 
 def test_a_live_readers_chunks_stay_and_a_closed_ones_make_room(sources, tmp_path, caplog):

@@ -107,6 +107,8 @@ def test_the_quota_command_sets_shows_and_removes_it(tmp_path, capsys):
     # a new user's trial: the README's `cache quota 500G --cache-dir /nvme0/gl` on a fresh node, whose folder
     # the jobs have not made yet, was refused as if misspelt; setting a quota makes it, showing one does not
     fresh = tmp_path / "nvme0" / "gl"
+    assert main(["cache", "quota", "5XB", "--cache-dir", str(fresh)]) == 2  # refused: nothing made
+    assert "'5XB'" in capsys.readouterr().err and not fresh.exists()
     assert main(["cache", "quota", "show", "--cache-dir", str(fresh)]) == 2
     assert "does not exist (nothing is cached there)" in capsys.readouterr().err and not fresh.exists()
     assert main(["cache", "quota", "500G", "--cache-dir", str(fresh)]) == 0
