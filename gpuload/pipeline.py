@@ -102,11 +102,14 @@ def lowered_priority(nice: int) -> Callable[[], None]:
     return lower
 
 
-def handed_out(producer: Background, metrics, receive: Callable, taken: Callable) -> Iterator:
+def handed_out(producer: Background, metrics, receive: Callable, taken: Callable,
+               ending: Callable[[], None] | None = None) -> Iterator:
     """The training thread's side of a loader: each item of ``producer`` made a batch by
     ``receive(item)``, the wait inside ``next()`` and the queue's depth recorded in ``metrics``,
     ``taken(item)`` called just before the batch is handed out (a state taken then counts it);
-    the pass closed in ``metrics`` when it ends, or when the loop is left early."""
+    the pass closed in ``metrics`` when it ends, or when the loop is left early. ``ending()``
+    runs inside the ``next()`` that ends the pass, before it is closed: what it waits for (the
+    next epoch's first loads) is the pass's waiting, in its wall time."""
     m = metrics
     t0 = m.clock()
     try:
@@ -118,6 +121,8 @@ def handed_out(producer: Background, metrics, receive: Callable, taken: Callable
             taken(item)
             yield batch
             t0 = m.clock()
+        if ending is not None:
+            ending()
         m.consumer_end(t0, m.clock())
     except GeneratorExit:  # the loop was left early
         t = m.clock()

@@ -231,3 +231,28 @@ def test_an_epoch_run_to_its_end_returns_with_the_next_ones_loads_done(source, t
     assert len(calls) == len(ds.reader.chunks)
     _settled(ds)
     ds.close()
+
+
+def test_the_wait_for_the_next_epochs_loads_is_the_epochs_waiting(source, tmp_path, monkeypatch):
+    """A helper's trial: with shuffle="chunks" the training thread waited in the epoch's last next() for the next
+    epoch's first loads (half of a short cached epoch), a wait neither its wall time nor its waiting counted: the
+    verdict said the step was the limit. That wait is now the last next()'s, in the epoch's stats (virtual clock:
+    the loads take 5 s of it)."""
+    import gpuload.preload as preload
+    from conftest import ManualClock
+
+    ds = _open(source, tmp_path / "c", shuffle="chunks")
+    ds.metrics.clock = clock = ManualClock(100.0)
+    list(ds)  # cached
+    wait = preload.Preload.wait
+
+    def slow(self):
+        clock.sleep(5.0)
+        wait(self)
+
+    monkeypatch.setattr(preload.Preload, "wait", slow)
+    ds.reset_stats()
+    ds.set_epoch(1)
+    assert sorted(row_ids(ds).tolist()) == list(range(ds.num_rows))
+    st = ds.stats()
+    assert st.wall_s >= 5.0 and st.wait_s >= 5.0 and st.starvation > 0.9, st
