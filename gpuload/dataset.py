@@ -402,13 +402,15 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         ``decode``, where first epochs decode: ``"cpu"`` (pyarrow) or ``"gpu"`` (cuDF), ``cache_io``,
         how chunk files are written and read: ``"direct"``, ``"buffered"``, ``"direct writes,
         buffered reads"`` (``"auto"`` after a pass its direct reads limited) or ``"off"`` (none), ``shuffle``,
-        ``layout`` (the one ``"auto"`` chose), and where given, ``transform``
+        ``layout`` (the one ``"auto"`` chose), ``max_requests`` for a remote source, and where given, ``transform``
         (its key) and ``batch_transform`` (the function's name): work of the user's that
         :func:`gpuload.diagnose` names when its stage is the limit)."""
         settings = {"num_threads": self.options.num_threads, "prefetch": self.options.prefetch,
                     "device": self.device.type, "decode": getattr(self.reader.decode, "name", "cpu"),
                     "cache_io": self.reader.cache_io, "shuffle": self.options.shuffle,
                     "layout": self.reader.stored_layout}
+        if self.reader.has_remote:  # requests in flight at most (what more of them can gain)
+            settings["max_requests"] = self.reader.remote.max_requests
         if self.reader.source.transform is not None:
             settings["transform"] = self.reader.source.transform.key
         if self.batch_transform is not None:

@@ -60,7 +60,8 @@ from .advice import CONTENDED, DISK_NEAR, no_stages, rate, stage_advice, startup
 from .stats import StageStats, Stats
 from .whatif import what_if
 
-__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP", "STRAGGLER", "HELD_BACK"]
+__all__ = ["diagnose", "Diagnosis", "STARVED", "SATURATED", "DISK_NEAR", "STARTUP", "STRAGGLER", "HELD_BACK",
+           "IN_FLIGHT"]
 
 #: Starvation (fraction of wall time) below which the step, not the loader, limits.
 STARVED = 0.05
@@ -72,6 +73,8 @@ STARTUP = 0.6
 HELD_BACK = 0.2
 #: a rank waiting this much more (fraction of its time) than the median rank is a straggler
 STRAGGLER = 0.05
+#: Share of the waiting with nothing in flight (``Stats.during_waits["idle"]``) below which more prefetch cannot help.
+IN_FLIGHT = 0.2
 
 _POOL = frozenset({"read", "decode", "convert", "cache_write", "cache_read"})
 
@@ -189,23 +192,30 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
         return _straggler(stats, disk_gbps, threads)
     d = _diagnose(stats, disk_gbps, threads)
     pool = threads or (stats.loader_settings or {}).get("num_threads")
+    share = stats.cpu_contention
+    contended = share is not None and share >= CONTENDED
     if stats.loader == "gpuload" and d.limiting not in ("step", "startup") and isinstance(pool, int):
         est = tuple(what_if(stats, pool, cached=cached, block_gather=block_gather))
+        if contended:  # more threads on cores already oversubscribed: the estimate assumes cores that are not free
+            est = tuple(w for w in est if w.settings.get("num_threads", 0) <= pool)
         if est and est[0].waiting_s <= 0.8 * stats.wait_s:
-            d = replace(d, what_if=est, message=f"{d.message}; what would help most (estimated from the stage "
-                        f"costs): {est[0].change}, waiting about {est[0].waiting_s:.2f} s ({est[0].starvation:.0%} of the "
-                        f"time) instead of {stats.wait_s:.2f} s ({stats.starvation:.0%}; {est[0].basis})")
+            best = est[0]
+            named = ", ".join(f"{k}={v!r}" for k, v in best.settings.items())
+            action = d.action if not named or named in d.action else f"{named} first (the estimate); then: {d.action}"
+            d = replace(d, what_if=est, action=action, message=f"{d.message}; what would help most (estimated from "
+                        f"the stage costs): {best.change}, waiting about {best.waiting_s:.2f} s ({best.starvation:.0%} "
+                        f"of the time) instead of {stats.wait_s:.2f} s ({stats.starvation:.0%}; {best.basis})")
         elif est:
             d = replace(d, what_if=est)
-    share = stats.cpu_contention
-    if share is None or share < CONTENDED:
+    if not contended:
         return d
     g, o = stats.cpu_queue.get("gpuload", (0.0, 0.0)), stats.cpu_queue.get("other", (0.0, 0.0))
+    fewer = "a smaller num_threads or " if not isinstance(pool, int) or pool > 1 else ""
     return replace(d, message=f"{d.message}; the cores are oversubscribed (measured): this process's threads "
                    f"waited for a core {share:.0%} as long as they ran (gpuload's {g[1]:.2f} s, the training "
                    f"thread's and torch's {o[1]:.2f} s) on {_cores()} cores",
                    action=f"{d.action}; and run fewer threads at once: torch.set_num_threads() in the training "
-                   "process, a smaller num_threads or a nice= for the loader, or fewer processes per node" + _spinning())
+                   f"process, {fewer}a nice= for the loader, or fewer processes per node" + _spinning())
 
 
 def _spinning() -> str:
@@ -269,6 +279,11 @@ def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Dia
         action += ("; and move the loading off the training thread (gpuload loads on background threads)"
                    if kind == "gpuload" else "; and move the loading off the training thread (DataLoader "
                    "num_workers > 0, or a background thread)")
+    elif busy < SATURATED and held is None and stats.during_waits and \
+            stats.during_waits.get("idle", 0.0) < IN_FLIGHT * stats.wait_s:
+        message += (f"; no stage, {s.name} included, is busy more than {SATURATED:.0%} of the run per thread, yet "
+                    "some stage ran through nearly all the waits: the loader's threads share the cores (and "
+                    "Python's lock) with each other and the step, and more work in flight would not help")
     elif busy < SATURATED and held is None and not (s.name == "batch" and
                                                     (stats.loader_settings or {}).get("batch_transform")):
         message += (f"; yet no stage, {s.name} included, is busy more than {SATURATED:.0%} of the run per thread, "

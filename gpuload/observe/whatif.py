@@ -10,7 +10,11 @@ A model of the steady state, fitted to one measured run (:class:`gpuload.Stats`)
 * the waiting is then ``startup + max(0, L - S) + rest``: ``startup`` the first ``next()`` of each
   pass (the first shuffle window, loaded by the pool: it scales as the pool's time does),
   ``rest`` what the measured waiting holds beyond the model (bursts that the queue did not
-  absorb), kept as measured.
+  absorb), kept as measured. Where the model needs more than was measured (busy seconds that
+  overlapped more than it assumes: the next epoch's first loads run on threads of their own),
+  ``max(0, L - S)`` is scaled down to the measured waiting instead: the model with nothing
+  changed gives the measured waiting either way, and no estimate is above it (each change
+  takes work away, or starts it earlier).
 
 :func:`what_if` changes one thing at a time and recomputes: more loader threads (up to the
 cores); where a later epoch's cache reads were measured, a warm cache (the first epoch's
@@ -85,13 +89,16 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
     own = max(0.0, stats.wall_s - stats.wait_s)  # the training thread's own seconds
     startup = min(stats.wait_s, stats.first_wait_s or 0.0)
     now = loader_seconds(stats, threads, cores)
-    rest = max(0.0, stats.wait_s - startup - max(0.0, now - own))
+    excess, measured = max(0.0, now - own), stats.wait_s - startup
+    # the model with nothing changed gives the measured waiting: what it lacks kept as `rest`, what it has
+    # too much of scaled away (`scale`)
+    scale, rest = (measured / excess, 0.0) if excess > measured else (1.0, measured - excess)
 
     pool_now = _busy(stats, _POOL) / max(1, min(threads, cores))
 
     def estimate(change: str, settings: dict, loader_s: float, basis: str, pool_s: float) -> WhatIf:
         first = startup * (pool_s / pool_now if pool_now > 0 else 1.0)
-        wait = first + max(0.0, loader_s - own) + rest
+        wait = min(stats.wait_s, first + scale * max(0.0, loader_s - own) + rest)
         return WhatIf(change, settings, wait, wait / (own + wait) if own + wait > 0 else 0.0, basis)
 
     out = []
@@ -110,8 +117,8 @@ def what_if(stats: Stats, threads: int, *, cores: int | None = None, cached: Sta
     idle = (stats.during_waits or {}).get("idle", 0.0)
     prefetch = (stats.loader_settings or {}).get("prefetch")
     if idle > 0 and isinstance(prefetch, int):  # waiting with nothing in flight: work started earlier hides it
-        floor = startup + max(0.0, now - own)
-        wait = max(floor, stats.wait_s - idle)
+        floor = startup + scale * excess
+        wait = min(stats.wait_s, max(floor, stats.wait_s - idle))
         out.append(WhatIf(f"prefetch={2 * prefetch}", {"prefetch": 2 * prefetch}, wait,
                           wait / (own + wait) if own + wait > 0 else 0.0,
                           f"the {idle:.2f} s of waiting during which no stage ran (nothing in flight) hidden by "

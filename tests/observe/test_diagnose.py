@@ -76,6 +76,16 @@ def test_remote_bound_and_decode_bound_first_epochs_are_told_apart():
     assert d.limiting == "read" and d.message.startswith("first epoch is remote-bound")
     assert "400 requests" in d.message and "45/80/200 ms" in d.message
     assert "max_requests" in d.action and "gpuload cache build" in d.action
+    # a helper's trial: 8 requests in all, max_requests=64 advised (and changing nothing); num_threads 2 -> 4 cut
+    # the epoch by 31%. Fewer requests than may be in flight: more loader threads, not a deeper request queue
+    few = gpuload.RemoteStats(8, 7 * 10**7, 0, 0, 1.3, 1.4, 1.4)
+    mine = {"num_threads": 2, "prefetch": 2, "device": "cpu", "max_requests": 32}
+    d = gpuload.diagnose(make_stats(0.8, remote=few, loader="gpuload", loader_settings=mine,
+                                    stages=[stage("read", 19.0, 2, 7 * 10**7), stage("decode", 4.0, 2)]))
+    assert d.limiting == "read" and "raise num_threads (now 2)" in d.action and "max_requests" not in d.action
+    d = gpuload.diagnose(make_stats(0.8, remote=remote, loader="gpuload", loader_settings=mine,
+                                    stages=[stage("read", 19.0, 2, 4 * 10**8), stage("decode", 4.0, 2)]))
+    assert "max_requests" in d.action and "raise num_threads" not in d.action  # 400 requests: the queue may be full
     d = gpuload.diagnose(make_stats(0.8, remote=remote, stages=[stage("read", 2.0, 2, 4 * 10**8),
                                                                 stage("decode", 19.0, 2)]))
     assert d.limiting == "decode" and d.message.startswith("first epoch is decode-bound")
@@ -163,6 +173,18 @@ def test_unsaturated_loader_is_told_to_prefetch():
     assert "not keeping enough work in flight" in d.message and d.action.count("raise prefetch") == 1
     d = gpuload.diagnose(make_stats(0.3, stages=[stage("decode", 2.0, 2, 10**9)]))
     assert d.limiting == "decode" and d.action.startswith("raise prefetch first; then: build the cache")
+
+
+def test_an_unsaturated_loader_that_always_had_work_in_flight_is_not_told_to_prefetch():
+    """A helper's trial: "nothing running for 0.042 s" of the waits, and yet "the loader is not keeping enough work
+    in flight ... raise prefetch first" (prefetch 2, 4, 8 then measured alike): where some stage ran through nearly
+    all the waits, more in flight cannot help."""
+    stages = [stage("decode", 2.0, 2, 10**9)]
+    busy = gpuload.diagnose(make_stats(0.3, stages=stages, during_waits={"idle": 0.04, "decode": 2.96}))
+    assert "more work in flight would not help" in busy.message and "raise prefetch" not in busy.action
+    assert "not keeping enough work in flight" not in busy.message
+    idle = gpuload.diagnose(make_stats(0.3, stages=stages, during_waits={"idle": 2.0, "decode": 1.0}))
+    assert "not keeping enough work in flight" in idle.message and idle.action.startswith("raise prefetch first")
 
 
 def test_str_and_errors():
@@ -587,6 +609,15 @@ def test_oversubscribed_cores_are_not_answered_with_more_threads(monkeypatch):
         assert d.limiting == "batch" and ("more num_threads" in d.action) == more, d.action
         assert ("a smaller num_threads" in d.action) == (not more)
         assert "on a node with a GPU, device=cuda" in d.action
+    # a helper's trial (1 loader thread, a matmul step): "what would help most: num_threads=2", then "a smaller
+    # num_threads" for one already at 1; measured, num_threads=2 slowed the step as much as it saved
+    monkeypatch.setattr(gpuload.observe.diagnose, "_cores", lambda: 2)
+    decode = [stage("decode", 8.0, 1, 10**9)]
+    one = {"num_threads": 1, "prefetch": 2, "device": "cpu"}
+    d = gpuload.diagnose(make_stats(0.6, stages=decode, loader="gpuload", loader_settings=one,
+                                    cpu_queue={"gpuload": (4.0, 2.0), "other": (2.0, 1.0)}))
+    assert "num_threads=2" not in d.message and all("num_threads" not in w.settings for w in d.what_if)
+    assert "a smaller num_threads" not in d.action and "a nice= for the loader" in d.action
 
 
 @pytest.mark.parametrize("torch_threads, policy, told", [(2, None, True), (1, None, False), (2, "passive", False),

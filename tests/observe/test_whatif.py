@@ -57,6 +57,8 @@ def test_diagnose_names_the_change_that_helps_most(monkeypatch):
     assert best.change == "num_threads=4" and best.waiting_s == pytest.approx(0.1 * 2 / 8 + 1.9)
     assert (f"what would help most (estimated from the stage costs): num_threads=4, waiting about "
             f"{best.waiting_s:.2f} s ({best.starvation:.0%} of the time) instead of 6.00 s (60%; ") in d.message
+    # a helper's trial: the message named shuffle='block' best, the action only a smaller shuffle_window
+    assert d.action.startswith("num_threads=4 first (the estimate); then: ")
     # a loop with hardly any step (a benchmark) waits about 98% of the time either way: the seconds say the gain
     bare = gpuload.diagnose(_stats({"decode": 8.0, "batch": 1.0}, wall=6.1, wait=6.0, first=0.1))
     gain = bare.what_if[0]
@@ -92,3 +94,18 @@ def test_waiting_with_nothing_in_flight_is_what_a_deeper_prefetch_hides():
     assert deeper.settings == {"prefetch": 4} and deeper.waiting_s == pytest.approx(max(0.2, 3.0 - 2.5))
     assert "prefetch=4" not in {w.change for w in what_if(dataclasses.replace(s, during_waits=None),
                                                           2, cores=2)}
+
+
+def test_no_estimate_is_above_the_measured_waiting_where_the_model_needs_more_than_was_measured():
+    """A helper's trial: a first epoch on one loader thread whose busy seconds overlapped more than the model
+    assumes (the next epoch's loads run on threads of their own) was told prefetch=4 and shuffle='block' would
+    wait 1.22 s where it waited 0.83 s with nothing changed. The model's surplus is scaled away: a change that
+    leaves the loader's need alone estimates the measured waiting, one that halves it less."""
+    s = dataclasses.replace(_stats({"decode": 8.0, "batch": 0.5}, wall=6.1, wait=3.0, first=0.1),
+                            during_waits={"idle": 0.4, "decode": 2.6})  # own 3.1 s; the model: 8 - 3.1 = 4.9 s short
+    est = {w.change: w for w in what_if(s, 1, cores=2, block_gather=0.5)}
+    assert all(w.waiting_s <= s.wait_s + 1e-9 for w in est.values()), est
+    assert est["prefetch=4"].waiting_s == pytest.approx(3.0)  # its idle 0.4 s: under what the decoding needs
+    assert est["shuffle='block'"].waiting_s == pytest.approx(3.0)  # decode-bound: the gathers change nothing
+    # two threads: the loader's 8 s become 4, 0.9 s over the step's own 3.1 instead of 4.9, scaled by 2.9 / 4.9
+    assert est["num_threads=2"].waiting_s == pytest.approx(0.1 * 4 / 8 + 0.9 * 2.9 / 4.9)
