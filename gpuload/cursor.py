@@ -137,6 +137,8 @@ class Cursor:
         self.epoch, self.pending = epoch, pending
         self.advance = complete and not was_set  # an epoch that was over: the next iteration begins the next
         told, self.told = self.told, None
+        if ranks is not None and not complete and pending.runs is not None and len(pending.runs) > len(runs):
+            self._warn_elastic_count(epoch)
         if told is not None and ranks is not None and not complete:
             now = self.batches()
             if now > told:
@@ -145,6 +147,24 @@ class Cursor:
                             "counted to len() before the restore stops %d batches a rank short of the epoch's end "
                             "(Lightning counts so when its own checkpoint restores the dataset: restore it in "
                             "on_load_checkpoint instead, see the README)", told, epoch, now, now - told)
+
+    def _warn_elastic_count(self, epoch: int) -> None:
+        """At a restore on other ranks than the epoch's: where the resumed epoch's count (what :meth:`batches`
+        says) and a whole epoch's differ, a framework that reads ``len()`` once for the whole run ends an epoch
+        before its count, and that epoch's end-of-epoch work (Lightning: validation) is skipped. Said once."""
+        done = self._plan.runs(self.pending.runs)
+        exact, whole = sum(r.taken for r in done[:-1]) + done[-1].batches, self.whole()
+        if exact == whole:
+            return
+        which = (f"epoch {epoch} ends {whole - exact} batches a rank before it" if exact < whole else
+                 f"every later epoch ends {exact - whole} batches a rank before it")
+        log.warning("gpuload: epoch %d resumes on other ranks than it began on: len() counts %d batches a rank for "
+                    "it (those taken before and this run's: %d) and %d for each later epoch. A framework that reads "
+                    "len() once for the whole run counts %d for every epoch: %s, and its end-of-epoch work (Lightning: "
+                    "validation, checkpoints on a validation metric) is skipped there; every row is still delivered "
+                    "once. Under Lightning, reload_dataloaders_every_n_epochs=1 reads len() each epoch (the later "
+                    "epochs then count right); resuming on the ranks the epoch began on avoids it", epoch,
+                    max(exact, whole), exact, whole, max(exact, whole), which)
 
     def begin(self) -> Position:
         """The running position of the iteration beginning now (see ``begin()`` in the module doc)."""

@@ -221,3 +221,25 @@ def test_a_dataset_and_its_cursor_make_no_reference_cycle(tmp_path, write_parque
         assert ref() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("saved, now, said", [(2, 1, "epoch 0 ends"), (1, 2, "every later epoch ends"), (2, 2, None)])
+def test_a_restore_on_other_ranks_says_how_a_count_read_once_ends_its_epochs(saved, now, said, caplog):
+    """A helper's trial under Lightning: resumed mid-epoch on 1 process from 2 (or on 2 from 1), an epoch ran
+    out before len() and Lightning skipped its validation, silently. The restore now says which epoch ends
+    before the count, by how much, and what keeps it (the same ranks; Lightning's per-epoch reload)."""
+    before = _cursor(world=saved)
+    _iterate(before, 3, end=False)
+    state = before.state_dict()
+    after = _cursor(world=now)
+    with caplog.at_level("WARNING", logger="gpuload"):
+        after.load_state_dict(state)
+    told = [r.getMessage() for r in caplog.records if "resumes on other ranks" in r.getMessage()]
+    if said is None:
+        assert not told
+        return
+    (text,) = told
+    whole, counted = after.whole(), after.batches()
+    assert said in text and f"len() counts {counted} batches a rank" in text and f"{whole} for each later" in text
+    assert "reload_dataloaders_every_n_epochs=1" in text and "every row is still delivered once" in text
+    assert (counted == whole) == (saved > now)  # fewer ranks: the whole epoch's count; more: the resumed one's
