@@ -137,6 +137,7 @@ class Cursor:
         self.epoch, self.pending = epoch, pending
         self.advance = complete and not was_set  # an epoch that was over: the next iteration begins the next
         told, self.told = self.told, None
+        # go_on adds a run where other ranks go on: an elastic restore
         if ranks is not None and not complete and pending.runs is not None and len(pending.runs) > len(runs):
             self._warn_elastic_count(epoch)
         if told is not None and ranks is not None and not complete:
@@ -152,8 +153,7 @@ class Cursor:
         """At a restore on other ranks than the epoch's: where the resumed epoch's count (what :meth:`batches`
         says) and a whole epoch's differ, a framework that reads ``len()`` once for the whole run ends an epoch
         before its count, and that epoch's end-of-epoch work (Lightning: validation) is skipped. Said once."""
-        done = self._plan.runs(self.pending.runs)
-        exact, whole = sum(r.taken for r in done[:-1]) + done[-1].batches, self.whole()
+        exact, whole = self._counted(self.pending.runs), self.whole()
         if exact == whole:
             return
         which = (f"epoch {epoch} ends {whole - exact} batches a rank before it" if exact < whole else
@@ -224,9 +224,13 @@ class Cursor:
         else:
             self.told = self.whole()
             return self.told
-        done = self._plan.runs(runs)
-        self.told = max(self.whole(), sum(r.taken for r in done[:-1]) + done[-1].batches)
+        self.told = max(self.whole(), self._counted(runs))
         return self.told
+
+    def _counted(self, runs) -> int:
+        """Batches a rank takes in an epoch of ``runs``: those each rank took in the earlier runs, and the last run's."""
+        done = self._plan.runs(runs)
+        return sum(r.taken for r in done[:-1]) + done[-1].batches
 
     def fresh(self, epoch: int) -> None:
         """Select ``epoch`` from its first batch, dropping a restored or left position silently

@@ -138,8 +138,8 @@ def absent_as_nulls(files: Sequence[SourceFile], names: Sequence[str]) -> list[S
     value is null (:attr:`SourceFile.absent`), of the type of the first file that has it. Every
     stage then reads it as it reads a null key: no fill value, a :class:`NullValuesError` naming the
     files (categorical ids 0); a filter sees nulls there, as pyarrow's would (a comparison keeps none of
-    those rows, ``is_null`` all of them). A
-    name no file has is :func:`gpuload.schema.resolve_outputs`' to refuse."""
+    those rows, ``is_null`` all of them). A name no file has is :func:`gpuload.schema.resolve_outputs`'
+    to refuse."""
     has = all_columns(files)
     wanted = [has.field(n) for n in dict.fromkeys(names) if n in has.names]
     out = []

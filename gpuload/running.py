@@ -51,22 +51,17 @@ class Epochs:
         pre = self.ahead.take(r.device.consumer_stream())
         producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=o.prefetch + 2, nice=o.nice)
         before = self._measured() if r.adapts_reads else None
-        settled = []
-
-        def ending() -> None:  # run to its end: the next epoch's first loads finish in this epoch's last next()
-            settled.append(True)
-            self.ahead.settle(pre, True)
-
-        try:  # each batch counted when handed out: a state taken then resumes after it
-            yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take(), ending)
+        try:  # each batch counted when handed out: a state taken then resumes after it; run to its end, the
+            # next epoch's first loads finish inside this epoch's last next() (settling again below: a no-op)
+            yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take(),
+                                  lambda: self.ahead.settle(pre, True))
         finally:
             pos.running = False
             if not producer.finished:  # left early: no load goes on, none waits on a stalled store
                 producer.stop.set()
                 r.interrupt()
             producer.close()
-            if not settled:
-                self.ahead.settle(pre, producer.finished)
+            self.ahead.settle(pre, producer.finished)
             if before is not None:  # were this pass's direct cache reads the limit? (also a pass left
                 after = self._measured()  # early: a Mix closes its sources' passes, a loop stops at a step)
                 if after[0] == before[0] and after[-1] == before[-1]:  # no reset meanwhile, nothing decoded

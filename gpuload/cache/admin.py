@@ -282,6 +282,7 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
                   if unused_since is None or known[h]["last_used"] < unused_since}
         kept = sorted(chosen & set(open_specs))  # in use now: a running dataset reads them
         chosen -= set(kept)
+    only_open = spec is None and unused_since is None  # a full clear, but for open column sets
     freed, files, foreign, folders, problems, failed = 0, 0, [], set(), [], []
     for parts, name, st in list(walk(root, layouts=True, problems=problems)):
         if not stat.S_ISREG(st.st_mode) or not (CHUNK.fullmatch(name) or TEMP.fullmatch(name)
@@ -289,7 +290,6 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
             foreign.append(f"{root.where(parts, name)} ({kind_of(st.st_mode)})")
             continue
         folders.update([parts, parts[:1]])
-        only_open = spec is None and unused_since is None  # a full clear that keeps open column sets
         if chosen is not None and (name[:16] not in chosen or FOOTER.fullmatch(name)) \
                 and not (only_open and parts[0] != _LAYOUT):  # older formats' files: no reader reads them
             continue  # footers serve every column set: only a full clear removes them

@@ -162,8 +162,7 @@ class ChunkCache:
         lock = Lock(self.root, key.parts, key.name + ".lock")
         built: list = []  # the chunk, when another process writes it while this one waits for its lock
         before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
-        patience = 0.0 if key.name in self._held else min(self.lock_patience, STALLED_PATIENCE) if self._held \
-            else self.lock_patience
+        patience = self._patience(key)
         try:
             got = lock.acquire(timeout=patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
         except OSError as e:
@@ -174,8 +173,9 @@ class ChunkCache:
                            "such chunks are decoded from Parquet every time and not cached")
                 self.note(key, why)
             return cols, False
-        if built:
+        if built or got:  # its holder finished it, or let go
             self._held.discard(key.name)
+        if built:
             self.note(key, "other")
             return built[0], True
         if not got:  # a stopped or hung process holds it: do not wait for it forever, nor again
@@ -184,11 +184,17 @@ class ChunkCache:
             self._held.add(key.name)
             self.note(key, "held")
             return build(), False
-        self._held.discard(key.name)
         if unreadable is not None:
             self._warn(f"read{unreadable.errno}", f"cannot read cache file {self.path(key)} ({unreadable}); "
                        "rebuilding it from its source")
         return self._build_locked(key, build, shared, lock)
+
+    def _patience(self, key: ChunkKey) -> float:
+        """Seconds to wait for ``key``'s lock: none where a wait for it ran out before, ``STALLED_PATIENCE``
+        at most once any wait ran out (the holder likely holds others), else ``lock_patience``."""
+        if key.name in self._held:
+            return 0.0
+        return min(self.lock_patience, STALLED_PATIENCE) if self._held else self.lock_patience
 
     def look(self, key: ChunkKey) -> tuple[dict | None, OSError | None]:
         """First look, without the lock: (the chunk's columns, None) when its file is cached

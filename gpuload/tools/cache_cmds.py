@@ -223,14 +223,15 @@ def _since(text: str) -> float:
 
 def cmd_quota(args) -> int:
     text = args.size.strip().lower()
-    if text not in ("show", "none"):
+    sets = text not in ("show", "none")
+    if sets:
         try:
             nbytes = parse_size(args.size)
         except ValueError as e:
             raise ConfigError(f"gpuload cache quota {args.size!r}: {e}; e.g. 500G, or none to remove it") from None
     # a quota set ahead of the jobs that will fill the folder (a fresh node's NVMe): the folder is made
-    cache = ChunkCache(args.cache_dir, create=text not in ("show", "none"))
-    if text not in ("show", "none"):
+    cache = ChunkCache(args.cache_dir, create=sets)
+    if sets:
         write_quota(cache.root, nbytes)
     elif text == "none":
         write_quota(cache.root, None)
