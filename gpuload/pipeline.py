@@ -279,10 +279,15 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
         (the CPU path). Batches are still handed on in plan order.
     preloaded : a :class:`gpuload.preload.Preload` whose loads are taken for the chunks it
         holds, in place of new ones (default None).
-    loaded : called once, on the producer thread, when the epoch's last window is assembled and
-        the one before it cut (not when the epoch stops early): the dataset then preloads the
-        next epoch's first chunks, which take the place of the window the memory bounds count
-        as being assembled.
+    loaded : called once, on the producer thread, when the epoch's last loads are under way
+        (not when the epoch stops early): the dataset then preloads the next epoch's first
+        chunks. Shuffled, when the last window is assembled and the one before it cut: the
+        preload takes the place of the window the memory bounds count as being assembled. In
+        file order, when the producer takes the piece after which ``prefetch + 1`` remain (every
+        load of the epoch is queued by then): a preload of ``prefetch + 2`` chunks then holds what the
+        bounds count for ``2 x prefetch + 6`` chunks loaded ahead, and the next epoch's first
+        chunks are read while the last ones are cut, not after (an epoch's last ``next()`` waits
+        for them: :mod:`gpuload.preload`).
     """
     stages = stages or Stages()
     try:
@@ -399,8 +404,8 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                 ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
                 if got is None:
                     return
-                if loaded is not None and w == n - 1:  # the last window is in, its predecessor cut
-                    loaded()
+                if loaded is not None and w == (n - 1 if permutation is not None else max(0, n - 2 - prefetch)):
+                    loaded()  # shuffled: the last window is in, its predecessor cut; else every load queued
                 if permutation is None:
                     for p in got:
                         yield from cutters.add(batcher.add(p))

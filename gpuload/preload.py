@@ -1,10 +1,12 @@
-"""Preload: the next epoch's first chunks, loaded while this epoch's last window is cut.
+"""Preload: the next epoch's first chunks, loaded while this epoch's last batches are cut.
 
 An epoch's first batch waits for its whole first window to be read (and, shuffled,
 permuted): the longest wait of a cached epoch, most of what a training step waited over
-a whole epoch on the H100 (``docs/benchmarks.md``, GPU). So once an epoch's last window is
-assembled, :class:`gpuload.ParquetDataset` starts loading the chunks the *next* epoch takes
-first (its first window, and ``prefetch`` chunks after it): epoch + 1, the one an iteration
+a whole epoch on the H100 (``docs/benchmarks.md``, GPU). So once an epoch's last loads are
+under way, :class:`gpuload.ParquetDataset` starts loading the chunks the *next* epoch takes
+first: shuffled, once the last window is assembled, its first window and ``prefetch`` chunks
+after it; in file order (a batch needs only its own chunk), once the last ``prefetch + 2``
+chunks are being cut, as many chunks (:func:`first_chunks`): epoch + 1, the one an iteration
 without ``set_epoch`` follows and the one a loop calling ``set_epoch(epoch + 1)`` asks for.
 The next iteration takes each of them it needs instead of loading it again. A chunk's
 columns are the same in every epoch (orders are applied after loading), so a wrong guess
@@ -13,13 +15,14 @@ chunks not taken are dropped when that iteration ends, and a preloaded load that
 (an iteration left early interrupts loads) is simply loaded again.
 
 An iteration that runs to its end returns once these loads are done (they began while its
-last window was cut, so by then they usually are): nothing of the dataset reads after an
+last batches were cut, so by then they usually are): nothing of the dataset reads after an
 epoch, and :meth:`gpuload.ParquetDataset.stats` holds still between epochs. Those loads are
 counted with the epoch that made them (``stats()``, ``reader.counters``): for one epoch's
 own reads alone, ``prefetch=0``. An iteration left early starts none (or drops them). The
 preloaded chunks are held until the next iteration takes them, or
-:meth:`gpuload.ParquetDataset.close`; they stand in for the window being assembled that the
-memory bounds count already (``device_bytes_bound``, ``host_bytes_bound``).
+:meth:`gpuload.ParquetDataset.close`; they stand in for what the memory bounds count already
+(``device_bytes_bound``, ``host_bytes_bound``): shuffled, the window being assembled; in file
+order, chunks loaded ahead.
 """
 
 from __future__ import annotations
@@ -98,11 +101,11 @@ class Ahead:
         self.pending: Preload | None = None
         self._lock = threading.Lock()
 
-    def start(self, *args) -> None:
+    def start(self, *args, **kwargs) -> None:
         """Preload as :func:`next_epoch` (same arguments) says, in place of any pending preload.
         Never raises: the preload is a guess, the next iteration loads what it lacks."""
         try:
-            new = next_epoch(*args)
+            new = next_epoch(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - an epoch not plannable now, no thread to start, ...
             log.debug("gpuload: next epoch not preloaded: %s", e)
             new = None
@@ -140,18 +143,21 @@ class Ahead:
             pre.drop()
 
 
-def first_chunks(windows: Sequence[Sequence[Segment]], prefetch: int) -> list[int]:
+def first_chunks(windows: Sequence[Sequence[Segment]], prefetch: int, shuffled: bool = True) -> list[int]:
     """The chunks an epoch of ``windows`` (a rank's segments by shuffle window) loads first:
-    those of its first window and of the ``prefetch`` segments after it."""
+    shuffled, those of its first window (a batch draws on all of it) and of the ``prefetch``
+    segments after it; in file order, what the pipeline holds when it starts (the segment
+    being cut, the one taken after it, and ``prefetch`` more)."""
     if not windows:
         return []
     segments = [s for w in windows for s in w]
-    return [s.chunk for s in segments[:len(windows[0]) + prefetch]]
+    return [s.chunk for s in segments[:(len(windows[0]) if shuffled else 2) + prefetch]]
 
 
-def next_epoch(plan_epoch: Callable, epoch: int, prefetch: int, threads: int, device, load: Callable) -> Preload:
+def next_epoch(plan_epoch: Callable, epoch: int, prefetch: int, threads: int, device, load: Callable,
+               shuffled: bool = True) -> Preload:
     """The preload of epoch ``epoch + 1``'s first chunks (:func:`first_chunks` of
-    ``plan_epoch(epoch + 1)``, a rank's windows), each loaded by ``load`` inside ``device``'s
+    ``plan_epoch(epoch + 1)``, a rank's windows, rows ``shuffled`` or not), each loaded by ``load`` inside ``device``'s
     read side and handed over as the pipeline's loads are, keyed by the consumer's stream
     (an epoch that cannot be planned now raises: :meth:`Ahead.start` then preloads nothing,
     and the next iteration plans, and reports, for real)."""
@@ -161,4 +167,4 @@ def next_epoch(plan_epoch: Callable, epoch: int, prefetch: int, threads: int, de
         with device.reading():
             return device.handover(load(chunk))
 
-    return Preload(one, first_chunks(windows, prefetch), threads, key=device.consumer_stream())
+    return Preload(one, first_chunks(windows, prefetch, shuffled), threads, key=device.consumer_stream())

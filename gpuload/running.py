@@ -28,7 +28,7 @@ class Epochs:
     """The iterations of one dataset: ``reader``'s chunks in the order ``plan`` gives, at the
     positions ``cursor`` keeps, measured into ``metrics``.
 
-    ``ahead`` holds the next epoch's first chunks, loaded while an epoch's last window is
+    ``ahead`` holds the next epoch's first chunks, loaded while an epoch's last batches are
     consumed (:mod:`gpuload.preload`); :meth:`close` drops them.
     """
 
@@ -79,9 +79,10 @@ class Epochs:
         rest = self.plan.rest(pos, pos.ranks.rank)
         device = r.device
 
-        def loaded() -> None:  # this epoch's last window is in: the next epoch's first chunks load meanwhile
+        def loaded() -> None:  # this epoch's last loads are under way: the next epoch's first chunks load meanwhile
             if not stop.is_set() and self.preload_next:
-                self.ahead.start(self.cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load)
+                self.ahead.start(self.cursor.plan_epoch, pos.epoch, o.prefetch, o.num_threads, device, r.load,
+                                 shuffled=self.plan.shuffled)
 
         def draw(i: int, n: int):  # window i's rows as positions in it, the same order on every device
             return self.plan.permutation(pos.epoch, rest.takes[i], n)
