@@ -123,7 +123,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2); while an epoch's last
         batches are cut, the next epoch's first chunks are loaded (shuffled, its first window
-        and ``prefetch`` chunks more; in file order ``prefetch + 2``: :mod:`gpuload.preload`). 0: no chunk is loaded ahead, within an epoch or across.
+        and ``prefetch`` chunks more; in file order ``prefetch + 2``: :mod:`gpuload.preload`).
+        0: no chunk is loaded ahead, within an epoch or across.
     num_threads : threads that read and decode chunks (default 2); on the CPU, on a machine
         with cores to spare (at least ``num_threads + 3``), they also gather batches.
     nice : how many nice steps below the thread that starts an epoch gpuload's background

@@ -284,9 +284,9 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
         chunks. Shuffled, when the last window is assembled and the one before it cut: the
         preload takes the place of the window the memory bounds count as being assembled. In
         file order, when the producer takes the piece after which ``prefetch + 1`` remain (every
-        load of the epoch is queued by then): a preload of ``prefetch + 2`` chunks then holds what the
-        bounds count for ``2 x prefetch + 6`` chunks loaded ahead, and the next epoch's first
-        chunks are read while the last ones are cut, not after (an epoch's last ``next()`` waits
+        load of the epoch is queued by then): with a preload of ``prefetch + 2`` chunks, what is
+        held stays within the ``2 x prefetch + 6 + num_threads`` chunks the bounds count as loaded
+        ahead, and the next epoch's first chunks are read while the last ones are cut, not after (an epoch's last ``next()`` waits
         for them: :mod:`gpuload.preload`).
     """
     stages = stages or Stages()
