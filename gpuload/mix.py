@@ -30,7 +30,7 @@ from .plan import MAX_KEY
 from .mixplan import EXHAUSTED, MODES, MixPlan, labels, plan_mix, rest_labels, rest_steps
 from .observe.metrics import Metrics
 from .observe.ranks import gather
-from .pipeline import Background, handed_out
+from .producer import Background, handed_out
 
 __all__ = ["Mix", "FORMAT"]
 

@@ -17,7 +17,8 @@ from . import preload
 from .cursor import Cursor
 from .epochs import EpochPlan, Position
 from .observe.metrics import Metrics
-from .pipeline import Background, cut_threads, epoch_batches, handed_out
+from .pipeline import cut_threads, epoch_batches
+from .producer import Background, handed_out
 from .reader import ChunkReader
 from .transforms import BatchTransform
 

@@ -6,8 +6,6 @@ leaves threads behind, and an error on a background thread reaches the consumer.
 from __future__ import annotations
 
 import gc
-import os
-import sys
 import threading
 
 import numpy as np
@@ -189,31 +187,6 @@ def test_a_failing_gather_on_a_cut_thread_reaches_the_consumer(click, tmp_path, 
     ds.set_epoch(0)
     again = [b["row_id"] for b in ds]
     assert len(again) == len(expected) and all(a.equal(b) for a, b in zip(expected, again))
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-@pytest.mark.parametrize("nice", [0, 5])
-def test_background_threads_run_nice_steps_below_the_training_thread(click, tmp_path, monkeypatch, nice):
-    """Loader, window, producer and cache writer threads yield the CPU to the training thread's own
-    threads: ``nice`` steps below it (the training thread itself is left as it is)."""
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    monkeypatch.setattr(running_mod, "cut_threads", lambda n: n)  # the cut threads too
-    ds = click.open(tmp_path / "cache", nice=nice, prefetch=1, num_threads=2)  # cold: the writer runs too
-    seen: dict[str, int] = {}
-
-    def consume():
-        for _ in ds:
-            for t in threading.enumerate():
-                if t.name.startswith("gpuload-") and t.native_id is not None and t.is_alive():
-                    try:
-                        seen[t.name.split("_")[0]] = os.getpriority(os.PRIO_PROCESS, t.native_id)
-                    except OSError:  # it ended meanwhile
-                        pass
-
-    run_with_timeout(consume)
-    assert {"gpuload-producer", "gpuload-load", "gpuload-window", "gpuload-write", "gpuload-cut"} <= set(seen)
-    assert set(seen.values()) == {min(19, base + nice)}
-    assert os.getpriority(os.PRIO_PROCESS, 0) == base
 
 
 @pytest.mark.parametrize("shuffle", [True, "block"])
