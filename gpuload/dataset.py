@@ -325,7 +325,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     @property
     def preload_next(self) -> bool:
-        """Whether an epoch's end loads the next epoch's first window ahead (default True; see
+        """Whether an epoch's end loads the next epoch's first chunks ahead (default True; see
         ``prefetch``). Set it False before a run's last epoch: its end then reads nothing for an
         epoch that will not come (``gpuload profile`` does)."""
         return self._epochs.preload_next
