@@ -233,8 +233,9 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     Terms (C: ``chunk_bytes``; a chunk file is C plus its header and 4 KiB alignment; a
     pooled buffer is made up to 12.5% and 1 MiB larger than asked: :func:`_kept`): shuffled, 2 windows of
     ``shuffle_window`` chunks and ``shuffle_window + prefetch + 1`` chunks not joined yet;
-    in file order, no windows but ``2 x prefetch + 6 + num_threads`` chunks (loaded ahead, and
-    kept by the batches that are views of them); ``prefetch + 6 + num_threads`` batches of ``batch_size``
+    in file order, no windows but ``3 x prefetch + 8 + num_threads`` chunks (loaded ahead, kept
+    by the batches that are views of them, and the next epoch's first ``prefetch + 2``, loaded
+    while the last ones are cut: :mod:`gpuload.preload`); ``prefetch + 6 + num_threads`` batches of ``batch_size``
     rows (the CPU path gathers one per loader thread at once, in order); per
     loader thread 3 C being decoded (4 with block shuffling); ``pending_writes`` C; and for a
     remote source ``readahead_bytes + max_inflight_bytes`` plus ``num_threads + 1`` chunks'
@@ -247,7 +248,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
         windows = 2 * (_kept(shuffle_window * c) + arrays * (1 << 20))
         chunks = (shuffle_window + prefetch + 1) * file
     else:
-        windows, chunks = 0, (2 * prefetch + 6 + num_threads) * file
+        windows, chunks = 0, (3 * prefetch + 8 + num_threads) * file
     remote_bytes = 0 if remote is None else (remote.readahead_bytes + remote.max_inflight_bytes
                                              + (num_threads + 1) * c)
     return HostBudget(windows=windows, chunks=chunks, batches=(prefetch + 6 + num_threads) * batch,
@@ -256,7 +257,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
 
 
 def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_window: int, prefetch: int,
-                 num_threads: int, gpu_decode: bool) -> int:
+                 num_threads: int, gpu_decode: bool, shuffled: bool = True) -> int:
     """Upper bound of the device memory the GPU path holds at once, in bytes.
 
     With C the largest chunk's converted bytes (``chunk_bytes``) and R its rows
@@ -267,11 +268,16 @@ def device_bound(chunk_bytes: int, chunk_rows: int, *, batch_size: int, shuffle_
     arrays). While cuDF decodes (``gpu_decode``, the first epoch), two more chunks per loader
     thread (``num_threads``) for the converted columns packed into the storage layout, and
     24 bytes per row for the index arrays of null masks; cuDF's own decode buffers come from
-    RMM and are not counted. Independent of the dataset's size.
+    RMM and are not counted. In file order (not ``shuffled``) no window is joined, and the
+    chunks are ``3 x prefetch + 8`` C instead: the one being cut and the one taken after it,
+    those loaded ahead, those the queued batches are views of (``prefetch + 4``), and the next
+    epoch's first ``prefetch + 2``, loaded while the last ones are cut (:mod:`gpuload.preload`).
+    Independent of the dataset's size.
     """
     row = chunk_bytes / max(1, chunk_rows)
     decoding = num_threads * (2 * chunk_bytes + 24 * chunk_rows) if gpu_decode else 0
-    return int((3 * shuffle_window + prefetch + 1) * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))
+    chunks = 3 * shuffle_window + prefetch + 1 if shuffled else 3 * prefetch + 8
+    return int(chunks * chunk_bytes + decoding + (prefetch + 4) * batch_size * (row + 16))
 
 
 class CacheIO(NamedTuple):

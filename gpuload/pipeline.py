@@ -95,6 +95,10 @@ class _Lookahead:
                 break
             self._warmed += 1
 
+    def queued_all(self) -> bool:
+        """Whether every segment's load is queued (or taken from the preload)."""
+        return self._next >= len(self._segments)
+
     def start(self, index: int) -> None:
         """Queue the loads that taking segment ``index`` needs, and those ``ahead`` of it."""
         self._fill(index + 1 + self._ahead)
@@ -155,11 +159,11 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
         (not when the epoch stops early): the dataset then preloads the next epoch's first
         chunks. Shuffled, when the last window is assembled and the one before it cut: the
         preload takes the place of the window the memory bounds count as being assembled. In
-        file order, when the producer takes the piece after which ``prefetch + 1`` remain (every
-        load of the epoch is queued by then): with a preload of ``prefetch + 2`` chunks, what is
-        held stays within the ``2 x prefetch + 6 + num_threads`` chunks the bounds count as loaded
-        ahead, and the next epoch's first chunks are read while the last ones are cut, not after (an epoch's last ``next()`` waits
-        for them: :mod:`gpuload.preload`).
+        file order, from the piece after which ``prefetch + 1`` remain, at the first the producer
+        takes once every load of the epoch is queued: the next epoch's first ``prefetch + 2``
+        chunks (counted in the memory bounds) are read while the last ones are cut, not after (an
+        epoch's last ``next()`` waits for them: :mod:`gpuload.preload`); the reader's loads, this
+        epoch's and the preload's, run ``num_threads`` at a time.
     """
     stages = stages or Stages()
     try:
@@ -268,6 +272,7 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
         # so a window's join never stalls the batch queue (windows are still taken in plan order;
         # one more window in memory: gpuload.ParquetDataset.device_bytes_bound counts it)
         n = len(starts) - 1
+        fire = n - 1 if permutation is not None else max(0, n - 2 - prefetch)  # where `loaded` may be called
         ahead = assembler.submit(assemble, 0) if n else None
         try:
             for w in range(n):
@@ -276,8 +281,9 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                 ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
                 if got is None:
                     return
-                if loaded is not None and w == (n - 1 if permutation is not None else max(0, n - 2 - prefetch)):
+                if loaded is not None and w >= fire and (w == n - 1 or look.queued_all()):
                     loaded()  # shuffled: the last window is in, its predecessor cut; else every load queued
+                    loaded = None
                 if permutation is None:
                     for p in got:
                         yield from cutters.add(batcher.add(p))

@@ -20,9 +20,11 @@ epoch, and :meth:`gpuload.ParquetDataset.stats` holds still between epochs. Thos
 counted with the epoch that made them (``stats()``, ``reader.counters``): for one epoch's
 own reads alone, ``prefetch=0``. An iteration left early starts none (or drops them). The
 preloaded chunks are held until the next iteration takes them, or
-:meth:`gpuload.ParquetDataset.close`; they stand in for what the memory bounds count already
-(``device_bytes_bound``, ``host_bytes_bound``): shuffled, the window being assembled; in file
-order, chunks loaded ahead.
+:meth:`gpuload.ParquetDataset.close`. The memory bounds count them (``device_bytes_bound``,
+``host_bytes_bound``): shuffled, in place of the window being assembled, which the epoch no longer
+needs; in file order, as ``prefetch + 2`` chunks of their own, since the epoch's last chunks are
+still held. The reader runs ``num_threads`` loads at once, the preload's and the epoch's together
+(:meth:`gpuload.reader.ChunkReader.load`).
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class Preload:
 
 
 class Ahead:
-    """A dataset's slot for the next epoch's preload: started when an epoch's last chunk is in
-    (:meth:`start`), taken when the next iteration begins (:meth:`take`), settled when an
+    """A dataset's slot for the next epoch's preload: started when an epoch's last loads are under
+    way (:meth:`start`), taken when the next iteration begins (:meth:`take`), settled when an
     iteration ends (:meth:`settle`), dropped by :meth:`drop`."""
 
     def __init__(self):

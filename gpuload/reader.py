@@ -80,6 +80,7 @@ class ChunkReader:
                  scan_nulls: bool = True, record: bool = True, building: bool = False):
         self.source, self.opts, self.device, self.metrics = source, opts, device, metrics
         self.remote = source.remote
+        self._loading = threading.BoundedSemaphore(opts.num_threads)  # loads at once (:meth:`load`)
         self.remote_reads = ReadAhead(source.remote, metrics)  #: remote chunks' fetches (a local source makes none)
         self.read_pool = HostPool()  # its caps: _make_pools, once the chunks' arrays are known
         self.cache = device.cache(opts, metrics, self.read_pool)  # on a GPU, chunks are read into device memory
@@ -270,13 +271,19 @@ class ChunkReader:
         o = self.opts
         return device_bound(self.max_chunk_bytes(), max((c.rows for c in self.chunks), default=0),
                             batch_size=o.batch_size, shuffle_window=o.shuffle_window, prefetch=o.prefetch,
-                            num_threads=o.num_threads, gpu_decode=self.device.gpu_decode)
+                            num_threads=o.num_threads, gpu_decode=self.device.gpu_decode, shuffled=o.shuffled)
 
     def load(self, i: int) -> dict:
         """Column set of chunk ``i``: from the cache, else decoded (and cached if the budget allows).
 
         On the GPU path, call it inside ``device.reading()``; the columns are then CuPy arrays, ordered on the read stream.
+        At most ``num_threads`` loads run at once, whichever threads ask (an epoch's loader threads,
+        and the next epoch's preload while its last chunks load: :mod:`gpuload.preload`).
         """
+        with self._loading:
+            return self._load(i)
+
+    def _load(self, i: int) -> dict:
         c = self.chunks[i]
         f = self.files[c.file]
         if not self.caching:  # cache_io="off": decoded every time, never written

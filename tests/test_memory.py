@@ -93,7 +93,8 @@ def test_host_budget_terms():
     assert b.decode == 2 * 3 * c and b.writes == 2 * c and b.remote == 0 and b.trace == 0
     assert b.total == sum(vars(b).values())
     flat = host_budget(c, row, 5, batch_size=65536, shuffle_window=4, prefetch=2, num_threads=2, shuffle=False)
-    assert flat.windows == 0 and flat.chunks >= 10 * c  # batches are views of the chunks they come from
+    # batches are views of the chunks they come from; the next epoch's first prefetch + 2 load while they are held
+    assert flat.windows == 0 and flat.chunks >= (3 * 2 + 8 + 2) * c
     import gpuload
 
     remote = host_budget(c, row, 5, batch_size=65536, shuffle_window=4, prefetch=2, num_threads=2,
@@ -249,3 +250,15 @@ def test_pool_serves_windows_of_two_sizes_from_kept_buffers():
     assert unkept == []
     assert pool.held_bytes <= 150 * MiB
     del previous
+
+
+def test_device_bound_in_file_order_counts_the_chunks_batches_view_and_the_next_epochs_first():
+    """A review measured 17 chunks held on the GPU path's plan in file order (shuffle_window=1, prefetch=4) against a
+    bound of 16.2: its chunk term counted joined windows, which file order never makes."""
+    from gpuload.memory import device_bound
+
+    c, rows, kw = 4 * MiB, 10_000, dict(batch_size=1000, shuffle_window=1, prefetch=4, num_threads=2,
+                                        gpu_decode=False)
+    batches = (4 + 4) * 1000 * (c / rows + 16)
+    assert device_bound(c, rows, **kw) == int((3 * 1 + 4 + 1) * c + batches)  # shuffled: windows
+    assert device_bound(c, rows, shuffled=False, **kw) == int((3 * 4 + 8) * c + batches)  # 20 chunks
