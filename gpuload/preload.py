@@ -102,17 +102,24 @@ class Ahead:
     def __init__(self):
         self.pending: Preload | None = None
         self._lock = threading.Lock()
+        self._drops = 0  # drops so far: a preload begun before one is not kept after it
 
     def start(self, *args, **kwargs) -> None:
         """Preload as :func:`next_epoch` (same arguments) says, in place of any pending preload.
-        Never raises: the preload is a guess, the next iteration loads what it lacks."""
+        Never raises: the preload is a guess, the next iteration loads what it lacks. A
+        :meth:`drop` meanwhile (``close()`` on another thread) drops this one too."""
+        with self._lock:
+            drops = self._drops
         try:
             new = next_epoch(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - an epoch not plannable now, no thread to start, ...
             log.debug("gpuload: next epoch not preloaded: %s", e)
             new = None
         with self._lock:
-            old, self.pending = self.pending, new
+            if self._drops != drops:
+                old = new
+            else:
+                old, self.pending = self.pending, new
         if old is not None:
             old.drop()
 
@@ -141,6 +148,7 @@ class Ahead:
         """Forget the pending preload."""
         with self._lock:
             pre, self.pending = self.pending, None
+            self._drops += 1
         if pre is not None:
             pre.drop()
 

@@ -320,3 +320,25 @@ def test_the_wait_for_the_next_epochs_loads_is_the_epochs_waiting(source, tmp_pa
     assert sorted(row_ids(ds).tolist()) == list(range(ds.num_rows))
     st = ds.stats()
     assert st.wall_s >= 5.0 and st.wait_s >= 5.0 and st.starvation > 0.9, st
+
+
+def test_a_drop_while_a_preload_is_being_started_drops_it_too(monkeypatch):
+    """A review: close() on another thread between the preload's start and its being kept left it pending after the
+    close (its loads held until a next iteration)."""
+    import gpuload.preload as preload
+
+    ahead, made = preload.Ahead(), []
+
+    def next_epoch(*a, **k):
+        ahead.drop()  # close() meanwhile
+        made.append(Preload(lambda c: c, [1, 2], threads=1))
+        return made[-1]
+
+    monkeypatch.setattr(preload, "next_epoch", next_epoch)
+    ahead.start()
+    assert ahead.pending is None and len(made) == 1
+    assert len(made[0]) == 0 and made[0].take(1) is None  # dropped: nothing left to take
+    monkeypatch.setattr(preload, "next_epoch", lambda *a, **k: made.append(Preload(lambda c: c, [3], 1)) or made[-1])
+    ahead.start()  # no drop meanwhile: kept
+    assert ahead.pending is made[-1]
+    ahead.drop()
