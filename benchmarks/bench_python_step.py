@@ -112,6 +112,10 @@ def main(argv=None) -> None:
         data = os.path.join(args.workdir, "data")
         print(json.dumps(run_one(args.one, data, args.rows, args.ops, args.epochs, args.batch_size)))
         return
+    loaders = [x for x in args.loaders.split(",") if x]
+    unknown = set(loaders) - set(LOADERS)
+    if unknown:
+        raise SystemExit(f"--loaders: unknown {sorted(unknown)} (choose from {', '.join(LOADERS)})")
     sys.path.insert(0, str(HERE))
     from bench_step import publish
 
@@ -125,10 +129,6 @@ def main(argv=None) -> None:
         from common import DENSE, SPARSE
 
         write_clicklog(data, rows=args.rows, files=args.files, dense=DENSE, sparse=SPARSE, list_max=20)
-    loaders = [x for x in args.loaders.split(",") if x]
-    unknown = set(loaders) - set(LOADERS)
-    if unknown:
-        raise SystemExit(f"--loaders: unknown {sorted(unknown)} (choose from {', '.join(LOADERS)})")
     load0 = os.getloadavg()
     results: dict[str, list] = {x: [] for x in loaders}
     for r in range(args.repeat):

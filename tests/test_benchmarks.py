@@ -294,3 +294,21 @@ def test_gpu_node_profile_step_runs_without_the_rapids_stack(tmp_path):
                           str(tmp_path / "b"), "--limit", "200"]) == 0
     log = (tmp_path / "profile.log").read_text()
     assert "## first epoch" in log and "### gpuload-producer:" in log and "cached epochs" in log
+
+
+@pytest.mark.slow
+def test_bench_python_step_measures_each_loader_in_a_process_of_its_own(tmp_path):
+    import bench_python_step
+
+    out = tmp_path / "bench.md"
+    bench_python_step.main(["--rows", "30000", "--files", "2", "--repeat", "1", "--epochs", "2", "--ops", "50",
+                            "--loaders", "gpuload,gpuload-noshuffle,torchdata-nodes", "--workdir", str(tmp_path / "w"),
+                            "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [r.split(" | ")[0] for r in rows] == ["| gpuload", "| gpuload-noshuffle", "| torchdata-nodes"]
+    for r in rows:  # an epoch, the step alone and under the loader, its ratio, the waiting
+        cells = r.strip("| ").split(" | ")
+        assert cells[1].endswith(" s") and cells[2].endswith(" ms") and cells[4].endswith("x") and cells[5].endswith("%")
+    with pytest.raises(SystemExit, match="--loaders: unknown"):
+        bench_python_step.main(["--loaders", "petastorm", "--workdir", str(tmp_path / "none")])
+    assert not (tmp_path / "none").exists()  # refused before any data is written
