@@ -427,8 +427,11 @@ class ParquetDataset(torch.utils.data.IterableDataset):
 
     def close(self) -> None:
         """Stop remote fetches, release their connections, drop the next epoch's chunks loaded
-        ahead (:mod:`gpuload.preload`), and let other datasets evict this one's cached chunks (the
-        dataset can still be iterated: a later epoch starts new fetches and keeps its chunks again)."""
+        ahead (:mod:`gpuload.preload`), give the host buffers it keeps for reuse back (even while
+        something still holds the dataset: a notebook's ``Out[]``, a traceback), and let other
+        datasets evict this one's cached chunks (the dataset can still be iterated: a later epoch
+        starts new fetches, makes new buffers and keeps its chunks again). An iteration ended by
+        an error or Ctrl-C inside ``next()`` gives those buffers back too."""
         self._epochs.close()
         self.reader.close()
 

@@ -173,6 +173,12 @@ class HostPool:
         """Bytes of the buffers the pool keeps (free or in use)."""
         return sum(b.nbytes for b in self._bufs)
 
+    def clear(self) -> None:
+        """Keep no buffer: free ones go back to the system now, those in use when their last
+        user lets go (the pool still serves requests, from new buffers)."""
+        with self._lock:
+            self._bufs, self._keys = [], []
+
 
 def _kept(nbytes: float) -> int:
     """The most a pool buffer made for ``nbytes`` bytes takes: its size class (12.5% and a MiB more

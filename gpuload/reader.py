@@ -407,11 +407,19 @@ class ChunkReader:
             self.cache.register(self.groups)
 
     def close(self) -> None:
-        """:meth:`interrupt`, close the stores' open files, and let this dataset's chunks be
-        evicted (:meth:`resume` registers them again)."""
+        """:meth:`interrupt`, close the stores' open files, let this dataset's chunks be evicted
+        (:meth:`resume` registers them again), and :meth:`release_memory`."""
         self.remote_reads.close()
         if self.caching:
             self.cache.release()
+        self.release_memory()
+
+    def release_memory(self) -> None:
+        """Give the host pools' buffers back (cache reads, windows, batches, Parquet bytes): those
+        not in use now, the others when their users let go. A later epoch makes new ones, in
+        fresh pages."""
+        for pool in (self.read_pool, self.pool, self.batch_pool, self.source_pool):
+            pool.clear()
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True,
                 record: bool = True, building: bool = False) -> ChunkReader:

@@ -52,10 +52,16 @@ class Epochs:
         pre = self.ahead.take(r.device.consumer_stream())
         producer = Background(lambda stop: self._batches(pos, handoff, stop, pre), depth=o.prefetch + 2, nice=o.nice)
         before = self._measured() if r.adapts_reads else None
+        failed = False
         try:  # each batch counted when handed out: a state taken then resumes after it; run to its end, the
             # next epoch's first loads finish inside this epoch's last next() (settling again below: a no-op)
             yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take(),
                                   lambda: self.ahead.settle(pre, True))
+        except GeneratorExit:  # the loop was left (break, close): the pools stay for the next epoch
+            raise
+        except BaseException:  # an error or Ctrl-C inside next(): a traceback kept (Jupyter keeps the last one)
+            failed = True  # holds this iteration's frames, and through them the reader: not its pools' memory
+            raise
         finally:
             pos.running = False
             if not producer.finished:  # left early: no load goes on, none waits on a stalled store
@@ -63,6 +69,8 @@ class Epochs:
                 r.interrupt()
             producer.close()
             self.ahead.settle(pre, producer.finished)
+            if failed:
+                r.release_memory()
             if before is not None:  # were this pass's direct cache reads the limit? (also a pass left
                 after = self._measured()  # early: a Mix closes its sources' passes, a loop stops at a step)
                 if after[0] == before[0] and after[-1] == before[-1]:  # no reset meanwhile, nothing decoded

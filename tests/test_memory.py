@@ -262,3 +262,18 @@ def test_device_bound_in_file_order_counts_the_chunks_batches_view_and_the_next_
     batches = (4 + 4) * 1000 * (c / rows + 16)
     assert device_bound(c, rows, **kw) == int((3 * 1 + 4 + 1) * c + batches)  # shuffled: windows
     assert device_bound(c, rows, shuffled=False, **kw) == int((3 * 4 + 8) * c + batches)  # 20 chunks
+
+
+def test_a_cleared_pool_keeps_nothing_and_its_arrays_in_use_stay_whole():
+    from gpuload.memory import HostPool
+
+    pool = HostPool(max_buffers=4)
+    held = pool.array((1 << 20,), np.int64)
+    held[:] = 7
+    free = pool.array((1 << 19,), np.int64)
+    del free
+    assert pool.held_bytes >= 12 * MiB
+    pool.clear()
+    assert pool.held_bytes == 0 and (held == 7).all()  # in use: whole until its user lets go
+    again = pool.array((1 << 20,), np.int64)
+    assert not np.shares_memory(again, held) and pool.held_bytes >= 8 * MiB  # a new buffer, kept
