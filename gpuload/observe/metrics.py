@@ -84,6 +84,13 @@ def _nvtx_backend(enabled: bool | None):
     return None
 
 
+
+def _thread_name(tid: int) -> str:
+    """The name of the thread ``tid`` (the calling one): a Python thread's own, else ``"native"``
+    (pyarrow's I/O threads record spans too; ``threading.current_thread()`` would register each
+    as a ``Dummy-N`` thread for good, in ``threading.enumerate()``)."""
+    return next((t.name for t in threading.enumerate() if t.ident == tid), "native")
+
 class _Span:
     """Context manager of :meth:`Metrics.span`; ``nbytes`` and ``rows`` may be set inside."""
 
@@ -186,7 +193,7 @@ class Metrics:
         with self._lock:
             self._spans.push((stage, tid, t0, t1, nbytes, rows))
             if tid not in self._names:
-                self._names[tid] = threading.current_thread().name
+                self._names[tid] = _thread_name(tid)
 
     def queue_depth(self, depth: int) -> None:
         """Sample the number of ready batches waiting in the queue, now."""
@@ -209,7 +216,7 @@ class Metrics:
         with self._lock:
             self._waits.push(event)
             if tid not in self._names:
-                self._names[tid] = threading.current_thread().name
+                self._names[tid] = _thread_name(tid)
             if tid not in self._consumers:
                 self._consumers.append(tid)
 

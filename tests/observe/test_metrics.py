@@ -324,3 +324,20 @@ def test_listing_at_open_shows_no_share_of_the_passes_wall_time():
     rows = {r[0]: r for r in m.stats()._stage_rows()}
     assert rows["list"][6] == "at open" and rows["decode"][6].endswith("%")
     assert "at open" in str(m.stats())
+
+
+def test_spans_from_native_threads_leave_no_dummy_thread_behind():
+    """An interactive trial saw Dummy-N threads in threading.enumerate() for a whole session: spans recorded on
+    pyarrow's I/O threads made threading register each. They are named "native" now, and nothing is registered."""
+    import _thread
+    import threading
+
+    from gpuload import Metrics
+
+    m = Metrics()
+    done = threading.Event()
+    # a thread the threading module did not start, as pyarrow's are
+    _thread.start_new_thread(lambda: (m.record("read", 0.0, 1.0), done.set()), ())
+    assert done.wait(10)
+    assert not [x for x in threading.enumerate() if x.name.startswith("Dummy")]
+    assert set(m._names.values()) == {"native"}
