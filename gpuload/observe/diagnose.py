@@ -233,7 +233,8 @@ def _spinning() -> str:
 
 def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
     if stats.wall_s <= 0:
-        raise ValueError("these stats timed no batch: iterate the watched loader before diagnosing it")
+        raise ValueError("these stats timed no batch yet: iterate the loader (the ParquetDataset, or the loader "
+                         "gpuload.watch wraps) over some batches before diagnosing its stats()")
     st, wall, kind = stats.starvation, stats.wall_s, _kind(stats)
     waited = (f"the training thread waited {st:.1%} of {wall:.2f} s ({_ms(stats.wait_mean_s)} per next() "
               f"against {_ms(stats.step_mean_s)} of step per batch)")

@@ -680,3 +680,10 @@ def test_more_threads_are_not_offered_for_gathers_where_no_cut_thread_would_run(
         monkeypatch.setattr(advice, "_cores", lambda c=cores: c)
         d = gpuload.diagnose(make_stats(0.6, stages=batch, loader="gpuload", loader_settings=plain))
         assert d.limiting == "batch" and ("more num_threads" in d.action) == offered, (cores, d.action)
+
+
+def test_stats_of_no_batch_are_refused_saying_what_to_iterate():
+    """An interactive trial: diagnose(ds.stats()) before the first loop spoke of "the watched loader" to a user who
+    never called watch()."""
+    with pytest.raises(ValueError, match=r"iterate the loader \(the ParquetDataset, or the loader gpuload.watch"):
+        gpuload.diagnose(gpuload.Metrics().stats())
