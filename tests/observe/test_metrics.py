@@ -341,3 +341,20 @@ def test_spans_from_native_threads_leave_no_dummy_thread_behind():
     assert done.wait(10)
     assert not [x for x in threading.enumerate() if x.name.startswith("Dummy")]
     assert set(m._names.values()) == {"native"}
+
+
+def test_a_span_begun_before_a_reset_counts_from_the_reset():
+    """An interactive trial: after reset_stats() mid-epoch, cache_write showed 240% of the wall on one thread (its
+    spans begun before the reset counted whole)."""
+    from conftest import ManualClock
+    from gpuload import Metrics
+
+    clock = ManualClock(100.0)
+    m = Metrics(clock=clock)
+    t0 = clock()
+    clock.sleep(10.0)
+    m.reset()  # at 110
+    clock.sleep(2.0)
+    m.record("cache_write", t0, clock())  # 100 to 112: 2 s of it after the reset
+    m.consumer_wait(110.0, 112.0, rows=1)
+    assert m.stats().stages["cache_write"].seconds == pytest.approx(2.0)
