@@ -58,40 +58,32 @@ def run_one(loader: str, data: str, rows: int, ops: int, epochs: int, batch_size
     for _ in range(300):
         step()
     alone = (time.perf_counter() - t0) / 300
-    files = sorted(str(p) for p in pathlib.Path(data).glob("*.parquet"))
-    work = tempfile.mkdtemp(prefix="pystep-", dir=os.environ.get("TMPDIR"))
-    if loader.startswith("gpuload"):
-        import gpuload
-        from gpuload_runner import PER_COLUMN
+    from gpuload_runner import Gpuload
+    from torch_loaders import DataLoaderPeer, NodesPeer
 
-        ds = gpuload.ParquetDataset(files, PER_COLUMN, batch_size=batch_size, cache_dir=work, device="cpu",
-                                    shuffle=loader == "gpuload")
-
-        def epoch(e):
-            ds.set_epoch(e)
-            return iter(ds)
-    else:
-        from torch_loaders import DataLoaderPeer, NodesPeer
-
-        args = types.SimpleNamespace(data=data, batch_size=batch_size, work=work, rows=rows, max_rows=0)
-        peer = (NodesPeer if loader == "torchdata-nodes" else DataLoaderPeer)(args)
-        peer.prepare()
-        epoch = peer.epoch
+    make, variant = {"gpuload": (Gpuload, "default"), "gpuload-noshuffle": (Gpuload, "noshuffle"),
+                     "torchdata-nodes": (NodesPeer, ""), "torch-dataloader": (DataLoaderPeer, "")}[loader]
     out = []
-    for e in range(epochs):
-        seen = np.zeros(rows, np.uint8)
-        in_step, n, t0 = 0.0, 0, time.perf_counter()
-        for b in epoch(e):
-            seen[b["row_id"].numpy()] += 1
-            a = time.perf_counter()
-            step()
-            in_step += time.perf_counter() - a
-            n += 1
-        secs = time.perf_counter() - t0
-        if not (seen == 1).all():
-            raise SystemExit(f"{loader} epoch {e}: {int((seen == 1).sum()):,} of {rows:,} rows delivered once")
-        if e:
-            out.append({"epoch_s": secs, "step_ms": in_step / n * 1e3, "waiting": (secs - in_step) / secs})
+    with tempfile.TemporaryDirectory(prefix="pystep-") as work:  # the loader's cache, removed with it
+        peer = make(types.SimpleNamespace(data=data, batch_size=batch_size, work=work, rows=rows, max_rows=0,
+                                          variant=variant, window=0))
+        peer.prepare()
+        for e in range(epochs):
+            seen = np.zeros(rows, np.uint8)
+            in_step, n, t0 = 0.0, 0, time.perf_counter()
+            for b in peer.epoch(e):
+                seen[b["row_id"].numpy()] += 1
+                a = time.perf_counter()
+                step()
+                in_step += time.perf_counter() - a
+                n += 1
+            peer.after_epoch(e)
+            secs = time.perf_counter() - t0
+            if not (seen == 1).all():
+                raise SystemExit(f"{loader} epoch {e}: {int((seen == 1).sum()):,} of {rows:,} rows delivered once")
+            if e:
+                out.append({"epoch_s": secs, "step_ms": in_step / n * 1e3, "waiting": (secs - in_step) / secs})
+        peer.close()
     return {"loader": loader, "alone_ms": alone * 1e3, "epochs": out}
 
 
