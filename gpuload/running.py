@@ -57,11 +57,9 @@ class Epochs:
             # next epoch's first loads finish inside this epoch's last next() (settling again below: a no-op)
             yield from handed_out(producer, self.metrics, handoff.receive, lambda item: pos.take(),
                                   lambda: self.ahead.settle(pre, True))
-        except GeneratorExit:  # the loop was left (break, close): the pools stay for the next epoch
-            raise
-        except BaseException:  # an error or Ctrl-C inside next(): a traceback kept (Jupyter keeps the last one)
-            failed = True  # holds this iteration's frames, and through them the reader: not its pools' memory
-            raise
+        except BaseException as e:  # an error or Ctrl-C inside next(): a traceback kept (Jupyter keeps the last
+            failed = not isinstance(e, GeneratorExit)  # one) holds the reader, not its pools' memory; a loop left
+            raise  # (break, close: GeneratorExit) keeps them for the next epoch
         finally:
             pos.running = False
             if not producer.finished:  # left early: no load goes on, none waits on a stalled store

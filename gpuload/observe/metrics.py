@@ -84,12 +84,12 @@ def _nvtx_backend(enabled: bool | None):
     return None
 
 
-
 def _thread_name(tid: int) -> str:
     """The name of the thread ``tid`` (the calling one): a Python thread's own, else ``"native"``
     (pyarrow's I/O threads record spans too; ``threading.current_thread()`` would register each
     as a ``Dummy-N`` thread for good, in ``threading.enumerate()``)."""
     return next((t.name for t in threading.enumerate() if t.ident == tid), "native")
+
 
 class _Span:
     """Context manager of :meth:`Metrics.span`; ``nbytes`` and ``rows`` may be set inside."""
