@@ -272,7 +272,6 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
         # so a window's join never stalls the batch queue (windows are still taken in plan order;
         # one more window in memory: gpuload.ParquetDataset.device_bytes_bound counts it)
         n = len(starts) - 1
-        fire = n - 1 if permutation is not None else max(0, n - 2 - prefetch)  # where `loaded` may be called
         ahead = assembler.submit(assemble, 0) if n else None
         try:
             for w in range(n):
@@ -281,8 +280,8 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                 ahead = assembler.submit(assemble, w + 1) if w + 1 < n else None
                 if got is None:
                     return
-                if loaded is not None and w >= fire and (w == n - 1 or look.queued_all()):
-                    loaded()  # shuffled: the last window is in, its predecessor cut; else every load queued
+                if loaded is not None and (w == n - 1 or (permutation is None and look.queued_all())):
+                    loaded()  # the last window is in, its predecessor cut; in file order, once every load is queued
                     loaded = None
                 if permutation is None:
                     for p in got:
