@@ -129,7 +129,8 @@ def main(argv=None) -> None:
                    "--ops", str(args.ops), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size)]
             got = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             if got.returncode:
-                raise SystemExit(f"{x}: {got.stderr.strip().splitlines()[-1] if got.stderr.strip() else got.returncode}")
+                err = got.stderr.strip()
+                raise SystemExit(f"{x}: {err.splitlines()[-1] if err else got.returncode}")
             results[x].append(json.loads(got.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1}, {x}: done", file=sys.stderr)
     lines = ["", f"### A Python-bound step under each loader ({datetime.datetime.now():%Y-%m-%d %H:%M})", "",
