@@ -24,6 +24,7 @@ ended (a hung rank fails the test after ``TIMEOUT`` seconds, every process kille
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -134,8 +135,44 @@ def test_lightning_ddp_dataset_made_in_module_init(lightning_job):
     assert f"val{EPOCHS + 1}" not in batches
 
 
+def _per_epoch(lightning_job) -> int:
+    """Batches a rank takes in an epoch of 2 ranks."""
+    return len(_batches(lightning_job[0])["0"][0])
+
+
+def _preempt(source: Path, out: Path, at: int, every: int, checkpoint: str) -> Path:
+    """Runs the 2-process job saving a checkpoint every ``every`` steps (0: at each epoch's end), every
+    rank gone with ``os._exit`` as step ``at`` begins; returns its one checkpoint, named ``checkpoint``."""
+    rc, log = run_launch([sys.executable, *_script_args("lightning", source, out), "--checkpoint-every", str(every),
+                          "--die-at", str(at)], TIMEOUT)
+    deadline = time.monotonic() + 60  # rank 1 leaves on its own, as rank 0 did
+    while not all((out / f"died.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all((out / f"died.{r}").read_text() == str(at) for r in range(2)), log[-6000:]
+    checkpoints = sorted((out / "checkpoints").glob("*.ckpt"))
+    assert [c.name for c in checkpoints] == [checkpoint], log[-6000:]
+    return checkpoints[0]
+
+
+@pytest.fixture(scope="module")
+def preempted_mid_epoch(source, tmp_path_factory, lightning_job) -> tuple[Path, int]:
+    """The job preempted a third into epoch 1, its checkpoint at that step: its folder and the step.
+    Each test resumes a copy of the folder (rows logs, checkpoint, cache)."""
+    per_epoch = _per_epoch(lightning_job)
+    at = per_epoch + per_epoch // 3
+    out = tmp_path_factory.mktemp("preempted")
+    _preempt(source, out, at, at, f"epoch=1-step={at}.ckpt")
+    return out, at
+
+
+def _copy_of(preempted: tuple[Path, int], tmp_path: Path) -> Path:
+    """A copy of the preempted job's folder in ``tmp_path``; returns the copy's checkpoint."""
+    shutil.copytree(preempted[0], tmp_path, dirs_exist_ok=True)
+    return tmp_path / "checkpoints" / f"epoch=1-step={preempted[1]}.ckpt"
+
+
 @pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
-def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, where):
+def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, preempted_mid_epoch, where):
     """A job preempted in epoch 1 (every rank gone with ``os._exit`` as step ``at`` begins, the
     last checkpoint at that step) and started again with ``ckpt_path``: each rank trains on exactly
     the batches of the uninterrupted job, in the same order, no batch lost or repeated. Lightning
@@ -143,18 +180,13 @@ def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_j
     a checkpoint at an epoch's end it does not restore it, and ``set_epoch(current_epoch)`` in
     ``on_train_epoch_start`` (the README's recipe) starts the right epoch."""
     ref = _batches(lightning_job[0])
-    per_epoch = len(ref["0"][0])
-    at = per_epoch + per_epoch // 3 if where == "mid-epoch" else per_epoch
-    every = at if where == "mid-epoch" else 0  # 0: Lightning's default checkpoint, at each epoch's end
+    per_epoch = _per_epoch(lightning_job)
+    if where == "mid-epoch":
+        every, checkpoint = preempted_mid_epoch[1], _copy_of(preempted_mid_epoch, tmp_path)
+    else:  # 0: Lightning's default checkpoint, at each epoch's end
+        every, checkpoint = 0, _preempt(source, tmp_path, per_epoch, 0, f"epoch=0-step={per_epoch}.ckpt")
     base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every", str(every)]
-    rc, log = run_launch([*base, "--die-at", str(at)], TIMEOUT)
-    deadline = time.monotonic() + 60  # rank 1 leaves on its own, as rank 0 did
-    while not all((tmp_path / f"died.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert all((tmp_path / f"died.{r}").read_text() == str(at) for r in range(2)), log[-6000:]
-    checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
-    assert [c.name for c in checkpoints] == [f"epoch={0 if at == per_epoch else 1}-step={at}.ckpt"], log[-6000:]
-    done = _launch([*base, "--resume", str(checkpoints[0])], tmp_path)  # the rows logged go on in the same files
+    done = _launch([*base, "--resume", str(checkpoint)], tmp_path)  # the rows logged go on in the same files
     got = _batches(tmp_path)
     for e in range(EPOCHS):
         for r in range(2):
@@ -165,7 +197,8 @@ def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_j
 
 
 @pytest.mark.parametrize("world", [3, 1])
-def test_lightning_ddp_resumes_on_other_process_counts_with_every_row_once(source, tmp_path, lightning_job, world):
+def test_lightning_ddp_resumes_on_other_process_counts_with_every_row_once(source, tmp_path, lightning_job,
+                                                                           preempted_mid_epoch, world):
     """A 2-process job preempted in epoch 1 and started again from its checkpoint on 3 processes, or
     on 1 (elastic): the README's recipe restores the dataset in ``on_load_checkpoint``, before
     Lightning counts the epoch's batches against ``len(ds)``, so the new ranks train on the whole
@@ -173,17 +206,10 @@ def test_lightning_ddp_resumes_on_other_process_counts_with_every_row_once(sourc
     whole epoch of the new ranks. A user's trial lost 8% of the epoch's rows on 3 processes when len
     was taken before the restore; a review found the resumed count, kept by Lightning, cutting every
     later epoch on 1."""
+    k = _per_epoch(lightning_job) // 3  # epoch 1's batches each of the 2 ranks took before the job died
+    checkpoint = _copy_of(preempted_mid_epoch, tmp_path)
     base = [sys.executable, *_script_args("lightning", source, tmp_path)]
-    per_epoch = len(_batches(lightning_job[0])["0"][0])  # batches a rank takes in an epoch of 2 ranks
-    k = per_epoch // 3  # epoch 1's batches each of the 2 ranks takes before the job dies
-    at = per_epoch + k
-    rc, log = run_launch([*base, "--checkpoint-every", str(at), "--die-at", str(at)], TIMEOUT)
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"died.{r}").exists() for r in range(2)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    checkpoints = sorted((tmp_path / "checkpoints").glob("*.ckpt"))
-    assert [c.name for c in checkpoints] == [f"epoch=1-step={at}.ckpt"], log[-6000:]
-    done = _launch([*base, "--devices", str(world), "--resume", str(checkpoints[0])], tmp_path, world=world)
+    done = _launch([*base, "--devices", str(world), "--resume", str(checkpoint)], tmp_path, world=world)
     got = _batches(tmp_path, world=max(world, 2))
     _each_row_once(got["0"][:2], "epoch 0, on 2 ranks")
     after = [b[k:] if r < 2 else b for r, b in enumerate(got["1"][:world])]  # ranks 0, 1 log on in their files
