@@ -79,14 +79,14 @@ def big(tmp_path_factory):
 
 
 def test_builders_killed_at_random_moments(big, tmp_path):
-    """24 builders, 4 at a time, each SIGKILLed at a random moment of its build; after
+    """16 builders, 4 at a time, each SIGKILLed at a random moment of its build; after
     each round a fresh reader gets every row right, and the cache holds no bad file."""
     data, ref = big
     cache = tmp_path / "cache"
     rng = random.Random(1234)
     kills, rows, leftovers = 0, 0, 0
     total = None
-    for rnd in range(6):
+    for rnd in range(4):
         for p in cache.rglob("*.glc"):  # every round builds again (killed writers' leftovers stay)
             p.unlink()
         procs, outs = [], []
@@ -125,9 +125,9 @@ def test_builders_killed_at_random_moments(big, tmp_path):
         total = len(ds.reader.chunks)
         assert ds.reader.cache.verify_all() == []
     print(f"builders killed: {kills}; temporaries they left: {leftovers}; rows compared: {rows}")
-    # 20 to 23 of 24 on a 2-core VM: a child may finish before the cache holds its target (its 2 MiB budget)
-    assert kills >= 16, f"only {kills} builders were killed mid-run"
-    assert rows == 6 * ref.n
+    # 20 to 23 of 24 in 6 rounds on a 2-core VM: a child may finish before the cache holds its target (its 2 MiB budget)
+    assert kills >= 11, f"only {kills} builders were killed mid-run"
+    assert rows == 4 * ref.n
     # killed writers' temporaries are never read, and cleared (the last reader closed: its record may go too)
     ds.close()
     ChunkCache(cache, create=False).clear()
