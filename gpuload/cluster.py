@@ -146,14 +146,14 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
     from distributed import as_completed
     from distributed.scheduler import KilledWorker
 
-    from . import plan
+    from . import nodeplan
 
     token = uuid.uuid4().hex
     owner, groups = None, None
     if nodes is not None:
         groups = node_workers(client, nodes)
-        owned = plan.node_chunks([c.rows for c in reader.chunks], len(groups), fingerprint=reader.fingerprint,
-                                 seed=opts.seed)
+        owned = nodeplan.node_chunks([c.rows for c in reader.chunks], len(groups), fingerprint=reader.fingerprint,
+                                     seed=opts.seed)
         owner = {int(c): n for n, cs in enumerate(owned) for c in cs}
     futures, keys, lock = {}, {}, threading.Lock()
 

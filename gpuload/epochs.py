@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import plan, resume
+from . import nodeplan, plan, resume
 from .ranks import Ranks
 from .resume import Run
 
@@ -98,7 +98,7 @@ class EpochPlan:
         """(chunks per node, rows per rank, rows undelivered per node) for ``world`` ranks, ``local`` per node."""
         if (world, local) not in self._node_plans:
             o = self.options
-            self._node_plans[world, local] = plan.node_shares(
+            self._node_plans[world, local] = nodeplan.node_shares(
                 self.rows, world // local, local, o.batch_size, o.drop_last, fingerprint=self.fingerprint,
                 seed=o.seed)
         return self._node_plans[world, local]
@@ -151,7 +151,7 @@ class EpochPlan:
         o, rows = self.options, self.rows
         if local is not None:
             owned, per, _ = self.node_plan(world, local)
-            segments = plan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
+            segments = nodeplan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
                                           per_rank=per, fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
                                           shuffle=o.chunks_shuffled)
         else:

@@ -35,24 +35,7 @@ refused too, rather than training on nothing.
 last ``N - K * W * batch_size`` rows of the epoch's stream are not delivered (with
 shuffling, different rows each epoch).
 
-Node-affine sharding (``shard="node"``)
----------------------------------------
-For many nodes with a local cache each. The chunks are assigned to the ``M`` nodes once,
-from ``(fingerprint, seed, M)``: largest first, each to the node with the fewest rows so
-far (ties in a seeded random order), so nodes differ by at most one chunk's rows. The
-assignment holds for every epoch, so a node caches only its share and its later epochs
-are warm. Each epoch permutes a node's chunks (seeded by the epoch and the node); its
-``L`` local ranks take consecutive ranges of that stream and shuffle them in windows as
-above. Global rank ``r`` is local rank ``r % L`` of node ``r // L`` (torchrun's layout).
-
-Every rank takes the same number of rows, ``R = min over nodes (N_node // L)`` (rounded
-down to a multiple of ``batch_size`` with ``drop_last=True``), so batch counts are equal
-and each row is delivered at most once. A node leaves ``N_node - L * R`` rows out per
-epoch: fewer than one chunk's rows plus ``L`` (plus up to a batch per rank with
-``drop_last=True``). Shuffled, the node's stream starts at a random row each epoch and
-wraps around, so those are other rows each epoch, anywhere in its chunks; without
-shuffling, the same rows (the end of the node's last chunk) every epoch.
-:func:`node_shares` tells how many.
+Node-affine sharding (``shard="node"``) is planned in :mod:`gpuload.nodeplan`.
 
 Resuming
 --------
@@ -65,7 +48,6 @@ equal batch counts). :mod:`gpuload.resume` holds that plan and the state's forma
 from __future__ import annotations
 
 import hashlib
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +58,7 @@ from .errors import ConfigError, setting
 __all__ = [
     "MAX_KEY", "Chunk", "Segment", "make_chunks", "chunk_order", "rank_range", "rank_segments",
     "num_batches", "batch_sizes", "BatchSizes", "check_balance", "feasible", "trim", "windows", "window_permutation",
-    "node_chunks", "node_rank_rows", "node_shares", "node_segments", "even_batch_sizes",
+    "even_batch_sizes", "seeded_rng",
 ]
 
 
@@ -128,7 +110,9 @@ def make_chunks(row_groups: Sequence[Sequence[tuple[int, int]]], chunk_bytes: in
 MAX_KEY = 2**63 - 1  #: the largest seed and epoch: the order's generators are keyed on 63 bits
 
 
-def _rng(*key: int) -> np.random.Generator:
+def seeded_rng(*key: int) -> np.random.Generator:
+    """A generator drawn from the integers ``key`` alone (each kept to 63 bits): the same on every
+    machine, rank and run."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(k) & MAX_KEY for k in key])))
 
 
@@ -136,7 +120,7 @@ def chunk_order(n_chunks: int, *, fingerprint: int, seed: int, epoch: int, shuff
     """The epoch's chunk order (identical on every rank)."""
     if not shuffle:
         return np.arange(n_chunks)
-    return _rng(fingerprint, seed, epoch, 0).permutation(n_chunks)
+    return seeded_rng(fingerprint, seed, epoch, 0).permutation(n_chunks)
 
 
 def rank_range(total: int, world: int, rank: int, batch_size: int, drop_last: bool) -> tuple[int, int]:
@@ -304,7 +288,7 @@ def windows(segments: Sequence[Segment], size: int) -> list[list[Segment]]:
 
 def window_permutation(n: int, *, fingerprint: int, seed: int, epoch: int, rank: int, window: int) -> np.ndarray:
     """Row permutation of window number ``window`` of ``rank`` (int64, length ``n``)."""
-    return _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64, copy=False)
+    return seeded_rng(fingerprint, seed, epoch, 1 + rank, window).permutation(n).astype(np.int64, copy=False)
 
 
 def block_permutation(n: int, block_rows: int, *, fingerprint: int, seed: int, epoch: int, rank: int,
@@ -320,7 +304,7 @@ def block_permutation(n: int, block_rows: int, *, fingerprint: int, seed: int, e
     nb = -(-n // block_rows)
     if nb == 0:
         return np.zeros(0, dtype=np.int64)
-    order = _rng(fingerprint, seed, epoch, 1 + rank, window).permutation(nb)
+    order = seeded_rng(fingerprint, seed, epoch, 1 + rank, window).permutation(nb)
     starts = order * block_rows
     lengths = np.minimum(starts + block_rows, n) - starts
     out = np.ones(n, dtype=np.int64)  # steps: +1 inside a block, a jump at each block's start
@@ -337,70 +321,7 @@ def chunk_row_permutation(rows: int, identity: str) -> np.ndarray:
     source file's path, size, version and row groups: what its cache key holds), so a chunk
     file is the same whoever builds it, and any seed can use it."""
     key = int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "little")
-    return _rng(key, 3).permutation(rows).astype(np.int64)
-
-
-def node_chunks(chunk_rows: Sequence[int], nodes: int, *, fingerprint: int, seed: int) -> list[np.ndarray]:
-    """The chunks each of ``nodes`` nodes owns in every epoch (see the module doc), ascending."""
-    if nodes < 1:
-        raise ConfigError(f"nodes={nodes} must be at least 1")
-    tie = _rng(fingerprint, seed, 2, nodes).permutation(len(chunk_rows))
-    rows = np.asarray(chunk_rows, dtype=np.int64)
-    order = np.lexsort((tie, -rows))  # largest first; equal sizes in a seeded order
-    heap = [(0, n) for n in range(nodes)]
-    owned: list[list[int]] = [[] for _ in range(nodes)]
-    for c in order:
-        total, n = heapq.heappop(heap)
-        owned[n].append(int(c))
-        heapq.heappush(heap, (total + int(rows[c]), n))
-    return [np.array(sorted(o), dtype=np.int64) for o in owned]
-
-
-def node_rank_rows(node_rows: Sequence[int], local_world: int, batch_size: int, drop_last: bool) -> int:
-    """Rows every rank takes per epoch in node-affine mode (the same on every rank)."""
-    per = min(int(n) for n in node_rows) // local_world
-    return per // batch_size * batch_size if drop_last else per
-
-
-def node_shares(chunk_rows: Sequence[int], nodes: int, local_world: int, batch_size: int, drop_last: bool, *,
-                fingerprint: int, seed: int) -> tuple[list[np.ndarray], int, list[int]]:
-    """(chunks per node, rows per rank, rows each node leaves undelivered per epoch).
-
-    Raises :class:`ConfigError` when some rank would get no batch (at once when there are more
-    nodes than chunks: a node without a chunk has no rows, and nothing is computed per node).
-    """
-    if nodes > len(chunk_rows):
-        raise ConfigError(f"shard='node': the smallest of {nodes:,} nodes' shares holds 0 rows ({nodes:,} nodes for "
-                          f"{len(chunk_rows):,} chunks), too few for {local_world} local ranks; use fewer nodes or "
-                          "ranks, smaller chunks (chunk_bytes), or shard='global'")
-    owned = node_chunks(chunk_rows, nodes, fingerprint=fingerprint, seed=seed)
-    totals = [int(np.asarray(chunk_rows, dtype=np.int64)[o].sum()) for o in owned]
-    per = node_rank_rows(totals, local_world, batch_size, drop_last)
-    if per < 1:
-        smallest = min(totals)
-        raise ConfigError(
-            f"shard='node': the smallest of {nodes} nodes' shares holds {smallest:,} rows, too few for "
-            f"{local_world} local ranks" + (f" with {setting('batch_size', batch_size)} and drop_last=True" if drop_last else "")
-            + "; use fewer nodes or ranks, smaller chunks (chunk_bytes), or shard='global'")
-    return owned, per, [t - local_world * per for t in totals]
-
-
-def node_segments(chunk_rows: Sequence[int], owned: np.ndarray, *, node: int, local_rank: int, per_rank: int,
-                  fingerprint: int, seed: int, epoch: int, shuffle: bool) -> list[Segment]:
-    """Local rank ``local_rank``'s pieces of its node's chunks this epoch (``per_rank`` rows).
-
-    Shuffled, the node's stream (its chunks in the epoch's order) starts at a random row
-    and wraps around, so the rows left out are a run at a random place: any row may be.
-    """
-    if not shuffle:
-        return rank_segments(chunk_rows, owned, local_rank * per_rank, (local_rank + 1) * per_rank)
-    rng = _rng(fingerprint, seed, epoch, 3, node)
-    order = owned[rng.permutation(len(owned))]
-    total = int(sum(int(chunk_rows[c]) for c in owned))
-    start = int(rng.integers(total)) + local_rank * per_rank
-    first = min(start % total + per_rank, total)  # [start, first) before the wrap, then from the stream's start
-    segs = rank_segments(chunk_rows, order, start % total, first)
-    return segs + rank_segments(chunk_rows, order, 0, per_rank - (first - start % total))
+    return seeded_rng(key, 3).permutation(rows).astype(np.int64)
 
 
 def even_batch_sizes(rows: int, batch_size: int) -> BatchSizes:

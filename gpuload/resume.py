@@ -158,7 +158,7 @@ def runs_of(total: int, runs: Sequence[Run], batch_size: int, drop_last: bool,
     """The :class:`RunRows` of an epoch of ``total`` rows run as ``runs``.
 
     A first run with ``local`` set was node-affine: ``node_rows(world, local)`` gives the rows
-    each of its ranks takes (:func:`gpuload.plan.node_shares`). Raises :class:`ConfigError`
+    each of its ranks takes (:func:`gpuload.nodeplan.node_shares`). Raises :class:`ConfigError`
     where the runs are impossible (more batches taken than a run has, ranks that could not
     share the epoch).
     """

@@ -165,7 +165,7 @@ def _share_options(args):
 def _node_shares(args, opts) -> list[str]:
     """The lines of a source's per node shares (shard='node' with --nodes nodes): chunks owned, and
     cached here."""
-    from ..plan import node_chunks
+    from ..nodeplan import node_chunks
     from ..reader import open_reader
 
     reader = open_reader(source_of(args), opts, record=False)  # info changes no use or last-use date
