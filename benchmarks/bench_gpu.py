@@ -50,7 +50,8 @@ import torch
 
 import gpuload
 import gpuload.gpu.runtime
-from gpuload.cache.chunkfile import pread_all, read_header, region_span
+from gpuload.cache.chunkfile import read_header, region_span
+from gpuload.cache.directio import pread_all
 from gpuload.synth import write_clicklog
 
 COLUMNS = {"row_id": "row_id", "label": "label", "dense": [f"dense_{i}" for i in range(13)],

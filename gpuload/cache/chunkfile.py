@@ -44,11 +44,11 @@ import xxhash
 from ..batch import Ragged
 from ..errors import CorruptCacheError
 from . import directio
-from .directio import pwrite_all
+from .directio import pread_all, pwrite_all
 from .fs import CacheRoot
 
 __all__ = ["Identity", "FORMAT_VERSION", "LAYOUT_DIR", "SPECS_DIR", "SUFFIX", "ALIGN", "spec_hash", "version_token",
-           "header_bound", "encode", "read_header", "check_identity", "pread_all", "pwrite_all", "open_chunk",
+           "header_bound", "encode", "read_header", "check_identity", "open_chunk",
            "read_regions", "MALFORMED", "columns_from_buffer", "file_identity", "read_chunk", "write_chunk"]
 
 MAGIC = b"GPULOAD\0"
@@ -143,52 +143,6 @@ def encode(cols: dict, ident: dict) -> tuple[bytes, list[dict], list[np.ndarray]
             head = PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob), xxhash.xxh3_64_intdigest(blob)) + blob
             return head, regions, arrays, total
         blob = again
-
-
-def pread_all(fd: int, buf, offset: int, direct: bool = False) -> int:
-    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes
-    read. ``direct``: around the page cache where it can (:func:`gpuload.cache.directio.read_into`)."""
-    if direct:
-        got = directio.read_into(fd, buf, offset)
-        if got is not None:
-            return got
-    view = memoryview(buf).cast("B")
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:got + (1 << 30)]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
-
-
-#: the prefix of gpuload's small checked files (footers, kept-row counts): magic, version,
-#: header length, xxh3-64 of what follows the prefix
-SMALL_PREFIX = struct.Struct("<8sIIQ")
-
-
-def read_small_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, what: str,
-                    limit: int) -> tuple[int, bytes]:
-    """(header length, bytes after the prefix) of a small checked file ``name`` in ``parts``
-    (at most ``limit`` bytes); a ValueError names ``what`` it is not and why, an OSError says
-    it cannot be read."""
-    fd = root.open_read(parts, name)
-    try:
-        size = os.fstat(fd).st_size
-        if size > limit:
-            raise ValueError(f"too large for a {what} file")
-        data = os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
-    if len(data) < SMALL_PREFIX.size:
-        raise ValueError(f"too short for a {what} file")
-    got_magic, got_version, hlen, digest = SMALL_PREFIX.unpack_from(data)
-    body = data[SMALL_PREFIX.size:]
-    if got_magic != magic or got_version != version or hlen > len(body):
-        raise ValueError(f"not a gpuload {what} file of this version")
-    if xxhash.xxh3_64_intdigest(body) != digest:
-        raise ValueError("checksum mismatch")
-    return hlen, body
 
 
 def write_regions(fd: int, head: bytes, regions: list[dict], arrays: list, total: int, direct: bool = False) -> bool:

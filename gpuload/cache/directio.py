@@ -35,7 +35,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["BLOCK", "BOUNCE", "pwrite_all", "write", "read_into", "resident_share"]
+__all__ = ["BLOCK", "BOUNCE", "pwrite_all", "pread_all", "write", "read_into", "resident_share"]
 
 BLOCK = 4096  #: alignment of offsets, lengths and buffers (the largest logical block size in use)
 BOUNCE = 8 << 20  #: bytes of each thread's bounce buffer for writes
@@ -76,6 +76,23 @@ def pwrite_all(fd: int, data, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:done + (1 << 30)], offset + done)
+
+
+def pread_all(fd: int, buf, offset: int, direct: bool = False) -> int:
+    """Read into ``buf`` (a writable buffer) from ``offset`` until full or end of file; bytes
+    read. ``direct``: around the page cache where it can (:func:`read_into`)."""
+    if direct:
+        got = read_into(fd, buf, offset)
+        if got is not None:
+            return got
+    view = memoryview(buf).cast("B")
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:got + (1 << 30)]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 def write(fd: int, pieces: list, total: int) -> bool:

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import xxhash
 
 from .admin import chunk_files, drop_free_lock
-from .chunkfile import LAYOUT_DIR, USES_DIR, pwrite_all
+from .chunkfile import LAYOUT_DIR, USES_DIR
+from .directio import pwrite_all
 from .fs import CHUNK, LOCK, USES, CacheRoot, Lock
 
 __all__ = ["USES_DIR", "Registration", "register", "Survey", "survey", "make_room", "usage", "datasets"]

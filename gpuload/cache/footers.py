@@ -30,8 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from .chunkfile import LAYOUT_DIR, SMALL_PREFIX as PREFIX, pwrite_all, read_small_file, version_token
+from .chunkfile import LAYOUT_DIR, version_token
 from .fs import CacheRoot
+from .smallfile import SMALL_PREFIX, read_small_file, write_small_file
 from ..errors import SourceError
 
 __all__ = ["footer_name", "load_footer", "save_footer", "read_footer", "parse_footer"]
@@ -58,7 +59,7 @@ def _source(path: str, size: int, mtime_ns: int, tag: str) -> dict:
 def _read_file(root: CacheRoot, parts, name: str) -> tuple[dict, bytes]:
     """(header's source, footer bytes) of footer file ``name`` in ``parts``; a ValueError says
     what is wrong with it, an OSError that it cannot be read."""
-    hlen, body = read_small_file(root, parts, name, MAGIC, VERSION, "footer", _MAX_FOOTER + PREFIX.size + (1 << 20))
+    hlen, body = read_small_file(root, parts, name, MAGIC, VERSION, "footer", _MAX_FOOTER + SMALL_PREFIX.size + (1 << 20))
     try:
         given = json.loads(body[:hlen])["source"]
         src = {k: given[k] for k in ("path", "size", "mtime_ns", "tag")}
@@ -83,10 +84,8 @@ def save_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag
     if root is None:
         return
     header = json.dumps({"source": _source(path, size, mtime_ns, tag)}, separators=(",", ":")).encode()
-    body = header + raw
-    blob = PREFIX.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(body)) + body
     with contextlib.suppress(OSError):
-        root.write(_folder(path), footer_name(size, mtime_ns, tag), lambda fd: pwrite_all(fd, blob, 0))
+        write_small_file(root, _folder(path), footer_name(size, mtime_ns, tag), MAGIC, VERSION, header, raw)
 
 
 def read_footer(read: Callable[[int, int], bytes], size: int, where: str) -> bytes:

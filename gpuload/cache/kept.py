@@ -24,8 +24,9 @@ import json
 
 import xxhash
 
-from .chunkfile import LAYOUT_DIR, SMALL_PREFIX as PREFIX, pwrite_all, read_small_file
+from .chunkfile import LAYOUT_DIR
 from .fs import CacheRoot
+from .smallfile import read_small_file, write_small_file
 from .vocabs import VOCAB_DIR
 
 __all__ = ["kept_key", "load_kept", "save_kept", "check_kept_file", "KEPT_SUFFIX"]
@@ -74,8 +75,7 @@ def save_kept(root: CacheRoot, key: str, filter_key: str, source: tuple, kept: l
     """Keep ``kept`` (rows per row group) under ``key`` (written atomically; an OSError says why not)."""
     body = json.dumps({"key": key, "filter": filter_key, "file": list(source), "kept": [int(n) for n in kept]},
                       separators=(",", ":")).encode()
-    blob = PREFIX.pack(MAGIC, VERSION, len(body), xxhash.xxh3_64_intdigest(body)) + body
-    root.write(_PARTS, key + KEPT_SUFFIX, lambda fd: pwrite_all(fd, blob, 0))
+    write_small_file(root, _PARTS, key + KEPT_SUFFIX, MAGIC, VERSION, body)
 
 
 def check_kept_file(root: CacheRoot, name: str) -> str | None:

@@ -13,7 +13,8 @@ import os
 import stat
 import time
 
-from .chunkfile import LAYOUT_DIR, MALFORMED, SPECS_DIR, pwrite_all, spec_hash
+from .chunkfile import LAYOUT_DIR, MALFORMED, SPECS_DIR, spec_hash
+from .directio import pwrite_all
 from .fs import TEMP, CacheRoot
 from ..layout import stored_outputs
 

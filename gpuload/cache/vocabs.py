@@ -28,7 +28,8 @@ import struct
 import pyarrow as pa
 import xxhash
 
-from .chunkfile import LAYOUT_DIR, pwrite_all
+from .chunkfile import LAYOUT_DIR
+from .directio import pwrite_all
 from .fs import CacheRoot, Lock
 from ..categorical import Vocab
 from ..vocabulary import Vocabulary

@@ -26,7 +26,8 @@ import errno
 
 import torch
 
-from ..cache.chunkfile import columns_from_buffer, open_chunk, pread_all
+from ..cache.chunkfile import columns_from_buffer, open_chunk
+from ..cache.directio import pread_all
 from ..errors import CorruptCacheError
 
 __all__ = ["read_chunk_device"]

@@ -15,7 +15,8 @@ from conftest import row_ids
 from gpuload.batch import Ragged
 from gpuload.cache import directio
 from gpuload.cache.directio import resident_share
-from gpuload.cache.chunkfile import encode, pread_all, read_regions, write_regions
+from gpuload.cache.chunkfile import encode, read_regions, write_regions
+from gpuload.cache.directio import pread_all
 from gpuload.memory import ALIGN, HostPool, cache_io_modes, reads_limited
 
 def _chunk(n: int = 3001) -> dict:
