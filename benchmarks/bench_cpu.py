@@ -119,6 +119,40 @@ def ideal_shuffled(folder: pathlib.Path, columns: dict, bs: int, window: int, se
             yield to_torch(take(arrs, perm[a:a + bs]))
 
 
+
+def ideal_blocks(folder: pathlib.Path, columns: dict, bs: int, window: int, block: int, seed: int):
+    """Blocks of ``block`` consecutive rows permuted within consecutive windows of ``window`` rows
+    (gpuload's ``shuffle="block"`` strength), each batch gathered from the mmap: a flat output's
+    blocks in one fancy index of its ``[blocks, block]`` view, a list's values as one slice per block."""
+    if bs % block:
+        raise ValueError(f"batch size {bs} is not a multiple of the block's {block} rows")
+    arrs = open_npy(folder, columns)
+    n = len(arrs["label"])
+    nblocks = -(-n // block)
+    full = n // block  # blocks of ``block`` rows; a last, shorter one when n is not a multiple
+    views = {k: v[:full * block].reshape(full, block, *v.shape[1:]) for k, v in arrs.items()
+             if not isinstance(v, Ragged)}
+    rng = np.random.default_rng(seed)
+    per = max(1, window // block)
+    order = np.concatenate([w + rng.permutation(min(per, nblocks - w)) for w in range(0, nblocks, per)])
+    for a in range(0, nblocks, bs // block):
+        ids = order[a:a + bs // block]
+        short = bool((ids >= full).any())
+        rows = (ids[:, None] * block + np.arange(block)).ravel()
+        rows = rows[rows < n]
+        out = {}
+        for k, v in arrs.items():
+            if isinstance(v, Ragged):
+                starts, ends = v.offsets[ids * block], v.offsets[np.minimum((ids + 1) * block, n)]
+                values = np.concatenate([v.values[s:e] for s, e in zip(starts, ends)])
+                lengths = v.offsets[rows + 1] - v.offsets[rows]
+                out[k] = Ragged(values, np.concatenate([[0], np.cumsum(lengths)]))
+            elif short:  # the batch holding the short last block
+                out[k] = np.take(v, rows, axis=0)
+            else:
+                out[k] = views[k][ids].reshape(-1, *v.shape[1:])
+        yield to_torch(out)
+
 # -- helpers -----------------------------------------------------------------------------------------
 def source_columns(columns: dict) -> list[str]:
     return [c for v in columns.values() for c in ([v] if isinstance(v, str) else v)]

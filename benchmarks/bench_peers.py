@@ -67,6 +67,8 @@ LOADERS = {
     "read_table": Spec("reference.py", "read_table"),
     "ideal": Spec("reference.py", "ideal_seq"),
     "ideal-window": Spec("reference.py", "ideal_window"),
+    "ideal-block": Spec("reference.py", "ideal_block"),  # gpuload-block's shuffle strength
+    "ideal-window-stacked": Spec("reference.py", "ideal_window_stacked"),  # gpuload-stacked's outputs and shuffle
     "gpuload": Spec("gpuload_runner.py", "default"),
     "gpuload-noshuffle": Spec("gpuload_runner.py", "noshuffle"),
     "gpuload-block": Spec("gpuload_runner.py", "block"),

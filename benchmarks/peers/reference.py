@@ -1,6 +1,8 @@
 """References in the project's venv: pq.read_table of the same columns (the first epoch's reference), the
 naive pyarrow loop, and the ideal hand-written .npy cache read in order or gathered within windows
-(the cached epoch's references). Variants: read_table, naive, ideal_seq, ideal_window."""
+(the cached epoch's references), or with blocks of rows permuted within windows (gpuload's "block" strength);
+ideal_window_stacked: the windowed one over the stacked outputs of gpuload's "stacked" variant. Variants:
+read_table, naive, ideal_seq, ideal_window, ideal_block, ideal_window_stacked."""
 
 import os
 import pathlib
@@ -13,8 +15,11 @@ from common import COLUMNS, Peer, arrow_to_torch, files, main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from bench_cpu import ideal_sequential, ideal_shuffled, write_npy  # noqa: E402
-from gpuload_runner import PER_COLUMN  # noqa: E402
+from bench_cpu import ideal_blocks, ideal_sequential, ideal_shuffled, write_npy  # noqa: E402
+from gpuload_runner import PER_COLUMN, STACKED  # noqa: E402
+from gpuload.config import Options  # noqa: E402
+
+BLOCK_ROWS = Options.block_rows  #: gpuload's default
 
 
 class ReadTable(Peer):
@@ -47,28 +52,42 @@ class Naive(Peer):
 
 
 class Ideal(Peer):
+    SHUFFLES = {"ideal_seq": ("in order", "none"),
+                "ideal_window": ("windowed shuffle", "rows permuted within consecutive windows of {w:,} rows"),
+                "ideal_window_stacked": ("windowed shuffle, stacked outputs",
+                                         "rows permuted within consecutive windows of {w:,} rows"),
+                "ideal_block": ("block shuffle", f"blocks of {BLOCK_ROWS} rows permuted within consecutive windows "
+                                                 "of {w:,} rows")}
+
     def __init__(self, args):
         super().__init__(args)
-        self.window = args.variant == "ideal_window"
-        self.name = "ideal .npy cache, " + ("windowed shuffle" if self.window else "in order")
-        self.shuffle = f"rows permuted within consecutive windows of {args.window:,} rows" if self.window else "none"
-        self.folder = pathlib.Path(args.work) / "npy"
-        self.notes.append("one .npy per column (history: values + offsets) written by read_table + np.save "
-                          "(the conversion), np.load(mmap_mode='r') each epoch, "
-                          + ("rows gathered with gpuload.batch.take within windows of gpuload's default size"
-                             if self.window else "consecutive batches as views"))
+        self.variant = args.variant
+        what, shuffle = self.SHUFFLES[self.variant]
+        self.name, self.shuffle = f"ideal .npy cache, {what}", shuffle.format(w=args.window)
+        self.columns = STACKED if self.variant == "ideal_window_stacked" else PER_COLUMN
+        self.folder = pathlib.Path(args.work) / ("npy-stacked" if self.columns is STACKED else "npy")
+        how = {"ideal_seq": "consecutive batches as views",
+               "ideal_block": f"each batch's blocks of {BLOCK_ROWS} rows gathered in one index of a [blocks, "
+                              f"{BLOCK_ROWS}] view per column (the list by rows)"}
+        self.notes.append("one .npy per output (history: values + offsets"
+                          + ("; dense [N,13] and cat [N,26] stacked" if self.columns is STACKED else "")
+                          + ") written by read_table + np.save (the conversion), np.load(mmap_mode='r') each epoch, "
+                          + how.get(self.variant, "rows gathered with gpuload.batch.take within windows of gpuload's "
+                                                  "default size"))
 
     def prepare(self):
-        write_npy(files(self.args), PER_COLUMN, self.folder)
+        write_npy(files(self.args), self.columns, self.folder)
 
     def epoch(self, e):
-        if self.window:
-            return ideal_shuffled(self.folder, PER_COLUMN, self.args.batch_size, self.args.window, seed=e)
-        return ideal_sequential(self.folder, PER_COLUMN, self.args.batch_size)
+        if self.variant == "ideal_seq":
+            return ideal_sequential(self.folder, self.columns, self.args.batch_size)
+        if self.variant == "ideal_block":
+            return ideal_blocks(self.folder, self.columns, self.args.batch_size, self.args.window, BLOCK_ROWS, seed=e)
+        return ideal_shuffled(self.folder, self.columns, self.args.batch_size, self.args.window, seed=e)
 
 
 if __name__ == "__main__":
     variant = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--variant=")), None)
     if variant is None and "--variant" in sys.argv:
         variant = sys.argv[sys.argv.index("--variant") + 1]
-    main({"read_table": ReadTable, "naive": Naive, "ideal_seq": Ideal, "ideal_window": Ideal}[variant], __doc__)
+    main({"read_table": ReadTable, "naive": Naive, **{v: Ideal for v in Ideal.SHUFFLES}}[variant], __doc__)
