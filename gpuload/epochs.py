@@ -152,8 +152,8 @@ class EpochPlan:
         if local is not None:
             owned, per, _ = self.node_plan(world, local)
             segments = nodeplan.node_segments(rows, owned[rank // local], node=rank // local, local_rank=rank % local,
-                                          per_rank=per, fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
-                                          shuffle=o.chunks_shuffled)
+                                              per_rank=per, fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
+                                              shuffle=o.chunks_shuffled)
         else:
             order = plan.chunk_order(len(rows), fingerprint=self.fingerprint, seed=o.seed, epoch=epoch,
                                      shuffle=o.chunks_shuffled)

@@ -157,6 +157,8 @@ def _most(fits, guess: float) -> int:
 
 
 def _rng(*key) -> np.random.Generator:
+    # keys of any type (the mix's key, "rest"), hashed: not :func:`gpuload.plan.seeded_rng`, whose keys are integers;
+    # changing either would change the orders of existing runs (and their resumes)
     digest = xxhash.xxh64_intdigest(":".join(map(str, key)).encode())
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([digest])))
 

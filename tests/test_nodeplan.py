@@ -20,7 +20,7 @@ def test_node_shares_partition_chunks_and_deliver_each_row_at_most_once(chunk_ro
         owned, per, undelivered = nodeplan.node_shares(chunk_rows, nodes, local, bs, drop_last, fingerprint=7, seed=seed)
     except gpuload.ConfigError:
         totals = [sum(chunk_rows[c] for c in o) for o in nodeplan.node_chunks(chunk_rows, nodes, fingerprint=7,
-                                                                           seed=seed)]
+                                                                               seed=seed)]
         assert min(totals) // local < (bs if drop_last else 1)
         return
     assert sorted(int(c) for o in owned for c in o) == list(range(len(chunk_rows)))  # each chunk on one node
@@ -33,7 +33,7 @@ def test_node_shares_partition_chunks_and_deliver_each_row_at_most_once(chunk_ro
         assert undelivered[node] < max(chunk_rows) + local + (local * bs if drop_last else 0)
         for lr in range(local):
             segs = nodeplan.node_segments(chunk_rows, owned[node], node=node, local_rank=lr, per_rank=per,
-                                      fingerprint=7, seed=seed, epoch=epoch, shuffle=True)
+                                          fingerprint=7, seed=seed, epoch=epoch, shuffle=True)
             assert sum(s.hi - s.lo for s in segs) == per  # every rank the same rows, so the same batches
             assert {s.chunk for s in segs} <= set(owned[node].tolist())  # only its node's chunks
             rows_seen += [(s.chunk, i) for s in segs for i in range(s.lo, s.hi)]
@@ -49,7 +49,7 @@ def test_node_chunks_are_fixed_across_epochs_and_change_with_seed():
     assert [o.tolist() for o in a] != [o.tolist() for o in nodeplan.node_chunks(rows, 3, fingerprint=1, seed=1)]
     owned, per, _ = nodeplan.node_shares(rows, 3, 2, 8, False, fingerprint=1, seed=0)
     firsts = {tuple(s.chunk for s in nodeplan.node_segments(rows, owned[0], node=0, local_rank=0, per_rank=per,
-                                                         fingerprint=1, seed=0, epoch=e, shuffle=True))
+                                                             fingerprint=1, seed=0, epoch=e, shuffle=True))
               for e in range(6)}
     assert len(firsts) > 1  # the node's chunk order changes with the epoch
 
