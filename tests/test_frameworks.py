@@ -172,7 +172,7 @@ def _copy_of(preempted: tuple[Path, int], tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
-def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, preempted_mid_epoch, where):
+def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, request, where):
     """A job preempted in epoch 1 (every rank gone with ``os._exit`` as step ``at`` begins, the
     last checkpoint at that step) and started again with ``ckpt_path``: each rank trains on exactly
     the batches of the uninterrupted job, in the same order, no batch lost or repeated. Lightning
@@ -181,8 +181,9 @@ def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_j
     ``on_train_epoch_start`` (the README's recipe) starts the right epoch."""
     ref = _batches(lightning_job[0])
     per_epoch = _per_epoch(lightning_job)
-    if where == "mid-epoch":
-        every, checkpoint = preempted_mid_epoch[1], _copy_of(preempted_mid_epoch, tmp_path)
+    if where == "mid-epoch":  # the module's preempted job (asked for here only: the other case runs its own)
+        preempted = request.getfixturevalue("preempted_mid_epoch")
+        every, checkpoint = preempted[1], _copy_of(preempted, tmp_path)
     else:  # 0: Lightning's default checkpoint, at each epoch's end
         every, checkpoint = 0, _preempt(source, tmp_path, per_epoch, 0, f"epoch=0-step={per_epoch}.ckpt")
     base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every", str(every)]

@@ -266,44 +266,56 @@ def test_nvtx_ranges_through_the_nvtx_package(monkeypatch):
     assert STAGES[-1] == "write_wait" and m.stats().stages["decode"].calls == 1
 
 
-def _record_batches(m: Metrics, clock: ManualClock, n: int) -> None:
+def _record_batches(m: Metrics, clock: ManualClock, n: int, util_every: int = 100, end: bool = True) -> None:
     """``n`` batches of a training loop in virtual time: per batch a cache read on a loader
     thread's span, a ``next()`` that waits 1 ms, a queue sample and a 2 ms step; a utilisation
-    sample every 100 batches; one pass."""
+    sample every ``util_every`` batches; ``end``: the pass ends after them."""
     for i in range(n):
         t = clock.t
         m.record("batch", t, t + 0.0005, nbytes=4096, rows=64)
         m.consumer_wait(t, t + 0.001, rows=64, nbytes=4096)
         m.queue_depth(i % 3)
-        if i % 100 == 0:
+        if i % util_every == 0:
             m.util_sample(t, cpu_percent=100.0, system_cpu_percent=50.0)
         clock.t = t + 0.003
-    m.consumer_end(clock.t, clock.t)
+    if end:
+        m.consumer_end(clock.t, clock.t)
 
 
 def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound():
-    """Eight times ``max_events`` batches and more (three events and more each) hold no more than
-    :meth:`Metrics.max_trace_nbytes` (measured by tracemalloc: everything the Metrics keeps,
-    so a few bytes leaked per batch fail), and the stats stay exact. The default bound is
-    under 100 MB. (tracemalloc slows every allocation about 15x: the ring is made small.)"""
+    """Ten times ``max_events`` batches (four events and more each) hold no more than
+    :meth:`Metrics.max_trace_nbytes`, measured by tracemalloc (everything the Metrics keeps);
+    once every ring is full, the second half of the batches adds nothing (so even a byte
+    leaked per batch fails); the stats stay exact. The default bound is under 100 MB.
+    (tracemalloc slows every allocation about 15x: the rings are made small.)"""
     import tracemalloc
+
+    from gpuload.observe.events import BLOCK
 
     assert Metrics(nvtx=False).max_trace_nbytes() < 100e6
     clock = ManualClock()
     m = Metrics(clock=clock, nvtx=False, max_events=10_000)
-    n = 81_000  # a multiple of 3 (queue depths 0, 1, 2) and of 100 (utilisation samples)
+    # at both measurements every kind has a whole number of blocks (none waits unpacked): a multiple
+    # of BLOCK spans, waits and queue samples, and of BLOCK utilisation samples (one per 4 batches);
+    # the queue depths cycle over 3, so the halves' means are equal
+    half = 3 * 4 * BLOCK * 4
     tracemalloc.start()
     try:
-        _record_batches(m, clock, n)
+        _record_batches(m, clock, half, util_every=4, end=False)
+        m.stats()
+        first = tracemalloc.get_traced_memory()[0]
+        _record_batches(m, clock, half, util_every=4)
         m.stats()
         held = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
+    n = 2 * half
     assert held < m.max_trace_nbytes(), f"{held:,} bytes held for the trace of {n:,} batches"
-    assert m.events_not_kept > 0
+    assert held - first < 4096, f"{held - first:,} bytes more after {half:,} more batches"
+    assert m.events_not_kept > 0 and half // 4 > m.max_events  # every ring full, the utilisation samples' too
     s = m.stats()
     assert (s.batches, s.rows, s.bytes, s.passes) == (n, 64 * n, 4096 * n, 1)
-    assert s.stages["batch"].calls == n and s.queue_samples == n and s.util_samples == n // 100
+    assert s.stages["batch"].calls == n and s.queue_samples == n and s.util_samples == n // 4
     assert s.wait_s == pytest.approx(0.001 * n, rel=1e-9) and s.wall_s == pytest.approx(0.003 * n, rel=1e-9)
     assert s.queue_mean == pytest.approx(1.0, abs=1e-5) and s.step_mean_s == pytest.approx(0.002, rel=1e-6)
 
