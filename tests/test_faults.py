@@ -103,8 +103,8 @@ def test_builders_killed_at_random_moments(big, tmp_path):
             # random moments by build progress, not by the clock: kill each child once the cache
             # holds a random number of its chunk files (a fast or a slow machine alike)
             # a child under the 2 MiB budget keeps the cache to about 64 files: its targets stay below
-            targets = sorted((rng.randrange(1, int(0.8 * (total or 100)) if b == "none" else 48), p)
-                             for p, b in zip(procs, budgets)), key=lambda t: t[0])
+            targets = sorted(((rng.randrange(1, int(0.8 * (total or 100)) if b == "none" else 48), p)
+                              for p, b in zip(procs, budgets)), key=lambda t: t[0])
             for target, p in targets:
                 t0 = time.monotonic()
                 while len(list(cache.rglob("*.glc"))) < target and p.poll() is None:
