@@ -16,6 +16,7 @@ writes, with fsync).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import pathlib
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -60,10 +62,17 @@ def run_loop(batches) -> tuple[int, float]:
 
 
 # -- the ideal cache: .npy files per output, memory-mapped --------------------------------------
-def write_npy(files, columns: dict, folder: pathlib.Path) -> None:
-    """Convert the dataset once into one .npy per output (history: values + offsets)."""
+def write_npy(files, columns: dict, folder: pathlib.Path, permute_chunks: int = 0) -> None:
+    """Convert the dataset once into one .npy per output (history: values + offsets).
+    ``permute_chunks``: rows permuted once within each run of that many rows (a block shuffle's
+    cache, as gpuload permutes each chunk's rows when caching it; default 0: file order)."""
     folder.mkdir(parents=True, exist_ok=True)
     table = pq.read_table(files, columns=source_columns(columns))
+    if permute_chunks:
+        rng = np.random.default_rng(0)
+        n = table.num_rows
+        table = table.take(np.concatenate([a + rng.permutation(min(permute_chunks, n - a))
+                                           for a in range(0, n, permute_chunks)]))
     for name, cols in columns.items():
         if isinstance(cols, list):  # stacked group -> [N, k] C-contiguous
             arr = np.empty((table.num_rows, len(cols)), dtype=table.schema.field(cols[0]).type.to_pandas_dtype())
@@ -108,50 +117,100 @@ def ideal_sequential(folder: pathlib.Path, columns: dict, bs: int):
         yield to_torch(out)
 
 
-def ideal_shuffled(folder: pathlib.Path, columns: dict, bs: int, window: int, seed: int):
-    """Rows permuted within consecutive windows of ``window`` rows, gathered straight from the mmap."""
+#: rows of the ideal's "chunks" (the runs whose order a shuffled epoch permutes): the row group size of
+#: the benchmarks' data, about gpuload's chunk
+CHUNK_ROWS = 65_536
+
+
+def in_order(make, n: int, threads: int = 2, ahead: int = 4):
+    """``make(0)``, ..., ``make(n - 1)``, computed on ``threads`` threads up to ``ahead`` items ahead
+    of the one handed out, yielded in order (a hand-written loader's prefetch; NumPy's gathers let
+    go of the GIL). An exception in ``make`` comes out where its item would."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ideal")
+    pending = collections.deque()
+    try:
+        for i in range(n):
+            pending.append(pool.submit(make, i))
+            if len(pending) > ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+        pool.shutdown(wait=False)
+
+
+def _windows(n: int, window: int, chunk_rows: int, rng: np.random.Generator):
+    """The epoch's windows: lists of ``(start, stop)`` row ranges of chunks of ``chunk_rows`` rows,
+    the chunk order permuted, about ``window`` rows (whole chunks) a window."""
+    chunks = [(a, min(a + chunk_rows, n)) for a in range(0, n, chunk_rows)]
+    order = [chunks[i] for i in rng.permutation(len(chunks))]
+    per = max(1, round(window / chunk_rows))
+    return [order[w:w + per] for w in range(0, len(order), per)]
+
+
+def _gathered(arrs: dict, idx: np.ndarray, bs: int, threads: int):
+    """Batches of the rows ``idx`` (``bs`` a batch, cut across windows), gathered ahead on ``threads``."""
+    return in_order(lambda i: to_torch(take(arrs, idx[i * bs:(i + 1) * bs])), -(-len(idx) // bs), threads)
+
+
+def ideal_shuffled(folder: pathlib.Path, columns: dict, bs: int, window: int, seed: int, threads: int = 2,
+                   chunk_rows: int = CHUNK_ROWS):
+    """gpuload's default shuffle, by hand: chunks of ``chunk_rows`` rows in a permuted order, rows
+    permuted within windows of about ``window`` rows of them, batches gathered straight from the
+    mmap on ``threads`` threads ahead of the consumer."""
     arrs = open_npy(folder, columns)
-    n = len(arrs["label"])
     rng = np.random.default_rng(seed)
-    for w in range(0, n, window):
-        perm = rng.permutation(min(window, n - w)).astype(np.int64) + w
-        for a in range(0, len(perm), bs):
-            yield to_torch(take(arrs, perm[a:a + bs]))
+    parts = []
+    for w in _windows(len(arrs["label"]), window, chunk_rows, rng):
+        rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in w])
+        parts.append(rows[rng.permutation(len(rows))])
+    return _gathered(arrs, np.concatenate(parts), bs, threads)
 
 
-
-def ideal_blocks(folder: pathlib.Path, columns: dict, bs: int, window: int, block: int, seed: int):
-    """Blocks of ``block`` consecutive rows permuted within consecutive windows of ``window`` rows
-    (gpuload's ``shuffle="block"`` strength), each batch gathered from the mmap: a flat output's
-    blocks in one fancy index of its ``[blocks, block]`` view, a list's values as one slice per block."""
-    if bs % block:
-        raise ValueError(f"batch size {bs} is not a multiple of the block's {block} rows")
+def ideal_blocks(folder: pathlib.Path, columns: dict, bs: int, window: int, block: int, seed: int,
+                 threads: int = 2, chunk_rows: int = CHUNK_ROWS):
+    """gpuload's ``shuffle="block"``, by hand, over a cache whose rows were permuted within each
+    chunk once (:func:`write_npy` with ``permute_chunks``): chunks in a permuted order, blocks of
+    ``block`` consecutive rows of a chunk permuted within windows of about ``window`` rows, batches
+    gathered from the mmap on ``threads`` threads ahead of the consumer (a flat output's blocks in one
+    fancy index of its ``[blocks, block]`` view, a list's values one slice per block)."""
     arrs = open_npy(folder, columns)
-    n = len(arrs["label"])
-    nblocks = -(-n // block)
-    full = n // block  # blocks of ``block`` rows; a last, shorter one when n is not a multiple
+    rng = np.random.default_rng(seed)
+    parts = []
+    for w in _windows(len(arrs["label"]), window, chunk_rows, rng):
+        starts = np.concatenate([np.arange(a, b, block, dtype=np.int64) for a, b in w])
+        stops = np.concatenate([np.minimum(np.arange(a, b, block, dtype=np.int64) + block, b) for a, b in w])
+        pick = rng.permutation(len(starts))
+        starts, lens = starts[pick], (stops - starts)[pick]
+        # the rows of the blocks in their new order: each block's start, then +1 along the block
+        parts.append(np.repeat(starts - np.r_[0, np.cumsum(lens)[:-1]], lens) + np.arange(lens.sum()))
+    idx, n = np.concatenate(parts), len(arrs["label"])
+    full = n // block  # a flat output's whole blocks, as a [blocks, block] view: one fancy index gathers a batch
     views = {k: v[:full * block].reshape(full, block, *v.shape[1:]) for k, v in arrs.items()
              if not isinstance(v, Ragged)}
-    rng = np.random.default_rng(seed)
-    per = max(1, window // block)
-    order = np.concatenate([w + rng.permutation(min(per, nblocks - w)) for w in range(0, nblocks, per)])
-    for a in range(0, nblocks, bs // block):
-        ids = order[a:a + bs // block]
-        short = bool((ids >= full).any())
-        rows = (ids[:, None] * block + np.arange(block)).ravel()
-        rows = rows[rows < n]
-        out = {}
+    ramp = np.arange(block)
+
+    def make(i):
+        rows = idx[i * bs:(i + 1) * bs]
+        firsts = rows[::block]
+        whole = (len(rows) % block == 0 and not (firsts % block).any() and firsts.max() < full * block
+                 and np.array_equal(rows.reshape(-1, block), firsts[:, None] + ramp))
+        if not whole:  # a batch near the short last block: by rows
+            return to_torch(take(arrs, rows))
+        out = {}  # every block of the batch whole
         for k, v in arrs.items():
-            if isinstance(v, Ragged):
-                starts, ends = v.offsets[ids * block], v.offsets[np.minimum((ids + 1) * block, n)]
-                values = np.concatenate([v.values[s:e] for s, e in zip(starts, ends)])
+            if k in views:
+                out[k] = views[k][firsts // block].reshape(-1, *views[k].shape[2:])
+            else:  # a list: its values one slice per block, its offsets from the rows' lengths
+                lo, hi = v.offsets[firsts], v.offsets[firsts + block]
                 lengths = v.offsets[rows + 1] - v.offsets[rows]
-                out[k] = Ragged(values, np.concatenate([[0], np.cumsum(lengths)]))
-            elif short:  # the batch holding the short last block
-                out[k] = np.take(v, rows, axis=0)
-            else:
-                out[k] = views[k][ids].reshape(-1, *v.shape[1:])
-        yield to_torch(out)
+                out[k] = Ragged(np.concatenate([v.values[a:b] for a, b in zip(lo, hi)]),
+                                np.concatenate([[0], np.cumsum(lengths)]))
+        return to_torch(out)
+
+    return in_order(make, -(-len(idx) // bs), threads)
 
 # -- helpers -----------------------------------------------------------------------------------------
 def source_columns(columns: dict) -> list[str]:

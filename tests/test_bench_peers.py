@@ -96,7 +96,7 @@ def test_local_loaders_deliver_every_row_once(tmp_path, capsys):
     md.write_text("# Benchmarks\n\n## Peers\n\nSTALE\n\n## Other\n\nkept\n")
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- peers:start -->\nSTALE\n<!-- peers:end -->\nrest\n")
-    loaders = ["gpuload", "naive", "ideal", "ideal-window", "torch-dataloader"]
+    loaders = ["gpuload", "naive", "ideal", "ideal-window", "ideal-block", "ideal-window-stacked", "torch-dataloader"]
     rc = bench_peers.main(["--rows", "50000", "--files", "2", "--threads", "1", "--step-ms", "0",
                            "--loaders", ",".join(loaders), "--workdir", str(tmp_path / "w"),
                            "--json", str(out), "--out", str(md), "--readme", str(readme)])
@@ -113,3 +113,56 @@ def test_local_loaders_deliver_every_row_once(tmp_path, capsys):
     text = readme.read_text()
     assert text.startswith("intro\n<!-- peers:start -->\nConsumer") and text.endswith("<!-- peers:end -->\nrest\n")
     assert "STALE" not in text and "caution" in text
+
+
+@pytest.mark.parametrize("n", [1, 255, 257, 1000, 5000])
+@pytest.mark.parametrize("kind", ["rows", "blocks"])
+def test_the_shuffled_ideals_give_every_row_once_in_the_promised_order(tmp_path, n, kind):
+    """bench_cpu's hand-written ideals: every row once (list values with their rows), cut into full
+    batches but the last; rows leave neither their window of whole chunks nor, for blocks, their
+    run of consecutive rows of one chunk; another seed, another order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from bench_cpu import ideal_blocks, ideal_shuffled, write_npy
+
+    lens = np.arange(n) % 3
+    hist = pa.array([list(range(10 * i, 10 * i + k)) for i, k in enumerate(lens)], pa.list_(pa.int64()))
+    pq.write_table(pa.table({"label": np.arange(n), "history": hist}), tmp_path / "a.parquet")
+    cols, chunk, block, window, bs = {"label": "label", "history": "history"}, 64, 16, 150, 32
+
+    def epoch(seed):
+        if kind == "rows":
+            write_npy([tmp_path / "a.parquet"], cols, tmp_path / "npy")
+            return list(ideal_shuffled(tmp_path / "npy", cols, bs, window, seed, chunk_rows=chunk))
+        write_npy([tmp_path / "a.parquet"], cols, tmp_path / "npy", permute_chunks=chunk)
+        return list(ideal_blocks(tmp_path / "npy", cols, bs, window, block, seed, chunk_rows=chunk))
+
+    batches = epoch(1)
+    assert [len(b["label"]) for b in batches[:-1]] == [bs] * (len(batches) - 1) and 0 < len(batches[-1]["label"]) <= bs
+    ids = np.concatenate([b["label"].numpy() for b in batches])
+    assert np.array_equal(np.sort(ids), np.arange(n))
+    for b in batches:  # each row's list came with it
+        values, offsets = (t.numpy() for t in b["history"])
+        for i, row in enumerate(b["label"].numpy()):
+            assert values[offsets[i]:offsets[i + 1]].tolist() == list(range(10 * row, 10 * row + lens[row]))
+    per = max(1, round(window / chunk)) * chunk  # a window's rows at most: whole chunks
+    chunk_of = ids // chunk
+    start = 0
+    while start < n:  # a window: the rows of a set of whole chunks, together
+        owned = set()
+        stop = start
+        while stop < n and (len(owned | {chunk_of[stop]}) <= per // chunk):
+            owned.add(chunk_of[stop])
+            stop += 1
+        have = sorted(ids[start:stop].tolist())
+        assert have == sorted(r for c in owned for r in range(c * chunk, min(c * chunk + chunk, n)))
+        start = stop
+    if kind == "blocks":  # stored rows come in runs of a block (a chunk's rows permuted once, at caching)
+        stored = np.load(tmp_path / "npy" / "label.npy")
+        where = np.argsort(stored)[ids]  # each delivered row's place in the stored file
+        runs = np.split(where, np.flatnonzero(np.diff(where) != 1) + 1)
+        assert all(r[0] % block == 0 and ((r[-1] + 1) % block == 0 or r[-1] + 1 == n) for r in runs)
+        if n > chunk:
+            assert not np.array_equal(stored, np.arange(n))  # permuted within its chunks
+    if n > 2 * block:
+        assert not np.array_equal(ids, np.concatenate([b["label"].numpy() for b in epoch(2)]))

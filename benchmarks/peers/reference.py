@@ -15,7 +15,7 @@ from common import COLUMNS, Peer, arrow_to_torch, files, main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from bench_cpu import ideal_blocks, ideal_sequential, ideal_shuffled, write_npy  # noqa: E402
+from bench_cpu import CHUNK_ROWS, ideal_blocks, ideal_sequential, ideal_shuffled, write_npy  # noqa: E402
 from gpuload_runner import PER_COLUMN, STACKED  # noqa: E402
 from gpuload.config import Options  # noqa: E402
 
@@ -53,11 +53,12 @@ class Naive(Peer):
 
 class Ideal(Peer):
     SHUFFLES = {"ideal_seq": ("in order", "none"),
-                "ideal_window": ("windowed shuffle", "rows permuted within consecutive windows of {w:,} rows"),
+                "ideal_window": ("windowed shuffle", "rows permuted within windows of ~{w:,} rows; chunk order permuted"),
                 "ideal_window_stacked": ("windowed shuffle, stacked outputs",
-                                         "rows permuted within consecutive windows of {w:,} rows"),
-                "ideal_block": ("block shuffle", f"blocks of {BLOCK_ROWS} rows permuted within consecutive windows "
-                                                 "of {w:,} rows")}
+                                         "rows permuted within windows of ~{w:,} rows; chunk order permuted"),
+                "ideal_block": ("block shuffle", f"blocks of {BLOCK_ROWS} rows permuted within windows of ~{{w:,}} "
+                                                 "rows (rows permuted within each chunk once, at caching); chunk "
+                                                 "order permuted")}
 
     def __init__(self, args):
         super().__init__(args)
@@ -65,18 +66,24 @@ class Ideal(Peer):
         what, shuffle = self.SHUFFLES[self.variant]
         self.name, self.shuffle = f"ideal .npy cache, {what}", shuffle.format(w=args.window)
         self.columns = STACKED if self.variant == "ideal_window_stacked" else PER_COLUMN
-        self.folder = pathlib.Path(args.work) / ("npy-stacked" if self.columns is STACKED else "npy")
-        how = {"ideal_seq": "consecutive batches as views",
-               "ideal_block": f"each batch's blocks of {BLOCK_ROWS} rows gathered in one index of a [blocks, "
-                              f"{BLOCK_ROWS}] view per column (the list by rows)"}
-        self.notes.append("one .npy per output (history: values + offsets"
-                          + ("; dense [N,13] and cat [N,26] stacked" if self.columns is STACKED else "")
-                          + ") written by read_table + np.save (the conversion), np.load(mmap_mode='r') each epoch, "
-                          + how.get(self.variant, "rows gathered with gpuload.batch.take within windows of gpuload's "
-                                                  "default size"))
+        self.permute = CHUNK_ROWS if self.variant == "ideal_block" else 0
+        self.folder = pathlib.Path(args.work) / {"ideal_window_stacked": "npy-stacked",
+                                                 "ideal_block": "npy-block"}.get(self.variant, "npy")
+        self.notes.append(
+            "one .npy per output (history: values + offsets"
+            + ("; dense [N,13] and cat [N,26] stacked" if self.columns is STACKED else "")
+            + (f"; rows permuted within each run of {CHUNK_ROWS:,} once" if self.permute else "")
+            + ") written by read_table + np.save (the conversion), np.load(mmap_mode='r') each epoch, "
+            + ("consecutive batches as views" if self.variant == "ideal_seq" else
+               f"chunks of {CHUNK_ROWS:,} rows in a permuted order, "
+               + (f"blocks of {BLOCK_ROWS} rows permuted within windows of gpuload's default size, each batch "
+                  f"gathered by one fancy index per column of its [blocks, {BLOCK_ROWS}] view, the list's values "
+                  "one slice per block" if self.permute else
+                  "rows permuted within windows of gpuload's default size, each batch gathered with "
+                  "gpuload.batch.take") + ", on 2 threads, 4 batches ahead of the consumer"))
 
     def prepare(self):
-        write_npy(files(self.args), self.columns, self.folder)
+        write_npy(files(self.args), self.columns, self.folder, permute_chunks=self.permute)
 
     def epoch(self, e):
         if self.variant == "ideal_seq":
