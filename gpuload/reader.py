@@ -16,7 +16,6 @@ import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Callable
 
 
@@ -34,6 +33,7 @@ from .decode import ArrowDecoder
 from .device import Device, open_device
 from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
+from .observe.stats import LoadCounters
 from .memory import HostBudget, HostPool, cache_io_modes, device_bound, file_bytes, host_budget, reads_limited
 from .layout import Layout, joined, spec_description, stored_outputs
 from .plan import Chunk, chunk_row_permutation, make_chunks
@@ -44,27 +44,7 @@ from .sources.opening import open_files
 
 log = logging.getLogger("gpuload")
 
-__all__ = ["ChunkReader", "LoadCounters", "open_reader"]
-
-
-@dataclass
-class LoadCounters:
-    """How chunks were obtained since the counters were last reset (thread-safe)."""
-
-    from_cache: int = 0
-    decoded: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, cached: bool) -> None:
-        with self._lock:
-            if cached:
-                self.from_cache += 1
-            else:
-                self.decoded += 1
-
-    def reset(self) -> None:
-        with self._lock:
-            self.from_cache = self.decoded = 0
+__all__ = ["ChunkReader", "open_reader"]
 
 
 class ChunkReader:
@@ -420,6 +400,7 @@ class ChunkReader:
         fresh pages."""
         for pool in (self.read_pool, self.pool, self.batch_pool, self.source_pool):
             pool.clear()
+
 
 def open_reader(source: Source, options: Options, metrics=None, *, scan_nulls: bool = True,
                 record: bool = True, building: bool = False) -> ChunkReader:

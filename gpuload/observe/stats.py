@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import asdict, dataclass, field
 
-__all__ = ["Stats", "StageStats", "CONTENTION_MIN_S"]
+__all__ = ["Stats", "StageStats", "CONTENTION_MIN_S", "LoadCounters"]
 
 CONTENTION_MIN_S = 0.5  # CPU seconds measured at least before the run-queue share means anything
 
@@ -223,3 +224,23 @@ def _size(n: float) -> str:
 
 def _count(n: float) -> str:
     return f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,.0f}"
+
+
+@dataclass
+class LoadCounters:
+    """How chunks were obtained since the counters were last reset (thread-safe)."""
+
+    from_cache: int = 0
+    decoded: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, cached: bool) -> None:
+        with self._lock:
+            if cached:
+                self.from_cache += 1
+            else:
+                self.decoded += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.from_cache = self.decoded = 0
