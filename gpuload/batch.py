@@ -8,6 +8,7 @@ one batching implementation and therefore one order.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Callable, Iterator, NamedTuple, Sequence
 
@@ -179,6 +180,41 @@ def _join(arrays: list, alloc, key=None):
     return np.concatenate(arrays, out=out)
 
 
+class _Slab:
+    """``alloc(shape, dtype)`` carving arrays one after another out of one buffer of ``nbytes``
+    bytes from ``alloc`` (each array 64-byte aligned): a joined batch's columns, each too small
+    for a pool to keep (:class:`gpuload.memory.HostPool` keeps buffers of a MiB and more), in one
+    buffer it keeps, instead of fresh memory for every column of every such batch."""
+
+    __slots__ = ("_buf", "_at")
+
+    def __init__(self, alloc, nbytes: int):
+        self._buf, self._at = alloc((nbytes,), np.uint8), 0
+
+    def __call__(self, shape, dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        n = math.prod(shape) * dtype.itemsize
+        out = self._buf[self._at:self._at + n].view(dtype).reshape(shape)
+        self._at += -(-n // 64) * 64
+        return out
+
+
+def _joined_nbytes(parts: Sequence[dict]) -> int:
+    """Bytes of the arrays :func:`concat` makes of ``parts`` (host arrays), each rounded up to 64."""
+    def up(n: int) -> int:
+        return -(-n // 64) * 64
+
+    total = 0
+    for k, v in parts[0].items():
+        if isinstance(v, Ragged):
+            total += up((sum(len(p[k].offsets) - 1 for p in parts) + 1) * v.offsets.itemsize)
+            total += up(sum(int(p[k].offsets[-1] - p[k].offsets[0]) for p in parts) * v.values.itemsize)
+        else:
+            total += up(sum(p[k].nbytes for p in parts))
+    return total
+
+
 def concat(parts: Sequence[dict], alloc=None, keyed: bool = False) -> dict:
     """Rows of several column sets one after another, in new arrays (a single part is
     returned as it is: no copy).
@@ -346,7 +382,10 @@ class Batcher:
         alloc = self._alloc
 
         def cut() -> dict:
-            return concat([make() for make in plans], alloc)
+            parts = [make() for make in plans]
+            if alloc is None or len(parts) == 1:
+                return concat(parts, alloc)
+            return concat(parts, _Slab(alloc, _joined_nbytes(parts)))  # one buffer for the batch's arrays
 
         return cut if self._deferred else cut()
 

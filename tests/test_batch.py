@@ -334,3 +334,44 @@ def test_batcher_releases_a_shuffled_window_once_its_batches_are_cut():
     got += [x["a"] for x in b.add({"a": np.arange(1000, 1300, dtype=np.int64)})]
     assert [len(g) for g in got] == [300, 300, 300, 300, 100] and b.done
     assert np.array_equal(np.concatenate(got), np.concatenate([perm, np.arange(1000, 1300)]))
+
+
+def test_a_batch_joined_across_chunks_takes_one_pooled_buffer_for_all_its_arrays():
+    """File order: a batch across two chunks is joined into arrays carved from one buffer of
+    the pool (each column alone is too small to be kept), exactly the chunks' rows; once the
+    batch is dropped, the next such batch reuses that buffer instead of fresh memory."""
+    from gpuload.memory import HostPool
+
+    rng = np.random.default_rng(3)
+
+    def chunk(n, start):
+        lens = rng.integers(0, 4, n)
+        off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        return {"id": np.arange(start, start + n), "x": rng.random((n, 3), dtype=np.float32),
+                "h": Ragged(rng.integers(0, 99, int(off[-1])), off)}
+
+    chunks = [chunk(50_000, 0), chunk(50_000, 50_000), chunk(50_000, 100_000)]
+    pool = HostPool(max_buffers=8)
+    b = Batcher([40_000] * 3 + [30_000], alloc=pool.array)
+    got = [batch for c in chunks for batch in b.add(c)]
+    want = concat(chunks)
+    assert [len(g["id"]) for g in got] == [40_000, 40_000, 40_000, 30_000]
+    for g, a in zip(got, range(0, 150_000, 40_000)):
+        expect = rows(want, a, a + len(g["id"]))
+        assert np.array_equal(g["id"], expect["id"]) and np.array_equal(g["x"], expect["x"])
+        assert np.array_equal(g["h"].values, expect["h"].values) and np.array_equal(g["h"].offsets, expect["h"].offsets)
+    spanning = got[1]  # rows 40,000-80,000: chunks 0 and 1
+    arrays = [spanning["id"], spanning["x"], spanning["h"].values, spanning["h"].offsets]
+    bases = {id(_root(a)) for a in arrays}
+    assert len(bases) == 1 and _root(arrays[0]) is pool._bufs[0]  # one buffer, the pool's
+    held = pool.held_bytes
+    del got, spanning, arrays
+    b = Batcher([40_000] * 3 + [30_000], alloc=pool.array)
+    again = [batch for c in chunks for batch in b.add(c)]
+    assert _root(again[1]["id"]) is pool._bufs[0] and pool.held_bytes == held
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while a.base is not None:
+        a = a.base
+    return a
