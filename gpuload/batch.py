@@ -180,6 +180,11 @@ def _join(arrays: list, alloc, key=None):
     return np.concatenate(arrays, out=out)
 
 
+def _up64(n: int) -> int:
+    """``n`` rounded up to a multiple of 64 (where :class:`_Slab` starts each array)."""
+    return -(-n // 64) * 64
+
+
 class _Slab:
     """``alloc(shape, dtype)`` carving arrays one after another out of one buffer of ``nbytes``
     bytes from ``alloc`` (each array 64-byte aligned): a joined batch's columns, each too small
@@ -191,27 +196,23 @@ class _Slab:
     def __init__(self, alloc, nbytes: int):
         self._buf, self._at = alloc((nbytes,), np.uint8), 0
 
-    def __call__(self, shape, dtype) -> np.ndarray:
+    def __call__(self, shape: tuple, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
-        shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         n = math.prod(shape) * dtype.itemsize
         out = self._buf[self._at:self._at + n].view(dtype).reshape(shape)
-        self._at += -(-n // 64) * 64
+        self._at += _up64(n)
         return out
 
 
 def _joined_nbytes(parts: Sequence[dict]) -> int:
     """Bytes of the arrays :func:`concat` makes of ``parts`` (host arrays), each rounded up to 64."""
-    def up(n: int) -> int:
-        return -(-n // 64) * 64
-
     total = 0
     for k, v in parts[0].items():
         if isinstance(v, Ragged):
-            total += up((sum(len(p[k].offsets) - 1 for p in parts) + 1) * v.offsets.itemsize)
-            total += up(sum(int(p[k].offsets[-1] - p[k].offsets[0]) for p in parts) * v.values.itemsize)
+            total += _up64((sum(len(p[k].offsets) - 1 for p in parts) + 1) * v.offsets.itemsize)
+            total += _up64(sum(int(p[k].offsets[-1] - p[k].offsets[0]) for p in parts) * v.values.itemsize)
         else:
-            total += up(sum(p[k].nbytes for p in parts))
+            total += _up64(sum(p[k].nbytes for p in parts))
     return total
 
 
