@@ -24,11 +24,13 @@ import stat
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from ..batch import Ragged, nbytes, nrows
 from . import admin
 from .admin import chunk_files
 from .specs import record_spec
-from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
+from .chunkfile import LAYOUT_DIR, align, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
 from .evict import Registration, register, survey
@@ -64,6 +66,8 @@ class ChunkCache:
         KvikIO reader into device memory).
     to_host : ``to_host(column set) -> host column set`` the writer may keep (default:
         a copy when ``shared``, else the columns themselves).
+    copy_alloc : ``copy_alloc(nbytes) -> uint8 array`` holding such a copy, all of a chunk's arrays
+        (default: a new array each; the CPU path passes a pool's, page-aligned: see :meth:`_host`).
     trust_writes : count files this process wrote as checked (default False).
     metrics : a :class:`gpuload.Metrics` recording ``cache_read``/``cache_write`` spans.
     alloc : ``alloc(nbytes) -> uint8 array`` for host reads (default: new arrays).
@@ -87,11 +91,12 @@ class ChunkCache:
 
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
                  read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
-                 metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
+                 metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0,
+                 copy_alloc: Callable | None = None):
         self.root = CacheRoot(cache_folder(root, create))
         self.metrics = metrics
         self._read_fn, self._alloc = read, alloc  # (no closure over self: a dropped cache is freed at once)
-        self._to_host = to_host
+        self._to_host, self._copy_alloc = to_host, copy_alloc
         self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
         self._warned: set = set()
@@ -255,12 +260,31 @@ class ChunkCache:
                 lock.release()
 
     def _host(self, cols: dict, copy: bool) -> dict:
-        """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``."""
+        """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``.
+
+        With :attr:`copy_alloc`, the copy's arrays are carved out of one buffer of it, each
+        starting on a :data:`~gpuload.cache.chunkfile.ALIGN` boundary as in the file (most of a
+        chunk's arrays are each too small for a pool to keep): the writer writes them around the
+        page cache as they are, where a new array would go through the bounce buffer too."""
         if self._to_host is not None:
             return self._to_host(cols)
         if not copy:
             return cols
-        return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+        if self._copy_alloc is None:
+            return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
+                    for k, v in cols.items()}
+        arrays = [a for v in cols.values() for a in ((v.values, v.offsets) if isinstance(v, Ragged) else (v,))]
+        buf, at = self._copy_alloc(sum(align(a.nbytes) for a in arrays)), 0
+
+        def copied(a) -> np.ndarray:
+            nonlocal at
+            a = np.asarray(a)
+            out = buf[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
+            np.copyto(out, a)
+            at += align(a.nbytes)
+            return out
+
+        return {k: Ragged(copied(v.values), copied(v.offsets)) if isinstance(v, Ragged) else copied(v)
                 for k, v in cols.items()}
 
     def _read(self, key: ChunkKey) -> dict:

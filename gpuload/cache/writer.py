@@ -54,14 +54,16 @@ class Writer:
                 self._slots.release()
                 raise
         try:
-            self._pool.submit(self._write_and_release, write, key, make_cols(), lock)
+            # in a list the writer empties: the executor's work item holds its arguments until after the slot
+            # is given back, and a chunk's arrays (a pooled copy) must be free by then, for the next chunk's
+            self._pool.submit(self._write_and_release, write, key, [make_cols()], lock)
         except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
             self._slots.release()
             raise
 
-    def _write_and_release(self, write: Callable, key, cols: dict, lock) -> None:
+    def _write_and_release(self, write: Callable, key, held: list, lock) -> None:
         try:
-            write(key, cols)  # an OSError is the write's to say; anything else would be lost in the pool
+            write(key, held.pop())  # an OSError is the write's to say; anything else would be lost in the pool
         except Exception:
             log.exception("gpuload: writing the cache file of %s failed; the chunk is not cached", key)
         finally:

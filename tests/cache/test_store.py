@@ -837,3 +837,43 @@ def test_a_failed_host_copy_gives_its_write_slot_back(tmp_path):
     assert cache.load(key, lambda: cols)[1] is False
     cache.flush()
     assert cache.exists(key) and cache.load(key, lambda: cols)[1] is True
+
+
+def test_the_writers_copy_is_one_buffer_laid_out_as_the_file(tmp_path):
+    """A chunk whose batches are views is written from a copy: with ``copy_alloc`` (the CPU path's
+    write pool) every array of it in one buffer, each on a page boundary as in the chunk file (written
+    around the page cache without a bounce copy), with the chunk's values; the chunk written from it
+    reads back equal."""
+    from gpuload.cache.chunkfile import ALIGN
+    from gpuload.cache.store import ChunkCache
+
+    bufs = []
+
+    def copy_alloc(nbytes):
+        bufs.append(np.empty(nbytes + ALIGN, np.uint8))
+        start = -bufs[-1].ctypes.data % ALIGN
+        return bufs[-1][start:start + nbytes]
+
+    cols = sample_cols(3000)
+    cache = ChunkCache(tmp_path, copy_alloc=copy_alloc)
+    copy = cache._host(cols, copy=True)
+    assert len(bufs) == 1
+    arrays = [a for v in copy.values() for a in ((v.values, v.offsets) if isinstance(v, Ragged) else (v,))]
+    base = bufs[0].ctypes.data
+    assert all(a.ctypes.data % ALIGN == 0 and base <= a.ctypes.data < base + bufs[0].nbytes for a in arrays)
+    for k, v in cols.items():
+        got = copy[k]
+        if isinstance(v, Ragged):
+            assert np.array_equal(got.values, v.values) and np.array_equal(got.offsets, v.offsets)
+        else:
+            assert got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got, v)
+    key = key_for(cols)
+    assert cache.load(key, lambda: cols)[1] is False
+    cache.flush()
+    back, cached = cache.load(key, lambda: None)
+    assert cached
+    for k, v in cols.items():
+        if isinstance(v, Ragged):
+            assert np.array_equal(back[k].values, v.values) and np.array_equal(back[k].offsets, v.offsets)
+        else:
+            assert np.array_equal(back[k], v)

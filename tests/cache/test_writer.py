@@ -134,3 +134,34 @@ def test_a_failing_wait_callback_gives_the_slot_back():
     with pytest.raises(RuntimeError, match="clock"):
         writer.submit(lambda k, c: None, "x", lambda: {}, _Lock(), types.SimpleNamespace(clock=lambda: 0.0, record=boom))
     assert _flushes(writer)  # no slot leaked
+
+
+def test_a_written_chunk_is_let_go_before_its_slot():
+    """A chunk's arrays are free by the time its slot is given back: the next chunk's copy (a
+    pool's buffer, taken once it has a slot) finds them back in the pool, not still held by the
+    writer's thread pool (its work item keeps its arguments until after the slot is back)."""
+    writer, freed, at_release = Writer(), [], []
+
+    class Chunk:  # made by the copy (make_cols): nothing else holds it
+        def __init__(self):
+            self.freed = threading.Event()
+            freed.append(self.freed)
+
+        def __del__(self):
+            self.freed.set()
+
+    slots = writer._slots
+
+    class Slots:  # records, as each slot comes back, whether every chunk submitted before is free
+        def acquire(self, *args, **kwargs):
+            return slots.acquire(*args, **kwargs)
+
+        def release(self):
+            at_release.append(all(f.is_set() for f in freed))
+            slots.release()
+
+    writer._slots = Slots()
+    for i in range(3 * PENDING):
+        writer.submit(lambda k, c: None, i, lambda: {"a": Chunk()}, _Lock())
+        writer.flush()  # waits for the chunk's write: its slot comes back once it is written
+    assert at_release[:3 * PENDING] == [True] * (3 * PENDING)
