@@ -151,6 +151,26 @@ def test_demo_runs_small(tmp_path, cli):
     assert "rows/s" in r.stdout and "waiting for data" in r.stdout
 
 
+@pytest.mark.slow
+def test_a_terminated_demo_removes_its_temporary_folder(tmp_path):
+    """SIGTERM (``timeout``, ``kill``, Slurm, ``docker stop``) ends the demo as Ctrl-C does: its
+    temporary folder removed, one line said, the status 128 + SIGTERM."""
+    import os
+    import signal
+
+    from conftest import spawn, wait_until
+
+    proc = spawn([sys.executable, "-m", "gpuload", "demo", "--rows", "3000000", "--device", "cpu"],
+                 env={**os.environ, "TMPDIR": str(tmp_path)})
+    wait_until(lambda: any(tmp_path.glob("gpuload-demo-*/data/*.parquet")), timeout=120,
+               what="the demo writing its data")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "gpuload: terminated", err
+    assert not list(tmp_path.glob("gpuload-demo-*")), "the demo's temporary folder was left behind"
+
+
 @pytest.mark.parametrize("action", ["info", "verify", "clear"])
 def test_missing_cache_folder_is_an_error_and_is_not_created(tmp_path, action, cli):
     typo = tmp_path / "cahce"
@@ -487,6 +507,9 @@ PYTHON_NAMES = ("num_threads", "batch_size", "chunk_bytes", "max_cache_bytes", "
     (["demo", "--files", "0", "--rows", "2000"], "--files 0"),  # these four were tracebacks
     (["demo", "--step-ms", "-1", "--rows", "2000"], "--step-ms -1"),
     (["demo", "--workdir", "FILE", "--rows", "2000"], "--workdir"),
+    (["demo", "--workdir", "FILE/w", "--rows", "2000"], "--workdir"),  # was the OS's error, naming no flag
+    (["demo", "--files", "100000"], "--files 100000"),  # was accepted: 100,000 files written in /tmp
+    (["profile", "DATA", "--trace", "/proc/version"], "--trace"),  # failed only after the whole run
     (["cache", "build", "DATA", "--scheduler", "notanaddress"], "--scheduler 'notanaddress'"),
     (["profile", "DATA", "--trace", "FILE/t.json"], "--trace"),  # was the OS's error, naming no flag
     (["cache", "build", "DATA", "--columns", "[1, 2]"], "--columns"),

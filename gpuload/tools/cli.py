@@ -11,8 +11,10 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from .. import __version__
@@ -24,19 +26,25 @@ from .flags import bar as flag_bar
 
 __all__ = ["main", "parser"]
 
+MAX_DEMO_FILES = 1000  #: the demo's --files at most: it shows a loader, not a file system's limits
+
 
 def cmd_demo(args) -> int:
     from .demo import report, run_demo
 
     if args.rows < 1000:
         raise ConfigError(f"--rows {args.rows}: the demo needs at least 1000 rows")
-    if not 1 <= args.files <= args.rows:
-        raise ConfigError(f"--files {args.files}: give from 1 to --rows ({args.rows:,}) files")
+    most = min(args.rows, MAX_DEMO_FILES)
+    if not 1 <= args.files <= most:
+        raise ConfigError(f"--files {args.files}: give from 1 to {most:,} files"
+                          + (f" (--rows is {args.rows:,})" if most == args.rows else ""))
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size}: give at least 1 row")
     finite("--step-ms", args.step_ms)  # every mistake before the data is generated
     if args.workdir is not None and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
         raise ConfigError(f"--workdir {args.workdir}: that is a file; give a folder (made if missing)")
+    if args.workdir is not None:
+        _writable_folder("--workdir", Path(args.workdir))
     owned = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="gpuload-demo-")) if owned else Path(args.workdir)
     bars = []
@@ -64,6 +72,30 @@ def cmd_demo(args) -> int:
     if not owned or args.keep:
         print(f"data and cache are in {workdir}")
     return 0
+
+
+def _writable_folder(flag: str, path: Path) -> None:
+    """Make ``path`` (a folder the command writes into) if missing, and refuse it, naming ``flag``,
+    where it cannot be made or written."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write there ({e.strerror or e}); give a folder you can write") from None
+
+
+def _writable_file(flag: str, path: Path) -> None:
+    """Refuse, naming ``flag``, a file the command could not write at its end (its results would
+    be lost): opened for appending now (nothing of it is changed), and removed again if it was new."""
+    new = not path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write it ({e.strerror or e}); give a file you can write") from None
+    if new:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def rank_path(path: str, rank: int) -> str:
@@ -98,6 +130,8 @@ def cmd_profile(args) -> int:
     if args.trace and (Path(args.trace).is_dir() or not Path(args.trace).parent.is_dir()):
         raise ConfigError(f"--trace {args.trace}: " + ("that is a folder; give a file name" if Path(args.trace).is_dir()
                                                        else f"its folder {Path(args.trace).parent} does not exist"))
+    if args.trace:  # (under torchrun each rank writes its own file beside it: rank_path)
+        _writable_file("--trace", Path(args.trace))
     finite("--step-ms", args.step_ms)
     if args.step_ms is not None and args.step_ms > 60_000:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
@@ -211,10 +245,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(Exception):
+    """SIGTERM (``kill``, ``timeout``, Slurm, ``docker stop``) as an exception: the command's
+    ``finally`` blocks run (the demo's temporary folder is removed, as on Ctrl-C)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         status = args.fn(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
@@ -232,8 +278,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("gpuload: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("gpuload: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         set_style("python")
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
