@@ -26,7 +26,7 @@ from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
 from .drift import absent_as_nulls, check_consistent, check_units, unit_drift, widened
 from .config import Options, Source
-from .errors import SourceError, flag
+from .errors import ConfigError, SourceError, flag
 from .convert import needed_columns
 from .counting import counted, kept_groups
 from .decode import ArrowDecoder
@@ -156,15 +156,23 @@ class ChunkReader:
         files, refused where the files' types disagree or a cast cannot hold their values."""
         src, first = self.source, self.files[0]
         schema = first.schema
+        left_out = []
         if src.columns is None:  # the columns every file has, whatever the files' order
             schema, left_out = common_columns(self.files)
-            if left_out:
-                log.warning("gpuload: columns=None: leaving out %s (not in every file); name them in columns= to "
-                            "read them as nulls where they are missing (with fill_nulls=)", ", ".join(left_out))
+        # columns left out: said once the outputs resolve, else in their error (a command prints one line)
+        why = (f"{', '.join(left_out)} left out: not in every file; name them in {flag('columns')} to read them as "
+               f"nulls where they are missing (with {flag('fill_nulls')})")
         schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
-        specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
-                                int96=frozenset().union(*(f.int96 for f in self.files)),
-                                units=unit_drift(self.files, schema), categorical=src.categorical)
+        try:
+            specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
+                                    int96=frozenset().union(*(f.int96 for f in self.files)),
+                                    units=unit_drift(self.files, schema), categorical=src.categorical)
+        except ConfigError as e:
+            if left_out:
+                raise ConfigError(f"{e} ({why})") from None
+            raise
+        if left_out:
+            log.warning("gpuload: %s", why)
         check_consistent(self.files, specs, schema)
         check_units(self.files, specs)
         #: every Vocab column's vocabulary, and each one given whole (:func:`gpuload.counting.counted`)

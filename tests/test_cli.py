@@ -545,6 +545,28 @@ def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tm
     assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]
 
 
+def test_a_column_left_out_for_not_being_in_every_file_is_said_in_the_errors_one_line(tmp_path, capsys):
+    """Without --columns, a column some files lack is left out; a --fill-nulls naming it then fails,
+    and its one line says why the column is not loaded (was a warning naming columns= and
+    fill_nulls= before it: two lines, in Python's words)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"x": np.arange(10), "extra": np.ones(10)}), tmp_path / "d" / "1.parquet")
+    pq.write_table(pa.table({"x": np.arange(10)}), tmp_path / "d" / "2.parquet")
+    capsys.readouterr()
+    rc = main(["profile", str(tmp_path / "d"), "--fill-nulls", '{"extra": 0}', "--device", "cpu",
+               "--cache-dir", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and out == "" and len(lines) == 1, err
+    assert "--fill-nulls names columns that are not loaded: ['extra']" in lines[0]
+    assert "extra left out: not in every file; name them in --columns" in lines[0]
+    assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]
+
+
 def test_every_command_prints_its_help(capsys):
     """`gpuload ... --help` of every command and subcommand (argparse formats help texts with %)."""
     import argparse

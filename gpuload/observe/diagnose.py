@@ -179,10 +179,8 @@ def diagnose(stats: Stats, *, disk_gbps: float | None = None, threads: int | Non
 
     Raises
     ------
-    ValueError
-        When ``stats`` timed no ``next()`` call at all.
-    gpuload.ConfigError
-        When ``stats`` is not the stats of a loop.
+    gpuload.ConfigError (a ``ValueError``)
+        When ``stats`` timed no ``next()`` call at all, or is not the stats of a loop.
     """
     if not isinstance(stats, Stats):  # every rank's figures (gpuload.observe.ranks.RankStats)
         if not hasattr(stats, "slowest"):
@@ -233,7 +231,7 @@ def _spinning() -> str:
 
 def _diagnose(stats: Stats, disk_gbps: float | None, threads: int | None) -> Diagnosis:
     if stats.wall_s <= 0:
-        raise ValueError("these stats timed no batch yet: iterate the loader (the ParquetDataset, or the loader "
+        raise ConfigError("these stats timed no batch yet: iterate the loader (the ParquetDataset, or the loader "
                          "gpuload.watch wraps) over some batches before diagnosing its stats()")
     st, wall, kind = stats.starvation, stats.wall_s, _kind(stats)
     waited = (f"the training thread waited {st:.1%} of {wall:.2f} s ({_ms(stats.wait_mean_s)} per next() "

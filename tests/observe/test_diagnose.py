@@ -191,7 +191,7 @@ def test_str_and_errors():
     d = gpuload.diagnose(make_stats(0.25, stages=[stage("decode", 9.0)]))
     text = str(d)
     assert text.startswith("starvation 25.0%; limited by: decode") and "action: build the cache" in text
-    with pytest.raises(ValueError, match="no batch"):
+    with pytest.raises(gpuload.ConfigError, match="no batch"):
         gpuload.diagnose(gpuload.Metrics().stats())
 
 
@@ -685,5 +685,5 @@ def test_more_threads_are_not_offered_for_gathers_where_no_cut_thread_would_run(
 def test_stats_of_no_batch_are_refused_saying_what_to_iterate():
     """An interactive trial: diagnose(ds.stats()) before the first loop spoke of "the watched loader" to a user who
     never called watch()."""
-    with pytest.raises(ValueError, match=r"iterate the loader \(the ParquetDataset, or the loader gpuload.watch"):
+    with pytest.raises(gpuload.ConfigError, match=r"iterate the loader \(the ParquetDataset, or the loader gpuload.watch"):
         gpuload.diagnose(gpuload.Metrics().stats())
