@@ -34,7 +34,7 @@ def test_bad_device_names_the_setting(bad):
 def test_cuda_without_gpu_says_what_is_missing():
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    with pytest.raises(gpuload.GpuloadError, match="needs driver"):
+    with pytest.raises(gpuload.GpuloadError, match="device='cuda' needs a CUDA GPU that torch can use: "):
         resolve_device("cuda")
 
 

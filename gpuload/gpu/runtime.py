@@ -58,6 +58,7 @@ log = logging.getLogger("gpuload")
 
 _COMPAT = {"auto": "AUTO", "on": "ON", "off": "OFF"}
 REQUIRED = ("driver", "cupy")  #: the pieces of :func:`gpu_status` that ``device="cuda"`` cannot run without
+_PIECE_NAMES = {"driver": "a CUDA GPU that torch can use", "cupy": "CuPy"}  #: each as errors name it
 KVIKIO_OPTIONAL = "optional, only for GPUDirect Storage reads of the cache"
 
 
@@ -126,7 +127,7 @@ def require_gpu(device: str, decode: str) -> bool:
     s = gpu_status()
     for piece, reason in missing_pieces(s).items():
         advice = f"use {setting('device', 'cpu')} (or 'auto')" if piece == "driver" else INSTALL_HINT
-        raise GpuloadError(f"{setting('device', device)} needs {piece}: {reason}; {advice}")
+        raise GpuloadError(f"{setting('device', device)} needs {_PIECE_NAMES[piece]}: {reason}; {advice}")
     if decode == "cpu":
         return False
     if s["cudf"] is not None:

@@ -38,10 +38,10 @@ def _status(**missing):
     return lambda: base
 
 
-@pytest.mark.parametrize("piece", ["driver", "cupy"])
-def test_cuda_without_a_piece_names_it(monkeypatch, piece):
+@pytest.mark.parametrize("piece,named", [("driver", "a CUDA GPU that torch can use"), ("cupy", "CuPy")])
+def test_cuda_without_a_piece_names_it(monkeypatch, piece, named):
     monkeypatch.setattr(gpu, "gpu_status", _status(**{piece: "not here"}))
-    with pytest.raises(gpuload.GpuloadError, match=f"device='cuda' needs {piece}: not here"):
+    with pytest.raises(gpuload.GpuloadError, match=f"device='cuda' needs {named}: not here"):
         gpu.require_gpu("cuda", "auto")
 
 
@@ -77,7 +77,7 @@ def test_auto_without_gpu_path_is_cpu_with_one_info_line(monkeypatch, caplog):
 def test_this_machine_reports_why_cuda_is_unusable():
     if gpu.gpu_usable():
         pytest.skip("the GPU path can run here")
-    with pytest.raises(gpuload.GpuloadError, match="needs (driver|cupy)"):
+    with pytest.raises(gpuload.GpuloadError, match="needs (a CUDA GPU that torch can use|CuPy)"):
         gpuload.ParquetDataset([], device="cuda")
 
 
