@@ -270,6 +270,15 @@ def file_identity(st: os.stat_result) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
+def _region_text(r: dict) -> str:
+    """A region of a chunk file in words: ``output 'x'``, ``the values of list output 'h'``, ``the
+    stacked float32 columns`` (a row layout's block, named ``"#" + dtype``)."""
+    name, part = r["output"], r["part"]
+    if name.startswith("#"):
+        return f"the stacked {np.dtype(name[1:]).name} columns"
+    return f"output {name!r}" if part == "data" else f"the {part} of list output {name!r}"
+
+
 def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) -> dict:
     """Views of each region of a chunk whose file, from byte ``base`` on, is in ``buf``.
 
@@ -281,7 +290,7 @@ def columns_from_buffer(buf, header: dict, path, verify: bool, base: int = 0) ->
     for r in header["regions"]:
         raw = buf[r["offset"] - base: r["offset"] - base + r["nbytes"]]
         if verify and xxhash.xxh3_64_hexdigest(raw) != r["xxh3"]:
-            raise CorruptCacheError(f"{path}: checksum mismatch in {r['output']}/{r['part']}")
+            raise CorruptCacheError(f"{path}: the bytes of {_region_text(r)} do not match their checksum")
         arr = raw.view(np.dtype(r["dtype"])).reshape(r["shape"])
         if r["part"] == "data":
             cols[r["output"]] = arr

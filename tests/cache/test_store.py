@@ -9,6 +9,7 @@ so a dataset has tens of chunks). Multi-process tests start children with
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import struct
@@ -177,8 +178,23 @@ def test_flipped_byte_in_data_raises(chunk_file, region, where):
     b = bytearray(raw)
     b[pos] ^= 0x01
     chunk_file.write_bytes(bytes(b))
-    with pytest.raises(gpuload.CorruptCacheError, match=str(chunk_file)):
+    said = f"output '{name}'" if not part else f"the {part} of list output '{name}'"
+    with pytest.raises(gpuload.CorruptCacheError, match=re.escape(f"{chunk_file}: the bytes of {said} do not match")):
         read_chunk(chunk_file)
+
+
+def test_a_corrupt_block_of_stacked_columns_is_named_by_its_type(tmp_path):
+    """A row layout's block ("#<f4" in the file) is named in words (was "checksum mismatch in #<f4/data")."""
+    cols = {"#<f4": np.ones((100, 3), np.float32), "y": np.arange(100)}
+    path = tmp_path / "chunk.glc"
+    write_chunk(path, cols, key_for(cols))
+    header, raw = _header(path)
+    r = next(r for r in header["regions"] if r["output"] == "#<f4")
+    b = bytearray(raw)
+    b[r["offset"]] ^= 0x01
+    path.write_bytes(bytes(b))
+    with pytest.raises(gpuload.CorruptCacheError, match="the bytes of the stacked float32 columns do not match"):
+        read_chunk(path)
 
 
 def test_flipped_byte_in_header_raises(chunk_file):
