@@ -11,6 +11,7 @@ meaning of each setting is in the docstring of :class:`gpuload.ParquetDataset`.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,14 +22,18 @@ import numpy as np
 
 from .cache.paths import cache_dirs, default_cache_dir
 from .errors import ConfigError, counted, setting
+from .machine import cores
 from .plan import MAX_KEY
 from .sources.settings import RemoteSettings
 from .rowfilter import RowFilter
 from .transforms import check_transform
 
-__all__ = ["Source", "Options", "MiB", "BUILD_DEVICE"]
+__all__ = ["Source", "Options", "MiB", "BUILD_DEVICE", "warn_settings"]
+
+log = logging.getLogger("gpuload")
 
 MiB = 1 << 20
+THREADS_PER_CORE = 4  #: loader threads per usable core above which :func:`warn_settings` warns
 BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaults to ``Options.device``, "auto")
 
 
@@ -170,3 +175,19 @@ class Options(_Settings):
         object.__setattr__(self, "cache_dir", cache_dirs(cache))
         if not isinstance(self.device, str):  # a torch.device
             object.__setattr__(self, "device", str(self.device))
+
+
+def warn_settings(opts: Options) -> None:
+    """Warn (a log line each) about settings given that do nothing with the others, or that work
+    against the training step: ``block_rows`` without ``shuffle="block"``, ``local_world_size``
+    without ``shard="node"``, more than :data:`THREADS_PER_CORE` loader threads per usable core."""
+    if opts.block is None and opts.block_rows != Options.block_rows:  # given, and nothing uses it
+        log.warning("gpuload: %s has no effect with %s: it sizes the blocks of shuffle='block'",
+                    setting("block_rows", opts.block_rows), setting("shuffle", opts.shuffle))
+    if opts.local_world_size is not None and opts.shard != "node":
+        log.warning("gpuload: %s has no effect with %s: it places the ranks on nodes for shard='node' (each node "
+                    "caching its share)", setting("local_world_size", opts.local_world_size), setting("shard", opts.shard))
+    if opts.num_threads > THREADS_PER_CORE * cores():
+        log.warning("gpuload: %s is more than %d per core of the %d cores here: loader threads beyond them only "
+                    "compete with each other and the training step for the cores",
+                    setting("num_threads", opts.num_threads), THREADS_PER_CORE, cores())

@@ -50,7 +50,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         partition keys as columns. Remote objects are read once, column ranges only; later
         epochs and reopenings read the cache and make no request (see :mod:`gpuload.sources.fetch`).
     columns : None (every column of a supported type that every file has, pandas index
-        columns excepted; others are skipped with one log line), a list of names, or a
+        columns excepted; others are skipped with one log line), a name, a list of names, or a
         dict ``{output: column}`` / ``{output: [columns]}``; a list of same-kind scalar
         columns is stacked into one ``[rows, k]`` tensor. A named column some files lack (added
         later) is null in them (``fill_nulls``).

@@ -25,7 +25,7 @@ from .cache.space import warn_short_room
 from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
 from .drift import absent_as_nulls, check_consistent, check_units, unit_drift, widened
-from .config import Options, Source
+from .config import Options, Source, warn_settings
 from .errors import ConfigError, SourceError, flag
 from .convert import needed_columns
 from .counting import counted, kept_groups
@@ -87,9 +87,7 @@ class ChunkReader:
         if flt is not None:
             self._marks["filter"] = flt.key
         self._store_as(opts.stored_layout)
-        if opts.block is None and opts.block_rows != Options.block_rows:  # given, and nothing uses it
-            log.warning("gpuload: block_rows=%d has no effect with shuffle=%r: it sizes the blocks of "
-                        "shuffle='block'", opts.block_rows, opts.shuffle)
+        warn_settings(opts)
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
         if flt is not None:  # chunks hold the kept rows only
             sizes = self._filtered(sizes, flt)

@@ -172,6 +172,19 @@ def test_a_terminated_demo_removes_its_temporary_folder(tmp_path):
 
 
 @pytest.mark.parametrize("action", ["info", "verify", "clear"])
+def test_the_default_cache_folder_not_made_yet_is_nothing_cached(tmp_path, action, monkeypatch, capsys):
+    """A new user's first `gpuload cache info` (no --cache-dir, no $GPULOAD_CACHE_DIR): exit 0 and say
+    nothing is cached yet (was an error); the folder is not made. A named folder that is missing is
+    still an error (the test below)."""
+    monkeypatch.delenv("GPULOAD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert main(["cache", action]) == 0
+    out = capsys.readouterr().out
+    assert "nothing is cached yet" in out and str(tmp_path / "xdg" / "gpuload") in out
+    assert not (tmp_path / "xdg").exists()
+
+
+@pytest.mark.parametrize("action", ["info", "verify", "clear"])
 def test_missing_cache_folder_is_an_error_and_is_not_created(tmp_path, action, cli):
     typo = tmp_path / "cahce"
     r = cli("cache", action, "--cache-dir", str(typo))

@@ -112,3 +112,23 @@ def test_seeds_beyond_the_orders_63_bits_and_drop_last_that_is_not_a_bool_are_re
     for bad in ("no", "false", 1, None):
         with pytest.raises(gpuload.ConfigError, match=r"drop_last=.* must be True or False"):
             Options(drop_last=bad)
+
+
+@pytest.mark.parametrize("kw,said", [
+    ({"block_rows": 64}, "block_rows=64 has no effect with shuffle=True"),
+    ({"local_world_size": 3}, "local_world_size=3 has no effect with shard='global'"),
+    ({"num_threads": 1000}, "num_threads=1000 is more than 4 per core"),
+])
+def test_settings_that_do_nothing_or_work_against_the_step_are_warned_about(kw, said, caplog, monkeypatch):
+    """Accepted, but each with a log line (these were silent: a user's trial set them and saw no effect)."""
+    import logging
+
+    from gpuload import config
+
+    monkeypatch.setattr(config, "cores", lambda: 8)
+    caplog.set_level(logging.WARNING, logger="gpuload")
+    config.warn_settings(Options(**kw))
+    assert [r.getMessage() for r in caplog.records if said in r.getMessage()], caplog.text
+    caplog.clear()
+    config.warn_settings(Options(num_threads=32, shard="node", local_world_size=3, shuffle="block", block_rows=64))
+    assert caplog.records == []  # each in use, and 4 threads per core at most: nothing to say

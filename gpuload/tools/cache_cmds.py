@@ -109,6 +109,10 @@ def _each_folder(fn):
 
     def run(args) -> int:
         folders = cache_dirs(split_dirs(args.cache_dir, "--cache-dir") if args.cache_dir else default_cache_dir())
+        if _none_yet(args, folders):  # a first `gpuload cache info`: not a mistyped folder, just nothing cached yet
+            print(f"nothing is cached yet: the default cache folder {folders} does not exist (gpuload makes it on "
+                  "first use; --cache-dir or $GPULOAD_CACHE_DIR choose another)")
+            return 0
         if not isinstance(folders, tuple):
             return one(args, folders)
         worst = 0
@@ -121,6 +125,14 @@ def _each_folder(fn):
                 worst = max(worst, 1)
         return worst
     return run
+
+
+def _none_yet(args, folders) -> bool:
+    """Whether `cache info`, `verify` or `clear` (no SOURCE) looks at the default cache folder, chosen by
+    neither --cache-dir nor $GPULOAD_CACHE_DIR, and it does not exist yet: nothing to show or do there. A
+    folder the user named and that is missing is an error instead (a typo: it is named, not made)."""
+    return (args.action in ("info", "verify", "clear") and not args.cache_dir and not getattr(args, "source", None)
+            and not os.environ.get("GPULOAD_CACHE_DIR") and not isinstance(folders, tuple) and not folders.exists())
 
 
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
