@@ -82,3 +82,11 @@ def test_no_import_runs_up():
 def test_an_import_that_runs_up_would_be_found(module, target):
     known = layers()
     assert known[unit(target)] > known[unit(module)]
+
+
+def test_the_readme_names_every_module():
+    """The README's "Layout" names each module of the package (a user's trial found ten missing)."""
+    text = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`(\w+)`", text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]))
+    modules = {p.stem for p in PACKAGE.rglob("*.py") if p.stem not in ("__init__", "__main__")}
+    assert not modules - named, f"name these in the README's Layout: {sorted(modules - named)}"
