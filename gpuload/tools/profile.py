@@ -47,6 +47,7 @@ class EpochReport:
     headspace: Stats | None = None  # the same epoch with no step (profile(headspace=True)), else None
     ranks: object = None  # every rank's figures (profile(all_ranks=True) under torch.distributed), else None
     read_ahead: bool = False  # its end loaded the next epoch's first chunks (gpuload.preload), counted with it
+    taken_ahead: bool = False  # it began with chunks the epoch before it read ahead (counted with that one)
 
     def __str__(self) -> str:
         s = self.stats
@@ -56,8 +57,9 @@ class EpochReport:
                "start; a smaller batch size (--batch-size) or more rows measures the steady state"
                if s.batches < FEW_BATCHES else "")
         ahead = ", the next epoch's first among them, read ahead" if self.read_ahead else ""
+        before = f" (besides its first, read ahead by epoch {self.epoch - 1})" if self.taken_ahead else ""
         return (f"epoch {self.epoch} ({kind}: {chunks_text(self.decoded_chunks)} decoded, {self.cached_chunks} read "
-                f"from the cache{ahead if self.cached_chunks else ''}): {s.rows:,} rows in {s.wall_s:.2f} s, "
+                f"from the cache{ahead if self.cached_chunks else ''}{before}): {s.rows:,} rows in {s.wall_s:.2f} s, "
                 f"{s.rows_per_s:,.0f} rows/s, "
                 f"starvation {s.starvation:.1%}{few}\n  {self.diagnosis}"
                 + (f"\n  remote source: {s.remote}" if s.remote is not None else "")
@@ -258,7 +260,8 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
                                        ds.reader.counters.decoded - before[0],
                                        ds.reader.counters.from_cache - before[1], alone[epoch],
                                        ds.stats(all_ranks=True) if all_ranks else None,
-                                       ds.preload_next and ds.options.prefetch > 0 and ds.reader.caching))
+                                       ds.preload_next and ds.options.prefetch > 0 and ds.reader.caching,
+                                       bool(reports) and reports[-1].read_ahead))
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))
