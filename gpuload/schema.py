@@ -296,6 +296,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     if isinstance(columns, (list, tuple, dict)) and not columns:
         raise ConfigError(f"{flag('columns')} is empty; name the columns to load, or leave it out for every "
                           "column of a supported type")
+    if fill_nulls is not None and not isinstance(fill_nulls, (Mapping, bool, int, float, np.integer, np.floating)):
+        raise ConfigError(f"{setting('fill_nulls', fill_nulls)} must be a number (for every column that takes one) "
+                          "or {column: number}")
     units = units or {}
     requested = _normalise_request(columns, schema)
     if not requested:
@@ -305,7 +308,7 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     twice = sorted(c for c in used if schema.names.count(c) > 1)
     if twice:
         raise SchemaError(f"{file} has more than one column named {twice[0]!r}, and gpuload cannot tell them apart; "
-                          "rename one of them, or leave it out of columns=")
+                          f"rename one of them, or leave it out of {flag('columns')}")
     missing = next((c for _, cols, _ in requested for c in cols if c not in names), None)
     if missing is not None:  # before the settings that name columns: a misspelt column is the news, not them
         raise SchemaError(f"column {missing!r} is not in {file} (columns there: {', '.join(schema.names)})")
