@@ -33,7 +33,7 @@ class _Reader:
     """Just enough of Thrift's compact protocol to walk a footer and skip what is not wanted."""
 
     def __init__(self, data: bytes):
-        self.data, self.pos = memoryview(data), 0
+        self.data, self.pos = bytes(data), 0
 
     def byte(self) -> int:
         b = self.data[self.pos]
@@ -41,15 +41,8 @@ class _Reader:
         return b
 
     def varint(self) -> int:
-        shift = out = 0
-        while True:
-            b = self.byte()
-            out |= (b & 0x7F) << shift
-            if b < 0x80:
-                return out
-            shift += 7
-            if shift > 70:
-                raise ValueError("varint too long")
+        out, self.pos = _varint(self.data, self.pos)
+        return out
 
     def zigzag(self) -> int:
         n = self.varint()
@@ -71,43 +64,91 @@ class _Reader:
         size = head >> 4
         return (self.varint() if size == 15 else size), head & 0x0F
 
-    def _element(self, kind: int) -> None:
-        """Skip one element of a container (where a bool takes a byte, unlike a struct field's)."""
-        if kind in (_TRUE, _FALSE):
-            self.pos += 1
-        else:
-            self.skip(kind)
-
     def skip(self, kind: int) -> None:
-        if kind in (_TRUE, _FALSE):
-            return
-        if kind == _BYTE:
-            self.pos += 1
+        self.pos = _skip(self.data, self.pos, kind)
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    """(the unsigned varint at ``pos``, the position after it)."""
+    shift = out = 0
+    while True:
+        b = data[pos]
+        pos += 1
+        out |= (b & 0x7F) << shift
+        if b < 0x80:
+            return out, pos
+        shift += 7
+        if shift > 70:
+            raise ValueError("varint too long")
+
+
+def _skip(data: bytes, pos: int, kind: int) -> int:
+    """The position after the value of ``kind`` at ``pos``, containers and structs included, in
+    one loop over a stack of the open ones (most of a footer is skipped: a call and a generator per
+    value made the walk take 17 ms per 16-row-group, 42-column file)."""
+    stack: list = []  # None: a struct (fields until its stop byte); [kind, map's value kind or None, left]
+    while True:
+        if kind == _STRUCT:
+            stack.append(None)
         elif kind in (_I16, _I32, _I64):
-            self.varint()
-        elif kind == _DOUBLE:
-            self.pos += 8
+            while data[pos] & 0x80:
+                pos += 1
+            pos += 1
         elif kind == _BINARY:
-            n = self.varint()  # (read before the position it moves is added to)
-            self.pos += n
+            n, pos = _varint(data, pos)
+            pos += n
         elif kind in (_LIST, _SET):
-            size, elem = self.list_header()
-            for _ in range(size):
-                self._element(elem)
+            head = data[pos]
+            pos += 1
+            size, elem = head >> 4, head & 0x0F
+            if size == 15:
+                size, pos = _varint(data, pos)
+            if elem in (_TRUE, _FALSE, _BYTE):  # a byte each (bools too, inside a container)
+                pos += size
+            elif elem == _DOUBLE:
+                pos += 8 * size
+            elif size:
+                stack.append([elem, None, size])
         elif kind == _MAP:
-            size = self.varint()
+            size, pos = _varint(data, pos)
             if size:
-                types = self.byte()
-                for _ in range(size):
-                    self._element(types >> 4)
-                    self._element(types & 0x0F)
-        elif kind == _STRUCT:
-            for _, k in self.fields():
-                self.skip(k)
-        else:
+                types = data[pos]
+                pos += 1
+                stack.append([types >> 4, types & 0x0F, 2 * size])
+        elif kind == _DOUBLE:
+            pos += 8
+        elif kind == _BYTE:
+            pos += 1
+        elif kind not in (_TRUE, _FALSE):  # a struct field's bool is in its type: no byte
             raise ValueError(f"unknown Thrift type {kind}")
-        if self.pos > len(self.data):
-            raise ValueError("footer ends early")
+        while True:  # the next value to skip: of the innermost struct or container still open
+            if not stack:
+                if pos > len(data):
+                    raise ValueError("footer ends early")
+                return pos
+            top = stack[-1]
+            if top is None:
+                head = data[pos]
+                pos += 1
+                if head == 0:
+                    stack.pop()
+                    continue
+                kind = head & 0x0F
+                if not head >> 4:  # the field id in full (a zigzag varint) after the type
+                    while data[pos] & 0x80:
+                        pos += 1
+                    pos += 1
+                break
+            key, value, left = top
+            if not left:
+                stack.pop()
+                continue
+            top[2] = left - 1
+            kind = key if value is None or left % 2 == 0 else value  # a map's entries: key, then value
+            if kind in (_TRUE, _FALSE):  # a byte each inside a container
+                pos += 1
+                continue
+            break
 
 
 def _histogram(r: _Reader) -> list[int] | None:

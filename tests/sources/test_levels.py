@@ -129,3 +129,44 @@ def test_footer_bytes_it_cannot_walk_raise_value_error(tmp_path):
     assert cut_short > 10
     with pytest.raises(ValueError):
         definition_histograms(b"\x1f" + thrift[1:], {0}, range(4))  # a field of an unknown type
+
+
+def _field(delta_or_id: int, kind: int, last: int = 0) -> bytes:
+    """A compact-protocol field header: short form (the id's delta in the high nibble) where the
+    delta is 1-15, else the long form (type alone, then the id as a zigzag varint)."""
+    delta = delta_or_id - last
+    if 0 < delta < 16:
+        return bytes([delta << 4 | kind])
+    z = (delta_or_id << 1) ^ (delta_or_id >> 63)
+    out = bytearray([kind])
+    while True:
+        out.append(z & 0x7F | (0x80 if z > 0x7F else 0))
+        z >>= 7
+        if not out[-1] & 0x80:
+            return bytes(out)
+
+
+def test_the_footer_walk_skips_every_thrift_shape():
+    """Shapes pyarrow's footers hold (nested structs, lists of structs and of strings) and those they
+    may (maps, sets, bools in containers and as fields, bytes, doubles, a long-form field id, a list of
+    more than 14 elements): the walk that skips them lands on the byte after, and refuses a cut."""
+    from gpuload.sources.levels import _BINARY, _BYTE, _DOUBLE, _FALSE, _I32, _I64, _LIST, _MAP, _SET, _STRUCT, \
+        _TRUE, _skip
+
+    inner = _field(1, _I32) + b"\x96\x01" + _field(2, _TRUE, 1) + _field(3, _BINARY, 2) + b"\x03abc" + b"\x00"
+    body = (
+        _field(1, _STRUCT) + inner                                         # a nested struct
+        + _field(2, _LIST, 1) + bytes([2 << 4 | _STRUCT]) + inner + inner  # a list of structs
+        + _field(3, _LIST, 2) + bytes([3 << 4 | _TRUE]) + b"\x01\x02\x01"  # bools in a list: a byte each
+        + _field(4, _SET, 3) + bytes([0xF0 | _I64]) + bytes([20]) + b"\x02" * 20  # 20 elements: long size
+        + _field(5, _MAP, 4) + b"\x02" + bytes([_BINARY << 4 | _FALSE]) + b"\x01k\x01\x01l\x02"  # map -> bool
+        + _field(6, _DOUBLE, 5) + b"\x00" * 8 + _field(7, _BYTE, 6) + b"\x7f"
+        + _field(300, _STRUCT, 7) + b"\x00"                                # a long-form id, an empty struct
+        + _field(301, _MAP, 300) + b"\x00"                                 # an empty map
+        + b"\x00"
+    )
+    tail = b"\xaa\xbb"
+    assert _skip(body + tail, 0, _STRUCT) == len(body)
+    for cut in range(1, len(body)):
+        with pytest.raises((ValueError, IndexError)):
+            _skip(body[:cut], 0, _STRUCT)
