@@ -84,11 +84,10 @@ class Host(Stages):
         """``alloc(shape, dtype)`` for window and batch arrays: ``pool``'s (a :class:`gpuload.memory.HostPool`)."""
         return pool.array
 
-    def cache(self, options, metrics, read_pool, write_pool) -> ChunkCache:
-        """The chunk cache of ``options``, reading files into ``read_pool``'s reused buffers; the
-        writer's copies of chunks whose batches are views (no row shuffle) go into ``write_pool``'s."""
+    def cache(self, options, metrics, read_pool) -> ChunkCache:
+        """The chunk cache of ``options``, reading files into ``read_pool``'s reused buffers."""
         return open_cache(options.cache_dir, options.max_cache_bytes, options.verify_checksums, metrics=metrics,
-                          alloc=read_pool.get, copy_alloc=lambda n: write_pool.get(n, "chunk"))
+                          alloc=read_pool.get)
 
     def decoder(self, cpu, metrics):
         """The decoder of first epochs: ``cpu`` (a :class:`gpuload.decode.ArrowDecoder`)."""
@@ -124,11 +123,10 @@ class Cuda:
         """None: window and batch arrays are CuPy's, in the loader's device memory."""
         return None
 
-    def cache(self, options, metrics, read_pool, write_pool) -> ChunkCache:
+    def cache(self, options, metrics, read_pool) -> ChunkCache:
         """The chunk cache of ``options``, reading files into device memory on the read stream
         (:mod:`gpuload.gpu.kvikio_read`); a chunk decoded on the device is copied back to be
-        written (into torch's pinned blocks: the pools are the CPU path's), and files this
-        process wrote count as checked."""
+        written, and files this process wrote count as checked."""
         from .gpu.kvikio_read import read_chunk_device
 
         ctx = self.ctx

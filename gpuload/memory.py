@@ -196,7 +196,7 @@ class HostBudget:
     chunks: int  #: chunks loaded and not joined yet: the next window's and those ahead (read pool)
     batches: int  #: batches queued, held by the consumer, being cut (one per loader thread) or handed off (batch pool)
     decode: int  #: per loader thread, a chunk being decoded: its Parquet bytes, Arrow table and packed arrays
-    writes: int  #: decoded chunks waiting for the cache writer (unshuffled: copies laid out as their files, write pool)
+    writes: int  #: decoded chunks waiting for the cache writer
     remote: int  #: remote sources: read-ahead, requests in flight, and the ranges being decoded
     trace: int = 0  #: the events the dataset's Metrics keeps for its trace (Metrics.max_trace_nbytes)
 
@@ -243,8 +243,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     by the batches that are views of them, and the next epoch's first ``prefetch + 2``, loaded
     while the last ones are cut: :mod:`gpuload.preload`); ``prefetch + 6 + num_threads`` batches of ``batch_size``
     rows (the CPU path gathers one per loader thread at once, in order); per
-    loader thread 3 C being decoded (4 with block shuffling); ``pending_writes`` chunk files (a chunk
-    whose batches are views is written from a copy laid out as its file); and for a
+    loader thread 3 C being decoded (4 with block shuffling); ``pending_writes`` C; and for a
     remote source ``readahead_bytes + max_inflight_bytes`` plus ``num_threads + 1`` chunks'
     fetched ranges (their compressed bytes, taken as at most C).
     """
@@ -259,7 +258,7 @@ def host_budget(chunk_bytes: int, row_bytes: float, arrays: int, *, batch_size: 
     remote_bytes = 0 if remote is None else (remote.readahead_bytes + remote.max_inflight_bytes
                                              + (num_threads + 1) * c)
     return HostBudget(windows=windows, chunks=chunks, batches=(prefetch + 6 + num_threads) * batch,
-                      decode=num_threads * (4 if block else 3) * c, writes=pending_writes * file, remote=remote_bytes,
+                      decode=num_threads * (4 if block else 3) * c, writes=pending_writes * c, remote=remote_bytes,
                       trace=int(trace_bytes))
 
 

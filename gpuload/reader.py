@@ -62,10 +62,8 @@ class ChunkReader:
         self.remote = source.remote
         self._loading = threading.BoundedSemaphore(opts.num_threads)  # loads at once (:meth:`load`)
         self.remote_reads = ReadAhead(source.remote, metrics)  #: remote chunks' fetches (a local source makes none)
-        self.read_pool = HostPool()  # its caps (and the write pool's): _make_pools, once the chunks' arrays are known
-        self.write_pool = HostPool()  # the cache writer's copies of chunks whose batches are views
-        # on a GPU, chunks are read into device memory
-        self.cache = device.cache(opts, metrics, self.read_pool, self.write_pool)
+        self.read_pool = HostPool()  # its caps: _make_pools, once the chunks' arrays are known
+        self.cache = device.cache(opts, metrics, self.read_pool)  # on a GPU, chunks are read into device memory
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
         self.files: list[SourceFile] = open_files(
             list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
@@ -199,9 +197,6 @@ class ChunkReader:
                                    max_bytes=budget.batches)
         # the Parquet bytes a loader thread reads for a chunk: at most a chunk's, part of its decode term
         self.source_pool = HostPool(max_buffers=8 * o.num_threads + 4, max_bytes=budget.decode // 3)
-        # the writer's copies (no row shuffle: the batches handed out are views of the chunk), a buffer
-        # per pending write, within its term
-        self.write_pool.max_buffers, self.write_pool.max_bytes = self.cache.pending_writes, budget.writes
 
     def _check_data(self) -> None:
         """The checks that may read column data (nulls the footers cannot rule out, partition keys
@@ -406,11 +401,10 @@ class ChunkReader:
         self.release_memory()
 
     def release_memory(self) -> None:
-        """Give the host pools' buffers back (cache reads, windows, batches, Parquet bytes, the writer's
-        copies): those
+        """Give the host pools' buffers back (cache reads, windows, batches, Parquet bytes): those
         not in use now, the others when their users let go. A later epoch makes new ones, in
         fresh pages."""
-        for pool in (self.read_pool, self.pool, self.batch_pool, self.source_pool, self.write_pool):
+        for pool in (self.read_pool, self.pool, self.batch_pool, self.source_pool):
             pool.clear()
 
 

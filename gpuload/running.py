@@ -69,8 +69,6 @@ class Epochs:
             self.ahead.settle(pre, producer.finished)
             if failed:
                 r.release_memory()
-            else:  # the writer's copies are a first epoch's (a chunk decoded later is rare): none kept past it
-                r.write_pool.clear()
             if before is not None:  # were this pass's direct cache reads the limit? (also a pass left
                 after = self._measured()  # early: a Mix closes its sources' passes, a loop stops at a step)
                 if after[0] == before[0] and after[-1] == before[-1]:  # no reset meanwhile, nothing decoded

@@ -21,16 +21,15 @@ import contextlib
 import logging
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
-
-from ..batch import Ragged, nbytes, nrows
+from ..batch import nbytes, nrows
 from . import admin
 from .admin import chunk_files
 from .specs import record_spec
-from .chunkfile import LAYOUT_DIR, align, encode, file_identity, read_regions, write_regions
+from .chunkfile import LAYOUT_DIR, encode, file_identity, read_regions, write_regions
 from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
 from .evict import Registration, register, survey
@@ -38,7 +37,7 @@ from .space import Space
 from .writer import PENDING, Writer
 from ..errors import ConfigError, CorruptCacheError
 
-__all__ = ["ChunkCache", "ChunkKey", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
+__all__ = ["ChunkCache", "ChunkKey", "Writing", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
 
 log = logging.getLogger("gpuload")
 
@@ -46,6 +45,17 @@ log = logging.getLogger("gpuload")
 
 #: seconds a chunk's lock is waited for once another lock's wait ran out (its holder likely stopped)
 STALLED_PATIENCE = 5.0
+
+
+class Writing(dict):
+    """A chunk's column set that the cache writer is writing from these very arrays: nothing may
+    change them until ``written`` is set (once the writer is done with them, written or not).
+    :meth:`ChunkCache.load` hands one out with ``shared=True``; the pipeline waits for it before
+    cutting the chunk's batches, which are views of it (:class:`gpuload.pipeline.epoch_batches`)."""
+
+    def __init__(self, cols: dict):
+        super().__init__(cols)
+        self.written = threading.Event()
 
 
 class ChunkCache:
@@ -66,8 +76,6 @@ class ChunkCache:
         KvikIO reader into device memory).
     to_host : ``to_host(column set) -> host column set`` the writer may keep (default:
         a copy when ``shared``, else the columns themselves).
-    copy_alloc : ``copy_alloc(nbytes) -> uint8 array`` holding such a copy, all of a chunk's arrays
-        (default: a new array each; the CPU path passes a pool's, page-aligned: see :meth:`_host`).
     trust_writes : count files this process wrote as checked (default False).
     metrics : a :class:`gpuload.Metrics` recording ``cache_read``/``cache_write`` spans.
     alloc : ``alloc(nbytes) -> uint8 array`` for host reads (default: new arrays).
@@ -91,12 +99,11 @@ class ChunkCache:
 
     def __init__(self, root, max_bytes: int | None = None, verify: bool | str = True,
                  read: Callable | None = None, to_host: Callable | None = None, trust_writes: bool = False,
-                 metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0,
-                 copy_alloc: Callable | None = None):
+                 metrics=None, alloc: Callable | None = None, create: bool = True, lock_patience: float = 60.0):
         self.root = CacheRoot(cache_folder(root, create))
         self.metrics = metrics
         self._read_fn, self._alloc = read, alloc  # (no closure over self: a dropped cache is freed at once)
-        self._to_host, self._copy_alloc = to_host, copy_alloc
+        self._to_host = to_host
         self._trust_writes = trust_writes
         self._verified: set[tuple] = set()
         self._warned: set = set()
@@ -157,7 +164,9 @@ class ChunkCache:
         thread that keeps the chunk's lock until the file is in place, so decoding
         goes on meanwhile. :meth:`flush` waits for pending writes. ``shared=True``
         (default) says the caller may hand views of the columns to code that changes
-        them in place, so the writer works on its own copy.
+        them in place: such a chunk being written comes back as a :class:`Writing`, and the
+        caller waits for its ``written`` before anyone sees it (no copy for the writer: a copy
+        of each chunk cost an unshuffled first epoch about 8% here, ``docs/benchmarks.md``).
         """
         cols, unreadable = self.look(key)
         if cols is not None:
@@ -173,7 +182,7 @@ class ChunkCache:
         except OSError as e:
             why = unreadable if unreadable is not None else e
             cols = build()
-            if self.spill is None or not self.spill(self, key, self._host(cols, copy=shared), why):  # another drive?
+            if self.spill is None or not self.spill(self, key, self._host(cols), why):  # another drive? (written now)
                 self._warn(f"lock{why.errno}", f"cannot use the cache for {self.path(key)} ({why.strerror or why}); "
                            "such chunks are decoded from Parquet every time and not cached")
                 self.note(key, why)
@@ -249,43 +258,23 @@ class ChunkCache:
             cols = build()
             with contextlib.suppress(OSError):
                 self._drop_stale(key)
-            if self.max_bytes is None:  # the writer releases the lock (its copy: the caller may change ``cols``)
-                self._writer.submit(self._write, key, lambda: self._host(cols, copy=shared), lock, self.metrics)
+            if self.max_bytes is None:  # the writer releases the lock
+                written = None
+                if shared and self._to_host is None:  # it writes these very arrays: not changed meanwhile
+                    cols = Writing(cols)
+                    written = cols.written
+                self._writer.submit(self._write, key, lambda: self._host(cols), lock, self.metrics, written)
                 lock = None
             else:  # written before anyone else sees ``cols``, holding the budget's lock
-                self._write(key, self._host(cols, copy=False))
+                self._write(key, self._host(cols))
             return cols, False
         finally:
             if lock is not None:
                 lock.release()
 
-    def _host(self, cols: dict, copy: bool) -> dict:
-        """Host arrays of ``cols`` for the writer: ``to_host``'s, else a copy if ``copy``, else ``cols``.
-
-        With :attr:`copy_alloc`, the copy's arrays are carved out of one buffer of it, each
-        starting on a :data:`~gpuload.cache.chunkfile.ALIGN` boundary as in the file (most of a
-        chunk's arrays are each too small for a pool to keep): the writer writes them around the
-        page cache as they are, where a new array would go through the bounce buffer too."""
-        if self._to_host is not None:
-            return self._to_host(cols)
-        if not copy:
-            return cols
-        if self._copy_alloc is None:
-            return {k: Ragged(v.values.copy(), v.offsets.copy()) if isinstance(v, Ragged) else v.copy()
-                    for k, v in cols.items()}
-        arrays = [a for v in cols.values() for a in ((v.values, v.offsets) if isinstance(v, Ragged) else (v,))]
-        buf, at = self._copy_alloc(sum(align(a.nbytes) for a in arrays)), 0
-
-        def copied(a) -> np.ndarray:
-            nonlocal at
-            a = np.asarray(a)
-            out = buf[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
-            np.copyto(out, a)
-            at += align(a.nbytes)
-            return out
-
-        return {k: Ragged(copied(v.values), copied(v.offsets)) if isinstance(v, Ragged) else copied(v)
-                for k, v in cols.items()}
+    def _host(self, cols: dict) -> dict:
+        """Host arrays of ``cols`` for the writer: ``to_host``'s (a device chunk copied back), else ``cols``."""
+        return self._to_host(cols) if self._to_host is not None else cols
 
     def _read(self, key: ChunkKey) -> dict:
         """``key``'s columns from its file, checked as :attr:`verify` says (a ``cache_read`` span)."""

@@ -38,12 +38,14 @@ class Writer:
         self._slots = threading.Semaphore(PENDING)  # chunks with the writer, at most
         self._flushing = threading.Lock()  # two flushes taking slots at once would each wait for the other's
 
-    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock, metrics=None) -> None:
+    def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock, metrics=None,
+               done: threading.Event | None = None) -> None:
         """``write(key, make_cols())`` on the writer thread (``make_cols`` called here: e.g. a copy
         the caller may not change), then release ``lock`` (any object with ``release()``); waits
         while :data:`PENDING` chunks are pending. ``lock`` is the writer's once this returns.
         Each such wait is a ``write_wait`` span of ``metrics`` (a :class:`gpuload.Metrics`, default
-        None): the writer holding back the thread that built the chunk."""
+        None): the writer holding back the thread that built the chunk. ``done`` (default None) is
+        set once the writer is done with the chunk, written or not (also when this call fails)."""
         if not self._slots.acquire(blocking=False):
             t0 = None if metrics is None else metrics.clock()
             self._slots.acquire()
@@ -52,21 +54,27 @@ class Writer:
                     metrics.record("write_wait", t0, metrics.clock())
             except BaseException:  # a failing clock (or Ctrl-C here): no slot is lost
                 self._slots.release()
+                if done is not None:
+                    done.set()
                 raise
         try:
             # in a list the writer empties: the executor's work item holds its arguments until after the slot
-            # is given back, and a chunk's arrays (a pooled copy) must be free by then, for the next chunk's
-            self._pool.submit(self._write_and_release, write, key, [make_cols()], lock)
+            # is given back, and a chunk's arrays (pooled buffers) should be free by then, for the next chunk
+            self._pool.submit(self._write_and_release, write, key, [make_cols()], lock, done)
         except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
             self._slots.release()
+            if done is not None:
+                done.set()
             raise
 
-    def _write_and_release(self, write: Callable, key, held: list, lock) -> None:
+    def _write_and_release(self, write: Callable, key, held: list, lock, done) -> None:
         try:
             write(key, held.pop())  # an OSError is the write's to say; anything else would be lost in the pool
         except Exception:
             log.exception("gpuload: writing the cache file of %s failed; the chunk is not cached", key)
         finally:
+            if done is not None:
+                done.set()
             lock.release()
             self._slots.release()
 

@@ -855,41 +855,30 @@ def test_a_failed_host_copy_gives_its_write_slot_back(tmp_path):
     assert cache.exists(key) and cache.load(key, lambda: cols)[1] is True
 
 
-def test_the_writers_copy_is_one_buffer_laid_out_as_the_file(tmp_path):
-    """A chunk whose batches are views is written from a copy: with ``copy_alloc`` (the CPU path's
-    write pool) every array of it in one buffer, each on a page boundary as in the chunk file (written
-    around the page cache without a bounce copy), with the chunk's values; the chunk written from it
-    reads back equal."""
-    from gpuload.cache.chunkfile import ALIGN
-    from gpuload.cache.store import ChunkCache
+def test_a_shared_chunk_is_written_from_its_own_arrays_and_says_when(tmp_path):
+    """``load(shared=True)`` (views of the chunk will be handed out): the writer writes the chunk's
+    own arrays, no copy, and the chunk comes back as a Writing whose ``written`` is set once the
+    writer is done; ``shared=False`` (gathered batches): a plain column set, nothing to wait for."""
+    from gpuload.cache.store import ChunkCache, Writing
 
-    bufs = []
+    gate = threading.Event()
+    cache, cols = ChunkCache(tmp_path), sample_cols(1000)
+    write = cache._write
+    seen = []
 
-    def copy_alloc(nbytes):
-        bufs.append(np.empty(nbytes + ALIGN, np.uint8))
-        start = -bufs[-1].ctypes.data % ALIGN
-        return bufs[-1][start:start + nbytes]
+    def held_write(key, got, spill=True):
+        seen.append(got)
+        gate.wait(10)
+        return write(key, got, spill)
 
-    cols = sample_cols(3000)
-    cache = ChunkCache(tmp_path, copy_alloc=copy_alloc)
-    copy = cache._host(cols, copy=True)
-    assert len(bufs) == 1
-    arrays = [a for v in copy.values() for a in ((v.values, v.offsets) if isinstance(v, Ragged) else (v,))]
-    base = bufs[0].ctypes.data
-    assert all(a.ctypes.data % ALIGN == 0 and base <= a.ctypes.data < base + bufs[0].nbytes for a in arrays)
-    for k, v in cols.items():
-        got = copy[k]
-        if isinstance(v, Ragged):
-            assert np.array_equal(got.values, v.values) and np.array_equal(got.offsets, v.offsets)
-        else:
-            assert got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got, v)
-    key = key_for(cols)
-    assert cache.load(key, lambda: cols)[1] is False
+    cache._write = held_write
+    got, cached = cache.load(key_for(cols), lambda: cols, shared=True)
+    assert not cached and isinstance(got, Writing) and dict(got) == cols
+    assert not got.written.wait(0.2)  # the write is held: not done yet
+    gate.set()
+    assert got.written.wait(10) and cache.exists(key_for(cols))
+    assert all(seen[0][k] is cols[k] for k in cols)  # the very arrays, not a copy
+    other = sample_cols(1000, seed=1)
+    plain, _ = cache.load(key_for(other), lambda: other, shared=False)
+    assert type(plain) is dict
     cache.flush()
-    back, cached = cache.load(key, lambda: None)
-    assert cached
-    for k, v in cols.items():
-        if isinstance(v, Ragged):
-            assert np.array_equal(back[k].values, v.values) and np.array_equal(back[k].offsets, v.offsets)
-        else:
-            assert np.array_equal(back[k], v)

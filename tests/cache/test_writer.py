@@ -165,3 +165,26 @@ def test_a_written_chunk_is_let_go_before_its_slot():
         writer.submit(lambda k, c: None, i, lambda: {"a": Chunk()}, _Lock())
         writer.flush()  # waits for the chunk's write: its slot comes back once it is written
     assert at_release[:3 * PENDING] == [True] * (3 * PENDING)
+
+
+@pytest.mark.parametrize("how", ["written", "write fails", "copy fails"])
+def test_done_is_set_whatever_becomes_of_the_chunk(how):
+    """Whoever waits for a chunk's write (its batches are views of what the writer writes) is let
+    go in every case: a hang here would stop the training loop."""
+    writer, done = Writer(), threading.Event()
+
+    def write(key, cols):
+        if how == "write fails":
+            raise OSError("disk gone")
+
+    def make():
+        if how == "copy fails":
+            raise MemoryError()
+        return {}
+
+    if how == "copy fails":
+        with pytest.raises(MemoryError):
+            writer.submit(write, "k", make, _Lock(), done=done)
+    else:
+        writer.submit(write, "k", make, _Lock(), done=done)
+    assert done.wait(10) and _flushes(writer)
