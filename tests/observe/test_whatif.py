@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-import gpuload
 from gpuload.observe.stats import StageStats, Stats
 from gpuload.observe.whatif import loader_seconds, what_if
 
