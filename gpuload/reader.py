@@ -157,15 +157,15 @@ class ChunkReader:
             schema, left_out = common_columns(self.files)
         # columns left out: said once the outputs resolve, else in their error (a command prints one line)
         why = (f"{', '.join(left_out)} left out: not in every file; name them in {flag('columns')} to read them as "
-               f"nulls where they are missing (with {flag('fill_nulls')})")
+               f"nulls where they are missing, with {flag('fill_nulls')}")
         schema = widened(self.files, schema)  # int32 in one file and int64 in another: int64
         try:
             specs = resolve_outputs(schema, src.columns, src.fill_nulls, src.dtypes, file=first.path,
                                     int96=frozenset().union(*(f.int96 for f in self.files)),
                                     units=unit_drift(self.files, schema), categorical=src.categorical)
-        except ConfigError as e:
-            if left_out:
-                raise ConfigError(f"{e} ({why})") from None
+        except ConfigError as e:  # one naming a column left out (fill_nulls=, dtypes=, categorical=): say why
+            if any(repr(c) in str(e) for c in left_out):
+                raise ConfigError(f"{e}; {why}") from None
             raise
         if left_out:
             log.warning("gpuload: %s", why)

@@ -296,7 +296,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
     if isinstance(columns, (list, tuple, dict)) and not columns:
         raise ConfigError(f"{flag('columns')} is empty; name the columns to load, or leave it out for every "
                           "column of a supported type")
-    if fill_nulls is not None and not isinstance(fill_nulls, (Mapping, bool, int, float, np.integer, np.floating)):
+    if fill_nulls is not None and not isinstance(fill_nulls, (Mapping, bool, int, float, np.bool_, np.integer,
+                                                              np.floating)):
         raise ConfigError(f"{setting('fill_nulls', fill_nulls)} must be a number (for every column that takes one) "
                           "or {column: number}")
     units = units or {}

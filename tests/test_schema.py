@@ -125,12 +125,14 @@ def test_bad_fill_value_names_the_column(column, fill):
 
 
 @pytest.mark.parametrize("column,fill,want", [
-    ("u", 255, 255), ("u", 3.0, 3), ("i", -2**31, -2**31), ("i", True, 1), ("f", 1, 1.0),
+    ("u", 255, 255), ("u", 3.0, 3), ("i", -2**31, -2**31), ("i", True, 1), ("i", np.True_, 1), ("f", 1, 1.0),
     ("f", float("-inf"), float("-inf")), ("b", 1, True), ("b", False, False), ("r", np.int64(4), 4),
     ("fx", np.float32(0.25), 0.25), ("t", -1, -1),
 ])
 def test_good_fill_values_are_normalised(column, fill, want):
     (spec,) = resolve([column], fill_nulls={column: fill})
+    assert spec.fills == (want,) and type(spec.fills[0]) is type(want)
+    (spec,) = resolve([column], fill_nulls=fill)  # one value for every column (np.True_ was refused)
     assert spec.fills == (want,) and type(spec.fills[0]) is type(want)
 
 

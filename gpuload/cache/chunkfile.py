@@ -177,7 +177,7 @@ def read_header(fd: int, path) -> tuple[dict, int]:
         raise CorruptCacheError(f"{path}: header length {hlen} is not plausible")
     blob = os.pread(fd, hlen, PREFIX.size)
     if len(blob) != hlen or xxhash.xxh3_64_intdigest(blob) != hsum:
-        raise CorruptCacheError(f"{path}: header checksum mismatch")
+        raise CorruptCacheError(f"{path}: the bytes of its header do not match their checksum")
     try:
         header = json.loads(blob)
     except (ValueError, RecursionError):

@@ -51,7 +51,7 @@ class Writing(dict):
     """A chunk's column set that the cache writer is writing from these very arrays: nothing may
     change them until ``written`` is set (once the writer is done with them, written or not).
     :meth:`ChunkCache.load` hands one out with ``shared=True``; the pipeline waits for it before
-    cutting the chunk's batches, which are views of it (:class:`gpuload.pipeline.epoch_batches`)."""
+    cutting the chunk's batches, which are views of it (``_Lookahead.take`` in :mod:`gpuload.pipeline`)."""
 
     def __init__(self, cols: dict):
         super().__init__(cols)
@@ -74,8 +74,8 @@ class ChunkCache:
     read : ``read(fd, path, identity, verify, verified) -> column set`` (default:
         :func:`gpuload.cache.chunkfile.read_regions` into host memory; the GPU path passes a
         KvikIO reader into device memory).
-    to_host : ``to_host(column set) -> host column set`` the writer may keep (default:
-        a copy when ``shared``, else the columns themselves).
+    to_host : ``to_host(column set) -> host column set`` the writer may keep (default: the
+        columns themselves; see ``shared`` in :meth:`load`).
     trust_writes : count files this process wrote as checked (default False).
     metrics : a :class:`gpuload.Metrics` recording ``cache_read``/``cache_write`` spans.
     alloc : ``alloc(nbytes) -> uint8 array`` for host reads (default: new arrays).
@@ -165,8 +165,8 @@ class ChunkCache:
         goes on meanwhile. :meth:`flush` waits for pending writes. ``shared=True``
         (default) says the caller may hand views of the columns to code that changes
         them in place: such a chunk being written comes back as a :class:`Writing`, and the
-        caller waits for its ``written`` before anyone sees it (no copy for the writer: a copy
-        of each chunk cost an unshuffled first epoch about 8% here, ``docs/benchmarks.md``).
+        caller waits for its ``written`` before anyone sees it (the writer makes no copy of it:
+        less memory, ``docs/benchmarks.md``, "The writer's copy in file order").
         """
         cols, unreadable = self.look(key)
         if cols is not None:

@@ -40,8 +40,8 @@ class Writer:
 
     def submit(self, write: Callable, key, make_cols: Callable[[], dict], lock, metrics=None,
                done: threading.Event | None = None) -> None:
-        """``write(key, make_cols())`` on the writer thread (``make_cols`` called here: e.g. a copy
-        the caller may not change), then release ``lock`` (any object with ``release()``); waits
+        """``write(key, make_cols())`` on the writer thread (``make_cols`` called here: e.g. a device
+        chunk copied back to the host), then release ``lock`` (any object with ``release()``); waits
         while :data:`PENDING` chunks are pending. ``lock`` is the writer's once this returns.
         Each such wait is a ``write_wait`` span of ``metrics`` (a :class:`gpuload.Metrics`, default
         None): the writer holding back the thread that built the chunk. ``done`` (default None) is
@@ -59,9 +59,9 @@ class Writer:
                 raise
         try:
             # in a list the writer empties: the executor's work item holds its arguments until after the slot
-            # is given back, and a chunk's arrays (pooled buffers) should be free by then, for the next chunk
+            # is given back, and a chunk's arrays (the read pool's buffers) should be free by then, for the next
             self._pool.submit(self._write_and_release, write, key, [make_cols()], lock, done)
-        except BaseException:  # a failed copy, or interpreter shutdown: give the slot back
+        except BaseException:  # make_cols failed (a device copy), or interpreter shutdown: give the slot back
             self._slots.release()
             if done is not None:
                 done.set()
@@ -81,7 +81,11 @@ class Writer:
     def flush(self) -> None:
         """Wait until every write handed over so far has finished (safe from several threads at once)."""
         with self._flushing:
-            for _ in range(PENDING):
-                self._slots.acquire()
-            for _ in range(PENDING):
-                self._slots.release()
+            taken = 0
+            try:  # every slot back, even if a signal's exception cuts the wait short
+                for _ in range(PENDING):
+                    self._slots.acquire()
+                    taken += 1
+            finally:
+                for _ in range(taken):
+                    self._slots.release()

@@ -245,12 +245,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Terminated(Exception):
+class _Terminated(BaseException):
     """SIGTERM (``kill``, ``timeout``, Slurm, ``docker stop``) as an exception: the command's
-    ``finally`` blocks run (the demo's temporary folder is removed, as on Ctrl-C)."""
+    ``finally`` blocks run (the demo's temporary folder is removed, as on Ctrl-C). A
+    ``BaseException``, as ``KeyboardInterrupt`` is, so that no ``except Exception`` of the library
+    (a retried request, a Delta log read) takes it for an error of its own."""
 
 
 def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
     raise _Terminated()
 
 
@@ -260,7 +263,9 @@ def main(argv=None) -> int:
     set_style("cli")  # messages name flags (--fill-nulls ...), not Python arguments
     previous = None
     if threading.current_thread() is threading.main_thread():  # only there can a handler be set
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = signal.getsignal(signal.SIGTERM)  # None: one set from C, left alone
+        if previous is not None:
+            signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         status = args.fn(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
@@ -279,12 +284,13 @@ def main(argv=None) -> int:
         print("gpuload: interrupted", file=sys.stderr)
         return 130
     except _Terminated:
+        previous = None  # still ignored: a later SIGTERM would kill the process before it exits with 143
         print("gpuload: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        set_style("python")
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        set_style("python")
 
 
 if __name__ == "__main__":

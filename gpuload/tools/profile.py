@@ -47,7 +47,7 @@ class EpochReport:
     headspace: Stats | None = None  # the same epoch with no step (profile(headspace=True)), else None
     ranks: object = None  # every rank's figures (profile(all_ranks=True) under torch.distributed), else None
     read_ahead: bool = False  # its end loaded the next epoch's first chunks (gpuload.preload), counted with it
-    taken_ahead: bool = False  # it began with chunks the epoch before it read ahead (counted with that one)
+    taken_ahead: int = 0  # chunks it took from those the epoch before it read ahead (counted with that one)
 
     def __str__(self) -> str:
         s = self.stats
@@ -57,7 +57,7 @@ class EpochReport:
                "start; a smaller batch size (--batch-size) or more rows measures the steady state"
                if s.batches < FEW_BATCHES else "")
         ahead = ", the next epoch's first among them, read ahead" if self.read_ahead else ""
-        before = f" (besides its first, read ahead by epoch {self.epoch - 1})" if self.taken_ahead else ""
+        before = f", {self.taken_ahead} read ahead by epoch {self.epoch - 1}" if self.taken_ahead else ""
         return (f"epoch {self.epoch} ({kind}: {chunks_text(self.decoded_chunks)} decoded, {self.cached_chunks} read "
                 f"from the cache{ahead if self.cached_chunks else ''}{before}): {s.rows:,} rows in {s.wall_s:.2f} s, "
                 f"{s.rows_per_s:,.0f} rows/s, "
@@ -248,6 +248,7 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
             ds.preload_next = epoch < epochs - 1  # the last epoch reads nothing for one that will not come
             ds.reset_stats()
             before = (ds.reader.counters.decoded, ds.reader.counters.from_cache)
+            needed = len({seg.chunk for window in ds.plan_epoch(epoch)[0] for seg in window})
             with UtilSampler(ds.metrics):
                 for batch in ds:
                     step(batch)
@@ -261,7 +262,8 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
                                        ds.reader.counters.from_cache - before[1], alone[epoch],
                                        ds.stats(all_ranks=True) if all_ranks else None,
                                        ds.preload_next and ds.options.prefetch > 0 and ds.reader.caching,
-                                       bool(reports) and reports[-1].read_ahead))
+                                       max(0, needed - (ds.reader.counters.decoded - before[0])
+                                           - (ds.reader.counters.from_cache - before[1]))))
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))

@@ -137,9 +137,9 @@ def test_a_failing_wait_callback_gives_the_slot_back():
 
 
 def test_a_written_chunk_is_let_go_before_its_slot():
-    """A chunk's arrays are free by the time its slot is given back: the next chunk's copy (a
-    pool's buffer, taken once it has a slot) finds them back in the pool, not still held by the
-    writer's thread pool (its work item keeps its arguments until after the slot is back)."""
+    """A chunk's arrays are free by the time its slot is given back (the read pool's buffers, for the
+    next chunks), not still held by the writer's thread pool (its work item keeps its arguments until
+    after the slot is back)."""
     writer, freed, at_release = Writer(), [], []
 
     class Chunk:  # made by the copy (make_cols): nothing else holds it

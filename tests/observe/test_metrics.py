@@ -18,7 +18,7 @@ import pytest
 from gpuload.observe.metrics import STAGES, Metrics
 from gpuload.observe.stats import Stats
 
-from conftest import ManualClock
+from conftest import ManualClock, wait_no_threads
 from producers import run_producer_consumer
 
 
@@ -284,8 +284,8 @@ def _record_batches(m: Metrics, clock: ManualClock, n: int, util_every: int = 10
 
 def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound():
     """Ten times ``max_events`` batches (four events and more each) hold no more than
-    :meth:`Metrics.max_trace_nbytes`, measured by tracemalloc (everything gpuload.observe's code
-    allocated and keeps: another test's thread still running in this process is not counted);
+    :meth:`Metrics.max_trace_nbytes`, measured by tracemalloc (everything allocated with
+    gpuload.observe's code on the stack and kept, once no loader thread of another test is left);
     once every ring is full, the second half of the batches adds nothing (so even a byte
     leaked per batch fails); the stats stay exact. The default bound is under 100 MB.
     (tracemalloc slows every allocation about 15x: the rings are made small.)"""
@@ -301,11 +301,14 @@ def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound
     # the queue depths cycle over 3, so the halves' means are equal
     half = 3 * 4 * BLOCK * 4
 
-    def metrics_bytes() -> int:  # what gpuload.observe's code allocated and still holds (not a stray thread's)
-        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*gpuload/observe/*")])
+    def metrics_bytes() -> int:  # what gpuload.observe's code allocated (at any depth) and still holds
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*gpuload/observe/*",
+                                                                             all_frames=True)])
         return sum(t.size for t in snap.traces)
 
-    tracemalloc.start()
+    # another test's loader threads, ending in this process, would record into their own Metrics meanwhile
+    assert wait_no_threads(timeout=30) == []
+    tracemalloc.start(3)
     try:
         _record_batches(m, clock, half, util_every=4, end=False)
         m.stats()
@@ -367,7 +370,7 @@ def test_spans_from_native_threads_leave_no_dummy_thread_behind():
 def test_a_span_begun_before_a_reset_counts_from_the_reset():
     """An interactive trial: after reset_stats() mid-epoch, cache_write showed 240% of the wall on one thread (its
     spans begun before the reset counted whole)."""
-    from conftest import ManualClock
+    from conftest import ManualClock, wait_no_threads
     from gpuload import Metrics
 
     clock = ManualClock(100.0)

@@ -141,7 +141,9 @@ def test_profile_reports_each_epoch_and_writes_one_trace(data, tmp_path):
     assert "read ahead" not in str(reports[1]).replace("read ahead by epoch 0", "")  # the last epoch loads nothing
     # for one that will not come; it says where its first chunks came from (a user's trial read "0 chunks decoded,
     # 0 read from the cache" of an epoch whose every chunk had been read ahead)
-    assert "(besides its first, read ahead by epoch 0)" in str(reports[1]) and "read ahead by" not in str(reports[0])
+    taken = chunks - reports[1].cached_chunks
+    assert reports[1].taken_ahead == taken > 0 and f", {taken} read ahead by epoch 0)" in str(reports[1])
+    assert reports[0].taken_ahead == 0 and "read ahead by" not in str(reports[0])
     (one,) = profile(data, epochs=1, step_ms=1.0, batch_size=2_000, chunk_bytes=80_000, device="cpu",
                      cache_dir=tmp_path / "cache1")
     assert one.decoded_chunks > 0 and one.cached_chunks == 0 and "read ahead" not in str(one)  # a new user's trial
