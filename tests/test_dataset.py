@@ -232,16 +232,21 @@ def test_click_output_types(click, tmp_path):
     assert ds.outputs == list(CLICK_COLUMNS)
 
 
+def _four_big_chunks(tmp_path, shuffle) -> tuple[Reference, gpuload.ParquetDataset]:
+    """60,000 click-log rows in 4 chunks of more than 1 MiB (they go through reused host buffers)."""
+    d = tmp_path / "big"
+    files = write_clicklog(d, rows=60_000, files=2, row_group_rows=15_000, dense=DENSE, sparse=SPARSE,
+                           list_max=20, seed=5)
+    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", batch_size=7000,
+                                chunk_bytes=3 << 19, device="cpu", shuffle=shuffle, shuffle_window=2)
+    return Reference(read_all(files), CLICK_COLUMNS), ds
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_kept_batches_stay_valid_across_epochs(tmp_path, shuffle):
     """Chunks larger than 1 MiB go through reused host buffers; batches a user keeps
     must not change when later epochs reuse those buffers."""
-    d = tmp_path / "big"
-    files = write_clicklog(d, rows=60_000, files=2, row_group_rows=15_000, dense=DENSE, sparse=SPARSE,
-                           list_max=20, seed=5)
-    ref = Reference(read_all(files), CLICK_COLUMNS)
-    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", batch_size=7000,
-                                chunk_bytes=3 << 19, device="cpu", shuffle=shuffle, shuffle_window=2)
+    ref, ds = _four_big_chunks(tmp_path, shuffle)
     assert len(ds.reader.chunks) == 4
     _epoch(ds)
     ds.reader.cache.flush()
@@ -271,12 +276,7 @@ def test_batches_changed_in_place_leave_the_cache_exact(tmp_path, shuffle, monke
         return write(self, key, cols, spill)
 
     monkeypatch.setattr(ChunkCache, "_write", slow)
-    d = tmp_path / "big"
-    files = write_clicklog(d, rows=60_000, files=2, row_group_rows=15_000, dense=DENSE, sparse=SPARSE,
-                           list_max=20, seed=5)
-    ref = Reference(read_all(files), CLICK_COLUMNS)
-    ds = gpuload.ParquetDataset(d, CLICK_COLUMNS, cache_dir=tmp_path / "cache", batch_size=7000,
-                                chunk_bytes=3 << 19, device="cpu", shuffle=shuffle, shuffle_window=2)
+    ref, ds = _four_big_chunks(tmp_path, shuffle)
     for b in ds:
         ref.check(b)
         for v in b.values():
