@@ -187,7 +187,8 @@ def warn_settings(opts: Options) -> None:
     if opts.local_world_size is not None and opts.shard != "node":
         log.warning("gpuload: %s has no effect with %s: it places the ranks on nodes for shard='node' (each node "
                     "caching its share)", setting("local_world_size", opts.local_world_size), setting("shard", opts.shard))
-    if opts.num_threads > THREADS_PER_CORE * cores():
+    here = cores()
+    if opts.num_threads > THREADS_PER_CORE * here:
         log.warning("gpuload: %s is more than %d per core of the %d cores here: loader threads beyond them only "
                     "compete with each other and the training step for the cores",
-                    setting("num_threads", opts.num_threads), THREADS_PER_CORE, cores())
+                    setting("num_threads", opts.num_threads), THREADS_PER_CORE, here)

@@ -257,13 +257,12 @@ def profile(source, columns=None, *, epochs: int = 2, step_ms: float | None = 5.
             if disk is None and "cache_read" in stats.stages:  # once: it drops the files from the page cache
                 keys = [ds.reader.key(i) for i in range(len(ds.reader.chunks))]
                 disk = disk_read_gbps([(ds.reader.cache.root_of(k), k.parts, k.name) for k in keys])
-            reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads),
-                                       ds.reader.counters.decoded - before[0],
-                                       ds.reader.counters.from_cache - before[1], alone[epoch],
-                                       ds.stats(all_ranks=True) if all_ranks else None,
+            n_decoded = ds.reader.counters.decoded - before[0]
+            n_cached = ds.reader.counters.from_cache - before[1]
+            reports.append(EpochReport(epoch, stats, diagnose(stats, disk_gbps=disk, threads=threads), n_decoded,
+                                       n_cached, alone[epoch], ds.stats(all_ranks=True) if all_ranks else None,
                                        ds.preload_next and ds.options.prefetch > 0 and ds.reader.caching,
-                                       max(0, needed - (ds.reader.counters.decoded - before[0])
-                                           - (ds.reader.counters.from_cache - before[1]))))
+                                       max(0, needed - n_decoded - n_cached)))  # the rest: taken from the read-ahead
             if out is not None:  # each epoch's events as it ends: the file, not memory, holds the trace
                 origin = origin if origin is not None else ds.metrics.first_time()
                 out.add(ds.metrics.iter_trace_events(origin=origin))
