@@ -48,6 +48,10 @@ def run(*args):
     (["cache", "quota", "-5G"], "unrecognized arguments: -5G (see gpuload cache quota --help)"),
     (["demo", "--bogus"], "unrecognized arguments: --bogus (see gpuload demo --help)"),
     (["--bogus"], "unrecognized arguments: --bogus; give a command first: demo, profile, cache (see gpuload --help)"),
+    (["--threads", "2", "profile", "DATA"],
+     "unrecognized arguments: --threads; give a command first: demo, profile, cache (see gpuload --help)"),
+    (["cache", "--max-gib", "3", "build", "DATA"], "unrecognized arguments: --max-gib; give a command first: build, "
+     "quota, info, verify, clear (see gpuload cache --help)"),
     (["-v"], "gpuload: error: give a command first: demo, profile, cache (see gpuload --help)"),
     (["-v", "cache"], "error: give a command first: build, quota, info, verify, clear (see gpuload cache --help)"),
 ])

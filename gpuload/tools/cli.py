@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import sys
@@ -193,12 +194,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if sub is not None and message.endswith(f"required: {sub.dest}"):  # no command, maybe a misplaced flag
+        missing = sub is not None and message.endswith(f"required: {sub.dest}")  # maybe a misplaced flag
+        wrong = None if sub is None else re.match(rf"argument {sub.dest}: invalid choice: '(.*?)'", message)
+        if missing or wrong:
             argv, last = _Parser._argv, self.prog.split()[-1]  # this parser's words: after its command's
             argv = argv[argv.index(last) + 1:] if last in argv and self.prog != "gpuload" else argv
+            if wrong and wrong[1] in argv:  # the words before the one taken for a command (a flag's value?)
+                argv = argv[:argv.index(wrong[1])]
             flags = [w for w in argv if w.startswith("-") and w.split("=")[0] not in self._option_string_actions]
-            message = (f"unrecognized arguments: {' '.join(flags)}; " if flags else "") + \
-                f"give a command first: {', '.join(sub.choices)}"
+            if missing or flags:  # a flag before the command (its value taken for the command): name the flag
+                message = (f"unrecognized arguments: {' '.join(flags)}; " if flags else "") + \
+                    f"give a command first: {', '.join(sub.choices)}"
         self.exit(2, f"gpuload: error: {message} (see {self.prog} --help)\n")
 
 
