@@ -79,7 +79,7 @@ class Source(_Settings):
 class Options(_Settings):
     """How to load: batches, order, ranks, cache, device and threads (see :class:`gpuload.ParquetDataset`).
 
-    ``shuffle`` is as given (True, False or ``"block"``); read :attr:`shuffled` (rows are
+    ``shuffle`` is as given (True, False, ``"block"`` or ``"chunks"``); read :attr:`shuffled` (rows are
     permuted) and :attr:`block` (the block size of block shuffling, else None).
     """
 

@@ -119,14 +119,16 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     transform : a :class:`gpuload.Transform` (``fn`` and a ``key`` such as ``"features-v3"``)
         applied to each chunk's outputs once, when it is cached; the batches hold what it
         returns (default None). Its key is part of the cache key. See :mod:`gpuload.transforms`.
-    chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB).
+    chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB; a
+        larger row group is a chunk of its own).
     shuffle_window : chunks whose rows are shuffled together (default 4).
     prefetch : chunks loaded ahead of the one being batched (default 2); while an epoch's last
         batches are cut, the next epoch's first chunks are loaded (shuffled, its first window
         and ``prefetch`` chunks more; in file order ``prefetch + 2``: :mod:`gpuload.preload`).
         0: no chunk is loaded ahead, within an epoch or across.
     num_threads : threads that read and decode chunks (default 2); on the CPU, on a machine
-        with cores to spare (at least ``num_threads + 3``), they also gather batches.
+        with cores to spare (at least ``num_threads + 3``), ``num_threads`` more threads
+        (``gpuload-cut``) gather batches.
     nice : how many nice steps below the thread that starts an epoch gpuload's background
         threads run (default 0: the same priority; 0 to 19; Linux only, elsewhere ignored).
         With ``nice=10`` the training thread and its torch threads get a core first and the
@@ -207,8 +209,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             plan.check_balance(self.reader.num_rows, 1, batch_size, self.options.drop_last)
         self.reader.device.check_bound(
             self.device_bytes_bound, o.max_device_bytes,
-            f"(3 x shuffle_window + prefetch + 1) chunks of up to {self.reader.max_chunk_bytes()} bytes, plus queued "
-            "batches")
+            f"({'3 x shuffle_window + prefetch + 1' if self.options.shuffled else '3 x prefetch + 8'}) chunks of up "
+            f"to {self.reader.max_chunk_bytes()} bytes, plus queued batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
         self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
         self._epochs = Epochs(self.reader, self._plan, self._cursor, self.metrics)  # what an iteration runs

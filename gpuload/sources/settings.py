@@ -44,7 +44,8 @@ class RemoteSettings:
     max_range_bytes : longer ranges are split into requests of at most this (default 16 MiB).
     retries : tries per request after the first (``$GPULOAD_REMOTE_RETRIES``, default 6).
     backoff_s, max_backoff_s : first and largest backoff in seconds (defaults 0.2 and 10); the
-        wait before try ``k`` is uniform in ``[0, min(max_backoff_s, backoff_s * 2**k)]``.
+        wait after the ``k``-th failed try (k = 0, 1, ...) is uniform in
+        ``[0, min(max_backoff_s, backoff_s * 2**k)]``.
     timeout_s : seconds before one request counts as stalled and is retried
         (``$GPULOAD_REMOTE_TIMEOUT``, default 60; fsspec's async stores only; pyarrow's
         filesystems use their own ``request_timeout``).

@@ -73,8 +73,8 @@ def add_source_flags(p: argparse.ArgumentParser, as_built: bool = False) -> None
     p.add_argument("--fill-nulls", help=f"a number, or a JSON object {{\"column\": value}}{was}")
     p.add_argument("--dtypes", help=f"a JSON object {{\"output\": \"float16\"}} (numpy or torch dtype names){was}")
     p.add_argument("--categorical", help="ids for string and binary columns: a number of hash buckets, or vocab, "
-                   f"for all of them, or a JSON object {{\"column\": buckets, null, \"vocab\" or {{\"min_count\": N, "
-                   f"\"max_size\": M}}}} (default: the 64-bit hash){was}")
+                   f"for all of them, or a JSON object {{\"column\": buckets, null, \"vocab\", {{\"buckets\": N, "
+                   f"\"seed\": S}} or {{\"min_count\": N, \"max_size\": M}}}} (default: the 64-bit hash){was}")
     p.add_argument("--filter", help="keep only the rows where these hold: a JSON list of [column, op, value] "
                    "conditions (all hold), or a list of such lists (any holds), e.g. "
                    f"'[[\"day\", \">=\", 20260101], [\"country\", \"in\", [\"DE\", \"FR\"]]]'{was}")
@@ -105,8 +105,9 @@ SHUFFLES = {"rows": True, "block": "block", "chunks": "chunks", "none": False}
 
 
 def categorical(text: str | None):
-    """``--categorical``: a number of buckets (a :class:`gpuload.Hash` for every string column),
-    or a JSON object ``{column: buckets, null or {"buckets": N, "seed": S}}``; None -> None."""
+    """``--categorical``: a number of buckets (a :class:`gpuload.Hash` for every string column) or
+    ``vocab`` (a :class:`gpuload.Vocab` for each), or a JSON object ``{column: buckets, null, "vocab",
+    {"buckets": N, "seed": S} or {"min_count": N, "max_size": M}}``; None -> None."""
     if text is None:
         return None
     try:
