@@ -67,6 +67,7 @@ import copy
 import logging
 
 from . import plan, resume
+from .agree import Agreement
 from .epochs import EpochPlan, Position
 from .errors import ConfigError, counted
 from .ranks import RankLayout, Ranks
@@ -80,11 +81,13 @@ class Cursor:
     """The epoch position of one dataset (see the module doc for its states and transitions).
 
     ``plan``: the dataset's epochs; ``layout``: where its ranks come from; ``signature``: the
-    ``dataset`` field of its states (:func:`gpuload.resume.signature`).
+    ``dataset`` field of its states (:func:`gpuload.resume.signature`); ``agreement``: where an
+    iteration's order settings are compared with the other ranks' (default None: not compared).
     """
 
-    def __init__(self, plan: EpochPlan, layout: RankLayout, signature: dict):
+    def __init__(self, plan: EpochPlan, layout: RankLayout, signature: dict, agreement: Agreement | None = None):
         self._plan, self._layout, self._signature = plan, layout, signature
+        self._agreement = agreement
         self.epoch = 0
         self.pending: Position | None = None
         self.position: Position | None = None
@@ -169,11 +172,13 @@ class Cursor:
     def begin(self) -> Position:
         """The running position of the iteration beginning now (see ``begin()`` in the module doc)."""
         ranks = self._plan.check(self._layout.resolve())  # each epoch asks torch.distributed again
-        if self.advance:
-            self.epoch, self.pending = self.epoch + 1, None
-        p = self.pending
-        runs = self._plan.first_run(ranks) if p is None or p.epoch != self.epoch else \
+        epoch, p = (self.epoch + 1, None) if self.advance else (self.epoch, self.pending)
+        runs = self._plan.first_run(ranks) if p is None or p.epoch != epoch else \
             p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=True)
+        if self._agreement is not None:  # the other ranks' settings: refused before anything changes here
+            self._agreement.check(epoch, {**self._signature, "rank": ranks.rank, "world": ranks.world, "local": ranks.local,
+                                          "runs": [r.to_list() for r in runs]})
+        self.epoch = epoch
         pos = Position(self.epoch, runs, ranks)
         pos.running = True
         self.pending, self.position, self.epoch_set, self.advance, self.told = None, pos, False, True, None

@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from . import plan, resume
+from .agree import Agreement
 from .config import Options, Source
 from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .convert import needed_columns
@@ -212,7 +213,8 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             f"({'3 x shuffle_window + prefetch + 1' if self.options.shuffled else '3 x prefetch + 8'}) chunks of up "
             f"to {self.reader.max_chunk_bytes()} bytes, plus queued batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
-        self._cursor = Cursor(self._plan, self._layout, self._signature())  # the epoch and the position in it
+        agreement = Agreement(repr((given["source"], self._signature()["outputs"])))  # compared across ranks
+        self._cursor = Cursor(self._plan, self._layout, self._signature(), agreement)  # the epoch, the position
         self._epochs = Epochs(self.reader, self._plan, self._cursor, self.metrics)  # what an iteration runs
 
     # -- public -------------------------------------------------------------------------

@@ -222,6 +222,10 @@ class RankLayout:
                         "would read every row: call torch.distributed.init_process_group() before iterating "
                         "the dataset (it may be made before), or pass rank= and world_size=")
         rank = 0 if rank is None else rank
+        if world is None and rank > 0:  # rank given alone, no process group nor launcher to tell the world
+            raise ConfigError(f"rank={rank} without world_size=, and no process group (nor srun) says how many "
+                              "ranks there are: pass world_size= too, or call torch.distributed."
+                              "init_process_group() before iterating")
         world = 1 if world is None else world
         if not 0 <= rank < world:
             raise ConfigError(f"rank={rank} and world_size={world}: need 0 <= rank < world_size")

@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--checkpoint-at", type=int, default=-1, help="global step after which to checkpoint")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--shard", default="global", choices=["global", "node"])
+    p.add_argument("--seed-per-rank", action="store_true", help="seed=rank: a mistake gpuload must refuse")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -65,7 +66,8 @@ def main() -> None:
 
     ds = gpuload.ParquetDataset(args.source, {"row_id": "row_id", "x": ["x0", "x1", "x2", "x3"], "y": "y"},
                                 batch_size=args.batch_size, cache_dir=Path(args.cache) / f"node{node}",
-                                device="cpu", chunk_bytes=16 << 10, shuffle_window=2, shard=args.shard)
+                                device="cpu", chunk_bytes=16 << 10, shuffle_window=2, shard=args.shard,
+                                seed=rank if args.seed_per_rank else 0)
     model = torch.nn.Linear(4, 1)
     ddp = DistributedDataParallel(model)
     ddp.register_comm_hook(world, _ordered_mean)

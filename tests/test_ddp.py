@@ -68,8 +68,8 @@ class Job:
             for node in range(nnodes)]
         self.world = nproc * nnodes
 
-    def wait(self) -> None:
-        """Wait for every launch to end; fail if one hangs (past TIMEOUT) or fails."""
+    def ended(self) -> tuple[list[int], str]:
+        """Wait for every launch to end (fail if one hangs past TIMEOUT): their exit codes and output."""
         deadline = time.monotonic() + TIMEOUT
         for p in self.procs:
             try:
@@ -77,8 +77,13 @@ class Job:
             except subprocess.TimeoutExpired:
                 self.kill()
                 pytest.fail(f"run {self.run}: a rank hung (still running after {TIMEOUT} s)")
-        logs = [p.stdout.read().decode(errors="replace") for p in self.procs]
-        assert all(p.returncode == 0 for p in self.procs), f"run {self.run} failed:\n" + "\n".join(logs)[-6000:]
+        return [p.returncode for p in self.procs], "\n".join(p.stdout.read().decode(errors="replace")
+                                                             for p in self.procs)
+
+    def wait(self) -> None:
+        """Wait for every launch to end; fail if one hangs (past TIMEOUT) or fails."""
+        codes, logs = self.ended()
+        assert codes == [0] * len(codes), f"run {self.run} failed:\n" + logs[-6000:]
         for r in range(self.world):
             assert (self.out / f"done.{self.run}.{r}").exists(), f"rank {r} of {self.run} did not finish"
 
@@ -208,6 +213,16 @@ def test_ddp_restart_on_three_ranks(source, two_ranks):
     # the rest of epoch 1: 4003 - 2 x 11 x 64 = 2595 rows, 865 per rank on 3 ranks: 14 batches of 64
     assert counts == {"1": 14}
     _assert_each_row_once_per_epoch(_rows(out, "a", 2, before_step=saved["step"]), _rows(out, "c", 3))
+
+
+def test_ddp_ranks_with_different_seeds_are_refused(source, tmp_path):
+    """seed=rank on 2 ranks would read some rows twice and others never: a rank refuses it, naming
+    the seeds, and the job ends (gpuload.agree) instead of training on the wrong rows."""
+    codes, logs = Job(source, tmp_path, "s", 2, 1, "--seed-per-rank", "--epochs", "1").ended()
+    assert codes != [0]
+    assert "ConfigError: ranks 0 and 1 of this job would read different rows (seed=" in logs, logs[-4000:]
+    assert "give every rank the same seed=" in logs
+    assert not list(tmp_path.glob("done.s.*"))
 
 
 def test_ddp_two_nodes_kill_and_restart(source, tmp_path):

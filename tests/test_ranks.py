@@ -275,6 +275,16 @@ def test_explicit_ranks_are_fixed(source, tmp_path, process_group):
     assert ds.state_dict()["runs"] == [[2, 0]]
 
 
+def test_a_rank_without_a_world_size_or_a_process_group_is_refused(source, tmp_path, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    ds = _lazy(source, tmp_path / "c", rank=1)
+    with pytest.raises(gpuload.ConfigError, match=r"rank=1 without world_size=, and no process group .*pass "
+                                                  r"world_size= too"):
+        len(ds)
+    assert len(_lazy(source, tmp_path / "c", rank=0)) == len(_lazy(source, tmp_path / "c"))  # rank 0 of 1
+
+
 def test_world_size_from_a_launcher_without_a_process_group_is_refused(source, tmp_path, process_group,
                                                                         monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,0 +1,152 @@
+"""Ranks that agree: every rank of a job must read the same files with the same order settings.
+
+A rank with another seed, file listing, batch size or restored position reads some rows twice
+and others never, silently, and ranks whose batch counts differ hang DDP at the first step one
+of them no longer takes (architecture.md, Invariants 2). So when an iteration begins under a
+``torch.distributed`` process group, each rank posts what shapes its order (the dataset's resume
+signature, its rank, world size and the epoch's restored position: :class:`Agreement`) to the group's
+key-value store, and compares it with its neighbours' (group ranks ``r - 1`` and ``r + 1``) where
+they have posted theirs for the same dataset and epoch. A rank that finds a difference raises
+:class:`~gpuload.ConfigError` naming it, the ranks and what to do; the launcher (torchrun,
+Lightning, accelerate) then stops the others. Nothing waits for another rank: of two neighbours
+that differ, the later to begin its epoch finds the other's post, and ranks that do not all agree
+have such a pair of neighbours. Two store round trips per rank and epoch, whatever the world size.
+
+A dataset is known across ranks by what the user gave (its source and outputs) and how many such
+datasets the process made before it: the same code makes them in the same order on every rank.
+``GPULOAD_CHECK_RANKS=0`` turns the comparison off (ranks that make such datasets in another
+order on purpose). Without a process group (ranks passed as arguments, or a launcher's
+environment alone) there is no store, and nothing is compared.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+
+import torch
+import xxhash
+
+from .errors import ConfigError
+
+__all__ = ["Agreement", "ENV"]
+
+log = logging.getLogger("gpuload")
+
+ENV = "GPULOAD_CHECK_RANKS"  #: "0": ranks are not compared
+
+#: what each field of the comparison is, and what to do where ranks differ
+_FIELDS = {
+    "source": ("the source files (another listing: a file added or removed between the ranks' opens, or other "
+               "copies of them)", "open the same files on every rank: list them once and pass that list, or "
+               "open them after the last file lands"),
+    "rows": ("the number of rows", "open the same files on every rank"),
+    "chunks": ("the chunk layout", "give every rank the same chunk_bytes="),
+    "outputs": ("the outputs", "give every rank the same columns="),
+    "seed": ("seed=", "give every rank the same seed= (a seed per rank reads some rows twice and others never)"),
+    "shuffle": ("shuffle=", "give every rank the same shuffle="),
+    "batch_size": ("batch_size=", "give every rank the same batch_size="),
+    "drop_last": ("drop_last=", "give every rank the same drop_last="),
+    "shuffle_window": ("shuffle_window=", "give every rank the same shuffle_window="),
+    "block_rows": ("block_rows=", "give every rank the same block_rows="),
+    "filter": ("filters=", "give every rank the same filters="),
+    "world": ("the world size", "give every rank the same world_size= (or none, to take the process group's)"),
+    "local": ("the ranks per node", "give every rank the same local_world_size= (or none)"),
+    "runs": ("the epoch's restored position", "load the same state on every rank (rank 0's, saved with the "
+             "model), or on none"),
+}
+
+_made: collections.Counter = collections.Counter()  # datasets made so far in this process, by what was given
+_made_lock = threading.Lock()
+
+
+def _store():
+    """(the default process group's store, its rank, its size), or None without a process group."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)  # torch's own, since 1.x
+    if get is None:
+        return None
+    try:
+        return get(), dist.get_rank(), dist.get_world_size()
+    except (RuntimeError, ValueError):  # a group torch cannot give the store of (a custom backend)
+        return None
+
+
+class Agreement:
+    """The comparison of one dataset's order settings with the other ranks' (see the module doc).
+
+    ``given``: what the user gave that tells this dataset from others (its source and outputs, as text).
+    """
+
+    def __init__(self, given: str):
+        with _made_lock:
+            n = _made[given]
+            _made[given] += 1
+        self._name = f"gpuload/agree/{xxhash.xxh3_64_hexdigest(given.encode())}/{n}"
+        self._posted: str | None = None  # this rank's last key, deleted when the next is posted
+        self._told = False  # the warning of a world size beyond the process group's
+
+    def check(self, epoch: int, fields: dict) -> None:
+        """Post ``fields`` (JSON values: what shapes this rank's order in ``epoch``) and compare them
+        with the neighbouring ranks' posts for the same epoch; :class:`ConfigError` where one differs.
+        A store that fails (its server gone) skips the comparison."""
+        if os.environ.get(ENV, "1").strip() == "0":
+            return
+        got = _store()
+        if got is None:
+            return
+        store, rank, world = got
+        key = f"{self._name}/{int(epoch)}/"
+        theirs = {}
+        try:
+            store.set(key + str(rank), json.dumps(fields, sort_keys=True))
+            if self._posted is not None and self._posted != key + str(rank):
+                store.delete_key(self._posted)
+            self._posted = key + str(rank)
+            for q in sorted({(rank - 1) % world, (rank + 1) % world} - {rank}):
+                if store.check([key + str(q)]):
+                    theirs[q] = json.loads(store.get(key + str(q)))
+        except (RuntimeError, OSError, ValueError) as e:  # the store's server gone, a timeout: nothing compared
+            log.debug("gpuload: could not compare this rank's order settings with the others' (%s)", e)
+            return
+        mine = json.loads(json.dumps(fields, sort_keys=True))  # as posted (tuples become lists)
+        for q, other in theirs.items():
+            diffs = [k for k in _FIELDS if mine.get(k) != other.get(k)]
+            if diffs:
+                raise ConfigError(_message(diffs, mine, other, rank, q))
+            if mine.get("world") == world and mine.get("rank") == other.get("rank"):  # (fewer: data-parallel
+                raise ConfigError(  # groups under model parallelism share ranks on purpose)
+                    f"ranks {min(rank, q)} and {max(rank, q)} of this job both read the rows of rank "
+                    f"{mine.get('rank')} of {world} (rank= given the same on both): give no rank= or world_size= "
+                    "(the process group's are taken), or each process its own rank=")
+        if mine.get("world", 0) > world and not self._told:
+            self._told = True
+            unread = f"rank {world}" if mine["world"] == world + 1 else f"ranks {world} to {mine['world'] - 1}"
+            log.warning("gpuload: world_size=%s, but the process group has %d ranks: the rows of %s are read by "
+                        "no process of this job", mine["world"], world, unread)
+
+
+def _message(diffs: list, mine: dict, other: dict, rank: int, q: int) -> str:
+    """The error of ranks ``rank`` (``mine``) and ``q`` (``other``) that differ in ``diffs``."""
+    shown = [d for d in diffs if d not in ("rows", "chunks")] or diffs  # rows and chunks follow from the files
+    parts = []
+    for d in shown:
+        what, _ = _FIELDS[d]
+        if d in ("source", "chunks", "outputs"):
+            parts.append(f"{what} differ")
+        elif d == "runs":  # [[world, batches taken (, ranks per node)], ...] per run of the epoch so far
+            parts.append(f"{what} differs ({mine.get(d)} on rank {rank}, {other.get(d)} on rank {q}: "
+                         "[ranks, batches each took] per run)")
+        elif what.endswith("="):
+            parts.append(f"{what}{mine.get(d)!r} on rank {rank}, {what}{other.get(d)!r} on rank {q}")
+        else:
+            parts.append(f"{what}: {mine.get(d)!r} on rank {rank}, {other.get(d)!r} on rank {q}")
+    return (f"ranks {min(rank, q)} and {max(rank, q)} of this job would read different rows ("
+            + "; ".join(parts) + "): " + "; ".join(dict.fromkeys(_FIELDS[d][1] for d in shown))
+            + f" (datasets of the same source and columns made in another order on another rank look like "
+            f"this too: make them in the same order, or set {ENV}=0)")
