@@ -7,7 +7,8 @@ of them no longer takes (architecture.md, Invariants 2). So when an iteration be
 signature, its rank, world size and the epoch's restored position: :class:`Agreement`) to the group's
 key-value store, and compares it with its neighbours' (group ranks ``r - 1`` and ``r + 1``) where
 they have posted theirs for the same dataset and epoch. A rank that finds a difference raises
-:class:`~gpuload.ConfigError` naming it, the ranks and what to do; the launcher (torchrun,
+:class:`~gpuload.ConfigError` naming it, the ranks and what to do (a :class:`gpuload.Mix` compares its own
+settings the same way, and each of its sources its own); the launcher (torchrun,
 Lightning, accelerate) then stops the others. Nothing waits for another rank: of two neighbours
 that differ, the later to begin its epoch finds the other's post, and ranks that do not all agree
 have such a pair of neighbours. Two store round trips per rank and epoch, whatever the world size.
@@ -57,7 +58,13 @@ _FIELDS = {
     "local": ("the ranks per node", "give every rank the same local_world_size= (or none)"),
     "runs": ("the epoch's restored position", "load the same state on every rank (rank 0's, saved with the "
              "model), or on none"),
+    "sources": ("a Mix's sources (their names or files)", "give every rank's Mix the same sources"),
 }
+
+
+def _field(key: str) -> tuple[str, str]:
+    """(what field ``key`` is, what to do where ranks differ in it): a setting not listed is named as one."""
+    return _FIELDS.get(key, (f"{key}=", f"give every rank the same {key}="))
 
 _made: collections.Counter = collections.Counter()  # datasets made so far in this process, by what was given
 _made_lock = threading.Lock()
@@ -116,10 +123,11 @@ class Agreement:
             return
         mine = json.loads(json.dumps(fields, sort_keys=True))  # as posted (tuples become lists)
         for q, other in theirs.items():
-            diffs = [k for k in _FIELDS if mine.get(k) != other.get(k)]
+            keys = [*_FIELDS, *sorted((set(mine) | set(other)) - set(_FIELDS) - {"rank"})]
+            diffs = [k for k in keys if mine.get(k) != other.get(k)]
             if diffs:
                 raise ConfigError(_message(diffs, mine, other, rank, q))
-            if mine.get("world") == world and mine.get("rank") == other.get("rank"):  # (fewer: data-parallel
+            if mine.get("rank") is not None and mine.get("world") == world and mine["rank"] == other.get("rank"):  # (fewer: data-parallel
                 raise ConfigError(  # groups under model parallelism share ranks on purpose)
                     f"ranks {min(rank, q)} and {max(rank, q)} of this job both read the rows of rank "
                     f"{mine.get('rank')} of {world} (rank= given the same on both): give no rank= or world_size= "
@@ -136,17 +144,16 @@ def _message(diffs: list, mine: dict, other: dict, rank: int, q: int) -> str:
     shown = [d for d in diffs if d not in ("rows", "chunks")] or diffs  # rows and chunks follow from the files
     parts = []
     for d in shown:
-        what, _ = _FIELDS[d]
-        if d in ("source", "chunks", "outputs"):
+        what, _ = _field(d)
+        if d in ("source", "chunks", "outputs", "sources"):
             parts.append(f"{what} differ")
-        elif d == "runs":  # [[world, batches taken (, ranks per node)], ...] per run of the epoch so far
-            parts.append(f"{what} differs ({mine.get(d)} on rank {rank}, {other.get(d)} on rank {q}: "
-                         "[ranks, batches each took] per run)")
+        elif d == "runs":  # a run per ranks the epoch went on with: [world, batches taken, ...]
+            parts.append(f"{what} differs ({mine.get(d)} on rank {rank}, {other.get(d)} on rank {q})")
         elif what.endswith("="):
             parts.append(f"{what}{mine.get(d)!r} on rank {rank}, {what}{other.get(d)!r} on rank {q}")
         else:
             parts.append(f"{what}: {mine.get(d)!r} on rank {rank}, {other.get(d)!r} on rank {q}")
     return (f"ranks {min(rank, q)} and {max(rank, q)} of this job would read different rows ("
-            + "; ".join(parts) + "): " + "; ".join(dict.fromkeys(_FIELDS[d][1] for d in shown))
+            + "; ".join(parts) + "): " + "; ".join(dict.fromkeys(_field(d)[1] for d in shown))
             + f" (datasets of the same source and columns made in another order on another rank look like "
             f"this too: make them in the same order, or set {ENV}=0)")

@@ -21,6 +21,7 @@ from typing import Iterator, Mapping
 import torch
 import xxhash
 
+from .agree import Agreement
 from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
 from .dataset import ParquetDataset
 from .errors import ConfigError, counted, setting
@@ -98,6 +99,7 @@ class Mix(torch.utils.data.IterableDataset):
                            "weights": self.weights, "mode": self.mode, "batches_per_step": self.per_step,
                            "exhausted": exhausted, "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
         self._epoch, self._advance, self._restored, self._running = 0, False, False, False
+        self._agreement = Agreement(repr(("mix", self.names, [d._given for d in self.sources])))  # across ranks
         self._stream = None  # the sources' consumer stream on a GPU: one for all epochs (their preloads are kept for it)
         self._counted = None  # (the state it was worked out for, len) of a restored rest
         self._epoch_set, self._after_run = False, None  # set_epoch called since the last iteration began; during one
@@ -286,6 +288,7 @@ class Mix(torch.utils.data.IterableDataset):
             run = self._run(p, world)
             if run is not self._runs[-1]:  # resumed on other ranks: a new run over the rest
                 self._runs.append(run)
+        self._agreement.check(self._epoch, {**self._signature, "world": world, "runs": self._runs})
         self._advance, self._restored, self._epoch_set = True, False, False
         j = len(self._runs) - 1
         steps, taken, drawn = self._runs[j][1:]

@@ -147,3 +147,14 @@ def test_a_store_whose_server_is_gone_skips_the_comparison(monkeypatch):
     a.check(0, FIELDS)  # works
     del server  # the master's store gone: the next epoch's post fails, and nothing is compared
     a.check(1, {**FIELDS, "seed": 3})
+
+
+def test_a_mixs_own_settings_are_named_as_given(store):
+    mix = {"sources": [["a", "0x1"], ["b", "0x2"]], "weights": [0.5, 0.5], "mode": "proportion", "seed": 0,
+           "world": 2, "runs": [[2, 10, 0, 10]]}
+    _ranks(store, 2, lambda r: mix, given="mix", epoch=5)  # no rank of its own: nothing read twice
+    with pytest.raises(ConfigError, match=r"\(weights=\[0.5, 0.5\] on rank 1, weights=\[0.7, 0.3\] on rank 0\): "
+                                          r"give every rank the same weights="):
+        _ranks(store, 2, lambda r: {**mix, "weights": [0.7, 0.3] if r == 0 else [0.5, 0.5]}, given="mix")
+    with pytest.raises(ConfigError, match=r"a Mix's sources \(their names or files\) differ"):
+        _ranks(store, 2, lambda r: {**mix, "sources": [["a", f"0x{r}"]]}, given="mix", epoch=1)
