@@ -41,10 +41,10 @@ ENV = "GPULOAD_CHECK_RANKS"  #: "0": ranks are not compared
 
 #: what each field of the comparison is, and what to do where ranks differ
 _FIELDS = {
-    "source": ("the source files (another listing: a file added or removed between the ranks' opens, or other "
-               "copies of them)", "open the same files on every rank: list them once and pass that list, or "
+    "source": ("the source files", "open the same files on every rank: list them once and pass that list, or "
                "open them after the last file lands"),
     "rows": ("the number of rows", "open the same files on every rank"),
+    "files": ("the number of files", "open the same files on every rank"),
     "chunks": ("the chunk layout", "give every rank the same chunk_bytes="),
     "outputs": ("the outputs", "give every rank the same columns="),
     "seed": ("seed=", "give every rank the same seed= (a seed per rank reads some rows twice and others never)"),
@@ -141,19 +141,22 @@ class Agreement:
 
 def _message(diffs: list, mine: dict, other: dict, rank: int, q: int) -> str:
     """The error of ranks ``rank`` (``mine``) and ``q`` (``other``) that differ in ``diffs``."""
-    shown = [d for d in diffs if d not in ("rows", "chunks")] or diffs  # rows and chunks follow from the files
+    shown = [d for d in diffs if d not in ("rows", "chunks")] or diffs  # they follow from the files
+    count = f" ({mine['files']} files on rank {rank}, {other['files']} on rank {q})" if "files" in shown else ""
+    shown = [d for d in shown if d != "files" or "source" not in shown]  # said with the files
     parts = []
     for d in shown:
         what, _ = _field(d)
         if d in ("source", "chunks", "outputs", "sources"):
-            parts.append(f"{what} differ")
+            parts.append(f"{what} differ" + (f"{count}: another listing (a file added or removed between the ranks' "
+                                             "opens), or other copies of them" if d == "source" else ""))
         elif d == "runs":  # a run per ranks the epoch went on with: [world, batches taken, ...]
             parts.append(f"{what} differs ({mine.get(d)} on rank {rank}, {other.get(d)} on rank {q})")
         elif what.endswith("="):
             parts.append(f"{what}{mine.get(d)!r} on rank {rank}, {what}{other.get(d)!r} on rank {q}")
         else:
             parts.append(f"{what}: {mine.get(d)!r} on rank {rank}, {other.get(d)!r} on rank {q}")
-    return (f"ranks {min(rank, q)} and {max(rank, q)} of this job would read different rows ("
-            + "; ".join(parts) + "): " + "; ".join(dict.fromkeys(_field(d)[1] for d in shown))
-            + f" (datasets of the same source and columns made in another order on another rank look like "
-            f"this too: make them in the same order, or set {ENV}=0)")
+    return (f"ranks {min(rank, q)} and {max(rank, q)} of this job would read different rows: "
+            + "; ".join(parts) + ". To fix: " + "; ".join(dict.fromkeys(_field(d)[1] for d in shown))
+            + f". Datasets of the same source and columns made in another order on another rank look like "
+            f"this too: make them in the same order, or set {ENV}=0")

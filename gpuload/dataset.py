@@ -367,7 +367,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         o, r = self.options, self.reader
         # a transform's outputs are made from every column it is given (their specs name none)
         given = needed_columns(r.specs) if r.source.transform is not None else None
-        return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks,
+        return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks, files=len(r.files),
                                 outputs={s.name: given or list(s.columns) for s in r.outputs}, seed=o.seed,
                                 shuffle=o.shuffle,
                                 batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,

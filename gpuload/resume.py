@@ -250,17 +250,19 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
 
 def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool | str,
               batch_size: int, drop_last: bool, shuffle_window: int, block_rows: int | None = None,
-              row_filter: str | None = None) -> dict:
+              row_filter: str | None = None, files: int | None = None) -> dict:
     """What shapes a dataset's order, as the ``dataset`` field of a state (``shuffle`` as given:
     ``"block"`` is recorded as True with its ``block_rows``, ``"chunks"`` as itself; ``row_filter``: the
-    key of its ``filters=``, written only when there is one)."""
+    key of its ``filters=``, written only when there is one; ``files``: how many files the source
+    listed, for messages: a state saved before it was recorded has none)."""
     layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in chunks], dtype=np.int64).reshape(-1, 3)
     return {"source": f"{fingerprint:#018x}", "rows": int(rows),
             "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}", "outputs": outputs,
             "seed": int(seed), "shuffle": shuffle if shuffle == "chunks" else bool(shuffle), "batch_size": int(batch_size),
             "drop_last": bool(drop_last), "shuffle_window": int(shuffle_window),
             **({} if block_rows is None else {"block_rows": int(block_rows)}),
-            **({} if row_filter is None else {"filter": row_filter})}
+            **({} if row_filter is None else {"filter": row_filter}),
+            **({} if files is None else {"files": int(files)})}
 
 
 def check_signature(saved: dict, here: dict) -> None:
@@ -274,9 +276,11 @@ def check_signature(saved: dict, here: dict) -> None:
         diffs.append(f"outputs: the columns differ ({_outputs(saved.get('outputs'))} in the state, "
                      f"{_outputs(here['outputs'])} here)")
     if saved.get("source") != here["source"]:
-        diffs.append("source: the source files differ (other paths, or files rewritten since: a local file's "
-                     "identity is its size, modification time and footer, a remote object's its size, ETag or "
-                     "version and last-modified time: uploading the same bytes again makes another file)")
+        count = "" if saved.get("files") in (None, here.get("files")) else \
+            f"{saved['files']} files in the state, {here.get('files')} here; "
+        diffs.append(f"source: the source files differ ({count}other paths, or files rewritten since: a local "
+                     "file's identity is its size, modification time and footer, a remote object's its size, ETag "
+                     "or version and last-modified time: uploading the same bytes again makes another file)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
     modes = (saved.get("block_rows") is None) != (here.get("block_rows") is None)  # blocks on one side only
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):

@@ -77,20 +77,21 @@ def test_a_seed_per_rank_is_refused_naming_both(store):
     with pytest.raises(ConfigError) as e:
         _ranks(store, 2, lambda r: {**FIELDS, "seed": r})
     msg = str(e.value)
-    assert "ranks 0 and 1 of this job would read different rows (seed=1 on rank 1, seed=0 on rank 0): " in msg
+    assert "ranks 0 and 1 of this job would read different rows: seed=1 on rank 1, seed=0 on rank 0. To fix: " in msg
     assert "seed=1 on rank 1, seed=0 on rank 0" in msg
     assert "give every rank the same seed=" in msg
 
 
 def test_another_listing_is_named_as_the_files_not_their_rows(store):
-    with pytest.raises(ConfigError, match=r"the source files .* differ\): open the same files on every rank") as e:
-        _ranks(store, 2, lambda r: {**FIELDS, "source": f"0x{r:016x}", "rows": 1000 + r, "chunks": f"0x{r}"})
-    assert "number of rows" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"the source files differ \(11 files on rank 1, 10 on rank 0\): another listing .*\. To fix: open the same files on every rank") as e:
+        _ranks(store, 2, lambda r: {**FIELDS, "source": f"0x{r:016x}", "rows": 1000 + r, "chunks": f"0x{r}",
+                                    "files": 10 + r})
+    assert "number of rows" not in str(e.value) and "number of files" not in str(e.value)
 
 
 def test_a_state_loaded_on_one_rank_only_is_refused(store):
     with pytest.raises(ConfigError, match=r"restored position differs \(\[\[2, 0\]\] on rank 1, \[\[2, 7\]\] on "
-                                          r"rank 0.*load the same state on every rank"):
+                                          r"rank 0\)\. To fix: load the same state on every rank"):
         _ranks(store, 2, lambda r: {**FIELDS, "runs": [[2, 7]] if r == 0 else [[2, 0]]})
 
 
@@ -153,8 +154,8 @@ def test_a_mixs_own_settings_are_named_as_given(store):
     mix = {"sources": [["a", "0x1"], ["b", "0x2"]], "weights": [0.5, 0.5], "mode": "proportion", "seed": 0,
            "world": 2, "runs": [[2, 10, 0, 10]]}
     _ranks(store, 2, lambda r: mix, given="mix", epoch=5)  # no rank of its own: nothing read twice
-    with pytest.raises(ConfigError, match=r"\(weights=\[0.5, 0.5\] on rank 1, weights=\[0.7, 0.3\] on rank 0\): "
-                                          r"give every rank the same weights="):
+    with pytest.raises(ConfigError, match=r": weights=\[0.5, 0.5\] on rank 1, weights=\[0.7, 0.3\] on rank 0\. "
+                                          r"To fix: give every rank the same weights="):
         _ranks(store, 2, lambda r: {**mix, "weights": [0.7, 0.3] if r == 0 else [0.5, 0.5]}, given="mix")
     with pytest.raises(ConfigError, match=r"a Mix's sources \(their names or files\) differ"):
         _ranks(store, 2, lambda r: {**mix, "sources": [["a", f"0x{r}"]]}, given="mix", epoch=1)

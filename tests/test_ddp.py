@@ -220,7 +220,7 @@ def test_ddp_ranks_with_different_seeds_are_refused(source, tmp_path):
     the seeds, and the job ends (gpuload.agree) instead of training on the wrong rows."""
     codes, logs = Job(source, tmp_path, "s", 2, 1, "--seed-per-rank", "--epochs", "1").ended()
     assert codes != [0]
-    assert "ConfigError: ranks 0 and 1 of this job would read different rows (seed=" in logs, logs[-4000:]
+    assert "ConfigError: ranks 0 and 1 of this job would read different rows: seed=" in logs, logs[-4000:]
     assert "give every rank the same seed=" in logs
     assert not list(tmp_path.glob("done.s.*"))
 

@@ -473,6 +473,13 @@ def test_state_from_other_files_is_refused(source, tmp_path):
     write_parquet(copy / "part1.parquet", table.slice(0, 1000), row_group_size=100)  # rewritten: fewer rows
     with pytest.raises(gpuload.ConfigError, match="source: the source files differ.*; rows: 2945 in the state"):
         _open(copy, tmp_path / "c").load_state_dict(state)
+    n = len(list(copy.glob("*.parquet")))
+    (copy / "part1.parquet").unlink()  # a file gone: the message counts them
+    with pytest.raises(gpuload.ConfigError, match=rf"source files differ \({n} files in the state, {n - 1} here; "):
+        _open(copy, tmp_path / "c").load_state_dict(state)
+    old = {**state, "dataset": {k: v for k, v in state["dataset"].items() if k != "files"}}  # saved before the count
+    with pytest.raises(gpuload.ConfigError, match=r"source files differ \(other paths"):
+        _open(copy, tmp_path / "c").load_state_dict(old)
 
 
 @pytest.mark.parametrize("mutate, match", [
