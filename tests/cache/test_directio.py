@@ -272,7 +272,9 @@ def test_auto_reads_turn_buffered_after_a_pass_they_limited_where_the_cache_fits
     before = _figures(ds.stats())
     epochs.append(_epoch(ds, 1))
     after = _figures(ds.stats())
-    assert judged == ([pytest.approx(tuple(a - b for a, b in zip(after, before)))] if fits else [])
+    # its own figures (not the decoding pass's too): within 5 ms, as a read of the next epoch's preload
+    # that ends as the pass does may fall on either side of the stats' reading on a loaded machine
+    assert judged == ([pytest.approx(tuple(a - b for a, b in zip(after, before)), abs=0.005)] if fits else [])
     epochs.append(_epoch(ds, 2))
     assert len(judged) == (1 if fits else 0)  # reads no longer direct: nothing to judge
     assert ds.reader.cache_io == ("direct writes, buffered reads" if fits else "direct")
