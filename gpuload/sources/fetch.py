@@ -233,7 +233,8 @@ class Fetcher:
             try:
                 data = self.store.read(path, start, end, timeout=self.settings.timeout_s or None, stop=stop)
             except asyncio.TimeoutError:  # fsspec's FSTimeoutError says nothing itself
-                raise TimeoutError(f"no answer within timeout_s={self.settings.timeout_s:g} s") from None
+                raise TimeoutError(f"not done within timeout_s={self.settings.timeout_s:g} s (no answer, or a link too "
+                                   "slow for the range: raise timeout_s)") from None
             if len(data) > end - start:
                 raise SourceError(f"{self.store.url(path)}: asked for bytes {start}-{end - 1}, got {len(data)} "
                                   "bytes: the server ignores Range requests, which gpuload needs; serve the "

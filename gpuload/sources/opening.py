@@ -19,6 +19,7 @@ INT96 timestamps (Spark's, Hive's, Impala's) are typed in microseconds, as they 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Sequence
 
@@ -145,12 +146,14 @@ def _read_local(x: Listed) -> tuple[bytes, Listed]:
                       "file is written")
 
 
-def _read_remote(x: Listed, fetcher) -> tuple[bytes, Listed]:
-    """The footer bytes of remote object ``x`` and its identity, asked again after they were read."""
+def _read_remote(x: Listed, fetcher, stop: threading.Event | None = None) -> tuple[bytes, Listed]:
+    """The footer bytes of remote object ``x`` and its identity, asked again after they were read
+    (``stop``: set, the reads give up at once; default the fetcher's own)."""
+    stop = fetcher.stop if stop is None else stop
     for _ in range(_TRIES):
-        raw = read_footer(lambda a, b: fetcher.get(x.key, a, b), x.size, x.path)
+        raw = read_footer(lambda a, b: fetcher.get(x.key, a, b, stop=stop), x.size, x.path)
         size, mtime, tag = retry(lambda: x.store.identity(x.key), f"{x.path}: asking its version",
-                                 fetcher.settings, stop=fetcher.stop)
+                                 fetcher.settings, stop=stop)
         if same_version((x.size, x.mtime_ns, x.tag), (size, mtime, tag)):
             return raw, x
         x = x._replace(size=size, mtime_ns=mtime, tag=tag)  # rewritten since it was listed: read it again
@@ -158,10 +161,11 @@ def _read_remote(x: Listed, fetcher) -> tuple[bytes, Listed]:
                       "object is written")
 
 
-def _read_footer(root, x: Listed, fetcher_for) -> tuple[tuple[pq.FileMetaData, str], Listed]:
+def _read_footer(root, x: Listed, fetcher_for, stop: threading.Event | None = None
+                 ) -> tuple[tuple[pq.FileMetaData, str], Listed]:
     """The footer of ``x`` read from the file or object itself, then kept in the cache under the
     identity checked after the read; with the file's identity tag, and that identity."""
-    raw, x = _read_remote(x, fetcher_for(x.store)) if x.store is not None else _read_local(x)
+    raw, x = _read_remote(x, fetcher_for(x.store), stop) if x.store is not None else _read_local(x)
     meta = parse_footer(raw, x.path)
     check_footer(x.path, meta, x.size)
     save_footer(root, x.path, x.size, x.mtime_ns, _footer_key(x), raw)
@@ -176,13 +180,17 @@ def _read_all(root, listed: list[Listed], todo: list[int], fetcher_for) -> dict[
     if len(remote) > 1:
         workers = min(len(remote), fetcher_for(listed[remote[0]].store).settings.max_requests)
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gpuload-footers")
+        abandon = threading.Event()  # the open failed or was interrupted: the other reads give up at once
         try:
-            futures = {i: pool.submit(_read_footer, root, listed[i], fetcher_for) for i in remote}
+            futures = {i: pool.submit(_read_footer, root, listed[i], fetcher_for, abandon) for i in remote}
             done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
             failed = next((f for f in done if f.exception() is not None), None)
-            if failed is not None:  # the first failure: what is queued is dropped, what runs is waited for
+            if failed is not None:  # the first failure: what is queued is dropped, what runs gives up
                 raise failed.exception()
             out = {i: fut.result() for i, fut in futures.items()}
+        except BaseException:  # a failure, or Ctrl-C: no stalled read holds the open (or the process) back
+            abandon.set()
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
     for i in todo:

@@ -132,7 +132,10 @@ def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_re
         except Exception as e:  # classified below: a store's errors have no common base
             if not transient(e):
                 raise SourceError(f"{what}: {type(e).__name__}: {e}" + _hint(e)) from None
-            if attempt == settings.retries or (stop is not None and stop.is_set()):
+            if stop is not None and stop.is_set():  # closed, or its epoch ended: nothing the store did
+                raise SourceError(f"{what}: the request was abandoned: the dataset was closed or its epoch "
+                                  "ended") from None
+            if attempt == settings.retries:
                 last = _unreached(e)
                 why = ("no connection to the store: check its address (the URL's host and port, or for S3 "
                        "the endpoint_url in storage_options) and that it is up; remote retries "

@@ -46,7 +46,8 @@ class RemoteSettings:
     backoff_s, max_backoff_s : first and largest backoff in seconds (defaults 0.2 and 10); the
         wait after the ``k``-th failed try (k = 0, 1, ...) is uniform in
         ``[0, min(max_backoff_s, backoff_s * 2**k)]``.
-    timeout_s : seconds before one request counts as stalled and is retried
+    timeout_s : seconds one request may take in all (its whole range received, not only a first
+        byte) before it counts as stalled and is retried; give a slow link more
         (``$GPULOAD_REMOTE_TIMEOUT``, default 60; fsspec's async stores only; pyarrow's
         filesystems use their own ``request_timeout``).
     """
