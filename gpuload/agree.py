@@ -39,7 +39,8 @@ log = logging.getLogger("gpuload")
 
 ENV = "GPULOAD_CHECK_RANKS"  #: "0": ranks are not compared
 
-#: what each field of the comparison is, and what to do where ranks differ
+#: what each field of the comparison is, and what to do where ranks differ (in the order they are named;
+#: a setting not listed here is named as itself: ``shuffle=``, a Mix's ``weights=``, ...)
 _FIELDS = {
     "source": ("the source files", "open the same files on every rank: list them once and pass that list, or "
                "open them after the last file lands"),
@@ -48,11 +49,6 @@ _FIELDS = {
     "chunks": ("the chunk layout", "give every rank the same chunk_bytes="),
     "outputs": ("the outputs", "give every rank the same columns="),
     "seed": ("seed=", "give every rank the same seed= (a seed per rank reads some rows twice and others never)"),
-    "shuffle": ("shuffle=", "give every rank the same shuffle="),
-    "batch_size": ("batch_size=", "give every rank the same batch_size="),
-    "drop_last": ("drop_last=", "give every rank the same drop_last="),
-    "shuffle_window": ("shuffle_window=", "give every rank the same shuffle_window="),
-    "block_rows": ("block_rows=", "give every rank the same block_rows="),
     "filter": ("filters=", "give every rank the same filters="),
     "world": ("the world size", "give every rank the same world_size= (or none, to take the process group's)"),
     "local": ("the ranks per node", "give every rank the same local_world_size= (or none)"),
@@ -65,6 +61,7 @@ _FIELDS = {
 def _field(key: str) -> tuple[str, str]:
     """(what field ``key`` is, what to do where ranks differ in it): a setting not listed is named as one."""
     return _FIELDS.get(key, (f"{key}=", f"give every rank the same {key}="))
+
 
 _made: collections.Counter = collections.Counter()  # datasets made so far in this process, by what was given
 _made_lock = threading.Lock()
@@ -109,9 +106,9 @@ class Agreement:
             return
         store, rank, world = got
         key = f"{self._name}/{int(epoch)}/"
-        theirs = {}
+        posted, theirs = json.dumps(fields, sort_keys=True), {}
         try:
-            store.set(key + str(rank), json.dumps(fields, sort_keys=True))
+            store.set(key + str(rank), posted)
             if self._posted is not None and self._posted != key + str(rank):
                 store.delete_key(self._posted)
             self._posted = key + str(rank)
@@ -121,16 +118,19 @@ class Agreement:
         except (RuntimeError, OSError, ValueError) as e:  # the store's server gone, a timeout: nothing compared
             log.debug("gpuload: could not compare this rank's order settings with the others' (%s)", e)
             return
-        mine = json.loads(json.dumps(fields, sort_keys=True))  # as posted (tuples become lists)
+        mine = json.loads(posted)  # as the others see it (tuples become lists)
+        # one rank's rows read by two processes is a mistake only where every process is a rank of its own
+        # (fewer ranks than processes: data-parallel groups under model parallelism share them on purpose)
+        shared = mine.get("rank") is not None and mine.get("world") == world
         for q, other in theirs.items():
             keys = [*_FIELDS, *sorted((set(mine) | set(other)) - set(_FIELDS) - {"rank"})]
             diffs = [k for k in keys if mine.get(k) != other.get(k)]
             if diffs:
                 raise ConfigError(_message(diffs, mine, other, rank, q))
-            if mine.get("rank") is not None and mine.get("world") == world and mine["rank"] == other.get("rank"):  # (fewer: data-parallel
-                raise ConfigError(  # groups under model parallelism share ranks on purpose)
+            if shared and mine["rank"] == other.get("rank"):
+                raise ConfigError(
                     f"ranks {min(rank, q)} and {max(rank, q)} of this job both read the rows of rank "
-                    f"{mine.get('rank')} of {world} (rank= given the same on both): give no rank= or world_size= "
+                    f"{mine['rank']} of {world} (rank= given the same on both): give no rank= or world_size= "
                     "(the process group's are taken), or each process its own rank=")
         if mine.get("world", 0) > world and not self._told:
             self._told = True

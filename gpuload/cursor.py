@@ -176,8 +176,8 @@ class Cursor:
         runs = self._plan.first_run(ranks) if p is None or p.epoch != epoch else \
             p.runs if p.ranks == ranks else self._plan.go_on(p, ranks, warn=True)
         if self._agreement is not None:  # the other ranks' settings: refused before anything changes here
-            self._agreement.check(epoch, {**self._signature, "rank": ranks.rank, "world": ranks.world, "local": ranks.local,
-                                          "runs": [r.to_list() for r in runs]})
+            self._agreement.check(epoch, {**self._signature, "rank": ranks.rank, "world": ranks.world,
+                                          "local": ranks.local, "runs": [r.to_list() for r in runs]})
         self.epoch = epoch
         pos = Position(self.epoch, runs, ranks)
         pos.running = True

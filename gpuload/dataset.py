@@ -213,9 +213,9 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             f"({'3 x shuffle_window + prefetch + 1' if self.options.shuffled else '3 x prefetch + 8'}) chunks of up "
             f"to {self.reader.max_chunk_bytes()} bytes, plus queued batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
-        self._given = repr((given["source"], self._signature()["outputs"]))  # this dataset, to other ranks
-        agreement = Agreement(self._given)  # compared across ranks
-        self._cursor = Cursor(self._plan, self._layout, self._signature(), agreement)  # the epoch, the position
+        signature = self._signature()
+        self._given = repr((given["source"], signature["outputs"]))  # this dataset, to other ranks
+        self._cursor = Cursor(self._plan, self._layout, signature, Agreement(self._given))  # the epoch, the position
         self._epochs = Epochs(self.reader, self._plan, self._cursor, self.metrics)  # what an iteration runs
 
     # -- public -------------------------------------------------------------------------
