@@ -294,8 +294,6 @@ def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound
     from gpuload.observe.events import BLOCK
 
     assert Metrics(nvtx=False).max_trace_nbytes() < 100e6
-    clock = ManualClock()
-    m = Metrics(clock=clock, nvtx=False, max_events=10_000)
     # at both measurements every kind has a whole number of blocks (none waits unpacked): a multiple
     # of BLOCK spans, waits and queue samples, and of BLOCK utilisation samples (one per 4 batches);
     # the queue depths cycle over 3, so the halves' means are equal
@@ -310,16 +308,23 @@ def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound
     # (idle pools that outlive their tests, the cache writers' and a remote source's fetchers, record nothing)
     wait_until(lambda: not [n for n in gpuload_threads(include_writer=False) if not n.startswith("gpuload-fetch")],
                timeout=30, what="other tests' loader threads to end")
-    tracemalloc.start(3)
-    try:
-        _record_batches(m, clock, half, util_every=4, end=False)
-        m.stats()
-        first = metrics_bytes()
-        _record_batches(m, clock, half, util_every=4)
-        m.stats()
-        held = metrics_bytes()
-    finally:
-        tracemalloc.stop()
+    # a pending write of another test's cache writer may still record a span into its own Metrics: the
+    # growth is measured up to 3 times and the least counts (a byte leaked per batch shows in every try)
+    for _ in range(3):
+        clock = ManualClock()
+        m = Metrics(clock=clock, nvtx=False, max_events=10_000)
+        tracemalloc.start(3)
+        try:
+            _record_batches(m, clock, half, util_every=4, end=False)
+            m.stats()
+            first = metrics_bytes()
+            _record_batches(m, clock, half, util_every=4)
+            m.stats()
+            held = metrics_bytes()
+        finally:
+            tracemalloc.stop()
+        if held - first < 4096:
+            break
     n = 2 * half
     assert held < m.max_trace_nbytes(), f"{held:,} bytes held for the trace of {n:,} batches"
     assert held - first < 4096, f"{held - first:,} bytes more after {half:,} more batches"
