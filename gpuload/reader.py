@@ -40,6 +40,7 @@ from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, requested_columns, resolve_outputs
 from .transforms import apply_transform, transform_outputs
 from .sources.listing import SourceFile, all_columns, common_columns, fingerprint, list_files, row_group_sizes
+from .sources.offline import Offline, check_offline
 from .sources.opening import open_files
 
 log = logging.getLogger("gpuload")
@@ -65,9 +66,10 @@ class ChunkReader:
         self.read_pool = HostPool()  # its caps: _make_pools, once the chunks' arrays are known
         self.cache = device.cache(opts, metrics, self.read_pool)  # on a GPU, chunks are read into device memory
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
+        offline: list[Offline] = []  # remote items listed from the cache: their store cannot be reached
         self.files: list[SourceFile] = open_files(
-            list_files(source.source, source.filesystem, source.storage_options, self.remote), self.cache.root,
-            self.remote_reads.fetcher, self.open_counts)
+            list_files(source.source, source.filesystem, source.storage_options, self.remote, self.cache.root,
+                       offline), self.cache.root, self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
         #: the columns the row filter reads (its kept rows are counted over them, and Vocab columns' values)
         self.filter_columns: list[str] = [] if source.filters is None else \
@@ -124,6 +126,8 @@ class ChunkReader:
         #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
         self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
+        if offline:  # opened without the store: only if the epochs will not need it
+            check_offline(offline, len(self.chunks) - len(self.cached_at_open), len(self.chunks))
         scan = scan_nulls and flt is None  # else (a cluster worker: its caller checked these files; a filter:
         if scan:  # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
             self._check_data()

@@ -24,6 +24,7 @@ from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, USES, VOCAB, Ca
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from .kept import KEPT_SUFFIX, check_kept_file
+from .listings import LISTING_SUFFIX, check_listing_file
 from .specs import read_desc, spec_problem
 from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
 from ..layout import stored_outputs
@@ -162,10 +163,12 @@ def summary(root: CacheRoot) -> dict:
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
     vocabularies = []
-    kept = 0
+    kept = listings = 0
     for name, st in _vocab_folder(root, problems, foreign):
         if VOCAB.fullmatch(name) and name.endswith(KEPT_SUFFIX):  # a row filter's counts of one file
             kept += 1
+        elif VOCAB.fullmatch(name) and name.endswith(LISTING_SUFFIX):  # a remote source's last listing
+            listings += 1
         elif VOCAB.fullmatch(name):
             entry = {"name": name, "bytes": st.st_size, "built": st.st_mtime}
             with contextlib.suppress(OSError, ValueError):
@@ -176,6 +179,7 @@ def summary(root: CacheRoot) -> dict:
     return {"root": str(root.path), "chunks": sum(e["chunks"] for e in sources.values()), "bytes": total,
             "sources": sources, "specs": specs(root), "temporaries": len(list(temporaries(root))),
             "old_format": old, "footers": footers, "vocabularies": vocabularies, "kept_counts": kept,
+            "listings": listings,
             "foreign": foreign, "unreadable": sorted({p.problem for p in problems})}
 
 
@@ -192,8 +196,9 @@ def verify_all(root: CacheRoot, progress=None) -> list[Problem]:
     for name, st in _scan(root, (_LAYOUT, _VOCABS), bad):
         if VOCAB.fullmatch(name):
             path = root.where((_LAYOUT, _VOCABS), name)
-            _check_file(bad, path, lambda: (check_kept_file if name.endswith(KEPT_SUFFIX) else check_vocab_file)(
-                root, name))
+            check = check_kept_file if name.endswith(KEPT_SUFFIX) else \
+                check_listing_file if name.endswith(LISTING_SUFFIX) else check_vocab_file
+            _check_file(bad, path, lambda: check(root, name))
             if progress is not None:
                 progress(path)
     for parts, name, st in sorted(walk(root, problems=bad), key=lambda e: e[:2]):

@@ -43,7 +43,9 @@ __all__ = ["CacheRoot", "Lock", "ForeignEntry", "CHUNK", "FOOTER", "VOCAB", "USE
 _HEX = r"[0-9a-f]{16}"
 CHUNK = re.compile(rf"{_HEX}-{_HEX}-\d+-\d+\.glc")  #: a chunk file: <spec>-<version>-<rg start>-<rg stop>.glc
 FOOTER = re.compile(rf"{_HEX}\.footer")  #: a source file's Parquet footer: <version>.footer
-VOCAB = re.compile(rf"{_HEX}\.(?:vocab|kept)")  #: in ``vocab/``: a counted vocabulary <key>.vocab, or a filter's kept rows <key>.kept
+#: in ``vocab/``: a counted vocabulary <key>.vocab, a filter's kept rows <key>.kept, or a remote source's
+#: last listing <key>.listing
+VOCAB = re.compile(rf"{_HEX}\.(?:vocab|kept|listing)")
 USES = re.compile(rf"{_HEX}\.groups")  #: in ``uses/``: the source folders and column set a dataset reads (mtime: last use)
 TEMP = re.compile(rf"(?:{CHUNK.pattern}|{_HEX}\.json|{FOOTER.pattern}|{VOCAB.pattern}|{USES.pattern})"
                   rf"\.tmp\.\d+\.[0-9a-f]{{8}}")  #: a writer's temporary file

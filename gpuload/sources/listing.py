@@ -34,12 +34,13 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..cache.chunkfile import version_token
+from ..cache.fs import CacheRoot
 from ..errors import SourceError
 from .ranges import data_end
 from .remote import Store, hidden, is_local_fs, is_url, store_for
-from .retry import retry
 from .settings import RemoteSettings
-from .tables import local_table_files, remote_table_files
+from .offline import list_item
+from .tables import local_table_files
 from ..dtypes import storage_dtype
 from ..schema import RAGGED, OutputSpec
 
@@ -211,7 +212,8 @@ def _items(source) -> list:
     _refuse(source)
 
 
-def list_files(source, filesystem=None, storage_options: dict | None = None, settings=None) -> list[Listed]:
+def list_files(source, filesystem=None, storage_options: dict | None = None, settings=None,
+               kept: CacheRoot | None = None, offline: list | None = None) -> list[Listed]:
     """Each Parquet file or object named by ``source``, in a stable order (a local file
     reached through a link has its real path as identity, and the listed one for its
     Hive partition keys).
@@ -225,7 +227,11 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
     partition discovery for their files. ``filesystem`` (fsspec or pyarrow) makes every
     item a path in it; ``storage_options`` configure the fsspec filesystems made from
     URLs; ``settings`` (:class:`gpuload.RemoteSettings`) set the retries of listings.
+    A remote item's listing is kept in cache root ``kept`` (default None: nowhere); while its
+    store cannot be reached, the kept one stands in and is recorded in ``offline``
+    (:mod:`gpuload.sources.offline`).
     """
+    offline = [] if offline is None else offline
     settings = settings or RemoteSettings()
     if filesystem is not None and is_local_fs(filesystem):
         filesystem = None  # the local disk: read directly, identities from stat
@@ -244,11 +250,7 @@ def list_files(source, filesystem=None, storage_options: dict | None = None, set
             if store is None:
                 store = stores[proto] = store_for(text if "://" in text else None, filesystem, storage_options,
                                                   settings.timeout_s or None)
-            infos, base, below = retry(lambda s=store, t=text: s.expand(t), f"{text}: listing", settings)
-            tables = None if base is None else remote_table_files(
-                store, base, [i.path for i in infos], below, whole=below is not None,
-                read=lambda path, size, s=store: retry(lambda: s.read(path, 0, size), f"{s.url(path)}: reading",
-                                                       settings))
+            infos, base, tables = list_item(store, text, settings, kept, offline)
             for i in infos:
                 if tables is not None and i.path not in tables:
                     continue  # a file the table has removed

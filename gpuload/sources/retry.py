@@ -20,7 +20,7 @@ from typing import Callable
 from ..errors import SourceError
 from .settings import RemoteSettings
 
-__all__ = ["retry", "transient", "Truncated"]
+__all__ = ["retry", "transient", "Truncated", "Unreachable"]
 
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _jitter = random.Random()  # backoff jitter of its own: a retry never moves the training script's `random`
@@ -120,6 +120,11 @@ class Truncated(Exception):
     """A body shorter than the range asked for (a dropped connection): worth another try."""
 
 
+class Unreachable(SourceError):
+    """A request that failed every try for a reason worth another (the store down, throttling, no
+    connection): what a fully cached source may open without (:mod:`gpuload.cache.listings`)."""
+
+
 def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_retry: Callable[[], None] | None = None,
           stop: threading.Event | None = None):
     """``call()``, tried again on transient errors with backoff and jitter; a
@@ -141,7 +146,7 @@ def retry(call: Callable[[], object], what: str, settings: RemoteSettings, on_re
                        "the endpoint_url in storage_options) and that it is up; remote retries "
                        "($GPULOAD_REMOTE_RETRIES) set how long gpuload waits for it") if _no_connection(e) else \
                     "the store may be down or throttling: try again later, or raise remote retries"
-                raise SourceError(f"{what}: failed {attempt + 1} times, last with {type(last).__name__}: {last}; "
+                raise Unreachable(f"{what}: failed {attempt + 1} times, last with {type(last).__name__}: {last}; "
                                   + why) from None
             if on_retry is not None:
                 on_retry()

@@ -50,6 +50,10 @@ class RemoteSettings:
         byte) before it counts as stalled and is retried; give a slow link more
         (``$GPULOAD_REMOTE_TIMEOUT``, default 60; fsspec's async stores only; pyarrow's
         filesystems use their own ``request_timeout``).
+    kept_listing_s : how old, in seconds, the listing kept at a source's last open may be for the
+        source to open from it while its store cannot be reached, provided every chunk is cached
+        (``$GPULOAD_REMOTE_KEPT_LISTING_S``, default inf: any age; 0: never, the listing's error is
+        raised). See :mod:`gpuload.sources.offline`.
     """
 
     max_requests: int = field(default_factory=lambda: _env("GPULOAD_REMOTE_REQUESTS", 32, int))
@@ -61,11 +65,12 @@ class RemoteSettings:
     backoff_s: float = 0.2
     max_backoff_s: float = 10.0
     timeout_s: float = field(default_factory=lambda: _env("GPULOAD_REMOTE_TIMEOUT", 60.0, float))
+    kept_listing_s: float = field(default_factory=lambda: _env("GPULOAD_REMOTE_KEPT_LISTING_S", float("inf"), float))
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:  # NaN too
                 raise ConfigError(f"remote {f.name}={v!r} must be a non-negative number")
         for name in ("max_requests", "max_inflight_bytes", "max_range_bytes"):
             if getattr(self, name) < 1:

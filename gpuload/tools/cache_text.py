@@ -95,6 +95,8 @@ def print_summary(cache) -> None:
               f"{v['sources']} files; built {_when(v['built'])}")
     if s.get("kept_counts"):
         print(f"row filters' kept-row counts: {s['kept_counts']} source files counted")
+    if s.get("listings"):
+        print(f"remote listings kept (each source's last, to open it while its store is down): {s['listings']}")
     if s["sources"]:
         print("source files:")
     for src, e in sorted(s["sources"].items()):

@@ -20,6 +20,13 @@ def test_settings_are_checked_and_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("GPULOAD_REMOTE_RETRIES", "many")
     with pytest.raises(ConfigError, match="GPULOAD_REMOTE_RETRIES"):
         RemoteSettings()
+    monkeypatch.delenv("GPULOAD_REMOTE_RETRIES")
+    assert RemoteSettings().kept_listing_s == float("inf")
+    monkeypatch.setenv("GPULOAD_REMOTE_KEPT_LISTING_S", "86400")
+    assert RemoteSettings().kept_listing_s == 86400
+    for bad in (float("nan"), -1):
+        with pytest.raises(ConfigError, match="kept_listing_s"):
+            RemoteSettings(kept_listing_s=bad)
 
 def test_public_names_and_stats_text():
     assert gpuload.RemoteSettings is gpuload.sources.fetch.RemoteSettings is RemoteSettings

@@ -1,0 +1,124 @@
+"""Listings: what each remote source last listed, kept in the cache, so that a fully cached
+source opens while its store cannot be reached.
+
+Every open lists a remote source anew (objects added, rewritten or removed are seen then). Each
+listing that succeeds is kept under the URL it lists; when a later listing fails for a reason
+worth another try (the store down, throttling, no connection: :class:`gpuload.sources.retry.Unreachable`)
+and every chunk of the dataset is cached, the dataset opens from the kept listing, with a
+warning that gives its age (:func:`gpuload.sources.listing.list_files`,
+:class:`gpuload.reader.ChunkReader`). Footers and chunks are kept under each object's identity,
+so nothing of another version is served: an object the kept listing names with an identity
+the cache does not hold needs the store, and the open is refused.
+
+File format (``<cache>/v3/vocab/<key>.listing``, beside vocabularies and kept-row counts),
+little-endian::
+
+    offset 0   8 bytes   magic b"GPULLIST"
+    offset 8   u32       format version (1)
+    offset 12  u32       header length H
+    offset 16  u64       xxh3-64 of the header bytes
+    offset 24  H bytes   header: UTF-8 JSON {"key", "url", "at" (seconds since the epoch), "base"
+                         (the Hive partition base, or null), "table" (whether a Delta table's log
+                         chose the objects), "objects": [[path, size, mtime_ns, tag], ...]}
+
+A file that does not check out is ignored (the source is then refused as if none were kept),
+never trusted. ``gpuload cache clear`` removes these files with a full clear only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import NamedTuple
+
+import xxhash
+
+from .chunkfile import LAYOUT_DIR
+from .fs import CacheRoot
+from .smallfile import read_small_file, write_small_file
+from .vocabs import VOCAB_DIR
+
+__all__ = ["Kept", "listing_key", "load_listing", "save_listing", "check_listing_file", "LISTING_SUFFIX"]
+
+LISTING_SUFFIX = ".listing"
+MAGIC = b"GPULLIST"
+VERSION = 1
+_PARTS = (LAYOUT_DIR, VOCAB_DIR)
+_LIMIT = 1 << 30  # bytes: a listing of millions of objects still fits
+
+
+class Kept(NamedTuple):
+    """A kept listing: when it was made (seconds since the epoch), its Hive partition base,
+    whether a table's log chose its objects, and the objects as ``(path, size, mtime_ns, tag)``."""
+
+    at: float
+    base: str | None
+    table: bool
+    objects: list[tuple[str, int, int, str]]
+
+    def age_text(self, now: float | None = None) -> str:
+        """How long ago it was made, in words (``"3 h 5 min"``)."""
+        s = max(0, int((time.time() if now is None else now) - self.at))
+        d, h, m = s // 86400, s // 3600 % 24, s // 60 % 60
+        parts = [f"{d} d"] * bool(d) + [f"{h} h"] * bool(h) + [f"{m} min"] * bool(m and not d)
+        return " ".join(parts) or f"{s} s"
+
+
+def listing_key(url: str) -> str:
+    """The name (16 hex digits) a listing of ``url`` (a source item, as the store names it) is kept under."""
+    return xxhash.xxh64_hexdigest(f"listing:{VERSION}:{url}".encode())
+
+
+def _read(root: CacheRoot, name: str) -> dict:
+    hlen, body = read_small_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT)
+    if hlen != len(body):
+        raise ValueError("not a gpuload listing file of this version")
+    try:
+        header = json.loads(body)
+        objects = header["objects"]
+        if not isinstance(objects, list) or not all(
+                isinstance(o, list) and len(o) == 4 and isinstance(o[0], str) and isinstance(o[3], str)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in o[1:3]) for o in objects):
+            raise ValueError("its objects are not (path, size, mtime_ns, tag)")
+        if not isinstance(header["at"], (int, float)) or not isinstance(header["table"], bool) or \
+                not (header["base"] is None or isinstance(header["base"], str)):
+            raise ValueError("its time, base or table mark is not of the right type")
+        return header
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
+
+
+def load_listing(root: CacheRoot | None, url: str) -> Kept | None:
+    """The listing kept for ``url``, or None (none kept, unreadable, or not checking out)."""
+    if root is None:
+        return None
+    key = listing_key(url)
+    try:
+        header = _read(root, key + LISTING_SUFFIX)
+    except (OSError, ValueError):
+        return None
+    if header.get("key") != key or header.get("url") != url:
+        return None
+    return Kept(float(header["at"]), header["base"], header["table"], [tuple(o) for o in header["objects"]])
+
+
+def save_listing(root: CacheRoot, url: str, base: str | None, table: bool, objects) -> None:
+    """Keep the listing of ``url``: ``objects`` (each with ``path``, ``size``, ``mtime_ns``, ``tag``),
+    ``base`` and ``table`` as :class:`Kept` describes them, made now (written atomically; an
+    OSError says why not)."""
+    key = listing_key(url)
+    body = json.dumps({"key": key, "url": url, "at": time.time(), "base": base, "table": bool(table),
+                       "objects": [[o.path, int(o.size), int(o.mtime_ns), o.tag] for o in objects]},
+                      separators=(",", ":")).encode()
+    write_small_file(root, _PARTS, key + LISTING_SUFFIX, MAGIC, VERSION, body)
+
+
+def check_listing_file(root: CacheRoot, name: str) -> str | None:
+    """What is wrong with listing file ``name`` (None: nothing)."""
+    try:
+        header = _read(root, name)
+    except ValueError as e:
+        return str(e)
+    if str(header.get("key")) + LISTING_SUFFIX != name or listing_key(str(header.get("url"))) != header["key"]:
+        return "its header names another listing than its name"
+    return None

@@ -1,0 +1,86 @@
+"""Kept listings: read back as written; damaged, misnamed or foreign files ignored, never trusted;
+counted, verified and cleared by the cache's tools."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from gpuload.cache import admin as cache_admin
+from gpuload.cache.fs import CacheRoot
+from gpuload.cache.listings import (LISTING_SUFFIX, Kept, check_listing_file, listing_key, load_listing,
+                                    save_listing)
+from gpuload.cache.smallfile import write_small_file
+from gpuload.sources.remote import ObjectInfo
+
+OBJECTS = [ObjectInfo("b/d/p0.parquet", 1234, 1_700_000_000_000_000_000, '"etag-0"'),
+           ObjectInfo("b/d/k=1/p1.parquet", 99, 0, "")]
+
+
+def _t(o: ObjectInfo) -> tuple:
+    return o.path, o.size, o.mtime_ns, o.tag
+
+
+def _path(cache, url: str):
+    return cache / "v3" / "vocab" / (listing_key(url) + LISTING_SUFFIX)
+
+
+def test_a_listing_reads_back_as_it_was_kept(tmp_path):
+    root = CacheRoot(tmp_path)
+    before = time.time()
+    save_listing(root, "s3://b/d", "b/d", False, OBJECTS)
+    kept = load_listing(root, "s3://b/d")
+    assert kept.objects == [_t(o) for o in OBJECTS] and kept.base == "b/d" and kept.table is False
+    assert before <= kept.at <= time.time()
+    assert load_listing(root, "s3://b/other") is None and load_listing(None, "s3://b/d") is None
+    assert listing_key("s3://b/d") != listing_key("gs://b/d")
+    save_listing(root, "s3://b/d", None, True, OBJECTS[:1])  # the next open's replaces it
+    assert load_listing(root, "s3://b/d") == Kept(load_listing(root, "s3://b/d").at, None, True, [_t(OBJECTS[0])])
+
+
+@pytest.mark.parametrize("age, text", [(0, "0 s"), (59, "59 s"), (61, "1 min"), (3600 * 5 + 120, "5 h 2 min"),
+                                       (86400 * 3 + 3600 * 4 + 60, "3 d 4 h")])
+def test_age_in_words(age, text):
+    assert Kept(1000.0, None, False, []).age_text(now=1000.0 + age) == text
+
+
+def test_a_damaged_or_misnamed_listing_is_ignored_and_named_by_verify(tmp_path):
+    root = CacheRoot(tmp_path)
+    save_listing(root, "s3://b/d", "b/d", False, OBJECTS)
+    path = _path(tmp_path, "s3://b/d")
+    assert check_listing_file(root, path.name) is None
+    path.write_bytes(path.read_bytes()[:-1] + b" ")  # same length, other bytes
+    assert load_listing(root, "s3://b/d") is None and "checksum" in check_listing_file(root, path.name)
+    # a well-formed file for another URL copied under this one's name
+    save_listing(root, "s3://b/other", "b/other", False, OBJECTS)
+    path.write_bytes(_path(tmp_path, "s3://b/other").read_bytes())
+    assert load_listing(root, "s3://b/d") is None
+    assert check_listing_file(root, path.name) == "its header names another listing than its name"
+
+
+@pytest.mark.parametrize("objects", [[["p", -1, 0, ""]], [["p", 1, 0]], [["p", True, 0, ""]], [[1, 1, 0, ""]], {}])
+def test_objects_that_are_not_objects_are_refused(tmp_path, objects):
+    from gpuload.cache import listings
+
+    root = CacheRoot(tmp_path)
+    key = listing_key("s3://b/d")
+    body = json.dumps({"key": key, "url": "s3://b/d", "at": 1.0, "base": None, "table": False, "objects": objects})
+    write_small_file(root, ("v3", "vocab"), key + LISTING_SUFFIX, listings.MAGIC, listings.VERSION, body.encode())
+    assert load_listing(root, "s3://b/d") is None
+    assert "malformed" in check_listing_file(root, key + LISTING_SUFFIX)
+
+
+def test_info_verify_and_clear_know_listings(tmp_path):
+    root = CacheRoot(tmp_path)
+    save_listing(root, "s3://b/d", "b/d", False, OBJECTS)
+    s = cache_admin.summary(root)
+    assert s["listings"] == 1 and not s["foreign"]
+    assert cache_admin.verify_all(root) == []
+    path = _path(tmp_path, "s3://b/d")
+    path.write_bytes(path.read_bytes()[:-1] + b"X")
+    (bad,) = cache_admin.verify_all(root)
+    assert bad.path == path and "checksum" in bad.problem
+    out = cache_admin.clear(root)
+    assert not path.exists() and not out["foreign"] and not out["failed"]

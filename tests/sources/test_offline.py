@@ -1,0 +1,173 @@
+"""A fully cached remote source opens while its store is down, from the listing kept at its last
+open; anything that would need the store is refused with the listing's error and what is missing.
+Against a real S3-protocol server (moto) on loopback, stopped for real."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import gpuload
+from gpuload import SourceError
+from gpuload.cache.fs import CacheRoot
+from gpuload.cache.listings import load_listing, save_listing
+from gpuload.sources import offline
+from gpuload.sources.remote import ObjectInfo, Store
+from gpuload.sources.retry import Unreachable
+
+pytest.importorskip("moto")
+pytest.importorskip("s3fs")
+from gpuload.testing import S3Server  # noqa: E402
+
+FAST = {"retries": 2, "backoff_s": 0.01, "max_backoff_s": 0.05, "timeout_s": 5.0}
+ROWS = 1000  # per file
+
+
+def _upload(s3, folder, files: int, bucket: str) -> None:
+    folder.mkdir(exist_ok=True)
+    for i in range(files):
+        x = np.arange(i * ROWS, (i + 1) * ROWS)
+        pq.write_table(pa.table({"x": x, "y": (x * 3).astype(np.float32)}), folder / f"p{i}.parquet",
+                       row_group_size=250)
+    s3.upload_folder(folder, bucket, "data/")
+
+
+def _open(so, cache, bucket: str, columns=("x",), **remote):
+    return gpuload.ParquetDataset(f"s3://{bucket}/data/", list(columns), batch_size=128, cache_dir=cache, device="cpu",
+                                  storage_options=so, remote=FAST | remote, chunk_bytes=4096)
+
+
+def _xs(ds) -> np.ndarray:
+    return np.sort(np.concatenate([b["x"].numpy() for b in ds]))
+
+
+@pytest.fixture
+def bucket() -> str:
+    """A bucket name of the test's own (moto's buckets outlive its servers, in this process)."""
+    return f"b{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def down(tmp_path, bucket):
+    """A cache whose source (3 objects) was read whole through one epoch of column x, and the storage
+    options of its store, which is then stopped (its port refuses connections)."""
+    with S3Server() as s3:
+        _upload(s3, tmp_path / "src", 3, bucket)
+        ds = _open(s3.storage_options, tmp_path / "cache", bucket)
+        assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
+        ds.close()
+        so = s3.storage_options
+    return so, tmp_path / "cache"
+
+
+def test_a_fully_cached_source_opens_and_trains_while_its_store_is_down(down, bucket, caplog):
+    so, cache = down
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        ds = _open(so, cache, bucket)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"s3://{bucket}/data: the store cannot be reached" in said and "no connection to the store" in said
+    assert "opened from the listing kept at its last open" in said and "(3 objects), every chunk cached" in said
+    for epoch in (0, 1):  # every row once, in the order of a dataset opened with the store up
+        ds.set_epoch(epoch)
+        assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
+    assert ds.reader.counters.decoded == 0 and ds.stats().remote.requests == 0
+    ds.close()
+
+
+def test_a_partly_cached_source_is_refused_naming_what_needs_the_store(down, bucket, caplog):
+    so, cache = down
+    with caplog.at_level(logging.WARNING, logger="gpuload"), pytest.raises(
+            SourceError, match=rf"s3://{bucket}/data/: listing: failed 3 times.*no connection to the store.*the "
+                               r"listing kept from its last open \(\d+ s ago\) names 3 objects, but 12 of the "
+                               r"dataset's 12 chunks are not cached, and reading them needs the store"):
+        _open(so, cache, bucket, columns=("x", "y"))  # another column set: its chunks were never cached
+    assert "opened from the listing" not in caplog.text
+    ds = _open(so, cache, bucket)  # the refusal cost the cached column set nothing
+    assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
+    ds.close()
+
+
+def test_a_listing_kept_too_long_or_not_wanted_gives_the_stores_error(down, bucket, monkeypatch):
+    so, cache = down
+    with pytest.raises(SourceError, match=r"listing: failed 3 times.*no connection to the store") as refused:
+        _open(so, cache, bucket, kept_listing_s=0)
+    assert "kept" not in str(refused.value)
+    later = time.time() + 2 * 3600 + 300
+    monkeypatch.setattr(offline.time, "time", lambda: later)  # a virtual clock: the listing 2 h 5 min old
+    with pytest.raises(SourceError, match=r"the listing kept from its last open is 2 h 5 min old, more than remote "
+                                          r"kept_listing_s=3600 s allows"):
+        _open(so, cache, bucket, kept_listing_s=3600)
+    monkeypatch.setenv("GPULOAD_REMOTE_KEPT_LISTING_S", "3600")
+    with pytest.raises(SourceError, match=r"2 h 5 min old, more than remote kept_listing_s=3600 s allows"):
+        _open(so, cache, bucket)  # the variable's limit
+    ds = _open(so, cache, bucket, kept_listing_s=36000)  # the argument's, over the variable's
+    assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
+    ds.close()
+
+
+def test_each_open_with_the_store_up_keeps_its_new_listing(tmp_path, bucket):
+    root = CacheRoot(tmp_path / "cache")
+    with S3Server() as s3:
+        _upload(s3, tmp_path / "src", 2, bucket)
+        _open(s3.storage_options, tmp_path / "cache", bucket).close()
+        first = load_listing(root, f"s3://{bucket}/data")
+        assert [o[0] for o in first.objects] == [f"{bucket}/data/p0.parquet", f"{bucket}/data/p1.parquet"]
+        _upload(s3, tmp_path / "src", 3, bucket)  # an object added
+        ds = _open(s3.storage_options, tmp_path / "cache", bucket)
+        assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
+        ds.close()
+        so = s3.storage_options
+    kept = load_listing(root, f"s3://{bucket}/data")
+    assert len(kept.objects) == 3 and kept.at >= first.at and kept.base == f"{bucket}/data" and not kept.table
+    ds = _open(so, tmp_path / "cache", bucket)  # the store down: the latest listing, all three objects
+    assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
+    ds.close()
+
+
+class _Down(Store):
+    """A store whose every listing fails with a refused connection."""
+
+    def expand(self, item):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+
+def _down_store():
+    import fsspec
+
+    return _Down(fsspec.filesystem("memory"), "s3")
+
+
+def test_a_kept_delta_tables_listing_is_not_used_without_its_log(tmp_path):
+    root = CacheRoot(tmp_path / "cache")
+    objects = [ObjectInfo("b/t/part-0.parquet", 10, 5, "e1")]
+    save_listing(root, "s3://b/t", "b/t", True, objects)
+    found: list = []
+    with pytest.raises(Unreachable, match=r"s3://b/t: listing: failed 1 times.*is a Delta table's, which opens only "
+                                          r"from its log"):
+        offline.list_item(_down_store(), "s3://b/t", gpuload.RemoteSettings(**FAST | {"retries": 0}), root, found)
+    save_listing(root, "s3://b/t", "b/t", False, objects)
+    infos, base, tables = offline.list_item(_down_store(), "s3://b/t", gpuload.RemoteSettings(**FAST | {"retries": 0}),
+                                            root, found)
+    assert infos == objects and base == "b/t" and tables is None
+    assert [o.url for o in found] == ["s3://b/t"] and "Connection refused" in found[0].error
+
+
+def test_errors_that_are_not_the_stores_absence_are_raised_as_they_are(tmp_path):
+    root = CacheRoot(tmp_path / "cache")
+    save_listing(root, "s3://b/t", None, False, [ObjectInfo("b/t", 10, 5, "e1")])
+
+    class Gone(Store):
+        def expand(self, item):
+            raise FileNotFoundError(item)
+
+    import fsspec
+
+    with pytest.raises(SourceError, match="FileNotFoundError.*the object is gone"):  # a 404 is an answer
+        offline.list_item(Gone(fsspec.filesystem("memory"), "s3"), "s3://b/t", gpuload.RemoteSettings(**FAST), root,
+                          [])
