@@ -171,3 +171,24 @@ def test_errors_that_are_not_the_stores_absence_are_raised_as_they_are(tmp_path)
     with pytest.raises(SourceError, match="FileNotFoundError.*the object is gone"):  # a 404 is an answer
         offline.list_item(Gone(fsspec.filesystem("memory"), "s3"), "s3://b/t", gpuload.RemoteSettings(**FAST), root,
                           [])
+
+
+def test_an_http_folder_opens_while_its_server_is_down(tmp_path, caplog):
+    from gpuload.testing import HttpServer
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"x": np.arange(i * ROWS, (i + 1) * ROWS)}), folder / f"p{i}.parquet",
+                       row_group_size=250)
+    with HttpServer(folder) as srv:
+        url = srv.url("")
+        kw = dict(batch_size=128, cache_dir=tmp_path / "cache", device="cpu", remote=FAST, chunk_bytes=4096)
+        ds = gpuload.ParquetDataset(url, ["x"], **kw)
+        assert np.array_equal(_xs(ds), np.arange(2 * ROWS))
+        ds.close()
+    with caplog.at_level(logging.WARNING, logger="gpuload"):
+        ds = gpuload.ParquetDataset(url, ["x"], **kw)
+    assert "the store cannot be reached" in caplog.text and "(2 objects), every chunk cached" in caplog.text
+    assert np.array_equal(_xs(ds), np.arange(2 * ROWS)) and ds.stats().remote.requests == 0
+    ds.close()
