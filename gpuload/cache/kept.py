@@ -26,7 +26,7 @@ import xxhash
 
 from .chunkfile import LAYOUT_DIR
 from .fs import CacheRoot
-from .smallfile import read_small_file, write_small_file
+from .smallfile import read_json_file, write_json_file
 from .vocabs import VOCAB_DIR
 
 __all__ = ["kept_key", "load_kept", "save_kept", "check_kept_file", "KEPT_SUFFIX"]
@@ -44,18 +44,14 @@ def kept_key(filter_key: str, source: tuple) -> str:
     return xxhash.xxh64_hexdigest(text.encode())
 
 
+def _check(header: dict) -> None:
+    kept = header["kept"]
+    if not isinstance(kept, list) or not all(isinstance(n, int) and n >= 0 for n in kept):
+        raise ValueError("its counts are not row counts")
+
+
 def _read(root: CacheRoot, name: str) -> dict:
-    hlen, body = read_small_file(root, _PARTS, name, MAGIC, VERSION, "kept-rows", 1 << 26)
-    if hlen != len(body):
-        raise ValueError("not a gpuload kept-rows file of this version")
-    try:
-        header = json.loads(body)
-        kept = header["kept"]
-        if not isinstance(kept, list) or not all(isinstance(n, int) and n >= 0 for n in kept):
-            raise ValueError("its counts are not row counts")
-        return header
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
+    return read_json_file(root, _PARTS, name, MAGIC, VERSION, "kept-rows", 1 << 26, _check)
 
 
 def load_kept(root: CacheRoot | None, key: str, groups: int) -> list[int] | None:
@@ -73,9 +69,8 @@ def load_kept(root: CacheRoot | None, key: str, groups: int) -> list[int] | None
 
 def save_kept(root: CacheRoot, key: str, filter_key: str, source: tuple, kept: list[int]) -> None:
     """Keep ``kept`` (rows per row group) under ``key`` (written atomically; an OSError says why not)."""
-    body = json.dumps({"key": key, "filter": filter_key, "file": list(source), "kept": [int(n) for n in kept]},
-                      separators=(",", ":")).encode()
-    write_small_file(root, _PARTS, key + KEPT_SUFFIX, MAGIC, VERSION, body)
+    write_json_file(root, _PARTS, key + KEPT_SUFFIX, MAGIC, VERSION,
+                    {"key": key, "filter": filter_key, "file": list(source), "kept": [int(n) for n in kept]})
 
 
 def check_kept_file(root: CacheRoot, name: str) -> str | None:

@@ -27,7 +27,6 @@ never trusted. ``gpuload cache clear`` removes these files with a full clear onl
 
 from __future__ import annotations
 
-import json
 import time
 from typing import NamedTuple
 
@@ -35,7 +34,7 @@ import xxhash
 
 from .chunkfile import LAYOUT_DIR
 from .fs import CacheRoot
-from .smallfile import read_small_file, write_small_file
+from .smallfile import read_json_file, write_json_file
 from .vocabs import VOCAB_DIR
 
 __all__ = ["Kept", "listing_key", "load_listing", "save_listing", "check_listing_file", "LISTING_SUFFIX"]
@@ -69,23 +68,19 @@ def listing_key(url: str) -> str:
     return xxhash.xxh64_hexdigest(f"listing:{VERSION}:{url}".encode())
 
 
+def _check(header: dict) -> None:
+    objects = header["objects"]
+    if not isinstance(objects, list) or not all(
+            isinstance(o, list) and len(o) == 4 and isinstance(o[0], str) and isinstance(o[3], str)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in o[1:3]) for o in objects):
+        raise ValueError("its objects are not (path, size, mtime_ns, tag)")
+    if not isinstance(header["at"], (int, float)) or not isinstance(header["table"], bool) or \
+            not (header["base"] is None or isinstance(header["base"], str)):
+        raise ValueError("its time, base or table mark is not of the right type")
+
+
 def _read(root: CacheRoot, name: str) -> dict:
-    hlen, body = read_small_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT)
-    if hlen != len(body):
-        raise ValueError("not a gpuload listing file of this version")
-    try:
-        header = json.loads(body)
-        objects = header["objects"]
-        if not isinstance(objects, list) or not all(
-                isinstance(o, list) and len(o) == 4 and isinstance(o[0], str) and isinstance(o[3], str)
-                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in o[1:3]) for o in objects):
-            raise ValueError("its objects are not (path, size, mtime_ns, tag)")
-        if not isinstance(header["at"], (int, float)) or not isinstance(header["table"], bool) or \
-                not (header["base"] is None or isinstance(header["base"], str)):
-            raise ValueError("its time, base or table mark is not of the right type")
-        return header
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
+    return read_json_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT, _check)
 
 
 def load_listing(root: CacheRoot | None, url: str) -> Kept | None:
@@ -107,10 +102,9 @@ def save_listing(root: CacheRoot, url: str, base: str | None, table: bool, objec
     ``base`` and ``table`` as :class:`Kept` describes them, made now (written atomically; an
     OSError says why not)."""
     key = listing_key(url)
-    body = json.dumps({"key": key, "url": url, "at": time.time(), "base": base, "table": bool(table),
-                       "objects": [[o.path, int(o.size), int(o.mtime_ns), o.tag] for o in objects]},
-                      separators=(",", ":")).encode()
-    write_small_file(root, _PARTS, key + LISTING_SUFFIX, MAGIC, VERSION, body)
+    write_json_file(root, _PARTS, key + LISTING_SUFFIX, MAGIC, VERSION,
+                    {"key": key, "url": url, "at": time.time(), "base": base, "table": bool(table),
+                     "objects": [[o.path, int(o.size), int(o.mtime_ns), o.tag] for o in objects]})
 
 
 def check_listing_file(root: CacheRoot, name: str) -> str | None:

@@ -1,5 +1,5 @@
-"""gpuload's small checked files (cached Parquet footers, kept-row counts): a prefix, a JSON
-header, then any bytes, written atomically and checked whole on every read.
+"""gpuload's small checked files (cached Parquet footers, kept-row counts, listings): a prefix, a
+JSON header, then any bytes, written atomically and checked whole on every read.
 
 Format, little-endian::
 
@@ -13,15 +13,17 @@ Format, little-endian::
 
 from __future__ import annotations
 
+import json
 import os
 import struct
+from typing import Callable
 
 import xxhash
 
 from .directio import pwrite_all
 from .fs import CacheRoot
 
-__all__ = ["SMALL_PREFIX", "read_small_file", "write_small_file"]
+__all__ = ["SMALL_PREFIX", "read_small_file", "write_small_file", "read_json_file", "write_json_file"]
 
 SMALL_PREFIX = struct.Struct("<8sIIQ")  #: magic, version, header length, xxh3-64 of what follows
 
@@ -57,3 +59,24 @@ def write_small_file(root: CacheRoot, parts, name: str, magic: bytes, version: i
     body = header + payload
     blob = SMALL_PREFIX.pack(magic, version, len(header), xxhash.xxh3_64_intdigest(body)) + body
     root.write(parts, name, lambda fd: pwrite_all(fd, blob, 0))
+
+
+def read_json_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, what: str, limit: int,
+                   check: Callable[[dict], None]) -> dict:
+    """The JSON header of small checked file ``name`` (one with no payload), once ``check(header)``
+    passed (it raises a ValueError, KeyError or TypeError for a malformed one); a ValueError says
+    what is wrong, an OSError that it cannot be read."""
+    hlen, body = read_small_file(root, parts, name, magic, version, what, limit)
+    if hlen != len(body):
+        raise ValueError(f"not a gpuload {what} file of this version")
+    try:
+        header = json.loads(body)
+        check(header)
+        return header
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
+
+
+def write_json_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, header: dict) -> None:
+    """Write ``header`` as small checked file ``name`` with no payload (see :func:`write_small_file`)."""
+    write_small_file(root, parts, name, magic, version, json.dumps(header, separators=(",", ":")).encode())

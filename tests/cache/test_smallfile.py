@@ -48,3 +48,25 @@ def test_a_file_over_the_limit_is_not_read(tmp_path):
         _read(root, what="footer", limit=500)
     with pytest.raises(FileNotFoundError):
         _read(root, "absent")
+
+
+def test_json_files_read_back_checked(tmp_path):
+    from gpuload.cache.smallfile import read_json_file, write_json_file
+
+    root = CacheRoot(tmp_path)
+
+    def check(h):
+        if h["n"] < 0:
+            raise ValueError("n is negative")
+
+    write_json_file(root, ("d",), "j", MAGIC, 2, {"n": 3, "s": "é"})
+    assert read_json_file(root, ("d",), "j", MAGIC, 2, "test", 1 << 20, check) == {"n": 3, "s": "é"}
+    write_json_file(root, ("d",), "j", MAGIC, 2, {"n": -1})
+    with pytest.raises(ValueError, match=r"malformed \(ValueError: n is negative\)"):
+        read_json_file(root, ("d",), "j", MAGIC, 2, "test", 1 << 20, check)
+    write_json_file(root, ("d",), "j", MAGIC, 2, {})
+    with pytest.raises(ValueError, match=r"malformed \(KeyError: 'n'\)"):
+        read_json_file(root, ("d",), "j", MAGIC, 2, "test", 1 << 20, check)
+    write_small_file(root, ("d",), "p", MAGIC, 2, b'{"n": 1}', b"payload")  # a file with a payload is another kind
+    with pytest.raises(ValueError, match="not a gpuload test file of this version"):
+        read_json_file(root, ("d",), "p", MAGIC, 2, "test", 1 << 20, check)
