@@ -40,7 +40,7 @@ from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, requested_columns, resolve_outputs
 from .transforms import apply_transform, transform_outputs
 from .sources.listing import SourceFile, all_columns, common_columns, fingerprint, list_files, row_group_sizes
-from .sources.offline import Offline, check_offline
+from .sources.offline import Offline, check_offline, warn_offline
 from .sources.opening import open_files
 
 log = logging.getLogger("gpuload")
@@ -68,8 +68,9 @@ class ChunkReader:
         self.open_counts: dict[str, int] = {}  # footers_cached / footers_read at open
         offline: list[Offline] = []  # remote items listed from the cache: their store cannot be reached
         self.files: list[SourceFile] = open_files(
-            list_files(source.source, source.filesystem, source.storage_options, self.remote, self.cache.root,
-                       offline), self.cache.root, self.remote_reads.fetcher, self.open_counts)
+            list_files(source.source, source.filesystem, source.storage_options, self.remote,
+                       None if opts.cache_io == "off" else self.cache.root, offline),
+            self.cache.root, self.remote_reads.fetcher, self.open_counts)
         self.has_remote = any(f.remote for f in self.files)  #: some file is a remote object
         #: the columns the row filter reads (its kept rows are counted over them, and Vocab columns' values)
         self.filter_columns: list[str] = [] if source.filters is None else \
@@ -126,7 +127,7 @@ class ChunkReader:
         #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
         self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
-        if offline:  # opened without the store: only if the epochs will not need it
+        if offline:  # opened without the store: only if the epochs will not need it (checked again once registered)
             check_offline(offline, len(self.chunks) - len(self.cached_at_open), len(self.chunks))
         scan = scan_nulls and flt is None  # else (a cluster worker: its caller checked these files; a filter:
         if scan:  # nulls in rows it drops do not count) conversion still refuses nulls, naming the chunk
@@ -134,10 +135,15 @@ class ChunkReader:
         self._records = self.caching and record  # this reader's use is told to the cache (open_reader)
         if self._records:  # once the data is known to load: a refused open leaves no record
             self.cache.register(self.groups)
-        if scan:
+        if scan or offline:
             # a chunk the scan skipped as cached and that was evicted meanwhile is built again, from the very
             # row groups its key names (so they load): it counts as not cached at open
             self.cached_at_open = {i for i in self.cached_at_open if self.is_cached(i)}
+        if offline:
+            if len(self.cached_at_open) < len(self.chunks) and self._records:  # evicted before it was registered
+                self.cache.release()
+            check_offline(offline, len(self.chunks) - len(self.cached_at_open), len(self.chunks))
+            warn_offline(offline)
         if self._records:  # the column set's record; a warning where the cache has room for part of it only
             self.cache.touch_spec(self.spec_hash, self.spec_desc)
             warn_short_room(self.cache, self.groups, files, opts.max_cache_bytes, opts.cache_where, building)

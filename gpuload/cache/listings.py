@@ -17,7 +17,9 @@ little-endian::
     offset 8   u32       format version (1)
     offset 12  u32       header length H
     offset 16  u64       xxh3-64 of the header bytes
-    offset 24  H bytes   header: UTF-8 JSON {"key", "url", "at" (seconds since the epoch), "base"
+    offset 24  H bytes   header: UTF-8 JSON {"key", "url", "place" (the store: its filesystem and
+                         options, credentials left out: :func:`gpuload.sources.offline.place`),
+                         "at" (seconds since the epoch), "base"
                          (the Hive partition base, or null), "table" (whether a Delta table's log
                          chose the objects), "objects": [[path, size, mtime_ns, tag], ...]}
 
@@ -27,6 +29,7 @@ never trusted. ``gpuload cache clear`` removes these files with a full clear onl
 
 from __future__ import annotations
 
+import json
 import time
 from typing import NamedTuple
 
@@ -63,9 +66,10 @@ class Kept(NamedTuple):
         return " ".join(parts) or f"{s} s"
 
 
-def listing_key(url: str) -> str:
-    """The name (16 hex digits) a listing of ``url`` (a source item, as the store names it) is kept under."""
-    return xxhash.xxh64_hexdigest(f"listing:{VERSION}:{url}".encode())
+def listing_key(url: str, place: str) -> str:
+    """The name (16 hex digits) a listing of ``url`` (a source item, as the store names it) from the
+    store at ``place`` is kept under: the same names at another endpoint are another listing."""
+    return xxhash.xxh64_hexdigest(json.dumps(["listing", VERSION, url, place]).encode())
 
 
 def _check(header: dict) -> None:
@@ -74,36 +78,39 @@ def _check(header: dict) -> None:
             isinstance(o, list) and len(o) == 4 and isinstance(o[0], str) and isinstance(o[3], str)
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in o[1:3]) for o in objects):
         raise ValueError("its objects are not (path, size, mtime_ns, tag)")
-    if not isinstance(header["at"], (int, float)) or not isinstance(header["table"], bool) or \
+    if not isinstance(header["place"], str) or not isinstance(header["at"], (int, float)) or not isinstance(header["table"], bool) or \
             not (header["base"] is None or isinstance(header["base"], str)):
-        raise ValueError("its time, base or table mark is not of the right type")
+        raise ValueError("its store, time, base or table mark is not of the right type")
 
 
 def _read(root: CacheRoot, name: str) -> dict:
     return read_json_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT, _check)
 
 
-def load_listing(root: CacheRoot | None, url: str) -> Kept | None:
-    """The listing kept for ``url``, or None (none kept, unreadable, or not checking out)."""
+def load_listing(root: CacheRoot | None, url: str, place: str) -> Kept | None:
+    """The listing kept for ``url`` at ``place``, or None (none kept); a ValueError says why a kept
+    one cannot be used (unreadable, damaged, or another listing's)."""
     if root is None:
         return None
-    key = listing_key(url)
+    key = listing_key(url, place)
     try:
         header = _read(root, key + LISTING_SUFFIX)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return None
-    if header.get("key") != key or header.get("url") != url:
-        return None
+    except OSError as e:
+        raise ValueError(f"unreadable ({e.strerror or e})") from None
+    if header.get("key") != key or header.get("url") != url or header.get("place") != place:
+        raise ValueError("it names another listing than its file name")
     return Kept(float(header["at"]), header["base"], header["table"], [tuple(o) for o in header["objects"]])
 
 
-def save_listing(root: CacheRoot, url: str, base: str | None, table: bool, objects) -> None:
-    """Keep the listing of ``url``: ``objects`` (each with ``path``, ``size``, ``mtime_ns``, ``tag``),
-    ``base`` and ``table`` as :class:`Kept` describes them, made now (written atomically; an
-    OSError says why not)."""
-    key = listing_key(url)
+def save_listing(root: CacheRoot, url: str, place: str, base: str | None, table: bool, objects) -> None:
+    """Keep the listing of ``url`` from the store at ``place``: ``objects`` (each with ``path``,
+    ``size``, ``mtime_ns``, ``tag``), ``base`` and ``table`` as :class:`Kept` describes them, made
+    now (written atomically; an OSError says why not)."""
+    key = listing_key(url, place)
     write_json_file(root, _PARTS, key + LISTING_SUFFIX, MAGIC, VERSION,
-                    {"key": key, "url": url, "at": time.time(), "base": base, "table": bool(table),
+                    {"key": key, "url": url, "place": place, "at": time.time(), "base": base, "table": bool(table),
                      "objects": [[o.path, int(o.size), int(o.mtime_ns), o.tag] for o in objects]})
 
 
@@ -113,6 +120,7 @@ def check_listing_file(root: CacheRoot, name: str) -> str | None:
         header = _read(root, name)
     except ValueError as e:
         return str(e)
-    if str(header.get("key")) + LISTING_SUFFIX != name or listing_key(str(header.get("url"))) != header["key"]:
+    if str(header.get("key")) + LISTING_SUFFIX != name or \
+            listing_key(str(header.get("url")), header["place"]) != header["key"]:
         return "its header names another listing than its name"
     return None

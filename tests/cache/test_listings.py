@@ -15,6 +15,7 @@ from gpuload.cache.listings import (LISTING_SUFFIX, Kept, check_listing_file, li
 from gpuload.cache.smallfile import write_small_file
 from gpuload.sources.remote import ObjectInfo
 
+PLACE = '["s3", ["S3FileSystem", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}]]'
 OBJECTS = [ObjectInfo("b/d/p0.parquet", 1234, 1_700_000_000_000_000_000, '"etag-0"'),
            ObjectInfo("b/d/k=1/p1.parquet", 99, 0, "")]
 
@@ -23,21 +24,23 @@ def _t(o: ObjectInfo) -> tuple:
     return o.path, o.size, o.mtime_ns, o.tag
 
 
-def _path(cache, url: str):
-    return cache / "v3" / "vocab" / (listing_key(url) + LISTING_SUFFIX)
+def _path(cache, url: str, place: str = PLACE):
+    return cache / "v3" / "vocab" / (listing_key(url, place) + LISTING_SUFFIX)
 
 
 def test_a_listing_reads_back_as_it_was_kept(tmp_path):
     root = CacheRoot(tmp_path)
     before = time.time()
-    save_listing(root, "s3://b/d", "b/d", False, OBJECTS)
-    kept = load_listing(root, "s3://b/d")
+    save_listing(root, "s3://b/d", PLACE, "b/d", False, OBJECTS)
+    kept = load_listing(root, "s3://b/d", PLACE)
     assert kept.objects == [_t(o) for o in OBJECTS] and kept.base == "b/d" and kept.table is False
     assert before <= kept.at <= time.time()
-    assert load_listing(root, "s3://b/other") is None and load_listing(None, "s3://b/d") is None
-    assert listing_key("s3://b/d") != listing_key("gs://b/d")
-    save_listing(root, "s3://b/d", None, True, OBJECTS[:1])  # the next open's replaces it
-    assert load_listing(root, "s3://b/d") == Kept(load_listing(root, "s3://b/d").at, None, True, [_t(OBJECTS[0])])
+    assert load_listing(root, "s3://b/other", PLACE) is None and load_listing(None, "s3://b/d", PLACE) is None
+    assert load_listing(root, "s3://b/d", PLACE.replace("9000", "9001")) is None  # another endpoint's
+    assert listing_key("s3://b/d", PLACE) != listing_key("gs://b/d", PLACE)
+    save_listing(root, "s3://b/d", PLACE, None, True, OBJECTS[:1])  # the next open's replaces it
+    again = load_listing(root, "s3://b/d", PLACE)
+    assert again == Kept(again.at, None, True, [_t(OBJECTS[0])])
 
 
 @pytest.mark.parametrize("age, text", [(0, "0 s"), (59, "59 s"), (61, "1 min"), (3600 * 5 + 120, "5 h 2 min"),
@@ -48,15 +51,18 @@ def test_age_in_words(age, text):
 
 def test_a_damaged_or_misnamed_listing_is_ignored_and_named_by_verify(tmp_path):
     root = CacheRoot(tmp_path)
-    save_listing(root, "s3://b/d", "b/d", False, OBJECTS)
+    save_listing(root, "s3://b/d", PLACE, "b/d", False, OBJECTS)
     path = _path(tmp_path, "s3://b/d")
     assert check_listing_file(root, path.name) is None
     path.write_bytes(path.read_bytes()[:-1] + b" ")  # same length, other bytes
-    assert load_listing(root, "s3://b/d") is None and "checksum" in check_listing_file(root, path.name)
+    with pytest.raises(ValueError, match="checksum"):
+        load_listing(root, "s3://b/d", PLACE)
+    assert "checksum" in check_listing_file(root, path.name)
     # a well-formed file for another URL copied under this one's name
-    save_listing(root, "s3://b/other", "b/other", False, OBJECTS)
+    save_listing(root, "s3://b/other", PLACE, "b/other", False, OBJECTS)
     path.write_bytes(_path(tmp_path, "s3://b/other").read_bytes())
-    assert load_listing(root, "s3://b/d") is None
+    with pytest.raises(ValueError, match="another listing"):
+        load_listing(root, "s3://b/d", PLACE)
     assert check_listing_file(root, path.name) == "its header names another listing than its name"
 
 
@@ -65,16 +71,18 @@ def test_objects_that_are_not_objects_are_refused(tmp_path, objects):
     from gpuload.cache import listings
 
     root = CacheRoot(tmp_path)
-    key = listing_key("s3://b/d")
-    body = json.dumps({"key": key, "url": "s3://b/d", "at": 1.0, "base": None, "table": False, "objects": objects})
+    key = listing_key("s3://b/d", PLACE)
+    body = json.dumps({"key": key, "url": "s3://b/d", "place": PLACE, "at": 1.0, "base": None, "table": False,
+                       "objects": objects})
     write_small_file(root, ("v3", "vocab"), key + LISTING_SUFFIX, listings.MAGIC, listings.VERSION, body.encode())
-    assert load_listing(root, "s3://b/d") is None
+    with pytest.raises(ValueError, match="malformed"):
+        load_listing(root, "s3://b/d", PLACE)
     assert "malformed" in check_listing_file(root, key + LISTING_SUFFIX)
 
 
 def test_info_verify_and_clear_know_listings(tmp_path):
     root = CacheRoot(tmp_path)
-    save_listing(root, "s3://b/d", "b/d", False, OBJECTS)
+    save_listing(root, "s3://b/d", PLACE, "b/d", False, OBJECTS)
     s = cache_admin.summary(root)
     assert s["listings"] == 1 and not s["foreign"]
     assert cache_admin.verify_all(root) == []
