@@ -24,7 +24,7 @@ from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, USES, VOCAB, Ca
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from .kept import KEPT_SUFFIX, check_kept_file
-from .listings import LISTING_SUFFIX, check_listing_file
+from .listings import LISTING_SUFFIX, check_listing_file, read_listing_file
 from .specs import read_desc, spec_problem
 from .vocabs import VOCAB_DIR, check_vocab_file, read_vocab_file
 from ..layout import stored_outputs
@@ -163,12 +163,16 @@ def summary(root: CacheRoot) -> dict:
         if not ((SPEC.fullmatch(name) or TEMP.fullmatch(name)) and stat.S_ISREG(st.st_mode)):
             foreign.append(f"{root.where((_LAYOUT, _SPECS), name)} ({kind_of(st.st_mode)})")
     vocabularies = []
-    kept = listings = 0
+    kept, listings = 0, []
     for name, st in _vocab_folder(root, problems, foreign):
         if VOCAB.fullmatch(name) and name.endswith(KEPT_SUFFIX):  # a row filter's counts of one file
             kept += 1
         elif VOCAB.fullmatch(name) and name.endswith(LISTING_SUFFIX):  # a remote source's last listing
-            listings += 1
+            entry = {"name": name, "bytes": st.st_size}
+            with contextlib.suppress(OSError, ValueError):
+                header = read_listing_file(root, name)
+                entry.update(url=header["url"], objects=len(header["objects"]), at=header["at"])
+            listings.append(entry)
         elif VOCAB.fullmatch(name):
             entry = {"name": name, "bytes": st.st_size, "built": st.st_mtime}
             with contextlib.suppress(OSError, ValueError):

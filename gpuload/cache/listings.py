@@ -40,7 +40,8 @@ from .fs import CacheRoot
 from .smallfile import read_json_file, write_json_file
 from .vocabs import VOCAB_DIR
 
-__all__ = ["Kept", "listing_key", "load_listing", "save_listing", "check_listing_file", "LISTING_SUFFIX"]
+__all__ = ["Kept", "listing_key", "load_listing", "save_listing", "read_listing_file", "check_listing_file",
+           "LISTING_SUFFIX"]
 
 LISTING_SUFFIX = ".listing"
 MAGIC = b"GPULLIST"
@@ -85,6 +86,12 @@ def _check(header: dict) -> None:
 
 def _read(root: CacheRoot, name: str) -> dict:
     return read_json_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT, _check)
+
+
+def read_listing_file(root: CacheRoot, name: str) -> dict:
+    """The header of listing file ``name`` (see the format above); a ValueError says what is wrong
+    with it, an OSError that it cannot be read."""
+    return _read(root, name)
 
 
 def load_listing(root: CacheRoot | None, url: str, place: str) -> Kept | None:

@@ -14,6 +14,9 @@ from ..memory import size_text
 __all__ = ["budget", "chunks_text", "print_left_alone", "print_summary", "spec_text"]
 
 
+_SHOWN = 10  # kept listings printed by `cache info`: unreadable ones, then the most recent
+
+
 def _when(t: float) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M") if t else "never"
 
@@ -96,7 +99,12 @@ def print_summary(cache) -> None:
     if s.get("kept_counts"):
         print(f"row filters' kept-row counts: {s['kept_counts']} source files counted")
     if s.get("listings"):
-        print(f"remote listings kept (each source's last, to open it while its store is down): {s['listings']}")
+        print("remote listings kept (each source's last, to open it while its store is down):")
+    for e in sorted(s.get("listings", []), key=lambda e: -e.get("at", float("inf")))[:_SHOWN]:  # unreadable first
+        print(f"  {e['url']}: {e['objects']:,} objects; listed {_when(e['at'])}" if "url" in e else
+              f"  {e['name']}: unreadable (not used; `gpuload cache verify` says why)")
+    if len(s.get("listings", [])) > _SHOWN:
+        print(f"  ... and {len(s['listings']) - _SHOWN} more")
     if s["sources"]:
         print("source files:")
     for src, e in sorted(s["sources"].items()):

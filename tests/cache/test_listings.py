@@ -80,15 +80,22 @@ def test_objects_that_are_not_objects_are_refused(tmp_path, objects):
     assert "malformed" in check_listing_file(root, key + LISTING_SUFFIX)
 
 
-def test_info_verify_and_clear_know_listings(tmp_path):
+def test_info_verify_and_clear_know_listings(tmp_path, cli):
     root = CacheRoot(tmp_path)
     save_listing(root, "s3://b/d", PLACE, "b/d", False, OBJECTS)
+    for i in range(11):
+        save_listing(root, f"s3://b/more{i}", PLACE, None, False, OBJECTS[:1])
     s = cache_admin.summary(root)
-    assert s["listings"] == 1 and not s["foreign"]
+    assert len(s["listings"]) == 12 and not s["foreign"]
+    assert {e["url"]: e["objects"] for e in s["listings"]} == {"s3://b/d": 2} | {f"s3://b/more{i}": 1 for i in range(11)}
     assert cache_admin.verify_all(root) == []
     path = _path(tmp_path, "s3://b/d")
     path.write_bytes(path.read_bytes()[:-1] + b"X")
     (bad,) = cache_admin.verify_all(root)
     assert bad.path == path and "checksum" in bad.problem
+    info = cli("cache", "info", "--cache-dir", str(tmp_path)).stdout
+    assert "remote listings kept (each source's last, to open it while its store is down):" in info
+    assert "s3://b/more10: 1 objects; listed " in info and "... and 2 more" in info
+    assert f"{path.name}: unreadable (not used; `gpuload cache verify` says why)" in info  # shown first
     out = cache_admin.clear(root)
     assert not path.exists() and not out["foreign"] and not out["failed"]
