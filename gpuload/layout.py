@@ -193,13 +193,18 @@ def is_block(name: str) -> bool:
     return name.startswith("#")
 
 
+#: the mark of chunk files whose rows were permuted once for block shuffling; "permuted-2": by a permutation
+#: keyed by the file's size and version, not its path (files that held the older one are another column set)
+PERMUTED = "permuted-2"
+
+
 def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permuted: bool = False) -> list[dict]:
     """A JSON-able description of ``specs`` stored in ``layout`` (see the module doc):
     what the cache key hashes and chunk headers carry.
 
     With ``layout="rows"``, every single-column scalar output whose storage dtype it shares
     with another one gets ``"block": "#<dtype>"``; ``permuted`` (block shuffling) marks
-    every entry ``"rows": "permuted"``: chunk files whose rows were permuted once when
+    every entry ``"rows": PERMUTED``: chunk files whose rows were permuted once when
     they were built. Neither is written otherwise, so caches of plain column files keep
     their key.
     """
@@ -220,5 +225,5 @@ def spec_description(specs: Sequence[OutputSpec], layout: str = "columns", permu
         raise ConfigError(f"{setting('layout', layout)} must be 'rows' or 'columns'")
     if permuted:
         for d in desc:
-            d["rows"] = "permuted"
+            d["rows"] = PERMUTED
     return desc

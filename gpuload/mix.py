@@ -35,7 +35,7 @@ from .producer import Background, handed_out
 
 __all__ = ["Mix", "FORMAT"]
 
-FORMAT, VERSION = "gpuload.Mix", 1
+FORMAT, VERSION = "gpuload.Mix", 2  # 2: its sources' orders no longer depend on where their files lie
 log = logging.getLogger("gpuload")
 
 
@@ -174,7 +174,10 @@ class Mix(torch.utils.data.IterableDataset):
         if self._running:
             raise ConfigError("load_state_dict while an iteration of this mix is running: leave the loop first")
         if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("version") != VERSION:
-            raise ConfigError(f"this state is not a {FORMAT} state of version {VERSION}")
+            raise ConfigError(f"this state is not a {FORMAT} state of version {VERSION}" + (
+                ": a state of version 1, saved by an older gpuload whose shuffle orders differ, cannot be resumed "
+                "exactly; do not load it (the epoch starts from its first batch)"
+                if isinstance(state, dict) and state.get("format") == FORMAT and state.get("version") == 1 else ""))
         try:  # a hand-made or damaged state: said so, not a KeyError
             saved, sources, epoch = dict(state["mix"]), dict(state["sources"]), int(state["epoch"])
             runs = [list(map(int, r)) for r in state["runs"]]

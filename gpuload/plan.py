@@ -318,8 +318,9 @@ def block_permutation(n: int, block_rows: int, *, fingerprint: int, seed: int, e
 def chunk_row_permutation(rows: int, identity: str) -> np.ndarray:
     """The permutation applied once to a chunk's rows when it is cached for block shuffling
     (int64, length ``rows``): a pure function of the chunk's identity ``identity`` (its
-    source file's path, size, version and row groups: what its cache key holds), so a chunk
-    file is the same whoever builds it, and any seed can use it."""
+    source file's size, version tag and row groups: part of what its cache key holds, and not its
+    path, so the same files elsewhere are permuted alike), so a chunk file is the same whoever
+    builds it, and any seed can use it."""
     key = int.from_bytes(hashlib.blake2b(identity.encode(), digest_size=8).digest(), "little")
     return seeded_rng(key, 3).permutation(rows).astype(np.int64)
 

@@ -329,8 +329,8 @@ class ChunkReader:
         cols = self.layout.pack(cols, self.read_pool.array)
         if self.opts.block is None:
             return cols
-        return permute_rows(cols, chunk_row_permutation(
-            c.rows, f"{f.path}:{f.size}:{f.mtime_ns}:{f.tag}:{c.rg_start}:{c.rg_stop}"), self.read_pool.array)
+        return permute_rows(cols, chunk_row_permutation(  # wherever the file lies (as the order: its fingerprint)
+            c.rows, f"{f.size}:{f.tag or f.mtime_ns}:{c.rg_start}:{c.rg_stop}"), self.read_pool.array)
 
     @property
     def cache_io(self) -> str:

@@ -33,14 +33,17 @@ in progress, and those not started; never a window every row of which was taken.
 
 The state (:meth:`gpuload.ParquetDataset.state_dict`) is a small JSON-serialisable dict::
 
-    {"format": "gpuload.ParquetDataset", "version": 1, "epoch": 3,
+    {"format": "gpuload.ParquetDataset", "version": 2, "epoch": 3,
      "runs": [[4, 120], [2, 10]],
      "dataset": {"source": "0x...", "rows": ..., "chunks": "0x...", "outputs": {...},
                  "seed": 0, "shuffle": true, "batch_size": 65536, "drop_last": false,
                  "shuffle_window": 4}}
 
 ``dataset`` holds what shapes the order; restoring into a dataset where any of it
-differs raises a :class:`~gpuload.ConfigError` that names the fields.
+differs raises a :class:`~gpuload.ConfigError` that names the fields. Its ``source``
+(:func:`gpuload.sources.listing.fingerprint`) does not hold where the files lie: the same
+files copied or moved to another folder (a job that stages its data on local disk) resume.
+Version 2: version 1's fingerprint held the files' paths and mtimes, so its orders differ.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ __all__ = ["FORMAT", "VERSION", "Run", "Piece", "RunRows", "runs_of", "rest_of_e
            "state_of", "check_state", "check_signature"]
 
 FORMAT = "gpuload.ParquetDataset"
-VERSION = 1
+VERSION = 2  # 2: the order's fingerprint no longer holds the files' paths and mtimes (another order)
 
 
 @dataclass(frozen=True)
@@ -278,9 +281,9 @@ def check_signature(saved: dict, here: dict) -> None:
     if saved.get("source") != here["source"]:
         count = "" if saved.get("files") in (None, here.get("files")) else \
             f"{saved['files']} files in the state, {here.get('files')} here; "
-        diffs.append(f"source: the source files differ ({count}other paths, or files rewritten since: a local "
-                     "file's identity is its size, modification time and footer, a remote object's its size, ETag "
-                     "or version and last-modified time: uploading the same bytes again makes another file)")
+        diffs.append(f"source: the source files differ ({count}other names below their folder, or files "
+                     "rewritten since: a file counts by its name there, its size and, locally, its footer, remotely "
+                     "its ETag or version; the folder itself may differ)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
     modes = (saved.get("block_rows") is None) != (here.get("block_rows") is None)  # blocks on one side only
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):
@@ -324,6 +327,11 @@ def check_state(sd) -> tuple[int, tuple[Run, ...], dict]:
         raise ConfigError(f"load_state_dict: not a gpuload ParquetDataset state (format={_peek(sd)!r}); pass "
                           "what ParquetDataset.state_dict() returned")
     version = sd.get("version")
+    if version == 1:
+        raise ConfigError("load_state_dict: a state of version 1, saved by an older gpuload whose shuffle orders "
+                          "differ from this one's (they depended on where the files lay): it cannot be resumed "
+                          "exactly. Do not load it (the epoch then starts from its first batch), or finish the run "
+                          "with the gpuload that saved it")
     if version != VERSION:
         raise ConfigError(f"load_state_dict: state version {version!r}; this gpuload reads version {VERSION} "
                           f"(a newer gpuload saved it?)")

@@ -258,6 +258,11 @@ def test_a_malformed_state_is_refused_as_such(paths, tmp_path):
             m.load_state_dict(state)
     with pytest.raises(gpuload.ConfigError, match="malformed"):
         m.load_state_dict({k: v for k, v in good.items() if k != "runs"})
+    with pytest.raises(gpuload.ConfigError, match="a state of version 1, saved by an older gpuload whose shuffle "
+                                                  "orders differ, cannot be resumed exactly"):
+        m.load_state_dict({**good, "version": 1})
+    with pytest.raises(gpuload.ConfigError, match="not a gpuload.Mix state of version 2$"):
+        m.load_state_dict({**good, "version": 3})
     m.load_state_dict(good)  # and the good one still restores
 
 

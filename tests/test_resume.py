@@ -478,14 +478,55 @@ def test_state_from_other_files_is_refused(source, tmp_path):
     with pytest.raises(gpuload.ConfigError, match=rf"source files differ \({n} files in the state, {n - 1} here; "):
         _open(copy, tmp_path / "c").load_state_dict(state)
     old = {**state, "dataset": {k: v for k, v in state["dataset"].items() if k != "files"}}  # saved before the count
-    with pytest.raises(gpuload.ConfigError, match=r"source files differ \(other paths"):
+    with pytest.raises(gpuload.ConfigError, match=r"source files differ \(other names below their folder"):
         _open(copy, tmp_path / "c").load_state_dict(old)
+
+
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_the_same_files_in_another_folder_resume_exactly(source, tmp_path, shuffle):
+    """A job that stages its data anew at each start (``/scratch/$JOB``): copies with new mtimes, at
+    another path, with a cache of their own, go on bit for bit from a state saved on the originals."""
+    import shutil
+
+    ref_run, states = _reference(_open(source, tmp_path / "c", shuffle=shuffle), [0, 1])
+    moved = tmp_path / "job-2" / "data"
+    moved.mkdir(parents=True)
+    for f in sorted(source.glob("*.parquet")):
+        shutil.copyfile(f, moved / f.name)  # contents only: new mtimes
+    assert (moved / "part0.parquet").stat().st_mtime_ns != (source / "part0.parquet").stat().st_mtime_ns
+    for epoch, state in (states[3], states[len(states) // 2 + 2]):  # in epoch 0, and in epoch 1
+        fresh = _open(moved, tmp_path / "c2", shuffle=shuffle)
+        assert fresh.reader.fingerprint == _open(source, tmp_path / "c", shuffle=shuffle).reader.fingerprint
+        taken = state["runs"][-1][1]
+        _assert_same_run(_resumed(fresh, state, 1), _rest_from(ref_run, epoch, taken), (epoch, taken))
+
+
+def test_a_file_renamed_or_rewritten_changes_the_fingerprint_a_touched_one_does_not(source, tmp_path):
+    import os
+    import shutil
+
+    copy = tmp_path / "d"
+    shutil.copytree(source, copy)
+
+    def fp():
+        return _open(copy, tmp_path / "c").reader.fingerprint
+
+    before = fp()
+    os.utime(copy / "part0.parquet", ns=(10**18, 10**18))  # touched: the same bytes
+    assert fp() == before
+    (copy / "part0.parquet").rename(copy / "part9.parquet")  # renamed: another file, maybe another order of files
+    renamed = fp()
+    assert renamed != before
+    table = pq.read_table(copy / "part9.parquet")
+    write_parquet(copy / "part9.parquet", table.slice(1), row_group_size=100)  # rewritten
+    assert fp() not in (before, renamed)
 
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda s: "nonsense", "not a gpuload ParquetDataset state"),
     (lambda s: {**s, "format": "x"}, "not a gpuload"),
-    (lambda s: {**s, "version": 2}, "state version 2"),
+    (lambda s: {**s, "version": 3}, "state version 3"),
+    (lambda s: {**s, "version": 1}, "a state of version 1, saved by an older gpuload whose shuffle orders differ"),
     (lambda s: {**s, "epoch": -1}, "epoch=-1"),
     (lambda s: {**s, "runs": []}, "runs="),
     (lambda s: {**s, "runs": [[0, 1]]}, "runs="),

@@ -46,8 +46,8 @@ from ..schema import RAGGED, OutputSpec
 
 log = logging.getLogger("gpuload")
 
-__all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint", "common_columns", "all_columns",
-           "pandas_index_columns"]
+__all__ = ["SourceFile", "Listed", "list_files", "row_group_sizes", "fingerprint", "relative_names", "common_columns",
+           "all_columns", "pandas_index_columns"]
 
 _GLOB_CHARS = set("*?[")
 
@@ -388,10 +388,25 @@ def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec],
 
 
 def fingerprint(files: Sequence[SourceFile]) -> int:
-    """A 63-bit fingerprint of the files' identities (path, size, mtime, tag, rows)."""
+    """A 63-bit fingerprint of the files, the same wherever they lie: each one's path relative to
+    the folder that holds them all, its size, version tag (a local file's footer hash, a remote
+    object's ETag or version; where a store gives none, its last-modified time) and rows. The same
+    files copied or moved to another folder, with their mtimes or new ones, keep it (so do the
+    order and a saved state: :mod:`gpuload.resume`); a file renamed, added, removed or rewritten
+    changes it."""
     h = xxhash.xxh64()
-    for f in files:
-        tag = f"\0{f.tag}" if f.tag else ""
-        h.update(f"{f.path}\0{f.size}\0{f.mtime_ns}{tag}\0{f.metadata.num_rows}\n".encode())
+    for f, name in zip(files, relative_names([f.path for f in files])):
+        h.update(f"{name}\0{f.size}\0{f.tag or f'mtime:{f.mtime_ns}'}\0{f.metadata.num_rows}\n".encode())
     return h.intdigest() & (2**63 - 1)
 
+
+def relative_names(paths: Sequence[str]) -> list[str]:
+    """``paths`` (local paths or URLs) relative to the longest folder that holds them all
+    (``["/d/a/x", "/d/b/y"]`` -> ``["a/x", "b/y"]``; one path: its name)."""
+    parts = [p.split("/") for p in paths]
+    common = 0
+    if parts:
+        folders = [q[:-1] for q in parts]
+        while all(len(q) > common and q[common] == folders[0][common] for q in folders):
+            common += 1
+    return ["/".join(q[common:]) for q in parts]

@@ -44,7 +44,7 @@ def spec_text(desc) -> str:
         parts.append(f"{named} ({what})")
     made = sorted({d["transform"]["key"] for d in desc if isinstance(d.get("transform"), dict)})
     kept = sorted({str(d["filter"]).rsplit(" #", 1)[0] for d in desc if d.get("filter")})
-    stored = "; rows permuted in each chunk (for shuffle='block')" if any(d.get("rows") == "permuted" for d in desc) \
+    stored = "; rows permuted in each chunk (for shuffle='block')" if any(str(d.get("rows", "")).startswith("permuted") for d in desc) \
         else "; row blocks (layout='rows')" if any(d.get("block") for d in desc) else ""
     return ", ".join(parts) + "".join(f"; made by transform {k!r}" for k in made) + \
         "".join(f"; rows where {k}" for k in kept) + stored
