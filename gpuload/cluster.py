@@ -26,12 +26,23 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 
+import xxhash
+
 from .errors import CacheError, ConfigError, GpuloadError, SourceError
 
 __all__ = ["build_on_cluster", "node_workers"]
 
 _readers: dict = {}  # on a worker: the reader of the build in progress
 _lock = threading.Lock()
+
+
+def _sameness(reader, own_dir: bool) -> int:
+    """What a worker's reader must share with the caller's: the fingerprint (the files, wherever they
+    lie) and, where the chunks go to the caller's shared cache, the files' paths too (chunk files are
+    named by them: built under another path, they would be none of the caller's)."""
+    if own_dir:
+        return reader.fingerprint
+    return xxhash.xxh64_intdigest("\0".join([str(reader.fingerprint)] + [f.path for f in reader.files]).encode())
 
 
 def _open_reader(token: str, src, opts, own_dir: bool, fingerprint: int):
@@ -45,7 +56,7 @@ def _open_reader(token: str, src, opts, own_dir: bool, fingerprint: int):
             if own_dir:  # resolved here, on the worker
                 opts = dataclasses.replace(opts, cache_dir=None)
             reader = open_reader(src, opts, scan_nulls=False)  # the caller's listing checked these very files
-            if reader.fingerprint != fingerprint:
+            if _sameness(reader, own_dir) != fingerprint:
                 reader.close()
                 raise SourceError(f"{src.source}: a worker sees other files than build_cache listed (changed "
                                   "since, or another path on this worker); make the source the same everywhere")
@@ -161,7 +172,8 @@ def build_on_cluster(client, src, opts, reader, progress: Callable[[int], None] 
         tried = keys.setdefault(i, [])
         tried.append(key := f"gpuload-build-{token}-{i}" + (f"-{len(tried)}" if tried else ""))
         kw = {} if workers is None else {"workers": workers, "allow_other_workers": False}
-        fut = client.submit(build_chunk, token, src, opts, own_dirs, reader.fingerprint, i, key=key, pure=False, **kw)
+        fut = client.submit(build_chunk, token, src, opts, own_dirs, _sameness(reader, own_dirs), i, key=key, pure=False,
+                            **kw)
         futures[fut] = i
         return fut
 

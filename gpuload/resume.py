@@ -41,8 +41,8 @@ The state (:meth:`gpuload.ParquetDataset.state_dict`) is a small JSON-serialisab
 
 ``dataset`` holds what shapes the order; restoring into a dataset where any of it
 differs raises a :class:`~gpuload.ConfigError` that names the fields. Its ``source``
-(:func:`gpuload.sources.listing.fingerprint`) does not hold where the files lie: the same
-files copied or moved to another folder (a job that stages its data on local disk) resume.
+(:func:`gpuload.sources.listing.fingerprint`) does not hold where local files lie: the same
+files copied, moved or linked to another folder (a job that stages its data on local disk) resume.
 Version 2: version 1's fingerprint held the files' paths and mtimes, so its orders differ.
 """
 
@@ -282,8 +282,8 @@ def check_signature(saved: dict, here: dict) -> None:
         count = "" if saved.get("files") in (None, here.get("files")) else \
             f"{saved['files']} files in the state, {here.get('files')} here; "
         diffs.append(f"source: the source files differ ({count}other names below their folder, or files "
-                     "rewritten since: a file counts by its name there, its size and, locally, its footer, remotely "
-                     "its ETag or version; the folder itself may differ)")
+                     "rewritten since: a file counts by its name there, its size, partition keys and, locally, its "
+                     "footer, remotely its ETag or version and last-modified time; a local folder may lie elsewhere)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
     modes = (saved.get("block_rows") is None) != (here.get("block_rows") is None)  # blocks on one side only
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):

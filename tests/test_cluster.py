@@ -319,3 +319,25 @@ def test_a_filtered_cluster_build_is_the_serial_one(source, tmp_path, cluster):
     ids = np.sort(np.concatenate([b["row_id"].numpy() for b in ds]))
     assert ds.reader.counters.decoded == 0
     assert np.array_equal(ids, np.sort(pq.read_table(source, filters=f)["row_id"].to_numpy()))
+
+
+def test_workers_must_see_the_callers_paths_only_where_they_build_into_its_cache(source, tmp_path):
+    """A worker whose files lie elsewhere has the caller's fingerprint (the order is the same), but
+    chunks built into a shared cache under its paths would be none of the caller's: refused there,
+    allowed where each worker builds into its own cache."""
+    import shutil
+
+    from gpuload.config import Options, Source
+    from gpuload.reader import open_reader
+
+    moved = tmp_path / "moved"
+    shutil.copytree(source, moved)
+    here, there = (open_reader(Source.of({"source": d, "columns": ["x"]}),
+                               Options.of({"cache_dir": tmp_path / "c", "device": "cpu"})) for d in (source, moved))
+    try:
+        assert here.fingerprint == there.fingerprint
+        assert gpuload.cluster._sameness(here, True) == gpuload.cluster._sameness(there, True)
+        assert gpuload.cluster._sameness(here, False) != gpuload.cluster._sameness(there, False)
+    finally:
+        here.close()
+        there.close()

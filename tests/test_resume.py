@@ -501,25 +501,45 @@ def test_the_same_files_in_another_folder_resume_exactly(source, tmp_path, shuff
         _assert_same_run(_resumed(fresh, state, 1), _rest_from(ref_run, epoch, taken), (epoch, taken))
 
 
-def test_a_file_renamed_or_rewritten_changes_the_fingerprint_a_touched_one_does_not(source, tmp_path):
+def test_a_file_renamed_or_rewritten_changes_the_fingerprint_a_touched_or_linked_one_does_not(source, tmp_path):
     import os
     import shutil
 
     copy = tmp_path / "d"
     shutil.copytree(source, copy)
 
-    def fp():
-        return _open(copy, tmp_path / "c").reader.fingerprint
+    def fp(where=copy):
+        return _open(where, tmp_path / "c").reader.fingerprint
 
     before = fp()
     os.utime(copy / "part0.parquet", ns=(10**18, 10**18))  # touched: the same bytes
     assert fp() == before
-    (copy / "part0.parquet").rename(copy / "part9.parquet")  # renamed: another file, maybe another order of files
+    links = tmp_path / "links"  # a folder of links to blobs named otherwise (a hub cache's snapshot)
+    (tmp_path / "blobs").mkdir()
+    links.mkdir()
+    for f in sorted(copy.glob("*.parquet")):
+        blob = tmp_path / "blobs" / f"{abs(hash(f.name)):x}"
+        shutil.copyfile(f, blob)
+        (links / f.name).symlink_to(blob)
+    assert fp(links) == before
+    (copy / "part0.parquet").rename(copy / "part0b.parquet")  # renamed, in the same place of the file order
     renamed = fp()
     assert renamed != before
-    table = pq.read_table(copy / "part9.parquet")
-    write_parquet(copy / "part9.parquet", table.slice(1), row_group_size=100)  # rewritten
+    table = pq.read_table(copy / "part0b.parquet")
+    other = table.set_column(1, "x", pa.array(np.asarray(table.column("x")) + 1.0))  # the same rows, other values
+    write_parquet(copy / "part0b.parquet", other, row_group_size=100)
     assert fp() not in (before, renamed)
+
+
+def test_hive_keys_above_the_common_folder_are_part_of_the_fingerprint(tmp_path):
+    t = pa.table({"row_id": np.arange(10, dtype=np.int64)})
+    for year in (2020, 2021):
+        (tmp_path / f"h{year}" / f"year={year}").mkdir(parents=True)
+        write_parquet(tmp_path / f"h{year}" / f"year={year}" / "p.parquet", t)
+    a, b = (open_dataset(tmp_path / f"h{y}", ["row_id", "year"], tmp_path / "c", batch_size=5) for y in (2020, 2021))
+    assert a.reader.fingerprint != b.reader.fingerprint
+    with pytest.raises(gpuload.ConfigError, match="source: the source files differ"):
+        b.load_state_dict(a.state_dict())
 
 
 @pytest.mark.parametrize("mutate, match", [

@@ -88,6 +88,7 @@ class SourceFile:
     int96: frozenset = frozenset()  # columns stored as INT96 timestamps (read as microseconds)
     absent: frozenset = frozenset()  # selected columns the file lacks: nulls (in partitions as None)
     ctime_ns: int = _field(default=0, compare=False)  # a local file's ctime when its footer was read
+    shown: str = _field(default="", compare=False)  # a local file's path as listed (a link's own): its name
     tag: str = ""
     store: Store | None = _field(default=None, compare=False, repr=False)
     key: str = ""
@@ -388,15 +389,20 @@ def row_group_sizes(f: SourceFile, specs: Sequence[OutputSpec],
 
 
 def fingerprint(files: Sequence[SourceFile]) -> int:
-    """A 63-bit fingerprint of the files, the same wherever they lie: each one's path relative to
-    the folder that holds them all, its size, version tag (a local file's footer hash, a remote
-    object's ETag or version; where a store gives none, its last-modified time) and rows. The same
-    files copied or moved to another folder, with their mtimes or new ones, keep it (so do the
-    order and a saved state: :mod:`gpuload.resume`); a file renamed, added, removed or rewritten
-    changes it."""
+    """A 63-bit fingerprint of the files, the same wherever a folder of local files lies: each
+    file's path as listed (a link's own, not its target's) relative to the folder that holds them
+    all, its size, rows and partition keys, and its version: a local file's footer hash (not its
+    mtime), a remote object's ETag or version and last-modified time. The same local files copied
+    or moved to another folder, with their mtimes or new ones, or reached through links, keep it (so
+    do the order and a saved state: :mod:`gpuload.resume`); a file renamed, added or removed changes
+    it, and so does a rewrite, except a local one that leaves its size and footer byte for byte
+    as they were (its row groups' sizes and statistics)."""
     h = xxhash.xxh64()
-    for f, name in zip(files, relative_names([f.path for f in files])):
-        h.update(f"{name}\0{f.size}\0{f.tag or f'mtime:{f.mtime_ns}'}\0{f.metadata.num_rows}\n".encode())
+    names = relative_names([f.path if f.remote else (f.shown or f.path) for f in files])
+    for f, name in zip(files, names):
+        version = f"{f.tag}\0{f.mtime_ns}" if f.remote or not f.tag else f.tag
+        keys = tuple(kv for kv in f.partitions if kv[0] not in f.absent)  # not the columns read as nulls
+        h.update(f"{name}\0{f.size}\0{version}\0{f.metadata.num_rows}\0{keys!r}\n".encode())
     return h.intdigest() & (2**63 - 1)
 
 

@@ -231,5 +231,5 @@ def open_files(listed: Sequence[Listed], root=None, fetcher_for=None, stats: dic
             schema = schema.append(f)
         keys = tuple((k, v) for k, v in keys if k not in dict(stored))
         out.append(SourceFile(x.path, x.size, x.mtime_ns, meta, schema, keys, tag=tag, store=x.store, key=x.key,
-                              file_keys=stored, int96=int96, ctime_ns=x.ctime_ns))
+                              file_keys=stored, int96=int96, ctime_ns=x.ctime_ns, shown=x.shown))
     return out
