@@ -79,19 +79,15 @@ def _check(header: dict) -> None:
             isinstance(o, list) and len(o) == 4 and isinstance(o[0], str) and isinstance(o[3], str)
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in o[1:3]) for o in objects):
         raise ValueError("its objects are not (path, size, mtime_ns, tag)")
-    if not isinstance(header["place"], str) or not isinstance(header["at"], (int, float)) or not isinstance(header["table"], bool) or \
-            not (header["base"] is None or isinstance(header["base"], str)):
+    if not (isinstance(header["place"], str) and isinstance(header["at"], (int, float))
+            and isinstance(header["table"], bool) and (header["base"] is None or isinstance(header["base"], str))):
         raise ValueError("its store, time, base or table mark is not of the right type")
-
-
-def _read(root: CacheRoot, name: str) -> dict:
-    return read_json_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT, _check)
 
 
 def read_listing_file(root: CacheRoot, name: str) -> dict:
     """The header of listing file ``name`` (see the format above); a ValueError says what is wrong
     with it, an OSError that it cannot be read."""
-    return _read(root, name)
+    return read_json_file(root, _PARTS, name, MAGIC, VERSION, "listing", _LIMIT, _check)
 
 
 def load_listing(root: CacheRoot | None, url: str, place: str) -> Kept | None:
@@ -101,7 +97,7 @@ def load_listing(root: CacheRoot | None, url: str, place: str) -> Kept | None:
         return None
     key = listing_key(url, place)
     try:
-        header = _read(root, key + LISTING_SUFFIX)
+        header = read_listing_file(root, key + LISTING_SUFFIX)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -124,7 +120,7 @@ def save_listing(root: CacheRoot, url: str, place: str, base: str | None, table:
 def check_listing_file(root: CacheRoot, name: str) -> str | None:
     """What is wrong with listing file ``name`` (None: nothing)."""
     try:
-        header = _read(root, name)
+        header = read_listing_file(root, name)
     except ValueError as e:
         return str(e)
     if str(header.get("key")) + LISTING_SUFFIX != name or \

@@ -97,13 +97,13 @@ def list_item(store: Store, text: str, settings: RemoteSettings, root: CacheRoot
                 read=lambda path, size: retry(lambda: store.read(path, 0, size), f"{store.url(path)}: reading",
                                               settings))
         except Unreachable as e:
-            down, first = str(e), True
+            down, why = str(e), ""
         else:
             _keep(root, url, where, base, tables, infos)
             return infos, base, tables
     else:
-        first = False
-    kept = _kept(root, url, where, settings, down, first)
+        why = f"; {url} was not listed: its store is the same"
+    kept = _kept(root, url, where, settings, down, why)
     offline.append(Offline(url, down, kept, store))
     return [ObjectInfo(*o) for o in kept.objects], kept.base, None
 
@@ -112,7 +112,8 @@ def _keep(root: CacheRoot | None, url: str, where: str, base, tables, infos) -> 
     if root is None:
         return
     try:
-        save_listing(root, url, where, base, tables is not None, [i for i in infos if tables is None or i.path in tables])
+        save_listing(root, url, where, base, tables is not None,
+                     [i for i in infos if tables is None or i.path in tables])
     except OSError as e:  # the open goes on: only a later open without the store needs it
         if str(root.path) not in _unkept:
             _unkept.add(str(root.path))
@@ -121,10 +122,10 @@ def _keep(root: CacheRoot | None, url: str, where: str, base, tables, infos) -> 
                         e.strerror or e)
 
 
-def _kept(root: CacheRoot | None, url: str, where: str, settings: RemoteSettings, down: str, first: bool) -> Kept:
-    """The kept listing ``url`` opens from while its store is down (``down``: the error; ``first``:
-    this item's own, else an earlier item's), or :class:`Unreachable` saying why there is none to use."""
-    why = "" if first else f"; {url} was not listed: its store is the same"
+def _kept(root: CacheRoot | None, url: str, where: str, settings: RemoteSettings, down: str, why: str) -> Kept:
+    """The kept listing ``url`` opens from while its store is down (``down``: the error; ``why``: ""
+    where it is this item's own, else why this item was not listed), or :class:`Unreachable` saying
+    why there is none to use."""
     try:
         kept = load_listing(root, url, where)
     except ValueError as e:
@@ -155,8 +156,8 @@ def check_offline(offline: list[Offline], missing: int, chunks: int) -> None:
     if missing:
         raise SourceError(f"{offline[0].error}; the {_listings(offline)} would open it, but {missing} of the "
                           f"dataset's {chunks} chunks {'is' if missing == 1 else 'are'} not cached, and reading them "
-                          "needs the store: open it again when the store is up (a dataset opens without its store only once all "
-                          "its chunks are cached, as after a whole epoch or gpuload cache build)")
+                          "needs the store: open it again when the store is up (a dataset opens without its store "
+                          "only once all its chunks are cached, as after a whole epoch or gpuload cache build)")
 
 
 def warn_offline(offline: list[Offline]) -> None:
