@@ -289,6 +289,7 @@ def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound
     once every ring is full, the second half of the batches adds nothing (so even a byte
     leaked per batch fails); the stats stay exact. The default bound is under 100 MB.
     (tracemalloc slows every allocation about 15x: the rings are made small.)"""
+    import gc
     import tracemalloc
 
     from gpuload.observe.events import BLOCK
@@ -302,6 +303,7 @@ def test_many_times_max_events_batches_keep_the_trace_under_its_documented_bound
     snaps = []
 
     def metrics_bytes() -> int:  # what gpuload.observe's code allocated (at any depth) and still holds
+        gc.collect()  # not the cycles stats() left for the collector (counted, or not, as gc last ran)
         snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*gpuload/observe/*",
                                                                              all_frames=True)])
         snaps.append(snap)
