@@ -81,9 +81,14 @@ class HostPool:
     def _refs(bufs: list, i: int) -> int:
         return sys.getrefcount(bufs[i])
 
-    def get(self, nbytes: int, key=None) -> np.ndarray:
+    def get(self, nbytes: int, key=None, reserve: int = 0) -> np.ndarray:
         """A writable uint8 array of ``nbytes`` bytes (contents undefined), starting on a
         :data:`ALIGN` boundary when it is pooled (so direct I/O can read into it).
+
+        ``reserve`` (default 0): bytes a keyed role's arrays may grow to (the largest window of
+        the epoch): a new buffer for the request is made that large, so that a later, larger
+        array of the role finds it, instead of the role's buffers being forgotten and made
+        again in fresh memory as a first epoch's windows grow.
 
         ``key`` (default None): the role of the array (a window's column). A keyed buffer serves
         its key alone: a keyed request takes the smallest free buffer of its key that holds it;
@@ -114,7 +119,7 @@ class HostPool:
                     best = i
             if best >= 0 and self._bufs[best].nbytes - ALIGN <= nbytes * 5 // 4 + _ROUND:
                 return _aligned(self._bufs[best], nbytes)
-            size = _size_class(nbytes) + ALIGN
+            size = _size_class(max(nbytes, reserve if key is not None else 0)) + ALIGN
             if best >= 0 and key is None and not self._fits(size):
                 return _aligned(self._bufs[best], nbytes)
             if not self._make_room(size):
@@ -161,12 +166,13 @@ class HostPool:
         self._forget(drop)
         return True
 
-    def array(self, shape, dtype, key=None) -> np.ndarray:
-        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool (``key``: as for :meth:`get`)."""
+    def array(self, shape, dtype, key=None, grow: float = 1.0) -> np.ndarray:
+        """An uninitialised C-contiguous array of ``shape`` and ``dtype`` from the pool (``key``: as for
+        :meth:`get`; ``grow``: its ``reserve`` as a multiple of the array's bytes)."""
         dtype = np.dtype(dtype)
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         n = int(math.prod(shape)) * dtype.itemsize  # math.prod: np.prod costs 3 us a call, a few dozen a batch
-        return self.get(n, key).view(dtype).reshape(shape)
+        return self.get(n, key, int(n * grow) if grow > 1 else 0).view(dtype).reshape(shape)
 
     @property
     def held_bytes(self) -> int:

@@ -145,7 +145,9 @@ def epoch_batches(windows: Sequence[Sequence[Segment]], sizes: Sequence[int], lo
     threads, prefetch : loader threads; chunks loaded beyond the current window.
     stop : set when the consumer has gone away.
     alloc, batch_alloc : ``alloc(shape, dtype)`` for window buffers and for the arrays of
-        gathered or joined batches (default: new arrays; see :class:`gpuload.memory.HostPool`).
+        gathered or joined batches (default: new arrays; see :class:`gpuload.memory.HostPool`);
+        a window's are ``alloc(shape, dtype, key, grow)``: its column's key, and the epoch's
+        largest window over this one (:meth:`gpuload.memory.HostPool.array`).
     stages : where loads and batching run and how chunks cross between them (default
         :class:`Stages`: the CPU path; the GPU path passes its
         :class:`gpuload.gpu.streams.DeviceContext`).
@@ -226,6 +228,7 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
             return stages.handover(load(i))
 
     segments = [s for w in windows for s in w]
+    most = max((sum(s.hi - s.lo for s in w) for w in windows), default=0)  # rows of the largest window
     # what is assembled at once: a window (joined and permuted), or in file order one chunk piece
     starts = list(range(len(segments) + 1)) if permutation is None else [0]
     for window in windows if permutation is not None else ():
@@ -262,7 +265,10 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                     got = len(cols)
                 else:
                     with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
-                        cols = concat(parts, alloc, keyed=alloc is not None)  # each column its own buffers
+                        # each column its own buffers, made for the epoch's largest window at once
+                        grow = most / planned if planned else 1.0
+                        keyed = None if alloc is None else (lambda shape, dtype, key: alloc(shape, dtype, key, grow))
+                        cols = concat(parts, keyed, keyed=alloc is not None)
                         got = nrows(cols)
                         if span is not None:
                             span.nbytes = nbytes(cols)
