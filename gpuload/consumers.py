@@ -27,7 +27,7 @@ from types import CodeType, FrameType
 
 from .errors import ConfigError
 
-__all__ = ["check_iter_caller", "check_set_epoch_caller", "refuse_copy"]
+__all__ = ["check_iter_caller", "check_set_epoch_caller", "NotCopied"]
 
 _DEPTH = 12  # frames looked at above the dataset's own: accelerate's loop is ~7 calls up from iter(ds)
 
@@ -86,14 +86,22 @@ def check_set_epoch_caller(caller: FrameType) -> None:
     _refuse_accelerate(caller)
 
 
-def refuse_copy(what: str) -> None:
-    """Raised by a loader's ``__getstate__``: pickling (a spawned process, a DataLoader worker
-    under spawn or forkserver) or ``copy.copy`` would need its threads, pools and open files
-    (``copy.deepcopy`` gives the loader itself: its ``__deepcopy__``); ``what`` names the loader's class."""
-    raise ConfigError(
-        f"a {what} cannot be pickled or copied (it holds gpuload's threads, pools and open cache files; "
-        f"copy.deepcopy of what holds it, as SWA or EMA callbacks make, shares this same {what}): make "
-        f"it in the process that iterates it. Under Lightning's ddp_spawn (or any launcher that pickles the "
-        f"LightningModule) make it in setup() or train_dataloader(), or use strategy='ddp'; with a DataLoader "
-        f"keep num_workers=0 (gpuload reads on threads of its own); for a second loader of the same data make "
-        f"another {what}")
+class NotCopied:
+    """A loader that is shared, never copied: ``copy.deepcopy`` of what holds it (a LightningModule
+    copied by SWA or EMA callbacks, ``torch.optim.swa_utils.AveragedModel``) shares this same loader;
+    pickling (a spawned process, a DataLoader worker under spawn or forkserver) and ``copy.copy``,
+    which would need its threads, pools and open cache files, raise a
+    :class:`~gpuload.ConfigError` that says where to make it instead."""
+
+    def __getstate__(self):
+        what = type(self).__name__
+        raise ConfigError(
+            f"a {what} cannot be pickled or copied (it holds gpuload's threads, pools and open cache files; "
+            f"copy.deepcopy of what holds it, as SWA or EMA callbacks make, shares this same {what}): make "
+            f"it in the process that iterates it. Under Lightning's ddp_spawn (or any launcher that pickles the "
+            f"LightningModule) make it in setup() or train_dataloader(), or use strategy='ddp'; with a DataLoader "
+            f"keep num_workers=0 (gpuload reads on threads of its own); for a second loader of the same data make "
+            f"another {what}")
+
+    def __deepcopy__(self, memo):
+        return self

@@ -11,8 +11,7 @@ import torch
 from . import plan, resume
 from .agree import Agreement
 from .config import Options, Source
-from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
-from .convert import needed_columns
+from .consumers import NotCopied, check_iter_caller, check_set_epoch_caller
 from .cursor import Cursor
 from .epochs import EpochPlan
 from .errors import ConfigError, flag
@@ -28,7 +27,7 @@ from .transforms import check_batch_transform
 __all__ = ["ParquetDataset"]
 
 
-class ParquetDataset(torch.utils.data.IterableDataset):
+class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
     """Batches of converted Parquet columns as torch tensors, from a local cache.
 
     The first epoch decodes each chunk of row groups once, converts it to the output
@@ -213,7 +212,7 @@ class ParquetDataset(torch.utils.data.IterableDataset):
             f"({'3 x shuffle_window + prefetch + 1' if self.options.shuffled else '3 x prefetch + 8'}) chunks of up "
             f"to {self.reader.max_chunk_bytes()} bytes, plus queued batches")
         self._views = {s.name: torch.bfloat16 for s in self.reader.outputs if s.dtype == BFLOAT16}
-        signature = self._signature()
+        signature = resume.signature(self.reader, self.options)
         self._given = repr((given["source"], signature["outputs"]))  # this dataset, to other ranks
         self._cursor = Cursor(self._plan, self._layout, signature, Agreement(self._given))  # the epoch, the position
         self._epochs = Epochs(self.reader, self._plan, self._cursor, self.metrics)  # what an iteration runs
@@ -363,16 +362,6 @@ class ParquetDataset(torch.utils.data.IterableDataset):
         check_iter_caller(sys._getframe(1))
         return self._epochs.iterate(self._views, self.batch_transform, self.device)
 
-    def _signature(self) -> dict:
-        o, r = self.options, self.reader
-        # a transform's outputs are made from every column it is given (their specs name none)
-        given = needed_columns(r.specs) if r.source.transform is not None else None
-        return resume.signature(fingerprint=r.fingerprint, rows=r.num_rows, chunks=r.chunks, files=len(r.files),
-                                outputs={s.name: given or list(s.columns) for s in r.outputs}, seed=o.seed,
-                                shuffle=o.shuffle,
-                                batch_size=o.batch_size, drop_last=o.drop_last, shuffle_window=o.shuffle_window,
-                                block_rows=o.block, row_filter=None if r.source.filters is None else r.source.filters.key)
-
     def stats(self, all_ranks: bool = False) -> Stats:
         """What the loader and the training loop did so far: a :class:`gpuload.Stats`
         (``all_ranks=True``: every rank's, gathered, a :class:`gpuload.observe.ranks.RankStats`;
@@ -443,15 +432,6 @@ class ParquetDataset(torch.utils.data.IterableDataset):
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], list[int]]:
         """This rank's windows of chunk segments and batch sizes for a whole ``epoch`` (pure)."""
         return self._cursor.plan_epoch(epoch)
-
-    def __getstate__(self):
-        refuse_copy("ParquetDataset")
-
-    def __deepcopy__(self, memo):
-        """This same dataset: a deep copy of what holds it (a LightningModule copied by SWA or EMA
-        callbacks, ``torch.optim.swa_utils.AveragedModel``) shares it; its threads, pools and cache files
-        are never copied (pickling and ``copy.copy`` are refused)."""
-        return self
 
     def __repr__(self) -> str:
         try:

@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from .agree import Agreement
-from .consumers import check_iter_caller, check_set_epoch_caller, refuse_copy
+from .consumers import NotCopied, check_iter_caller, check_set_epoch_caller
 from .dataset import ParquetDataset
 from .errors import ConfigError, counted, setting
 from .mixsources import check_sources
@@ -39,7 +39,7 @@ FORMAT, VERSION = "gpuload.Mix", 2  # 2: its sources' orders no longer depend on
 log = logging.getLogger("gpuload")
 
 
-class Mix(torch.utils.data.IterableDataset):
+class Mix(NotCopied, torch.utils.data.IterableDataset):
     """Batches drawn from several datasets by weight (see :mod:`gpuload.mixplan` for the exact rules).
 
     Parameters
@@ -352,13 +352,6 @@ class Mix(torch.utils.data.IterableDataset):
     def outputs(self) -> list[str]:
         """Names of the tensors in each batch (the provenance output last, when asked for)."""
         return self.sources[0].outputs + ([self.provenance] if self.provenance else [])
-
-    def __getstate__(self):
-        refuse_copy("Mix")
-
-    def __deepcopy__(self, memo):
-        """This same mix (see :meth:`gpuload.ParquetDataset.__deepcopy__`)."""
-        return self
 
     def __repr__(self) -> str:
         what = f"weights={dict(zip(self.names, self.weights))}" if self.weights else "composition"

@@ -55,6 +55,7 @@ import numpy as np
 import xxhash
 
 from . import plan
+from .convert import needed_columns
 from .errors import ConfigError
 
 __all__ = ["FORMAT", "VERSION", "Run", "Piece", "RunRows", "runs_of", "rest_of_epoch", "dropped_rows", "signature",
@@ -251,21 +252,23 @@ def rest_of_epoch(window_rows: Callable[[int], Sequence[int]], runs: Sequence[Ru
     return merged, last.sizes(rank).after(last.taken)
 
 
-def signature(*, fingerprint: int, rows: int, chunks: Sequence, outputs: dict, seed: int, shuffle: bool | str,
-              batch_size: int, drop_last: bool, shuffle_window: int, block_rows: int | None = None,
-              row_filter: str | None = None, files: int | None = None) -> dict:
-    """What shapes a dataset's order, as the ``dataset`` field of a state (``shuffle`` as given:
-    ``"block"`` is recorded as True with its ``block_rows``, ``"chunks"`` as itself; ``row_filter``: the
-    key of its ``filters=``, written only when there is one; ``files``: how many files the source
-    listed, for messages: a state saved before it was recorded has none)."""
-    layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in chunks], dtype=np.int64).reshape(-1, 3)
-    return {"source": f"{fingerprint:#018x}", "rows": int(rows),
-            "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}", "outputs": outputs,
-            "seed": int(seed), "shuffle": shuffle if shuffle == "chunks" else bool(shuffle), "batch_size": int(batch_size),
-            "drop_last": bool(drop_last), "shuffle_window": int(shuffle_window),
-            **({} if block_rows is None else {"block_rows": int(block_rows)}),
-            **({} if row_filter is None else {"filter": row_filter}),
-            **({} if files is None else {"files": int(files)})}
+def signature(reader, options) -> dict:
+    """What shapes the order of a dataset of ``reader`` (a :class:`gpuload.reader.ChunkReader`) and
+    ``options`` (its :class:`gpuload.config.Options`), as the ``dataset`` field of a state: the files'
+    fingerprint, rows and chunks, each output's columns (a transform's: every column it is given), and
+    the order's settings (``shuffle`` as given: ``"block"`` is recorded as True with its ``block_rows``,
+    ``"chunks"`` as itself; ``filter``: the key of its ``filters=``, written only when there is one;
+    ``files``: how many files the source listed, for messages: a state saved before it was recorded has none)."""
+    r, o = reader, options
+    given = needed_columns(r.specs) if r.source.transform is not None else None
+    layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in r.chunks], dtype=np.int64).reshape(-1, 3)
+    return {"source": f"{r.fingerprint:#018x}", "rows": int(r.num_rows),
+            "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}",
+            "outputs": {s.name: given or list(s.columns) for s in r.outputs},
+            "seed": int(o.seed), "shuffle": o.shuffle if o.shuffle == "chunks" else bool(o.shuffle),
+            "batch_size": int(o.batch_size), "drop_last": bool(o.drop_last), "shuffle_window": int(o.shuffle_window),
+            **({} if o.block is None else {"block_rows": int(o.block)}),
+            **({} if r.source.filters is None else {"filter": r.source.filters.key}), "files": len(r.files)}
 
 
 def check_signature(saved: dict, here: dict) -> None:
