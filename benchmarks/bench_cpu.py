@@ -230,6 +230,60 @@ def machine() -> str:
             f"torch {torch.__version__}, gpuload {gpuload.__version__}")
 
 
+class OtherCPU:
+    """CPU seconds the rest of the machine used while a benchmark ran: every core's busy time
+    (``/proc/stat``: user, nice, system, irq, softirq) less this process's and its reaped
+    children's (``os.times``), and the hypervisor's steal time, from ``start()`` to ``stop()``.
+    A run is quiet when the others used little: the load average cannot tell, as it counts the
+    benchmark's own processes. Linux only (elsewhere ``text()`` says it was not measured).
+    A daemon a loader starts and does not reap (reparented to init) counts as another's."""
+
+    def __init__(self):
+        self.busy = self.steal = self.ours = self.wall = None
+
+    @staticmethod
+    def _stat() -> tuple[float, float] | None:
+        try:
+            f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        tick = os.sysconf("SC_CLK_TCK")
+        return sum(f[i] for i in (0, 1, 2, 5, 6)) / tick, (f[7] if len(f) > 7 else 0) / tick
+
+    @staticmethod
+    def _ours() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def start(self) -> "OtherCPU":
+        self._t0, self._s0, self._o0 = time.perf_counter(), self._stat(), self._ours()
+        return self
+
+    def stop(self) -> "OtherCPU":
+        s1 = self._stat()
+        self.wall = time.perf_counter() - self._t0
+        if self._s0 is not None and s1 is not None:
+            self.ours = self._ours() - self._o0
+            self.busy, self.steal = s1[0] - self._s0[0], s1[1] - self._s0[1]
+        return self
+
+    @property
+    def others(self) -> float | None:
+        """CPU seconds of other processes (never below 0: the counters tick at different times)."""
+        return None if self.busy is None else max(0.0, self.busy - self.ours)
+
+    def quiet(self, share: float = 0.1) -> bool:
+        """Whether others and steal together used under ``share`` of one core over the run."""
+        return self.others is not None and self.others + self.steal < share * self.wall
+
+    def text(self) -> str:
+        if self.others is None:
+            return "other processes' CPU not measured (no /proc/stat)"
+        return (f"other processes used {self.others:.0f} CPU s and the hypervisor stole {self.steal:.0f} s "
+                f"({(self.others + self.steal) / self.wall:.0%} of one core) while the benchmark's own used "
+                f"{self.ours:.0f} s")
+
+
 def cold_epoch(files, cols: dict, cache: pathlib.Path, bs: int, shuffle: bool) -> tuple[float, float]:
     """(seconds, of which waiting for the last cache writes) of epoch 0 into an empty cache folder."""
     shutil.rmtree(cache, ignore_errors=True)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(RUNNERS))
 
-from bench_cpu import machine, replace_section, say  # noqa: E402
+from bench_cpu import OtherCPU, machine, replace_section, say  # noqa: E402
 from bench_step import DENSE, SPARSE, petastorm_python  # noqa: E402
 
 #: pip installs of each peer venv, in order (torch first, from the CPU wheel, so a peer's torch
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
         ap.error(f"--repeat {args.repeat}: give at least 1 run per loader")
     threads = [t.strip() for t in args.threads.split(",") if t.strip()]
     work = args.workdir or pathlib.Path(tempfile.mkdtemp(prefix="gpuload-peers-"))
-    t_start, load0 = time.perf_counter(), os.getloadavg()
+    t_start, load0, other = time.perf_counter(), os.getloadavg(), OtherCPU().start()
     if load0[0] > 0.5:
         say(f"warning: load average {load0[0]:.2f} at start; the numbers will be noisy")
     try:
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
                 for t in threads:
                     runs.setdefault((key, t), []).append(run_one(key, LOADERS[key], args, data, work, rows, window, t))
         results = {kt: combine(rs) for kt, rs in runs.items()}
-        load1 = os.getloadavg()
+        load1, other = os.getloadavg(), other.stop()
         merged = None
         if args.merge:  # an earlier run's rows for the loaders not run now, in the loaders' order
             earlier = json.loads(args.merge.read_text())
@@ -338,9 +338,12 @@ def main(argv=None) -> int:
                     versions[vs].append(key)
         notes = {key: r["notes"] for (key, _), r in results.items() if "error" not in r and r.get("notes")}
         info = {}
-        if rows != 8_000_000 or max(load0[0], load1[0]) > 0.5:
+        # the machine was busy before (the load average at the start), or others ran meanwhile (their CPU:
+        # the load average at the end counts the benchmark's own processes)
+        if rows != 8_000_000 or load0[0] > 0.5 or not other.quiet():
             info["caution"] = (f"{rows:,} rows" + (" (not the benchmark's 8,000,000)" if rows != 8_000_000 else "")
-                               + f", load average up to {max(load0[0], load1[0]):.2f}: a smoke run, not a result")
+                               + f", load average {load0[0]:.2f} at the start, {other.text()}: a smoke run, "
+                                 f"not a result")
         info |= {
             "machine": machine(),
             "dataset": f"{rows:,} rows in {len(files)} Parquet files (snappy, row groups of 65,536), "
@@ -364,7 +367,7 @@ def main(argv=None) -> int:
             **({"merged": merged} if merged else {}),
             "runtime": f"{time.perf_counter() - t_start:.0f} s; load average (1, 5, 15 min) "
                        f"{', '.join(f'{x:.2f}' for x in load0)} at start, "
-                       f"{', '.join(f'{x:.2f}' for x in load1)} at end",
+                       f"{', '.join(f'{x:.2f}' for x in load1)} at end; {other.text()}",
         }
         print(tables)
         print("\n".join(f"{k}: {v}" for k, v in info.items()))
