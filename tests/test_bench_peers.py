@@ -166,3 +166,22 @@ def test_the_shuffled_ideals_give_every_row_once_in_the_promised_order(tmp_path,
             assert not np.array_equal(stored, np.arange(n))  # permuted within its chunks
     if n > 2 * block:
         assert not np.array_equal(ids, np.concatenate([b["label"].numpy() for b in epoch(2)]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat")
+def test_the_cpu_of_the_benchmarks_reaped_processes_is_its_own_not_others():
+    """What says whether a run was quiet: a child that burns CPU and is reaped counts as the
+    benchmark's own, so the others' share stays what the rest of the machine used."""
+    import subprocess
+    import sys
+
+    from bench_cpu import OtherCPU
+
+    other = OtherCPU().start()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"],
+                   check=True)
+    other.stop()
+    assert other.ours >= 0.5 and other.others is not None and other.steal >= 0
+    assert other.busy >= other.ours - 0.1  # the machine's busy time holds the child's
+    assert "other processes used" in other.text() and f"benchmark's own used {other.ours:.0f} s" in other.text()
