@@ -267,8 +267,9 @@ def delete(root: CacheRoot, path: Path) -> int:
 
 
 def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None = None, open_specs=()) -> dict:
-    """Delete gpuload's files: every chunk, footer, vocabulary, temporary and free lock file of every format
-    (or only those of spec hash ``spec``, or of the specs not used since ``unused_since`` epoch seconds),
+    """Delete gpuload's files: every chunk, footer, vocabulary, listing, temporary and free lock file of every
+    format (or only those of spec hash ``spec``, or of the specs and the remote listings
+    (:mod:`gpuload.cache.listings`) not used since ``unused_since`` epoch seconds),
     but the column sets in ``open_specs`` (a live reader reads them: while one is kept, the footers and
     vocabularies, which serve every column set, are kept too). Returns
     ``{"freed": bytes, "files": n, "specs": removed spec hashes, "open": specs kept as open,
@@ -316,8 +317,10 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
     for parts in sorted(folders, key=len, reverse=True):  # only if empty (another process may be writing)
         if len(parts) == 2 or parts[0] != _LAYOUT:  # source folders, and older formats' layout folders
             root.rmdir(parts[:-1], parts[-1])
-    for name, st in _vocab_folder(root, problems, foreign):  # they serve every column set: a full clear only
-        if chosen is None:
+    for name, st in _vocab_folder(root, problems, foreign):  # they serve every column set: a full clear only,
+        unused = (spec is None and unused_since is not None and VOCAB.fullmatch(name) is not None  # but a
+                  and name.endswith(LISTING_SUFFIX) and st.st_mtime < unused_since)  # listing unused since
+        if chosen is None or unused:
             try:
                 gone = (drop_free_lock(root, (_LAYOUT, _VOCABS), name) if LOCK.fullmatch(name) else
                         root.unlink((_LAYOUT, _VOCABS), name, VOCAB if VOCAB.fullmatch(name) else TEMP))

@@ -24,12 +24,17 @@ little-endian::
                          chose the objects), "objects": [[path, size, mtime_ns, tag], ...]}
 
 A file that does not check out is ignored (the source is then refused as if none were kept),
-never trusted. ``gpuload cache clear`` removes these files with a full clear only.
+never trusted. A file's modification time is its listing's last use: each open with the store up
+writes it anew, and one that opens from it marks it (:func:`note_use`). ``gpuload cache clear``
+removes these files with a full clear, and with ``--unused-since`` those not used since (with
+``--spec`` alone, none: a listing serves every column set of its source).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from typing import NamedTuple
 
@@ -40,8 +45,8 @@ from .fs import CacheRoot
 from .smallfile import read_json_file, write_json_file
 from .vocabs import VOCAB_DIR
 
-__all__ = ["Kept", "listing_key", "load_listing", "save_listing", "read_listing_file", "check_listing_file",
-           "LISTING_SUFFIX"]
+__all__ = ["Kept", "listing_key", "load_listing", "save_listing", "note_use", "read_listing_file",
+           "check_listing_file", "LISTING_SUFFIX"]
 
 LISTING_SUFFIX = ".listing"
 MAGIC = b"GPULLIST"
@@ -115,6 +120,17 @@ def save_listing(root: CacheRoot, url: str, place: str, base: str | None, table:
     write_json_file(root, _PARTS, key + LISTING_SUFFIX, MAGIC, VERSION,
                     {"key": key, "url": url, "place": place, "at": time.time(), "base": base, "table": bool(table),
                      "objects": [[o.path, int(o.size), int(o.mtime_ns), o.tag] for o in objects]})
+
+
+def note_use(root: CacheRoot, url: str, place: str) -> None:
+    """Mark the listing kept for ``url`` at ``place`` as used now (its file's modification time, which
+    ``gpuload cache clear --unused-since`` reads); best effort: a read-only cache is left as it is."""
+    with contextlib.suppress(OSError):
+        fd = root.open_read(_PARTS, listing_key(url, place) + LISTING_SUFFIX)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
 
 
 def check_listing_file(root: CacheRoot, name: str) -> str | None:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..cache.fs import CacheRoot
-from ..cache.listings import Kept, load_listing, save_listing
+from ..cache.listings import Kept, load_listing, note_use, save_listing
 from ..errors import SourceError
 from .remote import ObjectInfo, Store, _is_arrow_fs as is_arrow_fs
 from .retry import Unreachable, retry
@@ -139,6 +139,7 @@ def _kept(root: CacheRoot | None, url: str, where: str, settings: RemoteSettings
     if time.time() - kept.at > settings.kept_listing_s:
         raise Unreachable(f"{down}{why}; the listing of {url} kept from its last open is {kept.age_text()} old, "
                           f"more than remote kept_listing_s={settings.kept_listing_s:g} s allows") from None
+    note_use(root, url, where)  # used: `cache clear --unused-since` keeps it
     return kept
 
 

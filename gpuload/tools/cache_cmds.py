@@ -312,8 +312,8 @@ def add_cache_commands(sub) -> None:
             a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")
         if name == "clear":
             a.add_argument("--spec", help="only this column set (a spec hash, or its prefix, from `cache info`)")
-            a.add_argument("--unused-since", help="only column sets not used since a date (2026-11-01) or for "
-                                                  "an age (30d, 12h)")
+            a.add_argument("--unused-since", help="only column sets (and remote sources' kept listings) not used "
+                                                  "since a date (2026-11-01) or for an age (30d, 12h)")
             a.add_argument("--include-open", action="store_true",
                            help="clear column sets a running dataset has open too (kept by default; that dataset "
                                 "then decodes their chunks again)")

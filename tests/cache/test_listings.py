@@ -99,3 +99,28 @@ def test_info_verify_and_clear_know_listings(tmp_path, cli):
     assert f"{path.name}: unreadable (not used; `gpuload cache verify` says why)" in info  # shown first
     out = cache_admin.clear(root)
     assert not path.exists() and not out["foreign"] and not out["failed"]
+
+
+def test_clear_unused_since_removes_the_listings_unused_since_and_a_spec_clear_none(tmp_path, cli):
+    """A listing is used when an open with the store up writes it, or one with the store down opens
+    from it (note_use): `cache clear --unused-since` removes those unused since, like column sets;
+    `--spec` names a column set, which a listing is not: it removes none."""
+    import os
+
+    from gpuload.cache.listings import note_use
+
+    root, now = CacheRoot(tmp_path), time.time()
+    for url in ("s3://b/old", "s3://b/used", "s3://b/new"):
+        save_listing(root, url, PLACE, None, False, OBJECTS)
+    for url in ("s3://b/old", "s3://b/used"):  # listed 40 days ago
+        os.utime(_path(tmp_path, url), (now - 40 * 86400, now - 40 * 86400))
+    note_use(root, "s3://b/used", PLACE)  # opened from it with the store down just now
+    assert _path(tmp_path, "s3://b/used").stat().st_mtime >= now - 1
+    with pytest.raises(Exception, match="names no column set"):
+        cache_admin.clear(root, spec="abcd")
+    assert all(_path(tmp_path, u).exists() for u in ("s3://b/old", "s3://b/used", "s3://b/new"))
+    out = cli("cache", "clear", "--unused-since", "30d", "--cache-dir", str(tmp_path)).stdout
+    assert "1 files" in out
+    assert not _path(tmp_path, "s3://b/old").exists()
+    assert _path(tmp_path, "s3://b/used").exists() and _path(tmp_path, "s3://b/new").exists()
+    note_use(CacheRoot(tmp_path / "absent"), "s3://b/x", PLACE)  # nothing to mark: no error

@@ -5,6 +5,7 @@ Against a real S3-protocol server (moto) on loopback, stopped for real."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -73,11 +74,15 @@ def down(tmp_path, bucket):
 
 def test_a_fully_cached_source_opens_and_trains_while_its_store_is_down(down, bucket, caplog):
     so, cache = down
+    (listing,) = (cache / "v3" / "vocab").glob("*.listing")
+    before = time.time()
+    os.utime(listing, (before - 86400, before - 86400))  # last listed a day ago
     with caplog.at_level(logging.WARNING, logger="gpuload"):
         ds = _open(so, cache, bucket)
     said = " ".join(r.getMessage() for r in caplog.records)
     assert f"s3://{bucket}/data: the store cannot be reached" in said and "no connection to the store" in said
     assert "opened from the listing kept at the last open (" in said and " ago, 3 objects), every chunk cached" in said
+    assert listing.stat().st_mtime >= before - 1  # marked used: `cache clear --unused-since` keeps it
     for epoch in (0, 1):  # every row once, in the order of a dataset opened with the store up
         ds.set_epoch(epoch)
         assert np.array_equal(_xs(ds), np.arange(3 * ROWS))
