@@ -185,3 +185,30 @@ def test_the_cpu_of_the_benchmarks_reaped_processes_is_its_own_not_others():
     assert other.ours >= 0.5 and other.others is not None and other.steal >= 0
     assert other.busy >= other.ours - 0.1  # the machine's busy time holds the child's
     assert "other processes used" in other.text() and f"benchmark's own used {other.ours:.0f} s" in other.text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch has one intra-op thread here by default")
+def test_a_loader_that_sets_torch_threads_on_its_thread_leaves_the_consumers_alone(tmp_path):
+    """torchdata.nodes' thread workers call torch.set_num_threads(1). Where the training thread had not
+    run torch yet, that made the 'default threads' consumer's copies single-threaded, and its rows
+    measured a 1-thread consumer. The runner's training thread fixes its threads first, as a script
+    that builds its model first does."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "peer.py"
+    script.write_text(
+        "import sys, threading, torch\n"
+        f"sys.path[:0] = [{str(BENCH / 'peers')!r}]\n"
+        "from common import Peer, main\n"
+        "class P(Peer):\n"
+        "    name = 'sets threads'\n"
+        "    def epoch(self, e):\n"
+        "        t = threading.Thread(target=torch.set_num_threads, args=(1,)); t.start(); t.join()\n"
+        "        yield {'row_id': torch.arange(self.args.rows)}\n"
+        "main(P, 'a loader')\n")
+    out = subprocess.run([sys.executable, str(script), "--data", str(tmp_path), "--work", str(tmp_path), "--rows",
+                          "10", "--threads", "default", "--epochs", "1", "--step-ms", "0"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    assert json.loads(out.splitlines()[-1])["torch_threads"] == torch.get_num_threads()

@@ -290,6 +290,11 @@ def main(make_peer, doc: str, argv=None) -> None:
     args = parser(doc).parse_args(argv)
     if args.threads != "default":
         torch.set_num_threads(int(args.threads))
+    # a training script runs torch on its training thread (building the model) before any loader starts,
+    # which fixes that thread's intra-op threads: as here. Else a loader that calls torch.set_num_threads
+    # on a thread of its own (torchdata.nodes' thread workers call it with 1) would make the consumer's
+    # copies single-threaded, and the multi-threaded consumer's rows would measure a 1-thread one
+    torch.get_num_threads()
     rss = PeakRSS()
     t0 = time.perf_counter()
     peer = make_peer(args)
