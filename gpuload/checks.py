@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from .categorical import Hash, parse_key
 from .vocabulary import registered
-from .convert import cast_values, nulls_error
+from .convert import cast_values, may_overflow, nulls_error
 from .errors import ConfigError, SourceError, flag, setting
 from .dtypes import BFLOAT16
 from .schema import FIXED, RAGGED, OutputSpec
@@ -202,14 +202,17 @@ def _bounds(st, vt, src: np.dtype) -> np.ndarray | None:
 
 def check_casts(files: Sequence[SourceFile], specs: Sequence[OutputSpec]) -> None:
     """Raise :class:`~gpuload.ConfigError` when a cast to an integer or bool output cannot
-    hold a value the statistics report (or a fill value), and where a stacked group's common
-    float type would round one of its integers (:attr:`OutputSpec.exact`)."""
+    hold a value the statistics report (or a fill value), when a cast to a narrower float would
+    make one an infinity, and where a stacked group's common float type would round one of its
+    integers (:attr:`OutputSpec.exact`)."""
     for s in specs:
         for c, vt in zip(s.columns, s.sources):
             if vt.encode:
                 _check_ids_fit(s, c, parse_key(vt.encode), vt.encode)
-        if s.dtype == BFLOAT16 or (np.dtype(s.dtype).kind not in "biu" and not s.exact):
-            continue  # casts to floats may round where dtypes= chose them: nothing to refuse
+        if s.dtype == BFLOAT16 or (np.dtype(s.dtype).kind not in "biu" and not s.exact and not any(
+                np.dtype(vt.dtype).kind in "iuf" and may_overflow(np.dtype(vt.dtype), np.dtype(s.dtype))
+                for vt in s.sources if not vt.encode)):
+            continue  # casts to floats may round where dtypes= chose them: nothing to refuse but infinities
         exact = s.name if s.exact else ""
         for c, vt, fill in zip(s.columns, s.sources, s.fills):
             src = np.dtype(vt.dtype)

@@ -221,9 +221,16 @@ def _quiet_nans(out):
     return out
 
 
+def may_overflow(src: np.dtype, dst: np.dtype) -> bool:
+    """Whether a finite value of ``src`` can lie beyond float ``dst``'s range (a cast makes it an infinity)."""
+    top = np.iinfo(src).max if src.kind in "iu" else np.finfo(src).max if src.kind == "f" else 0
+    return float(top) > float(np.finfo(dst).max)
+
+
 def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
-    """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round; casts to integers
-    or bool must keep every value exactly, else :class:`ConfigError` names the column and the value.
+    """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round, but a finite value
+    beyond the float's range (an infinity once cast) is refused; casts to integers or bool must
+    keep every value exactly; :class:`ConfigError` names the column and the value.
     ``"bfloat16"`` gives the uint16 bit patterns of torch's rounding. ``exact``: the name of a
     stacked output whose float dtype is its columns' common type (:attr:`OutputSpec.exact`):
     integers must then keep their value in it too.
@@ -255,7 +262,13 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
                                   "first")
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
                               f"choose a wider dtype in {flag('dtypes')} (or none)")
-    elif exact and dst.kind == "f" and values.dtype.kind in "iu":
+    elif dst.kind == "f" and may_overflow(values.dtype, dst) and bool(
+            (_xp(values).isfinite(values) & ~_xp(out).isfinite(out)).any()):  # a finite value made an infinity
+        v = values[int((_xp(values).isfinite(values) & ~_xp(out).isfinite(out)).argmax())].item()
+        raise ConfigError(f"column {column!r} holds {v!r} in {where}, beyond the range of {dst} (its largest "
+                          f"magnitude is {float(np.finfo(dst).max):g}): the cast would make it an infinity; "
+                          f"choose a wider dtype in {flag('dtypes')} (or none), or scale the column first")
+    if exact and dst.kind == "f" and values.dtype.kind in "iu":
         top = 2 ** (np.finfo(dst).nmant + 1)  # every integer up to it is exact in dst, some beyond it are not
         bad = values > top
         if values.dtype.kind == "i":

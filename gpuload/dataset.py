@@ -105,7 +105,8 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
         hold the integers exactly: beyond 2**53 name the dtype to accept rounding).
         Casts happen once, when the cache is built. Casts to floats round to nearest, once
         (as NumPy; torch's float64 -> float16 rounds through float32, and may differ in the last
-        bit for rare values); casts to integers or bool must keep every value exactly, else a
+        bit for rare values), but not beyond their range (a finite value would become an
+        infinity); casts to integers or bool must keep every value exactly; else a
         :class:`~gpuload.ConfigError` names the column and value (at open, where the
         footers' statistics show it).
     categorical : how string and binary columns (and lists of them) become int64 ids:

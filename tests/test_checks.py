@@ -192,6 +192,31 @@ def test_temporal_and_float16_casts_are_checked_at_open(tmp_path, column, dtype,
                                dtypes={"x": dtype})
 
 
+@pytest.mark.parametrize("column,dtype,bad", [
+    (pa.array([1, -(2**62)], pa.int64()), "float16", -(2**62)),
+    (pa.array([1, 70_000], pa.int32()), "float16", 70_000),
+    (pa.array([1.0, 1e300]), "float32", r"1e\+300"),
+    (pa.array(np.array([1.0, -1e38], np.float32)), "float16", "-1e\\+38|-9.99"),
+])
+@pytest.mark.parametrize("statistics", [True, False])
+def test_a_cast_that_would_make_a_value_an_infinity_is_refused(tmp_path, column, dtype, bad, statistics):
+    """A float cast may round, but a finite value beyond the float's range would become +-inf,
+    silently: refused at open where the statistics show it, else while decoding, naming the value;
+    values in range, NaNs and infinities the column holds itself are cast as they are."""
+    write_parquet(tmp_path / "a.parquet", pa.table({"x": column}), write_statistics=statistics)
+    with pytest.raises(gpuload.ConfigError, match=rf"'x' holds ({bad}).* beyond the range of {dtype}.*infinity.*dtypes="):
+        ds = gpuload.ParquetDataset(tmp_path / "a.parquet", ["x"], cache_dir=tmp_path / "c", device="cpu",
+                                    dtypes={"x": dtype})
+        assert not statistics  # with statistics, the open refuses it
+        list(ds)
+    ok = pa.array([1.5, float("inf"), float("nan"), -65504.0])
+    write_parquet(tmp_path / "b.parquet", pa.table({"x": ok}), write_statistics=statistics)
+    got = torch.cat([b["x"] for b in gpuload.ParquetDataset(tmp_path / "b.parquet", ["x"], cache_dir=tmp_path / "c",
+                                                            device="cpu", shuffle=False, dtypes={"x": "float16"})])
+    assert got.dtype == torch.float16 and got[0] == 1.5 and got[1] == float("inf") and got[2].isnan()
+    assert got[3] == -65504.0
+
+
 def test_fitting_temporal_casts_are_not_refused(tmp_path):
     """No false refusals: statistics in another unit than the values would be (seconds
     stored as milliseconds) or of dictionary columns."""

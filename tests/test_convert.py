@@ -413,10 +413,13 @@ def test_cast_nans_become_one_pattern():
 
 
 def test_exact_narrowing_and_float_rounding_are_allowed():
-    out = convert(pa.table({"x": pa.array([1, -5, 127]), "f": pa.array([0.1, 1e300, -2.5])}),
+    out = convert(pa.table({"x": pa.array([1, -5, 127, 0]), "f": pa.array([0.1, 3e38, -2.5, float("-inf")])}),
                   {"x": "x", "f": "f"}, dtypes={"x": "int8", "f": "float32"})
-    assert out["x"].dtype == np.int8 and out["x"].tolist() == [1, -5, 127]
-    assert out["f"].dtype == np.float32  # floats round (1e300 -> inf), as asked
+    assert out["x"].dtype == np.int8 and out["x"].tolist() == [1, -5, 127, 0]
+    assert out["f"].dtype == np.float32  # floats round, as asked (an infinity stays one)
+    assert out["f"].tolist() == np.array([0.1, 3e38, -2.5, float("-inf")], np.float32).tolist()
+    with pytest.raises(gpuload.ConfigError, match="'f' holds 1e\\+300 .*beyond the range of float32"):
+        convert(pa.table({"f": pa.array([0.1, 1e300])}), {"f": "f"}, dtypes={"f": "float32"})  # not silently inf
 
 
 def test_float64_to_float16_rounds_once_to_nearest():
