@@ -24,6 +24,7 @@ library versions).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -59,8 +60,9 @@ class Transform:
     key: str
 
     def __post_init__(self):
-        if not callable(self.fn):
-            raise ConfigError(f"transform: Transform(fn={self.fn!r}) must be given a function outputs -> outputs")
+        if not callable(self.fn) or not _takes(self.fn, 1):
+            raise ConfigError(f"transform: Transform(fn={self.fn!r}) must be given a function outputs -> outputs "
+                              "(one argument)")
         if not isinstance(self.key, str) or not self.key.strip() or len(self.key) > 200:
             raise ConfigError(f"transform: Transform(key={self.key!r}) must be a non-empty name of at most 200 "
                               "characters, e.g. 'features-v3': the cache key holds it")
@@ -205,10 +207,24 @@ def _back(t: torch.Tensor, gpu: bool):
     return a.view(np.uint16) if bf16 else a
 
 
+def _takes(fn, n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (True where its signature
+    cannot be read: a builtin, some C extensions)."""
+    try:
+        inspect.signature(fn).bind(*([None] * n))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
 def check_batch_transform(fn) -> Callable | None:
-    """``fn`` if it is None or callable, else :class:`ConfigError` naming the setting."""
-    if fn is not None and not callable(fn):
-        raise ConfigError(f"batch_transform={fn!r} must be a function fn(batch, generator) -> batch (or None)")
+    """``fn`` if it is None or a callable taking ``(batch, generator)``, else :class:`ConfigError`
+    naming the setting (at open, not at the first batch)."""
+    if fn is not None and (not callable(fn) or not _takes(fn, 2)):
+        raise ConfigError(f"batch_transform={fn!r} must be a function fn(batch, generator) -> batch taking those two "
+                          "arguments (or None)")
     return fn
 
 

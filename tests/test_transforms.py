@@ -148,6 +148,23 @@ def test_a_transform_that_returns_no_dict_and_one_that_is_no_function_are_refuse
         next(iter(ds))
     with pytest.raises(gpuload.ConfigError, match="batch_transform=3 must be a function"):
         _ds(data, tmp_path / "c", batch_transform=3)
+    with pytest.raises(gpuload.ConfigError, match=r"batch_transform=<function .*lambda.* taking those two"):
+        _ds(data, tmp_path / "c", batch_transform=lambda b: b)  # at open, not at the first batch
+
+
+def test_functions_of_any_shape_that_take_the_arguments_are_accepted(data, tmp_path):
+    """Defaults, *args, a callable object, functools.partial, a builtin whose signature is unknown."""
+    import functools
+
+    class Shift:
+        def __call__(self, batch, generator):
+            return batch
+
+    for fn in (lambda b, g=None, h=1: b, lambda *a: a[0], Shift(), functools.partial(lambda k, b, g: b, 1)):
+        assert _ds(data, tmp_path / "c", batch_transform=fn).batch_transform is fn
+    with pytest.raises(gpuload.ConfigError, match="one argument"):
+        gpuload.Transform(lambda a, b: a, "two-args")
+    assert gpuload.Transform(lambda cols, extra=None: cols, "k").key == "k"
 
 
 @pytest.mark.gpu
