@@ -54,7 +54,7 @@ class CacheSummary:
 
     def __str__(self) -> str:
         elsewhere = f", {self.built_elsewhere} built meanwhile by another build" if self.built_elsewhere else ""
-        text = (f"{self.chunks} chunks of {self.rows:,} rows from {self.files} files: {self.built} built, "
+        text = (f"{self.chunks} chunks ({self.rows:,} rows) from {self.files} files: {self.built} built, "
                 f"{self.already_cached} already cached{elsewhere}; {size_text(self.cached_bytes)} in {self.cache_dir} "
                 f"({self.seconds:.1f} s)")
         if self.over_budget:

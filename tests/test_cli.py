@@ -91,7 +91,7 @@ def test_build_info_verify_clear(data, tmp_path, capsys):
     cache = str(tmp_path / "cache")
     assert main(["cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "1"]) == 0
     out = capsys.readouterr().out
-    assert "20,000 rows from 2 files" in out and "built" in out
+    assert "chunks (20,000 rows) from 2 files" in out and "built" in out
     assert main(["cache", "info", "--cache-dir", cache]) == 0
     out = capsys.readouterr().out
     assert "part-00000.parquet" in out and "Parquet footers of 2 source files" in out
@@ -389,7 +389,7 @@ def test_build_on_local_cluster_and_node_shares(data, tmp_path):
     cache = str(tmp_path / "c")
     r = run("cache", "build", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--workers", "2")
     assert r.returncode == 0, r.stderr
-    built = int(re.search(r"(\d+) chunks of 20,000 rows from 2 files: (\d+) built", r.stdout).group(2))
+    built = int(re.search(r"(\d+) chunks \(20,000 rows\) from 2 files: (\d+) built", r.stdout).group(2))
     assert built > 2 and "Traceback" not in r.stderr
     r = run("cache", "info", str(data), "--cache-dir", cache, "--chunk-mib", "0.25", "--nodes", "2")
     assert r.returncode == 0, r.stderr
