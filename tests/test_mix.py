@@ -7,6 +7,7 @@ values equal to pyarrow's, and the slow source named."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -538,6 +539,10 @@ def test_stats_name_the_source_the_mix_waited_for(paths, tmp_path):
     assert set(st.sources) == {"local", "remote"}
     assert st.sources["remote"].wait_s > st.sources["local"].wait_s
     assert st.batches == len(m) and "source remote" in str(st)
+    shares = re.findall(r"source (\w+) +.*the mix waited [\d.]+ s for them \(([\d.]+)% of the mix's time\)", str(st))
+    assert sorted(n for n, _ in shares) == ["local", "remote"]
+    for name, text in shares:  # shares of one time, the mix's (each source's own wall time differs)
+        assert abs(float(text) / 100 - st.sources[name].wait_s / st.wall_s) < 0.001
     d = gpuload.diagnose(st)
     assert d.source == "remote" and "'remote'" in d.message and d.action.startswith("in source 'remote'")
 

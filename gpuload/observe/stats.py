@@ -176,9 +176,10 @@ class Stats:
                                      f"{o[0]:.2f} s)"))
         if self.remote is not None:
             out.append(("remote", str(self.remote)))
-        for name, st in (self.sources or {}).items():  # a mix: what its thread waited for each source
+        for name, st in (self.sources or {}).items():  # a mix: what its thread waited for each source, as
+            share = st.wait_s / self.wall_s if self.wall_s else 0.0  # shares of the mix's time, which add up
             out.append((f"source {name}", f"{st.batches:,} batches, {st.rows:,} rows; the mix waited "
-                                          f"{st.wait_s:.3f} s for them ({st.starvation:.1%} of its time)"))
+                                          f"{st.wait_s:.3f} s for them ({share:.1%} of the mix's time)"))
         return out
 
     _HEAD = ("stage", "busy s", "calls", "threads", "GB/s", "rows/s", "% of wall")
