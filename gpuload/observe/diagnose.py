@@ -19,7 +19,8 @@ The rules, in order (thresholds are the module constants below):
 
    * decode / convert (one job: a chunk's decode and conversion run back to back on
      one pool thread, so their times are added): the first epoch is decode-bound on
-     the CPU: build the cache ahead, or decode on the GPU;
+     the CPU (or bound by converting, where that took longer: the message says which):
+     build the cache ahead, or decode on the GPU;
    * cache_read: its rate (per-thread GB/s x workers) against ``disk_gbps``; within
      ``DISK_NEAR`` (80%) of it the disk is the limit, below it raise ``prefetch``;
    * read: the Parquet source reader is throttled (remote or slow storage);

@@ -38,6 +38,18 @@ def make_stats(starvation: float = 0.5, wall: float = 10.0, stages=(), **kw) -> 
     return Stats(**{**base, **kw})
 
 
+def test_a_first_epoch_spent_converting_is_named_so_not_decode_bound():
+    """A helper's trial: hashed string columns took 0.52 s converting and 0.03 s decoding, and the
+    message said decode-bound. The two still count as one job (one pool thread runs both)."""
+    d = gpuload.diagnose(make_stats(0.6, stages=[stage("read", 0.5, 2, 10**8), stage("decode", 2.0, 2, 10**9),
+                                                 stage("convert", 16.0, 2, 4 * 10**9, 6_553_600),
+                                                 stage("batch", 1.0)], loader="gpuload",
+                                    loader_settings={"device": "cpu", "cache_io": "direct"}))
+    assert d.limiting == "decode"
+    assert d.message.startswith("first epoch is bound by converting (casts, categorical hashing or vocabularies, "
+                                "fill values: 16.00 s, against 2.00 s decoding) on the CPU"), d.message
+
+
 def test_slow_decode():
     d = gpuload.diagnose(make_stats(0.6, stages=[stage("read", 2.0, 2, 10**9), stage("decode", 18.0, 2, 4 * 10**9,
                                                                                   6_553_600),
