@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -56,27 +57,46 @@ def timed_loop(name: str, batches: Iterable[dict], step: Callable[[dict], None],
     return LoopResult(name, s.rows, s.batches, s.wall_s, s.wait_s)
 
 
-def naive_batches(files, batch_size: int, columns: dict | None = None):
-    """The hand-written loader: per batch, pyarrow -> pandas -> torch on the calling thread."""
-    columns = columns or clicklog_columns()
-    names = [c for v in columns.values() for c in ([v] if isinstance(v, str) else v)]
+def _whole_batches(files, batch_size: int, names: list):
+    """The files' rows in order, in tables of ``batch_size`` rows (the last may be short): each
+    file's ``iter_batches``, its tail carried into the next file's first batch, so that the loop
+    takes as many steps as gpuload's (a short batch at every file's end would add steps and
+    flatter gpuload's epochs)."""
+    pending, have = [], 0
     for path in files:
         for rb in pq.ParquetFile(path).iter_batches(batch_size=batch_size, columns=names):
-            df = rb.to_pandas()
-            out = {}
-            for name, cols in columns.items():
-                if isinstance(cols, str) and df[cols].dtype == object:  # a list column
-                    lists = df[cols].to_list()
-                    lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
-                    offsets = torch.zeros(len(lists) + 1, dtype=torch.int64)
-                    offsets[1:] = torch.cumsum(lengths, 0)
-                    values = torch.tensor(np.concatenate(lists) if lists else [], dtype=torch.int64)
-                    out[name] = Ragged(values, offsets)
-                elif isinstance(cols, str):
-                    out[name] = torch.tensor(df[cols].to_numpy())
-                else:
-                    out[name] = torch.tensor(df[cols].to_numpy())
-            yield out
+            pending.append(rb)
+            have += rb.num_rows
+            while have >= batch_size:
+                t = pa.Table.from_batches(pending)
+                yield t.slice(0, batch_size)
+                rest = t.slice(batch_size)
+                pending, have = rest.to_batches(), rest.num_rows
+    if have:
+        yield pa.Table.from_batches(pending)
+
+
+def naive_batches(files, batch_size: int, columns: dict | None = None):
+    """The hand-written loader: per batch, pyarrow -> pandas -> torch on the calling thread (batches
+    of ``batch_size`` rows across file ends, as gpuload's)."""
+    columns = columns or clicklog_columns()
+    names = [c for v in columns.values() for c in ([v] if isinstance(v, str) else v)]
+    for table in _whole_batches(files, batch_size, names):
+        df = table.to_pandas()
+        out = {}
+        for name, cols in columns.items():
+            if isinstance(cols, str) and df[cols].dtype == object:  # a list column
+                lists = df[cols].to_list()
+                lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+                offsets = torch.zeros(len(lists) + 1, dtype=torch.int64)
+                offsets[1:] = torch.cumsum(lengths, 0)
+                values = torch.tensor(np.concatenate(lists) if lists else [], dtype=torch.int64)
+                out[name] = Ragged(values, offsets)
+            elif isinstance(cols, str):
+                out[name] = torch.tensor(df[cols].to_numpy())
+            else:
+                out[name] = torch.tensor(df[cols].to_numpy())
+        yield out
 
 
 def simulated_step(ms: float) -> Callable[[dict], None]:
