@@ -239,7 +239,14 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
     of its new type (CUDA's conversions give other bit patterns than NumPy's), and a float
     outside an integer type's range is refused (NumPy wraps it, CUDA saturates it)."""
     if dtype == BFLOAT16:
-        return _bfloat16_bits(values)
+        bits = _bfloat16_bits(values)
+        if values.dtype.kind == "f" and bool((made := _xp(values).isfinite(values) & (
+                (bits & 0x7FFF) == 0x7F80)).any()):  # a finite value rounded to an infinity
+            v = values[int(made.argmax())].item()
+            raise ConfigError(f"column {column!r} holds {v!r} in {where}, beyond the range of bfloat16 (its largest "
+                              f"magnitude is about 3.39e+38): the cast would make it an infinity; choose a wider "
+                              f"dtype in {flag('dtypes')} (or none), or scale the column first")
+        return bits
     dst = np.dtype(dtype)
     if values.dtype == dst:
         return values
@@ -262,9 +269,9 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
                                   "first")
             raise ConfigError(f"column {column!r} holds {v!r} in {where}, which {dst} cannot represent; "
                               f"choose a wider dtype in {flag('dtypes')} (or none)")
-    elif dst.kind == "f" and may_overflow(values.dtype, dst) and bool(
-            (_xp(values).isfinite(values) & ~_xp(out).isfinite(out)).any()):  # a finite value made an infinity
-        v = values[int((_xp(values).isfinite(values) & ~_xp(out).isfinite(out)).argmax())].item()
+    elif dst.kind == "f" and may_overflow(values.dtype, dst) and bool(_xp(out).isinf(out).any()) and bool(
+            (made := _xp(values).isfinite(values) & _xp(out).isinf(out)).any()):  # a finite value made an infinity
+        v = values[int(made.argmax())].item()
         raise ConfigError(f"column {column!r} holds {v!r} in {where}, beyond the range of {dst} (its largest "
                           f"magnitude is {float(np.finfo(dst).max):g}): the cast would make it an infinity; "
                           f"choose a wider dtype in {flag('dtypes')} (or none), or scale the column first")

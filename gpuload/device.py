@@ -81,7 +81,8 @@ class Host(Stages):
         return index
 
     def host_alloc(self, pool):
-        """``alloc(shape, dtype)`` for window and batch arrays: ``pool``'s (a :class:`gpuload.memory.HostPool`)."""
+        """``alloc(shape, dtype)`` for batch arrays and ``alloc(shape, dtype, key, grow)`` for window arrays:
+        ``pool``'s (a :class:`gpuload.memory.HostPool`)."""
         return pool.array
 
     def cache(self, options, metrics, read_pool) -> ChunkCache:

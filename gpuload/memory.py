@@ -86,7 +86,8 @@ class HostPool:
         :data:`ALIGN` boundary when it is pooled (so direct I/O can read into it).
 
         ``reserve`` (default 0): bytes a keyed role's arrays may grow to (the largest window of
-        the epoch): a new buffer for the request is made that large, so that a later, larger
+        the epoch): a new buffer for the request is made that large where it fits the caps without
+        forgetting a buffer (else of the request's own size), so that a later, larger
         array of the role finds it, instead of the role's buffers being forgotten and made
         again in fresh memory as a first epoch's windows grow.
 
@@ -119,7 +120,10 @@ class HostPool:
                     best = i
             if best >= 0 and self._bufs[best].nbytes - ALIGN <= nbytes * 5 // 4 + _ROUND:
                 return _aligned(self._bufs[best], nbytes)
-            size = _size_class(max(nbytes, reserve if key is not None else 0)) + ALIGN
+            size = _size_class(nbytes) + ALIGN
+            if key is not None and reserve > nbytes:  # the role's largest, where it fits besides what is kept
+                wide = _size_class(reserve) + ALIGN
+                size = wide if self._fits(wide) else size
             if best >= 0 and key is None and not self._fits(size):
                 return _aligned(self._bufs[best], nbytes)
             if not self._make_room(size):

@@ -267,7 +267,9 @@ def _batches(windows, sizes, load, permutation, handoff, threads, prefetch, stop
                     with contextlib.nullcontext() if metrics is None else metrics.span("batch") as span:
                         # each column its own buffers, made for the epoch's largest window at once
                         grow = most / planned if planned else 1.0
-                        keyed = None if alloc is None else (lambda shape, dtype, key: alloc(shape, dtype, key, grow))
+                        # (a list's values grow with its lengths, not its rows: they get no reserve)
+                        keyed = None if alloc is None else (lambda shape, dtype, key: alloc(
+                            shape, dtype, key, 1.0 if isinstance(key, tuple) and key[-1] == "values" else grow))
                         cols = concat(parts, keyed, keyed=alloc is not None)
                         got = nrows(cols)
                         if span is not None:

@@ -211,7 +211,7 @@ def _takes(fn, n: int) -> bool:
     """Whether ``fn`` can be called with ``n`` positional arguments (True where its signature
     cannot be read: a builtin, some C extensions)."""
     try:
-        inspect.signature(fn).bind(*([None] * n))
+        inspect.signature(fn, follow_wrapped=False).bind(*([None] * n))  # a wrapper's own, not what it wraps
     except TypeError:
         return False
     except ValueError:

@@ -546,3 +546,18 @@ def test_chunked_columns_convert_piece_by_piece_exactly_as_joined_ones():
     with pytest.raises(gpuload.ConfigError, match="holds 4.5"):
         table_to_columns(pa.table({"x": bad}), resolve_outputs(pa.schema([("x", pa.float64())]), {"y": "x"},
                                                                 None, {"y": "int64"}, file="x"), "x", pieces=True)
+
+
+def test_a_bfloat16_cast_that_would_make_a_value_an_infinity_is_refused():
+    """A review: bfloat16 casts skipped the float-overflow refusal (1e300 and 3.3999e38 became inf)."""
+    import torch
+
+    from gpuload.convert import cast_values
+
+    for bad in (1e300, -3.3999e38):
+        with pytest.raises(gpuload.ConfigError, match="beyond the range of bfloat16"):
+            cast_values(np.array([1.0, bad]), "bfloat16", "x", "w")
+    bits = cast_values(np.array([1.0, 3.3e38, float("inf"), float("nan")]), "bfloat16", "x", "w")
+    got = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    assert got[0] == 1.0 and torch.isfinite(got[1]) and got[2] == float("inf") and got[3].isnan()
+

@@ -528,7 +528,7 @@ def test_bfloat16_bits_match_torch_exactly(tmp_path):
     """Round to nearest even, NaN and infinities, from float64 (one rounding, as torch)."""
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.standard_normal(5000) * 10.0 ** rng.integers(-30, 30, 5000),
-                        [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3.4e38, 1 + 2**-8, 1 + 2**-8 + 2**-30]])
+                        [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, 3.38e38, 1 + 2**-8, 1 + 2**-8 + 2**-30]])
     p = _write(tmp_path / "x.parquet", pa.table({"x": x}))
     (b,) = list(gpuload.ParquetDataset(p, batch_size=len(x), shuffle=False, cache_dir=tmp_path / "c",
                                        device="cpu", dtypes={"x": torch.bfloat16}))

@@ -224,6 +224,9 @@ def test_a_reserve_sizes_a_keyed_buffer_for_the_largest_window_so_none_is_made_t
         assert all(b.nbytes >= max(sizes) for b in pool._bufs) == grow
     unkeyed = pool.array((4 * MiB,), np.uint8, grow=8.0)  # a reserve is for keyed roles only
     assert unkeyed.base.nbytes < 8 * MiB
+    capped = HostPool(max_buffers=8, max_bytes=64 * MiB)  # a reserve beyond the caps: the array's own size, kept
+    a = capped.array((10 * MiB,), np.uint8, key="c", grow=10.0)
+    assert any(a.base is b for b in capped._bufs) and capped.held_bytes < 16 * MiB
     del previous
 
 
