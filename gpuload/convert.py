@@ -227,6 +227,13 @@ def may_overflow(src: np.dtype, dst: np.dtype) -> bool:
     return float(top) > float(np.finfo(dst).max)
 
 
+def _overflow(column: str, value, where: str, dtype: str, top: float) -> ConfigError:
+    """The refusal of a float cast that would make the finite ``value`` an infinity."""
+    return ConfigError(f"column {column!r} holds {value!r} in {where}, beyond the range of {dtype} (its largest "
+                       f"magnitude is about {top:g}): the cast would make it an infinity; choose a wider dtype in "
+                       f"{flag('dtypes')} (or none), or scale the column first")
+
+
 def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
     """``values`` (NumPy or CuPy) as ``dtype``. Casts to floats may round, but a finite value
     beyond the float's range (an infinity once cast) is refused; casts to integers or bool must
@@ -242,10 +249,7 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
         bits = _bfloat16_bits(values)
         if values.dtype.kind == "f" and bool((made := _xp(values).isfinite(values) & (
                 (bits & 0x7FFF) == 0x7F80)).any()):  # a finite value rounded to an infinity
-            v = values[int(made.argmax())].item()
-            raise ConfigError(f"column {column!r} holds {v!r} in {where}, beyond the range of bfloat16 (its largest "
-                              f"magnitude is about 3.39e+38): the cast would make it an infinity; choose a wider "
-                              f"dtype in {flag('dtypes')} (or none), or scale the column first")
+            raise _overflow(column, values[int(made.argmax())].item(), where, "bfloat16", 3.39e38)
         return bits
     dst = np.dtype(dtype)
     if values.dtype == dst:
@@ -271,10 +275,7 @@ def cast_values(values, dtype: str, column: str, where: str, exact: str = ""):
                               f"choose a wider dtype in {flag('dtypes')} (or none)")
     elif dst.kind == "f" and may_overflow(values.dtype, dst) and bool(_xp(out).isinf(out).any()) and bool(
             (made := _xp(values).isfinite(values) & _xp(out).isinf(out)).any()):  # a finite value made an infinity
-        v = values[int(made.argmax())].item()
-        raise ConfigError(f"column {column!r} holds {v!r} in {where}, beyond the range of {dst} (its largest "
-                          f"magnitude is {float(np.finfo(dst).max):g}): the cast would make it an infinity; "
-                          f"choose a wider dtype in {flag('dtypes')} (or none), or scale the column first")
+        raise _overflow(column, values[int(made.argmax())].item(), where, str(dst), float(np.finfo(dst).max))
     if exact and dst.kind == "f" and values.dtype.kind in "iu":
         top = 2 ** (np.finfo(dst).nmant + 1)  # every integer up to it is exact in dst, some beyond it are not
         bad = values > top
