@@ -90,6 +90,7 @@ LOADERS = {
     "streaming": Spec("streaming_runner.py", venv="streaming", limit_s=300, max_rows=2_000_000),
     "litdata": Spec("litdata_runner.py", venv="litdata", limit_s=150, max_rows=500_000),
     "hf-datasets": Spec("hf_datasets_runner.py", venv="datasets", limit_s=150),
+    "hf-iterable": Spec("hf_datasets_runner.py", "iterable", venv="datasets"),  # its documented fast shuffle
     "petastorm": Spec("petastorm_runner.py", venv="petastorm"),
 }
 #: what runs in the project's venv only (the test's set; no installs)
