@@ -112,15 +112,15 @@ def no_stages(stats: Stats, kind: str | None, waited: str) -> tuple[str, str]:
             "with gpuload.ParquetDataset, which caches converted columns and loads them on background threads")
 
 
-def _decode_or_convert(stats: Stats) -> str:
-    """What of a chunk's decode-and-convert job took most of its time, in words: a user's trial with
-    hashed string columns was told its first epoch was decode-bound, with 0.52 s converting and
-    0.03 s decoding."""
+def _decode_or_convert(stats: Stats, transform: str | None = None) -> str:
+    """What of a chunk's decode-and-convert job took most of its time, in words (``transform``: the key of
+    the user's transform, timed as conversion and named first): a user's trial with hashed string columns
+    was told its first epoch was decode-bound, with 0.52 s converting and 0.03 s decoding."""
     d, c = (stats.stages[n].seconds if n in stats.stages else 0.0 for n in ("decode", "convert"))
     if c > d:
-        return (f"bound by converting (casts, categorical hashing or vocabularies, fill values: {c:.2f} s, "
-                f"against {d:.2f} s decoding)")
-    return "decode-bound"
+        work = (f"the transform '{transform}', " if transform else "") + "casts, categorical hashing or vocabularies, "
+        return f"bound by converting ({work}fill values: {c:.2f} s, against {d:.2f} s decoding)"
+    return "decode-bound" + (f", the transform '{transform}' included" if transform else "")
 
 
 def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, total_gbps: float,
@@ -143,10 +143,10 @@ def stage_advice(s: StageStats, stats: Stats, kind: str | None, where: str, tota
     keep = ("over more than one epoch of this data, leave out cache_io='off' so that later epochs read the converted "
             "chunks from the cache")
     if s.name in ("decode", "convert") and off:
-        extra = (f", the transform '{settings['transform']}' included" if settings.get("transform") else "") + (
-            ", with cuDF decoding on the GPU" if settings.get("decode") == "gpu" else "")
+        extra = ", with cuDF decoding on the GPU" if settings.get("decode") == "gpu" else ""
         more = [t for t, helps in (("raise num_threads", not full), (cuda, not on_gpu)) if helps]
-        return (f"epochs are {_decode_or_convert(stats)}{extra}: with cache_io='off' each one decodes Parquet: {where}",
+        return (f"epochs are {_decode_or_convert(stats, settings.get('transform'))}{extra}: with cache_io='off' each "
+                f"one decodes Parquet: {where}",
                 keep + (f"; else {' or '.join(more)}" if more else ""))
     if (s.name in ("decode", "convert") and ours and not off and stats.passes > 1 and "cache_read" in stats.stages
             and s.rows <= 1.05 * stats.rows / stats.passes):  # one pass's rows decoded, not each pass's (evictions)

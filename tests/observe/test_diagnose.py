@@ -50,6 +50,23 @@ def test_a_first_epoch_spent_converting_is_named_so_not_decode_bound():
                                 "fill values: 16.00 s, against 2.00 s decoding) on the CPU"), d.message
 
 
+def test_a_one_pass_job_bound_by_its_transform_names_the_transform_first():
+    """With cache_io='off' and a transform, conversion time is mostly the transform's: the message names it
+    before casts and hashing (a review: it listed casts first); decode-bound epochs name it as included."""
+    settings = {"device": "cpu", "cache_io": "off", "transform": "features-v3"}
+    converting = [stage("read", 0.5, 2, 10**8), stage("decode", 2.0, 2, 10**9),
+                  stage("convert", 16.0, 2, 4 * 10**9, 6_553_600), stage("batch", 1.0)]
+    d = gpuload.diagnose(make_stats(0.6, stages=converting, loader="gpuload", loader_settings=settings))
+    assert d.message.startswith("epochs are bound by converting (the transform 'features-v3', casts, categorical "
+                                "hashing or vocabularies, fill values: 16.00 s, against 2.00 s decoding): with "
+                                "cache_io='off' each one decodes Parquet"), d.message
+    decoding = [stage("read", 0.5, 2, 10**8), stage("decode", 16.0, 2, 4 * 10**9, 6_553_600),
+                stage("convert", 2.0, 2, 10**9), stage("batch", 1.0)]
+    d = gpuload.diagnose(make_stats(0.6, stages=decoding, loader="gpuload", loader_settings=settings))
+    assert d.message.startswith("epochs are decode-bound, the transform 'features-v3' included: with cache_io='off'"), \
+        d.message
+
+
 def test_slow_decode():
     d = gpuload.diagnose(make_stats(0.6, stages=[stage("read", 2.0, 2, 10**9), stage("decode", 18.0, 2, 4 * 10**9,
                                                                                   6_553_600),
