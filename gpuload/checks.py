@@ -30,7 +30,8 @@ import pyarrow.parquet as pq
 
 from .categorical import Hash, parse_key
 from .vocabulary import registered
-from .convert import cast_values, may_overflow, nulls_error
+from .casts import cast_values, may_overflow
+from .convert import nulls_error
 from .errors import ConfigError, SourceError, flag, setting
 from .dtypes import BFLOAT16
 from .schema import FIXED, RAGGED, OutputSpec

@@ -4,7 +4,7 @@ The GPU twin of :mod:`gpuload.decode` + :mod:`gpuload.convert`, under the same
 contract and producing the same bytes: nulls are filled (or refused) in the source type
 before the cast, null lists become empty lists, null fixed-size lists rows of the fill
 value, temporals are their raw integers (dates in days), groups are stacked, and casts
-follow :func:`gpuload.convert.cast_values` (the same function, on CuPy arrays).
+follow :func:`gpuload.casts.cast_values` (the same function, on CuPy arrays).
 
 Only one chunk's row groups are read at a time (``set_row_groups``), so device memory
 is bounded by ``chunk_bytes``. libcudf reads on the stream it is given (the loader's),
@@ -32,7 +32,8 @@ import pyarrow as pa
 
 from ..batch import Ragged
 from ..categorical import ids_from_hashes, parse_key
-from ..convert import cast_values, needed_columns, null_error
+from ..casts import cast_values
+from ..convert import needed_columns, null_error
 from ..errors import SourceError
 from ..dtypes import storage_dtype
 from ..schema import FIXED, GROUP, RAGGED, OutputSpec, ValueType
