@@ -323,6 +323,9 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
             raise ConfigError(f"{flag('fill_nulls')} names columns that are not loaded: {unknown}; load them too "
                               f"({flag('columns')}) or leave them out of {flag('fill_nulls')}")
     encoders = _encoders(categorical, used)
+    if dtypes is not None and not isinstance(dtypes, Mapping):  # dict("float32") fails with a ValueError
+        raise ConfigError(f"{setting('dtypes', dtypes)} must be {{output: dtype}}, e.g. {{'dense': 'float16'}} "
+                          f"(one entry for each output to cast)")
     dtypes = dict(dtypes or {})
     unknown = sorted(set(dtypes) - {n for n, _, _ in requested})
     if unknown:  # a stacked group's member named where the group's output is wanted, or a misspelling

@@ -156,6 +156,8 @@ def test_fill_is_per_member_of_a_group():
     (dict(columns=["i"], dtypes={"i": "not-a-dtype"}), r"dtypes\['i'\]"),
     (dict(columns=["i"], dtypes={"i": "U3"}), r"dtypes\['i'\]"),
     (dict(columns=["i"], dtypes={"i": "datetime64[ns]"}), r"dtypes\['i'\]"),
+    (dict(columns=["i"], dtypes="float32"), r"dtypes='float32' must be \{output: dtype\}"),  # not a mapping
+    (dict(columns=["i"], dtypes=np.float32), r"dtypes=.* must be \{output: dtype\}"),
     (dict(columns={"g": []}), r"columns\['g'\]"),
     (dict(columns={"g": ["i", 3]}), r"columns\['g'\]"),
     (dict(columns=42), r"columns="),
