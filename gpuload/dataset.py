@@ -86,7 +86,8 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
         without one, a task ``srun`` started takes them from Slurm (:mod:`gpuload.ranks`), any
         other process is 0 of 1. Iterating where a launcher set ``WORLD_SIZE>1`` but
         no process group exists raises :class:`~gpuload.ConfigError` (each rank would read
-        every row).
+        every row), as does one of the two passed alone where nothing tells the other (rank 0
+        of every ``world_size`` would read rank 0's rows).
     shard : how chunks are shared by ranks (default ``"global"``: each epoch permutes every
         chunk and every rank may read any of them; right for one node, or a cache shared by
         all nodes). ``"node"``: chunks are assigned to nodes once, balanced by rows, and each

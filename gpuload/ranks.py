@@ -221,6 +221,10 @@ class RankLayout:
                         "Lightning, accelerate, mpirun), but torch.distributed has no process group yet, so this rank "
                         "would read every row: call torch.distributed.init_process_group() before iterating "
                         "the dataset (it may be made before), or pass rank= and world_size=")
+        if rank is None and world is not None and world > 1:  # world_size alone: every process would be rank 0
+            raise ConfigError(f"world_size={world} without rank=, and no process group (nor srun) says which rank "
+                              "this process is, so every process would read rank 0's rows: pass rank= too, or call "
+                              "torch.distributed.init_process_group() before iterating")
         rank = 0 if rank is None else rank
         if world is None and rank > 0:  # rank given alone, no process group nor launcher to tell the world
             raise ConfigError(f"rank={rank} without world_size=, and no process group (nor srun) says how many "

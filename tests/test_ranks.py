@@ -285,6 +285,18 @@ def test_a_rank_without_a_world_size_or_a_process_group_is_refused(source, tmp_p
     assert len(_lazy(source, tmp_path / "c", rank=0)) == len(_lazy(source, tmp_path / "c"))  # rank 0 of 1
 
 
+def test_a_world_size_without_a_rank_or_a_process_group_is_refused(source, tmp_path, monkeypatch):
+    """Every process would be rank 0 of world_size and read rank 0's rows, the others' never."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    ds = _lazy(source, tmp_path / "c", world_size=2)
+    for call in (lambda: next(iter(ds)), lambda: len(ds)):
+        with pytest.raises(gpuload.ConfigError, match=r"world_size=2 without rank=, and no process group .*pass "
+                                                      r"rank= too"):
+            call()
+    assert len(_lazy(source, tmp_path / "c", world_size=1)) == len(_lazy(source, tmp_path / "c"))  # rank 0 of 1
+
+
 def test_world_size_from_a_launcher_without_a_process_group_is_refused(source, tmp_path, process_group,
                                                                         monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
