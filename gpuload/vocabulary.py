@@ -39,6 +39,8 @@ class Vocabulary:
         """A vocabulary of ``values`` in id order (str or bytes: id ``i + 1`` for ``values[i]``;
         str as its UTF-8 bytes), e.g. ``Vocabulary.of(json.load(f))``. Refused with a
         :class:`~gpuload.ConfigError` when empty or when a value is not str or bytes or comes twice."""
+        if isinstance(values, (str, bytes)):  # list("DE") is ["D", "E"]: one value given bare
+            raise ConfigError(f"Vocabulary.of({values!r}): give a list of values, e.g. Vocabulary.of([{values!r}])")
         vals = list(values.to_pylist() if isinstance(values, (pa.Array, pa.ChunkedArray)) else values)
         raw = []
         for i, v in enumerate(vals):
@@ -95,6 +97,8 @@ class Vocabulary:
 
     def ids(self, values) -> np.ndarray:
         """int64 ids of ``values`` (an Arrow array, or a list of str or bytes): 0 when absent or null."""
+        if isinstance(values, (str, bytes)):  # one value given bare would be looked up character by character
+            raise ConfigError(f"Vocabulary.ids({values!r}): give a list of values, e.g. ids([{values!r}])")
         arr = values if isinstance(values, (pa.Array, pa.ChunkedArray)) else pa.array(
             [v.encode() if isinstance(v, str) else v for v in values], pa.large_binary())
         return vocab_ids(arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr, self)

@@ -70,10 +70,20 @@ def test_the_cache_follows_the_vocabulary_and_a_fresh_process_registers_it_again
 
 
 @pytest.mark.parametrize("values, said", [([], "no values"), (["a", "b", "a"], r"'a' is values\[0\] and values\[2\]"),
-                                          (["a", 3], r"values\[1\] is 3"), (["a", None], r"values\[1\] is None")])
+                                          (["a", 3], r"values\[1\] is 3"), (["a", None], r"values\[1\] is None"),
+                                          ("DE", r"Vocabulary.of\('DE'\): give a list of values, e.g. "
+                                                 r"Vocabulary.of\(\['DE'\]\)"), (b"DE", r"of\(\[b'DE'\]\)")])
 def test_bad_vocabularies_are_refused(values, said):
     with pytest.raises(gpuload.ConfigError, match=said):
         Vocabulary.of(values)
+
+
+def test_ids_of_a_bare_value_is_refused():
+    """Not looked up character by character (every id 0, one per character)."""
+    voc = Vocabulary.of(["DE", "FR"])
+    with pytest.raises(gpuload.ConfigError, match=r"Vocabulary.ids\('FR'\): give a list of values, e.g. ids\(\['FR'\]\)"):
+        voc.ids("FR")
+    assert voc.ids(["FR"]).tolist() == [2]
 
 
 def test_a_vocabulary_on_a_numeric_column_is_refused_naming_it(source, tmp_path):
