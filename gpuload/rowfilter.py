@@ -57,10 +57,13 @@ class RowFilter:
             return filters
         if isinstance(filters, pc.Expression):
             expr = filters
+        elif isinstance(filters, (list, tuple)) and filters and isinstance(filters[0], str):  # ("day", ">=", 1)
+            raise ConfigError(f"{setting('filters', filters)} is one condition, not a list of them: give "
+                              f"[{tuple(filters)!r}] (a list of (column, op, value) conditions, all of which hold)")
         elif isinstance(filters, (list, tuple)) and filters:
             nested = all(isinstance(c, (list, tuple)) and c and isinstance(c[0], (list, tuple)) for c in filters)
-            dnf = [[tuple(c) for c in conj] for conj in filters] if nested else [tuple(c) for c in filters]
             try:
+                dnf = [[tuple(c) for c in conj] for conj in filters] if nested else [tuple(c) for c in filters]
                 expr = pq.filters_to_expression(dnf)
             except (TypeError, ValueError, IndexError, pa.ArrowException) as e:
                 raise ConfigError(f"{setting('filters', filters)} is not a filter ({e}); give a pyarrow.compute expression "

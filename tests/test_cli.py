@@ -283,6 +283,7 @@ def test_readme_cache_build_example_matches_the_training_example():
     (["cache", "build", "DATA", "--chunk-mib", "nan"], "--chunk-mib"),
     (["cache", "build", "DATA", "--max-gib", "inf"], "--max-gib"),
     (["cache", "build", "DATA", "--dtypes", '{"label": "float128"}'], "float128"),
+    (["cache", "build", "DATA", "--filter", '["label", ">", 0]'], "--filter '[\"label\", \">\", 0]' is one condition"),
     (["profile", "DATA", "--step-ms", "nan"], "--step-ms"),
     (["profile", "DATA", "--step-ms", "1e308"], "--step-ms"),
     (["profile", "DATA", "--model", "mlp", "--columns", "history"], "--model mlp"),

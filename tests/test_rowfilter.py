@@ -175,6 +175,12 @@ def test_bad_filters_are_refused_naming_what_to_do(data, tmp_path):
         _ds(data, tmp_path / "c", filters=[("day", "~", 1)])
     with pytest.raises(gpuload.ConfigError, match="must be a pyarrow.compute expression"):
         _ds(data, tmp_path / "c", filters="day > 1")
+    # one condition given bare, not in a list (was a TypeError from tuple(20260101))
+    with pytest.raises(gpuload.ConfigError, match=r"filters=\('day', '>', 1\) is one condition, not a list of them: "
+                                                  r"give \[\('day', '>', 1\)\]"):
+        _ds(data, tmp_path / "c", filters=("day", ">", 1))
+    with pytest.raises(gpuload.ConfigError, match="is not a filter"):  # a condition that is not a sequence
+        _ds(data, tmp_path / "c", filters=[("day", ">", 1), 5])
 
 
 def test_a_vocabulary_counts_the_rows_the_filter_keeps(data, tmp_path, monkeypatch):
