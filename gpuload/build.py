@@ -152,6 +152,12 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
     """
     if nodes is not None and client is None:
         raise ConfigError("nodes= says where chunks are built on a cluster: pass client= too")
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):  # else it fails after a chunk
+        raise ConfigError(f"{setting('progress', progress)} must be True (a progress bar), False or None (none), or a "
+                          "function progress(rows) called with each finished chunk's row count")
+    if client is not None and not all(callable(getattr(client, m, None)) for m in ("submit", "scheduler_info")):
+        raise ConfigError(f"client= is a {type(client).__name__}: pass a distributed.Client (pip install -e "
+                          "'.[dask]'), or None to build in this process")
     refuse_no_cache(cache_io)
     given = dict(locals(), device=str(device))
     src, opts = Source.of(given), Options.of(given)

@@ -194,6 +194,18 @@ def test_progress_false_reports_nothing(tmp_path, capsys):
     assert summary.built > 0 and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("kw,said", [
+    (dict(progress=5), r"progress=5 must be True \(a progress bar\), False or None \(none\), or a function progress\(rows\)"),
+    (dict(client="tcp://scheduler:8786"), r"client= is a str: pass a distributed.Client"),
+])
+def test_a_progress_or_client_of_another_kind_is_refused_before_anything_is_built(tmp_path, kw, said):
+    """progress=5 was a TypeError after the first chunk was built; client=5 an AttributeError."""
+    write_clicklog(tmp_path / "d", 3000, files=1, row_group_rows=1000)
+    with pytest.raises(gpuload.ConfigError, match=said):
+        gpuload.build_cache(tmp_path / "d", tmp_path / "c", COLUMNS, **kw)
+    assert not list((tmp_path / "c").rglob("*.glc"))
+
+
 def test_the_summary_gives_small_sizes_in_units_that_show_them():
     """A user's trial under a 1 MiB quota read "did not fit the cache folder's quota of 0.00 GiB" and
     "0.00 GiB in ..." for 0.8 MiB cached."""
