@@ -99,6 +99,14 @@ def samples(loader, labels: dict | None = None) -> list[Sample]:
     return out
 
 
+def _check_loader(fn: str, loader) -> None:
+    """A :class:`ConfigError` at the call for a ``loader`` without ``stats()``, which every scrape or
+    report would fail on, quietly (an HTTP 500, an entry of ``reporter.errors``)."""
+    if not callable(getattr(loader, "stats", None)):
+        raise ConfigError(f"{fn}() takes a loader with stats() (a gpuload.ParquetDataset, a gpuload.Mix or "
+                          f"gpuload.watch(...) of yours), not a {type(loader).__name__}")
+
+
 class MetricsServer:
     """A running Prometheus endpoint (:func:`serve_metrics`): ``url``; :meth:`close` stops it."""
 
@@ -126,6 +134,7 @@ def serve_metrics(loader, port: int = 9464, addr: str = "127.0.0.1", labels: dic
     several ranks on a node, give each its own port (e.g. ``9464 + local_rank``). Returns a
     :class:`MetricsServer`; raises :class:`~gpuload.ConfigError` without ``prometheus_client``.
     """
+    _check_loader("serve_metrics", loader)
     try:
         from prometheus_client import start_http_server
         from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
@@ -197,6 +206,9 @@ def report_metrics(loader, callback: Callable[[list], None], every_s: float = 10
     thread of its own, and once more at :meth:`MetricsReporter.close`: the same figures as
     :func:`serve_metrics`, for OpenTelemetry or any other system. A callback's exception is
     kept in ``reporter.errors``, never raised into training."""
+    _check_loader("report_metrics", loader)
+    if not callable(callback):  # else every report fails into reporter.errors, and nothing is reported
+        raise ConfigError(f"report_metrics(): callback={callback!r} must be a function callback(samples)")
     if not every_s > 0:
         raise ConfigError(f"every_s={every_s!r} must be a positive number of seconds")
     return MetricsReporter(loader, callback, float(every_s), labels)

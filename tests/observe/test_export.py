@@ -90,6 +90,12 @@ def test_the_reporter_hands_the_same_samples_to_a_callback(data, tmp_path):
     assert [str(e) for e in r.errors] == ["collector down"]  # kept, never raised into training
     with pytest.raises(gpuload.ConfigError, match="every_s"):
         gpuload.report_metrics(ds, send, every_s=0)
+    # a callback or a loader of another kind: refused at the call, not one error per report (or scrape)
+    with pytest.raises(gpuload.ConfigError, match=r"report_metrics\(\): callback=5 must be a function"):
+        gpuload.report_metrics(ds, 5)
+    for fn in (lambda x: gpuload.report_metrics(x, send), lambda x: gpuload.serve_metrics(x, port=0)):
+        with pytest.raises(gpuload.ConfigError, match=r"_metrics\(\) takes a loader with stats\(\) .*, not a str"):
+            fn("data/clicks")
 
 
 def test_a_port_in_use_is_refused_naming_the_setting(data, tmp_path):
