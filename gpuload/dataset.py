@@ -338,6 +338,8 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
 
     @preload_next.setter
     def preload_next(self, value: bool) -> None:
+        if not isinstance(value, bool) and value not in (0, 1):  # bool("no") is True: loads ahead unasked
+            raise ConfigError(f"preload_next={value!r} must be True or False")
         self._epochs.preload_next = bool(value)
 
     @property

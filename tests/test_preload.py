@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+import gpuload
 from conftest import open_dataset, record_loads, row_ids, wait_until, write_parquet
 from gpuload.pipeline import epoch_batches
 from gpuload.plan import Segment
@@ -261,6 +262,9 @@ def test_a_last_epoch_marked_so_loads_nothing_for_the_next(source, tmp_path):
     ds.preload_next = True
     assert sorted(row_ids(ds)) == sorted(first)
     _settled(ds)  # loaded ahead again
+    with pytest.raises(gpuload.ConfigError, match=r"preload_next='no' must be True or False"):
+        ds.preload_next = "no"  # bool('no') is True
+    assert ds.preload_next is True
     ds.close()
 
 
