@@ -352,6 +352,7 @@ def test_cache_info_and_clear_say_what_a_flag_needs(data, tmp_path, capsys):
     assert main(["cache", "clear", "--cache-dir", cache, "--spec", "zzzz"]) == 2
     err = capsys.readouterr().err
     assert "spec 'zzzz' names no column set" in err and "more of its hash" not in err
+    assert "under 'column sets' (not a dataset's" in err  # cache info lists datasets' hashes first
     assert len(list((tmp_path / "cache").rglob("*.glc"))) > 0  # nothing cleared
 
 

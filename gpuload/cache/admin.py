@@ -284,7 +284,8 @@ def clear(root: CacheRoot, spec: str | None = None, unused_since: float | None =
         named = [h for h in known if h.startswith(spec)] if spec is not None else []
         if spec is not None and not named:  # a user's trial was told to give more of a hash that matched none
             raise ConfigError(f"spec {spec!r} names no column set in {root.path} ({len(known)} there); give the "
-                              "start of one of the hashes `gpuload cache info` lists")
+                              "start of a hash `gpuload cache info` lists under 'column sets' (not a dataset's, "
+                              "listed above them)")
         if len(named) > 1:
             raise ConfigError(f"spec {spec!r} names {len(named)} column sets, not exactly one; give more of its "
                               "hash (`gpuload cache info` lists them)")
