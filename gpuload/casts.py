@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from .batch import _xp
 from .dtypes import BFLOAT16
 from .errors import ConfigError, flag
 
@@ -20,14 +21,6 @@ __all__ = ["cast_values", "may_overflow", "quiet_nans"]
 
 _QUIET_NAN = {2: 0x7E00, 4: 0x7FC00000, 8: 0x7FF8000000000000}  # NumPy's NaN per float size (no sign, no payload)
 _BF16_NAN = 0x7FC0  # torch's bfloat16 NaN on the CPU
-
-
-def _xp(a):
-    if isinstance(a, np.ndarray):
-        return np
-    import cupy
-
-    return cupy
 
 
 def _bfloat16_bits(values):
