@@ -225,10 +225,24 @@ def test_ddp_ranks_with_different_seeds_are_refused(source, tmp_path):
     assert not list(tmp_path.glob("done.s.*"))
 
 
-def test_ddp_two_nodes_kill_and_restart(source, tmp_path):
-    """2 nodes x 2 ranks (torchrun --nnodes=2 on localhost), one cache folder per node."""
-    out = tmp_path
+@pytest.fixture(scope="module")
+def two_nodes(source, tmp_path_factory) -> Path:
+    """An uninterrupted job on 2 nodes x 2 ranks (torchrun --nnodes=2 on localhost, one cache folder
+    per node, ``shard="global"``, 2 epochs): the kill-and-restart test's reference and the node-affine
+    test's contrast. What each node cached is counted here, before another job shares the folders."""
+    out = tmp_path_factory.mktemp("ddp2x2")
     _run(source, out, "ref", 2, 2)
+    (out / "cached.ref.json").write_text(json.dumps(_cached(out)))
+    return out
+
+
+def _cached(out: Path) -> list[int]:
+    """Chunk files in each simulated node's cache folder."""
+    return [len(list((out / "cache" / f"node{n}").rglob("*.glc"))) for n in (0, 1)]
+
+
+def test_ddp_two_nodes_kill_and_restart(source, two_nodes):
+    out = two_nodes
     assert _same_batch_counts(out, "ref", 4) == {"0": 16, "1": 16}
     _run_and_kill(source, out, "a", 2, 2, checkpoint_at=16 + 5)
     saved = _checkpoint(out, 4)
@@ -238,23 +252,28 @@ def test_ddp_two_nodes_kill_and_restart(source, tmp_path):
     _assert_each_row_once_per_epoch(_rows(out, "a", 4, before_step=saved["step"]), _rows(out, "b", 4))
     _same_batches_as_uninterrupted(out, 4, saved["step"])
     _same_model(out, "ref", "b")
-    for node in (0, 1):  # each simulated node filled its own cache folder
-        assert list((out / "cache" / f"node{node}").rglob("*.glc")), f"node {node} cached nothing"
+    assert all(_cached(out)), "a simulated node cached nothing in its own folder"
 
 
 @pytest.mark.parametrize("shard", ["node", "global"])
-def test_ddp_two_nodes_node_affine_caches(source, tmp_path, shard):
-    """3 epochs on 2 nodes x 2 ranks, one cache folder per node: what each node caches."""
+def test_ddp_two_nodes_node_affine_caches(source, tmp_path, request, shard):
+    """Epochs on 2 nodes x 2 ranks, one cache folder per node: what each node caches (shard="node":
+    3 epochs of a job of its own; "global": the 2 epochs of the module's reference job)."""
     import gpuload
 
-    _run(source, tmp_path, "n", 2, 2, "--shard", shard, "--epochs", "3")
-    counts = _same_batch_counts(tmp_path, "n", 4)
-    rows = _rows(tmp_path, "n", 4)
-    for e in range(3):  # no row twice in an epoch
+    if shard == "node":
+        out, run, epochs = tmp_path, "n", 3
+        _run(source, out, run, 2, 2, "--shard", shard, "--epochs", str(epochs))
+        cached = _cached(out)
+    else:
+        out, run, epochs = request.getfixturevalue("two_nodes"), "ref", 2
+        cached = json.loads((out / "cached.ref.json").read_text())
+    counts = _same_batch_counts(out, run, 4)
+    rows = _rows(out, run, 4)
+    for e in range(epochs):  # no row twice in an epoch
         ids = np.concatenate(rows[e])
         assert len(np.unique(ids)) == len(ids)
-    cached = [len(list((tmp_path / "cache" / f"node{n}").rglob("*.glc"))) for n in (0, 1)]
-    decoded = [json.loads((tmp_path / f"done.n.{r}").read_text())["decoded"] for r in range(4)]
+    decoded = [json.loads((out / f"done.{run}.{r}").read_text())["decoded"] for r in range(4)]
     ds = gpuload.ParquetDataset(source, {"row_id": "row_id", "x": ["x0", "x1", "x2", "x3"], "y": "y"},
                                 batch_size=BATCH, cache_dir=tmp_path / "probe", device="cpu", chunk_bytes=16 << 10,
                                 shuffle_window=2, shard="node", rank=0, world_size=4, local_world_size=2)
@@ -265,5 +284,5 @@ def test_ddp_two_nodes_node_affine_caches(source, tmp_path, shard):
         assert cached == shares  # each node holds exactly its share
         assert all(d["1"] == 0 and d["2"] == 0 for d in decoded)  # epochs 2 and 3 build nothing
         assert len(np.concatenate(rows[0])) == ds.rows_per_epoch
-    else:  # the contrast: each node ends up caching more than its share, and keeps decoding
+    else:  # the contrast: each node ends up caching more than its share
         assert all(c > total / 2 for c in cached)
