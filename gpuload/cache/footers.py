@@ -80,12 +80,14 @@ def load_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag
 
 
 def save_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag: str, raw: bytes) -> None:
-    """Keep ``raw`` footer bytes for this version of ``path`` (best effort: a read-only or full cache is skipped)."""
+    """Keep ``raw`` footer bytes for this version of ``path`` (best effort: a read-only or full cache is
+    skipped). Not fsynced: a copy lost or torn by a crash of the machine is read from the source again."""
     if root is None:
         return
     header = json.dumps({"source": _source(path, size, mtime_ns, tag)}, separators=(",", ":")).encode()
     with contextlib.suppress(OSError):
-        write_small_file(root, _folder(path), footer_name(size, mtime_ns, tag), MAGIC, VERSION, header, raw)
+        write_small_file(root, _folder(path), footer_name(size, mtime_ns, tag), MAGIC, VERSION, header, raw,
+                         durable=False)
 
 
 def read_footer(read: Callable[[int, int], bytes], size: int, where: str) -> bytes:

@@ -26,6 +26,7 @@ there), so callers can degrade with one ``except OSError``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -178,9 +179,12 @@ class CacheRoot:
         except FileNotFoundError:
             return None
 
-    def write(self, parts, name: str, fill: Callable[[int], None]) -> os.stat_result:
+    def write(self, parts, name: str, fill: Callable[[int], None], durable: bool = True) -> os.stat_result:
         """Create regular file ``name`` atomically: ``fill(fd)`` writes a new temporary file,
-        which is fsynced and renamed over ``name``. Returns the new file's ``fstat``.
+        which is fsynced and renamed over ``name`` (then the folder fsynced). Returns the new
+        file's ``fstat``. ``durable=False`` leaves out both fsyncs: for a file checked whole on
+        every read and made again when it is missing or torn (a crash of the machine may lose it,
+        never make a wrong one be served); default True.
 
         Refuses (:class:`ForeignEntry`) when ``name`` is something other than a regular file.
         """
@@ -191,7 +195,8 @@ class CacheRoot:
             try:
                 try:
                     fill(fd)
-                    os.fsync(fd)
+                    if durable:
+                        os.fsync(fd)
                     st = os.fstat(fd)
                 finally:
                     os.close(fd)
@@ -209,10 +214,9 @@ class CacheRoot:
                 except OSError:
                     pass
                 raise
-            try:
-                os.fsync(d)
-            except OSError:
-                pass
+            if durable:
+                with contextlib.suppress(OSError):
+                    os.fsync(d)
             return st
 
     def probe_write(self, parts, name: str) -> None:

@@ -68,9 +68,11 @@ def load_kept(root: CacheRoot | None, key: str, groups: int) -> list[int] | None
 
 
 def save_kept(root: CacheRoot, key: str, filter_key: str, source: tuple, kept: list[int]) -> None:
-    """Keep ``kept`` (rows per row group) under ``key`` (written atomically; an OSError says why not)."""
+    """Keep ``kept`` (rows per row group) under ``key`` (written atomically, not fsynced: counts lost or
+    torn by a crash of the machine are counted again; an OSError says why not)."""
     write_json_file(root, _PARTS, key + KEPT_SUFFIX, MAGIC, VERSION,
-                    {"key": key, "filter": filter_key, "file": list(source), "kept": [int(n) for n in kept]})
+                    {"key": key, "filter": filter_key, "file": list(source), "kept": [int(n) for n in kept]},
+                    durable=False)
 
 
 def check_kept_file(root: CacheRoot, name: str) -> str | None:

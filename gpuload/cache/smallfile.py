@@ -53,12 +53,13 @@ def read_small_file(root: CacheRoot, parts, name: str, magic: bytes, version: in
 
 
 def write_small_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, header: bytes,
-                     payload: bytes = b"") -> None:
+                     payload: bytes = b"", durable: bool = True) -> None:
     """Write ``header`` (JSON bytes) and ``payload`` as small checked file ``name`` in ``parts``,
-    atomically (:meth:`CacheRoot.write`); an OSError says why not."""
+    atomically (:meth:`CacheRoot.write`; ``durable=False``: without its fsyncs, for a file that is
+    only a shortcut, such as a copy of a footer); an OSError says why not."""
     body = header + payload
     blob = SMALL_PREFIX.pack(magic, version, len(header), xxhash.xxh3_64_intdigest(body)) + body
-    root.write(parts, name, lambda fd: pwrite_all(fd, blob, 0))
+    root.write(parts, name, lambda fd: pwrite_all(fd, blob, 0), durable)
 
 
 def read_json_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, what: str, limit: int,
@@ -77,6 +78,8 @@ def read_json_file(root: CacheRoot, parts, name: str, magic: bytes, version: int
         raise ValueError(f"malformed ({type(e).__name__}: {e})") from None
 
 
-def write_json_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, header: dict) -> None:
+def write_json_file(root: CacheRoot, parts, name: str, magic: bytes, version: int, header: dict,
+                    durable: bool = True) -> None:
     """Write ``header`` as small checked file ``name`` with no payload (see :func:`write_small_file`)."""
-    write_small_file(root, parts, name, magic, version, json.dumps(header, separators=(",", ":")).encode())
+    write_small_file(root, parts, name, magic, version, json.dumps(header, separators=(",", ":")).encode(),
+                     durable=durable)

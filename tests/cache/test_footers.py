@@ -68,3 +68,29 @@ def test_cache_info_verify_and_clear_know_footers(tmp_path):
     assert _footer_files(cache) == [path]
     out = cache_admin.clear(root)
     assert _footer_files(cache) == [] and not out["foreign"] and not out["failed"]
+
+
+def test_footers_are_not_fsynced_and_chunk_files_are(tmp_path, monkeypatch):
+    """A footer's copy is only a shortcut (checked whole on read, read from the source again when a
+    crash lost or tore it: the test above), so it is written without fsync, which cost a cold open of
+    1,500 small files a second here; the chunk files an epoch writes, and their folders, still are."""
+    import os
+
+    from gpuload.cache import fs
+
+    synced = []
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    real = os.fsync
+    monkeypatch.setattr(fs.os, "fsync", fsync)
+    cache = tmp_path / "cache"
+    ds = _dataset(tmp_path, cache)
+    assert _footer_files(cache) and not [p for p in synced if ".footer" in p]
+    assert sorted(int(v) for b in ds for v in b["x"]) == list(range(100))
+    ds.reader.cache.flush()
+    chunks = sorted(str(p.parent) for p in cache.rglob("*.glc"))
+    assert chunks and all(any(".glc.tmp." in p and p.startswith(c) for p in synced) for c in chunks)
+    assert set(chunks) <= set(synced)  # and each chunk's folder, after the rename
