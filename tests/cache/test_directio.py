@@ -78,19 +78,23 @@ def test_page_aligned_regions_are_written_from_their_own_memory_byte_for_byte(tm
             aligned[k] = pool.array(v.shape, v.dtype)
             aligned[k][...] = v
     assert aligned["tail"].ctypes.data % directio.BLOCK == 0  # the pool's (its small arrays are not pooled)
-    sources, real = [], os.pwrite
+    sources, writes, real = [], [], os.pwritev
 
-    def pwrite(fd, data, offset):
-        sources.append(np.frombuffer(data, np.uint8).ctypes.data)
-        return real(fd, data, offset)
+    def pwritev(fd, buffers, offset):
+        sources.extend(np.frombuffer(b, np.uint8).ctypes.data for b in buffers)
+        writes.append(len(buffers))
+        return real(fd, buffers, offset)
 
-    monkeypatch.setattr(directio.os, "pwrite", pwrite)
+    monkeypatch.setattr(directio.os, "pwritev", pwritev)
     assert _write(tmp_path / "direct.glc", aligned, direct=True)
-    monkeypatch.setattr(directio.os, "pwrite", real)
+    monkeypatch.setattr(directio.os, "pwritev", real)
     assert not _write(tmp_path / "buffered.glc", cols, direct=False)
     assert (tmp_path / "direct.glc").read_bytes() == (tmp_path / "buffered.glc").read_bytes()
     big = aligned["tail"]  # larger than the bounce buffer: written from itself
     assert big.nbytes > directio.BOUNCE and big.ctypes.data in sources
+    # the header and the regions follow one another in the file: one write of them all (each direct
+    # write waits for the disk; it was one or two a region), the small ones copied, the rest in place
+    assert writes == [8]
     _same(_read(tmp_path / "direct.glc", direct=True, alloc=pool.get), cols)
 
 
@@ -139,15 +143,23 @@ def _refuse(monkeypatch, where: str) -> list:
 
         monkeypatch.setattr(directio.fcntl, "fcntl", fcntl)
     else:
-        real_pwrite = os.pwrite
+        real_pwrite, real_pwritev = os.pwrite, os.pwritev
 
-        def pwrite(fd, data, offset):
+        def refuse_direct(fd):
             if os.O_DIRECT & directio.fcntl.fcntl(fd, directio.fcntl.F_GETFL):
                 refused.append(fd)
                 raise OSError(errno.EINVAL, "Invalid argument")
+
+        def pwrite(fd, data, offset):
+            refuse_direct(fd)
             return real_pwrite(fd, data, offset)
 
+        def pwritev(fd, buffers, offset):
+            refuse_direct(fd)
+            return real_pwritev(fd, buffers, offset)
+
         monkeypatch.setattr(directio.os, "pwrite", pwrite)
+        monkeypatch.setattr(directio.os, "pwritev", pwritev)
     return refused
 
 
@@ -338,3 +350,45 @@ def test_a_refusing_folder_turns_direct_writes_off(click, tmp_path, monkeypatch)
     assert sorted(row_ids(ds).tolist()) == list(range(ds.num_rows))
     assert len(refused) == before  # reads no longer try either
     assert ds.reader.counters.decoded == len(ds.reader.chunks)
+
+
+@pytest.mark.parametrize("iov_max", [1, 2, 1024])
+def test_many_regions_gaps_and_short_writes_give_a_buffered_writes_bytes(tmp_path, monkeypatch, iov_max):
+    """Direct writes coalesced into pwritev: regions that fill the bounce buffer several times over,
+    a gap between pieces (a new write there), flushes at every buffer count and writes the kernel
+    cuts short (resumed where they stopped) all leave exactly a buffered write's bytes."""
+    rng = np.random.default_rng(iov_max)
+    pool = HostPool()
+    pieces, off = [], 0
+    for k in range(60):  # small and large, aligned (pool) and not, some ending on a block boundary
+        n = int(rng.choice([1, 100, 4095, 4096, 5000, 300_000, directio.BOUNCE // 3]))
+        a = pool.array((n,), np.uint8) if k % 3 else np.empty(n + 1, np.uint8)[1:]
+        a[...] = rng.integers(0, 256, n, dtype=np.uint8)
+        pieces.append((off, a))
+        off += -(-n // directio.BLOCK) * directio.BLOCK + (directio.BLOCK * 3 if k == 30 else 0)  # one gap
+    real = os.pwritev
+
+    def short(fd, buffers, offset):  # a prefix of what was asked: at most 3 buffers and 1 MiB at once
+        taken, room = [], 1 << 20
+        for b in buffers[:3]:
+            taken.append(memoryview(b)[:room])
+            room -= len(taken[-1])
+            if not room:
+                break
+        return real(fd, taken, offset)
+
+    monkeypatch.setattr(directio, "_IOV_MAX", iov_max)
+    monkeypatch.setattr(directio.os, "pwritev", short)
+    fd = os.open(tmp_path / "d", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert directio.write(fd, pieces, off)
+    finally:
+        os.close(fd)
+    fd = os.open(tmp_path / "b", os.O_WRONLY | os.O_CREAT)
+    try:
+        for o, a in pieces:
+            os.pwrite(fd, a.tobytes(), o)
+        os.ftruncate(fd, off)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "d").read_bytes() == (tmp_path / "b").read_bytes()
