@@ -80,12 +80,12 @@ def test_chunk_writes_that_fail_fail_the_build_with_their_cause(data, tmp_path, 
     OS's reason and --cache-dir, and says how many chunks it did cache."""
     real, written = CacheRoot.write, []
 
-    def write(self, parts, name, fill):
+    def write(self, parts, name, fill, durable=True):
         if name.endswith(".glc"):
             if len(written) >= after:
                 raise OSError(code, os.strerror(code))
             written.append(name)
-        return real(self, parts, name, fill)
+        return real(self, parts, name, fill, durable)
 
     monkeypatch.setattr(CacheRoot, "write", write)
     rc, out, errors = _cli(capsys, data, "--cache-dir", tmp_path / "c", "--columns", ",".join(COLUMNS),

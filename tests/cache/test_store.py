@@ -548,9 +548,9 @@ def tampered(cols):
 
 real_write = cfs.CacheRoot.write
 
-def write_then_die(self, parts, name, fill):
+def write_then_die(self, parts, name, fill, durable=True):
     if not name.endswith(".glc"):
-        return real_write(self, parts, name, fill)
+        return real_write(self, parts, name, fill, durable)
     # what a writer killed before its rename leaves behind: a temporary file with valid
     # checksums but wrong values (complete) or half of one
     with self.folder(parts, create=True) as d:
