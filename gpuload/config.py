@@ -34,6 +34,7 @@ log = logging.getLogger("gpuload")
 
 MiB = 1 << 20
 THREADS_PER_CORE = 4  #: loader threads per usable core above which :func:`warn_settings` warns
+SMALL_CHUNKS = 8  #: a largest chunk under chunk_bytes / this makes :func:`warn_small_windows` look
 BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaults to ``Options.device``, "auto")
 
 
@@ -192,3 +193,23 @@ def warn_settings(opts: Options) -> None:
         log.warning("gpuload: %s is more than %d per core of the %d cores here: loader threads beyond them only "
                     "compete with each other and the training step for the cores",
                     setting("num_threads", opts.num_threads), THREADS_PER_CORE, here)
+
+
+def warn_small_windows(opts: Options, chunk_rows: list[int], largest: int) -> None:
+    """Warn (a log line) where the row or block shuffle's windows hold far fewer rows than the
+    same rows in larger files would get: ``shuffle_window`` chunks of the largest one
+    (``largest`` converted bytes) are under :data:`SMALL_CHUNKS` times less than the default
+    windows of full-size chunks (``chunk_bytes``), because the files are small (a chunk never
+    spans two files), and the windows do not cover every chunk. Names the ``shuffle_window``
+    whose windows take at most half the host memory (and first-batch wait) of those."""
+    n, w, full = len(chunk_rows), opts.shuffle_window, Options.shuffle_window * opts.chunk_bytes
+    if not opts.shuffled or n <= w or largest <= 0 or w * largest * SMALL_CHUNKS > full:
+        return
+    per_chunk = sorted(chunk_rows)[n // 2]
+    wider = min(n, full // (2 * largest))
+    log.warning("gpuload: the shuffle's windows of %s hold about %s rows here: the files are small (about %s rows "
+                "a chunk, and a chunk never spans two files), so rows are shuffled among far fewer than the same "
+                "rows in larger files would be; %s shuffles about %s rows together, its windows taking at most "
+                "half the memory of %d chunks of %s", setting("shuffle_window", w), f"{w * per_chunk:,}",
+                f"{per_chunk:,}", setting("shuffle_window", wider), f"{wider * per_chunk:,}", Options.shuffle_window,
+                setting("chunk_bytes", opts.chunk_bytes))

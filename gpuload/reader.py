@@ -25,7 +25,7 @@ from .cache.space import warn_short_room
 from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
 from .drift import absent_as_nulls, check_consistent, check_units, unit_drift, widened
-from .config import Options, Source, warn_settings
+from .config import Options, Source, warn_settings, warn_small_windows
 from .errors import ConfigError, SourceError, flag
 from .convert import needed_columns
 from .counting import counted, kept_groups
@@ -101,6 +101,7 @@ class ChunkReader:
             raise SourceError(f"the {len(self.files)} file{'s' if many else ''} of the source hold{'' if many else 's'} "
                               f"no rows {files_text([str(f.path) for f in self.files])}: check that it names the "
                               f"files you mean")
+        warn_small_windows(opts, [c.rows for c in self.chunks], self.max_chunk_bytes())
         if opts.layout == "auto" and self.stored_layout == "columns" and opts.cache_io != "off":
             self._reuse_rows()
         self.num_rows = sum(c.rows for c in self.chunks)

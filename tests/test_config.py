@@ -132,3 +132,31 @@ def test_settings_that_do_nothing_or_work_against_the_step_are_warned_about(kw, 
     caplog.clear()
     config.warn_settings(Options(num_threads=32, shard="node", local_world_size=3, shuffle="block", block_rows=64))
     assert caplog.records == []  # each in use, and 4 threads per core at most: nothing to say
+
+
+def test_a_row_shuffle_over_small_files_says_its_windows_are_small_and_what_widens_them(tmp_path, caplog):
+    """30 files of 200 rows: a chunk each, so the default 4-chunk windows shuffle 800 rows together
+    where larger files would give chunk_bytes' worth. Said once at open, with a shuffle_window that
+    widens them; not said with that one, without a row or block shuffle, or with full-size chunks."""
+    import logging
+    import re
+
+    from conftest import open_dataset, write_parquet
+
+    for i in range(30):
+        write_parquet(tmp_path / "d" / f"part-{i:02d}.parquet", {"x": np.arange(i * 200, (i + 1) * 200)})
+    caplog.set_level(logging.WARNING, logger="gpuload")
+
+    def said(**kw):
+        caplog.clear()
+        ds = open_dataset(tmp_path / "d", cache=tmp_path / "c", batch_size=64, **kw)
+        assert sorted(int(v) for b in ds for v in b["x"]) == list(range(6000))
+        return [r.getMessage() for r in caplog.records if "shuffle's windows" in r.getMessage()]
+
+    (line,) = said()
+    assert "shuffle_window=4 hold about 800 rows here: the files are small (about 200 rows a chunk" in line
+    wider = int(re.search(r"; shuffle_window=(\d+) shuffles about ([\d,]+) rows together", line)[1])
+    assert wider == 30  # every chunk: far under half the memory of 4 chunks of 64 MiB
+    assert said(shuffle_window=wider) == [] and said(shuffle=False) == [] and said(shuffle="chunks") == []
+    assert len(said(shuffle="block", block_rows=16)) == 1
+    assert said(chunk_bytes=4096) == []  # chunks near chunk_bytes: the windows are what that setting makes them
