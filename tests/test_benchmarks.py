@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -259,6 +260,25 @@ def test_bench_drives_compares_two_folders_with_one(tmp_path):
     assert sorted(placed) == sorted(p.relative_to(w / "one").as_posix() for p in (w / "one").rglob("*.glc"))
     assert len(placed) >= 8 and all(drives.order(SimpleNamespace(relpath=lambda r=r: r))[0] == i
                                     for r, i in placed.items())
+
+
+def test_bench_small_files_pass_makes_a_chunk_of_each_small_file_and_refuses_one_layout(tmp_path, capsys):
+    """One pass of bench_small_files (in this process): every row in both epochs, a chunk per file,
+    a reason the first epoch waited, its cache removed; ``--files`` with one count is refused."""
+    from types import SimpleNamespace
+
+    import bench_small_files
+
+    write_clicklog(tmp_path / "d", 6000, files=12)
+    r = bench_small_files.one_pass(SimpleNamespace(data=str(tmp_path / "d"), cache=str(tmp_path / "c"), batch=1024,
+                                                   step_ms=0))
+    assert (r["files"], r["chunks"], r["rows"]) == (12, 12, 6000)
+    assert r["first_s"] >= r["open_s"] > 0 and r["cached_s"] > 0 and r["read_s"] > 0
+    assert re.fullmatch(r"[a-z_]+: \S.*", r["limited"]), r["limited"]  # diagnose's stage, then its message
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(SystemExit) as e:
+        bench_small_files.main(["--files", "400"])
+    assert e.value.code == 2 and "--files 400: give two or more file counts" in capsys.readouterr().err
 
 
 def test_profile_threads_names_each_thread_groups_lines(tmp_path):
