@@ -278,7 +278,7 @@ class Cursor:
 
     def plan_epoch(self, epoch: int | None = None) -> tuple[list[list[plan.Segment]], plan.BatchSizes]:
         """This rank's windows and batch sizes for a whole ``epoch`` (default: ``self.epoch``)."""
-        epoch = self.epoch if epoch is None else epoch
+        epoch = self.epoch if epoch is None else counted("epoch", epoch, 0, plan.MAX_KEY)
         ranks = self.ranks()
         return (self._plan.windows(epoch, ranks.world, ranks.rank, ranks.local),
                 self._plan.first(ranks).sizes(ranks.rank))

@@ -177,6 +177,8 @@ def test_numpy_weights_and_epochs_mean_what_python_numbers_mean(paths, tmp_path)
         for loader in (m, m.sources[0]):  # the Mix and one of its datasets refuse it alike
             with pytest.raises(gpuload.ConfigError, match=what):
                 loader.set_epoch(bad)
+        with pytest.raises(gpuload.ConfigError, match=what):  # the plan of an epoch that cannot be is refused too
+            m.sources[0].plan_epoch(bad)
     assert m.epoch == 1  # a refused epoch changes nothing
 
 

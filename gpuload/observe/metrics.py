@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..errors import counted
 from .events import EventLog
 from .stats import StageStats, Stats
 from .exposed import exposed
@@ -135,7 +136,7 @@ class Metrics:
     def __init__(self, *, nvtx: bool | None = None, max_events: int = 500_000,
                  clock: Callable[[], float] = perf_counter):
         self._nvtx, self.clock = _nvtx_backend(nvtx), clock
-        self.max_events, self._lock = int(max_events), threading.Lock()
+        self.max_events, self._lock = counted("max_events", max_events, 0, None), threading.Lock()
         self._resets = -1  # reset() calls so far, this first one not counted
         self.reset()
 

@@ -29,6 +29,7 @@ import psutil
 import torch
 
 from ..batch import Ragged
+from ..errors import ConfigError
 from .metrics import Metrics
 from .stats import Stats
 from .sampling import UtilSampler
@@ -153,6 +154,9 @@ class Watched:
                  util_period: float = 0.1):
         if sample_util and not util_period > 0:
             raise ValueError(f"util_period={util_period!r} must be a positive number of seconds")
+        if not (hasattr(iterable, "__iter__") or hasattr(iterable, "__getitem__")):  # else it fails at the for loop
+            raise ConfigError(f"watch() takes the loader the training loop iterates (a DataLoader, a "
+                              f"gpuload.ParquetDataset, a generator...), not a {type(iterable).__name__}")
         self.inner = iterable
         self.metrics = metrics if metrics is not None else Metrics()
         self.sample_util = bool(sample_util)

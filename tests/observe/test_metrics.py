@@ -13,8 +13,10 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
+import gpuload
 from gpuload.observe.metrics import STAGES, Metrics
 from gpuload.observe.stats import Stats
 
@@ -397,3 +399,12 @@ def test_a_span_begun_before_a_reset_counts_from_the_reset():
     m.record("cache_write", t0, clock())  # 100 to 112: 2 s of it after the reset
     m.consumer_wait(110.0, 112.0, rows=1)
     assert m.stats().stages["cache_write"].seconds == pytest.approx(2.0)
+
+
+def test_a_max_events_that_is_not_a_count_is_refused_where_it_is_given():
+    """It was taken as given (-5 kept nothing, silently; 2.5 was cut to 2)."""
+    for bad, what in ((-5, r"max_events=-5 must be an integer >= 0"), (2.5, r"max_events=2.5 must be an integer"),
+                      ("10", r"max_events='10' must be an integer")):
+        with pytest.raises(gpuload.ConfigError, match=what):
+            Metrics(max_events=bad)
+    assert Metrics(max_events=0).max_events == 0 and type(Metrics(max_events=np.int64(7)).max_events) is int

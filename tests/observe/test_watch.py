@@ -227,3 +227,12 @@ def test_a_watched_dataloaders_workers_cpu_tells_waiting_from_computing():
     assert used[False] is not None and used[True] is not None
     assert used[False] < used[True] / 2 and used[False] < 50, used
     assert "each worker's CPU" in str(w.stats())
+
+
+def test_watch_of_something_that_cannot_be_iterated_is_refused_at_the_call():
+    """It failed only at the training loop's first for (a TypeError from iter() there)."""
+    for bad in (5, None, gpuload.Metrics()):
+        with pytest.raises(gpuload.ConfigError, match=f"watch\\(\\) takes the loader the training loop iterates .*"
+                                                      f"not a {type(bad).__name__}"):
+            gpuload.watch(bad)
+    assert list(gpuload.watch([1, 2])) == [1, 2] and list(gpuload.watch("ab")) == ["a", "b"]
