@@ -123,7 +123,9 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
         returns (default None). Its key is part of the cache key. See :mod:`gpuload.transforms`.
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB; a
         larger row group is a chunk of its own).
-    shuffle_window : chunks whose rows are shuffled together (default 4).
+    shuffle_window : chunks whose rows are shuffled together (default None: 4, or more where the
+        chunks are small because the files are, as many as take half the memory of 4 chunks of
+        ``chunk_bytes``: :func:`gpuload.config.window_chunks`; ``.options.shuffle_window`` says how many).
     prefetch : chunks loaded ahead of the one being batched (default 2); while an epoch's last
         batches are cut, the next epoch's first chunks are loaded (shuffled, its first window
         and ``prefetch`` chunks more; in file order ``prefetch + 2``: :mod:`gpuload.preload`).
@@ -184,7 +186,7 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
                  shuffle: bool | str = Options.shuffle, seed: int = Options.seed, drop_last: bool = Options.drop_last,
                  cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
-                 categorical=Source.categorical, transform=Source.transform, filters=Source.filters, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int = Options.shuffle_window,
+                 categorical=Source.categorical, transform=Source.transform, filters=Source.filters, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int | None = Options.shuffle_window,
                  prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
                  max_cache_bytes: int | None = Options.max_cache_bytes, cache_io: str = Options.cache_io,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,
@@ -202,6 +204,7 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
         self.metrics = Metrics()
         t0 = self.metrics.clock()
         self.reader = open_reader(Source.of(given), o, self.metrics)
+        self.options = o = self.reader.opts  # the shuffle window's chunks chosen for the chunks
         self.metrics.record("list", t0, self.metrics.clock(), rows=self.reader.num_rows)
         self.device = self.reader.device.torch_device  #: the torch device batches are on
         self._plan = EpochPlan([c.rows for c in self.reader.chunks], self.reader.fingerprint, self.options)

@@ -13,6 +13,7 @@ bytes come through the read-ahead (:class:`gpuload.sources.readahead.ReadAhead`)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ from .cache.space import warn_short_room
 from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
 from .drift import absent_as_nulls, check_consistent, check_units, unit_drift, widened
-from .config import Options, Source, warn_settings, warn_small_windows
+from .config import Options, Source, warn_settings, warn_small_windows, window_chunks
 from .errors import ConfigError, SourceError, flag
 from .convert import needed_columns
 from .counting import counted, kept_groups
@@ -102,6 +103,9 @@ class ChunkReader:
                               f"no rows {files_text([str(f.path) for f in self.files])}: check that it names the "
                               f"files you mean")
         warn_small_windows(opts, [c.rows for c in self.chunks], self.max_chunk_bytes())
+        #: the settings, with the shuffle window's chunks as chosen for these chunks (:func:`window_chunks`)
+        self.opts = opts = dataclasses.replace(opts, shuffle_window=window_chunks(opts, len(self.chunks),
+                                                                                 self.max_chunk_bytes()))
         if opts.layout == "auto" and self.stored_layout == "columns" and opts.cache_io != "off":
             self._reuse_rows()
         self.num_rows = sum(c.rows for c in self.chunks)

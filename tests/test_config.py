@@ -134,10 +134,12 @@ def test_settings_that_do_nothing_or_work_against_the_step_are_warned_about(kw, 
     assert caplog.records == []  # each in use, and 4 threads per core at most: nothing to say
 
 
-def test_a_row_shuffle_over_small_files_says_its_windows_are_small_and_what_widens_them(tmp_path, caplog):
-    """30 files of 200 rows: a chunk each, so the default 4-chunk windows shuffle 800 rows together
-    where larger files would give chunk_bytes' worth. Said once at open, with a shuffle_window that
-    widens them; not said with that one, without a row or block shuffle, or with full-size chunks."""
+def test_small_files_get_wider_windows_by_default_and_a_small_window_given_is_warned_about(tmp_path, caplog):
+    """30 files of 200 rows: a chunk each (a chunk never spans two files). 4-chunk windows would
+    shuffle 800 rows together where larger files give chunk_bytes' worth: by default the windows take
+    as many small chunks as half the memory of 4 full-size ones allows (here all 30); a
+    shuffle_window given stays, and where it is that small a line at open says so and names the
+    default's. Chunks near chunk_bytes keep 4; without a row or block shuffle nothing is said."""
     import logging
     import re
 
@@ -147,16 +149,19 @@ def test_a_row_shuffle_over_small_files_says_its_windows_are_small_and_what_wide
         write_parquet(tmp_path / "d" / f"part-{i:02d}.parquet", {"x": np.arange(i * 200, (i + 1) * 200)})
     caplog.set_level(logging.WARNING, logger="gpuload")
 
-    def said(**kw):
+    def opened(**kw):
         caplog.clear()
         ds = open_dataset(tmp_path / "d", cache=tmp_path / "c", batch_size=64, **kw)
         assert sorted(int(v) for b in ds for v in b["x"]) == list(range(6000))
-        return [r.getMessage() for r in caplog.records if "shuffle's windows" in r.getMessage()]
+        windows, _ = ds.plan_epoch(0)
+        assert {len({s.chunk for s in w}) for w in windows[:-1]} <= {ds.options.shuffle_window}
+        return ds.options.shuffle_window, [r.getMessage() for r in caplog.records if "shuffle's windows" in r.getMessage()]
 
-    (line,) = said()
-    assert "shuffle_window=4 hold about 800 rows here: the files are small (about 200 rows a chunk" in line
-    wider = int(re.search(r"; shuffle_window=(\d+) shuffles about ([\d,]+) rows together", line)[1])
-    assert wider == 30  # every chunk: far under half the memory of 4 chunks of 64 MiB
-    assert said(shuffle_window=wider) == [] and said(shuffle=False) == [] and said(shuffle="chunks") == []
-    assert len(said(shuffle="block", block_rows=16)) == 1
-    assert said(chunk_bytes=4096) == []  # chunks near chunk_bytes: the windows are what that setting makes them
+    assert opened() == (30, [])  # every chunk in one window: 6,000 rows shuffled together
+    window, (line,) = opened(shuffle_window=4)
+    assert window == 4 and "shuffle_window=4 hold about 800 rows here: the files are small (about 200 rows a chunk" in line
+    assert re.search(r"; shuffle_window=30 \(the default's here\) shuffles about 6,000 rows together", line), line
+    assert opened(shuffle_window=4, shuffle=False) == (4, []) and opened(shuffle_window=4, shuffle="chunks") == (4, [])
+    assert opened(shuffle_window=4, shuffle="block", block_rows=16)[1]
+    assert opened(chunk_bytes=4096) == (4, [])  # chunks near chunk_bytes: the windows that setting makes
+    assert opened(chunk_bytes=4096, shuffle_window=4) == (4, [])
