@@ -27,6 +27,7 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # this checkout's gpuload, in the passes' processes too
 
 
 def one_pass(a) -> dict:
@@ -80,21 +81,21 @@ def main(argv=None) -> int:
     if a.data:
         print(json.dumps(one_pass(a)))
         return 0
-    sys.path.insert(0, str(HERE.parent))
     from gpuload.synth import write_clicklog
 
     counts = [int(f) for f in a.files.split(",")]
     if len(counts) < 2 or min(counts) < 1:
         ap.error(f"--files {a.files}: give two or more file counts of at least 1, e.g. --files 4,400")
     work = a.dir or pathlib.Path(tempfile.mkdtemp(prefix="gpuload-bench-small-files-"))
+    data = {n: work / f"rows{a.rows}-files{n}" for n in counts}  # a --dir kept for another --rows: other files
     for n in counts:
-        if not (work / f"files{n}").exists():
-            write_clicklog(work / f"files{n}", a.rows, files=n)
+        if not data[n].exists():
+            write_clicklog(data[n], a.rows, files=n)
     load0 = os.getloadavg()[0]
     runs: dict = {n: [] for n in counts}
     for _ in range(a.repeat):
         for n in counts:
-            out = subprocess.run([sys.executable, __file__, "--data", str(work / f"files{n}"), "--cache",
+            out = subprocess.run([sys.executable, __file__, "--data", str(data[n]), "--cache",
                                   str(work / "cache"), "--batch", str(a.batch), "--step-ms", str(a.step_ms)],
                                  capture_output=True, text=True, cwd=HERE.parent)
             if out.returncode:

@@ -35,8 +35,9 @@ log = logging.getLogger("gpuload")
 
 MiB = 1 << 20
 THREADS_PER_CORE = 4  #: loader threads per usable core above which :func:`warn_settings` warns
-DEFAULT_WINDOW = 4  #: chunks a shuffle window holds when ``shuffle_window`` is not given and chunks are not small
-SMALL_CHUNKS = 8  #: chunks are small (:func:`window_chunks`) when the largest is under chunk_bytes / this
+DEFAULT_WINDOW = 4  #: chunks a shuffle window holds at least when ``shuffle_window`` is not given
+MAX_WINDOW = 256  #: chunks a default shuffle window holds at most (its first batch waits for them all)
+SMALL_CHUNKS = 8  #: a window given that holds this many times less than the default's is warned about
 BUILD_DEVICE = "cpu"  #: where build_cache decodes unless asked (training defaults to ``Options.device``, "auto")
 
 
@@ -199,18 +200,18 @@ def warn_settings(opts: Options) -> None:
 
 
 def window_chunks(opts: Options, chunks: int, largest: int) -> int:
-    """The chunks a shuffle window holds: ``shuffle_window`` where given; else :data:`DEFAULT_WINDOW`,
-    or, where the chunks are small (the largest, ``largest`` converted bytes, under ``chunk_bytes /``
-    :data:`SMALL_CHUNKS`: the files are, since a chunk never spans two), as many as take half the
-    memory of :data:`DEFAULT_WINDOW` chunks of ``chunk_bytes`` (at most ``chunks``, every chunk), so
-    that small files are not shuffled in windows of few rows. On the same rows in large files or in
-    small ones the windows then hold rows of the same order (2M click-log rows as 400 files of 5,000
-    rows: 129 chunks, 645,000 rows, where as 4 files they give 4 chunks of 262,144)."""
+    """The chunks a shuffle window holds: ``shuffle_window`` where given; else as many chunks of the
+    largest one (``largest`` converted bytes) as take half the memory of :data:`DEFAULT_WINDOW` chunks
+    of ``chunk_bytes``, at least :data:`DEFAULT_WINDOW` (what chunks of half ``chunk_bytes`` or more
+    get) and at most :data:`MAX_WINDOW` and ``chunks``. So files smaller than ``chunk_bytes`` (a chunk
+    never spans two) are not shuffled in windows of few rows: 2M click-log rows as 400 files of 5,000
+    rows get 129 chunks, 645,000 rows, where as 4 files they get 4 chunks of 262,144. Without a row or
+    block shuffle, :data:`DEFAULT_WINDOW` (nothing is shuffled within windows: the order is the same)."""
     if opts.shuffle_window is not None:
         return opts.shuffle_window
-    if largest <= 0 or largest * SMALL_CHUNKS > opts.chunk_bytes:
+    if not opts.shuffled or largest <= 0:
         return DEFAULT_WINDOW
-    return max(DEFAULT_WINDOW, min(chunks, DEFAULT_WINDOW * opts.chunk_bytes // (2 * largest)))
+    return max(DEFAULT_WINDOW, min(chunks, MAX_WINDOW, DEFAULT_WINDOW * opts.chunk_bytes // (2 * largest)))
 
 
 def warn_small_windows(opts: Options, chunk_rows: list[int], largest: int) -> None:
@@ -218,12 +219,14 @@ def warn_small_windows(opts: Options, chunk_rows: list[int], largest: int) -> No
     hold far fewer rows than the same rows in larger files would get: that many chunks of the
     largest one (``largest`` converted bytes) are :data:`SMALL_CHUNKS` times or more below
     :data:`DEFAULT_WINDOW` chunks of ``chunk_bytes``, and do not cover every chunk. Names the
-    window the default would take (:func:`window_chunks`)."""
+    window the default takes (:func:`window_chunks`), where it is wider."""
     n, w, full = len(chunk_rows), opts.shuffle_window, DEFAULT_WINDOW * opts.chunk_bytes
     if not opts.shuffled or w is None or n <= w or largest <= 0 or w * largest * SMALL_CHUNKS > full:
         return
     per_chunk = sorted(chunk_rows)[n // 2]
     wider = window_chunks(dataclasses.replace(opts, shuffle_window=None), n, largest)
+    if wider <= w:
+        return
     log.warning("gpuload: the shuffle's windows of %s hold about %s rows here: the files are small (about %s rows "
                 "a chunk, and a chunk never spans two files), so rows are shuffled among far fewer than the same "
                 "rows in larger files would be; %s (the default's here) shuffles about %s rows together, its windows "

@@ -194,7 +194,10 @@ def _kept(nbytes: float) -> int:
     """The most a pool buffer made for ``nbytes`` bytes takes: its size class (12.5% and a MiB more
     at most). A free buffer may then serve a request up to a quarter smaller than it was made for;
     each term below counts its items at the largest one's size, which no buffer made for one of
-    them exceeds, and a window's arrays each keep their own buffers (keyed: :meth:`HostPool.get`)."""
+    them exceeds, and a window's arrays each keep their own buffers (keyed: :meth:`HostPool.get`).
+    Under a MiB a buffer is not pooled: exactly its size."""
+    if nbytes < _ROUND:
+        return int(nbytes)
     return int(nbytes * 9 / 8) + (1 << 20)
 
 

@@ -294,6 +294,9 @@ def check_signature(saved: dict, here: dict) -> None:
             continue
         if modes and key == "block_rows":  # named as the user set it: shuffle=True, False or 'block'
             diffs.append(f"shuffle: {_shuffle(saved)} in the state, {_shuffle(here)} here")
+        elif key == "shuffle_window" and isinstance(saved.get(key), int):  # the default's depends on chunk sizes
+            diffs.append(f"shuffle_window: {saved[key]!r} in the state, {here.get(key)!r} here (give "
+                         f"shuffle_window={saved[key]} to restore it)")
         else:
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here.get(key)!r} here")
     if saved.get("chunks") != here["chunks"] and not explained:

@@ -163,5 +163,21 @@ def test_small_files_get_wider_windows_by_default_and_a_small_window_given_is_wa
     assert re.search(r"; shuffle_window=30 \(the default's here\) shuffles about 6,000 rows together", line), line
     assert opened(shuffle_window=4, shuffle=False) == (4, []) and opened(shuffle_window=4, shuffle="chunks") == (4, [])
     assert opened(shuffle_window=4, shuffle="block", block_rows=16)[1]
-    assert opened(chunk_bytes=4096) == (4, [])  # chunks near chunk_bytes: the windows that setting makes
-    assert opened(chunk_bytes=4096, shuffle_window=4) == (4, [])
+    assert opened(chunk_bytes=4096, shuffle_window=4) == (4, [])  # chunks near chunk_bytes: not that small
+
+
+def test_the_default_window_holds_half_the_memory_of_4_full_chunks_within_its_bounds():
+    """window_chunks: a shuffle_window given is kept; without a row or block shuffle 4 (the order is
+    the same); else as many chunks as take half the memory of 4 of chunk_bytes, at least 4 (chunks of
+    half chunk_bytes or more), at most MAX_WINDOW (a first batch waits for them all) and every chunk."""
+    from gpuload.config import DEFAULT_WINDOW, MAX_WINDOW, window_chunks
+
+    mib = 1 << 20
+    o = Options()
+    assert (DEFAULT_WINDOW, MAX_WINDOW) == (4, 256)
+    assert [window_chunks(o, 1000, o.chunk_bytes // k) for k in (1, 2, 4, 8, 32)] == [4, 4, 8, 16, 64]
+    assert window_chunks(o, 1000, mib // 16) == 256 and window_chunks(o, 30, mib // 16) == 30
+    assert window_chunks(Options(chunk_bytes=8 * mib), 1000, mib) == 16
+    assert window_chunks(Options(shuffle_window=3), 1000, 100) == 3
+    assert window_chunks(Options(shuffle=False), 1000, 100) == window_chunks(Options(shuffle="chunks"), 1000, 100) == 4
+    assert window_chunks(Options(shuffle="block"), 1000, o.chunk_bytes // 8) == 16

@@ -444,7 +444,7 @@ def test_elastic_resume_reads_only_windows_with_rows_left(source, tmp_path):
     ({"shuffle": False}, "shuffle"),
     ({"shuffle": "block"}, r"shuffle: shuffle=True in the state, shuffle='block' \(block_rows=256\) here\."),
     ({"drop_last": True}, "drop_last"),
-    ({"shuffle_window": 2}, "shuffle_window"),
+    ({"shuffle_window": 2}, r"shuffle_window: 3 in the state, 2 here \(give shuffle_window=3 to restore it\)"),
     ({"chunk_bytes": 16 << 10}, "chunks"),
     ({"columns": {"row_id": "row_id", "x": "x"}}, "outputs"),
 ])
@@ -458,7 +458,7 @@ def test_state_from_another_dataset_is_refused(source, tmp_path, change, field):
     kw = {"batch_size": BATCH, "chunk_bytes": 8 << 10, "shuffle_window": 3, **change}
     other = gpuload.ParquetDataset(source, columns, cache_dir=tmp_path / "c", device="cpu", **kw)
     with pytest.raises(gpuload.ConfigError, match=rf"another dataset: {field}"
-                                                  + ("" if field.startswith("shuffle:") else ": ")):
+                                                  + ("" if field.startswith(("shuffle:", "shuffle_window:")) else ": ")):
         other.load_state_dict(state)
     assert other.state_dict()["runs"] == [[1, 0]]  # nothing restored
 

@@ -79,15 +79,18 @@ def load_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag
     return raw if src == _source(path, size, mtime_ns, tag) else None
 
 
-def save_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag: str, raw: bytes) -> None:
+def save_footer(root: CacheRoot | None, path: str, size: int, mtime_ns: int, tag: str, raw: bytes,
+                durable: bool = False) -> None:
     """Keep ``raw`` footer bytes for this version of ``path`` (best effort: a read-only or full cache is
-    skipped). Not fsynced: a copy lost or torn by a crash of the machine is read from the source again."""
+    skipped). Not fsynced unless ``durable`` (default False): a local file's copy lost or torn by a crash
+    of the machine is read from the file again; a remote object's is fsynced, since an offline open
+    (its store down) has no other."""
     if root is None:
         return
     header = json.dumps({"source": _source(path, size, mtime_ns, tag)}, separators=(",", ":")).encode()
     with contextlib.suppress(OSError):
         write_small_file(root, _folder(path), footer_name(size, mtime_ns, tag), MAGIC, VERSION, header, raw,
-                         durable=False)
+                         durable=durable)
 
 
 def read_footer(read: Callable[[int, int], bytes], size: int, where: str) -> bytes:

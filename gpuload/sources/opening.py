@@ -168,7 +168,8 @@ def _read_footer(root, x: Listed, fetcher_for, stop: threading.Event | None = No
     raw, x = _read_remote(x, fetcher_for(x.store), stop) if x.store is not None else _read_local(x)
     meta = parse_footer(raw, x.path)
     check_footer(x.path, meta, x.size)
-    save_footer(root, x.path, x.size, x.mtime_ns, _footer_key(x), raw)
+    # a remote object's copy is what an offline open reads (its store down): kept durable like its listing
+    save_footer(root, x.path, x.size, x.mtime_ns, _footer_key(x), raw, durable=x.store is not None)
     return (meta, identity_tag(x, raw)), x
 
 

@@ -280,3 +280,20 @@ def test_a_stores_place_leaves_out_credentials_and_tuning():
                  config_kwargs={"read_timeout": 3}) == base
     assert place(client_kwargs={"endpoint_url": "http://a:2", "region_name": "r"}) != base
     assert place(client_kwargs={"endpoint_url": "http://a:1", "region_name": "other"}) != base
+
+
+def test_a_remote_objects_footer_copy_is_fsynced_where_a_local_files_is_not(tmp_path, bucket, monkeypatch):
+    """An offline open (the store down) has no footer but the cache's copy: a remote object's copy is
+    fsynced, as its listing is (a crash of the machine could otherwise leave it torn, and the open
+    refused); a local file's copy, read again from the file when lost, is not (a8d29eb)."""
+    from gpuload.cache import fs
+
+    synced, real = [], os.fsync
+    monkeypatch.setattr(fs.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd))[1])
+    with S3Server() as s3:
+        _upload(s3, tmp_path / "src", 2, bucket)
+        _open(s3.storage_options, tmp_path / "remote", bucket).close()
+    assert len([p for p in synced if p.endswith(".footer") or ".footer.tmp." in p]) >= 2, synced
+    del synced[:]
+    gpuload.ParquetDataset(tmp_path / "src", ["x"], batch_size=128, cache_dir=tmp_path / "local", device="cpu")
+    assert list((tmp_path / "local").rglob("*.footer")) and not [p for p in synced if ".footer" in p]
