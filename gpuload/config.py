@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -207,8 +206,11 @@ def window_chunks(opts: Options, chunks: int, largest: int) -> int:
     never spans two) are not shuffled in windows of few rows: 2M click-log rows as 400 files of 5,000
     rows get 129 chunks, 645,000 rows, where as 4 files they get 4 chunks of 262,144. Without a row or
     block shuffle, :data:`DEFAULT_WINDOW` (nothing is shuffled within windows: the order is the same)."""
-    if opts.shuffle_window is not None:
-        return opts.shuffle_window
+    return opts.shuffle_window if opts.shuffle_window is not None else _default_window(opts, chunks, largest)
+
+
+def _default_window(opts: Options, chunks: int, largest: int) -> int:
+    """:func:`window_chunks` where ``shuffle_window`` is not given."""
     if not opts.shuffled or largest <= 0:
         return DEFAULT_WINDOW
     return max(DEFAULT_WINDOW, min(chunks, MAX_WINDOW, DEFAULT_WINDOW * opts.chunk_bytes // (2 * largest)))
@@ -224,7 +226,7 @@ def warn_small_windows(opts: Options, chunk_rows: list[int], largest: int) -> No
     if not opts.shuffled or w is None or n <= w or largest <= 0 or w * largest * SMALL_CHUNKS > full:
         return
     per_chunk = sorted(chunk_rows)[n // 2]
-    wider = window_chunks(dataclasses.replace(opts, shuffle_window=None), n, largest)
+    wider = _default_window(opts, n, largest)
     if wider <= w:
         return
     log.warning("gpuload: the shuffle's windows of %s hold about %s rows here: the files are small (about %s rows "

@@ -102,10 +102,10 @@ class ChunkReader:
             raise SourceError(f"the {len(self.files)} file{'s' if many else ''} of the source hold{'' if many else 's'} "
                               f"no rows {files_text([str(f.path) for f in self.files])}: check that it names the "
                               f"files you mean")
-        warn_small_windows(opts, [c.rows for c in self.chunks], self.max_chunk_bytes())
+        largest = self.max_chunk_bytes()
+        warn_small_windows(opts, [c.rows for c in self.chunks], largest)
         #: the settings, with the shuffle window's chunks as chosen for these chunks (:func:`window_chunks`)
-        self.opts = opts = dataclasses.replace(opts, shuffle_window=window_chunks(opts, len(self.chunks),
-                                                                                 self.max_chunk_bytes()))
+        self.opts = opts = dataclasses.replace(opts, shuffle_window=window_chunks(opts, len(self.chunks), largest))
         if opts.layout == "auto" and self.stored_layout == "columns" and opts.cache_io != "off":
             self._reuse_rows()
         self.num_rows = sum(c.rows for c in self.chunks)

@@ -167,15 +167,15 @@ class _Run:
         self.add(memoryview(b))
 
     def flush(self) -> None:
-        iov, offset = self.iov, self.start
-        while iov:  # a short write (at most about 2 GiB go at once) goes on where it stopped
-            n = os.pwritev(self.fd, iov, offset)
+        iov, offset, i = self.iov, self.start, 0
+        while i < len(iov):  # a short write (at most about 2 GiB go at once) goes on where it stopped
+            n = os.pwritev(self.fd, iov[i:] if i else iov, offset)
             offset += n
-            while iov and n >= len(iov[0]):
-                n -= len(iov[0])
-                iov = iov[1:]
+            while i < len(iov) and n >= len(iov[i]):
+                n -= len(iov[i])
+                i += 1
             if n:
-                iov = [iov[0][n:], *iov[1:]]
+                iov[i] = iov[i][n:]
         self.iov, self.start, self.used = [], self.end, 0
 
 
