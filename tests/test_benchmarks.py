@@ -270,8 +270,12 @@ def test_bench_small_files_pass_makes_a_chunk_of_each_small_file_and_refuses_one
     import bench_small_files
 
     write_clicklog(tmp_path / "d", 6000, files=12)
-    r = bench_small_files.one_pass(SimpleNamespace(data=str(tmp_path / "d"), cache=str(tmp_path / "c"), batch=1024,
-                                                   step_ms=0))
+    threads = torch.get_num_threads()  # a pass sets 1 (its process's own, normally): not for the next tests here
+    try:
+        r = bench_small_files.one_pass(SimpleNamespace(data=str(tmp_path / "d"), cache=str(tmp_path / "c"),
+                                                       batch=1024, step_ms=0))
+    finally:
+        torch.set_num_threads(threads)
     assert (r["files"], r["chunks"], r["rows"]) == (12, 12, 6000)
     assert r["first_s"] >= r["open_s"] > 0 and r["cached_s"] > 0 and r["read_s"] > 0
     assert re.fullmatch(r"[a-z_]+: \S.*", r["limited"]), r["limited"]  # diagnose's stage, then its message
