@@ -165,12 +165,12 @@ class Drives:
         order = self.order(key)
         writable = self._writable(key)
         first = writable[0] if writable else order[0]
-        cols, _ = self.caches[first].look(key)
+        cols = self.caches[first].look(key)[0]
         if cols is None:  # routed around a full or failed folder: elsewhere
             for i in order:
                 c = self.caches[i]
                 if i != first and c.exists(key):
-                    cols, unreadable = c.look(key)
+                    cols, unreadable, _ = c.look(key)
                     if cols is not None:
                         first = i
                         break

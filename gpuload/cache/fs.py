@@ -248,6 +248,15 @@ class CacheRoot:
         except FileNotFoundError:
             return None
 
+    def names(self, parts) -> list[str]:
+        """The names in folder ``parts`` (empty if it is absent); not ``lstat``-ed: check each
+        before use (:meth:`unlink` does)."""
+        try:
+            with self.folder(parts) as d:
+                return os.listdir(d)
+        except FileNotFoundError:
+            return []
+
     def scan(self, parts) -> list[tuple[str, os.stat_result]]:
         """``(name, lstat)`` of each entry of folder ``parts`` (empty if it is absent)."""
         out = []

@@ -168,14 +168,14 @@ class ChunkCache:
         caller waits for its ``written`` before anyone sees it (the writer makes no copy of it:
         less memory, ``docs/benchmarks.md``, "The writer's copy in file order").
         """
-        cols, unreadable = self.look(key)
+        cols, unreadable, missing = self.look(key)
         if cols is not None:
             self._held.discard(key.name)  # its holder finished it after all
             self.note(key, "cached")
             return cols, True
         lock = Lock(self.root, key.parts, key.name + ".lock")
         built: list = []  # the chunk, when another process writes it while this one waits for its lock
-        before = self._inode(key)  # what was there (absent, corrupt or unreadable) when we looked
+        before = None if missing else self._inode(key)  # what was there (corrupt or unreadable) when we looked
         patience = self._patience(key)
         try:
             got = lock.acquire(timeout=patience, meanwhile=lambda: self._built_meanwhile(key, before, built))
@@ -210,19 +210,20 @@ class ChunkCache:
             return 0.0
         return min(self.lock_patience, STALLED_PATIENCE) if self._held else self.lock_patience
 
-    def look(self, key: ChunkKey) -> tuple[dict | None, OSError | None]:
-        """First look, without the lock: (the chunk's columns, None) when its file is cached
-        and valid; else (None, the ``OSError`` that kept the file from being read, or None
-        when it is missing or corrupt: a corrupt one is logged and rebuilt)."""
+    def look(self, key: ChunkKey) -> tuple[dict | None, OSError | None, bool]:
+        """First look, without the lock: (the chunk's columns, None, False) when its file is cached
+        and valid; else (None, the ``OSError`` that kept the file from being read, or None when it
+        is missing or corrupt: a corrupt one is logged and rebuilt; whether it, or its folder, is missing)."""
         try:
-            return self._read(key), None
+            return self._read(key), None, False
         except FileNotFoundError:
             log.debug("gpuload: %s is not cached yet", self.path(key))
+            return None, None, True
         except CorruptCacheError as e:
             log.warning("gpuload: %s; rebuilding it from its source", e)
         except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
-            return None, e
-        return None, None
+            return None, e, False
+        return None, None, False
 
     def _built_meanwhile(self, key: ChunkKey, before: tuple | None, built: list) -> bool:
         """While waiting for ``key``'s lock: whether its holder finished the chunk, a new valid
@@ -251,13 +252,8 @@ class ChunkCache:
                 self.root.unlink(key.parts, key.name, CHUNK)
             except OSError:
                 pass
-            with contextlib.suppress(OSError):  # the folder gone meanwhile (a failed drive): the write says so
-                for name, _ in self.root.scan(key.parts):  # temporaries left by a killed writer of this chunk
-                    if name.startswith(key.name + ".tmp."):
-                        self.root.unlink(key.parts, name, TEMP)
+            self._tidy(key)
             cols = build()
-            with contextlib.suppress(OSError):
-                self._drop_stale(key)
             if self.max_bytes is None:  # the writer releases the lock
                 written = None
                 if shared and self._to_host is None:  # it writes these very arrays: not changed meanwhile
@@ -340,13 +336,25 @@ class ChunkCache:
         """Wait until every background write has finished (safe from several threads at once)."""
         self._writer.flush()
 
-    def _drop_stale(self, key: ChunkKey) -> None:
-        """Delete chunks (same spec) and footers of older versions of ``key``'s source file."""
-        for name, _ in self.root.scan(key.parts):
-            if CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
-                self.root.unlink(key.parts, name, CHUNK)
+    def _tidy(self, key: ChunkKey) -> None:
+        """Before ``key`` is built, holding its lock: delete the temporaries a killed writer of it
+        left, and chunks (same spec) and footers of older versions of its source file (one listing
+        of the folder; each entry checked to be a regular file as it is deleted)."""
+        try:
+            names = self.root.names(key.parts)
+        except OSError:  # the folder gone meanwhile (a failed drive): the write says so
+            return
+        for name in names:
+            if name.startswith(key.name + ".tmp."):
+                pattern = TEMP
+            elif CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
+                pattern = CHUNK
             elif FOOTER.fullmatch(name) and name[:16] not in (key.version, key.footer):
-                self.root.unlink(key.parts, name, FOOTER)
+                pattern = FOOTER
+            else:
+                continue
+            with contextlib.suppress(OSError):
+                self.root.unlink(key.parts, name, pattern)
 
     def _inode(self, key: ChunkKey) -> tuple | None:
         """(device, inode) of the regular file at ``key``'s name, or None."""
