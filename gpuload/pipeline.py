@@ -115,7 +115,7 @@ class _Lookahead:
             if not preloaded:
                 raise
             item = self._pool.submit(self._load, s.chunk).result()  # interrupted with an earlier iteration: again
-        written = getattr(item, "written", None)  # a gpuload.cache.store.Writing: the cache writer writes from
+        written = getattr(item, "written", None)  # a gpuload.cache.writer.Writing: the cache writer writes from
         if written is not None:  # these very arrays, and the batches cut next are views of them (an in-place
             written.wait()  # change in the step or a batch_transform must not reach the file)
         cols = self._receive(item)

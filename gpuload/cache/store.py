@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import stat
-import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -34,28 +33,15 @@ from .fs import FOOTER, CHUNK, TEMP, CacheRoot, Lock
 from .paths import ChunkKey, cache_folder, default_cache_dir
 from .evict import Registration, register, survey
 from .space import Space
-from .writer import PENDING, Writer
+from .writer import PENDING, Writer, Writing
 from ..errors import ConfigError, CorruptCacheError
 
-__all__ = ["ChunkCache", "ChunkKey", "Writing", "default_cache_dir"]  # the last two from gpuload.cache.paths, importable here too
+__all__ = ["ChunkCache", "ChunkKey", "Writing", "default_cache_dir"]  # all but the first from .paths and .writer, importable here too
 
 log = logging.getLogger("gpuload")
 
-
-
 #: seconds a chunk's lock is waited for once another lock's wait ran out (its holder likely stopped)
 STALLED_PATIENCE = 5.0
-
-
-class Writing(dict):
-    """A chunk's column set that the cache writer is writing from these very arrays: nothing may
-    change them until ``written`` is set (once the writer is done with them, written or not).
-    :meth:`ChunkCache.load` hands one out with ``shared=True``; the pipeline waits for it before
-    cutting the chunk's batches, which are views of it (``_Lookahead.take`` in :mod:`gpuload.pipeline`)."""
-
-    def __init__(self, cols: dict):
-        super().__init__(cols)
-        self.written = threading.Event()
 
 
 class ChunkCache:

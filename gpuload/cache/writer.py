@@ -21,12 +21,23 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-__all__ = ["PENDING", "Writer"]
+__all__ = ["PENDING", "Writer", "Writing"]
 
 log = logging.getLogger("gpuload")
 
 PENDING = 2  #: chunks with one folder's writer at once (being written or waiting)
 THREADS = 2  #: writer threads per cache folder
+
+
+class Writing(dict):
+    """A chunk's column set that the cache writer is writing from these very arrays: nothing may
+    change them until ``written`` is set (once the writer is done with them, written or not).
+    :meth:`gpuload.cache.store.ChunkCache.load` hands one out with ``shared=True``; the pipeline waits for it before
+    cutting the chunk's batches, which are views of it (``_Lookahead.take`` in :mod:`gpuload.pipeline`)."""
+
+    def __init__(self, cols: dict):
+        super().__init__(cols)
+        self.written = threading.Event()
 
 
 class Writer:
