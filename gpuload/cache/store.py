@@ -238,8 +238,11 @@ class ChunkCache:
                 self.root.unlink(key.parts, key.name, CHUNK)
             except OSError:
                 pass
-            self._tidy(key)
+            stale = self._tidy(key)
             cols = build()
+            for name, pattern in stale:  # once the build succeeded: a process whose view of the file is
+                with contextlib.suppress(OSError):  # out of date fails it, and must not drop the newer version's
+                    self.root.unlink(key.parts, name, pattern)
             if self.max_bytes is None:  # the writer releases the lock
                 written = None
                 if shared and self._to_host is None:  # it writes these very arrays: not changed meanwhile
@@ -322,25 +325,25 @@ class ChunkCache:
         """Wait until every background write has finished (safe from several threads at once)."""
         self._writer.flush()
 
-    def _tidy(self, key: ChunkKey) -> None:
-        """Before ``key`` is built, holding its lock: delete the temporaries a killed writer of it
-        left, and chunks (same spec) and footers of older versions of its source file (one listing
-        of the folder; each entry checked to be a regular file as it is deleted)."""
+    def _tidy(self, key: ChunkKey) -> list[tuple[str, object]]:
+        """Before ``key`` is built, holding its lock, in one listing of its folder: delete the
+        temporaries a killed writer of it left, and return the chunks (same spec) and footers of
+        other versions of its source file, ``(name, pattern)``, for the caller to delete once
+        the build succeeded (each checked to be a regular file as it is deleted)."""
         try:
             names = self.root.names(key.parts)
         except OSError:  # the folder gone meanwhile (a failed drive): the write says so
-            return
+            return []
+        stale = []
         for name in names:
             if name.startswith(key.name + ".tmp."):
-                pattern = TEMP
+                with contextlib.suppress(OSError):
+                    self.root.unlink(key.parts, name, TEMP)
             elif CHUNK.fullmatch(name) and name.startswith(key.spec + "-") and name.split("-")[1] != key.version:
-                pattern = CHUNK
+                stale.append((name, CHUNK))
             elif FOOTER.fullmatch(name) and name[:16] not in (key.version, key.footer):
-                pattern = FOOTER
-            else:
-                continue
-            with contextlib.suppress(OSError):
-                self.root.unlink(key.parts, name, pattern)
+                stale.append((name, FOOTER))
+        return stale
 
     def _inode(self, key: ChunkKey) -> tuple | None:
         """(device, inode) of the regular file at ``key``'s name, or None."""

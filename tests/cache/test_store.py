@@ -410,6 +410,32 @@ def test_rewritten_source_file_invalidates_only_its_chunks(tmp_path):
     assert not np.array_equal(old_ref.dense, new_ref.dense)
 
 
+def test_a_dataset_opened_before_its_file_changed_drops_none_of_the_new_versions_files(tmp_path):
+    """A process whose view of a file is out of date fails to build that file's chunks (the file
+    changed since it opened): the chunks and footer an up-to-date process cached meanwhile stay."""
+    data = tmp_path / "data"
+    files = clicklog(data, seed=0)
+    cache = tmp_path / "cache"
+    stale = _dataset(data, cache, prefetch=0)  # opened on the first version
+    target = Path(files[1])
+    later = target.stat().st_mtime_ns + 5_000_000_000
+    target.write_bytes(Path(clicklog(tmp_path / "other", seed=1)[1]).read_bytes())
+    os.utime(target, ns=(later, later))
+    fresh = _dataset(data, cache)
+    check_epoch(fresh, Reference(files))
+    fresh.reader.cache.flush()
+    folder = {fresh.reader.cache.path(fresh.reader.key(i)).parent for i, c in enumerate(fresh.reader.chunks)
+              if fresh.reader.files[c.file].path == str(target.resolve())}.pop()
+    kept = sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+    assert any(n.endswith(".glc") for n in kept) and any(n.endswith(".footer") for n in kept)
+    fresh.close()
+    with pytest.raises(gpuload.SourceError, match="changed"):
+        for _ in stale:
+            pass
+    stale.close()
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock")) == kept
+
+
 # ---------------------------------------------------------------------------------------
 # cache key
 # ---------------------------------------------------------------------------------------
