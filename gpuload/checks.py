@@ -115,7 +115,8 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
     nulls, with the one ``fill_nulls`` that covers them all.
 
     ``cached(file index, row group)`` says whether a row group's chunk is cached: such
-    row groups are not read. Remote objects' row groups are not read either (that would
+    row groups are not checked (their chunks were converted under these outputs and fill
+    values, which refuse nulls). Remote objects' row groups are not read either (that would
     fetch their columns twice): where their footers cannot tell, the first epoch's
     conversion raises the same :class:`NullValuesError`, naming the chunk. The columns
     that are read are read on ``threads`` threads (default 1; a dataset passes its
@@ -137,12 +138,14 @@ def check_nulls(files: Sequence[SourceFile], specs: Sequence[OutputSpec],
                     continue
                 leaf, unknown = f.leaves(c)[0], []
                 for g in range(f.metadata.num_row_groups):
+                    if cached(i, g):  # converted under these outputs and fills: no null it refuses
+                        continue
                     st = f.metadata.row_group(g).column(leaf).statistics
                     known = st is not None and st.has_null_count
                     if known and st.null_count and not lists:
                         entry[0] += st.null_count
                         entry[2].append(f.path)
-                    elif (not known or (lists and st.null_count)) and not cached(i, g):
+                    elif not known or (lists and st.null_count):
                         unknown.append(g)
                 if unknown:
                     todo.setdefault(i, []).append((c, leaf, unknown, lists))

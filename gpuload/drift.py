@@ -144,7 +144,8 @@ def absent_as_nulls(files: Sequence[SourceFile], names: Sequence[str]) -> list[S
     wanted = [has.field(n) for n in dict.fromkeys(names) if n in has.names]
     out = []
     for f in files:
-        lack = [field for field in wanted if field.name not in f.schema.names]
+        names = set(f.schema.names)  # (a list made anew on each call)
+        lack = [field for field in wanted if field.name not in names]
         if lack:
             lack = [pa.field(field.name, _logical(field.type)) for field in lack]
             f = dataclasses.replace(f, schema=pa.schema(list(f.schema) + lack, metadata=f.schema.metadata),
@@ -206,7 +207,14 @@ def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
 def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], schema: pa.Schema) -> None:
     """Every file's selected columns (each file has them all: :func:`absent_as_nulls`) have the
     (dictionary-decoded) type of ``schema`` (from :func:`widened`), or one it widens exactly."""
+    passed: set = set()  # a file whose schema and absent columns another file had passes as that one did
     for f in files:
+        try:
+            if (f.schema, f.absent) in passed:
+                continue
+            passed.add((f.schema, f.absent))
+        except TypeError:  # an extension type pyarrow cannot hash: checked on its own
+            pass
         for s in specs:
             for c in s.columns:
                 if c in f.absent:  # nulls, of whatever type the others have

@@ -136,8 +136,8 @@ class SourceFile:
     @cached_property
     def _leaf_ranges(self) -> dict[str, range]:
         """Top-level file column -> its Parquet leaf column indices (exact for any name, dots included)."""
-        out, i = {}, 0
-        for field in self.metadata.schema.to_arrow_schema():
+        out, i, keys = {}, 0, self.partition_names
+        for field in (f for f in self.schema if f.name not in keys):  # the file's own columns (as read)
             n = _leaf_count(field.type)
             out[field.name] = range(i, i + n)
             i += n
