@@ -1,5 +1,6 @@
 """The same rows in a few large Parquet files and in many small ones (what a Spark job with many
-partitions writes), side by side: ``pq.read_table``, gpuload's open, its first epoch and a cached one.
+partitions writes), side by side: ``pq.read_table``, gpuload's open, its first epoch and a cached one,
+and a restart (the dataset opened again with every chunk cached, up to its first batch).
 
 gpuload caches a chunk per run of row groups of one file, so a small file is a chunk of its own:
 each costs a footer, a cache file with its fsync and rename, and a load per epoch. Each pass is a
@@ -58,9 +59,18 @@ def one_pass(a) -> dict:
     ds.set_epoch(1)
     rows2, cached_s, cached_wait = measure(ds, a.step_ms / 1e3)
     assert rows == rows2 == ds.num_rows and ds.reader.counters.decoded == len(ds.reader.chunks)
-    out = {"files": len(list(pathlib.Path(a.data).glob("*.parquet"))), "chunks": len(ds.reader.chunks),
+    chunks = len(ds.reader.chunks)
+    ds.close()
+    t0 = time.perf_counter()  # a restart: the whole dataset cached, opened again up to its first batch
+    ds = gpuload.ParquetDataset(a.data, clicklog_columns(), batch_size=a.batch, cache_dir=cache, device="cpu")
+    reopen_s = time.perf_counter() - t0
+    next(iter(ds))
+    restart_s = time.perf_counter() - t0
+    assert ds.reader.counters.decoded == 0 and len(ds.reader.cached_at_open) == chunks
+    out = {"files": len(list(pathlib.Path(a.data).glob("*.parquet"))), "chunks": chunks,
            "rows": rows, "read_s": read_s, "open_s": open_s, "first_s": first_s, "first_wait": first_wait,
-           "cached_s": cached_s, "cached_wait": cached_wait, "limited": limited}
+           "cached_s": cached_s, "cached_wait": cached_wait, "limited": limited, "reopen_s": reopen_s,
+           "restart_s": restart_s}
     ds.close()
     shutil.rmtree(cache, ignore_errors=True)
     return out
@@ -114,13 +124,15 @@ def main(argv=None) -> int:
              f"its own; {platform.machine()}, {os.cpu_count()} cores, load average {load0:.2f} at the start, "
              f"{os.getloadavg()[0]:.2f} at the end.\n",
              "| files | rows a file | chunks | pq.read_table s | open s | first epoch s | rows/s | waiting | "
-             f"cached epoch s | rows/s | first epoch vs {counts[0]} files | limited by (first epoch) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"cached epoch s | rows/s | restart: open s, first batch s | first epoch vs {counts[0]} files | "
+             "limited by (first epoch) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for n in counts:
         f_s, c_s = med(n, "first_s"), med(n, "cached_s")
         lines.append(f"| {n:,} | {rows // n:,} | {runs[n][0]['chunks']:,} | {med(n, 'read_s'):.2f} | "
                      f"{med(n, 'open_s'):.2f} | {f_s:.2f} | {rows / f_s / 1e6:.2f} M | {med(n, 'first_wait') / f_s:.0%} "
-                     f"| {c_s:.2f} | {rows / c_s / 1e6:.2f} M | {f_s / med(counts[0], 'first_s'):.2f}x | "
+                     f"| {c_s:.2f} | {rows / c_s / 1e6:.2f} M | {med(n, 'reopen_s'):.2f}, {med(n, 'restart_s'):.2f} | "
+                     f"{f_s / med(counts[0], 'first_s'):.2f}x | "
                      f"{runs[n][-1]['limited']} |")
     from bench_step import publish
 

@@ -264,7 +264,8 @@ def test_bench_drives_compares_two_folders_with_one(tmp_path):
 
 def test_bench_small_files_pass_makes_a_chunk_of_each_small_file_and_refuses_one_layout(tmp_path, capsys):
     """One pass of bench_small_files (in this process): every row in both epochs, a chunk per file,
-    a reason the first epoch waited, its cache removed; ``--files`` with one count is refused."""
+    a reason the first epoch waited, a restart that decodes nothing, its cache removed; ``--files``
+    with one count is refused."""
     from types import SimpleNamespace
 
     import bench_small_files
@@ -278,6 +279,7 @@ def test_bench_small_files_pass_makes_a_chunk_of_each_small_file_and_refuses_one
         torch.set_num_threads(threads)
     assert (r["files"], r["chunks"], r["rows"]) == (12, 12, 6000)
     assert r["first_s"] >= r["open_s"] > 0 and r["cached_s"] > 0 and r["read_s"] > 0
+    assert r["restart_s"] >= r["reopen_s"] > 0  # a restart decodes nothing (the pass asserts it)
     assert re.fullmatch(r"[a-z_]+: \S.*", r["limited"]), r["limited"]  # diagnose's stage, then its message
     assert not (tmp_path / "c").exists()
     with pytest.raises(SystemExit) as e:
