@@ -207,12 +207,13 @@ def widened(files: Sequence[SourceFile], schema: pa.Schema) -> pa.Schema:
 def check_consistent(files: Sequence[SourceFile], specs: Sequence[OutputSpec], schema: pa.Schema) -> None:
     """Every file's selected columns (each file has them all: :func:`absent_as_nulls`) have the
     (dictionary-decoded) type of ``schema`` (from :func:`widened`), or one it widens exactly."""
-    passed: set = set()  # a file whose schema and absent columns another file had passes as that one did
+    passed: set = set()  # a file whose fields and absent columns another file had passes as that one did
     for f in files:
+        key = (tuple(f.schema), f.absent)  # fields, not the schema: pandas' metadata differs file by file
         try:
-            if (f.schema, f.absent) in passed:
+            if key in passed:
                 continue
-            passed.add((f.schema, f.absent))
+            passed.add(key)
         except TypeError:  # an extension type pyarrow cannot hash: checked on its own
             pass
         for s in specs:
