@@ -144,8 +144,8 @@ def absent_as_nulls(files: Sequence[SourceFile], names: Sequence[str]) -> list[S
     wanted = [has.field(n) for n in dict.fromkeys(names) if n in has.names]
     out = []
     for f in files:
-        names = set(f.schema.names)  # (a list made anew on each call)
-        lack = [field for field in wanted if field.name not in names]
+        present = set(f.schema.names)  # (a list made anew on each call)
+        lack = [field for field in wanted if field.name not in present]
         if lack:
             lack = [pa.field(field.name, _logical(field.type)) for field in lack]
             f = dataclasses.replace(f, schema=pa.schema(list(f.schema) + lack, metadata=f.schema.metadata),

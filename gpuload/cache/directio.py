@@ -41,6 +41,7 @@ __all__ = ["BLOCK", "BOUNCE", "pwrite_all", "pread_all", "write", "read_into", "
 BLOCK = 4096  #: alignment of offsets, lengths and buffers (the largest logical block size in use)
 BOUNCE = 8 << 20  #: bytes of each thread's bounce buffer for writes
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)  #: buffers in one pwritev
+_IOV_MAX = _IOV_MAX if _IOV_MAX > 0 else 1024  # sysconf says -1 where the system does not tell its limit
 _local = threading.local()
 
 
