@@ -18,14 +18,17 @@ and the builders need from a device, so none of them asks which one it has:
 from __future__ import annotations
 
 import logging
-
-import torch
+from typing import TYPE_CHECKING
 
 from .cache.drives import open_cache
 from .cache.store import ChunkCache
 from .errors import ConfigError, GpuloadError, setting
-from .handoff import DlpackHandoff, HostHandoff
 from .pipeline import Stages
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it is used: a cache build on the CPU (``gpuload cache build``, a Dask
+# worker's) opens a Host device and never needs it (its import takes seconds)
 
 __all__ = ["Host", "Cuda", "Device", "open_device", "resolve_device"]
 
@@ -40,6 +43,8 @@ def resolve_device(device) -> torch.device:
     optional), else the CPU with one log line saying why. An explicit CUDA device without
     them raises :class:`GpuloadError` naming the missing piece (driver, cupy).
     """
+    import torch
+
     from .gpu.runtime import gpu_usable, missing_pieces, require_gpu
 
     text = str(device)
@@ -69,8 +74,15 @@ class Host(Stages):
     """The CPU path: chunks and batches are NumPy arrays in reused host buffers; nothing to
     wait for between the pipeline's sides (the :class:`~gpuload.pipeline.Stages` defaults)."""
 
-    torch_device = torch.device("cpu")  #: where batches are
     gpu_decode = False  #: whether cuDF decodes Parquet
+    on_host = True  #: whether chunks and batches are in host memory
+
+    @property
+    def torch_device(self) -> torch.device:
+        """Where batches are: the CPU."""
+        import torch
+
+        return torch.device("cpu")
 
     def upload(self, cols: dict) -> dict:
         """A chunk's column set where batches are cut from it: here, as it is."""
@@ -97,6 +109,8 @@ class Host(Stages):
     def handoff(self, views: dict, layout, batch_pool):
         """The hand-off of an iteration beginning now: CPU tensors sharing the batches' memory,
         blocks unpacked into ``batch_pool``'s buffers."""
+        from .handoff import HostHandoff
+
         return HostHandoff(views, layout, batch_pool.array)
 
     def consumer_stream(self):
@@ -112,6 +126,8 @@ class Cuda:
     """The GPU path on one CUDA device: the loader's streams and memory (``ctx``, a
     :class:`gpuload.gpu.streams.DeviceContext`), cache reads into device memory, and cuDF
     decoding when ``gpu_decode``."""
+
+    on_host = False  #: whether chunks and batches are in host memory
 
     def __init__(self, ctx, gpu_decode: bool):
         self.ctx, self.gpu_decode = ctx, gpu_decode
@@ -147,6 +163,10 @@ class Cuda:
     def handoff(self, views: dict, layout, batch_pool):
         """The hand-off of an iteration beginning now, on the training thread: batches are
         guarded for (and waited on by) the stream current now."""
+        import torch
+
+        from .handoff import DlpackHandoff
+
         self.ctx.consumer = torch.cuda.current_stream(self.torch_device)
         return DlpackHandoff(self.ctx, views, layout)
 
@@ -176,6 +196,8 @@ def open_device(options, metrics=None) -> Device:
     """The device of ``options`` (a :class:`gpuload.config.Options`), opened: ``device`` resolved
     (:func:`resolve_device`); for CUDA the pieces checked, KvikIO configured and the loader's
     streams made (:func:`gpuload.gpu.runtime.open_device`)."""
+    if isinstance(options.device, str) and options.device == "cpu":
+        return Host()  # without torch's import
     where = resolve_device(options.device)
     if where.type != "cuda":
         return Host()

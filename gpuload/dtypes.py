@@ -7,6 +7,8 @@ is stored as its 16-bit pattern (:func:`storage_dtype`, uint16) and handed to to
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pyarrow as pa
 
@@ -22,14 +24,22 @@ def storage_dtype(dtype: str) -> np.dtype:
     return np.dtype("<u2") if dtype == BFLOAT16 else np.dtype(dtype)
 
 
+#: dtypes every torch this package supports takes from NumPy, checked without importing torch
+_TORCH_TAKES = frozenset(np.dtype(t).newbyteorder("=").str for t in
+                         ("bool", "int8", "int16", "int32", "int64", "uint8", "float16", "float32", "float64"))
+
+
 def parse_dtype(value, what: str) -> str:
     """A ``dtypes=`` value as an output dtype string: a NumPy dtype or its name, a torch
-    dtype (``torch.float16``) or its name (``"torch.float16"``), or ``"bfloat16"``."""
-    import torch
-
+    dtype (``torch.float16``) or its name (``"torch.float16"``), or ``"bfloat16"``.
+    torch is imported only for a torch dtype or one whose support depends on torch's version
+    (a cache build on the CPU runs without torch's import)."""
     if isinstance(value, str) and value.startswith("torch."):
+        import torch
+
         value = getattr(torch, value[6:], value)
-    if isinstance(value, torch.dtype):
+    torch = sys.modules.get("torch")  # a torch dtype given means torch is imported
+    if torch is not None and isinstance(value, torch.dtype):
         if value == torch.bfloat16:
             return BFLOAT16
         try:
@@ -46,11 +56,14 @@ def parse_dtype(value, what: str) -> str:
     if dtype.kind not in "biuf":
         raise ConfigError(f"{what}={dtype} is not a numeric dtype (bool, integers, floats, bfloat16)")
     dtype = dtype.newbyteorder("=")  # the cache and torch hold native byte order; the values are the same
-    try:
-        torch.from_numpy(np.empty(0, dtype))
-    except TypeError:
-        raise ConfigError(f"{what}={dtype}: torch has no such dtype; choose one of bool, (u)int8-64, float16/32/64 "
-                          "or bfloat16") from None
+    if dtype.str not in _TORCH_TAKES:
+        import torch
+
+        try:
+            torch.from_numpy(np.empty(0, dtype))
+        except TypeError:
+            raise ConfigError(f"{what}={dtype}: torch has no such dtype; choose one of bool, (u)int8-64, float16/32/64 "
+                              "or bfloat16") from None
     return dtype.str
 
 

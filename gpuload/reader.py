@@ -117,7 +117,7 @@ class ChunkReader:
         header = header_bound(self.spec_desc, self.arrays_per_chunk, max((f.path for f in self.files), key=len))
         files = [file_bytes(c.nbytes, self.arrays_per_chunk, header) for c in self.chunks]  # each chunk's cache file
         modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)),
-                               host=device.torch_device.type == "cpu")
+                               host=device.on_host)
         self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads
         #: whether chunks go through the cache (``cache_io="off"``: every load decodes, nothing is written)
         self.caching = opts.cache_io != "off"

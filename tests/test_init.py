@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import gpuload
@@ -42,11 +44,17 @@ def _fresh(code: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_import_gpuload_does_not_import_torch():
+def test_import_gpuload_does_not_import_torch(tmp_path):
+    """Nor does a cache build on the CPU (``gpuload cache build``, a Dask worker's): its import takes seconds."""
+    pq.write_table(pa.table({"x": [1.5, 2.5], "n": [[1], [2, 3]]}), tmp_path / "a.parquet")
     r = _fresh("import sys, gpuload\n"
                "assert 'torch' not in sys.modules, 'import gpuload imported torch'\n"
                "gpuload.ConfigError, gpuload.__version__\n"  # the errors are there without torch too
                "assert 'torch' not in sys.modules\n"
+               f"s = gpuload.build_cache({str(tmp_path / 'a.parquet')!r}, {str(tmp_path / 'c')!r}, "
+               "columns={'x': 'x', 'n': 'n'}, dtypes={'x': 'float16'}, progress=False)\n"
+               "assert s.built == 1, s\n"
+               "assert 'torch' not in sys.modules, 'a cache build imported torch'\n"
                "gpuload.ParquetDataset\n"
                "assert 'torch' in sys.modules  # and it comes with what needs it\n")
     assert r.returncode == 0, r.stderr
@@ -60,13 +68,18 @@ def test_import_gpuload_does_not_import_torch():
 
 
 @pytest.mark.slow
-def test_the_command_starts_without_torch():
+def test_the_command_starts_without_torch(tmp_path):
     """``gpuload --help`` (and importing gpuload.tools.cli) imports no torch: the command starts in a
-    fraction of the time torch's import takes."""
+    fraction of the time torch's import takes; nor does ``gpuload cache build`` on the CPU."""
+    pq.write_table(pa.table({"x": [1.5, 2.5]}), tmp_path / "a.parquet")
+    build = ["cache", "build", str(tmp_path / "a.parquet"), "--cache-dir", str(tmp_path / "c"), "--columns", "x"]
     r = _fresh("import sys\nfrom gpuload.tools.cli import main\n"
                "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
-               "assert 'torch' not in sys.modules, 'gpuload --help imported torch'\n")
+               "assert 'torch' not in sys.modules, 'gpuload --help imported torch'\n"
+               f"assert main({build!r}) == 0\n"
+               "assert 'torch' not in sys.modules, 'gpuload cache build imported torch'\n")
     assert r.returncode == 0, r.stderr
+    assert "1 built" in r.stdout
     assert "usage: gpuload" in r.stdout
     # the real entry point, every module it imports listed by -X importtime
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpuload.tools.cli", "--help"], capture_output=True,

@@ -187,7 +187,8 @@ def check_options(settings: dict) -> Options:
     from ..device import resolve_device
 
     opts = Options.of(settings)
-    resolve_device(opts.device)
+    if opts.device != "cpu":  # "cpu" needs no check (nor torch's import: a build on the CPU runs without it)
+        resolve_device(opts.device)
     return opts
 
 
