@@ -145,13 +145,28 @@ def test_gpu_node_proof_parts_fail_where_they_would_only_skip(tmp_path):
     assert len(list(tmp_path.iterdir())) <= 8
 
 
-def _collected(args: list[str]) -> list[str]:
-    args = [a for k, a in enumerate(args) if a not in ("-n", "-v") and (k == 0 or args[k - 1] != "-n")]  # ids only
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
-                       cwd=BENCH.parent, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "GPULOAD_REQUIRE_GPU": "0"})
+_COLLECT = """
+import contextlib, io, json, sys
+import pytest
+found = {}
+for name, args in json.loads(sys.argv[1]).items():
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args])
+    assert rc == 0, (name, rc, out.getvalue()[-3000:])
+    found[name] = [line for line in out.getvalue().splitlines() if "::" in line]
+print(json.dumps(found))
+"""
+
+
+def _collected(parts: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The test ids each part's pytest arguments collect (``-n`` and ``-v`` left out), in one
+    process: the second collection reuses the first one's imports (torch's, the tests')."""
+    ids = {name: [a for k, a in enumerate(args) if a not in ("-n", "-v") and (k == 0 or args[k - 1] != "-n")]
+           for name, args in parts.items()}
+    r = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps(ids)], cwd=BENCH.parent, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "GPULOAD_REQUIRE_GPU": "0"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return [line for line in r.stdout.splitlines() if "::" in line]
+    return json.loads(r.stdout.splitlines()[-1])
 
 
 @pytest.mark.slow
@@ -162,7 +177,7 @@ def test_gpu_node_proof_parts_select_what_they_claim():
 
     from test_equivalence import CONFIGS
 
-    parts = {name: _collected(how) for name, _, _, how in gpu_node.PROOF if isinstance(how, list)}
+    parts = _collected({name: how for name, _, _, how in gpu_node.PROOF if isinstance(how, list)})
     assert sorted(parts["identity"]) == sorted(f"{gpu_node._IDENTITY}[cuda-arrow-{c}]" for c in CONFIGS)
     assert parts["memory"] == [gpu_node._MEMORY]
     assert parts["streams"] == [f"{gpu_node._BUSY}[{case}-torch]" for case in ("0-dataset", "1-dataset", "0-mix")]
