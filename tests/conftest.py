@@ -292,7 +292,8 @@ def no_leftover_threads(request):
     yield
     if request.session.testsfailed != failed:
         return
-    gc.collect()
+    if gpuload_threads():
+        gc.collect()  # an iterator left in a reference cycle stops its threads when collected
     left = wait_no_threads(include_writer=True, timeout=5.0)
     assert not left, f"gpuload threads still running after the test: {left}"
 
@@ -674,3 +675,12 @@ def tiny_fs(tmp_path):
     yield make
     for p in mounted:
         subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+def pytest_collection_finish(session):
+    """Everything imported and collected so far (torch, pyarrow, the test modules) moved out of the
+    garbage collector's reach: each full collection (the leftover-threads check's, Python's own)
+    then scans only what tests made since (0.2 s less a collection in a worker, a quarter of the
+    quick tests' time)."""
+    gc.collect()
+    gc.freeze()
