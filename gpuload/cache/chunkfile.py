@@ -182,7 +182,7 @@ def read_header(fd: int, path) -> tuple[dict, int]:
     if len(blob) != hlen or xxhash.xxh3_64_intdigest(blob) != hsum:
         raise CorruptCacheError(f"{path}: the bytes of its header do not match their checksum")
     try:
-        header = json.loads(blob)
+        header = json.loads(blob, parse_float=_Float)
     except (ValueError, RecursionError):
         raise CorruptCacheError(f"{path}: header is not JSON (or absurdly nested)") from None
     if not isinstance(header, dict):
@@ -211,14 +211,29 @@ _CHECKSUM = re.compile(r"[0-9a-f]{16}")
 _SPECS_SEEN: dict[str, list] = {}  #: spec hash -> a header's spec that had it (a new one is hashed once)
 
 
+class _Float(float):
+    """A header's float: equal only to one of the same JSON text (``==`` has -0.0 equal 0.0, which
+    fill values tell apart), so that a spec equal to one that hashed right hashes right too."""
+
+    __slots__ = ()
+    __hash__ = float.__hash__
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Float and float.__repr__(self) == float.__repr__(other)
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+
 @functools.lru_cache(maxsize=256)
 def _dtype_text(name: str) -> str:
     return np.dtype(name).str
 
 
 def _same_spec(spec, want: str) -> bool:
-    """Whether a header's ``spec`` hashes to ``want``: equal to one that did, or hashed now (its
-    JSON text hashed: 40 us a chunk file, a tenth of a small chunk's read, when done every time)."""
+    """Whether a header's ``spec`` hashes to ``want``: equal to one that did (ints, strings and
+    :class:`_Float` s compare as their JSON text; a bool equal to an int stores the same bytes), or
+    hashed now (its JSON text hashed: 40 us a chunk file, a tenth of a small chunk's read, each time)."""
     seen = _SPECS_SEEN.get(want)
     if seen is not None and type(spec) is list and spec == seen:
         return True

@@ -246,3 +246,27 @@ def test_a_chunk_files_header_stays_within_its_bound(data, tmp_path):
         with open(path, "rb") as f:
             _, _, hlen, _ = PREFIX.unpack(f.read(PREFIX.size))
         assert PREFIX.size + hlen <= header_bound(r.spec_desc, r.arrays_per_chunk, r.files[r.chunks[i].file].path)
+
+
+def test_a_spec_equal_only_to_pythons_eq_is_still_refused(tmp_path):
+    """A chunk file of fill 0.0 read first, a file of fill -0.0 (other spec, other bits in every
+    filled null) copied under its name is refused: the check's memo of specs it hashed compares
+    floats as JSON writes them, not as ``==`` does. (From review: -0.0 == 0.0.)"""
+    from gpuload.cache.chunkfile import spec_hash
+    from gpuload.cache.paths import ChunkKey
+
+    def desc(fill):
+        return [{"name": "x", "columns": ["x"], "kind": "scalar", "dtype": "<f4", "width": 1,
+                 "sources": [["<f4", None]], "fills": [fill]}]
+
+    keys = [ChunkKey("/d/x.parquet", 10, 20, spec_hash(d), 0, 1, 3, (("x", "scalar", "<f4", 1),), d)
+            for d in (desc(0.0), desc(-0.0), desc(0.5))]
+    assert len({k.spec for k in keys}) == 3
+    for k in keys:
+        write_chunk(tmp_path / k.name, {"x": np.zeros(3, np.float32)}, k)
+    read_chunk(tmp_path / keys[0].name, want=keys[0].identity)  # its spec hashed once, then kept
+    read_chunk(tmp_path / keys[0].name, want=keys[0].identity)  # (and served from the memo)
+    for other in keys[1:]:
+        with pytest.raises(gpuload.CorruptCacheError, match="its column spec differs"):
+            read_chunk(tmp_path / other.name, want=keys[0].identity)
+    read_chunk(tmp_path / keys[1].name, want=keys[1].identity)  # each file still serves its own name
