@@ -132,25 +132,8 @@ def skip_reasons(status: dict, usable: bool, required: tuple[str, ...]) -> tuple
 _SKIPS = pytest.StashKey[tuple]()
 
 
-#: the test files that take longest on 2 workers (seconds measured 2026-11-29: 171, 125, 121, 113, 102,
-#: 92, 87, 68, 65, 57, 48, 45, 40, 38, 37), handed out first (longest first) so that the run's tail is
-#: made of short files; a stale entry only orders the run less well
-HEAVY_FIRST = ["test_ddp.py", "test_frameworks.py", "test_dataset.py", "test_resume.py", "test_notebooks.py",
-               "test_benchmarks.py", "test_faults.py", "test_cluster.py", "cache/test_fs.py", "sources/test_writers.py",
-               "test_mix_ddp.py", "test_cli.py", "test_slurm.py", "test_bench_peers.py", "sources/test_remote.py"]
-
-
-def _heavy_rank(item) -> int:
-    try:
-        path = Path(str(item.fspath)).relative_to(Path(__file__).parent).as_posix()
-    except ValueError:  # collected outside tests/
-        return len(HEAVY_FIRST)
-    return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
     gpu, cudf = config.stash[_SKIPS]
-    items.sort(key=_heavy_rank)  # stable: each file's tests keep their order
     for item in items:
         # get_closest_marker, not item.keywords: keywords hold folder names (tests/gpu)
         if gpu is not None and item.get_closest_marker("gpu") is not None:
@@ -230,10 +213,6 @@ def pytest_configure(config):
 
     config.stash[_SKIPS] = skip_reasons(_status(), gpu_usable(), required_pieces())
     GUARD.install()
-    # the files in the order pytest_collection_modifyitems gives (pytest-xdist's --dist loadfile would
-    # sort them by their number of tests: the few long torchrun tests last, one worker idle minutes)
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(tryfirst=True)
