@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 # torch is imported where it is used: a cache build on the CPU (``gpuload cache build``, a Dask
 # worker's) opens a Host device and never needs it (its import takes seconds)
 
-__all__ = ["Host", "Cuda", "Device", "open_device", "resolve_device"]
+__all__ = ["Host", "Cuda", "Device", "open_device", "resolve_device", "check_device"]
 
 log = logging.getLogger("gpuload")
 
@@ -68,6 +68,13 @@ def resolve_device(device) -> torch.device:
     if index >= torch.cuda.device_count():
         raise GpuloadError(f"{setting('device', device)}: only {torch.cuda.device_count()} CUDA devices are visible")
     return torch.device("cuda", index)
+
+
+def check_device(device) -> None:
+    """Refuse a ``device=`` gpuload cannot load to, as :func:`resolve_device` does; ``"cpu"``
+    without importing torch (a cache build on the CPU never needs it: its import takes seconds)."""
+    if device != "cpu":
+        resolve_device(device)
 
 
 class Host(Stages):
@@ -196,8 +203,8 @@ def open_device(options, metrics=None) -> Device:
     """The device of ``options`` (a :class:`gpuload.config.Options`), opened: ``device`` resolved
     (:func:`resolve_device`); for CUDA the pieces checked, KvikIO configured and the loader's
     streams made (:func:`gpuload.gpu.runtime.open_device`)."""
-    if isinstance(options.device, str) and options.device == "cpu":
-        return Host()  # without torch's import
+    if options.device == "cpu":
+        return Host()  # without torch's import (check_device)
     where = resolve_device(options.device)
     if where.type != "cuda":
         return Host()

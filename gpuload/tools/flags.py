@@ -184,11 +184,10 @@ def loader_settings(args) -> dict:
 def check_options(settings: dict) -> Options:
     """The :class:`Options` of ``settings``, its device resolved: bad flags are refused before a
     command prints or opens anything."""
-    from ..device import resolve_device
+    from ..device import check_device
 
     opts = Options.of(settings)
-    if opts.device != "cpu":  # "cpu" needs no check (nor torch's import: a build on the CPU runs without it)
-        resolve_device(opts.device)
+    check_device(opts.device)
     return opts
 
 
