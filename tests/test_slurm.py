@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,24 @@ def _run(cmd: list, env: dict, timeout: float = 240) -> subprocess.CompletedProc
     return done
 
 
+def _sbatch(args: list, env: dict, timeout: float = 240) -> None:
+    """Submits a batch job and waits for its end, asking slurmctld every 0.2 s (``sbatch --wait`` asks
+    after 2, 4, 8, then every 10 s: a 3 s job took 10 s, 40 on a busy machine); fails unless it completed
+    with exit code 0."""
+    job = _run(["sbatch", "--parsable", *args], env).stdout.strip().split(";")[0]
+    deadline, fields = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True)
+        fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            break
+        time.sleep(0.2)
+    else:
+        subprocess.run(["scancel", job], env=env, capture_output=True)
+        pytest.fail(f"batch job {job} still {fields.get('JobState')} after {timeout} s")
+    assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), (job, fields)
+
+
 def _check_shards(got: dict, world: int, source, cache, **shard) -> None:
     assert sorted(got) == list(range(world)) and {g["world"] for g in got.values()} == {world}
     assert len({g["batches"] for g in got.values()}) == 1  # equal batch counts: DDP never hangs
@@ -89,8 +108,8 @@ def test_srun_tasks_each_read_their_share(slurm, source, tmp_path):
 
 def test_the_readmes_sbatch_example_with_node_sharding(slurm, source, tmp_path):
     out = tmp_path / "out"
-    _run(["sbatch", "--wait", "-o", str(tmp_path / "job.out"), "tests/slurm/train.sbatch", str(source),
-          str(tmp_path / "c"), str(out), "node"], slurm)
+    _sbatch(["-o", str(tmp_path / "job.out"), "tests/slurm/train.sbatch", str(source), str(tmp_path / "c"), str(out),
+             "node"], slurm)
     got = _results(out)
     assert {g["local"] for g in got.values()} == {2}  # --ntasks-per-node=2, from SLURM_STEP_TASKS_PER_NODE
     _check_shards(got, 2, source, tmp_path / "c", shard="node", local_world_size=2)
@@ -99,8 +118,8 @@ def test_the_readmes_sbatch_example_with_node_sharding(slurm, source, tmp_path):
 def test_a_batch_scripts_own_process_is_one_rank_and_says_so(slurm, source, tmp_path):
     out = tmp_path / "out"
     job = tmp_path / "job.out"
-    _run(["sbatch", "--wait", "-n", "2", "-o", str(job), "--wrap",
-          f"{sys.executable} tests/slurm/train.py {source} {tmp_path / 'c'} {out}"], slurm)
+    _sbatch(["-n", "2", "-o", str(job), "--wrap", f"{sys.executable} tests/slurm/train.py {source} {tmp_path / 'c'} {out}"],
+            slurm)
     got = _results(out)
     assert list(got) == [0] and got[0]["world"] == 1 and sorted(got[0]["ids"]) == list(range(sum(FILES)))
     assert "SLURM_NTASKS=2, but srun did not start this process" in job.read_text()
