@@ -157,11 +157,14 @@ def _preempt(source: Path, out: Path, at: int, every: int, checkpoint: str) -> P
 @pytest.fixture(scope="module")
 def preempted_mid_epoch(source, tmp_path_factory, lightning_job) -> tuple[Path, int]:
     """The job preempted a third into epoch 1, its checkpoint at that step: its folder and the step.
-    Each test resumes a copy of the folder (rows logs, checkpoint, cache)."""
+    Each test resumes a copy of the folder (rows logs, checkpoints, cache). The job also saved a
+    checkpoint at epoch 0's end, in ``checkpoints/epoch-ends``."""
     per_epoch = _per_epoch(lightning_job)
     at = per_epoch + per_epoch // 3
     out = tmp_path_factory.mktemp("preempted")
     _preempt(source, out, at, at, f"epoch=1-step={at}.ckpt")
+    ends = sorted(p.name for p in (out / "checkpoints" / "epoch-ends").glob("*.ckpt"))
+    assert ends == [f"epoch=0-step={per_epoch}.ckpt"], ends
     return out, at
 
 
@@ -171,22 +174,32 @@ def _copy_of(preempted: tuple[Path, int], tmp_path: Path) -> Path:
     return tmp_path / "checkpoints" / f"epoch=1-step={preempted[1]}.ckpt"
 
 
+def _copy_at_epoch_end(preempted: tuple[Path, int], tmp_path: Path) -> Path:
+    """A copy of the preempted job's folder as if the job had died as epoch 1 began, just after its
+    checkpoint at epoch 0's end (the rows it logged in epoch 1 dropped); returns that checkpoint."""
+    _copy_of(preempted, tmp_path)
+    for log in tmp_path.glob("rows.*.txt"):
+        log.write_text("".join(line for line in log.read_text().splitlines(keepends=True)
+                               if line.split(" ", 1)[0] != "1"))
+    (checkpoint,) = (tmp_path / "checkpoints" / "epoch-ends").glob("epoch=0-*.ckpt")
+    return checkpoint
+
+
 @pytest.mark.parametrize("where", ["mid-epoch", "at an epoch's end"])
-def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, request, where):
+def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_job, preempted_mid_epoch, where):
     """A job preempted in epoch 1 (every rank gone with ``os._exit`` as step ``at`` begins, the
-    last checkpoint at that step) and started again with ``ckpt_path``: each rank trains on exactly
-    the batches of the uninterrupted job, in the same order, no batch lost or repeated. Lightning
-    keeps the dataset's state in its checkpoint because the hook returns the dataset itself; from
-    a checkpoint at an epoch's end it does not restore it, and ``set_epoch(current_epoch)`` in
-    ``on_train_epoch_start`` (the README's recipe) starts the right epoch."""
+    last checkpoint at that step, or the one at epoch 0's end, as if it had died as epoch 1 began)
+    and started again with ``ckpt_path``: each rank trains on exactly the batches of the
+    uninterrupted job, in the same order, no batch lost or repeated. Lightning keeps the dataset's
+    state in its checkpoint because the hook returns the dataset itself; from a checkpoint at an
+    epoch's end it does not restore it, and ``set_epoch(current_epoch)`` in ``on_train_epoch_start``
+    (the README's recipe) starts the right epoch."""
     ref = _batches(lightning_job[0])
     per_epoch = _per_epoch(lightning_job)
-    if where == "mid-epoch":  # the module's preempted job (asked for here only: the other case runs its own)
-        preempted = request.getfixturevalue("preempted_mid_epoch")
-        every, checkpoint = preempted[1], _copy_of(preempted, tmp_path)
-    else:  # 0: Lightning's default checkpoint, at each epoch's end
-        every, checkpoint = 0, _preempt(source, tmp_path, per_epoch, 0, f"epoch=0-step={per_epoch}.ckpt")
-    base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every", str(every)]
+    copy = _copy_of if where == "mid-epoch" else _copy_at_epoch_end
+    checkpoint = copy(preempted_mid_epoch, tmp_path)
+    base = [sys.executable, *_script_args("lightning", source, tmp_path), "--checkpoint-every",
+            str(preempted_mid_epoch[1])]
     done = _launch([*base, "--resume", str(checkpoint)], tmp_path)  # the rows logged go on in the same files
     got = _batches(tmp_path)
     for e in range(EPOCHS):
@@ -195,6 +208,8 @@ def test_lightning_ddp_resumes_from_its_checkpoint(source, tmp_path, lightning_j
             assert all(np.array_equal(a, b) for a, b in zip(got[str(e)][r], ref[str(e)][r])), (
                 e, r, "the resumed job trained on other batches than the uninterrupted one")
     assert all(d["counts"][str(EPOCHS - 1)] == per_epoch for d in done)
+    if where != "mid-epoch":  # it went on from epoch 0's end: the whole of epoch 1 again
+        assert all(d["counts"]["1"] == per_epoch for d in done), [d["counts"] for d in done]
 
 
 @pytest.mark.parametrize("world", [3, 1])
