@@ -151,7 +151,7 @@ import pytest
 found = {}
 for name, args in json.loads(sys.argv[1]).items():
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args])
+        rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "--assert=plain", *args])
     assert rc == 0, (name, rc, out.getvalue()[-3000:])
     found[name] = [line for line in out.getvalue().splitlines() if "::" in line]
 print(json.dumps(found))
@@ -160,7 +160,8 @@ print(json.dumps(found))
 
 def _collected(parts: dict[str, list[str]]) -> dict[str, list[str]]:
     """The test ids each part's pytest arguments collect (``-n`` and ``-v`` left out), in one
-    process: the second collection reuses the first one's imports (torch's, the tests')."""
+    process: the second collection reuses the first one's imports (torch's, the tests'); without
+    assertion rewriting, most of a collection's time."""
     ids = {name: [a for k, a in enumerate(args) if a not in ("-n", "-v") and (k == 0 or args[k - 1] != "-n")]
            for name, args in parts.items()}
     r = subprocess.run([sys.executable, "-c", _COLLECT, json.dumps(ids)], cwd=BENCH.parent, capture_output=True,
