@@ -13,8 +13,8 @@ One script, three ways to run it, each as the README's recipe for that framework
   also kept by ``on_save_checkpoint`` and restored by ``on_load_checkpoint`` (before Lightning
   takes ``len``, which an elastic resume changes); a validation set (not shuffled) runs
   the sanity check and each epoch's validation. With ``--checkpoint-every K`` a
-  ``ModelCheckpoint`` saves every K steps (0: at each epoch's end) into ``<out>/checkpoints``, and for K > 0
-  another one at each epoch's end into ``<out>/checkpoints/epoch-ends``; with ``--die-at S``
+  ``ModelCheckpoint`` saves every K steps into ``<out>/checkpoints`` and another one at each epoch's end
+  (Lightning's default) into ``<out>/checkpoints/epoch-ends``; with ``--die-at S``
   each rank leaves with ``os._exit`` as step S begins (a preempted job: ``<out>/died.<rank>``
   says it did); with ``--resume CKPT`` the job goes on from that checkpoint;
 * ``accelerate``: run under ``python -m accelerate.commands.launch --multi_gpu
@@ -159,10 +159,9 @@ def run_lightning(args) -> None:
 
     module = Module()
     every = args.checkpoint_every
-    callbacks = [] if every is None else [ModelCheckpoint(  # 0: Lightning's default, at each epoch's end
-        dirpath=str(args.out / "checkpoints"), every_n_train_steps=every or None, save_top_k=-1)]
-    if every:  # and at each epoch's end: one preempted job gives both kinds
-        callbacks.append(ModelCheckpoint(dirpath=str(args.out / "checkpoints" / "epoch-ends"), save_top_k=-1))
+    callbacks = [] if every is None else [  # one preempted job gives both kinds of checkpoint
+        ModelCheckpoint(dirpath=str(args.out / "checkpoints"), every_n_train_steps=every, save_top_k=-1),
+        ModelCheckpoint(dirpath=str(args.out / "checkpoints" / "epoch-ends"), save_top_k=-1)]
     if every is None and args.resume is None:  # the uninterrupted job: SWA deep-copies the module, dataset and all
         from lightning.pytorch.callbacks import StochasticWeightAveraging
         callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1))

@@ -71,22 +71,27 @@ def _run(cmd: list, env: dict, timeout: float = 240) -> subprocess.CompletedProc
     return done
 
 
-def _sbatch(args: list, env: dict, timeout: float = 240) -> None:
-    """Submits a batch job and waits for its end, asking slurmctld every 0.2 s (``sbatch --wait`` asks
-    after 2, 4, 8, then every 10 s: a 3 s job took 10 s, 40 on a busy machine); fails unless it completed
-    with exit code 0."""
-    job = _run(["sbatch", "--parsable", *args], env).stdout.strip().split(";")[0]
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+          "PREEMPTED"}
+
+
+def _sbatch(args: list, env: dict, output: Path, timeout: float = 240) -> None:
+    """Submits a batch job writing to ``output`` and waits for its end, asking slurmctld every 0.2 s
+    (``sbatch --wait`` asks after 2, 4, 8, then every 10 s: a 3 s job took 10 s, 40 on a busy machine);
+    fails unless it completed with exit code 0."""
+    job = _run(["sbatch", "--parsable", "-o", str(output), *args], env).stdout.strip().split(";")[0]
     deadline, fields = time.monotonic() + timeout, {}
-    while time.monotonic() < deadline:
-        shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True)
-        fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
-        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
-            break
+    while fields.get("JobState") not in _ENDED:
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30)
+            pytest.fail(f"batch job {job} still {fields.get('JobState')} after {timeout} s")
         time.sleep(0.2)
-    else:
-        subprocess.run(["scancel", job], env=env, capture_output=True)
-        pytest.fail(f"batch job {job} still {fields.get('JobState')} after {timeout} s")
-    assert (fields.get("JobState"), fields.get("ExitCode")) == ("COMPLETED", "0:0"), (job, fields)
+        shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True,
+                               timeout=30)
+        assert shown.returncode == 0, (job, shown.stderr)
+        fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+    log = output.read_text()[-3000:] if output.exists() else "(no output)"
+    assert (fields["JobState"], fields.get("ExitCode")) == ("COMPLETED", "0:0"), (job, fields, log)
 
 
 def _check_shards(got: dict, world: int, source, cache, **shard) -> None:
@@ -108,8 +113,8 @@ def test_srun_tasks_each_read_their_share(slurm, source, tmp_path):
 
 def test_the_readmes_sbatch_example_with_node_sharding(slurm, source, tmp_path):
     out = tmp_path / "out"
-    _sbatch(["-o", str(tmp_path / "job.out"), "tests/slurm/train.sbatch", str(source), str(tmp_path / "c"), str(out),
-             "node"], slurm)
+    _sbatch(["tests/slurm/train.sbatch", str(source), str(tmp_path / "c"), str(out), "node"], slurm,
+            tmp_path / "job.out")
     got = _results(out)
     assert {g["local"] for g in got.values()} == {2}  # --ntasks-per-node=2, from SLURM_STEP_TASKS_PER_NODE
     _check_shards(got, 2, source, tmp_path / "c", shard="node", local_world_size=2)
@@ -118,8 +123,8 @@ def test_the_readmes_sbatch_example_with_node_sharding(slurm, source, tmp_path):
 def test_a_batch_scripts_own_process_is_one_rank_and_says_so(slurm, source, tmp_path):
     out = tmp_path / "out"
     job = tmp_path / "job.out"
-    _sbatch(["-n", "2", "-o", str(job), "--wrap", f"{sys.executable} tests/slurm/train.py {source} {tmp_path / 'c'} {out}"],
-            slurm)
+    _sbatch(["-n", "2", "--wrap", f"{sys.executable} tests/slurm/train.py {source} {tmp_path / 'c'} {out}"], slurm,
+            job)
     got = _results(out)
     assert list(got) == [0] and got[0]["world"] == 1 and sorted(got[0]["ids"]) == list(range(sum(FILES)))
     assert "SLURM_NTASKS=2, but srun did not start this process" in job.read_text()
