@@ -39,7 +39,7 @@ from .sources.levels import null_counts
 from .sources.listing import SourceFile
 
 __all__ = ["check_nulls", "check_casts", "check_partition_keys",
-           "stored_key_error", "old_arrow_error", "files_text", "column_names"]
+           "stored_key_error", "stats_agree", "old_arrow_error", "files_text", "column_names"]
 
 
 def files_text(where: list[str], shown: int = 3) -> str:
@@ -289,7 +289,7 @@ def stored_key_error(f: SourceFile, column: str, values, where: str) -> SourceEr
                        "move it to the right folder, or leave the column out of columns=")
 
 
-def _stats_agree(st, value, num_rows: int) -> bool:
+def stats_agree(st, value, num_rows: int) -> bool:
     """Whether a row group's statistics show every value of a column equal to ``value``
     (False: they cannot tell, or show otherwise; the values are then read)."""
     if st is None or not st.has_null_count:
@@ -319,7 +319,7 @@ def check_partition_keys(files: Sequence[SourceFile], specs: Sequence[OutputSpec
             if column not in needed:
                 continue
             leaves = list(f.leaves(column))
-            unknown = [g for g in range(f.metadata.num_row_groups) if not cached(i, g) and not _stats_agree(
+            unknown = [g for g in range(f.metadata.num_row_groups) if not cached(i, g) and not stats_agree(
                 f.metadata.row_group(g).column(leaves[0]).statistics, value, f.metadata.row_group(g).num_rows)]
             if not unknown or f.remote:
                 continue

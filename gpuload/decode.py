@@ -133,7 +133,7 @@ def kept_positions(f: SourceFile, chunk: Chunk, flt, columns: Sequence[str], fet
     except (OSError, pa.ArrowException) as e:
         raise SourceError(f"{chunk_where(f, chunk)}: the filter's columns cannot be read ({' '.join(str(e).split())})"
                           ) from None
-    return filter_table(table, f, flt, total)
+    return filter_table(table, f, flt, total, chunk_where(f, chunk))
 
 
 def _check_int96(micros: pa.Table, seconds: pa.Table, where: str) -> None:
@@ -227,7 +227,7 @@ class ArrowDecoder:
                 kept = None
                 if self.row_filter is not None:  # the rows it keeps, then only the outputs' columns
                     kept = filter_table(table.select([c for c in self.filter_columns if c in table.column_names]),
-                                        f, self.row_filter, table.num_rows)
+                                        f, self.row_filter, table.num_rows, where)
                     table = keep(table, kept).drop_columns(extra)
                 int96 = [c for c in stored if c in f.int96]
                 if int96:  # microseconds may not hold them all: seconds always do

@@ -98,13 +98,15 @@ class RowFilter:
                               f"({' '.join(str(e).split())}); give each condition a value its column's type "
                               f"holds (" + (", ".join(named) if named else f"the columns: {', '.join(schema.names)}")
                               + "), or an operator that takes it (a non-empty list for 'in')") from None
-        used = []
-        for name in schema.names:  # those whose absence breaks it
-            try:
-                pa.table({k: v for k, v in empty.items() if k != name}).filter(self.expr)
-            except (pa.ArrowException, TypeError, ValueError):
-                used.append(name)
-        return used
+        return [name for name in schema.names if self.reads(name, schema)]
+
+    def reads(self, name: str, schema: pa.Schema) -> bool:
+        """Whether the filter reads column ``name`` of ``schema`` (one it evaluates on): without it, it fails."""
+        try:
+            pa.table({f.name: pa.array([], f.type) for f in schema if f.name != name}).filter(self.expr)
+        except (pa.ArrowException, TypeError, ValueError):
+            return True
+        return False
 
 
 def _serialized(expr: pc.Expression) -> bytes:
@@ -129,9 +131,23 @@ def candidate_groups(f, flt: RowFilter) -> list[int]:
         part = part & (pc.field(name).is_null() if not value.is_valid else pc.field(name) == value)
     frag = pds.ParquetFileFormat().make_fragment(pa.BufferReader(sink.getvalue()), partition_expression=part)
     try:
-        return [p.row_groups[0].id for p in frag.split_by_row_group(flt.expr, schema=f.schema)]
+        groups = [p.row_groups[0].id for p in frag.split_by_row_group(flt.expr, schema=f.schema)]
     except (pa.ArrowException, TypeError, ValueError) as e:
         raise _unfit(f, flt, e) from None
+    return sorted(set(groups).union(_unproven_keys(f, flt)))
+
+
+def _unproven_keys(f, flt: RowFilter) -> list[int]:
+    """Row groups where a partition key the file also stores, and the filter reads, is not shown
+    by the statistics to hold the folder's value in every row: read, so that :func:`filter_table`
+    checks them (the statistics pruned them by the file's values, which may disagree)."""
+    from .checks import stats_agree
+
+    if not f.file_keys:  # the usual case
+        return []
+    md, keys = f.metadata, [(c, v) for c, v in f.file_keys if flt.reads(c, f.schema)]
+    return [g for g in range(md.num_row_groups) if keys and not all(
+        stats_agree(md.row_group(g).column(f.leaves(c)[0]).statistics, v, md.row_group(g).num_rows) for c, v in keys)]
 
 
 def _unfit(f, flt: RowFilter, e: Exception) -> SchemaError:
@@ -139,10 +155,19 @@ def _unfit(f, flt: RowFilter, e: Exception) -> SchemaError:
                        f"({' '.join(str(e).split())}); compare each column with values of its type")
 
 
-def filter_table(table: pa.Table, f, flt: RowFilter, rows: int) -> np.ndarray:
+def filter_table(table: pa.Table, f, flt: RowFilter, rows: int, where: str) -> np.ndarray:
     """Positions (int64, ascending) of the rows of ``table`` (``rows`` rows of the filter's
-    stored columns, maybe none of them) that ``flt`` keeps, Hive keys of ``f`` supplied."""
+    stored columns, maybe none of them) that ``flt`` keeps, Hive keys of ``f`` supplied.
+    A partition key the file also stores must hold its folder's value in every row (the
+    :class:`gpuload.SourceError` of :func:`gpuload.checks.stored_key_error` names ``where``)."""
+    from .checks import stored_key_error
+
     cols = {name: table.column(name) for name in table.column_names}
+    for name, _ in f.file_keys:
+        if name in cols:
+            err = stored_key_error(f, name, cols[name].combine_chunks(), where)
+            if err is not None:
+                raise err
     for name in f.partition_names:  # one value in every row
         value = f.partition_scalar(name)
         cols[name] = pa.repeat(value, rows) if value.is_valid else pa.nulls(rows, value.type)

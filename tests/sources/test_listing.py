@@ -241,6 +241,33 @@ def test_a_stored_key_that_disagrees_with_its_folder_is_refused_naming_file_and_
     assert sorted(_all(_ds(tmp_path / "h", tmp_path / "cache", ["x"]))["x"]) == sorted([*range(5)] * 2)  # key not loaded
 
 
+@pytest.mark.parametrize("stats", [True, False])
+@pytest.mark.parametrize("day", [1, 2, 3])
+def test_a_stored_key_that_disagrees_is_refused_where_only_a_filter_reads_it(tmp_path, stats, day):
+    """Filtered on and not loaded, the key is still the folder's: a file that stores another value is
+    refused, whichever rows the filter asks for (day=3: rows the folder says are not there; day=1:
+    rows the file's statistics rule out), not filtered by the file's values."""
+    write_parquet(tmp_path / "h" / "day=1" / "a.parquet", {"x": np.arange(5), "day": np.full(5, 1)},
+                  write_statistics=stats)
+    bad = write_parquet(tmp_path / "h" / "day=2" / "b.parquet", {"x": np.arange(5, 10), "day": [2, 2, 3, 2, 2]},
+                        write_statistics=stats)
+    with pytest.raises(gpuload.SourceError, match=rf"{bad}: column 'day' holds 1 of 5 values other than its "
+                                                  r"partition folder's \(day=2\)"):
+        _all(_ds(tmp_path / "h", tmp_path / "cache", ["x"], filters=[("day", "==", day)]))
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_a_stored_key_that_agrees_filters_as_its_folder_says(tmp_path, stats):
+    for day in (1, 2):
+        write_parquet(tmp_path / "h" / f"day={day}" / "a.parquet", {"x": np.arange(5) + 10 * day,
+                                                                    "day": np.full(5, day)}, write_statistics=stats)
+    for day in (1, 2):
+        got = _all(_ds(tmp_path / "h", tmp_path / "cache", ["x"], filters=[("day", "==", day)]))["x"]
+        assert sorted(got) == [*range(10 * day, 10 * day + 5)]
+    with pytest.raises(gpuload.SourceError, match="keeps no row of the 2 files"):
+        _ds(tmp_path / "h", tmp_path / "cache", ["x"], filters=[("day", "==", 3)])
+
+
 def test_a_stored_key_that_disagrees_is_refused_when_a_remote_chunk_is_decoded(tmp_path):
     pytest.importorskip("moto", reason="the S3 server needs moto")
     from gpuload.testing import S3Server
