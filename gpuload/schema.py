@@ -185,7 +185,9 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
             raise ConfigError(f"{setting('fill_nulls', {column: value})}: column {column!r} holds integers, and {value!r} is not one")
         info = np.iinfo(dtype)
         if not info.min <= int(value) <= info.max:
-            raise ConfigError(f"{setting('fill_nulls', {column: value})} does not fit column {column!r} ({dtype})")
+            raise ConfigError(f"{setting('fill_nulls', {column: value})} does not fit column {column!r} ({dtype}); "
+                              f"give a value it holds, or its output a type that holds both ({flag('dtypes')}), "
+                              "where the column is then filled")
         return int(value)
     if dtype.kind == "b":
         if value not in (0, 1):
@@ -194,6 +196,20 @@ def _check_fill(value: Any, dtype: np.dtype, column: str) -> Any:
     if np.isfinite(value) and abs(float(value)) > float(np.finfo(dtype).max):
         raise ConfigError(f"{setting('fill_nulls', {column: value})} does not fit column {column!r} ({dtype})")
     return float(value)
+
+
+def _fills_wider(value: Any, vt: ValueType, dtype: str, column: str) -> bool:
+    """Whether fill ``value``, which column ``column``'s own numeric type ``vt`` cannot hold, fits the
+    output's ``dtype`` (a ``dtypes=`` cast, or a stacked group's common type) that holds every value of
+    that type too: then the column is read in ``dtype`` and filled there (int8 nulls filled with 300 in
+    an int32 output, uint8's with -1 in an int16 one)."""
+    if value is None or isinstance(value, (bool, np.bool_)) or vt.temporal or vt.encode or dtype == BFLOAT16:
+        return False
+    if not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    src, out = np.dtype(vt.dtype), np.dtype(dtype)
+    return (src.kind in "iuf" and out.kind in "iuf" and src != out and np.can_cast(src, out, "safe")
+            and not _holds(value, src, column) and _holds(value, out, column))
 
 
 def _holds(value: Any, dtype: np.dtype, column: str) -> bool:
@@ -363,8 +379,10 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
                 vts = [ValueType("<i8", "unscaled:" + v.temporal[8:]) if v.temporal.startswith("decimal:") else v
                        for v in vts]
         fills = []
-        for c, vt in zip(cols, vts):
+        for j, (c, vt) in enumerate(zip(cols, vts)):
             fv = fill_nulls.get(c) if isinstance(fill_nulls, Mapping) else fill_nulls
+            if _fills_wider(fv, vt, dtype, c):  # read in the output's wider type, then filled (convert._scalar_values)
+                vt = vts[j] = ValueType(np.dtype(dtype).str, vt.temporal, vt.encode)
             if vt.encode and fv is not None:
                 if isinstance(fill_nulls, Mapping):
                     raise ConfigError(f"{setting('fill_nulls', {c: fv})}: column {c!r} becomes categorical ids, "

@@ -557,3 +557,26 @@ def test_big_endian_dtypes_give_native_tensors(tmp_path):
     ds = gpuload.ParquetDataset(p, ["x"], cache_dir=tmp_path / "c", device="cpu", dtypes={"x": ">i4"})
     (b,) = list(ds)
     assert b["x"].dtype == torch.int32 and sorted(b["x"].tolist()) == list(range(10))
+
+
+def test_fills_the_columns_own_types_cannot_hold_land_in_the_wider_outputs(tmp_path):
+    """int8 nulls as 300 in an int32 output, uint8's as -1 in an int16 one, float16's as 70000 in float32,
+    a list's null elements too, and a stacked group's members in its common type: pyarrow's values
+    cast to the output's type, then filled (a new-user trial was refused: the fill checked against int8)."""
+    t = pa.table({"i8": pa.array([1, None, -3, None], pa.int8()), "u8": pa.array([None, 255, 0, None], pa.uint8()),
+                  "f2": pa.array([None, 1.5, None, 2.0], pa.float16()),
+                  "l": pa.array([[1, None], None, [3], [None]], pa.list_(pa.int8()))})
+    p = _write(tmp_path / "x.parquet", t)
+    fills = {"i8": 300, "u8": -1, "f2": 70000.0, "l": 1000}
+    ds = gpuload.ParquetDataset(p, {"i8": "i8", "u8": "u8", "f2": "f2", "l": "l", "g": ["i8", "u8"]}, fill_nulls=fills,
+                                dtypes={"i8": "int32", "u8": "int16", "f2": "float32", "l": "int32"}, batch_size=4,
+                                shuffle=False, cache_dir=tmp_path / "c", device="cpu")
+    for epoch in (0, 1):  # decoded, then from the cache
+        ds.set_epoch(epoch)
+        (b,) = list(ds)
+        want = {c: pc.fill_null(t.column(c).cast(typ), fills[c]).to_numpy()
+                for c, typ in (("i8", pa.int32()), ("u8", pa.int16()), ("f2", pa.float32()))}
+        for c, dt in (("i8", torch.int32), ("u8", torch.int16), ("f2", torch.float32)):
+            assert b[c].dtype == dt and b[c].tolist() == want[c].tolist(), c
+        assert b["l"].values.tolist() == [1, 1000, 3, 1000] and b["l"].offsets.tolist() == [0, 2, 2, 3, 4]
+        assert b["g"].dtype == torch.int16 and b["g"].tolist() == [[1, -1], [300, 255], [-3, 0], [300, -1]]

@@ -15,7 +15,7 @@ Where cuDF's physical result does not match what the CPU path would produce (a
 dictionary column read as ``DICTIONARY32``, a temporal unit that differs from the
 Arrow schema's, float16, which libcudf has no type for, decimals, which libcudf reads as
 DECIMAL32/64/128 by precision, a file whose column is narrower than the type the source's
-files drift to: :func:`gpuload.drift.widened`), :class:`Unsupported` is
+files drift to (:func:`gpuload.drift.widened`) or than a fill value needs), :class:`Unsupported` is
 raised and the caller decodes that chunk on the CPU instead, so the bytes stay the same.
 """
 
