@@ -272,6 +272,8 @@ def stored_key_error(f: SourceFile, column: str, values, where: str) -> SourceEr
     value = dict(f.file_keys)[column]
     if pa.types.is_dictionary(values.type):
         values = values.cast(values.type.value_type)
+    if value is not None and (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)):
+        value = _folder_text(f, column, value)  # zip=01234 holds "01234", not the number the folder reads as
     if value is None:  # a null partition (__HIVE_DEFAULT_PARTITION__): every row null
         bad = len(values) - values.null_count
     else:
@@ -287,6 +289,17 @@ def stored_key_error(f: SourceFile, column: str, values, where: str) -> SourceEr
     return SourceError(f"{f.path}: column {column!r} holds {bad} of {len(values)} values other than its partition "
                        f"folder's ({column}={value}) in {where}; the file and the folder disagree: rewrite the file, "
                        "move it to the right folder, or leave the column out of columns=")
+
+
+def _folder_text(f: SourceFile, column: str, value) -> str:
+    """The text of partition folder ``column=...`` above ``f`` (URL-decoded), as a file storing the
+    key as a string holds it; ``str(value)`` where no such folder is named."""
+    from urllib.parse import unquote
+
+    for part in reversed((f.shown or f.path).split("/")[:-1]):
+        if part.startswith(column + "="):
+            return unquote(part[len(column) + 1:])
+    return str(value)
 
 
 def stats_agree(st, value, num_rows: int) -> bool:

@@ -102,7 +102,7 @@ def count_vocabulary(files: Sequence[SourceFile], column: str, vocab: Vocab, thr
     least ``vocab.min_count`` times, naming the ``min_count`` that would fit.
     """
     jobs = [(f, i, g) for i, f in enumerate(files)
-            for g in (range(f.metadata.num_row_groups) if flt is None else candidate_groups(f, flt))]
+            for g in (range(f.metadata.num_row_groups) if flt is None else candidate_groups(f, flt, filter_columns))]
     if threads > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="gpuload-count") as pool:
             parts = [p for ps in pool.map(lambda j: _count_group(*j, column, fetch, flt, filter_columns), jobs)
@@ -194,8 +194,12 @@ def vocabulary_for(files: Sequence[SourceFile], column: str, vocab: Vocab, root:
 
 
 def _identity(f: SourceFile) -> tuple:
-    """What names a source file's counts in the cache: path, size, mtime and store version."""
-    return (f.path, f.size, f.mtime_ns, f.tag)
+    """What names a source file's counts in the cache: path, size, mtime and store version, and the
+    Hive keys it also stores with their folders' values (a filter reading one checks it: the same
+    file given alone, where the column is only the file's, or counted before that check, is counted
+    apart)."""
+    keys = [[k, None if v is None else str(v)] for k, v in f.file_keys]
+    return (f.path, f.size, f.mtime_ns, f.tag) + ((keys,) if keys else ())
 
 
 def _kept_in(f: SourceFile, index: int, group: int, flt: RowFilter, columns: list[str], fetch: Callable | None) -> int:
@@ -216,7 +220,7 @@ def kept_groups(files: Sequence[SourceFile], flt: RowFilter, columns: list[str],
         out.append(got if got is not None else [0] * f.metadata.num_row_groups)
         if got is None:
             todo.add(i)
-    jobs = [(f, i, g) for i, f in enumerate(files) if i in todo for g in candidate_groups(f, flt)]
+    jobs = [(f, i, g) for i, f in enumerate(files) if i in todo for g in candidate_groups(f, flt, columns)]
     if threads > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="gpuload-count") as pool:
             counts = list(pool.map(lambda j: _kept_in(*j, flt, columns, fetch), jobs))

@@ -88,6 +88,9 @@ class ChunkReader:
             self._marks["transform"] = {"key": t.key, "inputs": spec_hash(spec_description(self.specs))}
         if flt is not None:
             self._marks["filter"] = flt.key
+            checked = sorted({k for f in self.files for k, _ in f.file_keys} & set(self.filter_columns))
+            if checked:  # Hive keys the files store, which must hold their folders' values: not the file's alone
+                self._marks["filter_keys"] = checked
         self._store_as(opts.stored_layout)
         warn_settings(opts)
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]

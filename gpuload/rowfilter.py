@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import pickle
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -98,15 +99,13 @@ class RowFilter:
                               f"({' '.join(str(e).split())}); give each condition a value its column's type "
                               f"holds (" + (", ".join(named) if named else f"the columns: {', '.join(schema.names)}")
                               + "), or an operator that takes it (a non-empty list for 'in')") from None
-        return [name for name in schema.names if self.reads(name, schema)]
-
-    def reads(self, name: str, schema: pa.Schema) -> bool:
-        """Whether the filter reads column ``name`` of ``schema`` (one it evaluates on): without it, it fails."""
-        try:
-            pa.table({f.name: pa.array([], f.type) for f in schema if f.name != name}).filter(self.expr)
-        except (pa.ArrowException, TypeError, ValueError):
-            return True
-        return False
+        used = []
+        for name in schema.names:  # those whose absence breaks it
+            try:
+                pa.table({k: v for k, v in empty.items() if k != name}).filter(self.expr)
+            except (pa.ArrowException, TypeError, ValueError):
+                used.append(name)
+        return used
 
 
 def _serialized(expr: pc.Expression) -> bytes:
@@ -118,9 +117,10 @@ def _serialized(expr: pc.Expression) -> bytes:
     return pickle.dumps(expr, protocol=4)
 
 
-def candidate_groups(f, flt: RowFilter) -> list[int]:
+def candidate_groups(f, flt: RowFilter, columns: Sequence[str]) -> list[int]:
     """Row groups of ``f`` (a :class:`gpuload.sources.listing.SourceFile`) whose statistics and
-    Hive keys do not rule the filter out (no read: the footer ``f`` holds is used)."""
+    Hive keys do not rule the filter out (no read: the footer ``f`` holds is used); ``columns``:
+    the filter's (:meth:`RowFilter.columns`)."""
     import pyarrow.dataset as pds  # here, not at import: it loads pandas too (0.1-0.2 s), for filters only
 
     sink = pa.BufferOutputStream()
@@ -134,18 +134,16 @@ def candidate_groups(f, flt: RowFilter) -> list[int]:
         groups = [p.row_groups[0].id for p in frag.split_by_row_group(flt.expr, schema=f.schema)]
     except (pa.ArrowException, TypeError, ValueError) as e:
         raise _unfit(f, flt, e) from None
-    return sorted(set(groups).union(_unproven_keys(f, flt)))
+    return sorted(set(groups).union(_unproven_keys(f, columns)))
 
 
-def _unproven_keys(f, flt: RowFilter) -> list[int]:
+def _unproven_keys(f, columns: Sequence[str]) -> list[int]:
     """Row groups where a partition key the file also stores, and the filter reads, is not shown
     by the statistics to hold the folder's value in every row: read, so that :func:`filter_table`
     checks them (the statistics pruned them by the file's values, which may disagree)."""
     from .checks import stats_agree
 
-    if not f.file_keys:  # the usual case
-        return []
-    md, keys = f.metadata, [(c, v) for c, v in f.file_keys if flt.reads(c, f.schema)]
+    md, keys = f.metadata, [(c, v) for c, v in f.file_keys if c in columns]
     return [g for g in range(md.num_row_groups) if keys and not all(
         stats_agree(md.row_group(g).column(f.leaves(c)[0]).statistics, v, md.row_group(g).num_rows) for c, v in keys)]
 

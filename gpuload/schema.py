@@ -209,6 +209,7 @@ def _fills_wider(value: Any, vt: ValueType, dtype: str, column: str) -> bool:
         return False
     src, out = np.dtype(vt.dtype), np.dtype(dtype)
     return (src.kind in "iuf" and out.kind in "iuf" and src != out and np.can_cast(src, out, "safe")
+            and not _may_round(out.str, [vt])  # every value exact there (int64 in float64 is not)
             and not _holds(value, src, column) and _holds(value, out, column))
 
 
@@ -381,7 +382,8 @@ def resolve_outputs(schema: pa.Schema, columns=None, fill_nulls=None, dtypes=Non
         fills = []
         for j, (c, vt) in enumerate(zip(cols, vts)):
             fv = fill_nulls.get(c) if isinstance(fill_nulls, Mapping) else fill_nulls
-            if _fills_wider(fv, vt, dtype, c):  # read in the output's wider type, then filled (convert._scalar_values)
+            if isinstance(fill_nulls, Mapping) and _fills_wider(fv, vt, dtype, c):  # read in the output's type,
+                # then filled (convert._scalar_values); one number for every column fills those it fits, as before
                 vt = vts[j] = ValueType(np.dtype(dtype).str, vt.temporal, vt.encode)
             if vt.encode and fv is not None:
                 if isinstance(fill_nulls, Mapping):

@@ -139,26 +139,33 @@ def test_good_fill_values_are_normalised(column, fill, want):
 @pytest.mark.parametrize("columns, fill, dtypes, want", [
     (["u"], {"u": -1}, {"u": "int16"}, "<i2"),  # uint8's nulls as -1: read as int16, then filled
     (["u"], {"u": 300}, {"u": "float32"}, "<f4"),
-    (["i"], 2**40, {"i": "int64"}, "<i8"),  # one number for every column
+    (["i"], {"i": 2**40}, {"i": "int64"}, "<i8"),
     (["i"], {"i": 0.5}, {"i": "float64"}, "<f8"),  # int32 read as float64 (exact), then 0.5 where null
     ({"g": ["u", "i"]}, {"u": -1}, None, "<i4"),  # a stacked group's common type holds it: no dtypes= needed
 ])
 def test_a_fill_the_column_cannot_hold_fills_it_in_a_wider_output_type(columns, fill, dtypes, want):
     (spec,) = resolve(columns, fill_nulls=fill, dtypes=dtypes)
-    member = spec.columns.index(next(iter(fill)) if isinstance(fill, dict) else spec.columns[0])
+    member = spec.columns.index(next(iter(fill)))
     assert spec.dtype == want and spec.sources[member].dtype == want  # the column's values read in the output's type
-    assert spec.fills[member] == (next(iter(fill.values())) if isinstance(fill, dict) else fill)
+    assert spec.fills[member] == next(iter(fill.values()))
 
 
 @pytest.mark.parametrize("columns, fill, dtypes", [
     (["u"], {"u": -1}, {"u": "uint16"}),  # uint16 holds no -1 either
     (["u"], {"u": 70000}, {"u": "int16"}),
     (["f"], {"f": 1e300}, {"f": "float16"}),  # a narrower output: the fill must fit the column first
+    (["r"], {"r": float("nan")}, {"r": "float64"}),  # int64 is not exact in float64 (a review's catch)
     (["i"], {"i": 0.5}, {"i": "int64"}),  # not an integer, for integer types
 ])
 def test_a_fill_no_output_type_holds_is_still_refused(columns, fill, dtypes):
     with pytest.raises(gpuload.ConfigError, match=f"'{columns[0]}'"):
         resolve(columns, fill_nulls=fill, dtypes=dtypes)
+
+
+def test_one_fill_for_every_column_still_fills_only_the_columns_it_fits():
+    """fill_nulls=nan leaves integer columns without one, whatever their outputs (the README says so)."""
+    i, f = resolve(["i", "f"], fill_nulls=float("nan"), dtypes={"i": "float64"})
+    assert i.fills == (None,) and i.sources[0].dtype == "<i4" and np.isnan(f.fills[0])
 
 
 def test_fill_is_per_member_of_a_group():

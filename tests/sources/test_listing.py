@@ -256,6 +256,23 @@ def test_a_stored_key_that_disagrees_is_refused_where_only_a_filter_reads_it(tmp
         _all(_ds(tmp_path / "h", tmp_path / "cache", ["x"], filters=[("day", "==", day)]))
 
 
+def test_counts_and_chunks_of_the_file_alone_are_not_those_of_its_folder(tmp_path):
+    """The same file given alone (its column is only the file's) and under its Hive folder (it must
+    hold the folder's value): a review found the first's kept counts and chunks served to the second,
+    unchecked. Keys stored as text compare as the folder's text (zip=01234 holds "01234")."""
+    a = write_parquet(tmp_path / "h" / "day=1" / "a.parquet", {"x": np.arange(5), "day": np.full(5, 1)})
+    b = write_parquet(tmp_path / "h" / "day=2" / "b.parquet", {"x": np.arange(5, 10), "day": [2, 2, 3, 2, 2]})
+    alone = _ds([a, b], tmp_path / "cache", ["x"], filters=[("day", "==", 1)])
+    assert sorted(_all(alone)["x"]) == [*range(5)]  # the files' values: no folder to hold
+    with pytest.raises(gpuload.SourceError, match=rf"{b}: column 'day' holds 1 of 5 values other than"):
+        _all(_ds(tmp_path / "h", tmp_path / "cache", ["x"], filters=[("day", "==", 1)]))
+    for i, zip_code in enumerate(["01234", "01234", "98765"]):
+        write_parquet(tmp_path / "z" / f"zip={zip_code}" / f"{i}.parquet", {"x": [i], "zip": [zip_code]})
+    for columns in (["x"], ["x", "zip"]):
+        got = _all(_ds(tmp_path / "z", tmp_path / "cache", columns, filters=[("zip", "==", "01234")]))["x"]
+        assert sorted(got) == [0, 1]
+
+
 @pytest.mark.parametrize("stats", [True, False])
 def test_a_stored_key_that_agrees_filters_as_its_folder_says(tmp_path, stats):
     for day in (1, 2):
