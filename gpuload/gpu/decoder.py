@@ -14,9 +14,13 @@ import os
 import threading
 from typing import Callable, Sequence
 
+import numpy as np
+import pyarrow as pa
+
 from ..batch import nbytes, nrows, take
 from ..convert import needed_columns
 from ..decode import ArrowDecoder, check_unchanged, chunk_where, kept_positions
+from ..dtypes import numpy_dtype
 from ..errors import SourceError
 from ..plan import Chunk
 from ..schema import OutputSpec
@@ -123,7 +127,8 @@ class GpuDecoder:
 def check_gpu_columns(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
     """libcudf selects nested fields by dotted path, and Hive keys are not in the file: decode
     such chunks on the CPU, where columns are selected by leaf index; so too chunks whose
-    conversion is the CPU's alone (vocabulary lookups, decimals)."""
+    conversion is the CPU's alone (vocabulary lookups, decimals, a column the file stores in a
+    narrower type than it is read in)."""
     from .cudf_decode import Unsupported
 
     for s in specs:  # known before reading: no chunk decoded by libcudf, then again by pyarrow
@@ -134,6 +139,9 @@ def check_gpu_columns(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
                 raise Unsupported(f"column {c!r} is a decimal, converted on the CPU")
             if vt.temporal.startswith(("int:", "int96:")):
                 raise Unsupported(f"column {c!r} is in several units across the files, converted on the CPU")
+            if _narrower(f, c, vt):  # cuDF would read it in the file's type (cudf_decode refuses that, but decoded)
+                raise Unsupported(f"column {c!r} is narrower in this file than the {vt.dtype} it is read in (the files' "
+                                  "types differ, or a fill value needs the wider type): widened on the CPU")
     for c in needed_columns(specs):
         if "." in c:
             raise Unsupported(f"column {c!r} has a dot in its name, which libcudf reads as a nested path")
@@ -145,6 +153,18 @@ def check_gpu_columns(f: SourceFile, specs: Sequence[OutputSpec]) -> None:
             raise Unsupported(f"column {c!r} holds INT96 timestamps, read in microseconds and range-checked on the CPU")
         if f.remote and c in dict(f.file_keys):  # a local file's stored key was checked at open
             raise Unsupported(f"column {c!r} is a partition key stored in the file, checked on the CPU")
+
+
+def _narrower(f: SourceFile, column: str, vt) -> bool:
+    """Whether file ``f`` stores ``column``'s numbers (a list's values) in another type than ``vt.dtype``,
+    which the CPU path casts them to first (:func:`gpuload.drift.widened`, a wider ``fill_nulls`` value)."""
+    if vt.temporal or vt.encode or column in f.partition_names or column in f.absent or column not in f.schema.names:
+        return False
+    t = f.schema.field(column).type
+    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or \
+            pa.types.is_dictionary(t):
+        t = t.value_type
+    return (pa.types.is_integer(t) or pa.types.is_floating(t)) and numpy_dtype(t) != np.dtype(vt.dtype)
 
 
 def chunk_image(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable, metrics=None):
