@@ -245,7 +245,8 @@ class ArrowDecoder:
         for c in needed:
             if c in f.partition_names:  # a Hive partition key (or a column the file lacks: nulls), in every row
                 table = table.append_column(c, pa.repeat(f.partition_scalar(c), chunk.rows))
-            elif c in dict(f.file_keys):  # a key the file stores too: it must hold the folder's value
+            elif c in dict(f.file_keys) and not (self.row_filter is not None and c in self.filter_columns):
+                # a key the file stores too: it must hold the folder's value (filter_table checked the filter's)
                 err = stored_key_error(f, c, table.column(c).combine_chunks(), where)
                 if err is not None:
                     raise err

@@ -144,7 +144,9 @@ def _unproven_keys(f, columns: Sequence[str]) -> list[int]:
     from .checks import stats_agree
 
     md, keys = f.metadata, [(c, v) for c, v in f.file_keys if c in columns]
-    return [g for g in range(md.num_row_groups) if keys and not all(
+    if not keys:  # the usual case
+        return []
+    return [g for g in range(md.num_row_groups) if not all(
         stats_agree(md.row_group(g).column(f.leaves(c)[0]).statistics, v, md.row_group(g).num_rows) for c, v in keys)]
 
 

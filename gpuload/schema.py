@@ -203,9 +203,7 @@ def _fills_wider(value: Any, vt: ValueType, dtype: str, column: str) -> bool:
     output's ``dtype`` (a ``dtypes=`` cast, or a stacked group's common type) that holds every value of
     that type too: then the column is read in ``dtype`` and filled there (int8 nulls filled with 300 in
     an int32 output, uint8's with -1 in an int16 one)."""
-    if value is None or isinstance(value, (bool, np.bool_)) or vt.temporal or vt.encode or dtype == BFLOAT16:
-        return False
-    if not isinstance(value, (int, float, np.integer, np.floating)):
+    if vt.temporal or vt.encode or dtype == BFLOAT16:  # (None, bools and non-numbers: _holds says no)
         return False
     src, out = np.dtype(vt.dtype), np.dtype(dtype)
     return (src.kind in "iuf" and out.kind in "iuf" and src != out and np.can_cast(src, out, "safe")

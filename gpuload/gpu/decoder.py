@@ -14,16 +14,12 @@ import os
 import threading
 from typing import Callable, Sequence
 
-import numpy as np
-import pyarrow as pa
-
 from ..batch import nbytes, nrows, take
 from ..convert import needed_columns
 from ..decode import ArrowDecoder, check_unchanged, chunk_where, kept_positions
-from ..dtypes import numpy_dtype
 from ..errors import SourceError
 from ..plan import Chunk
-from ..schema import OutputSpec
+from ..schema import OutputSpec, list_value, value_type
 from ..sources.listing import SourceFile
 from ..sources.ranges import coalesce, image_ranges
 
@@ -161,10 +157,8 @@ def _narrower(f: SourceFile, column: str, vt) -> bool:
     if vt.temporal or vt.encode or column in f.partition_names or column in f.absent or column not in f.schema.names:
         return False
     t = f.schema.field(column).type
-    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or \
-            pa.types.is_dictionary(t):
-        t = t.value_type
-    return (pa.types.is_integer(t) or pa.types.is_floating(t)) and numpy_dtype(t) != np.dtype(vt.dtype)
+    own = value_type(list_value(t) or t)
+    return own is not None and not own.temporal and own.dtype != vt.dtype
 
 
 def chunk_image(f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], fetch: Callable, metrics=None):
