@@ -37,7 +37,8 @@
   ``pytest -m "not slow"`` is the run a developer repeats every few minutes, and each process
   pays an interpreter's start and torch's import. :class:`ProcessGuard`;
 * ``ARROW_READS_NULL_FIXED_LISTS``: whether this pyarrow reads fixed-size lists with null rows;
-  child processes get this checkout on ``PYTHONPATH``;
+  child processes get this checkout on ``PYTHONPATH``, and ``tests/site`` (its ``sitecustomize`` freezes a
+  process's objects as it exits: the collector's last passes over torch's cost about 1 s of CPU a process);
 * every test's default cache folder (``$GPULOAD_CACHE_DIR``) is a folder of its own under its
   ``tmp_path``, and Dask's scratch space is under pytest's temporary root: no test writes to
   ``~/.cache/gpuload``, the working directory or fixed names in ``/tmp``.
@@ -71,9 +72,11 @@ ARROW_READS_NULL_FIXED_LISTS = int(pa.__version__.split(".")[0]) >= 26
 
 # The processes tests start (torchrun, the CLI, pytester sessions...) import gpuload from this
 # checkout, installed or not (a GPU node runs the suite from a copy of the repository).
+# tests/site's sitecustomize skips the collector's passes as each of them exits (about 1 s of CPU a process).
 ROOT = str(Path(__file__).resolve().parent.parent)
-os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([ROOT, *filter(None, os.environ.get("PYTHONPATH", "")
-                                                                                 .split(os.pathsep))]))
+SITE = str(Path(__file__).resolve().parent / "site")
+os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([ROOT, SITE, *filter(None, os.environ.get("PYTHONPATH", "")
+                                                                                       .split(os.pathsep))]))
 
 # Caches keep 10% of their disk free by default (gpuload.cache.space); a test machine's disk may
 # be fuller than that, and the tests that assert what is cached must not depend on it: no reserve

@@ -257,10 +257,12 @@ def test_process_guard_sees_every_way_to_start_one(as_process_item, monkeypatch)
 def test_spawn_kills_what_it_started_and_its_children():
     import psutil
 
-    proc = spawn(python("import subprocess, sys, time\n"
+    proc = spawn(python("import subprocess, sys, time, sitecustomize\n"
                         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-                        "print(child.pid, flush=True)\ntime.sleep(600)"))
-    child = psutil.Process(int(proc.stdout.readline()))
+                        "print(child.pid, sitecustomize.__file__, flush=True)\ntime.sleep(600)"))
+    pid, site = proc.stdout.readline().split()
+    assert Path(site).parent == Path(__file__).parent / "site"  # a process the tests start skips the exit's GC
+    child = psutil.Process(int(pid))
     assert proc.poll() is None and child.is_running()
     _reap()  # what the fixture does when the test ends
     assert proc.returncode is not None and proc.stdout.closed
