@@ -31,7 +31,9 @@
   NumPy array; ``wait_until(condition, timeout)``: polls until ``condition()`` holds, or fails;
   ``run_with_timeout(fn, timeout)``: ``fn()`` on a thread, failing the test if it hangs;
 * ``spawn(cmd)``: starts a process that is killed, with every process it started, when the test
-  ends (if it still runs); ``kill_tree(proc)``;
+  ends (if it still runs); ``kill_tree(proc)``; ``spawn_warm(code, *args)``: the same for
+  ``python -c code`` (or a script), forked from a fork server that imported torch, pyarrow and
+  gpuload once (:class:`Warm`: 3 s of CPU less a process; not for a process whose start is tested);
 * the process guard: a test that starts a process (subprocess, multiprocessing, fork, a Dask
   cluster of processes, Spark, a notebook kernel...) must be marked ``slow``, or it fails:
   ``pytest -m "not slow"`` is the run a developer repeats every few minutes, and each process
@@ -457,10 +459,10 @@ def stand_in(guard, request):
     guard.item, guard.violations = request.node, []
 
 
-_SPAWNED: list[subprocess.Popen] = []  # what spawn() started during the running test
+_SPAWNED: list = []  # what spawn() and spawn_warm() started during the running test (Popen, Warm)
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: "subprocess.Popen | Warm") -> None:
     """SIGKILL ``proc``, its process group where it leads one, and every process it started
     (also those that left its group); wait until ``proc`` is gone."""
     import psutil
@@ -503,6 +505,103 @@ def spawn(cmd, **kwargs) -> subprocess.Popen:
 def python(code: str, *args) -> list[str]:
     """The command that runs ``code`` in a fresh interpreter of this one, with ``args``."""
     return [sys.executable, "-c", code, *map(str, args)]
+
+
+# What a warm process runs in the fork server's child: ``python -c code *args`` as a fresh interpreter would
+# (a session of its own, its output in files, the test's environment and folder, ``atexit`` at the end)
+_WARM_MAIN = """
+import atexit, os, sys, threading
+os.setsid()
+for fd, path in ((0, os.devnull), (1, spec["out"]), (2, spec["err"])):
+    f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(f, fd)
+    os.close(f)
+os.chdir(spec["cwd"])
+os.environ.clear()
+os.environ.update(spec["env"])
+script = spec["script"]
+sys.argv = [script or "-c", *spec["args"]]
+if script:
+    sys.path.insert(0, os.path.dirname(script))
+atexit._clear()  # the fork server's own handlers are not this process's
+try:
+    exec(compile(spec["code"], script or "<string>", "exec"),
+         {"__name__": "__main__", "__builtins__": __builtins__, **({"__file__": script} if script else {})})
+finally:
+    threading._shutdown()
+    atexit._run_exitfuncs()
+"""
+
+WARM_PRELOAD = ("numpy", "pyarrow.parquet", "torch", "gpuload.dataset", "gpuload.cache.store")
+
+
+class Warm:
+    """``python -c code *args`` (or ``python script *args``, ``code`` a :class:`Path`) forked from a warm
+    interpreter: multiprocessing's fork server, which
+    imported :data:`WARM_PRELOAD` once per test worker, so the process starts in milliseconds instead
+    of paying torch's import (about 3 s of CPU here). A real process (SIGKILL ends it where it is),
+    in a session of its own, with the test's environment (``env`` replaces it) and working folder,
+    ``sys.argv``, ``atexit`` at the end and, for an uncaught exception, a traceback on stderr and
+    exit status 1. stdout and stderr go to files that :meth:`communicate` returns as text. The
+    methods of ``subprocess.Popen`` that the tests and :func:`kill_tree` use: ``pid``, ``returncode``,
+    ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``, ``terminate``. Started with
+    :func:`spawn_warm`. For a process whose start itself is under test (imports, the CLI, peak
+    memory), use :func:`spawn`."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, code: "str | Path", *args, env: dict | None = None):
+        import multiprocessing
+        import tempfile
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(WARM_PRELOAD))
+        self._files = Path(tempfile.mkdtemp(prefix="warm-"))
+        script = str(Path(code).resolve()) if isinstance(code, Path) else None
+        spec = {"code": Path(script).read_text() if script else code, "script": script,
+                "args": [str(a) for a in args], "env": dict(os.environ if env is None else env),
+                "cwd": os.getcwd(), "out": str(self._files / "out"), "err": str(self._files / "err")}
+        self.args = [script] if script else ["-c", code]
+        self.args += spec["args"]
+        self._proc = ctx.Process(target=exec, args=(_WARM_MAIN, {"spec": spec}), daemon=False)
+        self._proc.start()
+        self.pid = self._proc.pid
+        self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return tuple((self._files / name).read_text(errors="replace") if (self._files / name).exists() else ""
+                     for name in ("out", "err"))
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def spawn_warm(code: "str | Path", *args, env: dict | None = None) -> Warm:
+    """:class:`Warm` ``(code, *args)``, killed with every process it started when the test ends (if it
+    still runs), as :func:`spawn` does. A test that spawns is marked ``slow`` (the process guard)."""
+    proc = Warm(code, *args, env=env)
+    _SPAWNED.append(proc)
+    return proc
 
 
 def _reap() -> None:

@@ -1,4 +1,5 @@
-"""The shared test set-up itself: which GPU tests skip or fail the session, and the device guard.
+"""The shared test set-up itself: which GPU tests skip or fail the session, the device guard, the
+process guard and the processes tests start (``spawn``, ``spawn_warm``).
 
 Both are inert on a machine without a GPU (the GPU tests skip, ``"auto"`` resolves to the
 CPU), so a GPU node is simulated here: a status that reports every piece usable, and a
@@ -7,6 +8,8 @@ CPU), so a GPU node is simulated here: a status that reports every piece usable,
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 import types
 from pathlib import Path
@@ -19,7 +22,7 @@ import gpuload
 from gpuload.gpu import runtime
 
 from conftest import (GUARD, PROCESSES, RAPIDS, DeviceGuard, ProcessGuard, _reap, open_dataset, python, stand_in,
-                      required_pieces, row_ids, skip_reasons, spawn, wait_until, write_parquet)
+                      required_pieces, row_ids, skip_reasons, spawn, spawn_warm, wait_until, write_parquet)
 
 OK = {"driver": None, "cupy": None, "kvikio": None, "cudf": None, "rmm": None}
 
@@ -267,6 +270,39 @@ def test_spawn_kills_what_it_started_and_its_children():
     _reap()  # what the fixture does when the test ends
     assert proc.returncode is not None and proc.stdout.closed
     child.wait(timeout=30)  # gone (it was a grandchild: reaped by init)
+
+
+@pytest.mark.slow  # spawn_warm() starts processes (and, once per worker, the fork server)
+def test_a_warm_process_runs_its_code_as_python_c_would(tmp_path, monkeypatch):
+    import signal
+
+    monkeypatch.setenv("WARM_TEST", "from the test")
+    monkeypatch.chdir(tmp_path)
+    code = ("import atexit, os, sys\n"
+            "atexit.register(lambda: print('atexit ran', flush=True))\n"
+            "print(sys.argv[1:], os.environ['WARM_TEST'], os.getcwd(), os.getpgid(0) == os.getpid(), flush=True)\n"
+            "print('to stderr', file=sys.stderr)\n"
+            "sys.exit(int(sys.argv[2]))")
+    proc = spawn_warm(code, "one", 3)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and err == "to stderr\n"
+    assert out == f"['one', '3'] from the test {tmp_path} True\natexit ran\n"
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nprint(__file__, sys.argv, sys.path[0], __name__, sep='|')")
+    out, _ = spawn_warm(script, "x").communicate(timeout=60)
+    assert out.split("|") == [str(script), str([str(script), "x"]), str(tmp_path), "__main__\n"]
+    failing = spawn_warm("raise ValueError('bad input')", env={"PATH": os.environ["PATH"]})
+    out, err = failing.communicate(timeout=60)
+    assert failing.returncode == 1 and "Traceback" in err and "ValueError: bad input" in err
+    sleeper = spawn_warm("import time; time.sleep(600)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeper.wait(0.1)
+    assert sleeper.poll() is None
+    sleeper.send_signal(signal.SIGKILL)
+    assert sleeper.wait(30) == -signal.SIGKILL
+    left = spawn_warm("import time; time.sleep(600)")
+    _reap()  # what the fixture does when the test ends
+    assert left.returncode == -signal.SIGKILL
 
 
 def test_row_ids_of_batches_and_of_nothing():

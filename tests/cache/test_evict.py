@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from gpuload.cache import evict, space
 from gpuload.cache.fs import CHUNK, CacheRoot, Lock
 from gpuload.tools.cli import main
 
-from conftest import open_dataset, write_parquet
+from conftest import open_dataset, spawn_warm, write_parquet
 
 
 N = 50_000  # rows per file and chunk: 400 KB, so a chunk file's header is a small part of it
@@ -254,8 +255,7 @@ def test_readers_racing_under_a_small_budget_with_sigkills_stay_exact_and_within
     out = tmp_path / "racers.log"
     env = {**os.environ, "GPULOAD_CACHE_RESERVE": "0"}
     rng = np.random.default_rng(0)
-    start = lambda i: subprocess.Popen([sys.executable, script, str(c), str(out), str(i), *args], env=env,
-                                       stderr=subprocess.DEVNULL)
+    start = lambda i: spawn_warm(Path(script), c, out, i, *args, env=env)  # forked: no 3 s import each
     racers = [start(i) for i in range(3)]
     kills, over, spawned, seen, evicted = 0, [], 3, set(), set()
 

@@ -27,7 +27,7 @@ import gpuload
 from gpuload.batch import Ragged
 from gpuload.cache.chunkfile import read_chunk, write_chunk
 
-from conftest import dataset_factory, python, spawn
+from conftest import dataset_factory, spawn_warm
 from clicklog import CHILD_TIMEOUT, COLUMNS, Reference, check_epoch, clicklog, key_for, sample_cols, wait_for
 
 CHUNK_BYTES = 64 << 10
@@ -74,7 +74,7 @@ def _cache_bytes(cache) -> int:
 
 
 def _spawn(script, *args):
-    return spawn(python(script, *args))
+    return spawn_warm(script, *args)
 
 
 @pytest.fixture(scope="module")
