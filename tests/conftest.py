@@ -510,7 +510,7 @@ def python(code: str, *args) -> list[str]:
 # What a warm process runs in the fork server's child: ``python -c code *args`` as a fresh interpreter would
 # (a session of its own, its output in files, the test's environment and folder, ``atexit`` at the end)
 _WARM_MAIN = """
-import atexit, os, sys, threading
+import atexit, os, sys, threading, types
 os.setsid()
 for fd, path in ((0, os.devnull), (1, spec["out"]), (2, spec["err"])):
     f = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -523,12 +523,13 @@ script = spec["script"]
 sys.argv = [script or "-c", *spec["args"]]
 if script:
     sys.path.insert(0, os.path.dirname(script))
-atexit._clear()  # the fork server's own handlers are not this process's
+main = types.ModuleType("__main__")  # what the code defines is __main__'s, as in python -c (pickles by name)
+main.__dict__.update(__builtins__=__builtins__, **({"__file__": script} if script else {}))
+sys.modules["__main__"] = main
 try:
-    exec(compile(spec["code"], script or "<string>", "exec"),
-         {"__name__": "__main__", "__builtins__": __builtins__, **({"__file__": script} if script else {})})
-finally:
-    threading._shutdown()
+    exec(compile(spec["code"], script or "<string>", "exec"), main.__dict__)
+finally:  # what an interpreter does as it ends (the fork server's handlers are those its imports registered,
+    threading._shutdown()  # as a fresh interpreter's would be)
     atexit._run_exitfuncs()
 """
 
@@ -545,17 +546,27 @@ class Warm:
     exit status 1. stdout and stderr go to files that :meth:`communicate` returns as text. The
     methods of ``subprocess.Popen`` that the tests and :func:`kill_tree` use: ``pid``, ``returncode``,
     ``poll``, ``wait``, ``communicate``, ``send_signal``, ``kill``, ``terminate``. Started with
-    :func:`spawn_warm`. For a process whose start itself is under test (imports, the CLI, peak
-    memory), use :func:`spawn`."""
+    :func:`spawn_warm`. Unlike a fresh interpreter: ``sys.path`` is the test worker's (``PYTHON*``
+    variables read at start-up are not read again), the fork server's seeded state (hash seed, NumPy's
+    and torch's global generators) is every child's, multiprocessing starts its processes with the
+    fork server, a Ctrl-C exits with status 1, and the interpreter's own shut-down is left out (the
+    ``atexit`` handlers run, then the process ends). For a process whose start or end is under test
+    (imports, the CLI, peak memory, a GPU context torn down), use :func:`spawn`."""
 
     stdin = stdout = stderr = None
 
     def __init__(self, code: "str | Path", *args, env: dict | None = None):
-        import multiprocessing
+        import multiprocessing.util
         import tempfile
 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(WARM_PRELOAD))
+        if len(tempfile.gettempdir()) > 40 and os.path.isdir("/tmp"):
+            # the fork server's socket is made in multiprocessing's temporary folder, kept for the worker's
+            # life: under pytest's temporary root (conftest sets it as tempfile's) its path could pass the
+            # 107 characters a Unix socket's may have
+            with _tempdir("/tmp"):
+                multiprocessing.util.get_temp_dir()
         self._files = Path(tempfile.mkdtemp(prefix="warm-"))
         script = str(Path(code).resolve()) if isinstance(code, Path) else None
         spec = {"code": Path(script).read_text() if script else code, "script": script,
@@ -594,6 +605,17 @@ class Warm:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _tempdir(path: str):
+    import tempfile
+
+    before, tempfile.tempdir = tempfile.tempdir, path
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
 
 
 def spawn_warm(code: "str | Path", *args, env: dict | None = None) -> Warm:

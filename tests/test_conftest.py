@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import types
 from pathlib import Path
@@ -272,6 +273,18 @@ def test_spawn_kills_what_it_started_and_its_children():
     child.wait(timeout=30)  # gone (it was a grandchild: reaped by init)
 
 
+@pytest.mark.slow  # starts a process
+def test_the_tests_sitecustomize_twice_on_the_path_runs_once(tmp_path):
+    site = Path(__file__).parent / "site"
+    (tmp_path / "twin").symlink_to(site)
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "sitecustomize.py").write_text((site / "sitecustomize.py").read_text())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(tmp_path / "twin"), str(tmp_path / "copy")])}
+    r = subprocess.run([sys.executable, "-c", "import atexit, sys; print(sys._gpuload_tests_site, atexit._ncallbacks())"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "True 1\n", "")
+
+
 @pytest.mark.slow  # spawn_warm() starts processes (and, once per worker, the fork server)
 def test_a_warm_process_runs_its_code_as_python_c_would(tmp_path, monkeypatch):
     import signal
@@ -291,6 +304,13 @@ def test_a_warm_process_runs_its_code_as_python_c_would(tmp_path, monkeypatch):
     script.write_text("import sys\nprint(__file__, sys.argv, sys.path[0], __name__, sep='|')")
     out, _ = spawn_warm(script, "x").communicate(timeout=60)
     assert out.split("|") == [str(script), str([str(script), "x"]), str(tmp_path), "__main__\n"]
+    code = ("import pickle, sys, tempfile\n"
+            "class Kept: pass\n"
+            "sys.kept = tempfile.TemporaryDirectory(dir=sys.argv[1])  # removed at exit by weakref.finalize\n"
+            "print(type(pickle.loads(pickle.dumps(Kept()))).__module__, flush=True)")
+    (tmp_path / "kept").mkdir()
+    out, err = spawn_warm(code, tmp_path / "kept").communicate(timeout=60)
+    assert out == "__main__\n" and not err and not list((tmp_path / "kept").iterdir())
     failing = spawn_warm("raise ValueError('bad input')", env={"PATH": os.environ["PATH"]})
     out, err = failing.communicate(timeout=60)
     assert failing.returncode == 1 and "Traceback" in err and "ValueError: bad input" in err

@@ -27,7 +27,7 @@ import gpuload
 from gpuload.batch import Ragged
 from gpuload.cache.chunkfile import read_chunk, write_chunk
 
-from conftest import dataset_factory, spawn_warm
+from conftest import dataset_factory, python, spawn, spawn_warm
 from clicklog import CHILD_TIMEOUT, COLUMNS, Reference, check_epoch, clicklog, key_for, sample_cols, wait_for
 
 CHUNK_BYTES = 64 << 10
@@ -73,8 +73,10 @@ def _cache_bytes(cache) -> int:
     return sum(p.stat().st_size for p in _entries(cache))
 
 
-def _spawn(script, *args):
-    return spawn_warm(script, *args)
+def _spawn(script, *args, fresh: bool = False):
+    """``python -c script *args``, forked with torch imported (conftest's ``spawn_warm``), or ``fresh``:
+    a new interpreter, started and ended as a user's (a GPU context made and torn down in it)."""
+    return spawn(python(script, *args)) if fresh else spawn_warm(script, *args)
 
 
 @pytest.fixture(scope="module")
@@ -687,7 +689,7 @@ def test_concurrent_processes_build_each_chunk_once(tmp_path, device):
     cache = tmp_path / "cache"
     go = tmp_path / "go"
     outs = [tmp_path / f"child{i}" for i in range(4)]
-    procs = [_spawn(CONCURRENT_READER, data, cache, out, go, json.dumps(COLUMNS), i, device)
+    procs = [_spawn(CONCURRENT_READER, data, cache, out, go, json.dumps(COLUMNS), i, device, fresh=device == "cuda")
              for i, out in enumerate(outs)]
     try:
         for out, p in zip(outs, procs):

@@ -16,11 +16,12 @@ import importlib.util
 import os
 import sys
 
-atexit.register(gc.freeze)
-
-_here = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _here])
-if _spec is not None and _spec.loader is not None:
-    _next = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_next)
+if not getattr(sys, "_gpuload_tests_site", False):  # once, though a copy of this folder be on the path too
+    sys._gpuload_tests_site = True
+    atexit.register(gc.freeze)
+    _here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "sitecustomize", [p for p in sys.path if os.path.realpath(p or os.curdir) != _here])
+    if _spec is not None and _spec.loader is not None:
+        _next = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(_next)
