@@ -17,6 +17,7 @@ import gpuload
 from gpuload.cache import space
 from gpuload.cache.drives import Drives
 from gpuload.cache.fs import CacheRoot
+from gpuload.cache.paths import split_dirs
 from gpuload.tools.cli import main
 
 from conftest import open_dataset, write_parquet
@@ -150,6 +151,10 @@ def test_folders_come_from_the_environment_and_the_command(source, folders, monk
     monkeypatch.setenv("GPULOAD_CACHE_DIR", f"{folders[0]}{os.pathsep}relative/b")  # a name cut in two: refused
     with pytest.raises(gpuload.ConfigError, match="'relative/b' is not an absolute path"):
         open_dataset(source, ["x"], batch_size=5000)
+    for text in (f"{folders[0]}{os.pathsep}", f"{os.pathsep}{folders[0]}"):  # an empty entry ("$X:/nvme/gl")
+        monkeypatch.setenv("GPULOAD_CACHE_DIR", text)
+        assert open_dataset(source, ["x"], batch_size=5000).options.cache_dir == folders[0]
+        assert split_dirs(text, "--cache-dir") == str(folders[0])
     colon = open_dataset(source, ["x"], str(folders[0]) + os.pathsep + "42", batch_size=5000)
     assert colon.options.cache_dir == Path(str(folders[0]) + os.pathsep + "42")  # in Python a string is one folder
 
