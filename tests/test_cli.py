@@ -567,6 +567,25 @@ def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tm
     assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]
 
 
+def test_a_trace_that_would_overwrite_data_is_refused_and_nothing_is_touched(data, tmp_path, capsys):
+    """``--trace`` naming a file of the source (a typo of a user's trial truncated the Parquet file
+    being profiled, then failed saying the source had changed), a new file inside the source's
+    folder, or a Parquet file elsewhere: refused in one line, every file as it was."""
+    part = sorted(data.glob("*.parquet"))[0]
+    elsewhere = tmp_path / "other.parquet"
+    shutil.copy(part, elsewhere)
+    before = {p: p.read_bytes() for p in (part, elsewhere)}
+    for trace, said in ((part, "that is a file of the source"), (data / "t.json", "that is a file of the source"),
+                        (data, "that is a folder"), (elsewhere, "that is a Parquet file")):
+        capsys.readouterr()
+        rc = main(["profile", str(data), "--trace", str(trace), "--epochs", "1", "--cache-dir", str(tmp_path / "c")])
+        out, err = capsys.readouterr()
+        assert rc != 0 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert "--trace" in err and said in err, err
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (data / "t.json").exists() and not (tmp_path / "c").exists()
+
+
 def test_a_column_left_out_for_not_being_in_every_file_is_said_in_the_errors_one_line(tmp_path, capsys):
     """Without --columns, a column some files lack is left out; a --fill-nulls naming it then fails,
     and its one line says why the column is not loaded (was a warning naming columns= and
