@@ -47,6 +47,10 @@ def _fill(text: str | None):
     try:
         return json.loads(text)
     except json.JSONDecodeError:
+        pass
+    try:  # a number as Python writes it, too: nan, inf, -inf (JSON has only NaN, Infinity)
+        return float(text)
+    except ValueError:
         raise ConfigError(f"--fill-nulls {text!r}: give a number or a JSON object like '{{\"col\": 0}}'") from None
 
 
