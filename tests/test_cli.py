@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from gpuload.cache.chunkfile import read_chunk
 from gpuload.cache.chunkfile import LAYOUT_DIR
-from gpuload.tools.cli import main
+from gpuload.tools.cli import _writable_file, main
 from gpuload.synth import write_clicklog
+
+from conftest import run_with_timeout
 
 
 @pytest.fixture
@@ -567,23 +571,39 @@ def test_errors_name_the_flags_typed_never_python_arguments(args, flag, data, tm
     assert not any(name in lines[0] for name in PYTHON_NAMES), lines[0]
 
 
-def test_a_trace_that_would_overwrite_data_is_refused_and_nothing_is_touched(data, tmp_path, capsys):
+def test_a_trace_that_would_overwrite_data_is_refused_and_nothing_is_touched(data, tmp_path, capsys, monkeypatch):
     """``--trace`` naming a file of the source (a typo of a user's trial truncated the Parquet file
-    being profiled, then failed saying the source had changed), a new file inside the source's
-    folder, or a Parquet file elsewhere: refused in one line, every file as it was."""
+    being profiled, then failed saying the source had changed), also as ``file://`` and as the name
+    a torchrun rank writes, a new ``.parquet`` name in the source's folder, or a Parquet file elsewhere:
+    refused in one line, every file as it was. A FIFO is not read (the check would wait on it)."""
     part = sorted(data.glob("*.parquet"))[0]
     elsewhere = tmp_path / "other.parquet"
     shutil.copy(part, elsewhere)
-    before = {p: p.read_bytes() for p in (part, elsewhere)}
-    for trace, said in ((part, "that is a file of the source"), (data / "t.json", "that is a file of the source"),
-                        (data, "that is a folder"), (elsewhere, "that is a Parquet file")):
+    shutil.copy(part, tmp_path / "t.rank1.parquet")  # the file rank 1 of 2 writes for --trace t.parquet
+    before = {p: p.read_bytes() for p in (part, elsewhere, tmp_path / "t.rank1.parquet")}
+    cases = ((str(part), [str(data)], "that is a file of the source"),
+             (str(part), [f"file://{part}"], "that is the source"),
+             (str(data / "new.parquet"), [str(data)], "would be read as data"),
+             (str(data), [str(data)], "that is a folder"), (str(elsewhere), [str(data)], "that is a Parquet file"),
+             (str(tmp_path / "t.parquet"), [str(data)], "t.rank1.parquet: that is a Parquet file"))
+    for trace, sources, said in cases:
+        if "rank1" in said:
+            monkeypatch.setenv("WORLD_SIZE", "2")
+            monkeypatch.setenv("RANK", "1")
         capsys.readouterr()
-        rc = main(["profile", str(data), "--trace", str(trace), "--epochs", "1", "--cache-dir", str(tmp_path / "c")])
+        rc = main(["profile", *sources, "--trace", trace, "--epochs", "1", "--cache-dir", str(tmp_path / "c")])
         out, err = capsys.readouterr()
         assert rc != 0 and out == "" and len(err.strip().splitlines()) == 1, err
         assert "--trace" in err and said in err, err
     assert {p: p.read_bytes() for p in before} == before
-    assert not (data / "t.json").exists() and not (tmp_path / "c").exists()
+    assert not (data / "new.parquet").exists() and not (tmp_path / "c").exists()
+    monkeypatch.delenv("WORLD_SIZE")
+    os.mkfifo(tmp_path / "fifo")  # a reader on it (gzip < fifo): the check opens it for appending, never reads it
+    reader = threading.Thread(target=lambda: open(tmp_path / "fifo", "rb").read(), daemon=True)
+    reader.start()
+    run_with_timeout(lambda: _writable_file("--trace", tmp_path / "fifo", [str(data)]), timeout=20)
+    reader.join(20)
+    _writable_file("--trace", data / "t.json", [str(data)])  # a trace beside the data: not a file it lists
 
 
 def test_a_column_left_out_for_not_being_in_every_file_is_said_in_the_errors_one_line(tmp_path, capsys):

@@ -49,11 +49,14 @@ def split_dirs(text: str, where: str) -> str | list[str]:
     """A folder list in one string (``$GPULOAD_CACHE_DIR``, ``--cache-dir``: ``where``) split at
     ``os.pathsep``; one folder stays a string. Several must be absolute paths, so a folder
     whose name holds the separator is refused rather than cut in two (a ``ConfigError``). Empty
-    entries are left out, as in ``$PATH``: ``"$X:/nvme/gl"`` with ``$X`` empty is ``/nvme/gl``, not a
-    folder named ``:/nvme/gl`` under the working directory."""
+    entries are left out (``"$X:/nvme/gl"`` with ``$X`` empty is ``/nvme/gl``, not a folder named
+    ``:/nvme/gl`` under the working directory); a text of no folder is refused."""
     parts = [p for p in text.split(os.pathsep) if p.strip()]
-    if len(parts) <= 1:
-        return parts[0] if parts else text
+    if not parts:
+        raise ConfigError(f"{where}={text!r} names no folder; give a cache folder (several: absolute paths separated "
+                          f"by {os.pathsep!r})")
+    if len(parts) == 1:
+        return parts[0]
     relative = [p for p in parts if not os.path.isabs(os.path.expanduser(p))]
     if relative:
         raise ConfigError(f"{where}={text!r}: {relative[0]!r} is not an absolute path; give several cache folders "

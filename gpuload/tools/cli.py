@@ -88,17 +88,25 @@ def _writable_folder(flag: str, path: Path) -> None:
 def _writable_file(flag: str, path: Path, sources=()) -> None:
     """Refuse, naming ``flag``, a file the command could not write at its end (its results would
     be lost): opened for appending now (nothing of it is changed), and removed again if it was new;
-    and one that writing would destroy data with: a Parquet file, or a file of (or in a folder of)
-    the local ``sources``."""
+    and one whose writing would destroy or add data: a file of the local ``sources``, a new
+    ``.parquet`` name in one of their folders (the next listing would read it), an existing Parquet file."""
+    from ..sources.remote import is_url
+
     target = os.path.realpath(path)
-    for source in sources:
-        root = os.path.realpath(source) if "://" not in str(source) else None
-        if root is not None and (target == root or target.startswith(root.rstrip(os.sep) + os.sep)):
-            raise ConfigError(f"{flag} {path}: that is {'a file of ' if target != root else ''}the source {source}; "
-                              "write it outside the source")
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        if f.read(4) == b"PAR1":
-            raise ConfigError(f"{flag} {path}: that is a Parquet file; give another name")
+    for source in map(str, sources):
+        if is_url(source):
+            continue
+        root = os.path.realpath(source.removeprefix("file://"))
+        if target == root:
+            raise ConfigError(f"{flag} {path}: that is the source {source}; write it outside the source")
+        if target.startswith(root.rstrip(os.sep) + os.sep) and path.name.endswith(".parquet"):
+            raise ConfigError(f"{flag} {path}: " + (f"that is a file of the source {source}; write it outside the source"
+                                                    if path.exists() else f"a new .parquet file in the source folder "
+                                                    f"{source} would be read as data; give another name"))
+    if os.path.isfile(path):  # (a FIFO or a device is never read here)
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            if f.read(4) == b"PAR1":
+                raise ConfigError(f"{flag} {path}: that is a Parquet file; give another name")
     new = not path.exists()
     try:
         with open(path, "ab"):
@@ -143,7 +151,9 @@ def cmd_profile(args) -> int:
         raise ConfigError(f"--trace {args.trace}: " + ("that is a folder; give a file name" if Path(args.trace).is_dir()
                                                        else f"its folder {Path(args.trace).parent} does not exist"))
     if args.trace:  # (under torchrun each rank writes its own file beside it: rank_path)
-        _writable_file("--trace", Path(args.trace), args.source)
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        _writable_file("--trace", Path(args.trace if world <= 1 else rank_path(args.trace, int(os.environ.get(
+            "RANK", "0") or 0))), args.source)
     finite("--step-ms", args.step_ms)
     if args.step_ms is not None and args.step_ms > 60_000:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")

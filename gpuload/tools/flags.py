@@ -48,7 +48,11 @@ def _fill(text: str | None):
         return json.loads(text)
     except json.JSONDecodeError:
         pass
-    try:  # a number as Python writes it, too: nan, inf, -inf (JSON has only NaN, Infinity)
+    try:  # a number as Python writes it, too: nan, inf, -inf (JSON has only NaN, Infinity); 1_000 an int
+        return int(text)
+    except ValueError:
+        pass
+    try:
         return float(text)
     except ValueError:
         raise ConfigError(f"--fill-nulls {text!r}: give a number or a JSON object like '{{\"col\": 0}}'") from None

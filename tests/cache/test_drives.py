@@ -155,6 +155,10 @@ def test_folders_come_from_the_environment_and_the_command(source, folders, monk
         monkeypatch.setenv("GPULOAD_CACHE_DIR", text)
         assert open_dataset(source, ["x"], batch_size=5000).options.cache_dir == folders[0]
         assert split_dirs(text, "--cache-dir") == str(folders[0])
+    for text in (os.pathsep, os.pathsep * 2):  # "$X:$Y", both empty: no folder named ':' under the working directory
+        monkeypatch.setenv("GPULOAD_CACHE_DIR", text)
+        with pytest.raises(gpuload.ConfigError, match=r"\$GPULOAD_CACHE_DIR=.* names no folder"):
+            open_dataset(source, ["x"], batch_size=5000)
     colon = open_dataset(source, ["x"], str(folders[0]) + os.pathsep + "42", batch_size=5000)
     assert colon.options.cache_dir == Path(str(folders[0]) + os.pathsep + "42")  # in Python a string is one folder
 
