@@ -127,12 +127,17 @@ def rank_path(path: str, rank: int) -> str:
     return str(p.with_name(f"{stem}.rank{rank}{dot}{ext}"))
 
 
+def _launched_rank() -> int | None:
+    """This process's ``RANK`` under a launcher that set ``WORLD_SIZE`` > 1 (torchrun); None for one process."""
+    from ..ranks import _env_int
+
+    return None if (_env_int("WORLD_SIZE", 1) or 1) <= 1 else _env_int("RANK", 0) or 0
+
+
 def _process_group():
     """Under a launcher that set ``WORLD_SIZE`` > 1 (torchrun): a gloo process group for the
     profile's gathers ("made", or "there" when one exists already); None for one process."""
-    import os
-
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+    if _launched_rank() is None:
         return None
     import torch.distributed as dist
 
@@ -151,9 +156,8 @@ def cmd_profile(args) -> int:
         raise ConfigError(f"--trace {args.trace}: " + ("that is a folder; give a file name" if Path(args.trace).is_dir()
                                                        else f"its folder {Path(args.trace).parent} does not exist"))
     if args.trace:  # (under torchrun each rank writes its own file beside it: rank_path)
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        _writable_file("--trace", Path(args.trace if world <= 1 else rank_path(args.trace, int(os.environ.get(
-            "RANK", "0") or 0))), args.source)
+        rank = _launched_rank()  # the name this rank will write
+        _writable_file("--trace", Path(args.trace if rank is None else rank_path(args.trace, rank)), args.source)
     finite("--step-ms", args.step_ms)
     if args.step_ms is not None and args.step_ms > 60_000:
         raise ConfigError(f"--step-ms {args.step_ms}: a simulated step of over a minute is not a training step")
