@@ -206,7 +206,8 @@ class ChunkCache:
             log.debug("gpuload: %s is not cached yet", self.path(key))
             return None, None, True
         except CorruptCacheError as e:
-            log.warning("gpuload: %s; rebuilding it from its source", e)
+            log.warning("gpuload: %s; rebuilding it from its source", str(e))  # not e: a record kept (a log
+            # handler's, pytest's) would keep its traceback, and with it this cache and its writer threads
         except OSError as e:  # no permission, a link or FIFO at its name, too many open files...
             return None, e, False
         return None, None, False
