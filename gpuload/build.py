@@ -207,7 +207,7 @@ def _build(reader: ChunkReader, src: Source, opts: Options, progress, client, no
         raise _unwritable(where, failed, counts, n, lambda i: reader.cache.path(reader.key(i)) if shared
                           else f"chunk {i} on a worker")
     return CacheSummary(
-        cache_dir=reader.cache.where if shared else where, files=len({c.file for c in reader.chunks}),
+        cache_dir=reader.cache.where if shared else where, files=len({p.file for c in reader.chunks for p in c.pieces}),
         rows=reader.num_rows, chunks=n,
         not_cached=n - counts["built"] - counts["already_cached"] - counts["built_elsewhere"],
         cached_bytes=sum(sizes), seconds=time.perf_counter() - t0, outputs=tuple(s.name for s in reader.outputs),

@@ -275,8 +275,7 @@ def _kept_dying(reader, i: int, detail: str) -> CacheError:
 
 
 def _where(reader, i: int) -> str:
-    c = reader.chunks[i]
-    return f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1})"
+    return f"chunk {i} ({reader.where(i)})"
 
 
 NODE_GRACE_S = 60.0  #: seconds a node's chunks may wait with no worker allowed to build them

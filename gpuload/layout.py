@@ -37,12 +37,12 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .batch import _empty, _join, _xp
+from .batch import Ragged, _empty, _join, _xp, concat
 from .errors import ConfigError, setting
 from .dtypes import storage_dtype
 from .schema import SCALAR, OutputSpec
 
-__all__ = ["LAYOUTS", "Layout", "Pieces", "joined", "stack", "block_members", "stored_outputs", "is_block",
+__all__ = ["LAYOUTS", "Layout", "Pieces", "joined", "merge_pieces", "stack", "block_members", "stored_outputs", "is_block",
            "spec_description"]
 
 LAYOUTS = ("rows", "columns")
@@ -163,6 +163,28 @@ class Pieces:
 def joined(v, alloc=None):
     """``v`` as one array: :class:`Pieces` joined (into ``alloc(shape, dtype)``), anything else as it is."""
     return v.join(alloc) if isinstance(v, Pieces) else v
+
+
+def merge_pieces(parts: Sequence[dict], alloc=None) -> dict:
+    """One column set of a pack's, one per file (:func:`gpuload.plan.pack_small`), their rows one after
+    another: :class:`Pieces` put one after another (the layout still copies each once), other arrays joined
+    (host ones into ``alloc(shape, dtype)`` when given). A part on the host beside parts on a GPU (a file
+    the GPU decoder left to the CPU) is sent to the GPU. A single part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for k in parts[0]:
+        got = [p[k] for p in parts]
+        if all(isinstance(v, Pieces) for v in got):
+            out[k] = Pieces([a for v in got for a in v.parts])
+            continue
+        got = [joined(v) for v in got]
+        xp = next((m for m in (_xp(v.values if isinstance(v, Ragged) else v) for v in got) if m is not np), np)
+        if xp is not np:
+            got = [Ragged(xp.asarray(v.values), xp.asarray(v.offsets)) if isinstance(v, Ragged) else xp.asarray(v)
+                   for v in got]
+        out[k] = concat([{k: v} for v in got], alloc)[k]
+    return out
 
 
 _TILE = 1 << 14  # rows per tile when interleaving columns on the CPU: the tile stays in cache

@@ -7,7 +7,11 @@ the cache state, the device, thread counts or prefetch depth.
 How an epoch is laid out
 ------------------------
 1. The dataset is cut into *chunks*: runs of consecutive row groups of one file, of at
-   most ``chunk_bytes`` converted bytes (a larger row group is a chunk of its own).
+   most ``chunk_bytes`` converted bytes (a larger row group is a chunk of its own). Small
+   files, each a chunk of less than a quarter of ``chunk_bytes`` and of the dataset's
+   64th part, are *packed*, several consecutive ones into one chunk
+   (:func:`gpuload.packs.pack_small`): each chunk costs a cache file, its writes and checks,
+   whatever its rows.
 2. With ``shuffle=True`` (and ``"block"`` and ``"chunks"``) the chunk order is a permutation
    drawn from ``(fingerprint, seed, epoch)``; it is the same on every rank.
 3. The rows of the chunks, in that order, form one stream of ``N`` rows. Rank ``r``
@@ -64,13 +68,22 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Chunk:
-    """A run of row groups ``[rg_start, rg_stop)`` of file number ``file``."""
+    """A run of row groups ``[rg_start, rg_stop)`` of file number ``file``; or a *pack*: the
+    chunks ``parts`` (each a whole small file's, of consecutive files), one after another,
+    whose ``rows`` and ``nbytes`` it sums (``file``, ``rg_start`` and ``rg_stop`` are then its
+    first part's: iterate :attr:`pieces` for what a chunk reads; :mod:`gpuload.packs`)."""
 
     file: int
     rg_start: int
     rg_stop: int
     rows: int
     nbytes: int  # estimated converted bytes
+    parts: tuple = ()  # a pack's chunks, one per file, in file order; () for a chunk of one file
+
+    @property
+    def pieces(self) -> tuple["Chunk", ...]:
+        """The runs of row groups of one file each that the chunk's rows are, in order."""
+        return self.parts or (self,)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Callable
 
 
 from .batch import RUN_ROWS, permute_rows
-from .cache.paths import ChunkKey, source_folder
+from .cache.paths import ChunkKey
 from .cache.space import warn_short_room
 from .cache.chunkfile import header_bound, spec_hash
 from .checks import check_casts, check_nulls, check_partition_keys, files_text
@@ -36,7 +36,8 @@ from .sources.settings import RemoteStats
 from .sources.readahead import ReadAhead
 from .observe.stats import LoadCounters
 from .memory import HostBudget, HostPool, cache_io_modes, device_bound, file_bytes, host_budget, reads_limited
-from .layout import Layout, joined, spec_description, stored_outputs
+from .layout import Layout, joined, merge_pieces, spec_description, stored_outputs
+from .packs import members, pack_name, pack_small
 from .plan import Chunk, chunk_row_permutation, make_chunks
 from .schema import OutputSpec, requested_columns, resolve_outputs
 from .transforms import apply_transform, transform_outputs
@@ -96,7 +97,9 @@ class ChunkReader:
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
         if flt is not None:  # chunks hold the kept rows only
             sizes = self._filtered(sizes, flt)
-        self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
+        # small files packed several to a chunk, its ends placed by each file's own name (plan.pack_small)
+        self.chunks: list[Chunk] = pack_small(make_chunks(sizes, opts.chunk_bytes),
+                                              [pack_name(f) for f in self.files], opts.chunk_bytes)
         if not self.chunks and flt is not None:
             raise SourceError(f"{flag('filters')} {flt.text} keeps no row of the {len(self.files)} files "
                               f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")
@@ -118,7 +121,8 @@ class ChunkReader:
         self._make_pools()
         # chunk files written and read around the page cache or through it (``cache_io``)
         header = header_bound(self.spec_desc, self.arrays_per_chunk, max((f.path for f in self.files), key=len))
-        files = [file_bytes(c.nbytes, self.arrays_per_chunk, header) for c in self.chunks]  # each chunk's cache file
+        files = [file_bytes(c.nbytes, self.arrays_per_chunk, header + self._members_bytes(c))  # each chunk's cache file
+                 for c in self.chunks]
         modes = cache_io_modes(opts.cache_io, min(sum(files), opts.max_cache_bytes or sum(files)),
                                host=device.on_host)
         self.cache.direct_writes, self.cache.direct_reads = modes.writes, modes.reads
@@ -133,7 +137,7 @@ class ChunkReader:
                                                              buffer=self.source_pool.get),
                                      metrics)
         #: this dataset's chunk groups: kept from eviction while it is open (:mod:`gpuload.cache.evict`)
-        self.groups = {(source_folder(f.path), self.spec_hash) for f in self.files}
+        self.groups = {(self.key(i).folder, self.spec_hash) for i in range(len(self.chunks))}
         self.cached_at_open = {i for i in range(len(self.chunks)) if self.is_cached(i)}
         if offline:  # opened without the store: only if the epochs will not need it (checked again once registered)
             check_offline(offline, len(self.chunks) - len(self.cached_at_open), len(self.chunks))
@@ -219,8 +223,8 @@ class ChunkReader:
     def _check_data(self) -> None:
         """The checks that may read column data (nulls the footers cannot rule out, partition keys
         stored in files), skipping the row groups of chunks cached already."""
-        cached = {(self.chunks[i].file, g) for i in self.cached_at_open
-                  for g in range(self.chunks[i].rg_start, self.chunks[i].rg_stop)}
+        cached = {(p.file, g) for i in self.cached_at_open for p in self.chunks[i].pieces
+                  for g in range(p.rg_start, p.rg_stop)}
         check_nulls(self.files, self.specs, cached=lambda f, g: (f, g) in cached, threads=self.opts.num_threads)
         check_partition_keys(self.files, self.specs, cached=lambda f, g: (f, g) in cached)
 
@@ -252,7 +256,17 @@ class ChunkReader:
         c = self.chunks[i]
         f = self.files[c.file]
         return ChunkKey(f.path, f.size, f.mtime_ns, self.spec_hash, c.rg_start, c.rg_stop, c.rows, self._outputs,
-                        self.spec_desc, f.tag, f.footer_version)
+                        self.spec_desc, f.tag, f.footer_version, members(self.files, c))
+
+    def _members_bytes(self, c: Chunk) -> int:
+        """What a pack's cache file header holds beyond a chunk of one file's: its files' names and versions."""
+        return sum(len(self.files[p.file].path.encode()) + 128 for p in c.parts)
+
+    def where(self, i: int) -> str:
+        """Chunk ``i`` in messages: its file and row groups, or a pack's first file and how many follow."""
+        c = self.chunks[i]
+        text = f"{self.files[c.file].path} (row groups {c.rg_start}-{c.rg_stop - 1})"
+        return text if not c.parts else f"{text} and the {len(c.parts) - 1} small files packed with it"
 
     def max_chunk_bytes(self) -> int:
         """Estimated converted bytes of the largest chunk."""
@@ -288,16 +302,14 @@ class ChunkReader:
             return self._load(i)
 
     def _load(self, i: int) -> dict:
-        c = self.chunks[i]
-        f = self.files[c.file]
         if not self.caching:  # cache_io="off": decoded every time, never written
             self.counters.add(False)
             return self.device.upload(self._stored(i))
         # without shuffling, batches are views of the chunk: protect the cache writer from in-place changes
         cols, cached = self.cache.load(self.key(i), lambda: self._stored(i), shared=not self.opts.shuffled)
         self.counters.add(cached)
-        if cached and f.remote:  # cached meanwhile (another rank or process): its fetch started ahead is not needed
-            self.remote_reads.drop(c)
+        if cached:  # cached meanwhile (another rank or process): its fetches started ahead are not needed
+            self._drop_ahead(i)
         return self.device.upload(cols)  # a chunk decoded on the CPU is cached from its host arrays, then sent once
 
     def build(self, i: int, check: bool = False) -> bool:
@@ -308,37 +320,43 @@ class ChunkReader:
 
         On the GPU path, call it inside ``device.reading()``.
         """
-        c = self.chunks[i]
         if not check and self.is_cached(i):
             self.cache.note(self.key(i), "cached")
             cached = True
         else:
             _, cached = self.cache.load(self.key(i), lambda: self._stored(i), shared=False)
         self.counters.add(cached)
-        if cached and self.files[c.file].remote:  # a fetch started ahead is not needed
-            self.remote_reads.drop(c)
+        if cached:  # a fetch started ahead is not needed
+            self._drop_ahead(i)
         return not cached
+
+    def _drop_ahead(self, i: int) -> None:
+        """Cancel the fetches started ahead for chunk ``i``'s remote files (it was cached meanwhile)."""
+        for p in self.chunks[i].pieces:
+            if self.files[p.file].remote:
+                self.remote_reads.drop(p)
 
     def _stored(self, i: int) -> dict:
         """Chunk ``i`` as the cache stores it: decoded from its source (:attr:`decode`), its
         outputs packed into the layout's blocks, and for block shuffling its rows permuted
         (once, here: :func:`gpuload.plan.chunk_row_permutation`)."""
         c = self.chunks[i]
-        f = self.files[c.file]
         if i in self.cached_at_open:  # cached at open and made again: the cache was cleared meanwhile, and
             self.cache.touch_spec(self.spec_hash, self.spec_desc)  # with it the record of this column set
-        cols = self.decode(f, c, self.specs)
+        # a pack's files decoded one by one, their rows one after another
+        cols = merge_pieces([self.decode(self.files[p.file], p, self.specs) for p in c.pieces], self.read_pool.array)
         if self.source.transform is not None:  # timed as conversion; it is given whole arrays
             with self.metrics.span("convert", rows=c.rows) if self.metrics is not None else contextlib.nullcontext():
                 cols = apply_transform(self.source.transform, {k: joined(v) for k, v in cols.items()}, self.specs,
-                                       self.outputs, f"{f.path} (row groups {c.rg_start}-{c.rg_stop - 1})")
+                                       self.outputs, self.where(i))
         # host blocks from the read pool: the first epoch's chunks reuse the pages of those cached
         # and joined before them (as cache reads do), instead of faulting in fresh ones
         cols = self.layout.pack(cols, self.read_pool.array)
         if self.opts.block is None:
             return cols
-        return permute_rows(cols, chunk_row_permutation(  # wherever the file lies (as the order: its fingerprint)
-            c.rows, f"{f.size}:{f.tag or f.mtime_ns}:{c.rg_start}:{c.rg_stop}"), self.read_pool.array)
+        return permute_rows(cols, chunk_row_permutation(  # wherever the files lie (as the order: its fingerprint)
+            c.rows, ";".join(f"{self.files[p.file].size}:{self.files[p.file].tag or self.files[p.file].mtime_ns}:"
+                             f"{p.rg_start}:{p.rg_stop}" for p in c.pieces)), self.read_pool.array)
 
     @property
     def cache_io(self) -> str:
@@ -381,11 +399,12 @@ class ChunkReader:
     def warm(self, i: int) -> bool:
         """Start fetching remote chunk ``i``'s column ranges ahead of its decoding (nothing for
         a local or cached chunk). False when the read-ahead budget is spent: call again later."""
-        c = self.chunks[i]
-        f = self.files[c.file]
-        if not f.remote:
-            return True
-        return self.remote_reads.warm(f, c, self._leaves(f), self.device.gpu_decode, lambda: self.is_cached(i))
+        for p in self.chunks[i].pieces:
+            f = self.files[p.file]
+            if f.remote and not self.remote_reads.warm(f, p, self._leaves(f), self.device.gpu_decode,
+                                                        lambda: self.is_cached(i)):
+                return False  # a pack's files fetched ahead so far stay so: the next call goes on
+        return True
 
     def forget_ahead(self) -> None:
         """Drop the fetches started ahead that were not used (an epoch left early)."""

@@ -261,7 +261,9 @@ def signature(reader, options) -> dict:
     ``files``: how many files the source listed, for messages: a state saved before it was recorded has none)."""
     r, o = reader, options
     given = needed_columns(r.specs) if r.source.transform is not None else None
-    layout = np.array([(c.file, c.rg_start, c.rg_stop) for c in r.chunks], dtype=np.int64).reshape(-1, 3)
+    # each chunk's row groups; a pack's files after its first marked by a negative file number
+    layout = np.array([(p.file if j == 0 else -1 - p.file, p.rg_start, p.rg_stop) for c in r.chunks
+                       for j, p in enumerate(c.pieces)], dtype=np.int64).reshape(-1, 3)
     return {"source": f"{r.fingerprint:#018x}", "rows": int(r.num_rows),
             "chunks": f"{xxhash.xxh3_64_intdigest(layout.tobytes()):#018x}",
             "outputs": {s.name: given or list(s.columns) for s in r.outputs},

@@ -16,7 +16,7 @@ import gpuload
 from gpuload import plan
 from gpuload.batch import Ragged, nrows
 from gpuload.cache.chunkfile import PREFIX
-from gpuload.layout import Layout, Pieces, joined, spec_description, stack, stored_outputs
+from gpuload.layout import Layout, Pieces, joined, merge_pieces, spec_description, stack, stored_outputs
 from gpuload.schema import resolve_outputs
 
 from conftest import dataset_factory, row_ids
@@ -327,3 +327,14 @@ def test_block_rows_given_for_another_shuffle_is_said_to_do_nothing(source, tmp_
     caplog.clear()
     _open(source, tmp_path / "c", shuffle=shuffle)  # the default: nothing to say
     assert not [r for r in caplog.records if "block_rows" in r.getMessage()]
+
+
+def test_merge_pieces_puts_a_packs_files_rows_one_after_another():
+    a = {"x": Pieces([np.arange(3), np.arange(3, 5)]), "v": np.ones((2, 2), np.float32) * [[1], [2]],
+         "l": Ragged(np.arange(10, 16), np.array([2, 4, 6]))}  # a list's part may start past 0
+    b = {"x": Pieces([np.arange(5, 6)]), "v": np.full((1, 2), 3, np.float32), "l": Ragged(np.arange(3), np.array([0, 3]))}
+    got = merge_pieces([a, b])
+    assert isinstance(got["x"], Pieces) and joined(got["x"]).tolist() == list(range(6))
+    assert got["v"][:, 0].tolist() == [1, 2, 3]
+    assert got["l"].offsets.tolist() == [0, 2, 4, 7] and got["l"].values.tolist() == [12, 13, 14, 15, 0, 1, 2]
+    assert merge_pieces([a]) is a

@@ -316,3 +316,146 @@ def test_an_error_inside_next_gives_the_pools_memory_back(wide, tmp_path):
     ds.reader.load = real
     assert np.array_equal(_ids(ds), np.arange(N))
     ds.close()
+
+
+# -- packs of small files (gpuload.plan.pack_small) ------------------------------------------------
+def _by_id(folder) -> dict:
+    t = pq.read_table(folder, columns=["row_id", "x", "tags"]).to_pydict()
+    return {i: (x, tags) for i, x, tags in zip(t["row_id"], t["x"], t["tags"])}
+
+
+def _epoch(ds, epoch: int) -> list[tuple[int, float, list]]:
+    ds.set_epoch(epoch)
+    out = []
+    for b in ds:
+        offsets, values = b["tags"].offsets.numpy(), b["tags"].values.numpy()
+        out += [(int(i), float(x), values[offsets[k]:offsets[k + 1]].tolist())
+                for k, (i, x) in enumerate(zip(b["row_id"].numpy(), b["x"].numpy()))]
+    return out
+
+
+@pytest.mark.parametrize("shuffle", [True, False, "block", "chunks"])
+def test_small_files_are_packed_and_each_row_comes_once_with_its_values(small_files, tmp_path, shuffle):
+    root, _, total = small_files
+    want = _by_id(root)
+    kw = dict(batch_size=97, device="cpu", cache_dir=tmp_path / "c", shuffle=shuffle, seed=5)
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], **kw)
+    packs = [c for c in ds.reader.chunks if c.parts]
+    assert packs and sum(len(c.parts) for c in packs) >= 40 and len(ds.reader.chunks) < 20
+    first = [_epoch(ds, e) for e in (0, 1)]
+    ds.close()
+    for rows in first:
+        assert sorted(i for i, _, _ in rows) == list(range(total))  # every row once
+        assert all(want[i] == (x, tags) for i, x, tags in rows)  # as pyarrow reads it
+    again = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], **kw)
+    assert again.reader.cached_at_open == set(range(len(again.reader.chunks)))  # restarts read no Parquet
+    assert [_epoch(again, e) for e in (0, 1)] == first  # the same order from the packs' cache files
+    again.close()
+
+
+def _pack_files(cache) -> list:
+    """The packs' cache files (their headers name several files)."""
+    from gpuload.cache.chunkfile import read_chunk
+
+    return sorted(p for p in (cache / "v3").glob("*/*.glc") if read_chunk(p, verify=False)[0].get("members"))
+
+
+def test_a_rewritten_small_file_rebuilds_its_pack_alone_and_replaces_the_old_version(small_files, tmp_path):
+    import shutil
+
+    root = tmp_path / "data"
+    shutil.copytree(small_files[0], root)
+    cache = tmp_path / "c"
+    kw = dict(batch_size=64, device="cpu", cache_dir=cache)
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], **kw)
+    _epoch(ds, 0)
+    ds.close()
+    packs = _pack_files(cache)
+    victim = root / "part-030.parquet"
+    t = pq.read_table(victim)
+    pq.write_table(t.set_column(1, "x", pa_array(np.full(t.num_rows, 7.5))), victim)
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], **kw)
+    redone = [i for i, c in enumerate(ds.reader.chunks) if i not in ds.reader.cached_at_open]
+    assert len(redone) == 1 and any(str(victim) == ds.reader.files[p.file].path for p in ds.reader.chunks[redone[0]].parts)
+    rows = _epoch(ds, 0)
+    ds.reader.cache.flush()
+    ds.close()
+    ids = set(t.column("row_id").to_pylist())
+    assert all(x == 7.5 for i, x, _ in rows if i in ids) and sum(i in ids for i, _, _ in rows) == len(ids)
+    after = _pack_files(cache)
+    assert len(after) == len(packs) and len(set(after) - set(packs)) == 1  # the old version deleted, others kept
+
+
+def pa_array(values):
+    import pyarrow as pa
+
+    return pa.array(values)
+
+
+def test_another_listing_of_the_same_files_keeps_its_own_packs(small_files, tmp_path):
+    """Two datasets over overlapping sets of small files pack them differently: each keeps its own packs
+    (a pack's folder is named by its files), neither deletes the other's as an old version."""
+    _, paths, _ = small_files
+    cache = tmp_path / "c"
+    kw = dict(batch_size=64, device="cpu", cache_dir=cache)
+    packed = []
+    for source in ([str(p) for p in paths], [str(p) for p in paths if not p.name.endswith("5.parquet")]):
+        ds = gpuload.ParquetDataset(source, ["row_id", "x"], **kw)
+        packed.append({tuple(p.file for p in c.parts) for c in ds.reader.chunks if c.parts})
+        sum(1 for _ in ds)
+        ds.reader.cache.flush()
+        ds.close()
+    assert len(_pack_files(cache)) > len(packed[0])  # packs of each listing
+    ds = gpuload.ParquetDataset([str(p) for p in paths], ["row_id", "x"], **kw)
+    assert ds.reader.cached_at_open == set(range(len(ds.reader.chunks)))  # the first's are all there still
+    ds.close()
+
+
+def test_cache_verify_checks_a_packs_files_against_its_name(small_files, tmp_path):
+    from gpuload.cache import admin
+    from gpuload.cache.fs import CacheRoot
+
+    root, _, _ = small_files
+    cache = tmp_path / "c"
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], batch_size=64, device="cpu", cache_dir=cache)
+    _epoch(ds, 0)
+    ds.reader.cache.flush()
+    ds.close()
+    croot = CacheRoot(cache)
+    assert admin.verify_all(croot) == []
+    summary = admin.summary(croot)["sources"]
+    assert any("files packed after it" in name for name in summary)
+    a, b = _pack_files(cache)[:2]
+    a.replace(b.parent / a.name)  # a pack's file in another pack's folder: its files are not that folder's
+    (bad,) = admin.verify_all(croot)
+    assert bad.kind == "corrupt" and "packs" in bad.problem
+    b.write_bytes((b.parent / a.name).read_bytes())  # under another pack's name, in its folder
+    (b.parent / a.name).unlink()
+    (bad,) = admin.verify_all(croot)
+    assert bad.path == b and "packs" in bad.problem
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], batch_size=64, device="cpu", cache_dir=cache)
+    want = _by_id(root)
+    rows = _epoch(ds, 0)  # the impostor is refused and its pack built again, from its own files
+    ds.reader.cache.flush()
+    ds.close()
+    assert sorted(i for i, _, _ in rows) == sorted(want) and all(want[i] == (x, t) for i, x, t in rows)
+
+
+def test_a_null_in_a_packed_file_names_that_file(small_files, tmp_path):
+    import shutil
+
+    import pyarrow as pa
+
+    root = tmp_path / "data"
+    shutil.copytree(small_files[0], root)
+    bad = root / "part-020.parquet"
+    kw = dict(batch_size=64, device="cpu", cache_dir=tmp_path / "c")
+    ds = gpuload.ParquetDataset(root, ["row_id", "x"], **kw)
+    assert any(ds.reader.files[p.file].path == str(bad) for c in ds.reader.chunks for p in c.parts)
+    ds.close()
+    t = pq.read_table(bad)
+    pq.write_table(t.set_column(1, "x", pa.array([None] + t.column("x").to_pylist()[1:], pa.float64())), bad)
+    with pytest.raises(gpuload.GpuloadError, match=r"part-020\.parquet") as e:
+        ds = gpuload.ParquetDataset(root, ["row_id", "x"], **kw)
+        list(ds)
+    assert "'x'" in str(e.value) and "null" in str(e.value)

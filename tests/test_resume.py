@@ -501,6 +501,38 @@ def test_the_same_files_in_another_folder_resume_exactly(source, tmp_path, shuff
         _assert_same_run(_resumed(fresh, state, 1), _rest_from(ref_run, epoch, taken), (epoch, taken))
 
 
+@pytest.mark.parametrize("shuffle", [True, "block"])
+def test_packed_small_files_resume_exactly_in_another_folder_and_on_other_ranks(small_files, tmp_path, shuffle):
+    """Packs (gpuload.plan.pack_small) are part of the order: where they end depends on the files' names
+    within their folder, so a copy elsewhere packs alike and goes on bit for bit; elastic resumes too."""
+    import shutil
+
+    root, _, total = small_files
+    kw = dict(batch_size=64, device="cpu", shuffle=shuffle, seed=3)
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], cache_dir=tmp_path / "c", **kw)
+    assert any(c.parts for c in ds.reader.chunks)
+    ref_run, states = _reference(ds, [0, 1])
+    moved = tmp_path / "job-2" / "data"
+    shutil.copytree(root, moved)
+    for epoch, state in (states[5], states[len(states) // 2 + 3]):
+        fresh = gpuload.ParquetDataset(moved, ["row_id", "x", "tags"], cache_dir=tmp_path / "c2", **kw)
+        assert [[p.file for p in c.pieces] for c in fresh.reader.chunks] == \
+            [[p.file for p in c.pieces] for c in ds.reader.chunks]
+        taken = state["runs"][-1][1]
+        _assert_same_run(_resumed(fresh, state, 1), _rest_from(ref_run, epoch, taken), (epoch, taken))
+        fresh.close()
+    epoch, state = states[7]
+    taken = state["runs"][-1][1]
+    news = [gpuload.ParquetDataset(moved, ["row_id", "x", "tags"], cache_dir=tmp_path / "c2", world_size=3, rank=r,
+                                   **kw) for r in range(3)]
+    rests = [[b for e, b in _resumed(d, state, epoch) if e == epoch] for d in news]
+    assert len({len(r) for r in rests}) == 1  # equal batch counts on the new ranks
+    ids = np.concatenate([row_ids([b for e, b in ref_run if e == epoch][:taken])] + [row_ids(r) for r in rests])
+    assert sorted(ids.tolist()) == list(range(total))  # the rest of the epoch, every row once
+    for d in news + [ds]:
+        d.close()
+
+
 def test_a_file_renamed_or_rewritten_changes_the_fingerprint_a_touched_or_linked_one_does_not(source, tmp_path):
     import os
     import shutil

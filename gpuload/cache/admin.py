@@ -21,6 +21,7 @@ import xxhash
 from .chunkfile import MALFORMED, LAYOUT_DIR, SPECS_DIR, SUFFIX, USES_DIR, Identity, read_header, read_regions, \
     version_token
 from .fs import CHUNK, FOOTER, FOLDER, LAYOUT, LOCK, SPEC, TEMP, USES, VOCAB, CacheRoot, Lock, kind_of
+from .paths import pack_folder, pack_version
 from ..errors import ConfigError, CorruptCacheError
 from .footers import check_footer_file
 from .kept import KEPT_SUFFIX, check_kept_file
@@ -40,11 +41,16 @@ def _name_identity(folder: str, name: str, header: dict) -> Identity:
     spec, version, a, b = name[:-len(SUFFIX)].split("-")
     try:
         src, desc = header["source"], header["spec"]
-        if (xxhash.xxh64_hexdigest(str(src["path"]).encode()) != folder
+        members = tuple(tuple(m) for m in header.get("members", ()))
+        if members:  # a pack: named by its files (0-<files>), its first file's row groups in "row_groups"
+            if pack_folder(members) != folder or pack_version(members) != version or (a, b) != ("0", str(len(members))):
+                raise CorruptCacheError(f"its header packs {len(members)} files, others than its name's")
+            a, b = header["row_groups"]
+        elif (xxhash.xxh64_hexdigest(str(src["path"]).encode()) != folder
                 or version_token(src["size"], src["mtime_ns"], src.get("tag", "")) != version):
             raise CorruptCacheError(f"its header names {src['path']}, another source file than its name")
         return Identity(src["path"], src["size"], src["mtime_ns"], int(a), int(b), None, spec, stored_outputs(desc),
-                        src.get("tag", ""))
+                        src.get("tag", ""), members)
     except MALFORMED as e:
         raise CorruptCacheError(f"malformed header ({type(e).__name__}: {e})") from None
 
@@ -149,7 +155,10 @@ def summary(root: CacheRoot) -> dict:
             with contextlib.suppress(OSError, ValueError, KeyError, TypeError, CorruptCacheError):
                 fd = root.open_read(parts, name)
                 try:
-                    src = read_header(fd, name)[0]["source"]["path"]
+                    header = read_header(fd, name)[0]
+                    src = header["source"]["path"]
+                    if header.get("members"):  # a pack of small files: named by its first
+                        src = f"{src} and the {len(header['members']) - 1} files packed after it"
                 finally:
                     os.close(fd)
             e = sources.setdefault(str(src), {"chunks": 0, "bytes": 0})

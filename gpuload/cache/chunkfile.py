@@ -100,6 +100,7 @@ class Identity:
     spec: str
     outputs: tuple
     tag: str = ""  # a remote object's version marker; "" for local files
+    members: tuple = ()  # a pack's files: (path, size, mtime_ns, tag, rg_start, rg_stop) each (ChunkKey's)
 
 
 def _regions(cols: dict) -> list[tuple[str, str, np.ndarray]]:
@@ -257,6 +258,10 @@ def check_identity(header: dict, want: Identity, path, size: int, start: int) ->
         if got != (want.path, want.size, want.mtime_ns, want.tag, want.rg_start, want.rg_stop):
             raise bad(f"it holds {src['path']} (size {src['size']}, mtime {src['mtime_ns']}) row groups "
                       f"{header['row_groups']}")
+        members = header.get("members", [])
+        if members != [list(m) for m in want.members]:
+            raise bad(f"it packs {len(members)} files, not the {len(want.members)} named" if len(members) != len(
+                want.members) else "it packs other files or other versions of them")
         rows = header["rows"]
         if type(rows) is not int or rows < 0 or (want.rows is not None and rows != want.rows):
             raise bad(f"it holds {rows} rows, not {want.rows}")

@@ -3,6 +3,7 @@
 Layout of a cache directory::
 
     <cache_dir>/v3/<hash of source path>/<spec>-<file version>-<rg start>-<rg stop>.glc
+    <cache_dir>/v3/<hash of the pack's paths>/<spec>-<version of its files>-0-<files>.glc   a pack
     <cache_dir>/v3/<hash of source path>/<chunk file name>.lock        build lock
     <cache_dir>/v3/specs/<spec>.json                                   the column set, last use = mtime
 
@@ -11,6 +12,9 @@ mtime (the file version), the columns, groups, dtypes and fill values (the spec)
 row groups, and the format version; the header inside repeats all of it and a read
 compares the two. A changed source file changes only its own names; its stale chunks
 are deleted when its new chunks are written (:class:`gpuload.cache.store.ChunkCache`).
+A pack of small files (:func:`gpuload.plan.pack_small`) has a folder of its own, named by
+its files' paths, so a newer version of the same pack replaces it there and other packs
+of the same files (another listing of them) are left alone.
 
 Nothing here touches a file except :func:`cache_folder`, which makes or checks the
 cache directory itself.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import xxhash
@@ -27,7 +32,8 @@ import xxhash
 from .chunkfile import LAYOUT_DIR, SUFFIX, Identity, version_token
 from ..errors import CacheError, ConfigError, flag
 
-__all__ = ["ChunkKey", "cache_dirs", "cache_folder", "default_cache_dir", "source_folder", "split_dirs"]
+__all__ = ["ChunkKey", "cache_dirs", "cache_folder", "default_cache_dir", "pack_folder", "pack_version", "source_folder",
+           "split_dirs"]
 
 
 def source_folder(path: str) -> str:
@@ -118,6 +124,9 @@ class ChunkKey:
         footer (:func:`gpuload.sources.opening.identity_tag`).
     footer : the version token the source file's footer is cached under (kept when older
         versions' files are dropped); left out of comparisons.
+    members : a pack's files (:func:`gpuload.plan.pack_small`), ``(path, size, mtime_ns, tag,
+        rg_start, rg_stop)`` each, in order, the first of them also the fields above; () (default)
+        for a chunk of one file.
     """
 
     path: str
@@ -131,16 +140,20 @@ class ChunkKey:
     spec_desc: list = field(default_factory=list, compare=False, repr=False)
     tag: str = ""
     footer: str = field(default="", compare=False, repr=False)  #: the token its source's footer is kept under
+    members: tuple = ()
 
-    @property
+    @cached_property
     def version(self) -> str:
-        """The source file version's token (:func:`gpuload.cache.chunkfile.version_token`)."""
+        """The source file version's token (:func:`gpuload.cache.chunkfile.version_token`); a pack's:
+        of every file's version and row groups."""
+        if self.members:
+            return pack_version(self.members)
         return version_token(self.size, self.mtime_ns, self.tag)
 
-    @property
+    @cached_property
     def folder(self) -> str:
-        """The folder of the source file's chunks (:func:`source_folder`)."""
-        return source_folder(self.path)
+        """The folder of the source file's chunks (:func:`source_folder`), or of a pack's versions."""
+        return pack_folder(self.members) if self.members else source_folder(self.path)
 
     @property
     def parts(self) -> tuple[str, str]:
@@ -149,7 +162,10 @@ class ChunkKey:
 
     @property
     def name(self) -> str:
-        """The chunk file's name: ``<spec>-<version>-<rg start>-<rg stop>.glc``."""
+        """The chunk file's name: ``<spec>-<version>-<rg start>-<rg stop>.glc`` (a pack's:
+        ``<spec>-<version>-0-<files>.glc``)."""
+        if self.members:
+            return f"{self.spec}-{self.version}-0-{len(self.members)}{SUFFIX}"
         return f"{self.spec}-{self.version}-{self.rg_start}-{self.rg_stop}{SUFFIX}"
 
     def relpath(self) -> str:
@@ -160,12 +176,24 @@ class ChunkKey:
     def identity(self) -> Identity:
         """What the chunk file's header must state to be served for this key."""
         return Identity(self.path, self.size, self.mtime_ns, self.rg_start, self.rg_stop, self.rows, self.spec,
-                        self.outputs, self.tag)
+                        self.outputs, self.tag, self.members)
 
     def header_fields(self) -> dict:
-        """The identity fields a new chunk file's header records (``source``, ``row_groups``, ``spec``)."""
+        """The identity fields a new chunk file's header records (``source``, ``row_groups``, ``spec``;
+        a pack's ``members`` too: ``[path, size, mtime_ns, tag, rg_start, rg_stop]`` per file)."""
         source = {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
         if self.tag:
             source["tag"] = self.tag
-        return {"source": source,
-                "row_groups": [self.rg_start, self.rg_stop], "spec": self.spec_desc}
+        members = {"members": [list(m) for m in self.members]} if self.members else {}
+        return {"source": source, "row_groups": [self.rg_start, self.rg_stop], **members, "spec": self.spec_desc}
+
+
+def pack_folder(members) -> str:
+    """The folder of a pack's versions: a hash of its files' paths (``members``: as :class:`ChunkKey`'s)."""
+    return xxhash.xxh64_hexdigest("\0".join(str(m[0]) for m in members).encode())
+
+
+def pack_version(members) -> str:
+    """A pack's version token: of each file's size, mtime and tag (:func:`version_token`) and row groups."""
+    return xxhash.xxh64_hexdigest("\0".join(f"{version_token(m[1], m[2], m[3])}:{m[4]}:{m[5]}"
+                                            for m in members).encode())

@@ -1,0 +1,97 @@
+"""Packs: many small files read as few chunks, several consecutive files to a chunk.
+
+A chunk costs the same few things whatever its rows: a cache file written, fsynced, renamed,
+looked for, opened and checked; a place in the order; a load. Over files of a few thousand rows
+(what a Spark job with many partitions writes) those costs decide an epoch. So consecutive small
+files, each one chunk of less than :func:`pack_target`'s bytes, are packed into one chunk
+(:class:`gpuload.plan.Chunk` with ``parts``) and cached as one file (its key names every file:
+:class:`gpuload.cache.paths.ChunkKey`'s ``members``). The reader decodes a pack's files one by
+one and puts their rows one after another; nothing after it sees files.
+
+Pure functions: nothing here does I/O. Where packs end is part of the order (and of a saved
+state's chunk layout), so it depends only on what every rank and every restart sees alike: each
+file's name (:func:`pack_name`: as listed, without its folders) and estimated bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import xxhash
+
+from .plan import Chunk
+
+__all__ = ["MAX_PACK", "MIN_CHUNKS", "pack_target", "pack_small", "pack_name", "members"]
+
+
+MAX_PACK = 256  #: the most files packed into one chunk (its cache file's header names each)
+MIN_CHUNKS = 64  #: packing leaves a dataset at least about this many chunks (a chunk is what the order permutes)
+
+
+def pack_target(nbytes: Sequence[int], chunk_bytes: int) -> int:
+    """The bytes a pack of small files aims at (:func:`pack_small`), for chunks of ``nbytes``: a quarter of
+    ``chunk_bytes``, or less for a dataset of less than :data:`MIN_CHUNKS` such packs, a power of two (so
+    that files added or removed change it only where the dataset's size passes one); 0: nothing is packed."""
+    share = sum(nbytes) // MIN_CHUNKS
+    return min(chunk_bytes // 4, 1 << (share.bit_length() - 1)) if share >= 1 else 0
+
+
+def pack_small(chunks: Sequence[Chunk], names: Sequence[str], chunk_bytes: int) -> list[Chunk]:
+    """``chunks`` (of :func:`gpuload.plan.make_chunks`, in file order) with runs of consecutive *small* ones,
+    each the only chunk of its file and of less than :func:`pack_target`'s bytes, packed into
+    chunks of at most 4 times those bytes, ``chunk_bytes`` and :data:`MAX_PACK` files (a run of
+    one stays as it is).
+
+    Where a pack ends depends on its own files alone, so that adding, removing or rewriting a
+    file changes the packs near it, not every later one (each pack is a cache file): a pack
+    ends after a file with probability its bytes over the target (drawn from a hash of
+    ``names[file]``: packs average about the target), or where the next file would pass the
+    bounds, or at a file that is not small."""
+    target = pack_target([c.nbytes for c in chunks], chunk_bytes)
+    cap = min(chunk_bytes, 4 * target)
+    per_file = Counter(c.file for c in chunks)
+    out: list[Chunk] = []
+    run: list[Chunk] = []  # the pack being made
+
+    def close() -> None:
+        if len(run) > 1:
+            first = run[0]
+            out.append(Chunk(first.file, first.rg_start, first.rg_stop, sum(c.rows for c in run),
+                             sum(c.nbytes for c in run), tuple(run)))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for c in chunks:
+        if per_file[c.file] > 1 or c.nbytes >= target:
+            close()
+            out.append(c)
+            continue
+        if run and (sum(r.nbytes for r in run) + c.nbytes > cap or len(run) == MAX_PACK):
+            close()  # (a sum per file: runs are short, at most MAX_PACK)
+        run.append(c)
+        if _anchor(names[c.file]) * target < max(c.nbytes, 1):
+            close()
+    close()
+    return out
+
+
+def _anchor(name: str) -> float:
+    """A number in [0, 1) drawn from ``name`` alone, the same on every machine."""
+    return xxhash.xxh64_intdigest(name.encode()) / 2.0**64
+
+
+def pack_name(f) -> str:
+    """What places a file's pack boundary: its name as listed (a link's own) and its Hive keys, not its
+    folders (the same wherever the dataset lies or is reached from, and beside files added later).
+    ``f``: a :class:`gpuload.sources.listing.SourceFile`."""
+    keys = tuple(kv for kv in f.partitions if kv[0] not in f.absent)
+    return f"{keys!r}/{(f.path if f.remote else (f.shown or f.path)).rsplit('/', 1)[-1]}"
+
+
+def members(files: Sequence, chunk: Chunk) -> tuple:
+    """A pack's files as its cache key names them (:class:`gpuload.cache.paths.ChunkKey`'s ``members``):
+    ``(path, size, mtime_ns, tag, rg_start, rg_stop)`` each; () for a chunk of one file."""
+    return tuple((files[p.file].path, files[p.file].size, files[p.file].mtime_ns, files[p.file].tag, p.rg_start,
+                  p.rg_stop) for p in chunk.parts)
