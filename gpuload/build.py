@@ -119,7 +119,8 @@ def refuse_no_cache(cache_io: str) -> None:
 
 def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, fill_nulls=Source.fill_nulls,
                 dtypes=Source.dtypes, categorical=Source.categorical, transform=Source.transform, filters=Source.filters,
-                chunk_bytes: int = Options.chunk_bytes, num_threads: int = Options.num_threads,
+                chunk_bytes: int = Options.chunk_bytes, pack_files: bool = Options.pack_files,
+                num_threads: int = Options.num_threads,
                 max_cache_bytes: int | None = Options.max_cache_bytes, cache_io: str = Options.cache_io,
                 progress: Callable[[int], None] | bool | None = None, device=BUILD_DEVICE, decode: str = Options.decode,
                 filesystem=Source.filesystem, storage_options: dict | None = Source.storage_options,
@@ -127,7 +128,8 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
                 shuffle: bool | str = Options.shuffle, block_rows: int = Options.block_rows) -> CacheSummary:
     """Convert ``source`` into the cache ahead of training; returns a :class:`CacheSummary`.
 
-    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``categorical``, ``transform``, ``chunk_bytes``, ``layout``
+    Takes the same ``columns``, ``fill_nulls``, ``dtypes``, ``categorical``, ``transform``, ``chunk_bytes``,
+    ``pack_files``, ``layout``
     and ``cache_io`` as :class:`ParquetDataset` (a dataset opened with the same values finds every chunk
     cached); ``shuffle="block"`` (with ``block_rows``) builds the row-permuted chunks that
     block shuffling reads, any other ``shuffle`` the plain ones. ``progress(n)`` is called with each finished chunk's row count

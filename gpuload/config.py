@@ -94,6 +94,7 @@ class Options(_Settings):
     layout: str = "auto"
     shuffle_window: int | None = None  # None: DEFAULT_WINDOW chunks, more where chunks are small (window_chunks)
     chunk_bytes: int = 64 * MiB
+    pack_files: bool = True  # small files packed several to a chunk (gpuload.packs); never with shard="node"
     rank: int | None = None
     world_size: int | None = None
     shard: str = "global"
@@ -138,6 +139,12 @@ class Options(_Settings):
         return self.shuffle is not False
 
     @property
+    def packed(self) -> bool:
+        """Whether small files are packed several to a chunk (:mod:`gpuload.packs`): ``pack_files``, but
+        never with ``shard="node"``, whose nodes own whole chunks (packs would leave few to share out)."""
+        return self.pack_files and self.shard != "node"
+
+    @property
     def block(self) -> int | None:
         """Rows per block with ``shuffle="block"``, else None."""
         return self.block_rows if self.shuffle == "block" else None
@@ -158,9 +165,10 @@ class Options(_Settings):
             object.__setattr__(self, name, counted(name, getattr(self, name), low, high))
         # seeds and epochs key the order's generators on 63 bits (gpuload.plan): larger ones would wrap
         object.__setattr__(self, "seed", counted("seed", self.seed, 0, MAX_KEY))
-        if not isinstance(self.drop_last, (bool, np.bool_)):  # bool("no") is True: rows dropped unasked
-            raise ConfigError(f"{setting('drop_last', self.drop_last)} must be True or False")
-        object.__setattr__(self, "drop_last", bool(self.drop_last))
+        for name in ("drop_last", "pack_files"):  # bool("no") is True: rows dropped unasked, files packed
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ConfigError(f"{setting(name, getattr(self, name))} must be True or False")
+            object.__setattr__(self, name, bool(getattr(self, name)))
         if self.verify_checksums not in (True, False, "always"):
             raise ConfigError(f"verify_checksums={self.verify_checksums!r} must be True, False or 'always'")
         if self.decode not in ("auto", "gpu", "cpu"):
@@ -203,8 +211,9 @@ def window_chunks(opts: Options, chunks: int, largest: int) -> int:
     largest one (``largest`` converted bytes) as take half the memory of :data:`DEFAULT_WINDOW` chunks
     of ``chunk_bytes``, at least :data:`DEFAULT_WINDOW` (what chunks of half ``chunk_bytes`` or more
     get) and at most :data:`MAX_WINDOW` and ``chunks``. So files smaller than ``chunk_bytes`` (a chunk
-    never spans two) are not shuffled in windows of few rows: 2M click-log rows as 400 files of 5,000
-    rows get 129 chunks, 645,000 rows, where as 4 files they get 4 chunks of 262,144. Without a row or
+    spans several only where they are packed: :mod:`gpuload.packs`) are not shuffled in windows of few
+    rows: 2M click-log rows as 400 files of 5,000 rows, unpacked, get 129 chunks, 645,000 rows, where as
+    4 files they get 4 chunks of 262,144. Without a row or
     block shuffle, :data:`DEFAULT_WINDOW` (nothing is shuffled within windows: the order is the same)."""
     return opts.shuffle_window if opts.shuffle_window is not None else _default_window(opts, chunks, largest)
 
@@ -230,7 +239,7 @@ def warn_small_windows(opts: Options, chunk_rows: list[int], largest: int) -> No
     if wider <= w:
         return
     log.warning("gpuload: the shuffle's windows of %s hold about %s rows here: the files are small (about %s rows "
-                "a chunk, and a chunk never spans two files), so rows are shuffled among far fewer than the same "
+                "a chunk, and a chunk spans several files only where they are packed), so rows are shuffled among far fewer than the same "
                 "rows in larger files would be; %s (the default's here) shuffles about %s rows together, its windows "
                 "taking at most half the memory of %d chunks of %s", setting("shuffle_window", w),
                 f"{w * per_chunk:,}", f"{per_chunk:,}", setting("shuffle_window", wider), f"{wider * per_chunk:,}",

@@ -123,6 +123,9 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
         returns (default None). Its key is part of the cache key. See :mod:`gpuload.transforms`.
     chunk_bytes : upper bound of one chunk's converted size in bytes (default 64 MiB; a
         larger row group is a chunk of its own).
+    pack_files : small files are read and cached several to a chunk (default True; never with
+        ``shard="node"``): :mod:`gpuload.packs`. False: every chunk is one file's (what gpuload did before
+        packs: a state saved then resumes only so).
     shuffle_window : chunks whose rows are shuffled together (default None: 4, or more where the
         chunks are small because the files are, as many as take half the memory of 4 chunks of
         ``chunk_bytes``: :func:`gpuload.config.window_chunks`; ``.options.shuffle_window`` says how many).
@@ -186,7 +189,8 @@ class ParquetDataset(NotCopied, torch.utils.data.IterableDataset):
                  shuffle: bool | str = Options.shuffle, seed: int = Options.seed, drop_last: bool = Options.drop_last,
                  cache_dir=Options.cache_dir, device=Options.device, rank: int | None = Options.rank,
                  world_size: int | None = Options.world_size, fill_nulls=Source.fill_nulls, dtypes=Source.dtypes,
-                 categorical=Source.categorical, transform=Source.transform, filters=Source.filters, chunk_bytes: int = Options.chunk_bytes, shuffle_window: int | None = Options.shuffle_window,
+                 categorical=Source.categorical, transform=Source.transform, filters=Source.filters, chunk_bytes: int = Options.chunk_bytes,
+                 pack_files: bool = Options.pack_files, shuffle_window: int | None = Options.shuffle_window,
                  prefetch: int = Options.prefetch, num_threads: int = Options.num_threads, nice: int = Options.nice,
                  max_cache_bytes: int | None = Options.max_cache_bytes, cache_io: str = Options.cache_io,
                  verify_checksums: bool | str = Options.verify_checksums, decode: str = Options.decode,

@@ -166,7 +166,7 @@ def joined(v, alloc=None):
 
 
 def merge_pieces(parts: Sequence[dict], alloc=None) -> dict:
-    """One column set of a pack's, one per file (:func:`gpuload.plan.pack_small`), their rows one after
+    """One column set of a pack's, one per file (:func:`gpuload.packs.pack_small`), their rows one after
     another: :class:`Pieces` put one after another (the layout still copies each once), other arrays joined
     (host ones into ``alloc(shape, dtype)`` when given). A part on the host beside parts on a GPU (a file
     the GPU decoder left to the CPU) is sent to the GPU. A single part is returned as it is."""

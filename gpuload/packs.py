@@ -10,7 +10,9 @@ one and puts their rows one after another; nothing after it sees files.
 
 Pure functions: nothing here does I/O. Where packs end is part of the order (and of a saved
 state's chunk layout), so it depends only on what every rank and every restart sees alike: each
-file's name (:func:`pack_name`: as listed, without its folders) and estimated bytes.
+file's name (:func:`pack_name`: as listed, without its folders, with its rows and version) and
+estimated bytes. ``pack_files=False`` turns packing off, and ``shard="node"`` never packs: its
+nodes own whole chunks, and packs would leave too few to share out evenly.
 """
 
 from __future__ import annotations
@@ -83,11 +85,13 @@ def _anchor(name: str) -> float:
 
 
 def pack_name(f) -> str:
-    """What places a file's pack boundary: its name as listed (a link's own) and its Hive keys, not its
-    folders (the same wherever the dataset lies or is reached from, and beside files added later).
-    ``f``: a :class:`gpuload.sources.listing.SourceFile`."""
+    """What places a file's pack boundary: its name as listed (a link's own), its Hive keys, rows and version
+    tag (a local file's footer hash, a remote object's ETag), not its folders: the same wherever the dataset
+    lies or is reached from, and beside files added later; different for files of one name in many folders
+    (``2024/01/01/data.parquet``). ``f``: a :class:`gpuload.sources.listing.SourceFile`."""
     keys = tuple(kv for kv in f.partitions if kv[0] not in f.absent)
-    return f"{keys!r}/{(f.path if f.remote else (f.shown or f.path)).rsplit('/', 1)[-1]}"
+    name = (f.path if f.remote else (f.shown or f.path)).rsplit('/', 1)[-1]
+    return f"{keys!r}/{name}/{f.metadata.num_rows}/{f.tag}"
 
 
 def members(files: Sequence, chunk: Chunk) -> tuple:

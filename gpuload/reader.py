@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -97,9 +98,9 @@ class ChunkReader:
         sizes = [row_group_sizes(f, self.specs, None if t is None else self.outputs) for f in self.files]
         if flt is not None:  # chunks hold the kept rows only
             sizes = self._filtered(sizes, flt)
-        # small files packed several to a chunk, its ends placed by each file's own name (plan.pack_small)
-        self.chunks: list[Chunk] = pack_small(make_chunks(sizes, opts.chunk_bytes),
-                                              [pack_name(f) for f in self.files], opts.chunk_bytes)
+        self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
+        if opts.packed:  # small files several to a chunk, its ends placed by each file's own name (gpuload.packs)
+            self.chunks = pack_small(self.chunks, [pack_name(f) for f in self.files], opts.chunk_bytes)
         if not self.chunks and flt is not None:
             raise SourceError(f"{flag('filters')} {flt.text} keeps no row of the {len(self.files)} files "
                               f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")
@@ -260,7 +261,7 @@ class ChunkReader:
 
     def _members_bytes(self, c: Chunk) -> int:
         """What a pack's cache file header holds beyond a chunk of one file's: its files' names and versions."""
-        return sum(len(self.files[p.file].path.encode()) + 128 for p in c.parts)
+        return sum(len(json.dumps(self.files[p.file].path)) + len(self.files[p.file].tag) + 96 for p in c.parts)
 
     def where(self, i: int) -> str:
         """Chunk ``i`` in messages: its file and row groups, or a pack's first file and how many follow."""
@@ -343,8 +344,18 @@ class ChunkReader:
         c = self.chunks[i]
         if i in self.cached_at_open:  # cached at open and made again: the cache was cleared meanwhile, and
             self.cache.touch_spec(self.spec_hash, self.spec_desc)  # with it the record of this column set
-        # a pack's files decoded one by one, their rows one after another
-        cols = merge_pieces([self.decode(self.files[p.file], p, self.specs) for p in c.pieces], self.read_pool.array)
+        try:
+            if c.parts and self.has_remote:  # a pack's remote files: every request in flight before the first decodes
+                self.warm(i, urgent=True)
+            pack = getattr(self.decode, "pack", None)  # the CPU decoder converts a pack's files at once
+            if c.parts and pack is not None:
+                cols = pack(self.files, c.parts, self.specs)
+            else:  # a pack's files decoded one by one (on a GPU), their rows one after another
+                cols = merge_pieces([self.decode(self.files[p.file], p, self.specs) for p in c.pieces],
+                                    self.read_pool.array)
+        except BaseException:
+            self._drop_ahead(i)  # a pack's files not decoded yet: their fetches are not needed
+            raise
         if self.source.transform is not None:  # timed as conversion; it is given whole arrays
             with self.metrics.span("convert", rows=c.rows) if self.metrics is not None else contextlib.nullcontext():
                 cols = apply_transform(self.source.transform, {k: joined(v) for k, v in cols.items()}, self.specs,
@@ -396,13 +407,20 @@ class ChunkReader:
         wanted = dict.fromkeys(needed_columns(self.specs) + self.filter_columns)
         return [i for c in wanted if c not in f.partition_names for i in f.leaves(c)]
 
-    def warm(self, i: int) -> bool:
+    def warm(self, i: int, urgent: bool = False) -> bool:
         """Start fetching remote chunk ``i``'s column ranges ahead of its decoding (nothing for
-        a local or cached chunk). False when the read-ahead budget is spent: call again later."""
+        a local or cached chunk). False when the read-ahead budget is spent: call again later.
+        ``urgent``: whatever the budget, before what is queued ahead (default False)."""
+        known: list[bool] = [False] if urgent else []  # urgent: about to be built; else looked for once a chunk
+
+        def cached() -> bool:
+            if not known:
+                known.append(self.is_cached(i))
+            return known[0]
+
         for p in self.chunks[i].pieces:
             f = self.files[p.file]
-            if f.remote and not self.remote_reads.warm(f, p, self._leaves(f), self.device.gpu_decode,
-                                                        lambda: self.is_cached(i)):
+            if f.remote and not self.remote_reads.warm(f, p, self._leaves(f), self.device.gpu_decode, cached, urgent):
                 return False  # a pack's files fetched ahead so far stay so: the next call goes on
         return True
 

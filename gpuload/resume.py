@@ -302,7 +302,8 @@ def check_signature(saved: dict, here: dict) -> None:
         else:
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here.get(key)!r} here")
     if saved.get("chunks") != here["chunks"] and not explained:
-        diffs.append("chunks: the chunk layout differs (another chunk_bytes?)")
+        diffs.append("chunks: the chunk layout differs (another chunk_bytes or pack_files? a state saved before "
+                     "gpuload packed small files several to a chunk resumes with pack_files=False)")
     if diffs:
         raise ConfigError("the state was saved from another dataset: " + "; ".join(diffs)
                           + ". Open the dataset as it was when the state was saved, or do not load the state "

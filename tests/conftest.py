@@ -713,7 +713,7 @@ def click(tmp_path_factory):
 def small_files(tmp_path_factory):
     """One file of 6,000 rows beside 48 files of 20-60 rows each (``row_id``, ``x`` float64, ``tags``
     list<int64>), written once per test module: (folder, paths, rows). Each small file is less than the
-    dataset's 64th, so they are packed, several to a chunk (:func:`gpuload.plan.pack_small`)."""
+    dataset's 64th, so they are packed, several to a chunk (:func:`gpuload.packs.pack_small`)."""
     root = tmp_path_factory.mktemp("small_files")
     rng = np.random.default_rng(3)
     start, paths = 0, []

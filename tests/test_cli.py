@@ -234,7 +234,7 @@ def test_info_shows_column_sets_and_clear_removes_one_or_the_unused(data, tmp_pa
     assert main(["cache", "info", "--cache-dir", cache]) == 0
     out = capsys.readouterr().out
     specs = [line.split(":")[0].strip() for line in out.splitlines() if line.startswith("  ") and "last used" in line
-             and "source files, column set" not in line]  # column sets, not the datasets above them
+             and "chunk folders (a source file's" not in line]  # column sets, not the datasets above them
     assert len(specs) == 2
     assert "label (int8), dense_0 (float32)" in out and "dense=[dense_0, dense_1] (bfloat16)" in out
     # the older column set was last used long ago

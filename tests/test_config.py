@@ -112,6 +112,8 @@ def test_seeds_beyond_the_orders_63_bits_and_drop_last_that_is_not_a_bool_are_re
     for bad in ("no", "false", 1, None):
         with pytest.raises(gpuload.ConfigError, match=r"drop_last=.* must be True or False"):
             Options(drop_last=bad)
+        with pytest.raises(gpuload.ConfigError, match=r"pack_files=.* must be True or False"):
+            Options(pack_files=bad)
 
 
 @pytest.mark.parametrize("kw,said", [

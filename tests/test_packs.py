@@ -3,6 +3,8 @@ packs end stays put when files are added, removed or moved (property-based and e
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,7 +33,8 @@ def test_packs_hold_every_small_file_once_in_order_within_their_bounds(files, ch
             continue
         assert 2 <= len(c.parts) <= packs.MAX_PACK
         assert all(per_file[p.file] == 1 and p.nbytes < target for p in c.parts)  # whole small files only
-        assert [p.file for p in c.parts] == list(range(c.parts[0].file, c.parts[-1].file + 1))
+        first = plain.index(c.parts[0])  # consecutive chunks (files without rows have none)
+        assert list(c.parts) == plain[first:first + len(c.parts)]
         assert c.nbytes == sum(p.nbytes for p in c.parts) <= min(chunk_bytes, 4 * target)
         assert c.rows == sum(p.rows for p in c.parts)
         assert (c.file, c.rg_start, c.rg_stop) == (c.parts[0].file, c.parts[0].rg_start, c.parts[0].rg_stop)
@@ -76,5 +79,28 @@ def test_a_file_added_or_removed_changes_only_the_packs_beside_it():
         assert len(set(before) - set(grown)) <= 2, where  # its own pack, and at most the next, cut otherwise
     shrunk = _packs(files[:900] + files[901:], names[:900] + names[901:])
     assert len(set(before) - set(shrunk)) <= 2
-    # the same names in another folder (the dataset moved: names are within their folder) pack alike
-    assert _packs(files, names) == before
+
+
+def _file(path: str, rows: int = 100, tag: str = "t", keys=()):
+    """What packs.pack_name reads of a gpuload.sources.listing.SourceFile."""
+    return SimpleNamespace(path=path, shown=path, remote=False, partitions=keys, absent=frozenset(), tag=tag,
+                           metadata=SimpleNamespace(num_rows=rows))
+
+
+def test_pack_names_leave_out_folders_and_tell_files_of_one_name_apart():
+    here, there = _file("/data/run-1/part-7.parquet"), _file("/scratch/job/data/part-7.parquet")
+    assert packs.pack_name(here) == packs.pack_name(there)  # the dataset moved: its packs end where they did
+    assert packs.pack_name(_file("/d/x.parquet", keys=(("day", "1"),))) != packs.pack_name(
+        _file("/d/x.parquet", keys=(("day", "2"),)))
+    # one name in many folders (2024/01/01/data.parquet): told apart by their rows and versions
+    rng = np.random.default_rng(3)
+    files = [_file(f"/d/{i // 30}/{i % 30}/data.parquet", int(r), f"{i:08x}") for i, r in
+             enumerate(rng.integers(400, 600, 2000))]
+    names = [packs.pack_name(f) for f in files]
+    assert len(set(names)) == 2000
+    sizes = [[(100, 150_000)] for _ in files]
+    before = _packs(sizes, names)
+    assert 20 < len(before) < 400 and max(len(p) for p in before) < 256
+    grown = _packs(sizes[:1000] + [[(100, 150_000)]] + sizes[1000:],
+                   names[:1000] + [packs.pack_name(_file("/d/new/data.parquet", 7, "new"))] + names[1000:])
+    assert len(set(before) - set(grown)) <= 2

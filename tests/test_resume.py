@@ -503,7 +503,7 @@ def test_the_same_files_in_another_folder_resume_exactly(source, tmp_path, shuff
 
 @pytest.mark.parametrize("shuffle", [True, "block"])
 def test_packed_small_files_resume_exactly_in_another_folder_and_on_other_ranks(small_files, tmp_path, shuffle):
-    """Packs (gpuload.plan.pack_small) are part of the order: where they end depends on the files' names
+    """Packs (gpuload.packs.pack_small) are part of the order: where they end depends on the files' names
     within their folder, so a copy elsewhere packs alike and goes on bit for bit; elastic resumes too."""
     import shutil
 

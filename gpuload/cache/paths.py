@@ -12,7 +12,7 @@ mtime (the file version), the columns, groups, dtypes and fill values (the spec)
 row groups, and the format version; the header inside repeats all of it and a read
 compares the two. A changed source file changes only its own names; its stale chunks
 are deleted when its new chunks are written (:class:`gpuload.cache.store.ChunkCache`).
-A pack of small files (:func:`gpuload.plan.pack_small`) has a folder of its own, named by
+A pack of small files (:func:`gpuload.packs.pack_small`) has a folder of its own, named by
 its files' paths, so a newer version of the same pack replaces it there and other packs
 of the same files (another listing of them) are left alone.
 
@@ -124,7 +124,7 @@ class ChunkKey:
         footer (:func:`gpuload.sources.opening.identity_tag`).
     footer : the version token the source file's footer is cached under (kept when older
         versions' files are dropped); left out of comparisons.
-    members : a pack's files (:func:`gpuload.plan.pack_small`), ``(path, size, mtime_ns, tag,
+    members : a pack's files (:func:`gpuload.packs.pack_small`), ``(path, size, mtime_ns, tag,
         rg_start, rg_stop)`` each, in order, the first of them also the fields above; () (default)
         for a chunk of one file.
     """

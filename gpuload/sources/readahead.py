@@ -71,19 +71,22 @@ class ReadAhead:
 
         return self.fetcher(f.store).start(f.key, ranges, check=unchanged, urgent=urgent)
 
-    def warm(self, f: SourceFile, chunk, leaves: Sequence[int], footer: bool, cached: Callable[[], bool]) -> bool:
+    def warm(self, f: SourceFile, chunk, leaves: Sequence[int], footer: bool, cached: Callable[[], bool],
+             urgent: bool = False) -> bool:
         """Start fetching ``chunk`` of remote ``f`` (``leaves``: the Parquet leaf columns to
         read; ``footer``: and the footer, for libcudf) unless it is fetched ahead already or
-        ``cached()``. False when the read-ahead budget is spent: call again later."""
+        ``cached()``. False when the read-ahead budget is spent: call again later. ``urgent``
+        (default False): whatever the budget, before the fetches queued ahead (a pack's files,
+        about to be decoded one after another: their requests in flight together)."""
         k = _key(chunk)
         with self._lock:
             if k in self._ahead:
                 return True
-            if self._ahead and self._ahead_bytes >= self.settings.readahead_bytes:
+            if not urgent and self._ahead and self._ahead_bytes >= self.settings.readahead_bytes:
                 return False
         if cached():
             return True
-        job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer)
+        job = self._start(f, range(chunk.rg_start, chunk.rg_stop), leaves, footer, urgent=urgent)
         with self._lock:
             twice = k in self._ahead  # another thread started it meanwhile: its fetch is the one kept
             if not twice:

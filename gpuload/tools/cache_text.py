@@ -149,6 +149,6 @@ def _datasets_text(cache: ChunkCache, used: int) -> None:
     room = budget(cache, used)[0]
     for d in rows:
         share = f", {d['bytes'] / room:.0%} of the budget" if room else ""
-        print(f"  {d['record']}: {d['files']} source files, column set {', '.join(h[:8] for h in d['specs'])}; "
+        print(f"  {d['record']}: {d['files']} chunk folders (a source file's, or a pack's of small files), column set {', '.join(h[:8] for h in d['specs'])}; "
               f"{chunks_text(d['chunks'])}, {size_text(d['bytes'])}{share}; last used {_when(d['last_used'])}"
               + ("; open now" if d["live"] else ""))

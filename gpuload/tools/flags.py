@@ -100,6 +100,8 @@ def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None
     """--chunk-mib, --layout and (``block_rows``) --block-rows: what decides a cache's files."""
     p.add_argument("--chunk-mib", type=float, help=f"chunk size bound in MiB (default {Options.chunk_bytes // MiB}; "
                    "as the cache was built with)")
+    p.add_argument("--no-pack-files", action="store_true", help="every chunk one file's: small files are not packed "
+                   "several to a chunk (pack_files=False)")
     p.add_argument("--layout", choices=["auto", "rows", "columns"], help=f"the training's layout= (default {Options.layout})")
     p.add_argument("--shuffle", choices=list(SHUFFLES), help="the training's shuffle= (default rows: rows permuted in "
                    "windows); block stores each chunk with its rows permuted, so a cache built for it is its own")
@@ -178,6 +180,8 @@ def loader_settings(args) -> dict:
         if args.chunk_mib * MiB < 4096:
             raise ConfigError(f"--chunk-mib {args.chunk_mib:g}: a chunk is at least 4096 bytes (--chunk-mib 0.00390625)")
         out["chunk_bytes"] = int(args.chunk_mib * MiB)
+    if getattr(args, "no_pack_files", False):
+        out["pack_files"] = False
     shuffle = getattr(args, "shuffle", None)
     if shuffle is not None:
         out["shuffle"] = SHUFFLES[shuffle]

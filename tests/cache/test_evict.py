@@ -235,7 +235,7 @@ def test_cache_info_lists_datasets_against_the_budget(sources, tmp_path, capsys)
     capsys.readouterr()
     assert main(["cache", "info", "--cache-dir", str(c)]) == 0
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if "source files, column set" in line]
+    lines = [line for line in out.splitlines() if "chunk folders (a source file's" in line]
     assert len(lines) == 2 and "open now" in lines[1] and "open now" not in lines[0]  # b used last, a open
     assert all("3 chunks" in line and "% of the budget" in line for line in lines)
 

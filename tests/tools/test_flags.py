@@ -16,3 +16,14 @@ def test_fill_nulls_takes_json_and_numbers_as_python_writes_them():
     assert _fill(None) is None
     with pytest.raises(gpuload.ConfigError, match="--fill-nulls 'zero': give a number or a JSON object"):
         _fill("zero")
+
+
+def test_no_pack_files_reaches_the_settings_and_its_absence_leaves_the_default():
+    import argparse
+
+    from gpuload.tools.flags import add_chunk_flags, loader_settings
+
+    p = argparse.ArgumentParser()
+    add_chunk_flags(p)
+    assert loader_settings(p.parse_args(["--no-pack-files"]))["pack_files"] is False
+    assert "pack_files" not in loader_settings(p.parse_args([]))
