@@ -328,9 +328,9 @@ def _epoch(ds, epoch: int) -> list[tuple[int, float, list]]:
     ds.set_epoch(epoch)
     out = []
     for b in ds:
-        offsets, values = b["tags"].offsets.numpy(), b["tags"].values.numpy()
+        offsets, values = b["tags"].offsets.cpu().numpy(), b["tags"].values.cpu().numpy()
         out += [(int(i), float(x), values[offsets[k]:offsets[k + 1]].tolist())
-                for k, (i, x) in enumerate(zip(b["row_id"].numpy(), b["x"].numpy()))]
+                for k, (i, x) in enumerate(zip(b["row_id"].cpu().numpy(), b["x"].cpu().numpy()))]
     return out
 
 
@@ -351,6 +351,21 @@ def test_small_files_are_packed_and_each_row_comes_once_with_its_values(small_fi
     assert again.reader.cached_at_open == set(range(len(again.reader.chunks)))  # restarts read no Parquet
     assert [_epoch(again, e) for e in (0, 1)] == first  # the same order from the packs' cache files
     again.close()
+
+
+def test_packs_on_every_device_equal_pyarrow(small_files, tmp_path, device_decode):
+    """A pack on a GPU: its files decoded one by one (cuDF, or pyarrow then copied) and joined there."""
+    device, decode = device_decode
+    root, _, total = small_files
+    want = _by_id(root)
+    ds = gpuload.ParquetDataset(root, ["row_id", "x", "tags"], batch_size=97, device=device, decode=decode,
+                                cache_dir=tmp_path / "c", seed=2)
+    assert any(c.parts for c in ds.reader.chunks)
+    for epoch in (0, 1):  # built, then read from the cache
+        rows = _epoch(ds, epoch)
+        assert sorted(i for i, _, _ in rows) == list(range(total))
+        assert all(want[i] == (x, tags) for i, x, tags in rows)
+    ds.close()
 
 
 def _pack_files(cache) -> list:
