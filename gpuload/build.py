@@ -163,6 +163,8 @@ def build_cache(source, cache_dir=Options.cache_dir, columns=Source.columns, *, 
     refuse_no_cache(cache_io)
     given = dict(locals(), device=str(device))
     src, opts = Source.of(given), Options.of(given)
+    if nodes is not None:  # for shard="node", which never packs small files: the chunks it will ask for
+        opts = dataclasses.replace(opts, pack_files=False)
     # with a cluster this process only lists the source: the workers decode, on their own devices
     reader = open_reader(src, opts if client is None else dataclasses.replace(opts, device="cpu"), building=True)
     bar = None

@@ -180,6 +180,22 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
                        f"may be corrupt there: rewrite it, or leave {names} out of {flag('columns')} to load the rest")
 
 
+def _joined(table: pa.Table) -> pa.Table:
+    """``table`` with each column of numbers, times or lists of them in one Arrow array (converted with
+    one call, not one per file), the others as they are: strings, bytes and dictionaries become ids chunk
+    by chunk anyway, and joining them would copy every string once more (and unify the dictionaries:
+    hash every distinct string again)."""
+    return pa.table([c if _text(c.type) else c.combine_chunks() for c in table.columns], schema=table.schema)
+
+
+def _text(t: pa.DataType) -> bool:
+    while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        t = t.value_type
+    return (pa.types.is_dictionary(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
+            or pa.types.is_string_view(t) or pa.types.is_binary_view(t))
+
+
 def _hashed_strings(specs: Sequence[OutputSpec], stored: list[str]) -> list[str]:
     """The stored scalar columns that become categorical ids: read as dictionaries."""
     return [c for s in specs if s.kind in (SCALAR, GROUP) for c, vt in zip(s.columns, s.sources)
@@ -224,14 +240,17 @@ class ArrowDecoder:
             wheres.append(chunk_where(files[p.file], p))
             tables.append(self._read(files[p.file], p, specs, wheres[-1]))
         try:
-            table = pa.concat_tables(tables).combine_chunks()  # dictionaries unified
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # schemas that differ (a column widened, nullability)
+            table = _joined(pa.concat_tables(tables))
+        except pa.ArrowException:  # schemas that differ (a column widened, nullability), or too much to join
             return merge_pieces([self._convert(t, specs, w) for t, w in zip(tables, wheres)], self.alloc)
+        del tables  # held by the joined table where not joined
         try:
             return self._convert(table, specs, f"{wheres[0]} and the {len(pieces) - 1} small files packed with it")
         except GpuloadError:
-            for t, w in zip(tables, wheres):  # the file that fails on its own, named
-                self._convert(t, specs, w)
+            at = 0
+            for p, w in zip(pieces, wheres):  # the file that fails on its own, named
+                self._convert(table.slice(at, p.rows), specs, w)
+                at += p.rows
             raise
 
     def _read(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], where: str) -> pa.Table:

@@ -341,3 +341,24 @@ def test_workers_must_see_the_callers_paths_only_where_they_build_into_its_cache
     finally:
         here.close()
         there.close()
+
+
+def test_a_build_for_node_shards_makes_the_chunks_a_node_shard_asks_for(small_files, tmp_path, capsys):
+    """shard='node' never packs small files (its nodes own whole chunks): a build with nodes= makes
+    a chunk per file, as such a training asks for, and `cache info SOURCE --nodes` counts those."""
+    from gpuload.tools.cli import main
+
+    root, paths, _ = small_files
+    cache = tmp_path / "c"
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None,
+                                  silence_logs=40) as c, distributed.Client(c) as client:
+        summary = gpuload.build_cache(root, cache, ["row_id", "x"], client=client, nodes=1)
+    ds = gpuload.ParquetDataset(root, ["row_id", "x"], cache_dir=cache, device="cpu", shard="node", rank=0,
+                                world_size=1, local_world_size=1)
+    assert summary.chunks == len(ds.reader.chunks) == len(paths)
+    assert ds.reader.cached_at_open == set(range(len(paths)))
+    ds.close()
+    capsys.readouterr()
+    assert main(["cache", "info", str(root), "--nodes", "1", "--columns", "row_id,x", "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert f"({len(paths)} chunks; shard='node'" in out and f"{len(paths)} cached here" in out

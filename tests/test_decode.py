@@ -222,3 +222,47 @@ def test_the_gpu_decoders_image_of_a_truncated_file_names_it(tmp_path):
         fh.truncate(r.files[0].metadata.row_group(c.rg_start).column(0).data_page_offset + 10)
     with pytest.raises(OSError, match="a.parquet"):
         _image(r.files[0], c, r.specs, None)
+
+
+def test_a_packs_files_converted_at_once_equal_each_converted_alone(tmp_path):
+    """ArrowDecoder.pack (a pack's tables joined, converted once) against each file converted alone and
+    their rows put one after another: hashed strings with each file's own dictionary, a Vocab, lists,
+    timestamps, a Hive key; and files whose schemas differ (int32 here, int64 there) converted one by one."""
+    from gpuload.batch import Ragged
+    from gpuload.layout import Pieces, joined, merge_pieces
+
+    rng = np.random.default_rng(4)
+    start = 0
+    for i in range(70):
+        n = int(rng.integers(5, 30))
+        write_parquet(tmp_path / "data" / f"day={i % 3}" / f"p{i:03}.parquet", {
+            "row_id": np.arange(start, start + n),
+            "city": pa.array([f"c{int(k)}" for k in rng.integers(0, 9 + i, n)]),  # strings, dictionary-read
+            "tag": pa.array([f"t{int(k)}" for k in rng.integers(0, 4, n)]),
+            "hist": pa.array([list(range(int(k))) for k in rng.integers(0, 4, n)], pa.list_(pa.int64())),
+            "when": pa.array(rng.integers(0, 10**9, n), pa.timestamp("ms")),
+            "v": pa.array(rng.integers(0, 100, n), pa.int32() if 30 <= i < 40 else pa.int64())})
+        start += n
+    n = 20_000  # a large file: the small ones are each less than the dataset's 64th
+    write_parquet(tmp_path / "data" / "day=0" / "big.parquet", {
+        "row_id": np.arange(start, start + n), "city": pa.array(["c1"] * n), "tag": pa.array(["t1"] * n),
+        "hist": pa.array([[1]] * n, pa.list_(pa.int64())), "when": pa.array(np.zeros(n, np.int64), pa.timestamp("ms")),
+        "v": np.zeros(n, np.int64)})
+    ds = gpuload.ParquetDataset(tmp_path / "data", ["row_id", "city", "tag", "hist", "when", "v", "day"],
+                                device="cpu", cache_dir=tmp_path / "c", batch_size=64,
+                                categorical={"city": gpuload.Hash(1000), "tag": gpuload.Vocab()})
+    r = ds.reader
+    packs = [c for c in r.chunks if c.parts]
+    assert len(packs) >= 5 and sum(len(c.parts) for c in packs) > 50
+    for c in packs:
+        at_once = r.decode.pack(r.files, c.parts, r.specs)
+        alone = merge_pieces([r.decode(r.files[p.file], p, r.specs) for p in c.parts])
+        assert at_once.keys() == alone.keys()
+        for k, v in at_once.items():
+            w = alone[k]
+            if isinstance(v, Ragged):
+                assert np.array_equal(v.offsets, w.offsets) and np.array_equal(v.values, w.values), k
+            else:
+                a, b = joined(v), joined(w)
+                assert isinstance(v, Pieces) == isinstance(w, Pieces) and a.dtype == b.dtype and np.array_equal(a, b), k
+    ds.close()

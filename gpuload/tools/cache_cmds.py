@@ -137,7 +137,7 @@ def _none_yet(args, folders) -> bool:
 
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
-                 "shuffle", "block_rows", "nodes", "seed")
+                 "shuffle", "block_rows", "nodes", "seed", "no_pack_files")
 
 
 def cmd_info(args) -> int:
@@ -171,7 +171,7 @@ def _share_options(args):
                           "(the training's number of nodes), or leave SOURCE out to see the cache folder alone")
     if args.nodes < 1:
         raise ConfigError(f"--nodes {args.nodes}: the training's number of nodes is at least 1")
-    return check_options(dict(loader_settings(args), device="cpu"))
+    return check_options(dict(loader_settings(args), device="cpu", pack_files=False))  # shard="node" never packs
 
 
 def _node_shares(args, opts) -> list[str]:
