@@ -48,6 +48,7 @@ def check_unchanged(f: SourceFile, during: bool = False) -> None:
 
 
 _POOLED_READ = 1 << 20  # reads from this size up go into reused buffers: new ones are faulted in page by page
+_HELD_BYTES = 64 << 20  #: Arrow bytes of a pack's files read before they are converted at once
 
 
 class _TimedFile(ReadOnlyFile):
@@ -232,25 +233,43 @@ class ArrowDecoder:
     def pack(self, files: Sequence[SourceFile], pieces: Sequence[Chunk], specs: Sequence[OutputSpec]) -> dict:
         """The column set of a pack of small files (:mod:`gpuload.packs`): each piece (of
         ``files[piece.file]``) read as by a call, their Arrow tables put one after another and
-        converted once: the conversion's costs per column and row group (about 0.6-1 ms a file of
-        42 columns, more than decoding it) are paid once a pack. Files whose schemas differ are
-        converted one by one; a value that fails conversion (a null) is named in its own file."""
-        tables, wheres = [], []
+        converted at once (:meth:`_at_once`), :data:`_HELD_BYTES` of them at most: the conversion's
+        costs per column and row group (about 0.6-1 ms a file of 42 columns, more than decoding it)
+        are paid once for many files, and Arrow's form of the rows (strings much larger than their
+        ids) is held for a few of them only."""
+        groups: list[dict] = []
+        tables: list[pa.Table] = []
+        wheres: list[str] = []
+        held = 0
         for p in pieces:
             wheres.append(chunk_where(files[p.file], p))
             tables.append(self._read(files[p.file], p, specs, wheres[-1]))
+            held += tables[-1].nbytes
+            if held >= _HELD_BYTES:
+                groups.append(self._at_once(tables, wheres, specs))
+                tables, wheres, held = [], [], 0
+        if tables:
+            groups.append(self._at_once(tables, wheres, specs))
+        return merge_pieces(groups, self.alloc)
+
+    def _at_once(self, tables: list[pa.Table], wheres: list[str], specs: Sequence[OutputSpec]) -> dict:
+        """Files' tables (``wheres``: each one's name in messages) joined and converted once; where their
+        schemas differ, one by one. A value that fails conversion (a null) is named in its own file."""
+        if len(tables) == 1:
+            return self._convert(tables[0], specs, wheres[0])
         try:
             table = _joined(pa.concat_tables(tables))
         except pa.ArrowException:  # schemas that differ (a column widened, nullability), or too much to join
             return merge_pieces([self._convert(t, specs, w) for t, w in zip(tables, wheres)], self.alloc)
-        del tables  # held by the joined table where not joined
+        rows = [t.num_rows for t in tables]
+        tables.clear()  # held by the joined table where not joined
         try:
-            return self._convert(table, specs, f"{wheres[0]} and the {len(pieces) - 1} small files packed with it")
+            return self._convert(table, specs, f"{wheres[0]} and the {len(rows) - 1} small files packed with it")
         except GpuloadError:
             at = 0
-            for p, w in zip(pieces, wheres):  # the file that fails on its own, named
-                self._convert(table.slice(at, p.rows), specs, w)
-                at += p.rows
+            for n, w in zip(rows, wheres):  # the file that fails on its own, named
+                self._convert(table.slice(at, n), specs, w)
+                at += n
             raise
 
     def _read(self, f: SourceFile, chunk: Chunk, specs: Sequence[OutputSpec], where: str) -> pa.Table:
