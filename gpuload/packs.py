@@ -2,15 +2,16 @@
 
 A chunk costs the same few things whatever its rows: a cache file written, fsynced, renamed,
 looked for, opened and checked; a place in the order; a load. Over files of a few thousand rows
-(what a Spark job with many partitions writes) those costs decide an epoch. So consecutive small
-files, each one chunk of less than :func:`pack_target`'s bytes, are packed into one chunk
+(what a Spark job with many partitions writes) those costs decide an epoch. So in a source of
+:data:`MIN_FILES` files or more, consecutive small files, each one chunk of less than
+:func:`pack_target`'s bytes, are packed into one chunk
 (:class:`gpuload.plan.Chunk` with ``parts``) and cached as one file (its key names every file:
 :class:`gpuload.cache.paths.ChunkKey`'s ``members``). The reader decodes a pack's files one by
 one and puts their rows one after another; nothing after it sees files.
 
 Pure functions: nothing here does I/O. Where packs end is part of the order (and of a saved
 state's chunk layout), so it depends only on what every rank and every restart sees alike: each
-file's name (:func:`pack_name`: as listed, without its folders, with its rows and version) and
+file's name (:func:`pack_name`: as listed, without its folders, with its rows) and
 estimated bytes. ``pack_files=False`` turns packing off, and ``shard="node"`` never packs: its
 nodes own whole chunks, and packs would leave too few to share out evenly.
 """
@@ -24,34 +25,36 @@ import xxhash
 
 from .plan import Chunk
 
-__all__ = ["MAX_PACK", "MIN_CHUNKS", "pack_target", "pack_small", "pack_name", "members"]
+__all__ = ["MAX_PACK", "MIN_FILES", "pack_target", "pack_small", "pack_name", "members"]
 
 
-MAX_PACK = 256  #: the most files packed into one chunk (its cache file's header names each)
-MIN_CHUNKS = 64  #: packing leaves a dataset at least about this many chunks (a chunk is what the order permutes)
+MAX_PACK = 64  #: the most files packed into one chunk (its rows stay together, in file order)
+MIN_FILES = 64  #: sources of fewer files are not packed: a file's own chunk costs little there
 
 
-def pack_target(nbytes: Sequence[int], chunk_bytes: int) -> int:
-    """The bytes a pack of small files aims at (:func:`pack_small`), for chunks of ``nbytes``: a quarter of
-    ``chunk_bytes``, or less for a dataset of less than :data:`MIN_CHUNKS` such packs, a power of two (so
-    that files added or removed change it only where the dataset's size passes one); 0: nothing is packed."""
-    share = sum(nbytes) // MIN_CHUNKS
-    return min(chunk_bytes // 4, 1 << (share.bit_length() - 1)) if share >= 1 else 0
+def pack_target(chunk_bytes: int) -> int:
+    """The converted bytes a pack of small files aims at (:func:`pack_small`): an eighth of ``chunk_bytes``
+    (8 MiB by default). A setting alone: a subset of the files, or files added, pack alike."""
+    return max(chunk_bytes // 8, 1)
 
 
 def pack_small(chunks: Sequence[Chunk], names: Sequence[str], chunk_bytes: int) -> list[Chunk]:
     """``chunks`` (of :func:`gpuload.plan.make_chunks`, in file order) with runs of consecutive *small* ones,
-    each the only chunk of its file and of less than :func:`pack_target`'s bytes, packed into
-    chunks of at most 4 times those bytes, ``chunk_bytes`` and :data:`MAX_PACK` files (a run of
-    one stays as it is).
+    each the only chunk of its file and of less than :func:`pack_target`'s bytes, packed into chunks of at
+    most 4 times those bytes and :data:`MAX_PACK` files (a run of one stays as it is); nothing is packed
+    for fewer than :data:`MIN_FILES` files (``names``: one per file).
 
-    Where a pack ends depends on its own files alone, so that adding, removing or rewriting a
-    file changes the packs near it, not every later one (each pack is a cache file): a pack
-    ends after a file with probability its bytes over the target (drawn from a hash of
-    ``names[file]``: packs average about the target), or where the next file would pass the
-    bounds, or at a file that is not small."""
-    target = pack_target([c.nbytes for c in chunks], chunk_bytes)
-    cap = min(chunk_bytes, 4 * target)
+    Where a pack ends depends on its own files alone, so that adding, removing or rewriting a file
+    changes the packs beside it, not every later one (each pack is a cache file), and a subset of the
+    files (some days of a partitioned dataset) packs as the whole did but at its ends: a pack ends after a
+    file with probability its bytes over the target, and at least 4 in :data:`MAX_PACK` (drawn from a
+    hash of ``names[file]``: packs average about the target, or 16 files), or where the next file would
+    pass the bounds, or at a file that is not small."""
+    if len(names) < MIN_FILES:
+        return list(chunks)
+    target = pack_target(chunk_bytes)
+    cap = 4 * target
+    least = 4 / MAX_PACK  # the chance a pack of tiny files ends after each: ends by their names, rarely by the cap
     per_file = Counter(c.file for c in chunks)
     out: list[Chunk] = []
     run: list[Chunk] = []  # the pack being made
@@ -73,7 +76,7 @@ def pack_small(chunks: Sequence[Chunk], names: Sequence[str], chunk_bytes: int) 
         if run and (sum(r.nbytes for r in run) + c.nbytes > cap or len(run) == MAX_PACK):
             close()  # (a sum per file: runs are short, at most MAX_PACK)
         run.append(c)
-        if _anchor(names[c.file]) * target < max(c.nbytes, 1):
+        if _anchor(names[c.file]) < max(c.nbytes / target, least):
             close()
     close()
     return out
@@ -85,13 +88,13 @@ def _anchor(name: str) -> float:
 
 
 def pack_name(f) -> str:
-    """What places a file's pack boundary: its name as listed (a link's own), its Hive keys, rows and version
-    tag (a local file's footer hash, a remote object's ETag), not its folders: the same wherever the dataset
-    lies or is reached from, and beside files added later; different for files of one name in many folders
-    (``2024/01/01/data.parquet``). ``f``: a :class:`gpuload.sources.listing.SourceFile`."""
-    keys = tuple(kv for kv in f.partitions if kv[0] not in f.absent)
+    """What places a file's pack boundary: its name as listed (a link's own) and rows, not its folders or
+    Hive keys: the same wherever the dataset lies, however it is listed (a folder, its partition folders, a
+    glob), beside files added later, and for the file rewritten with as many rows (its pack alone is
+    rebuilt); apart for files of one name in many folders (``2024/01/01/data.parquet``) where their rows
+    differ. ``f``: a :class:`gpuload.sources.listing.SourceFile`."""
     name = (f.path if f.remote else (f.shown or f.path)).rsplit('/', 1)[-1]
-    return f"{keys!r}/{name}/{f.metadata.num_rows}/{f.tag}"
+    return f"{name}/{f.metadata.num_rows}"
 
 
 def members(files: Sequence, chunk: Chunk) -> tuple:

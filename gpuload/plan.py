@@ -8,10 +8,9 @@ How an epoch is laid out
 ------------------------
 1. The dataset is cut into *chunks*: runs of consecutive row groups of one file, of at
    most ``chunk_bytes`` converted bytes (a larger row group is a chunk of its own). Small
-   files, each a chunk of less than a quarter of ``chunk_bytes`` and of the dataset's
-   64th part, are *packed*, several consecutive ones into one chunk
-   (:func:`gpuload.packs.pack_small`): each chunk costs a cache file, its writes and checks,
-   whatever its rows.
+   files (of a source of 64 or more), each a chunk of less than an eighth of ``chunk_bytes``,
+   are *packed*, several consecutive ones into one chunk (:func:`gpuload.packs.pack_small`):
+   each chunk costs a cache file, its writes and checks, whatever its rows.
 2. With ``shuffle=True`` (and ``"block"`` and ``"chunks"``) the chunk order is a permutation
    drawn from ``(fingerprint, seed, epoch)``; it is the same on every rank.
 3. The rows of the chunks, in that order, form one stream of ``N`` rows. Rank ``r``

@@ -101,6 +101,8 @@ class ChunkReader:
         self.chunks: list[Chunk] = make_chunks(sizes, opts.chunk_bytes)
         if opts.packed:  # small files several to a chunk, its ends placed by each file's own name (gpuload.packs)
             self.chunks = pack_small(self.chunks, [pack_name(f) for f in self.files], opts.chunk_bytes)
+            packed = [c for c in self.chunks if c.parts]
+            log.debug("gpuload: %d small files packed into %d chunks", sum(len(c.parts) for c in packed), len(packed))
         if not self.chunks and flt is not None:
             raise SourceError(f"{flag('filters')} {flt.text} keeps no row of the {len(self.files)} files "
                               f"({sum(f.metadata.num_rows for f in self.files):,} rows); loosen the filter")

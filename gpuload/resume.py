@@ -290,20 +290,24 @@ def check_signature(saved: dict, here: dict) -> None:
                      "rewritten since: a file counts by its name there, its size, partition keys and, locally, its "
                      "footer, remotely its ETag or version and last-modified time; a local folder may lie elsewhere)")
     explained = bool(diffs) or saved.get("rows") != here["rows"]
+    layout = saved.get("chunks") != here["chunks"] and not explained  # the same files cut otherwise: said first
+    if layout:
+        diffs.append("chunks: the chunk layout differs (another chunk_bytes, or pack_files: a state saved before "
+                     "gpuload packed small files several to a chunk resumes with pack_files=False)")
     modes = (saved.get("block_rows") is None) != (here.get("block_rows") is None)  # blocks on one side only
     for key in ("rows", "seed", "shuffle", "batch_size", "drop_last", "shuffle_window", "block_rows", "filter"):
         if saved.get(key) == here.get(key) or (modes and key == "shuffle"):
             continue
         if modes and key == "block_rows":  # named as the user set it: shuffle=True, False or 'block'
             diffs.append(f"shuffle: {_shuffle(saved)} in the state, {_shuffle(here)} here")
+        elif key == "shuffle_window" and layout:  # the default's follows the chunks' sizes
+            diffs.append(f"shuffle_window: {saved[key]!r} in the state, {here.get(key)!r} here (the default's "
+                         "follows the chunks)")
         elif key == "shuffle_window" and isinstance(saved.get(key), int):  # the default's depends on chunk sizes
             diffs.append(f"shuffle_window: {saved[key]!r} in the state, {here.get(key)!r} here (give "
                          f"shuffle_window={saved[key]} to restore it)")
         else:
             diffs.append(f"{key}: {saved.get(key)!r} in the state, {here.get(key)!r} here")
-    if saved.get("chunks") != here["chunks"] and not explained:
-        diffs.append("chunks: the chunk layout differs (another chunk_bytes or pack_files? a state saved before "
-                     "gpuload packed small files several to a chunk resumes with pack_files=False)")
     if diffs:
         raise ConfigError("the state was saved from another dataset: " + "; ".join(diffs)
                           + ". Open the dataset as it was when the state was saved, or do not load the state "

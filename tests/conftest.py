@@ -711,13 +711,13 @@ def click(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_files(tmp_path_factory):
-    """One file of 6,000 rows beside 48 files of 20-60 rows each (``row_id``, ``x`` float64, ``tags``
-    list<int64>), written once per test module: (folder, paths, rows). Each small file is less than the
-    dataset's 64th, so they are packed, several to a chunk (:func:`gpuload.packs.pack_small`)."""
+    """One file of 6,000 rows beside 70 files of 20-60 rows each (``row_id``, ``x`` float64, ``tags``
+    list<int64>), written once per test module: (folder, paths, rows). 71 files, 64 or more: the small
+    ones are packed, several to a chunk (:func:`gpuload.packs.pack_small`)."""
     root = tmp_path_factory.mktemp("small_files")
     rng = np.random.default_rng(3)
     start, paths = 0, []
-    for i, n in enumerate([6000] + [int(k) for k in rng.integers(20, 61, 48)]):
+    for i, n in enumerate([6000] + [int(k) for k in rng.integers(20, 61, 70)]):
         ids = np.arange(start, start + n)
         tags = pa.array([[int(j)] * int(j % 4) for j in ids], pa.list_(pa.int64()))
         paths.append(write_parquet(root / f"part-{i:03}.parquet", {"row_id": ids, "x": rng.random(n), "tags": tags}))

@@ -347,7 +347,7 @@ def test_cache_info_and_clear_say_what_a_flag_needs(data, tmp_path, capsys):
     capsys.readouterr()
     for flags, named in ((["--filter", "not json at all"], "--filter says"),
                          (["--columns", "label", "--nodes", "2"], "--columns, --nodes say"),
-                         (["--seed", "5"], "--seed says"), (["--no-pack-files"], "--no-pack-files says")):
+                         (["--seed", "5"], "--seed says")):
         assert main(["cache", "info", "--cache-dir", cache, *flags]) == 2
         err = capsys.readouterr().err
         assert named in err and "give one" in err and err.count("\n") == 1, err

@@ -985,3 +985,19 @@ def test_a_node_layout_of_a_billion_ranks_is_refused_without_planning_it(source,
             ds.load_state_dict({**ds.state_dict(), "runs": [[world, 0, 2]]})
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_state_of_packed_files_restored_unpacked_is_refused_naming_pack_files_first(small_files, tmp_path):
+    root = small_files[0]
+    kw = dict(batch_size=64, device="cpu", cache_dir=tmp_path / "c")
+    ds = gpuload.ParquetDataset(root, ["row_id"], **kw)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    del it
+    ds.close()
+    unpacked = gpuload.ParquetDataset(root, ["row_id"], pack_files=False, **kw)
+    with pytest.raises(gpuload.ConfigError, match=r"another dataset: chunks: the chunk layout differs .*pack_files") as e:
+        unpacked.load_state_dict(state)
+    assert "give shuffle_window" not in str(e.value)  # its default follows the chunks: not the fix
+    unpacked.close()

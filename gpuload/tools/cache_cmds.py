@@ -137,7 +137,7 @@ def _none_yet(args, folders) -> bool:
 
 #: `cache info`'s flags that say how to open a SOURCE: meaningless without one
 _SOURCE_FLAGS = ("storage_options", "columns", "fill_nulls", "dtypes", "categorical", "filter", "chunk_mib", "layout",
-                 "shuffle", "block_rows", "nodes", "seed", "no_pack_files")
+                 "shuffle", "block_rows", "nodes", "seed")
 
 
 def cmd_info(args) -> int:
@@ -307,7 +307,7 @@ def add_cache_commands(sub) -> None:
             a.add_argument("--nodes", type=int, help="number of nodes of a shard='node' training")
             a.add_argument("--seed", type=int, help=f"the training's seed (default {Options.seed})")
             add_source_flags(a, as_built=True)
-            add_chunk_flags(a)
+            add_chunk_flags(a, packs=False)  # shard='node' never packs
         if name == "verify":
             a.add_argument("--delete", action="store_true", help="delete corrupt files (rebuilt on next use)")
         if name == "clear":

@@ -96,12 +96,14 @@ def add_cache_io_flag(p: argparse.ArgumentParser, off: bool = True) -> None:
                    + (f", or not at all: every epoch decodes Parquet (off; default {Options.cache_io})" if off else ""))
 
 
-def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True) -> None:
-    """--chunk-mib, --layout and (``block_rows``) --block-rows: what decides a cache's files."""
+def add_chunk_flags(p: argparse.ArgumentParser, block_rows: bool = True, packs: bool = True) -> None:
+    """--chunk-mib, (``packs``) --no-pack-files, --layout and (``block_rows``) --block-rows: what decides a
+    cache's files."""
     p.add_argument("--chunk-mib", type=float, help=f"chunk size bound in MiB (default {Options.chunk_bytes // MiB}; "
                    "as the cache was built with)")
-    p.add_argument("--no-pack-files", action="store_true", default=None, help="every chunk one file's: small files are not packed "
-                   "several to a chunk (pack_files=False)")
+    if packs:
+        p.add_argument("--no-pack-files", action="store_true", default=None, help="every chunk one file's: small "
+                       "files are not packed several to a chunk (pack_files=False)")
     p.add_argument("--layout", choices=["auto", "rows", "columns"], help=f"the training's layout= (default {Options.layout})")
     p.add_argument("--shuffle", choices=list(SHUFFLES), help="the training's shuffle= (default rows: rows permuted in "
                    "windows); block stores each chunk with its rows permuted, so a cache built for it is its own")
