@@ -275,7 +275,9 @@ def _kept_dying(reader, i: int, detail: str) -> CacheError:
 
 
 def _where(reader, i: int) -> str:
-    return f"chunk {i} ({reader.where(i)})"
+    c = reader.chunks[i]
+    more = f", and the {len(c.parts) - 1} small files packed with it" if c.parts else ""
+    return f"chunk {i} ({reader.files[c.file].path}, row groups {c.rg_start}-{c.rg_stop - 1}{more})"
 
 
 NODE_GRACE_S = 60.0  #: seconds a node's chunks may wait with no worker allowed to build them
