@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pyarrow.compute as pc
 
 from .batch import nbytes
+from .categorical import hashable
 from .checks import column_names, old_arrow_error, stored_key_error
 from .convert import needed_columns, table_to_columns
 from .errors import GpuloadError, SourceError, flag
@@ -183,18 +184,18 @@ def _read_error(f: SourceFile, chunk: Chunk, stored: list[str], where: str, erro
 
 def _joined(table: pa.Table) -> pa.Table:
     """``table`` with each column of numbers, times or lists of them in one Arrow array (converted with
-    one call, not one per file), the others as they are: strings, bytes and dictionaries become ids chunk
-    by chunk anyway, and joining them would copy every string once more (and unify the dictionaries:
-    hash every distinct string again)."""
-    return pa.table([c if _text(c.type) else c.combine_chunks() for c in table.columns], schema=table.schema)
+    one call, not one per file), the others as they are: strings and bytes (plain or dictionaries) become
+    ids chunk by chunk anyway, and joining them would copy every string once more (and unify the
+    dictionaries: hash every distinct string again)."""
+    return pa.table([c if hashable(_innermost(c.type)) else c.combine_chunks() for c in table.columns],
+                    schema=table.schema)
 
 
-def _text(t: pa.DataType) -> bool:
+def _innermost(t: pa.DataType) -> pa.DataType:
+    """The values' type of (lists of) lists of ``t``."""
     while pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
         t = t.value_type
-    return (pa.types.is_dictionary(t) or pa.types.is_string(t) or pa.types.is_large_string(t)
-            or pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t)
-            or pa.types.is_string_view(t) or pa.types.is_binary_view(t))
+    return t
 
 
 def _hashed_strings(specs: Sequence[OutputSpec], stored: list[str]) -> list[str]:
